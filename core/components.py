@@ -1,0 +1,120 @@
+"""Resolves every component by its configured name, once, at engine start-up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.errors import BackendUnavailable, ConfigError
+from pagoda.model_runner import ModelRunner
+from pagoda.plugin_manager import PluginManager
+
+logger = logging.getLogger("pagoda")
+
+# the order ``attention_backend="auto"`` tries; names not installed are skipped
+AUTO_BACKENDS = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
+
+
+@dataclass
+class Components:
+    tokenizer: Any
+    model: torch.nn.Module
+    backend: Any
+    kv_manager: Any
+    scheduler: Any
+    runner: ModelRunner
+    num_blocks: int
+    eos_token_id: Optional[int]
+
+
+def build_components(config: EngineConfig, pm: PluginManager) -> Components:
+    mc, cc = config.model, config.cache
+    # resolve every name first, so a typo fails before any weight is read
+    arch = pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
+    loader_cls = pm.get("pagoda_model_loaders", mc.load_format, "load_format").factory
+    allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
+    scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
+    sampler_cls = pm.get("pagoda_samplers", config.sampler, "sampler").factory
+    quant = None
+    if mc.quantization:
+        quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
+        quant = quant_factory(mc, mc.quant_config or {})
+    backend = select_attention_backend(config, pm)
+
+    tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
+    with torch.device(config.device):
+        model = arch.factory(mc, backend, quant)
+    loader_cls(mc).load_weights(model)
+    model.eval()
+
+    bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * mc.num_layers
+    num_blocks = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ConfigError(
+            f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes} holds no KV block ({bytes_per_block} bytes each); "
+            "raise it"
+        )
+    kv_manager = allocator(cc, num_blocks)
+    scheduler = scheduler_cls(config.scheduler, cc, kv_manager)
+    sampler = sampler_cls(mc)
+    runner = ModelRunner(config, model, backend, sampler, num_blocks)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
+                num_blocks * bytes_per_block / 2**20)
+    return Components(tokenizer, model, backend, kv_manager, scheduler, runner, num_blocks,
+                      eos_token_id(mc.model, tokenizer))
+
+
+def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:
+    name = config.attention_backend
+    if name != "auto":
+        factory = pm.get("pagoda_attention_backends", name, "attention_backend").factory
+        try:
+            return factory(config.model, config.cache)
+        except BackendUnavailable as exc:
+            raise ConfigError(f"attention backend {name!r} cannot run here: {exc}") from None
+    device = "cuda" if config.device.startswith("cuda") else "cpu"
+    available = pm.components.get("pagoda_attention_backends", {})
+    reasons = []
+    for candidate in AUTO_BACKENDS[device]:
+        if candidate not in available:
+            continue
+        try:
+            return available[candidate].factory(config.model, config.cache)
+        except BackendUnavailable as exc:
+            reasons.append(f"{candidate}: {exc}")
+    raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
+
+
+def _kv_element_size(backend: Any, model_dtype: torch.dtype) -> int:
+    dtype = getattr(backend, "kv_cache_dtype", None) or model_dtype
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def load_tokenizer(path: str, chat_template: Optional[str]) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a bad directory
+        raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from None
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def eos_token_id(model_dir: str, tokenizer: Any) -> Optional[int]:
+    gen_cfg = Path(model_dir, "generation_config.json")
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return tokenizer.eos_token_id

@@ -1,0 +1,323 @@
+"""Engine configuration: flat ``EngineArgs`` (the CLI flags) and the frozen configs built from it."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagoda.errors import ConfigError
+
+GiB = 1 << 30
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def cpu_has_bf16() -> bool:
+    """True when this CPU multiplies bf16 natively (AMX or AVX-512 BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 where the hardware multiplies it natively (GPUs, AMX / AVX-512 BF16 CPUs); the
+        # checkpoint's own float32 or float16 is kept otherwise
+        if torch.cuda.is_available() or cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model is: its checkpoint, shapes and numeric type."""
+
+    model: str
+    tokenizer: str
+    served_model_name: str
+    hf_config: dict[str, Any]
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+    load_format: str
+    quantization: Optional[str]
+    quant_config: Optional[dict[str, Any]]
+    chat_template: Optional[str]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV cache is laid out and sized."""
+
+    block_size: int
+    kv_cache_memory_bytes: int
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: Optional[int]
+    swap_space_bytes: int
+    preemption_mode: str
+    kv_allocator: str
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may put in one step."""
+
+    policy: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    max_waiting_requests: Optional[int]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int
+    cpu_threads: Optional[int]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: Optional[str] = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, validated; passed down whole."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: Optional[SpeculativeConfig]
+    attention_backend: str
+    sampler: str
+    device: str
+
+
+class EngineArgs(BaseModel):
+    """The engine's options, flat, named like vLLM's flags (``--max-model-len`` is ``max_model_len``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = Field(default=None, gt=0)
+    seed: int = 0
+    load_format: str = "auto"
+    quantization: Optional[str] = None
+    chat_template: Optional[str] = None
+    block_size: int = Field(default=16, gt=0)
+    kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: Optional[int] = Field(default=None, gt=0)
+    swap_space: float = Field(default=4.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    kv_allocator: str = "paged"
+    scheduling_policy: str = "fcfs"
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    max_waiting_requests: Optional[int] = Field(default=None, gt=0)
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    cpu_threads: Optional[int] = Field(default=None, gt=0)
+    speculative_config: Optional[dict[str, Any]] = None
+    attention_backend: str = "auto"
+    sampler: str = "default"
+    device: str = "auto"
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @classmethod
+    def build(cls, **kwargs: Any) -> "EngineArgs":
+        """Validate keyword options; raise ConfigError naming each bad field."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise ConfigError(_describe_validation_error(exc)) from None
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagoda.default_model import resolve_model_path
+
+        model_dir = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_dir)
+        text_config = hf_config.get("text_config", hf_config)
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ConfigError(f"{model_dir}/config.json has no 'architectures' entry; cannot tell which model to build")
+        num_heads = int(text_config["num_attention_heads"])
+        hidden_size = int(text_config["hidden_size"])
+        head_dim = int(text_config.get("head_dim") or hidden_size // num_heads)
+        model_max_len = int(text_config.get("max_position_embeddings", 2048))
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's {model_max_len} positions "
+                f"(max_position_embeddings in {model_dir}/config.json); pass a value <= {model_max_len}"
+            )
+        quant_config = hf_config.get("quantization_config")
+        quant_cfg_file = Path(model_dir, "quant_config.json")
+        if quant_config is None and quant_cfg_file.exists():
+            quant_config = json.loads(quant_cfg_file.read_text())
+        quant_cfg_file = Path(model_dir, "quantize_config.json")
+        if quant_config is None and quant_cfg_file.exists():
+            quant_config = json.loads(quant_cfg_file.read_text())
+        quantization = self.quantization
+        if quantization in (None, "auto") and quant_config is not None:
+            quantization = quant_config.get("quant_method")
+        if quantization == "auto":
+            quantization = None
+        chat_template = self.chat_template
+        if chat_template and os.path.isfile(chat_template):
+            chat_template = Path(chat_template).read_text()
+        model_cfg = ModelConfig(
+            model=str(model_dir),
+            tokenizer=self.tokenizer or str(model_dir),
+            served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
+            hf_config=hf_config,
+            architecture=architectures[0],
+            dtype=resolve_dtype(self.dtype),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            load_format="safetensors" if self.load_format == "auto" else self.load_format,
+            quantization=quantization,
+            quant_config=quant_config,
+            chat_template=chat_template,
+            vocab_size=int(text_config["vocab_size"]),
+            hidden_size=hidden_size,
+            num_layers=int(text_config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(text_config.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+        )
+        max_num_batched_tokens = self.max_num_batched_tokens or (
+            2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        )
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens {max_num_batched_tokens} is smaller than max_model_len {max_model_len} "
+                "with chunked prefill disabled, so the longest prompts could never be scheduled; raise "
+                "--max-num-batched-tokens or enable chunked prefill"
+            )
+        if self.max_num_seqs > max_num_batched_tokens:
+            raise ConfigError(
+                f"max_num_seqs {self.max_num_seqs} exceeds max_num_batched_tokens {max_num_batched_tokens}; "
+                "every running sequence needs at least one token of the step budget"
+            )
+        cache_cfg = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes or 2 * GiB,
+            kv_cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            swap_space_bytes=int(self.swap_space * GiB),
+            preemption_mode=self.preemption_mode,
+            kv_allocator=self.kv_allocator,
+        )
+        sched_cfg = SchedulerConfig(
+            policy=self.scheduling_policy,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+        spec_cfg = None
+        if self.speculative_config:
+            spec = dict(self.speculative_config)
+            if "method" not in spec or "num_speculative_tokens" not in spec:
+                raise ConfigError(
+                    "speculative_config needs 'method' and 'num_speculative_tokens', e.g. "
+                    '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+                )
+            known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+            spec_cfg = SpeculativeConfig(
+                **{k: v for k, v in spec.items() if k in known},
+                extra={k: v for k, v in spec.items() if k not in known},
+            )
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(
+            model=model_cfg,
+            cache=cache_cfg,
+            scheduler=sched_cfg,
+            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads),
+            speculative=spec_cfg,
+            attention_backend=self.attention_backend,
+            sampler=self.sampler,
+            device=device,
+        )
+
+
+def load_hf_config(model_dir: Path) -> dict[str, Any]:
+    config_path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
+    if not config_path.exists():
+        raise ConfigError(
+            f"{model_dir} has no config.json, so it is not a Hugging Face checkpoint directory; "
+            "pass a directory holding config.json and *.safetensors"
+        )
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_path} is not valid JSON: {exc}") from None
+
+
+def _describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "options"
+        given = err.get("input")
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown option {name!r}; see `pagoda serve --help` for the options")
+        else:
+            parts.append(f"{name}={given!r}: {err['msg']}")
+    return "invalid engine options: " + "; ".join(parts)

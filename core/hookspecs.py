@@ -1,0 +1,185 @@
+"""Hook specifications: the contracts every pagoda plugin implements.
+
+Component hooks return a mapping ``{public_name: factory}``. The engine asks
+each hook once at start-up, merges the mappings of every registered plugin and
+picks the component named in its config. Nothing on the per-token path goes
+through pluggy. Observation hooks are called as events happen and return
+nothing.
+
+Factories receive the engine's frozen configs (see :mod:`pagoda.config`); the
+interfaces they must return are described in :mod:`pagoda.interfaces`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pagoda.request import Request
+
+hookspec = pluggy.HookspecMarker("pagoda")
+
+Factory = Callable[..., Any]
+
+
+# --------------------------------------------------------------------------
+# Model loading
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_model_loaders() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of weight loaders.
+
+    ``factory(model_config)`` returns a :class:`pagoda.interfaces.ModelLoader`
+    whose ``load_weights(model)`` fills an already built model. Selected by
+    ``load_format`` (built-ins: ``safetensors``, ``dummy``). Called once at
+    engine start-up.
+    """
+
+
+@hookspec
+def pagoda_model_architectures() -> Mapping[str, Factory]:
+    """Return ``{architecture_name: model_class}``.
+
+    The name is matched against ``architectures`` in the checkpoint's
+    ``config.json`` (for example ``LlamaForCausalLM``). The class is built as
+    ``model_class(model_config, attention_backend, quant_method)`` and must
+    implement :class:`pagoda.interfaces.CausalLM`. Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# KV cache allocation
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_kv_allocators() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of KV block allocators.
+
+    ``factory(cache_config, num_blocks)`` returns a
+    :class:`pagoda.interfaces.KVCacheManager` that owns block ids, ref counts
+    and the prefix cache (never tensors). Selected by ``kv_allocator``
+    (built-in: ``paged``). Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Scheduling
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_schedulers() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of scheduling policies.
+
+    ``factory(scheduler_config, cache_config, kv_manager)`` returns a
+    :class:`pagoda.interfaces.Scheduler`. Selected by ``scheduling_policy``
+    (built-ins: ``fcfs``, ``priority``). Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_attention_backends() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of attention backends.
+
+    ``factory(model_config, cache_config)`` returns a
+    :class:`pagoda.interfaces.AttentionBackend`, or raises
+    :class:`pagoda.errors.BackendUnavailable` when it cannot run on this
+    machine (``auto`` then tries the next one). Selected by
+    ``attention_backend`` (built-ins: ``torch``; ``auto`` picks the best
+    available). Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_samplers() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of samplers.
+
+    ``factory(model_config)`` returns a :class:`pagoda.interfaces.Sampler`
+    that turns a step's logits into token ids (and logprobs). Selected by
+    ``sampler`` (built-in: ``default``). Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_quant_methods() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of weight quantization methods.
+
+    ``factory(model_config, quant_config_dict)`` returns a
+    :class:`pagoda.interfaces.QuantMethod` consulted whenever a linear layer
+    is built, before weights load. Selected by ``quantization`` or by the
+    checkpoint's ``quantization_config.quant_method``. Called once at
+    start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Speculative decoding
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_proposers() -> Mapping[str, Factory]:
+    """Return ``{name: factory}`` of speculative-decoding proposers.
+
+    ``factory(speculative_config, model_config)`` returns an object that
+    proposes up to ``num_speculative_tokens`` draft tokens per running
+    request. Selected by ``speculative_config["method"]``. Called once at
+    start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Entrypoints
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_cli_commands() -> Mapping[str, Factory]:
+    """Return ``{command_name: register}`` for the ``pagoda`` command line.
+
+    ``register(subparsers)`` adds an ``argparse`` sub-parser for the command
+    and sets its ``func`` default to a callable taking the parsed
+    ``argparse.Namespace`` and returning an exit code. Called once when the
+    ``pagoda`` command starts.
+    """
+
+
+@hookspec
+def pagoda_add_routes(app: Any, engine: Any) -> None:
+    """Add HTTP routes to the server's ``app`` (a FastAPI application).
+
+    ``engine`` is the running async engine. Called once when the server
+    starts, for every plugin; returns nothing.
+    """
+
+
+# --------------------------------------------------------------------------
+# Observation
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_request_finished(request: "Request") -> None:
+    """Called once for each request as it finishes (stopped, length or
+    aborted), after its KV blocks are freed. Observers only: must not block.
+    """

@@ -1,0 +1,82 @@
+"""Linear layers that ask a quant method to create, load, post-process and apply their weights."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.errors import CheckpointError
+
+
+class UnquantizedLinearMethod:
+    """Plain dense weights: ``weight [out_features, in_features]`` in the model dtype."""
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
+        weight.weight_loader = layer.load_sharded
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        pass
+
+    def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` whose output may be several checkpoint tensors stacked (fused QKV, gate/up).
+
+    ``output_sizes`` lists the stacked shards in order; a checkpoint tensor
+    for shard ``i`` is loaded into rows ``sum(output_sizes[:i])`` onward.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        dtype: torch.dtype,
+        quant_method=None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.prefix = prefix
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, dtype)
+        if bias:
+            b = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)
+            b.weight_loader = self.load_sharded
+            self.bias = b
+        else:
+            self.bias = None
+
+    def shard_offset(self, shard_id: int) -> tuple[int, int]:
+        start = sum(self.output_sizes[:shard_id])
+        return start, self.output_sizes[shard_id]
+
+    def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
+        """Copy a checkpoint tensor into ``param`` (dim 0 holds the stacked output shards)."""
+        if shard_id is None:
+            target = param.data
+        else:
+            start, size = self.shard_offset(shard_id)
+            # a param whose first dim is not the output dim (packed layouts) must bring its own loader
+            target = param.data.narrow(0, start, size)
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(loaded.shape)} but the model expects {tuple(target.shape)} "
+                f"for {self.prefix}; the checkpoint does not match its config.json"
+            )
+        target.copy_(loaded.to(target.dtype))
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)

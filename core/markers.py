@@ -1,0 +1,5 @@
+"""The marker plugins use to implement pagoda's hooks: ``@pagoda.hookimpl``."""
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("pagoda")

@@ -1,0 +1,130 @@
+"""Turns a schedule into tensors, runs the model, samples. Keeps no books of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagoda.attention_batch import AttentionBatch
+from pagoda.config import EngineConfig
+from pagoda.request import Request
+from pagoda.sampler import TokenLogprobs, prompt_logprobs_for
+from pagoda.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """Aligned with ``SchedulerOutput.requests``: None where a request did not sample this step."""
+
+    sampled_token_ids: list[Optional[int]]
+    logprobs: list[Optional[TokenLogprobs]]
+    prompt_logprobs: list[Optional[list[TokenLogprobs]]]
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the sampler; executes one step at a time."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, backend: Any, sampler: Any,
+                 num_blocks: int) -> None:
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.sampler = sampler
+        self.block_size = config.cache.block_size
+        self.device = torch.device(config.device)
+        self.num_blocks = num_blocks
+        shape = backend.kv_cache_shape(num_blocks)
+        kv_dtype = getattr(backend, "kv_cache_dtype", None) or config.model.dtype
+        # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
+                          for _ in range(config.model.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        n = len(sched.requests)
+        # decodes first: the backends treat requests [0, num_decodes) as one-token queries
+        order = sorted(range(n), key=lambda i: sched.num_new_tokens[i] != 1)
+        reqs = [sched.requests[i] for i in order]
+        num_new = np.array([sched.num_new_tokens[i] for i in order], dtype=np.int64)
+        starts = np.array([sched.num_computed_before[i] for i in order], dtype=np.int64)
+        num_decodes = int((num_new == 1).sum())
+
+        input_ids = np.concatenate([r.all_token_ids[s:s + k] for r, s, k in zip(reqs, starts.tolist(),
+                                                                                  num_new.tolist())])
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(n), num_new)
+        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+        seq_lens = starts + num_new
+        max_blocks = max(len(sched.block_tables[i]) for i in order)
+        block_tables = np.zeros((n, max_blocks), dtype=np.int64)
+        for row, i in enumerate(order):
+            table = sched.block_tables[i]
+            block_tables[row, :len(table)] = table
+        slot_mapping = block_tables[req_of_token, positions // self.block_size] * self.block_size + \
+            positions % self.block_size
+
+        batch = AttentionBatch(
+            num_reqs=n,
+            num_decodes=num_decodes,
+            num_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+            block_tables=torch.from_numpy(block_tables).to(torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc_list=query_start_loc.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        metadata = self.backend.build_metadata(batch)
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_caches,
+            metadata,
+        )
+
+        # which rows need logits: the last token of each request that reached its end,
+        # plus every scheduled position of requests asking for prompt logprobs
+        sample_rows = [row for row, r in enumerate(reqs) if seq_lens[row] == r.num_tokens]
+        logits_idx = [int(query_start_loc[row + 1]) - 1 for row in sample_rows]
+        sampled_by_row: dict[int, int] = {}
+        logprobs_by_row: dict[int, Optional[TokenLogprobs]] = {}
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(logits_idx)])
+            out = self.sampler(logits, [reqs[row] for row in sample_rows])
+            for j, row in enumerate(sample_rows):
+                sampled_by_row[row] = out.token_ids[j]
+                logprobs_by_row[row] = out.logprobs[j] if out.logprobs else None
+        prompt_lp_by_row = self._prompt_logprobs(reqs, starts, num_new, query_start_loc, hidden)
+
+        inverse = {i: row for row, i in enumerate(order)}
+        return RunnerOutput(
+            sampled_token_ids=[sampled_by_row.get(inverse[i]) for i in range(n)],
+            logprobs=[logprobs_by_row.get(inverse[i]) for i in range(n)],
+            prompt_logprobs=[prompt_lp_by_row.get(inverse[i]) for i in range(n)],
+        )
+
+    def _prompt_logprobs(self, reqs: list[Request], starts, num_new, query_start_loc,
+                         hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+        result = {}
+        for row, r in enumerate(reqs):
+            num_top = r.sampling_params.prompt_logprobs
+            start = int(starts[row])
+            if num_top is None or start >= r.num_prompt_tokens - 1:
+                continue
+            # position p predicts prompt token p + 1; only prompt positions count
+            end = min(start + int(num_new[row]), r.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            q0 = int(query_start_loc[row])
+            rows = hidden[q0:q0 + (end - start)]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            result[row] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
+        return result

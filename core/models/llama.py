@@ -1,0 +1,169 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flattened, unpadded token batches."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from pagoda.config import ModelConfig
+from pagoda.errors import CheckpointError, ConfigError
+from pagoda.layers.attention import Attention
+from pagoda.layers.linear import Linear
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding
+
+# checkpoint name fragment -> (fused module fragment, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, text_cfg: dict[str, Any], backend: Any, quant: Any, idx: int) -> None:
+        super().__init__()
+        dtype, d = cfg.dtype, cfg.head_dim
+        h, hkv = cfg.num_heads, cfg.num_kv_heads
+        is_qwen2 = text_cfg.get("model_type") == "qwen2"
+        # Llama's attention_bias covers q, k, v and o; Qwen2 always biases q, k, v and never o
+        qkv_bias = True if is_qwen2 else bool(text_cfg.get("attention_bias", False))
+        o_bias = False if is_qwen2 else bool(text_cfg.get("attention_bias", False))
+        mlp_bias = bool(text_cfg.get("mlp_bias", False))
+        inter = int(text_cfg["intermediate_size"])
+        eps = float(text_cfg.get("rms_norm_eps", 1e-6))
+        prefix = f"model.layers.{idx}"
+        q = lambda name: quant.for_layer(f"{prefix}.{name}") if quant is not None else None  # noqa: E731
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
+        self.q_size, self.kv_size = h * d, hkv * d
+        self.qkv_proj = Linear(cfg.hidden_size, [h * d, hkv * d, hkv * d], qkv_bias, dtype, q("self_attn.qkv_proj"),
+                               f"{prefix}.self_attn.qkv_proj")
+        self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj")
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], mlp_bias, dtype, q("mlp.gate_up_proj"),
+                                   f"{prefix}.mlp.gate_up_proj")
+        self.down_proj = Linear(inter, [cfg.hidden_size], mlp_bias, dtype, q("mlp.down_proj"), f"{prefix}.mlp.down_proj")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.attn = Attention(backend, idx, h, hkv, d, d ** -0.5)
+        self.inter = inter
+
+    def forward(self, x, residual, cos, sin, kv_cache, metadata):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(x)  # [num_tokens, (h + 2 hkv) * d]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = RotaryEmbedding.apply(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = RotaryEmbedding.apply(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        attn_out = self.attn(q, k, v, kv_cache, metadata)  # [num_tokens, h * d]
+        x = self.o_proj(attn_out)
+        x, residual = self.post_attention_layernorm(x, residual)
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+        x = self.down_proj(nn.functional.silu(gate) * up)
+        return x, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM. ``forward`` takes one step's flattened tokens."""
+
+    def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
+        super().__init__()
+        text_cfg = cfg.hf_config.get("text_config", cfg.hf_config)
+        window = text_cfg.get("sliding_window")
+        uses_window = window and text_cfg.get("use_sliding_window", text_cfg.get("model_type") != "qwen2")
+        if uses_window and cfg.max_model_len > int(window):
+            raise ConfigError(
+                f"this model attends over a sliding window of {window} tokens, which pagoda does not implement; "
+                f"pass --max-model-len {window} (or less) so the window never slides"
+            )
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype)
+        self.tie_word_embeddings = bool(text_cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head")
+        rope = text_cfg.get("rope_parameters") or {}
+        theta = float(text_cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        scaling = text_cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, int(text_cfg.get(
+            "max_position_embeddings", cfg.max_model_len))), theta, scaling, cfg.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)  # looked up once per step, not per layer
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden] -> [n, vocab]`` in float32."""
+        if self.lm_head is None:
+            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from ``(checkpoint_name, tensor)`` pairs; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            target, shard = _map_name(name)
+            param = params.get(target)
+            if param is None:
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
+                    "the checkpoint does not match its config.json"
+                )
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard, name)
+            else:
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)} but the model expects {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor.to(param.dtype))
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        expected = set()
+        for pname, param in params.items():
+            module = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
+            shards = len(module.output_sizes) if isinstance(module, Linear) and len(module.output_sizes) > 1 else 0
+            expected.update({f"{pname}#{i}" for i in range(shards)} if shards else {pname})
+        missing = sorted(expected - loaded)
+        if missing:
+            raise CheckpointError(
+                f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}"
+            )
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+
+
+def _map_name(name: str) -> tuple[str, Optional[int]]:
+    """Checkpoint name -> (parameter name, shard index in a fused layer or None)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    for frag, (fused, shard) in _STACKED.items():
+        if frag in name:
+            return name.replace(frag, fused).replace(".self_attn.qkv_proj.", ".qkv_proj.").replace(
+                ".mlp.gate_up_proj.", ".gate_up_proj."), shard
+    name = name.replace(".self_attn.o_proj.", ".o_proj.").replace(".mlp.down_proj.", ".down_proj.")
+    return name, None

@@ -1,0 +1,165 @@
+"""The ``default`` sampler: logits processing and token choice, vectorised over the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from pagoda.config import ModelConfig
+from pagoda.markers import hookimpl
+from pagoda.request import Request
+
+# {token_id: (logprob, rank)} for one position
+TokenLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per request
+    logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # per request, when asked for
+
+
+class Sampler:
+    """Applies logit bias, min_tokens, penalties, temperature, top-k, top-p and min-p, then samples.
+
+    Greedy rows take the argmax. Random rows race exponential noise
+    (``argmax(p / E)`` with ``E ~ Exp(1)`` draws a token with probability
+    ``p``); a request with a ``seed`` draws its noise from its own generator,
+    so its tokens do not depend on what else is in the batch.
+    """
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.vocab_size = model_config.vocab_size
+        self.generator = torch.Generator().manual_seed(model_config.seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        # logits: [num_reqs, vocab] float32, one row per request to sample
+        params = [r.sampling_params for r in requests]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if all(p.is_greedy and not p.has_penalties and not p.logit_bias and not p.min_tokens for p in params):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits.clone(), requests)
+        token_list = token_ids.tolist()
+        logprobs = None
+        if want_logprobs:
+            logprobs = [
+                _token_logprobs(raw_logprobs[i], token_list[i], p.logprobs) if p.logprobs is not None else None
+                for i, p in enumerate(params)
+            ]
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        n, vocab = logits.shape
+        params = [r.sampling_params for r in requests]
+        self._apply_bias_and_min_tokens(logits, requests)
+        if any(p.has_penalties for p in params):
+            self._apply_penalties(logits, requests)
+        greedy = torch.tensor([p.is_greedy for p in params])
+        out = logits.argmax(dim=-1)
+        random_rows = (~greedy).nonzero().flatten().tolist()
+        if not random_rows:
+            return out
+        rows = torch.tensor(random_rows)
+        sub = logits[rows]
+        sub_params = [params[i] for i in random_rows]
+        temperature = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32)
+        sub.div_(temperature[:, None])
+        top_k = [p.top_k for p in sub_params]
+        top_p = [p.top_p for p in sub_params]
+        if any(k for k in top_k) or any(p < 1.0 for p in top_p):
+            sub = _apply_top_k_top_p(sub, top_k, top_p)
+        probs = torch.softmax(sub, dim=-1)
+        min_p = torch.tensor([p.min_p for p in sub_params], dtype=torch.float32)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs.masked_fill_(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=_generator_for(requests[i], self.generator))
+        out[rows] = (probs / noise).argmax(dim=-1)
+        return out
+
+    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.int64)
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
+                logits[i].index_add_(0, ids, vals)
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                if r.eos_token_id is not None and not p.ignore_eos:
+                    banned.append(r.eos_token_id)
+                if banned:
+                    logits[i, torch.tensor(banned)] = float("-inf")
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        n, vocab = logits.shape
+        out_counts = torch.zeros(n, vocab, dtype=torch.float32)
+        seen_prompt = torch.zeros(n, vocab, dtype=torch.bool)
+        for i, r in enumerate(requests):
+            if r.output_token_ids:
+                ids = torch.tensor(r.output_token_ids, dtype=torch.int64)
+                out_counts[i].index_add_(0, ids, torch.ones(len(ids)))
+            if r.sampling_params.repetition_penalty != 1.0:
+                seen_prompt[i, torch.tensor(r.prompt_token_ids, dtype=torch.int64)] = True
+        params = [r.sampling_params for r in requests]
+        rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+        seen = seen_prompt | (out_counts > 0)
+        # repetition penalty (prompt and output): shrink positive logits, grow negative ones
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+        freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+        logits.sub_(freq * out_counts + presence * (out_counts > 0).float())
+
+
+def _generator_for(request: Request, default: torch.Generator) -> torch.Generator:
+    if request.seed is None:
+        return default
+    if request.sampler_state is None:
+        request.sampler_state = torch.Generator().manual_seed(request.seed)
+    return request.sampler_state
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    # logits: [n, vocab]; tokens outside each row's top-k / nucleus become -inf
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.tensor([t if t > 0 else vocab for t in top_k])
+    ranks = torch.arange(vocab)[None, :]
+    remove = ranks >= k[:, None]
+    p = torch.tensor(top_p, dtype=torch.float32)
+    if bool((p < 1.0).any()):
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= p[:, None]
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    # row: [vocab] log-probabilities of the raw model distribution
+    chosen = float(row[token_id])
+    rank = int((row > chosen).sum()) + 1
+    result: TokenLogprobs = {token_id: (chosen, rank)}
+    if num_top:
+        values, ids = row.topk(num_top)
+        for r, (tid, lp) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+            result.setdefault(tid, (lp, r))
+    return result
+
+
+def prompt_logprobs_for(logprobs: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Log-probabilities of each actual next prompt token. ``logprobs``: ``[n, vocab]``."""
+    return [_token_logprobs(logprobs[i], t, num_top) for i, t in enumerate(next_token_ids)]
+
+
+@hookimpl
+def pagoda_samplers():
+    return {"default": Sampler}

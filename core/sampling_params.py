@@ -1,0 +1,116 @@
+"""Per-request sampling parameters, named as vLLM names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from pagoda.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    ``temperature=0`` is greedy. ``max_tokens=None`` means "until the context
+    is full". Invalid values raise :class:`pagoda.errors.InvalidRequestError`
+    at construction, naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    detokenize: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, expected: str) -> None:
+            raise InvalidRequestError(f"{name}={getattr(self, name)!r} is invalid: {expected}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be >= 0 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty", "must be in (0, 2]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or token_id < 0:
+                    bad("logit_bias", "keys must be non-negative token ids")
+                if not -100 <= bias <= 100:
+                    bad("logit_bias", "values must be in [-100, 100]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )
+
+    def clone(self, **changes) -> "SamplingParams":
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,1 @@
+"""Built-in plugins of pagoda: schedulers, attention backends, quantization, speculative decoding, entrypoints."""

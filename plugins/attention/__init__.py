@@ -1,0 +1,10 @@
+"""Built-in attention backends, registered through ``pagoda_attention_backends``."""
+
+from pagoda.markers import hookimpl
+
+
+@hookimpl
+def pagoda_attention_backends():
+    from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+
+    return {"torch": TorchAttentionBackend}

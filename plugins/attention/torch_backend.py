@@ -1,0 +1,126 @@
+"""The ``torch`` attention backend: the reference implementation and the CPU path.
+
+KV layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
+(K then V). Head-major, so gathering a batch's blocks gives, per KV head, one
+contiguous ``[seq, head_dim]`` run per request that matmul reads in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.attention_batch import AttentionBatch
+from pagoda.config import CacheConfig, ModelConfig
+
+
+@dataclass
+class TorchAttentionMetadata:
+    """Built once per step, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot = block_id * block_size + offset
+    num_decodes: int  # the first num_decodes requests have exactly one query token
+    decode_block_ids: torch.Tensor  # [num_decodes * max_decode_blocks] int64
+    decode_max_len: int  # padded key length of the decode group (multiple of block_size)
+    decode_mask: torch.Tensor  # [1, num_decodes, 1, decode_max_len] float32, 0 or -inf
+    # one entry per prefill request: (token start, token end, context len, seq len, block ids [n_blocks])
+    prefills: list[tuple[int, int, int, int, torch.Tensor]]
+    # for prefills with cached context: [n, seq_len] bool, True where attention is allowed
+    prefill_masks: list[Any]
+
+
+class TorchAttentionBackend:
+    """Paged attention in plain torch: index_copy_ writes, block gathers, matmul/SDPA."""
+
+    name = "torch"
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.block_size = cache_config.block_size
+        self.num_heads = model_config.num_heads
+        self.num_kv_heads = model_config.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+
+    def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        bs = self.block_size
+        nd = batch.num_decodes
+        if nd:
+            seq_lens = batch.seq_lens[:nd]
+            max_len = int(seq_lens.max())
+            nb = -(-max_len // bs)
+            decode_block_ids = batch.block_tables[:nd, :nb].reshape(-1).to(torch.int64)
+            key_pos = torch.arange(nb * bs)
+            mask = torch.zeros(nd, nb * bs)
+            mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
+            decode_mask = mask.view(1, nd, 1, nb * bs)
+        else:
+            nb = 0
+            decode_block_ids = torch.empty(0, dtype=torch.int64)
+            decode_mask = torch.empty(0)
+        prefills, masks = [], []
+        qsl = batch.query_start_loc_list
+        for i in range(nd, batch.num_reqs):
+            start, end = qsl[i], qsl[i + 1]
+            seq_len = batch.seq_lens_list[i]
+            ctx = seq_len - (end - start)
+            n_blocks = -(-seq_len // bs)
+            prefills.append((start, end, ctx, seq_len, batch.block_tables[i, :n_blocks].to(torch.int64)))
+            if ctx:
+                q_pos = torch.arange(ctx, seq_len)[:, None]
+                masks.append(torch.arange(seq_len)[None, :] <= q_pos)
+            else:
+                masks.append(None)
+        return TorchAttentionMetadata(
+            slot_mapping=batch.slot_mapping.to(torch.int64),
+            num_decodes=nd,
+            decode_block_ids=decode_block_ids,
+            decode_max_len=nb * bs,
+            decode_mask=decode_mask,
+            prefills=prefills,
+            prefill_masks=masks,
+        )
+
+    def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: TorchAttentionMetadata) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, bs, D]
+        hkv, num_blocks, bs, d = kv_cache.shape[1:]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache.view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
+        v_cache.view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        out = torch.empty_like(q)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, md, layer.scale)
+        for (start, end, ctx, seq_len, block_ids), mask in zip(md.prefills, md.prefill_masks):
+            qi = q[start:end].transpose(0, 1)  # [H, n, D]
+            if ctx == 0:
+                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, n, D]
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scale,
+                                                    enable_gqa=self.group > 1)
+            else:
+                ki = k_cache.index_select(1, block_ids).view(hkv, -1, d)[:, :seq_len]
+                vi = v_cache.index_select(1, block_ids).view(hkv, -1, d)[:, :seq_len]
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scale,
+                                                    enable_gqa=self.group > 1)
+            out[start:end] = oi.transpose(0, 1)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        # decode only: one query token per request, grouped per KV head so K/V are never repeated
+        nd, h, d = q.shape
+        hkv = k_cache.shape[0]
+        length = md.decode_max_len
+        keys = k_cache.index_select(1, md.decode_block_ids).view(hkv, nd, length, d)
+        values = v_cache.index_select(1, md.decode_block_ids).view(hkv, nd, length, d)
+        qg = q.view(nd, hkv, self.group, d).transpose(0, 1)  # [Hkv, nd, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Hkv, nd, G, L]
+        probs = torch.softmax(scores + md.decode_mask, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)  # [Hkv, nd, G, D]
+        return out.transpose(0, 1).reshape(nd, h, d)

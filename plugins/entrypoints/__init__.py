@@ -1,0 +1,1 @@
+"""Built-in entrypoints: CLI commands and the OpenAI-compatible server."""

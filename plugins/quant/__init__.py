@@ -1,0 +1,1 @@
+"""Built-in quant plugins (registered through pagoda's hooks)."""

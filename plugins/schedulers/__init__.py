@@ -1,0 +1,11 @@
+"""Built-in scheduling policies, registered through ``pagoda_schedulers``."""
+
+from pagoda.markers import hookimpl
+
+
+@hookimpl
+def pagoda_schedulers():
+    from pagoda.plugins.schedulers.fcfs import FCFSScheduler
+    from pagoda.plugins.schedulers.priority import PriorityScheduler
+
+    return {"fcfs": FCFSScheduler, "priority": PriorityScheduler}
