@@ -41,10 +41,42 @@ class ModelRunner:
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(config.model.num_layers)]
+        # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape
+        one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
+        self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+        self.swap_caches: Optional[list[torch.Tensor]] = None
+
+    def allocate_swap_space(self, num_swap_blocks: int) -> None:
+        """CPU memory for swapped-out blocks, laid out like the cache itself."""
+        shape = list(self.kv_caches[0].shape)
+        shape[self.block_dim] = num_swap_blocks
+        self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write, for every layer."""
+        moves = ((sched.blocks_to_swap_out, "out"), (sched.blocks_to_swap_in, "in"), (sched.blocks_to_copy, "copy"))
+        for pairs, kind in moves:
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+            for layer, cache in enumerate(self.kv_caches):
+                if kind == "out":
+                    source, target = cache, self.swap_caches[layer]
+                elif kind == "in":
+                    source, target = self.swap_caches[layer], cache
+                else:
+                    source, target = cache, cache
+                target.index_copy_(self.block_dim, dst.to(target.device),
+                                   source.index_select(self.block_dim, src.to(source.device)).to(target.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if sched.has_block_moves:
+            self.move_blocks(sched)
         n = len(sched.requests)
+        if n == 0:
+            return RunnerOutput([], [], [])
         # decodes first: the backends treat requests [0, num_decodes) as one-token queries
         order = sorted(range(n), key=lambda i: sched.num_new_tokens[i] != 1)
         reqs = [sched.requests[i] for i in order]

@@ -20,11 +20,20 @@ class SchedulerOutput:
     num_computed_before: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # block moves the runner performs before the forward pass, in this order:
+    # (cache block -> swap slot), (swap slot -> cache block), (source block -> copy-on-write target)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
     @property
+    def has_block_moves(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.has_block_moves
