@@ -65,6 +65,11 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     scheduler = scheduler_cls(config.scheduler, cc, kv_manager)
     sampler = sampler_cls(mc)
     runner = ModelRunner(config, model, backend, sampler, num_blocks)
+    if cc.preemption_mode == "swap":
+        # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
+        num_swap_blocks = cc.swap_space_bytes // bytes_per_block
+        kv_manager.init_swap_pool(num_swap_blocks)
+        runner.allocate_swap_space(num_swap_blocks)
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                 num_blocks * bytes_per_block / 2**20)
     return Components(tokenizer, model, backend, kv_manager, scheduler, runner, num_blocks,

@@ -1,7 +1,10 @@
-"""The ``paged`` KV allocator: a pool of fixed-size blocks with ref counts and a prefix cache.
+"""The ``paged`` KV allocator: a pool of fixed-size blocks with ref counts, a prefix cache,
+copy-on-write and a CPU swap pool.
 
 Bookkeeping only: block ids, ref counts, hashes. The tensors that hold K/V
-live in the model runner, indexed by the ids handed out here.
+live in the model runner, indexed by the ids handed out here; the block moves
+this manager decides (swap out, swap in, copy) travel to the runner in the
+:class:`~pagoda.scheduler_output.SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from pagoda.config import CacheConfig
 from pagoda.markers import hookimpl
 from pagoda.request import Request
 
+# what a cached block's hash stands for: (parent block's hash, the block's token ids, extra keys)
+BlockKey = tuple[Optional[int], tuple[int, ...], tuple]
+
 
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    # set when the block is full and registered in the prefix cache
+    # set while the block is full and registered in the prefix cache; ``key`` confirms a hash hit
     block_hash: Optional[int] = None
-    token_ids: Optional[tuple[int, ...]] = None
+    key: Optional[BlockKey] = None
 
 
 @dataclass
@@ -35,37 +41,61 @@ def hash_block(parent_hash: Optional[int], token_ids: Sequence[int], extra_keys:
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
 
-@dataclass
 class PagedKVCacheManager:
     """Hands out block ids to requests and reclaims them.
 
-    Query/act pairs: :meth:`get_computed_blocks` then :meth:`allocate_slots`
-    (which returns False instead of allocating partially); :meth:`free`.
-    Freed blocks that hold a full, hashed block stay in the prefix cache and
-    are evicted least-recently-freed first when the pool needs them.
+    Query/act pairs: :meth:`get_computed_blocks` then :meth:`can_allocate` /
+    :meth:`allocate_slots`; :meth:`can_swap_out` / :meth:`swap_out`;
+    :meth:`can_swap_in` / :meth:`swap_in`; :meth:`fork`; :meth:`free`.
+
+    - Prefix cache: a full block is registered under its chain hash as soon as
+      its slots are handed out; freed registered blocks stay reusable until the
+      pool needs them, least recently freed first (blocks holding nothing
+      reusable are handed out before any cached one).
+    - Copy-on-write: a request about to write into a block that others also
+      hold gets a private copy first; the (source, copy) pairs wait in
+      :meth:`take_block_copies` for the scheduler to pass to the runner.
+    - Swap: a request's blocks can move to a CPU pool of ``num_swap_blocks``
+      slots (:meth:`init_swap_pool`) and back.
     """
 
-    num_blocks: int
-    block_size: int
-    enable_prefix_caching: bool = True
-    blocks: list[KVBlock] = field(init=False)
-    # ref_cnt == 0 blocks, oldest first; cached ones are evicted from here on reuse
-    _free: "OrderedDict[int, KVBlock]" = field(init=False)
-    _cached: dict[int, KVBlock] = field(init=False, default_factory=dict)
-    _tables: dict[str, list[KVBlock]] = field(init=False, default_factory=dict)
-    # per request: hashes of its full blocks, so appends extend the chain
-    _hashes: dict[str, list[int]] = field(init=False, default_factory=dict)
-    stats: PrefixCacheStats = field(init=False, default_factory=PrefixCacheStats)
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # ref_cnt == 0 blocks in eviction order: handed out from the front
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}
+        self._tables: dict[str, list[KVBlock]] = {}
+        # per request: chain hashes of its full blocks, so appends extend the chain
+        self._hashes: dict[str, list[int]] = {}
+        # per request: token slots handed out (computed + scheduled), for occupancy
+        self._num_slots: dict[str, int] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.num_swap_blocks = 0
+        self._free_swap: list[int] = []
+        self._swapped: dict[str, list[int]] = {}  # request id -> swap slot per table position
+        self.stats = PrefixCacheStats()
+        self.init_swap_pool(num_swap_blocks)
 
-    def __post_init__(self) -> None:
-        self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
-        self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+    def init_swap_pool(self, num_swap_blocks: int) -> None:
+        """Size the CPU swap pool (the runner allocates the matching tensors)."""
+        if self._swapped:
+            raise RuntimeError("the swap pool cannot be resized while requests are swapped out")
+        self.num_swap_blocks = num_swap_blocks
+        self._free_swap = list(range(num_swap_blocks - 1, -1, -1))  # pop() hands out slot 0 first
 
     # ---- queries -----------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self._free_swap)
 
     @property
     def usage(self) -> float:
@@ -78,8 +108,31 @@ class PagedKVCacheManager:
     def num_blocks_held(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
 
+    def num_exclusive_blocks(self, request_id: str) -> int:
+        """Blocks that freeing the request would return to the pool (those no one else holds)."""
+        return sum(1 for b in self._tables.get(request_id, ()) if b.ref_cnt == 1)
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def token_occupancy(self) -> tuple[int, int]:
+        """``(tokens held, token slots allocated)`` over blocks held by requests.
+
+        A shared block counts once, as full as its fullest holder. KV waste is
+        ``1 - held / allocated``: the unfilled tail of each request's last block.
+        """
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for request_id, table in self._tables.items():
+            num_slots = self._num_slots.get(request_id, 0)
+            for i, block in enumerate(table):
+                n = min(bs, max(0, num_slots - i * bs))
+                if n > filled.get(block.block_id, -1):
+                    filled[block.block_id] = n
+        return sum(filled.values()), len(filled) * bs
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks at the start of the request's tokens.
@@ -90,34 +143,59 @@ class PagedKVCacheManager:
         if not self.enable_prefix_caching or request.num_computed_tokens > 0:
             return [], 0
         tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        bs = self.block_size
         hits: list[KVBlock] = []
         parent: Optional[int] = None
-        for i in range(max_blocks):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash_block(parent, chunk)
-            block = self._cached.get(h)
-            if block is None or block.token_ids != chunk:
+        for i in range((len(tokens) - 1) // bs):
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]), ())
+            block = self._cached.get(hash(key))
+            if block is None or block.key != key:
                 break
             hits.append(block)
-            parent = h
-        return hits, len(hits) * self.block_size
+            parent = block.block_hash
+        return hits, len(hits) * bs
+
+    def num_blocks_to_take(self, request: Request, num_new_tokens: int,
+                           computed_blocks: Sequence[KVBlock] = ()) -> int:
+        """Blocks :meth:`allocate_slots` would take from the free queue (fresh, revived or copies)."""
+        table = self._tables.get(request.request_id, ())
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
+        # cached blocks reused from the free queue leave it too
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return max(needed, 0) + revived + int(self._needs_copy(table, num_computed))
 
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        return self._num_blocks_to_take(request, num_new_tokens, computed_blocks) <= self.num_free_blocks
+        return self.num_blocks_to_take(request, num_new_tokens, computed_blocks) <= self.num_free_blocks
+
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < len(self._tables.get(request.request_id, ())) <= len(self._free_swap)
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Room to bring the request's blocks back and then give it ``num_new_tokens`` more slots."""
+        slots = self._swapped.get(request.request_id)
+        if slots is None:
+            return False
+        hits = self._swap_in_hits(request, len(slots))
+        # hits still held by someone cost nothing; every other position takes one block from the free queue
+        take = len(slots) - sum(1 for b in hits if b is not None and b.ref_cnt > 0)
+        grow = max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(slots))
+        return take + grow <= self.num_free_blocks
 
     # ---- actions -------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        """Give the request room for ``num_new_tokens`` more tokens; False if the pool is short.
+        """Give the request room for ``num_new_tokens`` more tokens; False (and nothing changed) if short.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, first allocation
         only) are shared, not copied; the caller then advances the request's
-        ``num_computed_tokens`` past them.
+        ``num_computed_tokens`` past them. A shared block about to be written is
+        copied first (copy-on-write).
         """
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
-        table = self._tables.setdefault(request.request_id, [])
+        rid = request.request_id
+        table = self._tables.setdefault(rid, [])
         if request.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += len(computed_blocks) * self.block_size
@@ -125,40 +203,105 @@ class PagedKVCacheManager:
             self._take_hit(block)
         table.extend(computed_blocks)
         if computed_blocks:
-            self._hashes[request.request_id] = [b.block_hash for b in computed_blocks]
-        total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+            self._hashes[rid] = [b.block_hash for b in computed_blocks]
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        self._copy_on_write(table, num_computed)
+        total = num_computed + num_new_tokens
         while len(table) < self.blocks_needed(total):
             table.append(self._take_fresh())
+        self._num_slots[rid] = max(self._num_slots.get(rid, 0), total)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, table, total)
         return True
 
+    def fork(self, source: Request, child: Request, num_tokens: int) -> None:
+        """Let ``child`` share the blocks holding ``source``'s first ``num_tokens`` tokens.
+
+        The tokens must be identical in both (``n > 1`` sequences of one
+        prompt). Nothing is copied now: a partially filled last block is copied
+        when either request first writes into it.
+        """
+        shared = self._tables[source.request_id][:self.blocks_needed(num_tokens)]
+        for block in shared:
+            block.ref_cnt += 1
+        self._tables[child.request_id] = list(shared)
+        self._hashes[child.request_id] = list(self._hashes.get(source.request_id, ())[:num_tokens // self.block_size])
+        self._num_slots[child.request_id] = num_tokens
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write moves decided since the last call: ``(source block, private copy)``."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Release the request's blocks into swap slots; returns ``(block, swap slot)`` pairs to copy."""
+        rid = request.request_id
+        table = self._tables.pop(rid)
+        slots = [self._free_swap.pop() for _ in table]
+        self._swapped[rid] = slots
+        self._release(table)
+        return [(b.block_id, s) for b, s in zip(table, slots)]
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back; returns ``(swap slot, block)`` pairs to copy.
+
+        Full blocks still in the prefix cache are shared instead of copied.
+        """
+        rid = request.request_id
+        slots = self._swapped.pop(rid)
+        hits = self._swap_in_hits(request, len(slots))
+        for block in hits:
+            if block is not None:
+                self._take_hit(block)
+        table = [block if block is not None else self._take_fresh() for block in hits]
+        self._tables[rid] = table
+        self._free_swap.extend(reversed(slots))
+        if self.enable_prefix_caching:
+            for i, h in enumerate(self._hashes.get(rid, ())):
+                # a full block that came back by copy becomes reusable again
+                if table[i].block_hash is None and h not in self._cached:
+                    self._register(table[i], self._block_key(request, i, self._hashes[rid]))
+        return [(s, b.block_id) for s, b, hit in zip(slots, table, hits) if hit is None]
+
     def free(self, request: Request | str) -> None:
-        """Return every block the request holds; full hashed blocks stay cached."""
+        """Return every block and swap slot the request holds; full hashed blocks stay cached."""
         request_id = request if isinstance(request, str) else request.request_id
-        table = self._tables.pop(request_id, [])
+        self._release(self._tables.pop(request_id, []))
+        self._free_swap.extend(reversed(self._swapped.pop(request_id, [])))
         self._hashes.pop(request_id, None)
-        # free the tail first so, under LRU, a prompt's last blocks go before its first
-        for block in reversed(table):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+        self._num_slots.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
             block.block_hash = None
-            block.token_ids = None
+            block.key = None
         self._cached.clear()
 
     # ---- helpers -------------------------------------------------------------
 
-    def _num_blocks_to_take(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock]) -> int:
-        held = len(self._tables.get(request.request_id, ()))
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - held - len(computed_blocks)
-        # cached blocks reused from the free queue leave it too
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        return max(needed, 0) + revived
+    def _needs_copy(self, table: Sequence[KVBlock], num_computed: int) -> bool:
+        # only the block holding the first new token can be both shared and written:
+        # earlier blocks are read-only, later ones are the request's own
+        i = num_computed // self.block_size
+        return num_computed % self.block_size != 0 and i < len(table) and table[i].ref_cnt > 1
+
+    def _copy_on_write(self, table: list[KVBlock], num_computed: int) -> None:
+        if self._needs_copy(table, num_computed):
+            i = num_computed // self.block_size
+            source = table[i]
+            source.ref_cnt -= 1
+            table[i] = self._take_fresh()
+            self._pending_copies.append((source.block_id, table[i].block_id))
+
+    def _release(self, table: list[KVBlock]) -> None:
+        # the tail first so, under LRU, a prompt's last blocks go before its first
+        for block in reversed(table):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    # nothing reusable in it: hand it out before any cached block
+                    self._free.move_to_end(block.block_id, last=False)
 
     def _take_hit(self, block: KVBlock) -> None:
         if block.ref_cnt == 0:
@@ -172,24 +315,41 @@ class PagedKVCacheManager:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
-            block.token_ids = None
+            block.key = None
         block.ref_cnt = 1
         return block
+
+    def _register(self, block: KVBlock, key: BlockKey) -> None:
+        block.block_hash = hash(key)
+        block.key = key
+        self._cached[block.block_hash] = block
+
+    def _block_key(self, request: Request, i: int, hashes: list[int]) -> BlockKey:
+        bs = self.block_size
+        return (hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs:(i + 1) * bs]), ())
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        tokens = request.all_token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = hash_block(hashes[-1] if hashes else None, chunk)
+            key = self._block_key(request, i, hashes)
+            h = hash(key)
             hashes.append(h)
-            block = table[i]
-            if block.block_hash is None and h not in self._cached:
-                block.block_hash = h
-                block.token_ids = chunk
-                self._cached[h] = block
+            if table[i].block_hash is None and h not in self._cached:
+                self._register(table[i], key)
+
+    def _swap_in_hits(self, request: Request, num_slots: int) -> list[Optional[KVBlock]]:
+        """Per swapped position: the cached block holding the same full block, else None."""
+        hits: list[Optional[KVBlock]] = [None] * num_slots
+        if not self.enable_prefix_caching:
+            return hits
+        hashes = self._hashes.get(request.request_id, ())
+        for i, h in enumerate(hashes[:num_slots]):
+            block = self._cached.get(h)
+            if block is not None and block.key == self._block_key(request, i, hashes):
+                hits[i] = block
+        return hits
 
 
 @hookimpl

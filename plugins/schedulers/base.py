@@ -1,10 +1,17 @@
 """The token-budget scheduler that the built-in policies share.
 
-Each step it gives every running request its next tokens (one for a decode,
-a chunk for a prefill) out of ``max_num_batched_tokens``, then admits waiting
-requests while the budget, ``max_num_seqs`` and the KV pool allow. Policies
-differ in two places: the order requests wait in, and which running request
-gives up its blocks when the pool runs dry.
+Each step spends ``max_num_batched_tokens`` in this order:
+
+1. running requests: decodes first (one token each), then prefill chunks, so
+   a long prompt never holds up the sequences already generating;
+2. swapped-out requests, brought back when the pool has room again;
+3. waiting requests, while the budget, ``max_num_seqs`` and the KV pool allow.
+
+When the pool runs dry a running request is preempted: by ``recompute`` (its
+blocks are freed, it waits at the front and is prefilled again, reusing the
+prefix cache) or by ``swap`` (its blocks move to the CPU swap pool). Policies
+differ in the order requests queue in, which running request is preempted,
+and whether an arrival may preempt running work.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from pagoda.scheduler_output import SchedulerOutput
 
 
 class TokenBudgetScheduler:
-    """Continuous batching with chunked prefill and recompute preemption."""
+    """Continuous batching with chunked prefill, preemption (recompute or swap) and n > 1 forking."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_manager) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -26,12 +33,18 @@ class TokenBudgetScheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []  # since the last drain_finished()
         self.num_preemptions = 0
+        # n > 1: parent request id -> the sibling that computes the shared prompt for the others
+        self._prompt_leaders: dict[str, Request] = {}
+        # request id -> tokens scheduled in the step being built
+        self._scheduled_now: dict[str, int] = {}
 
     # ---- policy points -------------------------------------------------------
 
@@ -41,10 +54,29 @@ class TokenBudgetScheduler:
         else:
             self.waiting.append(request)
 
+    def _insert_running(self, request: Request) -> None:
+        self.running.append(request)
+
+    def _insert_swapped(self, request: Request) -> None:
+        self.swapped.append(request)
+
     def _pick_victim(self, candidates: list[Request]) -> Request:
         """The request to preempt when blocks run out, among ``candidates``
-        (running requests not yet scheduled this step): the newest one."""
+        (running requests not yet scheduled this step, in running order): the newest one."""
         return candidates[-1]
+
+    def _running_order(self) -> list[Request]:
+        """The order running requests get budget and blocks: decodes (one token each) before
+        prefill chunks, so a long prompt never holds up the sequences already generating."""
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        return decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+
+    def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
+        """Preempt running work in favour of waiting requests; first come, first served never does."""
+
+    def _may_admit_waiting(self, request: Request) -> bool:
+        """Whether a waiting request may start while others sit swapped out (they come back first)."""
+        return not self.swapped
 
     # ---- queries -------------------------------------------------------------
 
@@ -56,8 +88,12 @@ class TokenBudgetScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---- actions -------------------------------------------------------------
 
@@ -68,62 +104,130 @@ class TokenBudgetScheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        now = time.monotonic()
+        self._scheduled_now = {}
+        self._preempt_for_arrivals(out)
+        num_preempted_before = len(out.preempted)
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        pool_ran_dry = len(out.preempted) > num_preempted_before
+        if not pool_ran_dry and not out.blocks_to_swap_out:
+            # never swap in and out in one step: a freed swap slot could be overwritten before it is read
+            budget = self._schedule_swapped(out, budget)
+        if not pool_ran_dry:
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy.extend(self.kv.take_block_copies())
+        return out
 
-        # 1. running requests, oldest first, preempting from the back when the pool is dry
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for req in self._running_order():
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
-                i += 1
                 continue
-            scheduled = True
+            if self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks:
+                self._fail_unfittable(req)
+                continue
             while not self.kv.allocate_slots(req, num_new):
-                victim = self._pick_victim(self.running[i:])
+                candidates = [r for r in self.running if r.request_id not in self._scheduled_now]
+                victim = self._pick_victim(candidates)
                 self._preempt(victim, out)
                 if victim is req:
-                    scheduled = False
                     break
-            if not scheduled:
-                continue  # req left self.running; index i now holds the next one
+            else:
+                self._add_to_output(out, req, num_new)
+                budget -= num_new
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0 or not self.kv.can_swap_in(req, num_new):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.kv.swap_in(req))
+            if not self.kv.allocate_slots(req, num_new):
+                raise RuntimeError(f"KV bookkeeping error: {req.request_id} swapped in without room to run")
+            req.status = RequestStatus.RUNNING
+            self._insert_running(req)
             self._add_to_output(out, req, num_new)
             budget -= num_new
-            i += 1
+        return budget
 
-        # 2. waiting requests, unless this step already had to preempt
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-            remaining = req.num_tokens - num_cached
-            if not self.enable_chunked_prefill and remaining > budget:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        now = time.monotonic()
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[idx]
+            if not self._may_admit_waiting(req):
                 break
-            num_new = min(remaining, budget)
-            if self.long_prefill_token_threshold:
-                num_new = min(num_new, self.long_prefill_token_threshold)
-            if not self.kv.allocate_slots(req, num_new, computed_blocks):
-                if not self.running:
-                    # the whole pool is free and still too small: waiting would never end
-                    self._fail_unfittable(req)
-                    continue
-                break
-            self.waiting.pop(0)
-            req.num_computed_tokens = num_cached
-            req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+            leader = self._prompt_leader(req)
+            if leader is not None and self._computed_before_step(leader) < req.num_prompt_tokens - 1:
+                idx += 1  # its sibling is still computing the shared prompt: join once that is done
+                continue
+            if leader is not None:
+                num_new = self._fork_from(leader, req)
+                if num_new == 0:
+                    break
+            else:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+                remaining = req.num_tokens - num_cached
+                if not self.enable_chunked_prefill and remaining > budget:
+                    break
+                num_new = min(remaining, budget)
+                if self.long_prefill_token_threshold:
+                    num_new = min(num_new, self.long_prefill_token_threshold)
+                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                    if not self.running:
+                        # the whole pool is free and still too small: waiting would never end
+                        self._fail_unfittable(req)
+                        continue
+                    break
+                req.num_computed_tokens = num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+                if req.sampling_params.n > 1 and req.num_output_tokens == 0:
+                    self._prompt_leaders.setdefault(req.parent_id, req)
+            self.waiting.pop(idx)
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = now
-            self.running.append(req)
+            self._insert_running(req)
             self._add_to_output(out, req, num_new)
             budget -= num_new
-        return out
+
+    def _prompt_leader(self, req: Request) -> Optional[Request]:
+        """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
+        if req.sampling_params.n <= 1 or req.num_output_tokens or req.num_prompt_tokens < 2:
+            return None
+        leader = self._prompt_leaders.get(req.parent_id)
+        if leader is None or leader is req or leader.status != RequestStatus.RUNNING:
+            self._prompt_leaders.pop(req.parent_id, None)
+            return None
+        return leader
+
+    def _computed_before_step(self, req: Request) -> int:
+        return req.num_computed_tokens - self._scheduled_now.get(req.request_id, 0)
+
+    def _fork_from(self, leader: Request, req: Request) -> int:
+        """Share the leader's prompt blocks; compute only the last prompt token (for this sequence's
+        own first sample). Returns the tokens scheduled, 0 if the pool is short."""
+        num_shared = req.num_prompt_tokens - 1
+        self.kv.fork(leader, req, num_shared)
+        req.num_computed_tokens = num_shared
+        if not self.kv.allocate_slots(req, 1):
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            return 0
+        return 1
 
     def _fail_unfittable(self, req: Request) -> None:
-        need = self.kv.blocks_needed(req.num_tokens)
+        need = self.kv.blocks_needed(max(req.num_tokens, req.num_computed_tokens + 1))
         req.error = (
             f"request {req.request_id} needs {need} KV blocks for its {req.num_tokens} tokens but the whole cache "
-            f"has {self.kv.num_blocks}; raise --kv-cache-memory-bytes or shorten the prompt / max_tokens"
+            f"has {self.kv.num_blocks}; raise --kv-cache-memory-bytes (or --num-gpu-blocks-override) or shorten "
+            "the prompt / max_tokens"
         )
         self.finish(req, RequestStatus.FINISHED_ERROR)
 
@@ -141,17 +245,23 @@ class TokenBudgetScheduler:
         out.num_computed_before.append(req.num_computed_tokens)
         out.block_tables.append(self.kv.block_table(req.request_id))
         req.num_computed_tokens += num_new
+        self._scheduled_now[req.request_id] = num_new
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: free the blocks and requeue at the front."""
+        """Swap the request's blocks out if configured and there is room, else free them to recompute later."""
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            req.status = RequestStatus.SWAPPED
+            self._insert_swapped(req)
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self._insert_waiting(req, front=True)
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
-        self._insert_waiting(req, front=True)
 
     def update(self, sched: SchedulerOutput, sampled_token_ids: list[Optional[int]]) -> list[Request]:
         """Append sampled tokens, apply stop conditions, free finished requests.
@@ -184,15 +294,17 @@ class TokenBudgetScheduler:
         return None
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """Finish a request in any state and free its blocks at once."""
+        """Finish a request in any state (waiting, running, swapped) and free its blocks at once."""
         if req.is_finished:
             return
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
         req.status = status
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
         self.kv.free(req)
+        if self._prompt_leaders.get(req.parent_id) is req:
+            del self._prompt_leaders[req.parent_id]
         self.requests.pop(req.request_id, None)
         self.finished.append(req)
 

@@ -6,17 +6,65 @@ import bisect
 
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 from pagoda.request import Request
+from pagoda.scheduler_output import SchedulerOutput
 
 
-def _key(req: Request) -> tuple:
+def priority_key(req: Request) -> tuple:
     return (req.priority, req.arrival_time, req.request_id)
 
 
 class PriorityScheduler(TokenBudgetScheduler):
-    """Waiting requests ordered by priority; the lowest-priority, latest-arrived running one is preempted."""
+    """Every queue is kept in priority order, so the most important work is scheduled first.
+
+    When blocks run out, the lowest-priority, latest-arrived running request is
+    preempted; a waiting request that outranks running work and cannot fit
+    preempts the lowest-ranked running requests until it can.
+    """
 
     def _insert_waiting(self, request: Request, front: bool = False) -> None:
-        bisect.insort(self.waiting, request, key=_key)
+        bisect.insort(self.waiting, request, key=priority_key)
+
+    def _insert_running(self, request: Request) -> None:
+        bisect.insort(self.running, request, key=priority_key)
+
+    def _insert_swapped(self, request: Request) -> None:
+        bisect.insort(self.swapped, request, key=priority_key)
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
-        return max(candidates, key=_key)
+        return max(candidates, key=priority_key)
+
+    def _running_order(self) -> list[Request]:
+        # strictly by priority: decodes of low-priority work must not pin blocks a higher one needs
+        return list(self.running)
+
+    def _may_admit_waiting(self, request: Request) -> bool:
+        return not self.swapped or priority_key(request) < priority_key(self.swapped[0])
+
+    def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        head_key = priority_key(head)
+        lower = [r for r in self.running if priority_key(r) > head_key]
+        if not lower or self._fits(head):
+            return
+        # preempt only if evicting all lower-ranked work would make room; otherwise it gains nothing
+        reclaimable = sum(self.kv.num_exclusive_blocks(r.request_id) for r in lower)
+        need = self._blocks_for_first_chunk(head)
+        seats = self.max_num_seqs - len(self.running) + len(lower)
+        if need > self.kv.num_free_blocks + reclaimable or seats < 1:
+            return
+        for victim in reversed(lower):  # lowest rank first
+            self._preempt(victim, out)
+            if self._fits(head):
+                return
+
+    def _fits(self, req: Request) -> bool:
+        return len(self.running) < self.max_num_seqs and self._blocks_for_first_chunk(req) <= self.kv.num_free_blocks
+
+    def _blocks_for_first_chunk(self, req: Request) -> int:
+        computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+        num_new = min(req.num_tokens - num_cached, self.max_num_batched_tokens)
+        if self.long_prefill_token_threshold:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return self.kv.num_blocks_to_take(req, num_new, computed_blocks)
