@@ -1,0 +1,13 @@
+"""pagoda-sjf: a shortest-job-first scheduling policy, as a third-party pagoda plugin.
+
+Select it with ``LLM(scheduling_policy="sjf")`` or ``pagoda serve --scheduling-policy sjf``.
+"""
+
+import pagoda
+
+
+@pagoda.hookimpl
+def pagoda_schedulers():
+    from pagoda_sjf.scheduler import ShortestJobFirstScheduler
+
+    return {"sjf": ShortestJobFirstScheduler}
