@@ -1,0 +1,288 @@
+"""The plugin manager: built-ins, entry points of installed distributions, names, errors, switches.
+
+Third-party plugins here are real installed distributions in the form pip leaves them: a
+``*.dist-info`` directory with METADATA and entry_points.txt next to the module, in a directory
+put on ``sys.path``. ``importlib.metadata`` finds them exactly as it finds pip-installed ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pagoda import LLM, ConfigError, SamplingParams, hookimpl
+from pagoda.default_model import ensure_default_model
+from pagoda.plugin_manager import BUILTIN_DIST, BUILTIN_PLUGINS, PluginManager
+
+PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
+
+SCHEDULER_PLUGIN = """
+import pagoda
+from pagoda.plugins.schedulers.fcfs import FCFSScheduler
+
+class {cls}(FCFSScheduler):
+    pass
+
+@pagoda.hookimpl
+def pagoda_schedulers():
+    return {{{names}}}
+"""
+
+
+def install_fake_dist(site: Path, dist: str, version: str, entry_points: dict[str, str],
+                      modules: dict[str, str]) -> None:
+    """Lay out an installed distribution (module files + dist-info) under ``site``."""
+    for module, source in modules.items():
+        (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    lines = ["[pagoda.plugins]"] + [f"{name} = {module}" for name, module in entry_points.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+
+
+def scheduler_module(cls: str, *names: str) -> str:
+    return SCHEDULER_PLUGIN.format(cls=cls, names=", ".join(f"{n!r}: {cls}" for n in names))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """An empty site directory on sys.path; its modules are forgotten afterwards."""
+    path = tmp_path / "site"
+    path.mkdir()
+    monkeypatch.syspath_prepend(str(path))
+    monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
+    before = set(sys.modules)
+    yield path
+    for name in set(sys.modules) - before:
+        if getattr(sys.modules[name], "__file__", None) and str(path) in sys.modules[name].__file__:
+            del sys.modules[name]
+
+
+@pytest.fixture
+def acme(site):
+    install_fake_dist(site, "acme-sched", "1.2.0", {"acme": "acme_sched"},
+                      {"acme_sched": scheduler_module("AcmeScheduler", "acme-lottery")})
+    return site
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A one-layer Llama config with the default model's tokenizer; weights from load_format='dummy'."""
+    default_dir = ensure_default_model()
+    directory = tmp_path_factory.mktemp("tiny")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_dir / name, directory / name)
+    return directory
+
+
+def tiny_llm(tiny_dir: Path, **kwargs) -> LLM:
+    options = dict(load_format="dummy", kv_cache_memory_bytes=2 << 20, cpu_threads=1)
+    return LLM(model=str(tiny_dir), **{**options, **kwargs})
+
+
+# ---- built-ins -----------------------------------------------------------------------------------
+
+
+def test_builtins_provide_every_documented_component(site):
+    pm = PluginManager().load(autoload=False)
+    assert not pm.failures
+    expected = {
+        "pagoda_model_loaders": {"safetensors", "dummy"},
+        "pagoda_model_architectures": {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"},
+        "pagoda_kv_allocators": {"paged"},
+        "pagoda_schedulers": {"fcfs", "priority"},
+        "pagoda_attention_backends": {"torch"},
+        "pagoda_samplers": {"default"},
+        "pagoda_cli_commands": {"generate", "plugins", "bench"},
+    }
+    for hook, names in expected.items():
+        assert names <= set(pm.names(hook)), hook
+    assert {c.dist for c in pm.table()} == {BUILTIN_DIST}
+
+
+def test_builtin_plugins_are_the_entry_points_pyproject_declares():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["pagoda.plugins"] == dict(BUILTIN_PLUGINS)
+
+
+def test_autoload_skips_pagodas_own_entry_points_instead_of_registering_them_twice(site):
+    pm = PluginManager().load()
+    assert not pm.failures
+    assert pm.get("pagoda_schedulers", "fcfs", "scheduling_policy").dist == BUILTIN_DIST
+
+
+# ---- third-party plugins ---------------------------------------------------------------------
+
+
+def test_an_installed_distribution_adds_its_components_with_its_name_and_version(acme):
+    pm = PluginManager().load()
+    component = pm.get("pagoda_schedulers", "acme-lottery", "scheduling_policy")
+    assert component.dist == "acme-sched 1.2.0"
+    assert component.plugin == "acme"
+    assert component.factory.__name__ == "AcmeScheduler"
+
+
+def test_duplicate_component_names_are_an_error_naming_both_distributions(site):
+    install_fake_dist(site, "acme-sched", "1.2.0", {"acme": "acme_sched"},
+                      {"acme_sched": scheduler_module("AcmeScheduler", "lottery")})
+    install_fake_dist(site, "rival-sched", "0.3.0", {"rival": "rival_sched"},
+                      {"rival_sched": scheduler_module("RivalScheduler", "lottery")})
+    with pytest.raises(ConfigError) as info:
+        PluginManager().load()
+    msg = str(info.value)
+    assert "'lottery'" in msg and "scheduler" in msg
+    assert "acme-sched 1.2.0" in msg and "rival-sched 0.3.0" in msg
+    assert "PAGODA_DISABLE_PLUGINS" in msg  # and says how to get out of it
+
+
+def test_a_plugin_shadowing_a_builtin_name_is_reported_against_pagoda(site):
+    install_fake_dist(site, "shadow", "1.0", {"shadow": "shadow_sched"},
+                      {"shadow_sched": scheduler_module("ShadowScheduler", "fcfs")})
+    with pytest.raises(ConfigError, match=r"'fcfs'.*pagoda \(built-in\).*shadow 1\.0"):
+        PluginManager().load()
+
+
+def test_unknown_name_lists_every_available_one_with_its_distribution(acme):
+    pm = PluginManager().load()
+    with pytest.raises(ConfigError) as info:
+        pm.get("pagoda_schedulers", "nope", "scheduling_policy")
+    msg = str(info.value)
+    assert "unknown scheduler 'nope' for scheduling_policy" in msg
+    assert "'fcfs' (pagoda (built-in))" in msg
+    assert "'priority' (pagoda (built-in))" in msg
+    assert "'acme-lottery' (acme-sched 1.2.0)" in msg
+
+
+def test_unknown_name_in_the_engine_config_fails_before_loading_weights(tiny_dir):
+    for option, kind in [("scheduling_policy", "scheduler"), ("attention_backend", "attention backend"),
+                         ("sampler", "sampler"), ("kv_allocator", "KV allocator"), ("load_format", "model loader")]:
+        with pytest.raises(ConfigError, match=f"unknown {kind} 'nope' for {option}; available: '"):
+            tiny_llm(tiny_dir, **{option: "nope"})
+
+
+# ---- switches ------------------------------------------------------------------------------------
+
+
+def test_disable_plugins_env_blocks_third_party_and_builtin_plugins(acme, monkeypatch):
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "acme, schedulers")
+    pm = PluginManager().load()
+    assert pm.names("pagoda_schedulers") == []
+    assert "default" in pm.names("pagoda_samplers")  # other plugins are untouched
+    with pytest.raises(ConfigError, match="available: none"):
+        pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
+
+
+def test_disabling_one_of_two_duplicates_resolves_the_clash(site, monkeypatch):
+    install_fake_dist(site, "shadow", "1.0", {"shadow": "shadow_sched"},
+                      {"shadow_sched": scheduler_module("ShadowScheduler", "fcfs")})
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "shadow")
+    assert PluginManager().load().get("pagoda_schedulers", "fcfs", "scheduling_policy").dist == BUILTIN_DIST
+
+
+def test_autoload_zero_loads_builtins_only(acme, monkeypatch):
+    monkeypatch.setenv("PAGODA_PLUGIN_AUTOLOAD", "0")
+    pm = PluginManager().load()
+    assert "acme-lottery" not in pm.names("pagoda_schedulers")
+    assert "fcfs" in pm.names("pagoda_schedulers")
+
+
+# ---- broken plugins ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def broken(site):
+    install_fake_dist(site, "broken-plugin", "0.0.1", {"broken": "broken_plugin"},
+                      {"broken_plugin": "import pagoda\nraise ImportError('needs libfrobnicate 2.0')\n"})
+    return site
+
+
+def test_a_plugin_that_fails_to_import_is_recorded_with_its_traceback(broken):
+    pm = PluginManager().load()  # does not raise: nothing selected it yet
+    [failure] = pm.failures
+    assert failure.name == "broken" and failure.dist == "broken-plugin 0.0.1"
+    assert "Traceback" in failure.error and "needs libfrobnicate 2.0" in failure.error
+    assert "fcfs" in pm.names("pagoda_schedulers")
+
+
+def test_a_broken_plugin_only_stops_the_engine_when_a_missing_component_is_selected(broken, tiny_dir):
+    llm = tiny_llm(tiny_dir)
+    out = llm.generate("hello", SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ConfigError) as info:
+        tiny_llm(tiny_dir, scheduling_policy="frobnicate")
+    msg = str(info.value)
+    assert "plugins that failed to load: broken (broken-plugin 0.0.1)" in msg
+    assert "pagoda plugins" in msg
+
+
+def test_pagoda_plugins_prints_the_broken_plugin_traceback_and_still_lists_the_rest(broken):
+    env = dict(os.environ, PYTHONPATH=str(broken))
+    env.pop("PAGODA_DISABLE_PLUGINS", None)
+    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert "plugin 'broken' from broken-plugin 0.0.1 failed to load" in result.stderr
+    assert "Traceback" in result.stderr and "needs libfrobnicate 2.0" in result.stderr
+    assert any(line.split()[:2] == ["scheduler", "fcfs"] for line in result.stdout.splitlines())
+
+
+# ---- run-time registration and observers ------------------------------------------------------
+
+
+class FinishedRecorder:
+    """An observer plugin: records every request the engine reports finished."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[str, str]] = []
+
+    @hookimpl
+    def pagoda_request_finished(self, request):
+        self.finished.append((request.request_id, request.finish_reason))
+
+
+def test_a_plugin_object_registered_at_run_time_observes_finished_requests(site, tiny_dir):
+    pm = PluginManager().load()
+    recorder = FinishedRecorder()
+    pm.register(recorder, name="recorder", dist="test")
+    llm = tiny_llm(tiny_dir, plugin_manager=pm)
+    llm.generate(["a", "b c"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert sorted(recorder.finished) == [("llm-0", "length"), ("llm-1", "length")]
+
+
+def test_a_component_registered_at_run_time_is_selectable(site, tiny_dir):
+    from pagoda.sampler import Sampler
+
+    class CountingSampler(Sampler):
+        calls = 0
+
+        def __call__(self, logits, requests):
+            type(self).calls += 1
+            return super().__call__(logits, requests)
+
+    class Plugin:
+        @hookimpl
+        def pagoda_samplers(self):
+            return {"counting": CountingSampler}
+
+    pm = PluginManager().load()
+    pm.register(Plugin(), name="counting-plugin", dist="test")
+    assert pm.get("pagoda_samplers", "counting", "sampler").dist == "test"
+    llm = tiny_llm(tiny_dir, plugin_manager=pm, sampler="counting")
+    llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert CountingSampler.calls == 4
