@@ -1,28 +1,173 @@
-"""Engine statistics: plain counters and samples, read by the server's Prometheus exporter."""
+"""Engine statistics and their Prometheus exporter.
+
+``EngineStats`` is written by the engine thread only: plain counters and
+fixed-bucket histograms, no locks, no tensors. ``PrometheusExporter`` reads it
+(and the scheduler's and KV manager's live gauges) when ``/metrics`` is
+scraped. Names are vLLM's with the ``pagoda:`` prefix, buckets are vLLM's, so
+existing dashboards and alerts port by a prefix rename.
+"""
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 from pagoda.request import Request
+
+# vLLM's buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# the reasons request_success is always exported with, so rate() works from the first scrape
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Histogram:
+    """Fixed upper bounds plus +Inf; ``counts[i]`` holds observations in bucket i (not cumulative)."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(le, cumulative count), ...]`` ending with ``+Inf``, as the exposition format wants."""
+        total, result = 0, []
+        for bound, n in zip(self.bounds + (float("inf"),), list(self.counts)):
+            total += n
+            result.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+        return result
 
 
 @dataclass
 class EngineStats:
+    """Counters and latency histograms, updated by the engine as requests arrive, step and finish."""
+
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_requests_arrived: int = 0
     finished_by_reason: Counter = field(default_factory=Counter)
     num_steps: int = 0
+    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    request_queue_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
+    # request id -> time its previous token was produced (monotonic seconds), while it runs
+    _last_token_time: dict[str, float] = field(default_factory=dict, repr=False)
 
     def on_arrival(self, num_prompt_tokens: int) -> None:
         self.num_requests_arrived += 1
         self.num_prompt_tokens += num_prompt_tokens
 
     def on_step(self, sched, progressed: list[Request], now: float) -> None:
+        """``progressed``: the requests that produced one token at ``now``."""
         self.num_steps += 1
         self.num_generation_tokens += len(progressed)
+        last = self._last_token_time
+        for req in progressed:
+            prev = last.get(req.request_id)
+            if prev is None:
+                self.time_to_first_token.observe(now - req.arrival_time)
+            else:
+                self.inter_token_latency.observe(now - prev)
+            last[req.request_id] = now
 
-    def on_finished(self, request: Request) -> None:
+    def on_finished(self, request: Request, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
         self.finished_by_reason[request.finish_reason] += 1
+        self._last_token_time.pop(request.request_id, None)
+        self.e2e_request_latency.observe(now - request.arrival_time)
+        if request.scheduled_time is not None:
+            self.request_queue_time.observe(request.scheduled_time - request.arrival_time)
+
+
+class PrometheusExporter:
+    """A prometheus_client collector over one engine, in its own registry (no global state).
+
+    ``scheduler`` needs ``num_running``, ``num_waiting``, ``num_preemptions``;
+    ``kv_manager`` needs ``usage`` and optionally ``stats.queries`` / ``stats.hits``.
+    """
+
+    def __init__(self, stats: EngineStats, scheduler: Any, kv_manager: Any, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.stats = stats
+        self.scheduler = scheduler
+        self.kv_manager = kv_manager
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> "PrometheusExporter":
+        return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name)
+
+    def render(self) -> bytes:
+        """The text exposition format, as served at ``/metrics``."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        labels = ["model_name"]
+        values = [self.model_name]
+        s, sched, kv = self.stats, self.scheduler, self.kv_manager
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(f"pagoda:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(f"pagoda:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        def histogram(name: str, doc: str, h: Histogram):
+            buckets = h.cumulative()
+            f = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
+            # the +Inf bucket is the count, so the two always agree even while the engine writes
+            f.add_metric(values, buckets, h.sum)
+            return f
+
+        yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", kv.usage)
+        prefix = getattr(kv, "stats", None)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      getattr(prefix, "queries", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", getattr(prefix, "hits", 0))
+        yield counter("num_preemptions", "Preemptions of running requests.", getattr(sched, "num_preemptions", 0))
+        yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
+        success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
+                                      labels=labels + ["finished_reason"])
+        reasons = dict.fromkeys(FINISH_REASONS, 0)
+        reasons.update({str(k): v for k, v in list(s.finished_by_reason.items())})
+        for reason, n in reasons.items():
+            success.add_metric(values + [reason], n)
+        yield success
+        yield histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
+                        s.time_to_first_token)
+        yield histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                        s.inter_token_latency)
+        yield histogram("e2e_request_latency_seconds", "Time from arrival to finish.", s.e2e_request_latency)
+        yield histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.",
+                        s.request_queue_time)

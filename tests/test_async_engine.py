@@ -1,0 +1,181 @@
+"""AsyncLLMEngine over the real default model: streaming, aborts, admission control, step faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineStepError
+from pagoda.errors import InvalidRequestError
+
+os.environ.setdefault("PAGODA_CPU_THREADS", "1")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return {p: out.outputs[0].text for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
+
+
+def run(engine, coro_fn, **kwargs):
+    """Start an AsyncLLMEngine over ``engine`` on a fresh loop, run ``coro_fn(async_engine)``, shut down."""
+
+    async def main():
+        aengine = AsyncLLMEngine(engine, **kwargs)
+        aengine.start()
+        try:
+            return await coro_fn(aengine)
+        finally:
+            await aengine.shutdown()
+
+    return asyncio.run(main())
+
+
+async def collect(aengine, rid, prompt, params=GREEDY):
+    outs = [out async for out in aengine.generate(rid, prompt, params)]
+    return outs
+
+
+def assert_engine_clean(engine, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.kv_manager.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{engine.num_blocks - engine.kv_manager.num_free_blocks} KV blocks still held")
+
+
+def test_streamed_outputs_grow_token_by_token_and_end_as_offline_generate_does(llm, reference):
+    outs = run(llm.engine, lambda a: collect(a, "s1", PROMPTS[0]))
+    assert len(outs) == GREEDY.max_tokens  # one output per generated token
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert outs[-1].outputs[0].text == reference[PROMPTS[0]]
+
+
+def test_concurrent_requests_share_steps_and_match_offline_results(llm, reference):
+    steps_before = llm.engine.stats.num_steps
+
+    async def main(a):
+        return await asyncio.gather(*(collect(a, f"c{i}", p) for i, p in enumerate(PROMPTS)))
+
+    results = run(llm.engine, main)
+    assert {p: outs[-1].outputs[0].text for p, outs in zip(PROMPTS, results)} == reference
+    # continuous batching: 4 requests x 8 tokens took far fewer than 32 steps
+    assert llm.engine.stats.num_steps - steps_before < 20
+
+
+def test_closing_the_stream_early_aborts_the_request_and_frees_its_blocks(llm):
+    async def main(a):
+        gen = a.generate("long", "Write a long story about a dragon.", SamplingParams(temperature=0, max_tokens=500))
+        async for out in gen:
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+        await gen.aclose()
+        await asyncio.sleep(0.5)
+        return a.engine.has_unfinished_requests()
+
+    assert run(llm.engine, main) is False
+    assert_engine_clean(llm.engine)
+
+
+def test_requests_past_max_waiting_requests_are_refused_with_retry_after(llm, reference):
+    async def main(a):
+        tasks = [asyncio.ensure_future(collect(a, f"o{i}", PROMPTS[i % 4])) for i in range(5)]
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = run(llm.engine, main, max_waiting_requests=2)
+    refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+    accepted = [r for r in results if not isinstance(r, BaseException)]
+    assert len(refused) == 3 and len(accepted) == 2
+    assert all(r.retry_after >= 1 and "--max-waiting-requests" in str(r) for r in refused)
+    assert [outs[-1].outputs[0].text for outs in accepted] == [reference[PROMPTS[0]], reference[PROMPTS[1]]]
+    assert_engine_clean(llm.engine)
+
+
+def test_an_invalid_request_raises_before_any_output_and_leaves_nothing_queued(llm):
+    async def main(a):
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await collect(a, "bad", [])
+        return await collect(a, "good", PROMPTS[2])
+
+    assert run(llm.engine, main)[-1].finished
+    assert_engine_clean(llm.engine)
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_engine_serves_on(llm, reference, monkeypatch):
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def execute_failing_third_step(sched):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_execute(sched)
+
+    monkeypatch.setattr(runner, "execute", execute_failing_third_step)
+    errors_before = llm.engine.stats.finished_by_reason["error"]
+
+    async def main(a):
+        with pytest.raises(EngineStepError, match="injected fault"):
+            await collect(a, "f1", PROMPTS[0])
+        after = await collect(a, "f2", PROMPTS[1])
+        return a.is_healthy, a.num_failed_steps, after
+
+    healthy, failed, after = run(llm.engine, main)
+    assert healthy and failed == 1
+    assert after[-1].outputs[0].text == reference[PROMPTS[1]]
+    assert llm.engine.stats.finished_by_reason["error"] == errors_before + 1
+    assert_engine_clean(llm.engine)
+
+
+def test_steps_that_keep_failing_mark_the_engine_dead_and_fail_every_request(llm, monkeypatch):
+    def always_fail(sched):
+        raise RuntimeError("broken device")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", always_fail)
+
+    async def main(a):
+        errors = []
+        for i in range(5):
+            try:
+                await collect(a, f"d{i}", PROMPTS[0])
+            except (EngineStepError, EngineDeadError) as exc:
+                errors.append(exc)
+                if isinstance(exc, EngineDeadError):
+                    break
+        return a.is_healthy, errors
+
+    healthy, errors = run(llm.engine, main, max_consecutive_failures=3)
+    assert not healthy
+    assert [type(e) for e in errors] == [EngineStepError] * 3 + [EngineDeadError]
+    assert "broken device" in str(errors[-1])
+    monkeypatch.undo()
+    assert_engine_clean(llm.engine)
+
+
+def test_shutdown_fails_unfinished_requests_and_stops_the_engine_thread(llm):
+    async def main(a):
+        task = asyncio.ensure_future(collect(a, "sd", PROMPTS[3], SamplingParams(temperature=0, max_tokens=400)))
+        await asyncio.sleep(0.5)
+        await a.shutdown(timeout=0.1)
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await task
+        with pytest.raises(EngineDeadError):
+            await collect(a, "after", PROMPTS[0])
+        return a._thread.is_alive()
+
+    assert run(llm.engine, main) is False
+    assert_engine_clean(llm.engine)
