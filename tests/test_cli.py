@@ -1,0 +1,88 @@
+"""The ``pagoda`` console script, run for real in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagoda.default_model import ensure_default_model
+
+PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
+
+
+def run_pagoda(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PAGODA_CPU_THREADS="1")
+    env.pop("PAGODA_DISABLE_PLUGINS", None)
+    env.pop("PAGODA_PLUGIN_AUTOLOAD", None)
+    return subprocess.run([str(PAGODA_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
+    result = run_pagoda("plugins")
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["KIND", "NAME", "PLUGIN", "DISTRIBUTION"]
+    for kind, name in [("scheduler", "fcfs"), ("scheduler", "priority"), ("sampler", "default"),
+                       ("model loader", "safetensors"), ("model loader", "dummy"), ("KV allocator", "paged"),
+                       ("attention backend", "torch"), ("model architecture", "LlamaForCausalLM"),
+                       ("CLI command", "generate"), ("CLI command", "plugins")]:
+        matching = [row for row in rows if row.startswith(kind + " ") and row.split()[len(kind.split())] == name]
+        assert len(matching) == 1, f"{kind} {name} is not listed once"
+        assert matching[0].endswith("pagoda (built-in)")
+
+
+@pytest.mark.slow
+def test_pagoda_generate_prints_the_prompt_and_its_continuation():
+    ensure_default_model()
+    prompt = "The capital of France is"
+    result = run_pagoda("generate", prompt, "--max-tokens", "8", "--dtype", "float32", "--kv-cache-space", "0.05")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout.strip()
+    assert text.startswith(prompt)
+    assert "Paris" in text[len(prompt):]
+
+
+@pytest.mark.slow
+def test_pagoda_generate_chat_prints_only_the_answer():
+    ensure_default_model()
+    result = run_pagoda("generate", "--chat", "What is the capital of France? Answer in one sentence.",
+                        "--max-tokens", "32", "--dtype", "float32", "--kv-cache-space", "0.05")
+    assert result.returncode == 0, result.stderr
+    answer = result.stdout.strip()
+    assert "Paris" in answer
+    assert "<|im_start|>" not in answer and "user" not in answer.split()[0]
+
+
+def test_an_unknown_plugin_name_on_the_command_line_is_a_clear_error_not_a_traceback():
+    ensure_default_model()
+    result = run_pagoda("generate", "hi", "--scheduling-policy", "nope", "--max-tokens", "2")
+    assert result.returncode == 2
+    assert "pagoda generate: error: unknown scheduler 'nope'" in result.stderr
+    assert "'fcfs' (pagoda (built-in))" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_model_directory_without_config_json_is_a_clear_error(tmp_path):
+    result = run_pagoda("generate", "hi", "--model", str(tmp_path))
+    assert result.returncode == 2
+    assert "config.json" in result.stderr and str(tmp_path) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_pagoda_without_a_command_prints_help_naming_the_commands():
+    result = run_pagoda()
+    assert result.returncode == 2
+    for command in ("generate", "plugins", "bench"):
+        assert command in result.stdout
+
+
+def test_pagoda_version_prints_the_package_version():
+    from pagoda import __version__
+
+    result = run_pagoda("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"pagoda {__version__}"
