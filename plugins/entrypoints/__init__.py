@@ -1,14 +1,22 @@
-"""Built-in entrypoints: the ``pagoda`` CLI commands (and the OpenAI-compatible server)."""
+"""Built-in entrypoints: the ``pagoda`` CLI commands and the OpenAI-compatible server's routes."""
 
 from pagoda.markers import hookimpl
 
 
 @hookimpl
 def pagoda_cli_commands():
-    from pagoda.plugins.entrypoints import bench, commands
+    from pagoda.plugins.entrypoints import bench, commands, serve
 
     return {
         "generate": commands.register_generate,
         "plugins": commands.register_plugins,
         "bench": bench.register,
+        "serve": serve.register,
     }
+
+
+@hookimpl
+def pagoda_add_routes(app, engine):
+    from pagoda.plugins.entrypoints.server.routes import add_openai_routes
+
+    add_openai_routes(app, engine)

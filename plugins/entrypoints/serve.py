@@ -1,0 +1,51 @@
+"""``pagoda serve``: the OpenAI-compatible server under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pagoda.cli import add_engine_args, engine_args_from
+
+logger = logging.getLogger("pagoda")
+
+
+def register(sub) -> None:
+    from pagoda.plugins.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, "
+                                   "/version). SIGTERM stops accepting requests and lets open ones finish.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGODA_API_KEY, else no key)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds open requests may take to finish after SIGTERM before they are failed")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagoda.async_engine import AsyncLLMEngine
+    from pagoda.engine import LLMEngine
+    from pagoda.plugins.entrypoints.server import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes)
+    logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
+                engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
+                engine.config.model.max_model_len)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                timeout_graceful_shutdown=ns.shutdown_timeout)
+    return 0

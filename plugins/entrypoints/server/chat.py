@@ -1,0 +1,123 @@
+"""``POST /v1/chat/completions``: messages rendered with the chat template, answers as messages or deltas."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagoda.outputs import CompletionOutput
+from pagoda.plugins.entrypoints.server.errors import APIError
+from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.plugins.entrypoints.server.serving import (SSE_DONE, Generation, ServingContext, make_sampling_params,
+                                                       finish_reason, new_id, now_s, output_error, sse, sse_error,
+                                                       usage,
+                                                       unless_disconnected)
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template expects them: text content joined into one string."""
+    result = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        msg = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        result.append(msg)
+    return result
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    """Apply the chat template (run on the engine thread); a template failure is the request's fault: 400."""
+    if not tokenizer.chat_template:
+        raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
+                            "or use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja raises TemplateError, TypeError, ... for messages the template rejects
+        raise APIError(400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
+                       param="messages") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
+    ctx.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    messages = plain_messages(body.messages)
+    text, token_ids = await ctx.engine.run_in_engine(
+        lambda: render_chat(ctx.tokenizer, messages, body.add_generation_prompt))
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = ctx.resolve_max_tokens(len(token_ids), requested)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    params = make_sampling_params(body, max_tokens, num_top)
+    request_id = new_id("chatcmpl")
+    gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, body.priority)
+    await unless_disconnected(request, gen.start())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage), media_type="text/event-stream")
+    (out,) = await unless_disconnected(request, gen.final())
+    err = output_error(out)
+    if err is not None:
+        raise err
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason} for c in out.outputs]
+    num_completion = sum(len(c.token_ids) for c in out.outputs)
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": now_s(),
+                         "model": ctx.served_model_name, "choices": choices,
+                         "usage": usage(len(out.prompt_token_ids), num_completion)})
+
+
+async def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
+                  include_usage: bool) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    num_prompt = 0
+    try:
+        async for _, out in gen.stream():
+            err = output_error(out)
+            if err is not None:
+                raise err
+            num_prompt = len(out.prompt_token_ids)
+            choices = []
+            for c in out.outputs:
+                first = c.index not in sent_text
+                start_chars, start_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                delta_text = c.text[start_chars:]
+                has_new_tokens = num_top is not None and len(c.token_ids) > start_tokens
+                if not first and not delta_text and not has_new_tokens and c.finish_reason is None:
+                    continue
+                delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
+                choices.append({"index": c.index, "delta": delta,
+                                "logprobs": _logprobs(c, start_tokens, num_top) if num_top is not None else None,
+                                "finish_reason": finish_reason(c)})
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+            if choices:
+                chunk = dict(head, choices=choices)
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            yield sse(dict(head, choices=[], usage=usage(num_prompt, sum(sent_tokens.values()))))
+    except Exception as exc:  # the status line is gone: report the error as the last event
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+def _logprobs(c: CompletionOutput, start: int, num_top: int) -> dict:
+    """Chat logprobs (``{"content": [...]}``) for tokens ``start:`` of a choice."""
+    content = []
+    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        chosen = entry[token_id]
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
+        content.append({"token": chosen.decoded_token or "", "logprob": chosen.logprob,
+                        "bytes": list((chosen.decoded_token or "").encode()),
+                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode())} for lp in ranked]})
+    return {"content": content, "refusal": None}

@@ -1,0 +1,106 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the right status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagoda.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
+from pagoda.errors import InvalidRequestError
+
+logger = logging.getLogger("pagoda.server")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as JSON with ``status``; raised by route handlers."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map pagoda's errors to HTTP statuses; anything unexpected is a 500 that says what happened."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc), code="engine_error")
+    logger.exception("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
+    """One sentence per problem, naming the field; the first field is the ``param``."""
+    parts, first_param = [], None
+    for err in errors[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})")
+            continue
+        # pydantic adds union member names to loc ("str", "list[int]"); keep the field path only
+        field = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "constrained-", "function-")))
+        field = field or "body"
+        first_param = first_param or field
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unrecognized request argument supplied: {field}")
+        elif err.get("type") == "missing":
+            parts.append(f"{field}: this field is required")
+        else:
+            given = err.get("input")
+            shown = repr(given) if len(repr(given)) <= 80 else repr(given)[:77] + "..."
+            parts.append(f"{field}: {err.get('msg')} (got {shown})")
+    if len(errors) > 5:
+        parts.append(f"and {len(errors) - 5} more problems")
+    return "; ".join(parts) or "invalid request body", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        message, param = _describe_validation(list(exc.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the request body could not be read as JSON; send UTF-8 encoded JSON"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(request: Request, exc: InvalidRequestError):
+        return error_response(400, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        err = to_api_error(exc)
+        return error_response(err.status, err.message, err.param, err.code, err.headers)

@@ -1,0 +1,97 @@
+"""ASGI guard in front of every route: API key on ``/v1/*`` and a cap on request body size.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
+notices pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Optional
+
+from pagoda.plugins.entrypoints.server.errors import error_body
+
+
+class GuardMiddleware:
+    def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            if not self._authorized(scope):
+                await _send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
+                                  code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+                return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_request_bytes:
+            await _send_error(send, 413, self._too_large(declared))
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            # read the body here, bounded, then replay it: an oversized chunked body never reaches the app
+            chunks, size = [], 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_request_bytes:
+                    await _send_error(send, 413, self._too_large(size, at_least=True))
+                    return
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            receive = _replay(b"".join(chunks), receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+        token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
+        # constant time in the key's contents: no early exit on the first differing byte
+        return hmac.compare_digest(token, self.api_key)
+
+    def _too_large(self, size: int, at_least: bool = False) -> str:
+        shown = f"more than {self.max_request_bytes}" if at_least else str(size)
+        return (f"the request body is {shown} bytes, over the limit of {self.max_request_bytes} bytes "
+                "(--max-request-bytes); send a smaller request")
+
+
+def _content_length(scope) -> Optional[int]:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _send_error(send, status: int, message: str, code: Optional[str] = None,
+                      headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,117 @@
+"""Request bodies of the OpenAI API (plus the sampling fields vLLM adds), validated by pydantic.
+
+Unknown fields are rejected, as OpenAI rejects them. Ranges live here, so a
+bad value is a 400 that names the field before any engine work happens.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16  # sequences per request
+MAX_STOP = 16  # stop strings per request
+# seeds go to torch.Generator.manual_seed (64-bit); request i of n uses seed + i
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Union[None, NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # the extra sampling fields vLLM accepts
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: Optional[list[TokenId]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[NonEmptyStr], Field(min_length=1, max_length=64)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``."""
+
+    model: Optional[str] = None
+    tokens: list[TokenId]

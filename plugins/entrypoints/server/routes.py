@@ -1,0 +1,84 @@
+"""The OpenAI-compatible routes, added through ``pagoda_add_routes`` like any plugin's routes."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagoda.async_engine import AsyncLLMEngine
+from pagoda.metrics import PrometheusExporter
+from pagoda.plugins.entrypoints.server.chat import create_chat_completion, plain_messages, render_chat
+from pagoda.plugins.entrypoints.server.completions import create_completion
+from pagoda.plugins.entrypoints.server.errors import APIError, error_response
+from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                        TokenizeRequest)
+from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
+from pagoda.version import __version__
+
+
+def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
+    ctx = ServingContext.for_engine(engine)
+    exporter = PrometheusExporter.for_engine(engine.engine)
+    created = int(time.time())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        try:
+            return await create_completion(ctx, body, request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        try:
+            return await create_chat_completion(ctx, body, request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "pagoda",
+            "root": engine.engine.config.model.model, "max_model_len": ctx.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if engine.is_healthy:
+            return Response(status_code=200)
+        reason = engine.dead_reason or "the server is shutting down"
+        return error_response(503, f"the engine cannot serve: {reason}", code="engine_unavailable")
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(exporter.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' (text) or 'messages' (chat)", param="prompt")
+        tok = ctx.tokenizer
+        if body.messages is not None:
+            messages = plain_messages(body.messages)
+            _, ids = await engine.run_in_engine(lambda: render_chat(tok, messages, body.add_generation_prompt))
+        else:
+            ids = await engine.run_in_engine(lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        vocab = engine.engine.config.model.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+        text = await engine.run_in_engine(lambda: ctx.tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": text})

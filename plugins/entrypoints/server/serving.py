@@ -1,0 +1,214 @@
+"""What completions and chat share: model and length checks, sampling params, running and streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+
+from pagoda.async_engine import AsyncLLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
+from pagoda.plugins.entrypoints.server.protocol import _SamplingFields
+from pagoda.sampling_params import SamplingParams
+
+
+class ClientGone(Exception):
+    """The client closed the connection; its requests were aborted."""
+
+
+@dataclass
+class ServingContext:
+    """The engine plus the facts every handler checks requests against."""
+
+    engine: AsyncLLMEngine
+    served_model_name: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    tokenizer: Any
+
+    @classmethod
+    def for_engine(cls, engine: AsyncLLMEngine) -> "ServingContext":
+        core = engine.engine
+        return cls(engine, core.config.model.served_model_name, core.config.model.max_model_len, core.num_blocks,
+                   core.config.cache.block_size, core.tokenizer)
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r} "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> int:
+        """The output budget: the request's, or what the context leaves; 400 when it cannot fit."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                                f"prompt has {num_prompt_tokens} tokens; shorten the prompt", param="prompt")
+        if max_tokens is None:
+            max_tokens = room
+        if max_tokens > room:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
+                                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
+                                f"{max_tokens} for the completion); lower max_tokens to at most {room}",
+                           param="max_tokens")
+        need = -(-(num_prompt_tokens + max_tokens) // self.block_size)
+        if need > self.num_blocks:
+            raise APIError(400, f"the prompt plus max_tokens needs {need} KV cache blocks but the server has "
+                                f"{self.num_blocks}; lower max_tokens or shorten the prompt", param="max_tokens")
+        return max_tokens
+
+
+def make_sampling_params(body: _SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field."""
+    logit_bias = None
+    if body.logit_bias:
+        try:
+            logit_bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids written as strings, e.g. {\"50256\": -100}",
+                           param="logit_bias") from None
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens={body.min_tokens} is larger than max_tokens={max_tokens}",
+                       param="min_tokens")
+    return SamplingParams(
+        n=body.n,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        logit_bias=logit_bias,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        priority=body.priority,
+    )
+
+
+def finish_reason(c) -> Optional[str]:
+    """OpenAI's finish reasons; aborted or failed sequences never reach a client as finished."""
+    return c.finish_reason if c.finish_reason in ("stop", "length") else None
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    err = to_api_error(exc)
+    return sse(error_body(err.status, err.message, err.param, err.code))
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class Generation:
+    """The engine requests behind one HTTP request (one per prompt), started together, closed together."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
+                 priority: int) -> None:
+        self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority) for i, p in enumerate(prompts)]
+        self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
+
+    async def start(self) -> None:
+        """Wait for every request's first output; any error (400, 503, ...) aborts all of them."""
+        results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+        self.first = list(results)
+
+    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """``(prompt index, cumulative output)`` as they come; the primed first outputs first."""
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for i, out in enumerate(self.first):
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(self.gens[i].__anext__())] = i
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    out = task.result()  # StopAsyncIteration cannot happen: we stop at the finished output
+                    yield i, out
+                    if not out.finished:
+                        pending[asyncio.ensure_future(self.gens[i].__anext__())] = i
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self.close()
+
+    async def final(self) -> list[RequestOutput]:
+        last = list(self.first)
+        async for i, out in self.stream():
+            last[i] = out
+        return last
+
+    async def close(self) -> None:
+        for gen in self.gens:
+            with contextlib.suppress(BaseException):
+                await gen.aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, coro) -> Any:
+    """Run ``coro``; if the client disconnects first, cancel it (which aborts its engine requests)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(BaseException):
+            await watcher
+
+
+def output_error(out: RequestOutput) -> Optional[APIError]:
+    """An engine-side failure of one request (e.g. the cache could not hold it) as a 500."""
+    if out.error:
+        return APIError(500, f"the engine could not finish the request: {out.error}", code="engine_error")
+    return None
