@@ -19,7 +19,7 @@ from pagoda.plugin_manager import PluginManager
 logger = logging.getLogger("pagoda")
 
 # the order ``attention_backend="auto"`` tries; names not installed are skipped
-AUTO_BACKENDS = {"cuda": ("cuda", "triton", "torch"), "cpu": ("torch",)}
+AUTO_BACKENDS = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 
 @dataclass

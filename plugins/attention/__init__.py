@@ -5,6 +5,7 @@ from pagoda.markers import hookimpl
 
 @hookimpl
 def pagoda_attention_backends():
+    from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
     from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 
-    return {"torch": TorchAttentionBackend}
+    return {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}

@@ -1,0 +1,95 @@
+"""The ``cpu`` attention backend: the torch backend with a C++ kernel for paged attention.
+
+Decodes and prefill chunks that follow cached context attend through
+``cpu_kernels.cpp``, which reads K/V in place from the block pool (no gathered
+copy), one (token, kv head) pair per work item, fp32 accumulation. Fresh
+prefills keep using SDPA, whose causal kernel is GEMM-shaped. The kernel is
+compiled on first use (about a minute) and cached by torch's extension loader.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.attention_batch import AttentionBatch
+from pagoda.config import CacheConfig, ModelConfig
+from pagoda.errors import BackendUnavailable
+from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+
+
+@lru_cache(maxsize=1)
+def load_kernels() -> Any:
+    """Compile (once per machine) and import the C++ kernels."""
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-fopenmp"]
+    if os.environ.get("PAGODA_CPU_NATIVE", "1") != "0":
+        flags.append("-march=native")
+    return load(name="pagoda_cpu_attention", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    token_req: torch.Tensor  # [num_tokens] int32: the request of each token
+    token_len: torch.Tensor  # [num_tokens] int32: keys the token attends to (0: left to SDPA)
+    # fresh prefills (no cached context): (token start, token end)
+    fresh_prefills: list[tuple[int, int]]
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Same KV layout as ``torch``; a C++ kernel instead of gathers for cached-context attention."""
+
+    name = "cpu"
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        super().__init__(model_config, cache_config)
+        if model_config.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise BackendUnavailable(f"the cpu kernels support float32, bfloat16 and float16, not {model_config.dtype}")
+        try:
+            self.kernels = load_kernels()
+        except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
+            raise BackendUnavailable(f"could not compile the C++ attention kernels ({exc.__class__.__name__}: "
+                                     f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})") from None
+
+    def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:
+        n = batch.num_reqs
+        q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]  # [num_reqs]
+        ctx = batch.seq_lens - q_lens
+        token_req = torch.repeat_interleave(torch.arange(n, dtype=torch.int32), q_lens)
+        # token i of a request sits at position ctx + i and sees keys [0, ctx + i]
+        offset = torch.arange(batch.num_tokens, dtype=torch.int32) - batch.query_start_loc[:-1][token_req.long()]
+        token_len = ctx[token_req.long()] + offset + 1
+        fresh = []
+        qsl, seq_lens = batch.query_start_loc_list, batch.seq_lens_list
+        for i in range(batch.num_decodes, n):
+            start, end = qsl[i], qsl[i + 1]
+            if seq_lens[i] == end - start and end - start > 1:
+                fresh.append((start, end))
+                token_len[start:end] = 0
+        return CpuAttentionMetadata(batch.slot_mapping.to(torch.int64), batch.block_tables, token_req,
+                                    token_len.to(torch.int32), fresh)
+
+    def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: CpuAttentionMetadata) -> torch.Tensor:
+        hkv, num_blocks, bs, d = kv_cache.shape[1:]
+        kv_cache[0].view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
+        kv_cache[1].view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale)
+        for start, end in md.fresh_prefills:
+            qi = q[start:end].transpose(0, 1)  # [H, n, D]
+            ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, n, D]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scale,
+                                                enable_gqa=self.group > 1)
+            out[start:end] = oi.transpose(0, 1)
+        return out.view(q.shape[0], -1)

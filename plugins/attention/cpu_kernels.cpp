@@ -1,0 +1,160 @@
+// Paged attention for x86 CPUs: queries attend over K/V read in place from the block pool.
+//
+// KV layout (shared with the torch backend): [2, num_kv_heads, num_blocks, block_size, head_dim].
+// One work item is (query token, kv head): the group of query heads sharing that kv head reads
+// every K/V row once, accumulating in fp32. No gathered copy of K/V is ever made.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline void load_row(const float* src, float* dst, int n) {
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+
+inline void load_row(const at::BFloat16* src, float* dst, int n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    dst[i] = f;
+  }
+}
+
+inline void load_row(const at::Half* src, float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
+
+inline void store_row(const float* src, at::BFloat16* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+
+inline void store_row(const float* src, at::Half* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+template <typename scalar_t>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                          const at::Tensor& token_req, const at::Tensor& token_len, at::Tensor& out, double scale) {
+  // q, out: [T, H, D]; block_tables: [B, max_blocks] int32; token_req / token_len: [T] int32
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = kv_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = k_ptr + num_kv_heads * num_blocks * block_size * head_dim;
+  const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
+  const int32_t* req_ptr = token_req.data_ptr<int32_t>();
+  const int32_t* len_ptr = token_len.data_ptr<int32_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t q_stride_t = q.stride(0), q_stride_h = q.stride(1);
+  const int64_t head_stride = num_blocks * block_size * head_dim;  // between kv heads
+  const int64_t block_stride = block_size * head_dim;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = len_ptr[t];
+      if (len <= 0) continue;  // left to the caller (fresh prefills use SDPA)
+      const int32_t* table = bt_ptr + static_cast<int64_t>(req_ptr[t]) * max_blocks;
+      for (int64_t g = 0; g < group; ++g) {
+        load_row(q_ptr + t * q_stride_t + (h * group + g) * q_stride_h, qf.data() + g * head_dim, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= fscale;
+      }
+      scores.resize(group * len);
+      const scalar_t* k_head = k_ptr + h * head_stride;
+      const scalar_t* v_head = v_ptr + h * head_stride;
+      // pass 1: scores [group, len]
+      for (int64_t start = 0; start < len; start += block_size) {
+        const scalar_t* k_block = k_head + static_cast<int64_t>(table[start / block_size]) * block_stride;
+        const int64_t n = std::min<int64_t>(block_size, len - start);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(k_block + j * head_dim, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float s = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
+            scores[g * len + start + j] = s;
+          }
+        }
+      }
+      // softmax per query head, in place
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
+        float sum = 0.f;
+        for (int64_t i = 0; i < len; ++i) {
+          sg[i] = std::exp(sg[i] - m);
+          sum += sg[i];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
+      }
+      // pass 2: weighted sum of V rows
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const scalar_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_stride;
+        const int64_t n = std::min<int64_t>(block_size, len - start);
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(v_block + j * head_dim, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + start + j];
+            float* ag = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        store_row(acc.data() + g * head_dim, out_ptr + (t * num_heads + h * group + g) * head_dim, head_dim);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Each query token t attends to the first token_len[t] positions of request token_req[t].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                           const at::Tensor& token_req, const at::Tensor& token_len, double scale) {
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1, "q rows must be contiguous in head_dim");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && token_req.scalar_type() == at::kInt &&
+                  token_len.scalar_type() == at::kInt,
+              "block_tables, token_req and token_len must be int32");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const auto tables = block_tables.contiguous(), reqs = token_req.contiguous(), lens = token_len.contiguous();
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      paged_attention_impl<float>(q, kv_cache, tables, reqs, lens, out, scale);
+      break;
+    case at::kBFloat16:
+      paged_attention_impl<at::BFloat16>(q, kv_cache, tables, reqs, lens, out, scale);
+      break;
+    case at::kHalf:
+      paged_attention_impl<at::Half>(q, kv_cache, tables, reqs, lens, out, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)");
+}

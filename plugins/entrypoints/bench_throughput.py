@@ -1,0 +1,205 @@
+"""``pagoda bench throughput`` (W1) and ``pagoda bench latency`` (W3), each against HF transformers in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.workloads import BenchRequest, latency_1, random_64
+
+
+def add_parser(sub, name: str) -> None:
+    if name == "throughput":
+        p = sub.add_parser("throughput", help="W1: 64 random requests at once; pagoda vs HF static batches of 16")
+        p.add_argument("--num-requests", type=int, default=64)
+        p.add_argument("--hf-batch-size", type=int, default=16)
+        p.add_argument("--hf-batches", type=int, default=None,
+                       help="run only the first N HF batches (the ratio uses tokens/s, so a subset still compares)")
+        p.set_defaults(func=run_throughput)
+    else:
+        p = sub.add_parser("latency", help="W3: one request, 128 prompt + 128 output tokens; pagoda vs HF batch 1")
+        p.add_argument("--prompt-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--repeats", type=int, default=3)
+        p.set_defaults(func=run_latency)
+    p.add_argument("--hf-dtype", default="float32", help="dtype of the HF baseline (float32 or bfloat16)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
+    add_engine_args(p)
+
+
+@dataclass
+class Result:
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+
+def _make_llm(ns: argparse.Namespace):
+    from pagoda.llm import LLM
+
+    args = engine_args_from(ns)
+    return LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
+
+
+def _params(n_out: int):
+    from pagoda.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
+
+
+def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
+    """Submit every request at once and step to completion; tracks KV use at its peak."""
+    engine = llm.engine
+    for i, r in enumerate(requests):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len))
+    kv, sched = engine.kv_manager, engine.scheduler
+    peak = {"blocks": 0, "tokens": 0}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
+        if held_blocks > peak["blocks"]:
+            peak = {"blocks": held_blocks, "tokens": sum(r.num_computed_tokens for r in sched.running)}
+    seconds = time.perf_counter() - start
+    return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)), peak
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int) -> Result:
+    """Static batching as a conventional server does it: left-padded batches, each run to its longest output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    pad = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(requests), batch_size):
+            batch = requests[b:b + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(batch):
+                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[i, width - len(r.prompt_token_ids):] = 1
+            n_out = max(r.output_len for r in batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
+                           do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - start
+    return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests))
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids)
+
+
+def _print_header(llm) -> None:
+    cfg = llm.engine.config
+    print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
+          f"threads: {llm.engine.num_threads}  attention: {type(llm.engine.backend).__name__}  "
+          f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size}")
+
+
+def run_throughput(ns: argparse.Namespace) -> int:
+    llm = _make_llm(ns)
+    tok = llm.get_tokenizer()
+    requests = random_64(llm.engine.config.model.vocab_size, _special_ids(tok), ns.num_requests)
+    _print_header(llm)
+    print(f"W1: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens")
+    run_pagoda(llm, requests[:4])  # warm-up
+    mine, peak = run_pagoda(llm, requests)
+    waste = 1 - peak["tokens"] / max(1, peak["blocks"] * llm.engine.config.cache.block_size)
+    print(f"pagoda: {mine.seconds:8.2f} s  {mine.output_tps:8.1f} output tok/s  {mine.total_tps:8.1f} total tok/s")
+    print(f"KV cache at peak: {peak['blocks']} blocks hold {peak['tokens']} tokens -> waste {waste:.1%}")
+    if ns.profile:
+        from pagoda.plugins.entrypoints.profile import profile_decode
+
+        profile_decode(llm, requests)
+    if not ns.no_baseline:
+        subset = requests if ns.hf_batches is None else requests[:ns.hf_batches * ns.hf_batch_size]
+        hf = run_hf(llm.engine.config.model.model, _dtype(ns.hf_dtype), subset, ns.hf_batch_size)
+        print(f"HF transformers ({ns.hf_dtype}, static batches of {ns.hf_batch_size}, {len(subset)} requests): "
+              f"{hf.seconds:8.2f} s  {hf.output_tps:8.1f} output tok/s  {hf.total_tps:8.1f} total tok/s")
+        print(f"ratio (output tok/s): pagoda / HF = {mine.output_tps / hf.output_tps:.1f}x")
+    return 0
+
+
+def run_latency(ns: argparse.Namespace) -> int:
+    llm = _make_llm(ns)
+    tok = llm.get_tokenizer()
+    req = latency_1(llm.engine.config.model.vocab_size, _special_ids(tok), ns.prompt_len, ns.output_len)
+    _print_header(llm)
+    print(f"W3: 1 request, {ns.prompt_len} prompt tokens, {ns.output_len} output tokens, median of {ns.repeats}")
+    _pagoda_latency(llm, req)  # warm-up
+    runs = [_pagoda_latency(llm, req) for _ in range(ns.repeats)]
+    ttft = statistics.median(r[0] for r in runs)
+    tpot = statistics.median(r[1] for r in runs)
+    print(f"pagoda: TTFT {ttft * 1e3:8.1f} ms  TPOT {tpot * 1e3:8.2f} ms/token")
+    if ns.profile:
+        from pagoda.plugins.entrypoints.profile import profile_decode
+
+        profile_decode(llm, [req])
+    if not ns.no_baseline:
+        hf_runs = [_hf_latency(llm.engine.config.model.model, _dtype(ns.hf_dtype), req) for _ in range(ns.repeats)]
+        hf_ttft = statistics.median(r[0] for r in hf_runs)
+        hf_tpot = statistics.median(r[1] for r in hf_runs)
+        print(f"HF transformers ({ns.hf_dtype}, batch 1): TTFT {hf_ttft * 1e3:8.1f} ms  TPOT {hf_tpot * 1e3:8.2f} ms/token")
+        print(f"ratio (TPOT): HF / pagoda = {hf_tpot / tpot:.1f}x")
+    return 0
+
+
+def _pagoda_latency(llm, req: BenchRequest) -> tuple[float, float]:
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request(f"lat-{time.monotonic_ns()}", {"prompt_token_ids": req.prompt_token_ids}, _params(req.output_len))
+    first = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and outs:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - start, (end - first) / max(1, req.output_len - 1)
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf_latency(model_dir: str, dtype: torch.dtype, req: BenchRequest) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    key = (model_dir, dtype)
+    if key not in _HF_CACHE:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model.generation_config.eos_token_id = None
+        _HF_CACHE[key] = model
+    model = _HF_CACHE[key]
+    ids = torch.tensor([req.prompt_token_ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=req.output_len, min_new_tokens=req.output_len, do_sample=False,
+                       pad_token_id=0)
+        total = time.perf_counter() - start
+    return ttft, (total - ttft) / max(1, req.output_len - 1)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from pagoda.config import resolve_dtype
+
+    return resolve_dtype(name)
