@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(context)
         self.prefix_offset = 0
         self.read_offset = len(context)
+        self.num_output_tokens = 0
         self.text = ""
         self.max_stop_len = max((len(s) for s in params.stop_strings), default=0)
 
@@ -38,6 +39,7 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: list[int]) -> Optional[str]:
         """Append tokens; returns the stop string hit (text truncated at it), or None."""
         self.ids.extend(token_ids)
+        self.num_output_tokens += len(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset:])
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
@@ -47,7 +49,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
-        if not self.params.stop_strings:
+        # like EOS and stop_token_ids, stop strings only end a sequence once it has min_tokens
+        if not self.params.stop_strings or self.num_output_tokens <= self.params.min_tokens:
             return None
         best: Optional[tuple[int, str]] = None
         for stop in self.params.stop_strings:

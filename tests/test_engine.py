@@ -329,3 +329,64 @@ def test_duplicate_request_id_is_rejected(llm):
         engine.abort_request("dup")
     engine.step()  # the abort is reported once, then nothing is left
     assert_engine_idle(llm)
+
+
+# ---- more edges ------------------------------------------------------------------------------------
+
+
+def test_a_seeded_sampled_request_is_the_same_alone_and_in_a_crowd(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = [PROMPTS[0], PROMPTS[3], PROMPTS[5]]
+    others = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)
+    outputs = llm.generate(crowd, [others, params, others], use_tqdm=False)
+    assert outputs[1].outputs[0].token_ids == alone
+
+
+def test_text_is_the_detokenized_token_ids(llm):
+    tok = llm.get_tokenizer()
+    prompts = [PROMPTS[0], PROMPTS[2], "Traduis en japonais : bonjour, le café est prêt →", "Emoji story: 🐉"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)
+    for out in outputs:
+        completion = out.outputs[0]
+        # a character whose bytes are cut off by max_tokens is held back, never shown as U+FFFD
+        assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_a_prompt_one_token_short_of_max_model_len_generates_exactly_one_token(llm):
+    tok = llm.get_tokenizer()
+    ids = (tok.encode(PROMPTS[4]) * 4)[:1023]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1
+    assert out.finish_reason == "length"
+
+
+def test_max_tokens_none_generates_until_the_context_is_full(llm):
+    tok = llm.get_tokenizer()
+    ids = (tok.encode(PROMPTS[4]) * 4)[:1010]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1024 - 1010
+    assert out.finish_reason == "length"
+
+
+def test_aborting_a_running_request_frees_it_and_leaves_the_others_unchanged(llm, one_at_a_time):
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"abort-{i}", prompt, GREEDY)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("abort-1")
+    done = run_engine_until_done(engine, {"abort-0", "abort-2"})
+    assert done == {"abort-0": one_at_a_time[PROMPTS[0]], "abort-2": one_at_a_time[PROMPTS[2]]}
+    assert_engine_idle(llm)
+
+
+def test_stop_strings_do_not_fire_before_min_tokens(llm, one_at_a_time):
+    prompt = PROMPTS[0]
+    full = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = full.text.split()[0]  # appears in the very first tokens
+    out = llm.generate(prompt, GREEDY.clone(stop=stop, min_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids  # the early occurrence is let through; none comes later
+    assert out.finish_reason == "length" and out.text == full.text
