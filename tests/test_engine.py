@@ -231,8 +231,6 @@ def test_prompt_logprobs_cover_every_prompt_token_even_when_chunked(llm):
     assert out.outputs[0].logprobs is None  # not asked for
 
 
-@pytest.mark.xfail(strict=True, reason="bug: prefix-cache hits skip the prompt positions whose logprobs were "
-                                       "asked for (get_computed_blocks should not reuse blocks then)")
 def test_prompt_logprobs_are_complete_when_the_prompt_is_in_the_prefix_cache(llm, one_at_a_time):
     prompt = PROMPTS[4]  # cached by the one-at-a-time reference run
     out = llm.generate(prompt, GREEDY.clone(prompt_logprobs=2, max_tokens=2), use_tqdm=False)[0]
