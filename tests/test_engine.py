@@ -388,3 +388,59 @@ def test_stop_strings_do_not_fire_before_min_tokens(llm, one_at_a_time):
     out = llm.generate(prompt, GREEDY.clone(stop=stop, min_tokens=8), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full.token_ids  # the early occurrence is let through; none comes later
     assert out.finish_reason == "length" and out.text == full.text
+
+
+def test_n_sequences_each_carry_logprobs_and_share_the_prompt_logprobs(llm):
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    prompt = "A fresh prompt about penguins on the ice shelf"
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    for completion in out.outputs:
+        assert len(completion.logprobs) == 4
+        assert all(t in entry for t, entry in zip(completion.token_ids, completion.logprobs))
+    assert_complete_prompt_logprobs(out, 1)
+
+
+# ---- a tiny random-weight engine for limits that need other engine options -------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A one-layer Llama config with the default model's tokenizer (no chat template); dummy weights."""
+    import json
+    import shutil
+
+    default_dir = ensure_default_model()
+    directory = tmp_path_factory.mktemp("tiny")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    shutil.copy(default_dir / "tokenizer.json", directory / "tokenizer.json")
+    tok_config = json.loads((default_dir / "tokenizer_config.json").read_text())
+    tok_config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return directory
+
+
+def test_a_prompt_larger_than_the_whole_kv_cache_is_rejected_up_front(tiny_dir):
+    # 1 layer * 2 (K, V) * 16 tokens * 1 head * 16 dims * 4 bytes = 2 KiB per block; 8 blocks hold 128 tokens
+    llm = LLM(model=str(tiny_dir), load_format="dummy", dtype="float32", kv_cache_memory_bytes=8 * 2048,
+              attention_backend="torch", cpu_threads=1)
+    assert llm.engine.num_blocks == 8
+    with pytest.raises(InvalidRequestError, match="needs 10 KV blocks but the cache holds 8"):
+        llm.generate({"prompt_token_ids": [7] * 150}, GREEDY, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": [7] * 100}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_chat_without_a_chat_template_says_how_to_provide_one(tiny_dir):
+    llm = LLM(model=str(tiny_dir), load_format="dummy", kv_cache_memory_bytes=1 << 20, cpu_threads=1)
+    with pytest.raises(InvalidRequestError, match="no chat template; pass chat_template="):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+    template = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}<|im_start|>"
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=template)[0]
+    assert llm.get_tokenizer().decode(out.prompt_token_ids) == "<|im_start|>hi<|im_end|><|im_start|>"
