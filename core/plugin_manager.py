@@ -130,7 +130,12 @@ class PluginManager:
             for impl in caller.get_hookimpls():
                 plugin_name = self.pm.get_name(impl.plugin) or repr(impl.plugin)
                 dist = self.dists.get(plugin_name, "unknown")
-                mapping = impl.function() or {}
+                try:
+                    # hooks import their components lazily, so a missing dependency surfaces here
+                    mapping = impl.function() or {}
+                except Exception:
+                    self._record_failure(plugin_name, dist, traceback.format_exc())
+                    continue
                 for comp_name, factory in mapping.items():
                     if comp_name in by_name:
                         other = by_name[comp_name]
@@ -143,6 +148,10 @@ class PluginManager:
                     by_name[comp_name] = Component(kind, comp_name, factory, plugin_name, dist)
             components[hook_name] = by_name
         self.components = components
+
+    def _record_failure(self, name: str, dist: str, error: str) -> None:
+        if not any(f.name == name and f.error == error for f in self.failures):  # the registry is rebuilt
+            self.failures.append(PluginFailure(name, dist, error))
 
     def names(self, hook_name: str) -> list[str]:
         return sorted(self.components.get(hook_name, {}))

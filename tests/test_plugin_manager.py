@@ -116,7 +116,7 @@ def test_builtins_provide_every_documented_component(site):
 
 
 def test_builtin_plugins_are_the_entry_points_pyproject_declares():
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["entry-points"]["pagoda.plugins"] == dict(BUILTIN_PLUGINS)
@@ -219,6 +219,33 @@ def test_a_plugin_that_fails_to_import_is_recorded_with_its_traceback(broken):
     assert failure.name == "broken" and failure.dist == "broken-plugin 0.0.1"
     assert "Traceback" in failure.error and "needs libfrobnicate 2.0" in failure.error
     assert "fcfs" in pm.names("pagoda_schedulers")
+
+
+LAZY_BROKEN = """
+import pagoda
+
+@pagoda.hookimpl
+def pagoda_schedulers():
+    from frobnicate_sched import Scheduler  # a dependency that is not installed
+    return {"frob": Scheduler}
+
+@pagoda.hookimpl
+def pagoda_samplers():
+    from pagoda.sampler import Sampler
+    return {"lazy-default": Sampler}
+"""
+
+
+def test_a_hook_that_fails_when_called_is_recorded_and_its_other_hooks_still_count(site):
+    install_fake_dist(site, "lazy-plugin", "2.0", {"lazy": "lazy_plugin"}, {"lazy_plugin": LAZY_BROKEN})
+    pm = PluginManager().load()
+    [failure] = pm.failures
+    assert (failure.name, failure.dist) == ("lazy", "lazy-plugin 2.0")
+    assert "No module named 'frobnicate_sched'" in failure.error
+    assert "fcfs" in pm.names("pagoda_schedulers") and "frob" not in pm.names("pagoda_schedulers")
+    assert pm.get("pagoda_samplers", "lazy-default", "sampler").dist == "lazy-plugin 2.0"
+    pm.register(FinishedRecorder(), name="recorder")  # rebuilding the registry does not repeat the failure
+    assert len(pm.failures) == 1
 
 
 def test_a_broken_plugin_only_stops_the_engine_when_a_missing_component_is_selected(broken, tiny_dir):
