@@ -138,9 +138,11 @@ class PagedKVCacheManager:
         """The longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute, so a fully cached prompt
-        still produces logits.
+        still produces logits. A request asking for prompt logprobs computes its
+        whole prompt: cached positions would have no logits.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+        if (not self.enable_prefix_caching or request.num_computed_tokens > 0
+                or request.sampling_params.prompt_logprobs is not None):
             return [], 0
         tokens = request.all_token_ids
         bs = self.block_size

@@ -126,7 +126,7 @@ class TokenBudgetScheduler:
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
                 continue
-            if self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks:
+            if self._outgrows_cache(req, num_new):
                 self._fail_unfittable(req)
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -144,6 +144,9 @@ class TokenBudgetScheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget)
+            if num_new and self._outgrows_cache(req, num_new):
+                self._fail_unfittable(req)
+                continue
             if num_new == 0 or not self.kv.can_swap_in(req, num_new):
                 break
             self.swapped.pop(0)
@@ -173,12 +176,9 @@ class TokenBudgetScheduler:
                     break
             else:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-                remaining = req.num_tokens - num_cached
-                if not self.enable_chunked_prefill and remaining > budget:
+                num_new = self._num_new_tokens(req, budget, num_cached)
+                if num_new == 0:
                     break
-                num_new = min(remaining, budget)
-                if self.long_prefill_token_threshold:
-                    num_new = min(num_new, self.long_prefill_token_threshold)
                 if not self.kv.allocate_slots(req, num_new, computed_blocks):
                     if not self.running:
                         # the whole pool is free and still too small: waiting would never end
@@ -199,8 +199,9 @@ class TokenBudgetScheduler:
 
     def _prompt_leader(self, req: Request) -> Optional[Request]:
         """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
-        if req.sampling_params.n <= 1 or req.num_output_tokens or req.num_prompt_tokens < 2:
-            return None
+        params = req.sampling_params
+        if params.n <= 1 or params.prompt_logprobs is not None or req.num_output_tokens or req.num_prompt_tokens < 2:
+            return None  # (prompt logprobs need every prompt position computed)
         leader = self._prompt_leaders.get(req.parent_id)
         if leader is None or leader is req or leader.status != RequestStatus.RUNNING:
             self._prompt_leaders.pop(req.parent_id, None)
@@ -222,6 +223,9 @@ class TokenBudgetScheduler:
             return 0
         return 1
 
+    def _outgrows_cache(self, req: Request, num_new: int) -> bool:
+        return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks
+
     def _fail_unfittable(self, req: Request) -> None:
         need = self.kv.blocks_needed(max(req.num_tokens, req.num_computed_tokens + 1))
         req.error = (
@@ -231,12 +235,15 @@ class TokenBudgetScheduler:
         )
         self.finish(req, RequestStatus.FINISHED_ERROR)
 
-    def _num_new_tokens(self, req: Request, budget: int) -> int:
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+    def _num_new_tokens(self, req: Request, budget: int, num_computed: Optional[int] = None) -> int:
+        """Tokens to compute this step: all that remain, or a chunk of them with chunked prefill
+        (at most the budget and ``long_prefill_token_threshold``); 0 if a whole prompt does not fit."""
+        remaining = req.num_tokens - (req.num_computed_tokens if num_computed is None else num_computed)
+        if not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        num_new = min(remaining, budget)
         if self.long_prefill_token_threshold:
             num_new = min(num_new, self.long_prefill_token_threshold)
-        if not self.enable_chunked_prefill and num_new < req.num_tokens - req.num_computed_tokens:
-            return 0
         return num_new
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:

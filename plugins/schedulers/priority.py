@@ -64,7 +64,5 @@ class PriorityScheduler(TokenBudgetScheduler):
 
     def _blocks_for_first_chunk(self, req: Request) -> int:
         computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-        num_new = min(req.num_tokens - num_cached, self.max_num_batched_tokens)
-        if self.long_prefill_token_threshold:
-            num_new = min(num_new, self.long_prefill_token_threshold)
+        num_new = self._num_new_tokens(req, self.max_num_batched_tokens, num_cached)
         return self.kv.num_blocks_to_take(req, num_new, computed_blocks)

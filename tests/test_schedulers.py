@@ -1,0 +1,206 @@
+"""The built-in scheduling policies: order, token budget, chunked prefill, fairness, limits, abort.
+
+Most tests drive the scheduler and the KV manager with the model-free SimRunner;
+the last one checks chunked prefill against the real default model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagoda.plugin_manager import get_plugin_manager
+from pagoda.plugins.schedulers.fcfs import FCFSScheduler
+from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.request import RequestStatus
+from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
+                            run_until_done, step)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 5000) for _ in range(n)]
+
+
+def test_both_policies_are_registered_under_their_names():
+    pm = get_plugin_manager()
+    assert pm.get("pagoda_schedulers", "fcfs", "scheduling_policy").factory is FCFSScheduler
+    assert pm.get("pagoda_schedulers", "priority", "scheduling_policy").factory is PriorityScheduler
+
+
+def test_fcfs_admits_in_arrival_order():
+    s = make_scheduler("fcfs", max_num_seqs=1)
+    for i, rid in enumerate(["b", "a", "c"]):
+        s.add_request(make_request(rid, prompt(5, i), priority=-i, arrival=float(i)))
+    order = []
+    runner = SimRunner(64, 4)
+    while s.has_unfinished_requests():
+        sched = step(s, runner)
+        order += [r.request_id for r in sched.requests if r.request_id not in order]
+    assert order == ["b", "a", "c"]
+
+
+def test_priority_admits_lower_values_first_then_earlier_arrivals_then_ids():
+    s = make_scheduler("priority", max_num_seqs=1)
+    s.add_request(make_request("late-low", prompt(5), priority=1, arrival=0.0))
+    s.add_request(make_request("y", prompt(5), priority=0, arrival=2.0))
+    s.add_request(make_request("x", prompt(5), priority=0, arrival=2.0))
+    s.add_request(make_request("early", prompt(5), priority=0, arrival=1.0))
+    assert [r.request_id for r in s.waiting] == ["early", "x", "y", "late-low"]
+
+
+def test_every_request_gets_exactly_its_tokens():
+    s = make_scheduler(num_blocks=64, budget=16)
+    runner = SimRunner(64, 4)
+    reqs = [make_request(f"r{i}", prompt(3 + 7 * i, i), max_tokens=5 + i) for i in range(5)]
+    for r in reqs:
+        s.add_request(r)
+    run_until_done(s, runner)
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params.max_tokens)
+    assert s.kv.num_free_blocks == 64
+
+
+def test_a_step_never_exceeds_the_token_budget_or_max_num_seqs():
+    s = make_scheduler(num_blocks=256, budget=20, max_num_seqs=3)
+    runner = SimRunner(256, 4)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", prompt(30, i), max_tokens=6))
+    while s.has_unfinished_requests():
+        sched = step(s, runner)
+        assert sched.num_batched_tokens <= 20 and len(sched.requests) <= 3
+
+
+@pytest.mark.parametrize("threshold", [0, 3, 4, 9])
+def test_chunked_prefill_splits_a_long_prompt_and_caps_each_chunk(threshold):
+    s = make_scheduler(num_blocks=64, budget=16, long_prefill_token_threshold=threshold)
+    runner = SimRunner(64, 4)
+    req = make_request("long", prompt(50), max_tokens=3)
+    s.add_request(req)
+    chunks = []
+    while not req.is_prefill_done:
+        chunks.append(step(s, runner).num_new_tokens[0])
+    assert sum(chunks) == 50 and max(chunks) == (threshold or 16)
+    run_until_done(s, runner)
+    assert req.output_token_ids == expected_output(req.prompt_token_ids, 3)
+
+
+def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
+    s = make_scheduler(num_blocks=64, budget=32, chunked=False)
+    runner = SimRunner(64, 4)
+    s.add_request(make_request("a", prompt(20, 1), max_tokens=4))
+    s.add_request(make_request("b", prompt(20, 2), max_tokens=4))
+    first = step(s, runner)
+    assert first.num_new_tokens == [20]  # b does not fit the rest of the budget and waits whole
+    second = step(s, runner)
+    assert sorted(second.num_new_tokens) == [1, 20]
+
+
+def test_running_decodes_are_scheduled_before_prefill_chunks():
+    s = make_scheduler(num_blocks=256, budget=16, long_prefill_token_threshold=8)
+    runner = SimRunner(256, 4)
+    s.add_request(make_request("long", prompt(100), max_tokens=2))
+    for i in range(4):
+        s.add_request(make_request(f"d{i}", prompt(2, i + 1), max_tokens=20))
+    step(s, runner)  # long's first chunk, then the short prompts fill the budget
+    assert [r.request_id for r in s.running] == ["long", "d0", "d1", "d2", "d3"]
+    sched = step(s, runner)
+    assert [r.request_id for r in sched.requests] == ["d0", "d1", "d2", "d3", "long"]
+    assert sched.num_new_tokens == [1, 1, 1, 1, 8]
+
+
+def test_a_4000_token_prompt_does_not_stall_32_running_decodes():
+    budget = 512
+    s = make_scheduler(num_blocks=2048, block_size=16, budget=budget, max_num_seqs=64)
+    runner = SimRunner(2048, 16, check=False)
+    decodes = [make_request(f"d{i}", prompt(40, i), max_tokens=200) for i in range(32)]
+    for r in decodes:
+        s.add_request(r)
+    while not all(r.num_output_tokens for r in decodes):
+        step(s, runner)
+    long = make_request("long", prompt(4000, 99), max_tokens=4)
+    s.add_request(long)
+    # a step costs about its number of batched tokens; a decode waits at most one step's budget
+    while not long.num_output_tokens:
+        before = {r.request_id: r.num_output_tokens for r in decodes}
+        sched = step(s, runner)
+        assert sched.num_batched_tokens <= budget
+        assert all(r.num_output_tokens == before[r.request_id] + 1 for r in decodes)
+    assert long.num_computed_tokens == 4000
+
+
+def test_a_request_that_outgrows_the_whole_cache_fails_with_a_clear_error():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=32)
+    runner = SimRunner(4, 4)
+    req = make_request("big", prompt(10), max_tokens=20)  # fits at first, needs 8 blocks by the end
+    other = make_request("small", prompt(3, 5), max_tokens=2)
+    s.add_request(req)
+    s.add_request(other)
+    run_until_done(s, runner)
+    assert req.status == RequestStatus.FINISHED_ERROR
+    assert "needs 5 KV blocks" in req.error and "whole cache has 4" in req.error
+    assert other.status == RequestStatus.FINISHED_LENGTH
+    assert s.kv.num_free_blocks == 4
+
+
+def test_a_waiting_prompt_larger_than_the_cache_is_rejected_not_starved():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    s.add_request(make_request("big", prompt(40), max_tokens=2))
+    step(s, SimRunner(4, 4))
+    [failed] = s.drain_finished()
+    assert failed.status == RequestStatus.FINISHED_ERROR and "raise --kv-cache-memory-bytes" in failed.error
+    assert not s.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding", "swapped", "preempted"])
+def test_abort_in_any_state_frees_every_block_at_once(state):
+    mode = "swap" if state == "swapped" else "recompute"
+    s = make_scheduler(num_blocks=8, block_size=4, budget=8, preemption_mode=mode, num_swap_blocks=16)
+    runner = SimRunner(8, 4, 16)
+    hog = make_request("hog", prompt(13, 2), max_tokens=12)  # grows to 7 of the 8 blocks
+    victim = make_request("v", prompt(12, 1), max_tokens=4)
+    if state in ("swapped", "preempted"):
+        s.add_request(hog)
+        while not hog.num_output_tokens:
+            step(s, runner)
+    s.add_request(victim)
+    if state == "prefilling":
+        step(s, runner)
+        assert 0 < victim.num_computed_tokens < 12
+    if state in ("decoding", "swapped", "preempted"):
+        while not victim.num_output_tokens:
+            step(s, runner)
+    if state in ("swapped", "preempted"):
+        while victim.status == RequestStatus.RUNNING:
+            step(s, runner)
+        assert victim.status == (RequestStatus.SWAPPED if state == "swapped" else RequestStatus.PREEMPTED)
+        s.abort_requests(["hog"])
+    assert s.abort_requests(["v"]) == [victim]
+    assert victim.status == RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_free_blocks == 8 and s.kv.num_free_swap_blocks == 16
+    assert not s.has_unfinished_requests()
+    assert_kv_consistent(s.kv)
+
+
+def test_n_sequences_share_the_prompt_blocks_and_copy_only_the_partial_one():
+    s = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    runner = SimRunner(64, 4)
+    shared_prompt = prompt(10)
+    children = [make_request(f"p-{i}", shared_prompt, max_tokens=3, n=3, parent_id="p") for i in range(3)]
+    for c in children:
+        s.add_request(c)
+    first = step(s, runner)
+    assert [r.request_id for r in first.requests] == ["p-0"]  # siblings wait for the shared prompt
+    second = step(s, runner)
+    fork_tokens = {r.request_id: n for r, n in zip(second.requests, second.num_new_tokens)}
+    assert fork_tokens == {"p-0": 1, "p-1": 1, "p-2": 1}
+    assert len(second.blocks_to_copy) == 2  # one private copy of the partial block per sibling
+    tables = [s.kv.block_table(c.request_id) for c in children]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3
+    run_until_done(s, runner)
+    for c in children:
+        assert c.output_token_ids == expected_output(shared_prompt, 3)
+    assert s.kv.num_free_blocks == 64
