@@ -351,6 +351,7 @@ def test_text_is_the_detokenized_token_ids(llm):
         assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
+@pytest.mark.slow
 def test_a_prompt_one_token_short_of_max_model_len_generates_exactly_one_token(llm):
     tok = llm.get_tokenizer()
     ids = (tok.encode(PROMPTS[4]) * 4)[:1023]
@@ -360,6 +361,7 @@ def test_a_prompt_one_token_short_of_max_model_len_generates_exactly_one_token(l
     assert out.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_max_tokens_none_generates_until_the_context_is_full(llm):
     tok = llm.get_tokenizer()
     ids = (tok.encode(PROMPTS[4]) * 4)[:1010]
@@ -444,3 +446,25 @@ def test_chat_without_a_chat_template_says_how_to_provide_one(tiny_dir):
     template = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}<|im_start|>"
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False, chat_template=template)[0]
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "<|im_start|>hi<|im_end|><|im_start|>"
+
+
+def test_streamed_text_only_grows_and_never_shows_what_a_stop_string_cuts(llm):
+    prompt = PROMPTS[0]
+    full = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[full.index("answer"):full.index("answer") + 9]  # a stop string spanning several tokens
+    engine = llm.engine
+    engine.add_request("streamed-stop", prompt, GREEDY.clone(stop=stop))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts.extend(out.outputs[0].text for out in engine.step())
+    final = texts[-1]
+    assert final == full[:full.index(stop)]
+    assert all(final.startswith(t) for t in texts)
+    assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
+
+
+def test_special_tokens_appear_in_the_text_when_not_skipped(llm):
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64, skip_special_tokens=False),
+                   use_tqdm=False)[0].outputs[0]
+    assert out.text.endswith("<|im_end|>")

@@ -99,6 +99,7 @@ def assert_top_logprobs_close(completion, hf_logprobs: torch.Tensor) -> None:
         assert [lp.rank for lp in ranks] == list(range(1, NUM_TOP + 1))
 
 
+@pytest.mark.slow
 def test_default_model_greedy_tokens_match_hf_on_varied_prompts(llm, hf_model):
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=NUM_TOP)
