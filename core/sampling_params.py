@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from pagoda.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed")
+_OPTIONAL_FIELDS = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
 MAX_LOGPROBS = 20
 
 
@@ -49,8 +54,10 @@ class SamplingParams:
             self.stop_strings = []
         elif isinstance(self.stop, str):
             self.stop_strings = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
+        else:
+            raise InvalidRequestError(f"stop={self.stop!r} is invalid: must be a string or a list of strings")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.top_k is None or self.top_k == -1:
@@ -61,7 +68,19 @@ class SamplingParams:
         def bad(name: str, expected: str) -> None:
             raise InvalidRequestError(f"{name}={getattr(self, name)!r} is invalid: {expected}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # types first, so the range checks below compare numbers (bool is an int in Python, but not here)
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+                bad(name, "must be a number")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                bad(name, "must be an integer" + (" or None" if name in _OPTIONAL_FIELDS else ""))
+
+        if self.n < 1:
             bad("n", "must be an integer >= 1")
         if self.temperature < 0:
             bad("temperature", "must be >= 0 (0 means greedy)")

@@ -287,6 +287,9 @@ def test_missing_model_directory_is_named(tmp_path):
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5), ("n", 0),
     ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 100),
     ("stop", [""]), ("stop_token_ids", [-1]), ("logit_bias", {5: 500.0}),
+    # wrong types are named too, never a bare TypeError
+    ("temperature", None), ("temperature", float("nan")), ("top_p", "0.9"), ("max_tokens", 2.5), ("n", True),
+    ("top_k", 1.5), ("stop", 5), ("logprobs", 2.0),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidRequestError, match=field):
