@@ -1,0 +1,280 @@
+"""Every attention backend against the torch reference backend, on the same random batches.
+
+Without a GPU the Triton kernels run under TRITON_INTERPRET=1 (set per test,
+before the kernels are first defined), so the shapes stay small; on a GPU the
+same tests run compiled, and the ``cuda`` backend joins in.
+
+Each case runs two engine-like steps over one shared block pool with shuffled
+block tables: step 1 writes the requests' cached context as fresh prompts,
+step 2 is the batch under test (decodes first, then prefill chunks that attend
+to that context). Outputs start as NaN, the Triton cache starts as NaN, so an
+element a kernel forgets to write, or a slot it reads without writing, fails.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagoda.attention_batch import AttentionBatch
+from pagoda.config import CacheConfig, ModelConfig
+from pagoda.errors import BackendUnavailable
+from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def triton_interpreter(monkeypatch):
+    if not HAS_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def model_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ModelConfig:
+    return ModelConfig(
+        model="", tokenizer="", served_model_name="test", hf_config={}, architecture="LlamaForCausalLM",
+        dtype=dtype, max_model_len=4096, seed=0, load_format="dummy", quantization=None, quant_config=None,
+        chat_template=None, vocab_size=128, hidden_size=num_heads * head_dim, num_layers=1, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )
+
+
+def cache_config(block_size: int) -> CacheConfig:
+    return CacheConfig(block_size=block_size, kv_cache_memory_bytes=1 << 20, kv_cache_dtype="auto",
+                       enable_prefix_caching=False, num_gpu_blocks_override=None, swap_space_bytes=0,
+                       preemption_mode="recompute", kv_allocator="paged")
+
+
+def make_backend(name: str, mc: ModelConfig, cc: CacheConfig, split: bool):
+    if name == "triton":
+        from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
+
+        # split=True: force split-K with 64-token splits; False: one pass per request
+        kwargs = {"target_programs": 1 << 20, "min_tokens_per_split": 64} if split else {"target_programs": 1}
+        return TritonAttentionBackend(mc, cc, **kwargs)
+    if name == "cuda":
+        if not HAS_CUDA:
+            pytest.skip("the cuda backend needs a CUDA GPU; this machine has none (its source is compiled by "
+                        "tests/test_cuda_backend_compiles.py)")
+        from pagoda.plugins.attention.cuda_backend import CudaAttentionBackend
+
+        return CudaAttentionBackend(mc, cc, partition_size=64 if split else 512)
+    raise ValueError(name)
+
+
+@dataclass
+class Shape:
+    block_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    context_lens: list[int]  # per request, tokens already cached before the step under test
+    query_lens: list[int]  # per request, new tokens in the step under test (1 = decode; decodes first)
+
+
+class Scenario:
+    """A block pool, shuffled block tables and the two steps' random inputs for one shape."""
+
+    def __init__(self, shape: Shape, seed: int) -> None:
+        self.shape = shape
+        self.gen = torch.Generator().manual_seed(seed)
+        bs = shape.block_size
+        seq_lens = [c + q for c, q in zip(shape.context_lens, shape.query_lens)]
+        blocks_per_req = [-(-s // bs) for s in seq_lens]
+        self.num_blocks = sum(blocks_per_req) + 3  # a few blocks nobody owns
+        pool = torch.randperm(self.num_blocks, generator=self.gen).tolist()
+        self.tables, i = [], 0
+        for n in blocks_per_req:
+            self.tables.append(pool[i:i + n])
+            i += n
+
+    def batch(self, items: list[tuple[int, int, int]]) -> AttentionBatch:
+        """items: (request, first new position, number of new tokens), decodes first."""
+        bs = self.shape.block_size
+        query_lens = [n for _, _, n in items]
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        seq_lens = [s + n for _, s, n in items]
+        max_blocks = max(len(self.tables[r]) for r, _, _ in items)
+        # padding entries point at a real block, as the runner's zero padding does
+        block_tables = torch.zeros(len(items), max_blocks, dtype=torch.int32)
+        slots = []
+        for row, (r, s, n) in enumerate(items):
+            table = self.tables[r]
+            block_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots += [table[p // bs] * bs + p % bs for p in range(s, s + n)]
+        return AttentionBatch(
+            num_reqs=len(items), num_decodes=sum(1 for n in query_lens if n == 1), num_tokens=qsl[-1],
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_list=qsl, seq_lens_list=seq_lens, max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens), block_size=bs,
+        )
+
+    def qkv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.shape
+
+        def rnd(heads: int) -> torch.Tensor:
+            return torch.randn(num_tokens, heads, s.head_dim, generator=self.gen).to(s.dtype)
+
+        return rnd(s.num_heads), rnd(s.num_kv_heads), rnd(s.num_kv_heads)
+
+    @property
+    def has_context(self) -> bool:
+        return any(self.shape.context_lens)
+
+    def steps(self):
+        s = self.shape
+        context = [(r, 0, c) for r, c in enumerate(s.context_lens) if c > 0]
+        decodes = [(r, c, 1) for r, (c, q) in enumerate(zip(s.context_lens, s.query_lens)) if q == 1]
+        prefills = [(r, c, q) for r, (c, q) in enumerate(zip(s.context_lens, s.query_lens)) if q > 1]
+        # in step 1 a 1-token context is a decode (its only key is itself); longer ones are fresh prompts
+        steps = [context] if self.has_context else []
+        steps.append(decodes + prefills)
+        for items in steps:
+            items = sorted(items, key=lambda it: it[2] != 1)
+            batch = self.batch(items)
+            yield batch, self.qkv(batch.num_tokens)
+
+
+class Layer:
+    def __init__(self, head_dim: int) -> None:
+        self.scale = head_dim ** -0.5
+
+
+def write_only(backend, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    if isinstance(backend, TorchAttentionBackend):
+        # the reference layout [2, Hkv, num_blocks, block_size, D], written as its forward writes it
+        hkv, d = cache.shape[1], cache.shape[-1]
+        cache[0].view(hkv, -1, d).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        cache[1].view(hkv, -1, d).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    else:
+        backend.write_kv(k, v, cache, slot_mapping.to(DEVICE))
+
+
+def run_backend(backend, scenario: Scenario, fill: float, attend_context: bool = True) -> list[torch.Tensor]:
+    """Outputs of every step; with attend_context=False the context step only writes K/V (long contexts)."""
+    sh = scenario.shape
+    cache = torch.full(backend.kv_cache_shape(scenario.num_blocks), fill, dtype=sh.dtype, device=DEVICE)
+    layer, outs = Layer(sh.head_dim), []
+    for step, (batch, (q, k, v)) in enumerate(scenario.steps()):
+        q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+        if step == 0 and scenario.has_context and not attend_context:
+            write_only(backend, k, v, cache, batch.slot_mapping)
+            continue
+        md = backend.build_metadata(batch)
+        if isinstance(backend, TorchAttentionBackend):
+            out = backend.forward(layer, q, k, v, cache, md)
+        else:
+            poisoned = torch.full_like(q, float("nan"))
+            out = backend.forward(layer, q, k, v, cache, md, out=poisoned)
+            assert out.data_ptr() == poisoned.data_ptr()
+        outs.append(out.float().cpu())
+    return outs
+
+
+def check_against_reference(name: str, shape: Shape, split: bool, attend_context: bool = True) -> None:
+    seed = int(os.environ.get("PAGODA_TEST_SEED") or random.SystemRandom().randrange(1 << 31))
+    mc = model_config(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
+    cc = cache_config(shape.block_size)
+    backend = make_backend(name, mc, cc, split)
+    reference = TorchAttentionBackend(mc, cc)
+    # the reference multiplies masked-out slots by 0, so its unwritten slots must be finite
+    expected = run_backend(reference, Scenario(shape, seed), 0.0, attend_context)
+    got = run_backend(backend, Scenario(shape, seed), float("nan"), attend_context)
+    for step, (e, g) in enumerate(zip(expected, got)):
+        err = (e - g).abs().max().item()
+        assert err <= TOLERANCE[shape.dtype], (
+            f"{name} differs from torch by {err:.3g} in step {step} of {shape} (seed {seed}; rerun with "
+            f"PAGODA_TEST_SEED={seed})"
+        )
+
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+SHAPES = {
+    # id: block size, head dim, heads, KV heads, dtype, context lengths, new tokens (1 = decode)
+    "bs16-d64-mha-f32": Shape(16, 64, 2, 2, f32, [0, 15, 16, 40, 0, 23], [1, 1, 1, 1, 37, 9]),
+    "bs8-d80-gqa3-bf16": Shape(8, 80, 6, 2, bf16, [4, 61, 0, 17], [1, 1, 19, 2]),
+    "bs32-d96-gqa8-f16": Shape(32, 96, 8, 1, f16, [95, 1, 33], [1, 1, 40]),
+    "bs16-d128-gqa2-bf16": Shape(16, 128, 4, 2, bf16, [130, 7, 50], [1, 1, 27]),
+    "bs128-d256-gqa2-f32": Shape(128, 256, 2, 1, f32, [200, 0, 129], [1, 1, 70]),
+    "bs64-d64-mqa4-f16": Shape(64, 64, 4, 1, f16, [63, 300], [1, 5]),
+    "bs1-d64-gqa2-f32": Shape(1, 64, 2, 1, f32, [9, 4], [1, 6]),
+}
+LONG = {
+    # sequences up to ~2000 tokens, not multiples of the block size
+    "bs16-d128-gqa4-bf16-long": Shape(16, 128, 4, 1, bf16, [1999, 1203, 1500], [1, 1, 37]),
+    "bs32-d64-gqa2-f32-long": Shape(32, 64, 2, 1, f32, [1717, 0], [1, 123]),
+}
+BACKENDS = ["triton", "cuda"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_id", list(SHAPES))
+def test_backend_matches_torch_reference_on_mixed_batches(backend, shape_id):
+    check_against_reference(backend, SHAPES[shape_id], split=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_id", ["bs16-d64-mha-f32", "bs16-d128-gqa2-bf16", "bs128-d256-gqa2-f32"])
+def test_split_k_decode_matches_torch_reference(backend, shape_id):
+    check_against_reference(backend, SHAPES[shape_id], split=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape_id", list(LONG))
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
+def test_long_sequences_match_torch_reference(backend, shape_id, split):
+    # the context is only written: attending over ~5000 fresh prompt tokens in the interpreter takes minutes
+    check_against_reference(backend, LONG[shape_id], split=split, attend_context=False)
+
+
+def test_triton_kv_write_fills_mapped_slots_and_skips_padding_slots():
+    mc, cc = model_config(4, 2, 80, torch.float16), cache_config(8)
+    backend = make_backend("triton", mc, cc, split=False)
+    num_blocks, num_tokens = 12, 70
+    cache = torch.full(backend.kv_cache_shape(num_blocks), -7.0, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(num_tokens, 2, 80, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(num_tokens, 2, 80, dtype=torch.float16, device=DEVICE)
+    slots = torch.randperm(num_blocks * 8)[:num_tokens].to(torch.int64)
+    slots[::5] = -1  # padding tokens
+    backend.write_kv(k, v, cache, slots.to(DEVICE))
+    kept = slots >= 0
+    # [2, num_blocks, Hkv, block_size, D] -> per slot [2, Hkv, D]
+    by_slot = cache.permute(0, 1, 3, 2, 4).reshape(2, num_blocks * 8, 2, 80).cpu()
+    assert torch.equal(by_slot[0, slots[kept]], k[kept.to(DEVICE)].cpu())
+    assert torch.equal(by_slot[1, slots[kept]], v[kept.to(DEVICE)].cpu())
+    untouched = torch.ones(num_blocks * 8, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert (by_slot[:, untouched] == -7.0).all()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the triton backend is available")
+def test_triton_backend_declines_on_a_cpu_without_the_interpreter(monkeypatch):
+    from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
+        TritonAttentionBackend(model_config(4, 2, 64, torch.float32), cache_config(16))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the cuda backend is available")
+def test_cuda_backend_declines_without_a_gpu():
+    from pagoda.plugins.attention.cuda_backend import CudaAttentionBackend
+
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        CudaAttentionBackend(model_config(4, 2, 64, torch.float32), cache_config(16))
+
+
+def test_triton_backend_rejects_head_sizes_beyond_its_kernels():
+    with pytest.raises(BackendUnavailable, match="head_dim"):
+        make_backend("triton", model_config(2, 1, 512, torch.float32), cache_config(16), split=False)
