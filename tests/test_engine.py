@@ -271,6 +271,27 @@ def test_unknown_engine_option_is_a_config_error_naming_it():
         LLM(max_num_seq=4)
 
 
+@pytest.mark.parametrize("options, named", [
+    (dict(max_model_len=100_000), "max_model_len 100000 exceeds the model's 8192 positions"),
+    (dict(dtype="float64"), "dtype 'float64' is not supported"),
+    (dict(block_size=12), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_bad_engine_options_are_config_errors_naming_them(options, named):
+    with pytest.raises(ConfigError, match=named):
+        LLM(**options)
+
+
+def test_prompts_can_be_text_token_ids_or_dicts(llm, one_at_a_time):
+    tok = llm.get_tokenizer()
+    prompt = PROMPTS[0]
+    ids = tok.encode(prompt)
+    outputs = llm.generate([prompt, {"prompt": prompt}, {"prompt_token_ids": ids}, ids], GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].token_ids == one_at_a_time[prompt] for o in outputs)
+    assert [o.prompt for o in outputs] == [prompt, prompt, None, None]
+    assert all(o.prompt_token_ids == ids for o in outputs)
+
+
 def test_model_directory_without_config_json_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError) as info:
