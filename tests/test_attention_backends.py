@@ -278,3 +278,90 @@ def test_cuda_backend_declines_without_a_gpu():
 def test_triton_backend_rejects_head_sizes_beyond_its_kernels():
     with pytest.raises(BackendUnavailable, match="head_dim"):
         make_backend("triton", model_config(2, 1, 512, torch.float32), cache_config(16), split=False)
+
+
+def write_tiny_llama(model_dir, seed: int = 0) -> None:
+    """A 2-layer Llama (hidden 64, 4 heads / 2 KV heads of 64) with random weights, as real safetensors files.
+
+    The LM head is not tied: with tied random embeddings every token would predict itself and attention
+    would not show in the tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pagoda.default_model import resolve_model_path
+
+    default_dir = resolve_model_path(None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_dir / name, model_dir / name)
+    hidden, heads, kv_heads, head_dim, inter, vocab, layers = 64, 4, 2, 64, 128, 49152, 2
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        # scaled so activations keep unit size and the greedy choice is not a near-tie
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+               "model.norm.weight": torch.ones(hidden), "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(tensors, str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_llama(model_dir)
+    return model_dir
+
+
+def greedy_tokens(model_dir, backend: str, prompts: list[list[int]]) -> list[list[int]]:
+    from pagoda import LLM, SamplingParams
+
+    # a 24-token step budget cuts the prompts into chunks that share steps with decodes, and
+    # the shared prefix is served from the prefix cache as cached context
+    llm = LLM(str(model_dir), attention_backend=backend, dtype="float32", max_num_batched_tokens=24,
+              max_num_seqs=4, kv_cache_memory_bytes=8 << 20, cpu_threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.slow
+def test_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_llama):
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 49152, (20,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (17, 3, 30)]
+    prompts.append(torch.randint(3, 49152, (5,), generator=gen).tolist())
+    expected = greedy_tokens(tiny_llama, "torch", prompts)
+    assert greedy_tokens(tiny_llama, "triton", prompts) == expected
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the triton backend is available")
+def test_naming_the_triton_backend_on_a_cpu_without_the_interpreter_is_a_config_error(tiny_llama, monkeypatch):
+    from pagoda import LLM
+    from pagoda.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="attention backend 'triton' cannot run here.*TRITON_INTERPRET=1"):
+        LLM(str(tiny_llama), attention_backend="triton", dtype="float32", kv_cache_memory_bytes=8 << 20)
