@@ -24,7 +24,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Callable, Optional
 
 from pagoda.engine import LLMEngine, PromptType
 from pagoda.errors import PagodaError
@@ -61,6 +61,66 @@ class _Stream:
     finished: bool = False
 
 
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; ``aclose()`` (or cancelling a waiting
+    ``__anext__``) aborts the request if it has not finished, freeing its KV blocks."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, stream: _Stream,
+                 added: concurrent.futures.Future) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._added = added
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        stream = self._stream
+        try:
+            if self._added is not None:
+                try:
+                    # shielded: a cancelled caller must not cancel the add itself, or the queue count drifts
+                    await asyncio.shield(asyncio.wrap_future(self._added))
+                except asyncio.CancelledError:
+                    raise
+                except BaseException:
+                    self._finish(abort=False)  # never added: nothing to abort
+                    raise
+                self._added = None
+            while not stream.event.is_set():
+                await stream.event.wait()
+        except asyncio.CancelledError:
+            self._finish(abort=True)
+            raise
+        stream.event.clear()
+        if stream.error is not None:
+            self._finish(abort=False)
+            raise stream.error
+        out = stream.latest
+        if out.finished:
+            self._finish(abort=False)
+        return out
+
+    async def aclose(self) -> None:
+        self._finish(abort=True)
+
+    def _finish(self, abort: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._engine._streams.pop(self.request_id, None)
+        if abort and not self._stream.finished:
+            self._engine._abort_soon(self.request_id)
+
+    def __del__(self) -> None:  # a consumer that walked away without closing
+        if not self._done and not self._stream.finished:
+            self._engine._abort_soon(self.request_id)
+
+
 class AsyncLLMEngine:
     """Runs ``engine.step()`` in a thread while requests are pending; asyncio callers stream results."""
 
@@ -73,7 +133,9 @@ class AsyncLLMEngine:
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._num_pending_seqs = 0  # sequences submitted but not yet added by the engine thread
+        # sequences queued as commands but not yet in the scheduler: submitted - added (one writer each)
+        self._num_submitted_seqs = 0
+        self._num_added_seqs = 0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = False
@@ -123,52 +185,36 @@ class AsyncLLMEngine:
         self._check_alive()
         return await asyncio.wrap_future(self._submit(fn))
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       priority: Optional[int] = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its cumulative outputs until it finishes.
+    def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                 priority: Optional[int] = None, check_capacity: bool = True) -> RequestStream:
+        """Queue a request now; iterate the result for its cumulative outputs until it finishes.
 
-        Raises InvalidRequestError (bad prompt or parameters) before the first
-        output, EngineOverloadedError when the queue is full, EngineStepError
-        or EngineDeadError when the engine fails it. Closing the generator
-        early (a client that went away) aborts the request and frees its KV
-        blocks.
+        Raises EngineOverloadedError at once when the queue is full (admission
+        and queueing happen in one synchronous call, so concurrent callers
+        cannot all slip past the limit). Iterating raises InvalidRequestError
+        (bad prompt or parameters) before the first output, EngineStepError or
+        EngineDeadError when the engine fails the request. Callers that admit
+        a group of requests together call :meth:`check_capacity` once and pass
+        ``check_capacity=False``.
         """
         self._check_alive()
-        self._check_capacity(params.n)
+        if check_capacity:
+            self.check_capacity(params.n)
         stream = _Stream()
         self._streams[request_id] = stream
-        self._num_pending_seqs += params.n
-        finished = True  # nothing to abort until the engine has the request
-        try:
-            add = self._submit(lambda: self.engine.add_request(request_id, prompt, params, priority=priority))
-            try:
-                await asyncio.wrap_future(add)
-            except asyncio.CancelledError:
-                finished = False  # the add may still run on the engine thread: queue an abort behind it
-                raise
-            finally:
-                self._num_pending_seqs -= params.n
-            finished = False
-            while True:
-                await stream.event.wait()
-                stream.event.clear()
-                if stream.error is not None:
-                    finished = True
-                    raise stream.error
-                out = stream.latest
-                if out is None:
-                    continue
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.dead_reason is None and not self._stop:
-                self._submit(lambda: self.engine.abort_request(request_id))
+        self._num_submitted_seqs += params.n
 
-    async def abort(self, request_id: str) -> None:
-        await asyncio.wrap_future(self._submit(lambda: self.engine.abort_request(request_id)))
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, priority=priority)
+            finally:
+                self._num_added_seqs += params.n  # engine thread only; the loop only writes the other counter
+
+        return RequestStream(self, request_id, stream, self._submit(add))
+
+    def _abort_soon(self, request_id: str) -> None:
+        if self.dead_reason is None and not self._stop:
+            self._submit(lambda: self.engine.abort_request(request_id))
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -176,13 +222,15 @@ class AsyncLLMEngine:
         if not self._accepting or self._thread is None:
             raise EngineDeadError("the server is shutting down and accepts no new requests")
 
-    def _check_capacity(self, num_seqs: int) -> None:
+    def check_capacity(self, num_seqs: int) -> None:
+        """Raise EngineOverloadedError if ``num_seqs`` more sequences would overfill the waiting queue."""
         limit = self.max_waiting_requests
         if limit is None:
             return
         # racy reads of a list length from another thread are fine: this is admission control
-        num_waiting = self.engine.scheduler.num_waiting + self._num_pending_seqs
-        if num_waiting + num_seqs > limit:
+        num_pending = self._num_submitted_seqs - self._num_added_seqs
+        num_waiting = self.engine.scheduler.num_waiting + num_pending
+        if num_waiting and num_waiting + num_seqs > limit:  # an empty queue admits any request
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_waiting} sequences are already waiting and the queue holds "
                 f"at most {limit} (--max-waiting-requests); retry later", self._retry_after(num_waiting))
@@ -279,18 +327,20 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None or stream.finished:
+            if stream is None:
                 continue
             stream.latest = out
-            stream.finished = out.finished
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]  # its consumer holds the stream; the table keeps live ones
             stream.event.set()
 
     def _fail_streams(self, request_ids: Optional[list[str]], error: BaseException) -> None:
         """Fail the given requests' streams (all of them when ``request_ids`` is None)."""
         ids = list(self._streams) if request_ids is None else request_ids
         for rid in ids:
-            stream = self._streams.get(rid)
-            if stream is not None and not stream.finished:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
                 stream.error = error
                 stream.finished = True
                 stream.event.set()

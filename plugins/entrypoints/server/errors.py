@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
-from pagoda.errors import InvalidRequestError
+from pagoda.errors import InvalidRequestError, PagodaError
 
 logger = logging.getLogger("pagoda.server")
 
@@ -63,7 +63,7 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, Optional[st
             parts.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err.get('msg'))})")
             continue
         # pydantic adds union member names to loc ("str", "list[int]"); keep the field path only
-        field = ".".join(p for p in loc if not p.startswith(("list[", "str", "int", "constrained-", "function-")))
+        field = ".".join(p for p in loc if not _is_union_tag(p))
         field = field or "body"
         first_param = first_param or field
         if err.get("type") == "extra_forbidden":
@@ -77,6 +77,11 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, Optional[st
     if len(errors) > 5:
         parts.append(f"and {len(errors) - 5} more problems")
     return "; ".join(parts) or "invalid request body", first_param
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "none") or part.startswith(
+        ("list[", "dict[", "constrained-", "function-", "lax-", "literal["))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -96,9 +101,12 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "the request body could not be read as JSON; send UTF-8 encoded JSON"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(InvalidRequestError)
-    async def _invalid_request(request: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc))
+    # pagoda's own errors are answered here; only truly unexpected ones reach the 500 handler below,
+    # which Starlette runs outermost and follows by re-raising (the connection is then closed)
+    @app.exception_handler(PagodaError)
+    async def _pagoda_error(request: Request, exc: PagodaError):
+        err = to_api_error(exc)
+        return error_response(err.status, err.message, err.param, err.code, err.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

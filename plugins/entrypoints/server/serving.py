@@ -136,12 +136,18 @@ class Generation:
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
                  priority: int) -> None:
-        self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority) for i, p in enumerate(prompts)]
+        engine.check_capacity(params.n * len(prompts))  # the prompts of one request are admitted together
+        self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False)
+                     for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
 
     async def start(self) -> None:
         """Wait for every request's first output; any error (400, 503, ...) aborts all of them."""
-        results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
+        except BaseException:  # cancelled: the client went away before the first token
+            await self.close()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.close()
@@ -178,8 +184,7 @@ class Generation:
 
     async def close(self) -> None:
         for gen in self.gens:
-            with contextlib.suppress(BaseException):
-                await gen.aclose()
+            await gen.aclose()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

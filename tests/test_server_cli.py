@@ -1,0 +1,105 @@
+"""``pagoda serve`` as users run it (a subprocess on the default model), ``pagoda bench serve`` against it,
+and a graceful shutdown on SIGTERM. The SIGTERM test ends the server; keep it last."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagoda.plugins.entrypoints.server import free_port
+
+PAGODA = str(Path(sys.executable).with_name("pagoda"))
+ENV = {**os.environ, "PAGODA_CPU_THREADS": "1"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32",
+                                 "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "30",
+                                 "--uvicorn-log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
+        time.sleep(0.3)
+    yield proc, url, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_starts_on_the_default_model_with_no_model_flag(server):
+    _, url, _ = server
+    models = httpx.get(url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+    resp = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
+    _, url, _ = server
+    result_file = tmp_path / "w4.json"
+    run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--request-rate", "inf",
+                          "--no-progress", "--result-file", str(result_file)],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for label in ("request throughput", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E", "p99"):
+        assert label in run.stdout
+    summary = json.loads(result_file.read_text())["runs"][0]["summary"]
+    assert summary["completed"] == 2 and summary["failed"] == 0
+    assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
+    # W1 requests produce exactly their drawn output lengths (ignore_eos, min_tokens = max_tokens)
+    from pagoda.plugins.entrypoints.bench_serve import w1_requests
+
+    assert summary["output_tokens"] == sum(r.output_len for r in w1_requests(None, 2))
+
+
+def test_sigterm_lets_the_open_stream_finish_then_exits_cleanly(server):
+    proc, url, log = server
+    result = {}
+    first_chunk = threading.Event()
+
+    def stream():
+        body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            lines = []
+            for line in resp.iter_lines():
+                lines.append(line)
+                first_chunk.set()
+            result["lines"] = lines
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_chunk.wait(60)
+    proc.send_signal(signal.SIGTERM)
+    reader.join(120)
+    # uvicorn re-raises the SIGTERM it caught once shutdown is complete, so the exit status reports it
+    assert proc.wait(60) in (0, -signal.SIGTERM), log.read_text()
+    assert "Traceback" not in log.read_text()
+    events = [json.loads(line[6:]) for line in result["lines"] if line.startswith("data: {")]
+    assert [line for line in result["lines"] if line][-1] == "data: [DONE]"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)
