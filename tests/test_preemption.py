@@ -11,6 +11,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from pagoda import LLM, SamplingParams
+from pagoda.default_model import ensure_default_model
 from pagoda.request import RequestStatus
 from pagoda.scheduler_output import SchedulerOutput
 from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
@@ -202,3 +204,76 @@ def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
             assert req.output_token_ids == expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
     assert kv.num_free_blocks == cfg["num_blocks"] and kv.num_free_swap_blocks == cfg["num_swap_blocks"]
     assert not kv._tables and not kv._swapped and not kv._hashes and not kv._num_slots
+
+
+# ---- the real default model under a tiny KV cache ------------------------------------------------
+
+MODEL_PROMPTS = [[random.Random(i).randrange(1000, 30000) for _ in range(n)] for i, n in enumerate((30, 45, 21, 38, 50))]
+MODEL_PARAMS = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True) if i % 2 == 0 else
+                SamplingParams(temperature=0.9, top_p=0.9, seed=30 + i, max_tokens=14, ignore_eos=True)
+                for i in range(len(MODEL_PROMPTS))]
+
+
+def make_llm(**kwargs) -> LLM:
+    ensure_default_model()
+    return LLM(dtype="float32", max_model_len=256, cpu_threads=1, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def roomy_reference():
+    """Every request generated with a cache large enough that nothing is ever preempted."""
+    llm = make_llm(kv_cache_memory_bytes=24 << 20)
+    outs = llm.generate([{"prompt_token_ids": p} for p in MODEL_PROMPTS], MODEL_PARAMS, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions == 0
+    return token_ids(outs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_resume_with_identical_tokens(roomy_reference, mode):
+    # 10 blocks of 16 tokens for 5 requests that grow to 35-64 tokens each
+    llm = make_llm(num_gpu_blocks_override=10, preemption_mode=mode, swap_space=0.05)
+    engine = llm.engine
+    swapped_out = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        sched = schedule()
+        swapped_out.extend(sched.blocks_to_swap_out)
+        return sched
+
+    engine.scheduler.schedule = recording_schedule
+    outs = llm.generate([{"prompt_token_ids": p} for p in MODEL_PROMPTS], MODEL_PARAMS, use_tqdm=False)
+    assert token_ids(outs) == roomy_reference
+    assert engine.scheduler.num_preemptions > 0
+    assert bool(swapped_out) == (mode == "swap")
+    assert engine.kv_manager.num_free_blocks == 10 and engine.kv_manager.num_free_swap_blocks == \
+        engine.kv_manager.num_swap_blocks
+
+
+@pytest.mark.slow
+def test_under_a_saturated_cache_high_priority_requests_finish_first(roomy_reference):
+    # 8 blocks: exactly what the two high-priority requests grow to, so every low one must yield
+    llm = make_llm(num_gpu_blocks_override=8, scheduling_policy="priority")
+    engine = llm.engine
+    low = [0, 2, 4]
+    for i in low:
+        engine.add_request(f"low{i}", {"prompt_token_ids": MODEL_PROMPTS[i]}, MODEL_PARAMS[i], priority=5)
+    for _ in range(3):
+        engine.step()  # the low-priority requests hold the cache
+    for i in (1, 3):
+        engine.add_request(f"high{i}", {"prompt_token_ids": MODEL_PROMPTS[i]}, MODEL_PARAMS[i], priority=0)
+    order, results = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+                results[out.request_id] = out.outputs[0].token_ids
+    assert set(order[:2]) == {"high1", "high3"}
+    assert engine.scheduler.num_preemptions >= 3
+    for rid, tokens in results.items():
+        assert tokens == roomy_reference[int(rid[-1])]

@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from pagoda import LLM, SamplingParams
+from pagoda.default_model import ensure_default_model
 from pagoda.plugin_manager import get_plugin_manager
 from pagoda.plugins.schedulers.fcfs import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
@@ -204,3 +206,31 @@ def test_n_sequences_share_the_prompt_blocks_and_copy_only_the_partial_one():
     for c in children:
         assert c.output_token_ids == expected_output(shared_prompt, 3)
     assert s.kv.num_free_blocks == 64
+
+
+# ---- chunked prefill with the real default model -------------------------------------------------
+
+CHUNK_PROMPTS = [[random.Random(50 + i).randrange(1000, 30000) for _ in range(n)] for i, n in enumerate((70, 33, 49))]
+CHUNK_PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                SamplingParams(temperature=0.9, seed=5, max_tokens=8, ignore_eos=True),
+                SamplingParams(temperature=0.7, top_p=0.9, seed=6, max_tokens=8, ignore_eos=True)]
+
+
+def generate_with(**kwargs) -> list[list[int]]:
+    ensure_default_model()
+    llm = LLM(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20, cpu_threads=1, max_num_seqs=4,
+              **kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in CHUNK_PROMPTS], CHUNK_PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def whole_prompt_tokens():
+    return generate_with(enable_chunked_prefill=False, max_num_batched_tokens=128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget, threshold", [(24, 0), (40, 7), (64, 16)])
+def test_chunked_prefill_generates_the_same_tokens_as_whole_prompts(whole_prompt_tokens, budget, threshold):
+    # chunks of 24 and 7 tokens end inside a 16-token block; 16 ends on block boundaries
+    assert generate_with(max_num_batched_tokens=budget, long_prefill_token_threshold=threshold) == whole_prompt_tokens
