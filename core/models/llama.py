@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}#{shard}")
         expected = set()
         for pname, param in params.items():
+            if getattr(param, "is_optional", False):
+                continue  # a quant method's optional tensor (GPTQ g_idx without act-order)
             module = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
             shards = len(module.output_sizes) if isinstance(module, Linear) and len(module.output_sizes) > 1 else 0
             expected.update({f"{pname}#{i}" for i in range(shards)} if shards else {pname})

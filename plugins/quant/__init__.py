@@ -1,1 +1,18 @@
-"""Built-in quant plugins (registered through pagoda's hooks)."""
+"""Built-in quantization methods, registered through ``pagoda_quant_methods``.
+
+Each factory is ``factory(model_config, quant_config_dict)`` and returns an
+object whose ``for_layer(prefix)`` gives the linear method for one layer (or
+None to leave it dense). See awq.py, gptq.py, compressed_tensors.py, fp8.py.
+"""
+
+from pagoda.markers import hookimpl
+
+
+@hookimpl
+def pagoda_quant_methods():
+    from pagoda.plugins.quant.awq import AWQConfig
+    from pagoda.plugins.quant.compressed_tensors import CompressedTensorsConfig
+    from pagoda.plugins.quant.fp8 import Fp8Config
+    from pagoda.plugins.quant.gptq import GPTQConfig
+
+    return {"awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig, "fp8": Fp8Config}

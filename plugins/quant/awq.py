@@ -1,0 +1,78 @@
+"""AWQ: 4-bit group-wise weights with zero points, in the "GEMM" layout AutoAWQ writes.
+
+Checkpoint tensors per linear (``in``/``out`` features, ``g`` the group size):
+``qweight`` int32 ``[in, out / 8]`` and ``qzeros`` int32 ``[in / g, out / 8]``,
+both packed along the output dimension in AWQ's interleaved nibble order, and
+``scales`` fp16 ``[in / g, out]``. ``W[i, o] = (q[i, o] - z[i // g, o]) * s[i // g, o]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagoda.errors import ConfigError
+from pagoda.plugins.quant.base import (
+    add_param, check_group_size, config_value, drop_params, is_skipped, kernel_for_device, output_sharded_loader)
+from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, install_int_weight
+from pagoda.plugins.quant.packing import unpack_awq
+
+
+class AWQConfig:
+    """Parsed ``quantization_config`` (``quant_method: awq``) or AutoAWQ's ``quant_config.json``."""
+
+    def __init__(self, model_config: Any, cfg: dict[str, Any]) -> None:
+        self.bits = config_value(cfg, ("bits", "w_bit"), 4)
+        self.group_size = check_group_size(config_value(cfg, ("group_size", "q_group_size"), 128), "AWQ")
+        self.version = str(cfg.get("version", "gemm")).lower()
+        if self.bits != 4:
+            raise ConfigError(f"AWQ with bits={self.bits} is not supported; AWQ checkpoints are 4-bit (bits: 4)")
+        if self.version != "gemm":
+            raise ConfigError(
+                f"AWQ version {cfg.get('version')!r} is not supported; pagoda reads the 'gemm' layout (AutoAWQ's "
+                "default); re-export the model with version='GEMM'"
+            )
+        if not cfg.get("zero_point", True):
+            raise ConfigError("AWQ without zero points (zero_point: false) is not supported; use zero_point: true")
+        self.modules_to_not_convert = list(cfg.get("modules_to_not_convert") or [])
+        self.kernel = kernel_for_device()
+
+    def for_layer(self, prefix: str) -> Optional["AWQLinearMethod"]:
+        # AutoAWQ skips a module when any listed fragment occurs in its name
+        if is_skipped(prefix, lambda m: any(k in m for k in self.modules_to_not_convert), "AWQ"):
+            return None
+        return AWQLinearMethod(self)
+
+
+class AWQLinearMethod:
+    def __init__(self, config: AWQConfig) -> None:
+        self.config = config
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        n_in, n_out = layer.in_features, layer.out_features
+        group = n_in if self.config.group_size == -1 else self.config.group_size
+        if n_in % group or n_out % 8:
+            raise ConfigError(
+                f"{layer.prefix}: AWQ needs in_features ({n_in}) divisible by group_size {group} and out_features "
+                f"({n_out}) divisible by 8; this model cannot be loaded with this AWQ config"
+            )
+        layer.quant_dtype, layer.awq_group = dtype, group
+        packed = output_sharded_loader(layer, "AWQ", out_dim=1, pack=8, expected_dtype=torch.int32)
+        add_param(layer, "qweight", (n_in, n_out // 8), torch.int32, packed)
+        add_param(layer, "qzeros", (n_in // group, n_out // 8), torch.int32, packed)
+        # float32 holds fp16 and bf16 scales exactly until they are converted to the model dtype
+        add_param(layer, "scales", (n_in // group, n_out), torch.float32,
+                  output_sharded_loader(layer, "AWQ", out_dim=1))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q = unpack_awq(layer.qweight.data).t()  # [out, in]
+        zeros = unpack_awq(layer.qzeros.data).t()  # [out, groups]
+        scales = layer.scales.data.t()  # [out, groups]
+        drop_params(layer, "qweight", "qzeros", "scales")
+        install_int_weight(layer, q, scales, zeros, 4, layer.awq_group, [IntPart(0, layer.out_features, None)],
+                           self.config.kernel)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return apply_int_linear(layer, x, bias)

@@ -1,0 +1,149 @@
+"""compressed-tensors checkpoints (``quant_method: compressed-tensors``), as llm-compressor writes them.
+
+Two formats are read:
+- "pack-quantized" (W4A16 / W8A16 from GPTQ or RTN): ``weight_packed`` int32
+  ``[out, in * b / 32]`` packed along the input dimension, signed values
+  offset by ``2 ** (b - 1)``; ``weight_scale [out, groups]`` (``groups = 1``
+  for the channel strategy); ``weight_shape [2]``; ``weight_g_idx [in]`` with
+  ``actorder: group``. Symmetric only: ``W = (u - 2 ** (b - 1)) * scale``.
+- "float-quantized" (FP8 W8A8 / W8A16): see ``fp8.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagoda.errors import CheckpointError, ConfigError
+from pagoda.plugins.quant.base import (
+    add_param, check_group_size, checkpoint_modules, drop_params, is_skipped, kernel_for_device, loaded_suffix,
+    name_matches, output_sharded_loader, per_shard_loader, shard_rows)
+from pagoda.plugins.quant.fp8 import Fp8LinearMethod
+from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
+from pagoda.plugins.quant.packing import unpack_int32
+
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+
+
+class CompressedTensorsConfig:
+    """Parsed ``quantization_config``: ``config_groups`` of (targets, weights scheme), ``ignore`` list."""
+
+    def __init__(self, model_config: Any, cfg: dict[str, Any]) -> None:
+        self.ignore = list(cfg.get("ignore") or [])
+        self.kernel = kernel_for_device()
+        self.groups = []
+        for group_name, group in (cfg.get("config_groups") or {}).items():
+            fmt = group.get("format") or cfg.get("format")
+            if fmt not in SUPPORTED_FORMATS:
+                raise ConfigError(f"compressed-tensors format {fmt!r} (config_groups.{group_name}) is not supported; "
+                                  f"pagoda reads {', '.join(SUPPORTED_FORMATS)}")
+            weights = group.get("weights") or {}
+            self.groups.append((group_name, list(group.get("targets") or []), fmt, weights,
+                                group.get("input_activations")))
+        if not self.groups:
+            raise ConfigError("compressed-tensors quantization_config has no config_groups; nothing to load")
+
+    def for_layer(self, prefix: str):
+        if is_skipped(prefix, lambda m: any(name_matches(m, p) for p in self.ignore), "compressed-tensors"):
+            return None
+        chosen = {self._group_of(m) for m in checkpoint_modules(prefix)}
+        if len(chosen) != 1:
+            raise ConfigError(f"compressed-tensors config_groups {sorted(str(c) for c in chosen)} quantize the "
+                              f"modules pagoda fuses into {prefix} differently; pagoda needs one scheme per layer")
+        index = chosen.pop()
+        if index is None:
+            return None
+        name, _, fmt, weights, acts = self.groups[index]
+        if fmt == "pack-quantized":
+            return PackedIntLinearMethod(name, weights, acts, self.kernel)
+        return _float_method(name, weights, acts)
+
+    def _group_of(self, module: str) -> Optional[int]:
+        for i, (_, targets, _, _, _) in enumerate(self.groups):
+            if any(t == "Linear" or name_matches(module, t) for t in targets):
+                return i
+        return None
+
+
+def _float_method(group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]]) -> Fp8LinearMethod:
+    where = f"compressed-tensors config_groups.{group}"
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ConfigError(f"{where}: float-quantized weights must be type float, num_bits 8; got {weights}")
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel", "block"):
+        raise ConfigError(f"{where}: FP8 weight strategy {strategy!r} is not supported; expected tensor, channel "
+                          "or block")
+    block = tuple(weights.get("block_structure") or ()) if strategy == "block" else None
+    activations = None
+    if acts:
+        if acts.get("type") != "float" or acts.get("num_bits") != 8:
+            raise ConfigError(f"{where}: input activations {acts} are not supported; expected FP8 or none")
+        activations = "dynamic" if acts.get("dynamic") else "static"
+        if activations == "static" and acts.get("strategy") != "tensor":
+            raise ConfigError(f"{where}: static activation strategy {acts.get('strategy')!r} is not supported; "
+                              "expected tensor")
+    return Fp8LinearMethod(strategy, activations, block, method="compressed-tensors FP8")
+
+
+class PackedIntLinearMethod:
+    """compressed-tensors "pack-quantized": symmetric int4 / int8 weights, group or channel scales."""
+
+    def __init__(self, group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]], kernel: str) -> None:
+        where = f"compressed-tensors config_groups.{group}"
+        self.bits = weights.get("num_bits")
+        if weights.get("type") != "int" or self.bits not in (4, 8):
+            raise ConfigError(f"{where}: pack-quantized weights of type {weights.get('type')!r} with num_bits "
+                              f"{self.bits!r} are not supported; expected int with 4 or 8 bits")
+        if not weights.get("symmetric", True):
+            raise ConfigError(f"{where}: asymmetric pack-quantized weights are not supported; expected symmetric")
+        strategy = weights.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ConfigError(f"{where}: weight strategy {strategy!r} is not supported; expected group or channel")
+        self.group_size = check_group_size(weights.get("group_size"), where) if strategy == "group" else -1
+        if acts:
+            raise ConfigError(f"{where}: quantized input activations ({acts}) with int weights are not supported; "
+                              "pagoda reads weight-only int schemes (W4A16, W8A16)")
+        self.has_g_idx = weights.get("actorder") == "group"
+        self.kernel = kernel
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        n_out, n_in = layer.out_features, layer.in_features
+        group = n_in if self.group_size == -1 else self.group_size
+        layer.quant_dtype, layer.ct_group = dtype, group
+        method, per_word = "compressed-tensors pack-quantized", 32 // self.bits
+        add_param(layer, "weight_packed", (n_out, -(-n_in // per_word)), torch.int32,
+                  output_sharded_loader(layer, method, out_dim=0, expected_dtype=torch.int32))
+        add_param(layer, "weight_scale", (n_out, -(-n_in // group)), torch.float32,
+                  output_sharded_loader(layer, method, out_dim=0))
+        add_param(layer, "weight_shape", (len(layer.output_sizes), 2), torch.int64, per_shard_loader(layer, method))
+        if self.has_g_idx:
+            add_param(layer, "weight_g_idx", (len(layer.output_sizes), n_in), torch.int64,
+                      per_shard_loader(layer, method))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        rows = shard_rows(layer)
+        for i, (start, end) in enumerate(rows):
+            shape = layer.weight_shape.data[i].tolist()
+            if shape != [end - start, layer.in_features]:
+                raise CheckpointError(f"{layer.prefix}: weight_shape of shard {i} is {shape} but the model expects "
+                                      f"{[end - start, layer.in_features]}")
+        q = unpack_int32(layer.weight_packed.data, self.bits, dim=1)[:, : layer.in_features].contiguous()
+        scales = layer.weight_scale.data  # [out, groups]
+        zeros = torch.full_like(scales, float(1 << (self.bits - 1)))  # symmetric: offset of the stored values
+        parts, _ = parts_from_g_idx([None] * len(rows), rows, layer.ct_group, [])
+        if self.has_g_idx:
+            if not loaded_suffix(layer, "weight_g_idx"):
+                raise CheckpointError(f"{layer.prefix}: actorder 'group' needs weight_g_idx tensors")
+            names = [f"{layer.prefix}.weight_g_idx (shard {i})" for i in range(len(rows))]
+            parts, perms = parts_from_g_idx(list(layer.weight_g_idx.data), rows, layer.ct_group, names)
+            for (start, end), perm in zip(rows, perms):
+                if perm is not None:
+                    q[start:end] = q[start:end][:, perm]
+            drop_params(layer, "weight_g_idx")
+        drop_params(layer, "weight_packed", "weight_scale", "weight_shape")
+        install_int_weight(layer, q, scales, zeros, self.bits, layer.ct_group, parts, self.kernel)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return apply_int_linear(layer, x, bias)

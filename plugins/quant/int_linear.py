@@ -1,0 +1,119 @@
+"""The runtime of every group-wise integer method (AWQ, GPTQ, compressed-tensors pack-quantized).
+
+Each method converts its checkpoint layout once, after loading, into the same
+packed form on the layer (no full-precision copy is kept):
+
+- ``w_q``      uint8 ``[out, in_pad * bits / 8]``  (see ``packing.pack_uint8``)
+- ``w_scales`` ``[out, groups]`` in the model dtype
+- ``w_zeros``  ``[out, groups]`` in the model dtype (zero points as numbers)
+
+where ``in_pad = groups * group_size >= in`` (the last group of a layer whose
+width is not a multiple of the group size is padded with zero weights).
+``W[o, i] = (q[o, i] - w_zeros[o, i // gs]) * w_scales[o, i // gs]``, then
+``y = x[:, perm] @ W^T`` when the checkpoint reordered its input columns
+(GPTQ act-order). A fused layer whose shards were reordered differently keeps
+one (rows, perm) part per shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.errors import CheckpointError
+from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
+
+
+@dataclass(frozen=True)
+class IntPart:
+    """Rows ``[row_start, row_end)`` of a layer that share one input permutation (or none)."""
+
+    row_start: int
+    row_end: int
+    perm: Optional[torch.Tensor]  # [in] int64, or None for the identity
+
+
+def install_int_weight(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bits: int, group_size: int, parts: list[IntPart], kernel: str) -> None:
+    """Store ``q [out, in]`` (unsigned ints), ``scales``/``zeros [out, groups]`` in the runtime layout."""
+    out_features, in_features = q.shape
+    num_groups = scales.shape[1]
+    in_pad = num_groups * group_size
+    if in_pad != in_features:
+        q = F.pad(q, (0, in_pad - in_features))
+    dtype = layer.quant_dtype
+    layer.w_q = nn.Parameter(pack_uint8(q, bits), requires_grad=False)
+    layer.w_scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
+    layer.w_zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
+    layer.int_bits, layer.int_group_size, layer.int_kernel = bits, group_size, kernel
+    for i, part in enumerate(parts):
+        if part.perm is not None:
+            layer.register_buffer(f"w_perm_{i}", part.perm.to(torch.int64), persistent=False)
+    layer.int_parts = [(p.row_start, p.row_end, p.perm is not None) for p in parts]
+
+
+def dequantize_int_rows(layer: nn.Module, row_start: int, row_end: int) -> torch.Tensor:
+    """Full-precision ``[rows, in]`` weight of rows ``[row_start, row_end)``; built per call, never kept."""
+    q = unpack_uint8(layer.w_q[row_start:row_end], layer.int_bits)  # [rows, in_pad] uint8
+    scales = layer.w_scales[row_start:row_end]  # [rows, groups]
+    zeros = layer.w_zeros[row_start:row_end]
+    rows, num_groups = scales.shape
+    w = q[:, : num_groups * layer.int_group_size].view(rows, num_groups, -1).to(scales.dtype)
+    w = (w - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)  # [rows, groups, group_size]
+    return w.view(rows, -1)[:, : layer.in_features]
+
+
+def apply_int_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x [..., in] -> [..., out]`` through the packed weight of ``layer``."""
+    outputs = []
+    for i, (row_start, row_end, has_perm) in enumerate(layer.int_parts):
+        xin = x.index_select(-1, getattr(layer, f"w_perm_{i}")) if has_perm else x
+        if layer.int_kernel == "triton":
+            from pagoda.plugins.quant.triton_kernels import int_dequant_matmul
+
+            outputs.append(int_dequant_matmul(xin, layer, row_start, row_end))
+        else:
+            outputs.append(F.linear(xin, dequantize_int_rows(layer, row_start, row_end)))
+    y = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+    return y if bias is None else y + bias
+
+
+def parts_from_g_idx(g_idx_per_shard: list[Optional[torch.Tensor]], shard_rows: list[tuple[int, int]],
+                     group_size: int, names: list[str]) -> tuple[list[IntPart], list[Optional[torch.Tensor]]]:
+    """Turn each shard's ``g_idx [in]`` (group of every input column) into input permutations.
+
+    Returns the parts (shards with equal permutations merged) and, per shard,
+    the permutation to apply to that shard's weight columns (or None). After
+    sorting, columns of group ``g`` sit at ``g * group_size`` onward, which
+    is what act-order checkpoints guarantee (every group holds ``group_size``
+    columns except possibly the last); ``names`` name each shard's g_idx
+    tensor for the error raised when it does not.
+    """
+    perms: list[Optional[torch.Tensor]] = []
+    for g_idx in g_idx_per_shard:
+        if g_idx is None:
+            perms.append(None)
+            continue
+        perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+        expected = torch.arange(perm.numel()) // group_size
+        if not torch.equal(g_idx.to(torch.int64)[perm], expected):
+            raise CheckpointError(
+                f"tensor {names[len(perms)]!r} does not assign {group_size} input columns to each group "
+                f"(group_size {group_size}); the checkpoint's g_idx does not match its quantization config")
+        trivial = torch.equal(perm, torch.arange(perm.numel()))
+        perms.append(None if trivial else perm)
+    parts: list[IntPart] = []
+    for (start, end), perm in zip(shard_rows, perms):
+        last = parts[-1] if parts else None
+        same = last is not None and (
+            (last.perm is None and perm is None)
+            or (last.perm is not None and perm is not None and torch.equal(last.perm, perm)))
+        if same:
+            parts[-1] = IntPart(last.row_start, end, last.perm)
+        else:
+            parts.append(IntPart(start, end, perm))
+    return parts, perms
