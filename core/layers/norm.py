@@ -21,6 +21,6 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        # computed in float32 as the reference implementation does, then cast back
-        y = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps).to(x.dtype) * self.weight
+        # one fused kernel; it accumulates in float32 for bf16/fp16 inputs
+        y = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return y if residual is None else (y, residual)
