@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
@@ -53,8 +53,19 @@ def offline(llm):
     return ref
 
 
+class EchoRoutes:
+    """A third-party plugin adding a route through the same hook the OpenAI routes use."""
+
+    @hookimpl
+    def pagoda_add_routes(self, app, engine):
+        @app.get("/v1/plugin/echo")
+        async def echo():
+            return {"model": engine.model_name, "healthy": engine.is_healthy}
+
+
 @pytest.fixture(scope="module")
 def server(llm, offline):
+    llm.engine.pm.register(EchoRoutes(), name="echo-routes")
     aengine = AsyncLLMEngine(llm.engine)
     srv = ServerThread(build_app(aengine, api_key=API_KEY)).start()
     yield srv
@@ -189,15 +200,23 @@ def test_a_non_streaming_client_that_gives_up_frees_its_kv_blocks(server, llm):
     assert wait_until_cache_is_free(llm)
 
 
-def test_a_missing_or_wrong_api_key_gets_401_but_health_needs_none(server):
+def test_a_missing_or_wrong_api_key_gets_401_but_probes_need_none(server):
     for headers in ({}, {"Authorization": "Bearer sk-pagoda-tesX"}, {"Authorization": API_KEY}):
-        resp = httpx.get(server.url + "/v1/models", headers=headers)
-        assert resp.status_code == 401
-        assert resp.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/v1/models", "/v1/plugin/echo"):
+            resp = httpx.get(server.url + path, headers=headers)
+            assert resp.status_code == 401
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=headers).status_code == 401
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-    assert httpx.get(server.url + "/health").status_code == 200
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.url + path).status_code == 200
+
+
+def test_a_plugin_adds_routes_through_the_same_hook_as_the_builtin_server(server):
+    resp = httpx.get(server.url + "/v1/plugin/echo", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.json() == {"model": MODEL, "healthy": True}
 
 
 def test_an_unknown_model_name_gets_404(client):
@@ -212,9 +231,10 @@ def test_models_version_tokenize_and_detokenize_endpoints(client, server, llm):
     assert httpx.get(server.url + "/version").json()["version"]
     tok = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=headers).json()
     assert tok["tokens"] == llm.get_tokenizer().encode(PROMPT) and tok["count"] == len(tok["tokens"])
-    chat_tok = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    chat_tok = httpx.post(server.url + "/tokenize", json={"messages": CHAT}, headers=headers).json()
     assert chat_tok["tokens"] == llm.apply_chat_template(CHAT)
-    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": PROMPT}
+    detok = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=headers)
+    assert detok.json() == {"prompt": PROMPT}
 
 
 def test_metrics_endpoint_exports_pagoda_metrics_that_count_served_requests(client, server):

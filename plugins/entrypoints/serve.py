@@ -21,7 +21,8 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGODA_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
+                        "(default: $PAGODA_API_KEY, else no key)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

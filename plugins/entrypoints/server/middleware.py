@@ -1,4 +1,4 @@
-"""ASGI guard in front of every route: API key on ``/v1/*`` and a cap on request body size.
+"""ASGI guard in front of every route: the API key (all routes but probes) and a cap on request body size.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
 notices pass through untouched.
@@ -13,6 +13,10 @@ from typing import Any, Optional
 from pagoda.plugins.entrypoints.server.errors import error_body
 
 
+# what probes and scrapers reach without the API key
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
 class GuardMiddleware:
     def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int) -> None:
         self.app = app
@@ -23,7 +27,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             if not self._authorized(scope):
                 await _send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
