@@ -66,8 +66,12 @@ def _version() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--version"]:  # answer without loading every plugin
+        print(_version())
+        return 0
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(args)
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2

@@ -1,0 +1,148 @@
+"""The contracts components must meet: what each hook's factory returns.
+
+These are :class:`typing.Protocol` classes, checked by shape, not by
+inheritance: a plugin needs no pagoda base class (though it may subclass a
+built-in, as ``contrib/pagoda-sjf`` does). Everything the engine calls on a
+component is listed here; anything else is the component's own business.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagoda.attention_batch import AttentionBatch
+    from pagoda.request import Request, RequestStatus
+    from pagoda.sampler import SamplerOutput
+    from pagoda.scheduler_output import SchedulerOutput
+
+
+@runtime_checkable
+class ModelLoader(Protocol):
+    """``pagoda_model_loaders``: fills a built model with weights."""
+
+    def load_weights(self, model: "torch.nn.Module") -> None:
+        """Load every parameter; raise :class:`pagoda.errors.CheckpointError` naming a bad tensor."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """``pagoda_model_architectures``: a decoder over flattened, unpadded token batches."""
+
+    def forward(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
+                ) -> "torch.Tensor":
+        """``[num_tokens]`` ids and positions -> ``[num_tokens, hidden]`` hidden states."""
+
+    def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        """``[n, hidden]`` -> ``[n, vocab]`` float32 logits."""
+
+    def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Take ``(checkpoint_name, tensor)`` pairs; every parameter must be set."""
+
+
+@runtime_checkable
+class KVCacheManager(Protocol):
+    """``pagoda_kv_allocators``: block ids, ref counts and the prefix cache (never tensors)."""
+
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1]."""
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def block_table(self, request_id: str) -> list[int]: ...
+
+    def num_blocks_held(self, request_id: str) -> int: ...
+
+    def get_computed_blocks(self, request: "Request") -> tuple[list, int]:
+        """Cached blocks covering the start of the request, and how many tokens they hold."""
+
+    def can_allocate(self, request: "Request", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool: ...
+
+    def allocate_slots(self, request: "Request", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool:
+        """Room for ``num_new_tokens`` more tokens; False (allocating nothing) if the pool is short."""
+
+    def free(self, request: "Request | str") -> None: ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """``pagoda_schedulers``: which requests run each step, and how many tokens each."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    def add_request(self, request: "Request") -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def schedule(self) -> "SchedulerOutput":
+        """The next step's batch (prefill chunks and decodes), block moves and preemptions."""
+
+    def update(self, sched: "SchedulerOutput", sampled_token_ids: list[Optional[int]]) -> list["Request"]:
+        """Append sampled tokens, apply stop rules, free finished requests; return the requests that advanced."""
+
+    def finish(self, request: "Request", status: "RequestStatus") -> None:
+        """End a request in any state and free its blocks at once."""
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list["Request"]: ...
+
+    def drain_finished(self) -> list["Request"]:
+        """Requests finished since the last call."""
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """``pagoda_attention_backends``: K/V layout, per-step metadata, the attention kernel."""
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's KV tensor; exactly one axis grows with ``num_blocks``."""
+
+    def build_metadata(self, batch: "AttentionBatch") -> Any:
+        """Called once per step; the result is handed to every layer's ``forward``."""
+
+    def forward(self, layer: Any, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
+                kv_cache: "torch.Tensor", metadata: Any) -> "torch.Tensor":
+        """Write this step's K/V into their slots and attend: ``[T, H, D]`` q -> ``[T, H * D]``.
+
+        ``layer.scale`` is the softmax scale. An optional ``kv_cache_dtype``
+        attribute overrides the model dtype for the cache tensors.
+        """
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """``pagoda_samplers``: logits of the requests to sample -> token ids (and logprobs)."""
+
+    def __call__(self, logits: "torch.Tensor", requests: Sequence["Request"]) -> "SamplerOutput": ...
+
+
+@runtime_checkable
+class LinearMethod(Protocol):
+    """What a linear layer asks of its quant method (see ``pagoda.layers.linear``)."""
+
+    def create_weights(self, layer: Any, dtype: "torch.dtype") -> None:
+        """Register the layer's parameters (packed shapes), each with a ``weight_loader``."""
+
+    def process_weights_after_loading(self, layer: Any) -> None: ...
+
+    def apply(self, layer: Any, x: "torch.Tensor", bias: Optional["torch.Tensor"]) -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class QuantMethod(Protocol):
+    """``pagoda_quant_methods``: decides, per linear layer, how its weights are stored and applied."""
+
+    def for_layer(self, prefix: str) -> Optional[LinearMethod]:
+        """The method for the layer named ``prefix`` (checkpoint naming), or None for dense weights."""
