@@ -1,0 +1,98 @@
+"""``pagoda bench prefix`` (W2): requests sharing one long prefix, with and without prefix caching."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+
+from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.workloads import BenchRequest, shared_prefix
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="W2: 64 requests sharing a 1,024-token prefix; with vs without prefix caching")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode; medians are reported")
+    add_engine_args(p)
+    p.set_defaults(func=run_prefix)
+
+
+@dataclass
+class PrefixRun:
+    mean_ttft: float  # seconds from submission (all at once) to each request's first token, averaged
+    total: float  # seconds until the last request finished
+    queries: int  # prompt tokens looked up in the prefix cache
+    hits: int  # of which found there
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def run_workload(llm, requests: list[BenchRequest], tag: str) -> PrefixRun:
+    """Submit every request at once, step to completion, time each request's first token."""
+    from pagoda.sampling_params import SamplingParams
+
+    engine = llm.engine
+    stats = engine.kv_manager.stats
+    queries, hits = stats.queries, stats.hits
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
+    first_token: dict[str, float] = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.outputs[0].token_ids and out.request_id not in first_token:
+                first_token[out.request_id] = now - start
+    total = time.perf_counter() - start
+    return PrefixRun(statistics.mean(first_token.values()), total, stats.queries - queries, stats.hits - hits)
+
+
+def make_llm(ns: argparse.Namespace, enable_prefix_caching: bool):
+    from pagoda.llm import LLM
+
+    args = engine_args_from(ns, enable_prefix_caching=enable_prefix_caching)
+    return LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
+
+
+def measure(ns: argparse.Namespace, llm, requests: list[BenchRequest], warmup: list[BenchRequest]) -> PrefixRun:
+    """Warm up, then run W2 ``--repeats`` times from a cold prefix cache; medians."""
+    run_workload(llm, warmup, "warmup")
+    runs = []
+    for repeat in range(ns.repeats):
+        llm.engine.kv_manager.reset_prefix_cache()
+        runs.append(run_workload(llm, requests, f"w2-{repeat}"))
+    return PrefixRun(statistics.median(r.mean_ttft for r in runs), statistics.median(r.total for r in runs),
+                     runs[-1].queries, runs[-1].hits)
+
+
+def run_prefix(ns: argparse.Namespace) -> int:
+    llm = make_llm(ns, enable_prefix_caching=True)
+    engine = llm.engine
+    vocab, special = engine.config.model.vocab_size, set(llm.get_tokenizer().all_special_ids)
+    requests = shared_prefix(vocab, special, ns.num_requests, ns.prefix_len, ns.suffix_len, ns.output_len)
+    # warm-up on another prefix, so the measured runs find the cache cold
+    warmup = shared_prefix(vocab, special, 4, min(ns.prefix_len, 64), ns.suffix_len, 4, seed=1)
+    print(f"model: {engine.config.model.model}  dtype: {str(engine.config.model.dtype).replace('torch.', '')}  "
+          f"threads: {engine.num_threads}  KV blocks: {engine.num_blocks} x {engine.config.cache.block_size}")
+    print(f"W2: {len(requests)} requests, a {ns.prefix_len}-token shared prefix + {ns.suffix_len} distinct tokens "
+          f"each, {ns.output_len} output tokens each, median of {ns.repeats}")
+    cached = measure(ns, llm, requests, warmup)
+    del llm, engine
+    gc.collect()
+    uncached = measure(ns, make_llm(ns, enable_prefix_caching=False), requests, warmup)
+    for label, run in (("with prefix caching   ", cached), ("without prefix caching", uncached)):
+        print(f"{label}: mean TTFT {run.mean_ttft:8.3f} s  total {run.total:8.2f} s")
+    print(f"prefix cache hit rate: {cached.hit_rate:.1%} ({cached.hits} of {cached.queries} prompt tokens)")
+    print(f"ratio without / with prefix caching: mean TTFT {uncached.mean_ttft / cached.mean_ttft:.1f}x, "
+          f"total time {uncached.total / cached.total:.1f}x")
+    return 0
