@@ -1,0 +1,41 @@
+"""The benchmark workloads are drawn exactly as BENCHMARK.md specifies, and the bench commands run."""
+
+import subprocess
+import sys
+
+from pagoda.plugins.entrypoints.workloads import latency_1, random_64, shared_prefix
+
+SMOLLM2_VOCAB = 49152
+SMOLLM2_SPECIAL = {0, 1, 2}
+
+
+def test_random_64_matches_the_published_token_counts():
+    requests = random_64(SMOLLM2_VOCAB, SMOLLM2_SPECIAL)
+    prompt = [len(r.prompt_token_ids) for r in requests]
+    output = [r.output_len for r in requests]
+    assert len(requests) == 64
+    assert sum(prompt) == 9637 and max(prompt) == 512
+    assert sum(output) == 5862 and max(output) == 256
+    assert all(100 <= t < SMOLLM2_VOCAB for r in requests for t in r.prompt_token_ids)
+
+
+def test_latency_and_shared_prefix_workloads_have_their_shapes():
+    req = latency_1(SMOLLM2_VOCAB, SMOLLM2_SPECIAL)
+    assert len(req.prompt_token_ids) == 128 and req.output_len == 128
+    shared = shared_prefix(SMOLLM2_VOCAB, SMOLLM2_SPECIAL)
+    assert len(shared) == 64
+    assert all(r.prompt_token_ids[:1024] == shared[0].prompt_token_ids[:1024] for r in shared)
+    assert len({tuple(r.prompt_token_ids[1024:]) for r in shared}) == 64
+
+
+def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile():
+    cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", "--num-requests", "4", "--hf-batch-size", "2",
+           "--hf-batches", "1", "--profile", "--cpu-threads", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "threads: 1" in text
+    assert "pagoda:" in text and "output tok/s" in text
+    assert "KV cache at peak" in text and "waste" in text
+    assert "profile: 8 decode steps" in text and "matmuls" in text and "attention" in text
+    assert "ratio (output tok/s): pagoda / HF =" in text
