@@ -265,6 +265,16 @@ class AsyncLLMEngine:
                 future.set_exception(exc)
 
     def _run(self) -> None:
+        try:
+            self._serve_steps()
+        except BaseException as exc:  # noqa: BLE001 - a crashed loop must fail its clients, not hang them
+            logger.exception("the engine loop crashed")
+            self._die(f"the engine loop crashed: {type(exc).__name__}: {exc}")
+        if self.dead_reason is None:
+            self._run_commands()  # a clean stop still carries out the aborts queued by shutdown()
+        self._drain_commands()
+
+    def _serve_steps(self) -> None:
         engine = self.engine
         while not self._stop:
             self._wakeup.clear()
@@ -280,10 +290,14 @@ class AsyncLLMEngine:
                 continue
             self._consecutive_failures = 0
             if outputs:
-                self._loop.call_soon_threadsafe(self._deliver, outputs)
-        if self.dead_reason is None:
-            self._run_commands()  # a clean stop still carries out the aborts queued by shutdown()
-        self._drain_commands()
+                self._to_loop(self._deliver, outputs)
+
+    def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the event loop (thread-safe); a closed loop has no one left to tell."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
 
     def _on_step_failure(self, exc: Exception) -> None:
         self.num_failed_steps += 1
@@ -301,7 +315,7 @@ class AsyncLLMEngine:
         except Exception as cleanup_exc:  # noqa: BLE001
             self._die(f"clean-up after a failed step raised {type(cleanup_exc).__name__}: {cleanup_exc}")
             return
-        self._loop.call_soon_threadsafe(self._fail_streams, parent_ids, error)
+        self._to_loop(self._fail_streams, parent_ids, error)
         if self._consecutive_failures >= self.max_consecutive_failures:
             self._die(f"{self._consecutive_failures} consecutive steps failed; last: {type(exc).__name__}: {exc}")
 
@@ -313,8 +327,8 @@ class AsyncLLMEngine:
         except Exception:  # noqa: BLE001
             logger.exception("could not abort the remaining requests of the dead engine")
         self._stop = True
-        self._loop.call_soon_threadsafe(self._fail_streams, None,
-                                        EngineDeadError(f"the engine stopped after an unrecoverable error: {reason}"))
+        self._to_loop(self._fail_streams, None,
+                      EngineDeadError(f"the engine stopped after an unrecoverable error: {reason}"))
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -179,3 +179,22 @@ def test_shutdown_fails_unfinished_requests_and_stops_the_engine_thread(llm):
 
     assert run(llm.engine, main) is False
     assert_engine_clean(llm.engine)
+
+
+def test_a_crash_that_escapes_the_step_fails_waiting_clients_instead_of_hanging_them(llm, monkeypatch):
+    class Crash(BaseException):
+        pass
+
+    def crash(sched):
+        raise Crash("interpreter is going away")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", crash)
+
+    async def main(a):
+        with pytest.raises(EngineDeadError, match="crashed: Crash"):
+            await asyncio.wait_for(collect(a, "x", PROMPTS[0]), timeout=30)
+        return a.is_healthy
+
+    assert run(llm.engine, main) is False
+    monkeypatch.undo()
+    assert_engine_clean(llm.engine)

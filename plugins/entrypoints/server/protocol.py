@@ -27,10 +27,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = None
@@ -58,7 +57,7 @@ class _SamplingFields(_Body):
     priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
@@ -88,7 +87,7 @@ class ResponseFormat(_Body):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

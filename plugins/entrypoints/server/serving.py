@@ -15,7 +15,7 @@ from fastapi import Request
 from pagoda.async_engine import AsyncLLMEngine
 from pagoda.outputs import RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
-from pagoda.plugins.entrypoints.server.protocol import _SamplingFields
+from pagoda.plugins.entrypoints.server.protocol import SamplingFields
 from pagoda.sampling_params import SamplingParams
 
 
@@ -65,7 +65,7 @@ class ServingContext:
         return max_tokens
 
 
-def make_sampling_params(body: _SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
     """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field."""
     logit_bias = None
     if body.logit_bias:
