@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -12,15 +11,13 @@ from pagoda import LLM, SamplingParams
 from pagoda.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineStepError
 from pagoda.errors import InvalidRequestError
 
-os.environ.setdefault("PAGODA_CPU_THREADS", "1")
-
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")

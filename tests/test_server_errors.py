@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import httpx
 import openai
@@ -21,15 +20,13 @@ from pagoda import LLM
 from pagoda.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
-os.environ.setdefault("PAGODA_CPU_THREADS", "1")
-
 MAX_MODEL_LEN = 64
 MAX_REQUEST_BYTES = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=2, max_waiting_requests=2,
+    return LLM(dtype="float32", cpu_threads=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=2, max_waiting_requests=2,
                kv_cache_memory_bytes=32 << 20)
 
 

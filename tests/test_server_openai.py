@@ -8,7 +8,6 @@ engine before the server takes it over.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import httpx
@@ -19,8 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
-
-os.environ.setdefault("PAGODA_CPU_THREADS", "1")
 
 API_KEY = "sk-pagoda-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,7 +30,7 @@ CONCURRENT_PROMPTS = [f"Fact number {i}: the" for i in range(4)] + [f"def f{i}(x
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", kv_cache_memory_bytes=128 << 20)
+    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20)
 
 
 @pytest.fixture(scope="module")
