@@ -82,8 +82,10 @@ class TritonAttentionBackend:
         check_shapes(self.name, model_config, cache_config)
         # imported only now: TRITON_INTERPRET is read when the kernels are defined
         from pagoda.plugins.attention import triton_decode, triton_kv_write, triton_prefill
+        from pagoda.plugins.attention.triton_common import tiles_for
 
         self._decode, self._kv_write, self._prefill = triton_decode, triton_kv_write, triton_prefill
+        self.tiles = tiles_for(model_config.dtype, model_config.head_dim)
         self.block_size = cache_config.block_size
         self.num_heads = model_config.num_heads
         self.num_kv_heads = model_config.num_kv_heads
@@ -109,7 +111,7 @@ class TritonAttentionBackend:
             decode_plan = self.plan_decode(nd, max(batch.seq_lens_list[:nd]))
         if batch.num_reqs > nd:
             query_lens = np.diff(np.asarray(batch.query_start_loc_list[nd:]))
-            prefill_plan = self._prefill.plan_prefill(query_lens, nd, self.group, dev)
+            prefill_plan = self._prefill.plan_prefill(query_lens, nd, self.group, self.tiles, dev)
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping.to(dev, torch.int64),
             num_decodes=nd,
@@ -125,13 +127,14 @@ class TritonAttentionBackend:
     def plan_decode(self, num_decodes: int, max_seq_len: int) -> Any:
         """The split-K plan of this step's decodes, built once per step."""
         return self._decode.plan_decode(num_decodes, max_seq_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                                        self.target_programs, self.min_tokens_per_split, self.device)
+                                        self.target_programs, self.min_tokens_per_split, self.tiles.decode_tile_n,
+                                        self.device)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata, out: torch.Tensor,
                scale: float) -> None:
         """q, out: [num_decodes, H, D]."""
         self._decode.decode_attention(q, kv_cache, md.decode_block_tables, md.decode_seq_lens, out, scale,
-                                      md.decode_plan)
+                                      md.decode_plan, self.tiles)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] into their slots (slot_mapping [T] int64 on the device; -1 = skip)."""
@@ -150,5 +153,5 @@ class TritonAttentionBackend:
             self.decode(q[:nd], kv_cache, md, out[:nd], layer.scale)
         if md.prefill_plan is not None:
             self._prefill.prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
-                                            layer.scale, md.prefill_plan, self._decode.tile_n(self.head_dim))
+                                            layer.scale, md.prefill_plan, self.tiles)
         return out.view(q.shape[0], -1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton.language as tl
 
@@ -24,3 +26,26 @@ def dot_dtype(dtype: torch.dtype):
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 models get exact fp32 products, not TF32, so they match the fp32 reference."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and warps of the attention kernels for one (dtype, head size).
+
+    Chosen so that no kernel spills registers on sm_80 / sm_90 (checked with ptxas -v on the
+    compiled kernels): fp32 tiles are smaller because fp32 ``tl.dot`` runs without tensor cores
+    and keeps more live values.
+    """
+
+    decode_tile_n: int  # keys per decode loop iteration
+    decode_warps: int
+    prefill_rows: int  # (query token, head) rows per prefill program
+    prefill_tile_n: int  # keys per prefill loop iteration
+    prefill_warps: int
+
+
+def tiles_for(dtype: torch.dtype, head_dim: int) -> Tiles:
+    wide = head_dim > 128
+    if dtype == torch.float32:
+        return Tiles(16, 8, 16, 16, 4) if wide else Tiles(32, 8, 32, 32, 8)
+    return Tiles(32, 8, 32, 32, 8) if wide else Tiles(32, 4, 64, 64, 8)

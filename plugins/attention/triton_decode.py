@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import dot_dtype, dot_precision
+from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision
 
 
 @triton.jit
@@ -121,15 +121,11 @@ class DecodePlan:
     part_lse: torch.Tensor  # [num_decodes, num_heads, num_splits] float32
 
 
-def tile_n(head_dim: int) -> int:
-    """Keys per loop iteration: smaller for wide heads to keep the K and V tiles in registers."""
-    return 32 if head_dim > 128 else 64
-
-
 def plan_decode(num_decodes: int, max_seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                target_programs: int, min_tokens_per_split: int, device: torch.device) -> DecodePlan:
-    """Split long sequences so that about ``target_programs`` programs run, never below the minimum split."""
-    tile = tile_n(head_dim)
+                target_programs: int, min_tokens_per_split: int, tile: int, device: torch.device) -> DecodePlan:
+    """Split long sequences so that about ``target_programs`` programs run, never below the minimum split.
+
+    tile: keys per loop iteration; a split is a whole number of them."""
     max_splits = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, tile)))
     wanted = math.ceil(target_programs / max(1, num_decodes * num_kv_heads))
     num_splits = max(1, min(max_splits, wanted))
@@ -144,7 +140,7 @@ def plan_decode(num_decodes: int, max_seq_len: int, num_heads: int, num_kv_heads
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     out: torch.Tensor, scale: float, plan: DecodePlan) -> None:
+                     out: torch.Tensor, scale: float, plan: DecodePlan, tiles: Tiles) -> None:
     """q, out: [num_decodes, num_heads, head_dim]; kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim];
     block_tables: [num_decodes, max_blocks] int32; seq_lens: [num_decodes] int32."""
     num_decodes, num_heads, head_dim = q.shape
@@ -162,8 +158,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         *po_strides, *pl_strides,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, TILE_N=tile_n(head_dim), IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype),
+        BLOCK_SIZE=block_size, TILE_N=tiles.decode_tile_n, IS_SPLIT=is_split,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), num_warps=tiles.decode_warps,
     )
     if is_split:
         _merge_splits_kernel[(num_decodes, num_heads)](

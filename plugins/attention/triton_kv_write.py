@@ -46,8 +46,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     d_pad, heads_pad = triton.next_power_of_2(head_dim), triton.next_power_of_2(num_kv_heads)
-    # about 4K elements per program on a GPU; the interpreter pays per program, so it takes more
-    tokens = 64 if interpreting() else max(1, 4096 // (d_pad * heads_pad))
+    # about 1K elements (8 per thread) per program on a GPU; the interpreter pays per program, so it takes more
+    tokens = 64 if interpreting() else max(1, 1024 // (d_pad * heads_pad))
     _kv_write_kernel[(triton.cdiv(num_tokens, tokens),)](
         k, v, kv_cache, slot_mapping, num_tokens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

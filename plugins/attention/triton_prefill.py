@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import dot_dtype, dot_precision
+from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision
 
 
 @triton.jit
@@ -96,14 +96,9 @@ class PrefillPlan:
     tile_q0: torch.Tensor  # [num_tiles] int32, first query token of the tile within its request
 
 
-def tile_q_for(group: int) -> int:
-    """Query tokens per tile: about 64 rows of tokens x heads per program."""
-    return max(1, 64 // triton.next_power_of_2(group))
-
-
-def plan_prefill(query_lens: np.ndarray, first_req: int, group: int, device: torch.device) -> PrefillPlan:
+def plan_prefill(query_lens: np.ndarray, first_req: int, group: int, tiles: Tiles, device: torch.device) -> PrefillPlan:
     """query_lens: [num_prefills] new tokens of requests first_req, first_req + 1, ..."""
-    tile_q = tile_q_for(group)
+    tile_q = max(1, tiles.prefill_rows // triton.next_power_of_2(group))  # query tokens per program
     tiles_per_req = -(-query_lens // tile_q)
     tile_req = np.repeat(np.arange(first_req, first_req + len(query_lens)), tiles_per_req)
     # tile index within its request, times tile_q
@@ -119,7 +114,7 @@ def plan_prefill(query_lens: np.ndarray, first_req: int, group: int, device: tor
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, out: torch.Tensor, scale: float, plan: PrefillPlan,
-                      tile_n: int) -> None:
+                      tiles: Tiles) -> None:
     """q, out: [num_tokens, num_heads, head_dim] (the whole batch; only planned tiles are touched);
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs]; query_start_loc: [num_reqs + 1]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -131,6 +126,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         GROUP=group, G_PAD=triton.next_power_of_2(group), TILE_Q=plan.tile_q, HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE_N=tile_n,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype),
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE_N=tiles.prefill_tile_n,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), num_warps=tiles.prefill_warps,
     )
