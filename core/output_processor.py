@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagoda.detokenizer import IncrementalDetokenizer
+from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.request import Request, RequestStatus
 
@@ -27,8 +28,13 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
+        self.sequence_ids: set[str] = set()  # ids of every live sequence (the n children)
 
     def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], children: list[Request]) -> None:
+        """Track a request; raises InvalidRequestError if its id or a sequence id is already in use."""
+        taken = [i for i in [request_id] + [c.request_id for c in children] if self.has(i)]
+        if taken:
+            raise InvalidRequestError(f"request id {taken[0]!r} is already in use; pass a unique request id")
         detoks = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params)
             if c.sampling_params.detokenize else None
@@ -36,9 +42,14 @@ class OutputProcessor:
         ]
         self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children, detoks,
                                                children[0].arrival_time, [0] * len(children))
+        self.sequence_ids.update(c.request_id for c in children)
 
     def has(self, request_id: str) -> bool:
-        return request_id in self.parents
+        return request_id in self.parents or request_id in self.sequence_ids
+
+    def _forget(self, parent: ParentState) -> None:
+        del self.parents[parent.request_id]
+        self.sequence_ids.difference_update(c.request_id for c in parent.children)
 
     def detokenize(self, progressed: list[Request], stop_request) -> None:
         """Detokenize new tokens; ``stop_request(req, status)`` ends a sequence that hit a stop string."""
@@ -67,7 +78,7 @@ class OutputProcessor:
             out = self._make_output(parent)
             outputs.append(out)
             if out.finished:
-                del self.parents[parent.request_id]
+                self._forget(parent)
         return outputs
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
@@ -115,4 +126,6 @@ class OutputProcessor:
         return {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, (lp, rank) in d.items()}
 
     def abort(self, request_id: str) -> None:
-        self.parents.pop(request_id, None)
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            self._forget(parent)

@@ -492,3 +492,15 @@ def test_special_tokens_appear_in_the_text_when_not_skipped(llm):
     out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64, skip_special_tokens=False),
                    use_tqdm=False)[0].outputs[0]
     assert out.text.endswith("<|im_end|>")
+
+
+def test_a_request_id_that_collides_with_another_requests_sequence_id_is_refused(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, n=2)
+    engine.add_request("pair", "Hello", params)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("pair-0", "Hello", SamplingParams(max_tokens=2))
+    engine.abort_request("pair")
+    engine.add_request("pair-0", "Hello", SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
