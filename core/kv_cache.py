@@ -265,6 +265,23 @@ class PagedKVCacheManager:
                     self._register(table[i], self._block_key(request, i, self._hashes[rid]))
         return [(s, b.block_id) for s, b, hit in zip(slots, table, hits) if hit is None]
 
+    def trim_slots(self, request: Request, num_tokens: int) -> None:
+        """Keep room for the request's first ``num_tokens`` tokens only; later blocks go back to the pool.
+
+        Speculative decoding hands out slots for draft tokens and calls this
+        once the rejected ones are known. Blocks past ``num_tokens`` hold no
+        known token, so none of them is in the prefix cache.
+        """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(table) > keep:
+            self._release(table[keep:])
+            del table[keep:]
+        self._num_slots[rid] = min(self._num_slots.get(rid, 0), num_tokens)
+
     def free(self, request: Request | str) -> None:
         """Return every block and swap slot the request holds; full hashed blocks stay cached."""
         request_id = request if isinstance(request, str) else request.request_id

@@ -17,7 +17,7 @@ and whether an arrival may preempt running work.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.request import Request, RequestStatus
@@ -45,6 +45,8 @@ class TokenBudgetScheduler:
         self._prompt_leaders: dict[str, Request] = {}
         # request id -> tokens scheduled in the step being built
         self._scheduled_now: dict[str, int] = {}
+        # speculative decoding (set by the engine): request -> draft tokens it may verify this step
+        self.max_spec_tokens: Optional[Callable[[Request], int]] = None
 
     # ---- policy points -------------------------------------------------------
 
@@ -126,6 +128,8 @@ class TokenBudgetScheduler:
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
                 continue
+            if self.max_spec_tokens is not None and req.num_tokens - req.num_computed_tokens == 1:
+                num_new += self._num_spec_tokens(req, budget - 1)
             if self._outgrows_cache(req, num_new):
                 self._fail_unfittable(req)
                 continue
@@ -139,6 +143,14 @@ class TokenBudgetScheduler:
                 self._add_to_output(out, req, num_new)
                 budget -= num_new
         return budget
+
+    def _num_spec_tokens(self, req: Request, budget: int) -> int:
+        """Draft slots for a decoding request: what the proposer wants, within the budget and
+        ``max_model_len``, and only if the blocks are free now (drafts never cost a preemption)."""
+        k = min(self.max_spec_tokens(req), budget, self.max_model_len - req.num_tokens)
+        if k <= 0 or self._outgrows_cache(req, 1 + k) or not self.kv.can_allocate(req, 1 + k):
+            return 0
+        return k
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -279,12 +291,29 @@ class TokenBudgetScheduler:
         for req, token_id in zip(sched.requests, sampled_token_ids):
             if token_id is None or req.is_finished:
                 continue
+            if isinstance(token_id, list):  # speculative decoding: the accepted run of this step
+                self._append_verified(req, token_id)
+                progressed.append(req)
+                continue
             req.append_output_token(token_id)
             progressed.append(req)
             status = self._check_stop(req, token_id)
             if status is not None:
                 self.finish(req, status)
         return progressed
+
+    def _append_verified(self, req: Request, token_ids: list[int]) -> None:
+        """Append a verified run token by token (a stop ends it early, dropping the rest), then roll
+        the computed count back to it and release the blocks that only held rejected drafts."""
+        for token_id in token_ids:
+            req.append_output_token(token_id)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self.finish(req, status)
+                return
+        # K/V are valid up to the last accepted draft; the newest token is computed next step
+        req.num_computed_tokens = req.num_tokens - 1
+        self.kv.trim_slots(req, req.num_tokens)
 
     def _check_stop(self, req: Request, token_id: int) -> Optional[RequestStatus]:
         params = req.sampling_params
