@@ -365,3 +365,16 @@ def test_naming_the_triton_backend_on_a_cpu_without_the_interpreter_is_a_config_
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="attention backend 'triton' cannot run here.*TRITON_INTERPRET=1"):
         LLM(str(tiny_llama), attention_backend="triton", dtype="float32", kv_cache_memory_bytes=8 << 20)
+
+
+def test_decode_splits_long_sequences_to_fill_the_gpu_and_keeps_short_ones_whole():
+    from pagoda.plugins.attention.triton_decode import plan_decode
+
+    # 2 requests x 8 KV heads = 16 programs on a 132-SM GPU: an 8000-token context is cut into 17 splits
+    plan = plan_decode(2, 8000, 32, 8, 128, target_programs=264, min_tokens_per_split=256, tile=32,
+                       device=torch.device("cpu"))
+    assert (plan.num_splits, plan.tokens_per_split) == (17, 480)
+    assert plan.part_out.shape == (2, 32, 17, 128) and plan.part_lse.shape == (2, 32, 17)
+    # a batch that already fills the GPU, or a context shorter than a split, runs in one pass
+    assert plan_decode(64, 8000, 32, 8, 128, 264, 256, 32, torch.device("cpu")).num_splits == 1
+    assert plan_decode(2, 200, 32, 8, 128, 264, 256, 32, torch.device("cpu")).num_splits == 1
