@@ -150,6 +150,17 @@ class Layer:
         self.scale = head_dim ** -0.5
 
 
+def strided_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each [T, heads, D] as a view into one wider row, as the model's q, k, v are split from one qkv output."""
+    widths = [t.shape[1] * t.shape[2] for t in tensors]
+    rows = torch.empty(tensors[0].shape[0], sum(widths), dtype=tensors[0].dtype, device=tensors[0].device)
+    views = []
+    for t, part in zip(tensors, rows.split(widths, dim=1)):
+        part.copy_(t.reshape(t.shape[0], -1))
+        views.append(part.view(t.shape))
+    return views
+
+
 def write_only(backend, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     if isinstance(backend, TorchAttentionBackend):
         # the reference layout [2, Hkv, num_blocks, block_size, D], written as its forward writes it
@@ -174,6 +185,7 @@ def run_backend(backend, scenario: Scenario, fill: float, attend_context: bool =
         if isinstance(backend, TorchAttentionBackend):
             out = backend.forward(layer, q, k, v, cache, md)
         else:
+            q, k, v = strided_views(q, k, v)
             poisoned = torch.full_like(q, float("nan"))
             out = backend.forward(layer, q, k, v, cache, md, out=poisoned)
             assert out.data_ptr() == poisoned.data_ptr()

@@ -146,7 +146,7 @@ class TritonAttentionBackend:
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
         self.write_kv(k, v, kv_cache, md.slot_mapping)
         nd = md.num_decodes
         if nd:
