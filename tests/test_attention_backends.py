@@ -174,10 +174,12 @@ def write_only(backend, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, s
 def run_backend(backend, scenario: Scenario, fill: float, attend_context: bool = True) -> list[torch.Tensor]:
     """Outputs of every step; with attend_context=False the context step only writes K/V (long contexts)."""
     sh = scenario.shape
-    cache = torch.full(backend.kv_cache_shape(scenario.num_blocks), fill, dtype=sh.dtype, device=DEVICE)
+    # the torch reference is the CPU path: its metadata stays on the CPU
+    device = torch.device("cpu") if isinstance(backend, TorchAttentionBackend) else DEVICE
+    cache = torch.full(backend.kv_cache_shape(scenario.num_blocks), fill, dtype=sh.dtype, device=device)
     layer, outs = Layer(sh.head_dim), []
     for step, (batch, (q, k, v)) in enumerate(scenario.steps()):
-        q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+        q, k, v = q.to(device), k.to(device), v.to(device)
         if step == 0 and scenario.has_context and not attend_context:
             write_only(backend, k, v, cache, batch.slot_mapping)
             continue
@@ -352,21 +354,26 @@ def greedy_tokens(model_dir, backend: str, prompts: list[list[int]]) -> list[lis
 
     # a 24-token step budget cuts the prompts into chunks that share steps with decodes, and
     # the shared prefix is served from the prefix cache as cached context
+    # the torch reference is the CPU path; the kernels run on the GPU when there is one
+    device = "cpu" if backend == "torch" else DEVICE.type
     llm = LLM(str(model_dir), attention_backend=backend, dtype="float32", max_num_batched_tokens=24,
-              max_num_seqs=4, kv_cache_memory_bytes=8 << 20, cpu_threads=1)
+              max_num_seqs=4, kv_cache_memory_bytes=8 << 20, cpu_threads=1, device=device)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.mark.slow
-def test_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_llama):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_generates_the_torch_backends_greedy_tokens(tiny_llama, backend):
+    if backend == "cuda" and not HAS_CUDA:
+        pytest.skip("the cuda backend needs a CUDA GPU; this machine has none")
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(3, 49152, (20,), generator=gen).tolist()
     prompts = [prefix + torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (17, 3, 30)]
     prompts.append(torch.randint(3, 49152, (5,), generator=gen).tolist())
     expected = greedy_tokens(tiny_llama, "torch", prompts)
-    assert greedy_tokens(tiny_llama, "triton", prompts) == expected
+    assert greedy_tokens(tiny_llama, backend, prompts) == expected
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the triton backend is available")
