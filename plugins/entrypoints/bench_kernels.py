@@ -2,7 +2,8 @@
 
 One forward = the KV write of the step's new tokens plus attention over the
 paged K/V, as one layer runs it (metadata is built once, outside the timing,
-as the engine builds it once per step). On a GPU the time comes from CUDA
+as the engine builds it once per step); successive forwards rotate over
+several KV caches, as layers do, so K/V are not served from the cache. On a GPU the time comes from CUDA
 events and the achieved memory bandwidth is set against the device's peak; on
 a CPU wall-clock time is used and the reference is a measured copy bandwidth.
 """
@@ -105,12 +106,24 @@ class Layer:
         self.scale = head_dim ** -0.5
 
 
+def last_level_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 << 20)
+    return 64 << 20  # a generous CPU last-level cache
+
+
 def time_forward(backend: Any, w: Workload, ns: argparse.Namespace, dtype: torch.dtype,
                  device: torch.device) -> float:
-    """Seconds per forward."""
+    """Seconds per forward.
+
+    Successive forwards use different KV caches, like a model's layers, so that together they
+    exceed the last-level cache several times and K/V really come from memory."""
     gen = torch.Generator().manual_seed(0)
     batch, num_blocks = make_batch(w, ns.block_size, gen)
-    cache = torch.randn(backend.kv_cache_shape(num_blocks), generator=gen).to(device, dtype)
+    shape = backend.kv_cache_shape(num_blocks)
+    cache_bytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    num_layers = max(1, min(32, math.ceil(4 * last_level_cache_bytes(device) / cache_bytes)))
+    caches = [torch.randn(shape, generator=gen).to(device, dtype) for _ in range(num_layers)]
     tokens = batch.num_tokens
     q = torch.randn(tokens, ns.num_heads, ns.head_dim, generator=gen).to(device, dtype)
     k = torch.randn(tokens, ns.num_kv_heads, ns.head_dim, generator=gen).to(device, dtype)
@@ -118,20 +131,20 @@ def time_forward(backend: Any, w: Workload, ns: argparse.Namespace, dtype: torch
     md = backend.build_metadata(batch)
     layer = Layer(ns.head_dim)
     with torch.inference_mode():
-        for _ in range(ns.warmup):
-            backend.forward(layer, q, k, v, cache, md)
+        for i in range(ns.warmup):
+            backend.forward(layer, q, k, v, caches[i % num_layers], md)
         if device.type == "cuda":
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(ns.iters):
-                backend.forward(layer, q, k, v, cache, md)
+            for i in range(ns.iters):
+                backend.forward(layer, q, k, v, caches[i % num_layers], md)
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3 / ns.iters
         t0 = time.perf_counter()
-        for _ in range(ns.iters):
-            backend.forward(layer, q, k, v, cache, md)
+        for i in range(ns.iters):
+            backend.forward(layer, q, k, v, caches[i % num_layers], md)
         return (time.perf_counter() - t0) / ns.iters
 
 
