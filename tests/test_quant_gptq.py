@@ -10,7 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM
 from pagoda.errors import CheckpointError, ConfigError
-from quant_helpers import FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, write_dense
+from quant_helpers import DATA, FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, write_dense
+
+GPTQMODEL = DATA / "gptqmodel-g32-actorder"  # written by GPTQModel 7.7 (contrib/quant-tools/quantize_gptqmodel.py)
 
 CASES = {
     "4bit-g32-v1": dict(bits=4, group=32),
@@ -41,6 +43,24 @@ def test_every_gptq_linear_equals_its_dequantized_weight(packed):
 def test_gptq_greedy_tokens_match_the_dequantized_model_in_full_precision(packed):
     root, ref = packed
     assert greedy(root / "q", PROMPTS) == greedy(write_dense(root / "dense", ref), PROMPTS)
+
+
+def test_gptqmodel_checkpoint_generates_the_tokens_of_its_own_unpacking_in_transformers():
+    expected = json.loads((GPTQMODEL / "reference" / "generations.json").read_text())
+    assert greedy(GPTQMODEL, expected["prompts"]) == expected["outputs"]
+
+
+def test_gptqmodel_checkpoint_layers_equal_gptqmodel_own_unpacking():
+    ref = {k[: -len(".weight")]: v for k, v in load_file(str(GPTQMODEL / "reference" / "dequant.safetensors")).items()}
+    model = LLM(str(GPTQMODEL), dtype="float32").engine.runner.model
+    assert model.layers[0].qkv_proj.int_parts[0][2], "desc_act: the input is read through a permutation"
+    x = torch.randn(4, 256)
+    for i, layer in enumerate(model.layers):
+        for fused in FUSED:
+            linear = getattr(layer, fused)
+            xin = x[:, : linear.in_features]
+            # GPTQModel's CPU kernel unpacks in fp16, so its reference carries fp16 rounding
+            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=1e-3, atol=3e-3)
 
 
 def test_act_order_shards_with_different_permutations_still_match(tmp_path):

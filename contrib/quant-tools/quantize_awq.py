@@ -4,7 +4,7 @@ AutoAWQ 0.2.9 pins an older transformers, so it lives in its own venv:
 
     python -m venv /work/qvenvs/awq
     /work/qvenvs/awq/bin/pip install /opt/wheels/torch-*.whl autoawq==0.2.9 transformers==4.51.3
-    /work/qvenvs/awq/bin/python contrib/quant-tools/quantize_awq.py SRC OUT [GROUP_SIZE]
+    /work/qvenvs/awq/bin/python contrib/quant-tools/quantize_awq.py SRC OUT [GROUP_SIZE [DTYPE]]
 
 On a CPU, AutoAWQ's scale search snapshots a block's weights with
 ``.cpu()``, which returns the very same tensors there, so the in-place
@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+PROSE = "/usr/share/common-licenses/GPL-3"
 
 
 def cloning_quantizer():
@@ -65,8 +67,7 @@ def dump_reference(src: Path, out: Path, group_size: int) -> None:
         for name, w in {**rest, **dense}.items():
             if name != "lm_head.weight" or not model.config.tie_word_embeddings:
                 model.get_parameter(name).copy_(w)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
+    prompts = prompts_for(out, model.config.vocab_size)
     outputs = []
     for ids in prompts:
         with torch.no_grad():
@@ -75,14 +76,28 @@ def dump_reference(src: Path, out: Path, group_size: int) -> None:
     (out / "reference" / "generations.json").write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
 
 
-def main(src: Path, out: Path, group_size: int) -> None:
+def prompts_for(model_dir: Path, vocab_size: int) -> list[list[int]]:
+    """Three prompts: real text for a real tokenizer, random token ids for the tiny test model."""
+    if vocab_size > 1000:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        texts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+        return [tokenizer(t)["input_ids"] for t in texts]
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
+
+
+def main(src: Path, out: Path, group_size: int, dtype: torch.dtype) -> None:
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
 
-    model = AutoAWQForCausalLM.from_pretrained(str(src), torch_dtype=torch.float16)
+    model = AutoAWQForCausalLM.from_pretrained(str(src), torch_dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(src)
     gen = torch.Generator().manual_seed(0)
     calib = torch.randint(3, model.config.vocab_size, (32, 64), generator=gen).tolist()
+    if model.config.vocab_size > 1000 and Path(PROSE).exists():  # a real tokenizer: English prose
+        calib = [p for p in Path(PROSE).read_text().split("\n\n") if len(p) > 200]
     quant_config = {"zero_point": True, "q_group_size": group_size, "w_bit": 4, "version": "GEMM"}
     model.quantize(tokenizer, quant_config=quant_config, calib_data=calib, max_calib_samples=32,
                    max_calib_seq_len=64, n_parallel_calib_samples=8, quantizer_cls=cloning_quantizer())
@@ -93,4 +108,6 @@ def main(src: Path, out: Path, group_size: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 64)
+    # float32 searches several times faster than float16 on a CPU without native fp16 matmuls
+    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 64,
+         getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float16)

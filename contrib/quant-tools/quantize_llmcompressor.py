@@ -8,6 +8,7 @@ Run in a venv of its own (llm-compressor pins its transformers):
 
 Schemes: w4a16-gptq (GPTQ, group 64, actorder weight: compressed-tensors 0.19 removed "group"), w8a16 (RTN, channel),
 fp8-dynamic (FP8 channel weights, dynamic per-token activations),
+fp8-w8a16 (FP8 channel weights only),
 fp8-static (FP8 tensor weights and activations, calibrated). Each lands in
 OUT_ROOT/<scheme>/ with ``reference/dequant.safetensors`` (a subfolder, so loaders skip it): every quantized
 linear's weight as compressed-tensors itself decompresses it, in float32, and
@@ -21,6 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+PROSE = "/usr/share/common-licenses/GPL-3"
 
 
 def recipe_for(scheme: str):
@@ -37,16 +40,26 @@ def recipe_for(scheme: str):
         return QuantizationModifier(targets="Linear", scheme="W8A16", ignore=["lm_head"])
     if scheme == "fp8-dynamic":
         return QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"])
+    if scheme == "fp8-w8a16":  # FP8 channel weights, activations left in full precision
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+        return QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+                                    ignore=["lm_head"])
     if scheme == "fp8-static":
         return QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"])
     raise SystemExit(f"unknown scheme {scheme}")
 
 
-def calibration(vocab: int, num: int = 16, length: int = 64):
+def calibration(vocab: int, tokenizer, num: int = 16, length: int = 64):
+    """Random token ids for the tiny model; English prose (a licence text on the machine) for a real one."""
     from datasets import Dataset
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (num, length), generator=gen)
+    if vocab > 1000 and Path(PROSE).exists():
+        tokens = tokenizer(Path(PROSE).read_text())["input_ids"][: num * length]
+        ids = torch.tensor(tokens).view(num, length)
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
 
 
@@ -72,8 +85,7 @@ def write_reference_generations(model, out: Path, num_tokens: int = 16) -> None:
     """Greedy tokens of the reference runtime (transformers + the tool's integration) for fixed prompts."""
     import json
 
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
+    prompts = prompts_for(out, model.config.vocab_size)
     outputs = []
     for ids in prompts:
         with torch.no_grad():
@@ -81,6 +93,18 @@ def write_reference_generations(model, out: Path, num_tokens: int = 16) -> None:
                                  do_sample=False)
         outputs.append(seq[0, len(ids):].tolist())
     (out / "reference" / "generations.json").write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+
+
+def prompts_for(model_dir: Path, vocab_size: int) -> list[list[int]]:
+    """Three prompts: real text for a real tokenizer, random token ids for the tiny test model."""
+    if vocab_size > 1000:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        texts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+        return [tokenizer(t)["input_ids"] for t in texts]
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
 
 
 def main(src: Path, out_root: Path, schemes: list[str]) -> None:
@@ -91,7 +115,7 @@ def main(src: Path, out_root: Path, schemes: list[str]) -> None:
         out = out_root / scheme
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float16)
         tokenizer = AutoTokenizer.from_pretrained(src)
-        oneshot(model=model, dataset=calibration(model.config.vocab_size), recipe=recipe_for(scheme),
+        oneshot(model=model, dataset=calibration(model.config.vocab_size, tokenizer), recipe=recipe_for(scheme),
                 max_seq_length=64, num_calibration_samples=16)
         model.save_pretrained(out, save_compressed=True)
         tokenizer.save_pretrained(out)

@@ -113,14 +113,16 @@ class Fp8LinearMethod:
             scale = getattr(layer, self.scale_name)  # [out / bo, in / bi]
             w = layer.weight.view(scale.shape[0], bo, scale.shape[1], bi).float() * scale[:, None, :, None]
             return w.view(layer.out_features, layer.in_features).to(dtype)
+        # products in float32 (exact for fp8 x fp16/bf16 scales), then one rounding to the model dtype
         return (layer.weight.float() * layer.weight_scale_rows[:, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.activations is not None:
             x = fake_quantize_activations(x, layer.input_scale_max if self.activations == "static" else None)
-        if self.strategy == "block":
+        if self.strategy != "online":
             return F.linear(x, self.dequantize(layer), bias)
-        # the per-channel scale commutes with the matmul: scale the [tokens, out] result, not the weight
+        # online scales are ours: the per-channel scale commutes with the matmul, so scale the
+        # [tokens, out] result instead of the [out, in] weight
         y = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale_rows.to(x.dtype)
         return y if bias is None else y + bias
 
