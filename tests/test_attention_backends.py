@@ -27,7 +27,9 @@ from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+# (atol, rtol): both sides accumulate in fp32 and round once to the storage type, so fp16/bf16 outputs
+# may differ by a unit in the last place or two, which scales with the output's magnitude
+TOLERANCE = {torch.float32: (1e-4, 0.0), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
 @pytest.fixture(autouse=True)
@@ -204,11 +206,13 @@ def check_against_reference(name: str, shape: Shape, split: bool, attend_context
     # the reference multiplies masked-out slots by 0, so its unwritten slots must be finite
     expected = run_backend(reference, Scenario(shape, seed), 0.0, attend_context)
     got = run_backend(backend, Scenario(shape, seed), float("nan"), attend_context)
+    atol, rtol = TOLERANCE[shape.dtype]
     for step, (e, g) in enumerate(zip(expected, got)):
+        excess = ((e - g).abs() - rtol * e.abs()).nan_to_num(float("inf")).max().item()
         err = (e - g).abs().max().item()
-        assert err <= TOLERANCE[shape.dtype], (
-            f"{name} differs from torch by {err:.3g} in step {step} of {shape} (seed {seed}; rerun with "
-            f"PAGODA_TEST_SEED={seed})"
+        assert excess <= atol, (
+            f"{name} differs from torch by up to {err:.3g} (beyond atol {atol} + rtol {rtol} by {excess - atol:.3g}) "
+            f"in step {step} of {shape} (seed {seed}; rerun with PAGODA_TEST_SEED={seed})"
         )
 
 
