@@ -10,7 +10,7 @@ this manager decides (swap out, swap in, copy) travel to the runner in the
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pagoda.config import CacheConfig

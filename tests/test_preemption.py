@@ -208,7 +208,8 @@ def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
 
 # ---- the real default model under a tiny KV cache ------------------------------------------------
 
-MODEL_PROMPTS = [[random.Random(i).randrange(1000, 30000) for _ in range(n)] for i, n in enumerate((30, 45, 21, 38, 50))]
+MODEL_PROMPTS = [[random.Random(i).randrange(1000, 30000) for _ in range(n)]
+                 for i, n in enumerate((30, 45, 21, 38, 50))]
 MODEL_PARAMS = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True) if i % 2 == 0 else
                 SamplingParams(temperature=0.9, top_p=0.9, seed=30 + i, max_tokens=14, ignore_eos=True)
                 for i in range(len(MODEL_PROMPTS))]

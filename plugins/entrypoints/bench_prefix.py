@@ -27,6 +27,10 @@ def add_parser(sub, name: str) -> None:
 class PrefixRun:
     mean_ttft: float  # seconds from submission (all at once) to each request's first token, averaged
     total: float  # seconds until the last request finished
+    # the same two in CPU seconds of this process: on a shared machine, wall time also counts other
+    # processes' turns on the cores, CPU time only the work done
+    mean_ttft_cpu: float
+    total_cpu: float
     queries: int  # prompt tokens looked up in the prefix cache
     hits: int  # of which found there
 
@@ -42,19 +46,20 @@ def run_workload(llm, requests: list[BenchRequest], tag: str) -> PrefixRun:
     engine = llm.engine
     stats = engine.kv_manager.stats
     queries, hits = stats.queries, stats.hits
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True)
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
-    first_token: dict[str, float] = {}
+    first_token: dict[str, tuple[float, float]] = {}  # request id -> (wall, CPU) seconds
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        now = time.perf_counter()
+        now = (time.perf_counter() - start, time.process_time() - start_cpu)
         for out in outputs:
             if out.outputs[0].token_ids and out.request_id not in first_token:
-                first_token[out.request_id] = now - start
-    total = time.perf_counter() - start
-    return PrefixRun(statistics.mean(first_token.values()), total, stats.queries - queries, stats.hits - hits)
+                first_token[out.request_id] = now
+    return PrefixRun(statistics.mean(w for w, _ in first_token.values()), time.perf_counter() - start,
+                     statistics.mean(c for _, c in first_token.values()), time.process_time() - start_cpu,
+                     stats.queries - queries, stats.hits - hits)
 
 
 def make_llm(ns: argparse.Namespace, enable_prefix_caching: bool):
@@ -71,7 +76,8 @@ def measure(ns: argparse.Namespace, llm, requests: list[BenchRequest], warmup: l
     for repeat in range(ns.repeats):
         llm.engine.kv_manager.reset_prefix_cache()
         runs.append(run_workload(llm, requests, f"w2-{repeat}"))
-    return PrefixRun(statistics.median(r.mean_ttft for r in runs), statistics.median(r.total for r in runs),
+    return PrefixRun(*(statistics.median(getattr(r, name) for r in runs)
+                       for name in ("mean_ttft", "total", "mean_ttft_cpu", "total_cpu")),
                      runs[-1].queries, runs[-1].hits)
 
 
@@ -91,8 +97,10 @@ def run_prefix(ns: argparse.Namespace) -> int:
     gc.collect()
     uncached = measure(ns, make_llm(ns, enable_prefix_caching=False), requests, warmup)
     for label, run in (("with prefix caching   ", cached), ("without prefix caching", uncached)):
-        print(f"{label}: mean TTFT {run.mean_ttft:8.3f} s  total {run.total:8.2f} s")
+        print(f"{label}: mean TTFT {run.mean_ttft:8.3f} s  total {run.total:8.2f} s   "
+              f"(CPU seconds: mean TTFT {run.mean_ttft_cpu:8.3f}  total {run.total_cpu:8.2f})")
     print(f"prefix cache hit rate: {cached.hit_rate:.1%} ({cached.hits} of {cached.queries} prompt tokens)")
     print(f"ratio without / with prefix caching: mean TTFT {uncached.mean_ttft / cached.mean_ttft:.1f}x, "
-          f"total time {uncached.total / cached.total:.1f}x")
+          f"total time {uncached.total / cached.total:.1f}x   (CPU time: mean TTFT "
+          f"{uncached.mean_ttft_cpu / cached.mean_ttft_cpu:.1f}x, total {uncached.total_cpu / cached.total_cpu:.1f}x)")
     return 0
