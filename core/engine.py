@@ -44,6 +44,12 @@ class LLMEngine:
         self.eos_token_id = parts.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        # speculative decoding's acceptance counters (pagoda.spec_decode.SpecDecodeStats), None when off
+        self.spec_stats = None
+        if config.speculative is not None:
+            from pagoda.spec_decode import enable_speculation
+
+            self.spec_stats = enable_speculation(config, self.pm, self.runner, self.scheduler)
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
         self._ids = itertools.count()
 
@@ -146,7 +152,13 @@ class LLMEngine:
             # after a recompute preemption the prompt is computed again; record it once
             if plp is not None and req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1:
                 req.prompt_logprobs.extend(plp)
+        if self.spec_stats is not None:
+            num_before = sum(r.num_output_tokens for r in sched.requests)
         progressed = self.scheduler.update(sched, result.sampled_token_ids)
+        if self.spec_stats is not None:
+            # a verified run appends several tokens; on_step below counts one per request
+            extra = sum(r.num_output_tokens for r in sched.requests) - num_before - len(progressed)
+            self.stats.num_generation_tokens += extra
         for req in progressed:
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -45,12 +45,26 @@ class ModelRunner:
         one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
         self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
         self.swap_caches: Optional[list[torch.Tensor]] = None
+        # a speculative draft model's own KV tensors, indexed by the same block ids (moved with the target's)
+        self.draft_kv_caches: list[torch.Tensor] = []
+        # set when speculative decoding is on: runs the steps that verify draft tokens
+        self.speculator: Any = None
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
         """CPU memory for swapped-out blocks, laid out like the cache itself."""
-        shape = list(self.kv_caches[0].shape)
-        shape[self.block_dim] = num_swap_blocks
-        self.swap_caches = [torch.zeros(shape, dtype=c.dtype, device="cpu") for c in self.kv_caches]
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_caches = [self._swap_like(c) for c in self.kv_caches + self.draft_kv_caches]
+
+    def _swap_like(self, cache: torch.Tensor) -> torch.Tensor:
+        shape = list(cache.shape)
+        shape[self.block_dim] = self.num_swap_blocks
+        return torch.zeros(shape, dtype=cache.dtype, device="cpu")
+
+    def add_draft_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Register a speculative draft's own KV tensors (same block ids): swaps and copies move them too."""
+        self.draft_kv_caches.extend(caches)
+        if self.swap_caches is not None:
+            self.swap_caches.extend(self._swap_like(c) for c in caches)
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, for every layer."""
@@ -60,7 +74,7 @@ class ModelRunner:
                 continue
             src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
             dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
-            for layer, cache in enumerate(self.kv_caches):
+            for layer, cache in enumerate(self.kv_caches + self.draft_kv_caches):
                 if kind == "out":
                     source, target = cache, self.swap_caches[layer]
                 elif kind == "in":
@@ -77,6 +91,8 @@ class ModelRunner:
         n = len(sched.requests)
         if n == 0:
             return RunnerOutput([], [], [])
+        if self.speculator is not None:
+            return self.speculator.execute(sched)
         # decodes first: the backends treat requests [0, num_decodes) as one-token queries
         order = sorted(range(n), key=lambda i: sched.num_new_tokens[i] != 1)
         reqs = [sched.requests[i] for i in order]
@@ -86,41 +102,8 @@ class ModelRunner:
 
         input_ids = np.concatenate([r.all_token_ids[s:s + k] for r, s, k in zip(reqs, starts.tolist(),
                                                                                   num_new.tolist())])
-        query_start_loc = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        req_of_token = np.repeat(np.arange(n), num_new)
-        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
-        seq_lens = starts + num_new
-        max_blocks = max(len(sched.block_tables[i]) for i in order)
-        block_tables = np.zeros((n, max_blocks), dtype=np.int64)
-        for row, i in enumerate(order):
-            table = sched.block_tables[i]
-            block_tables[row, :len(table)] = table
-        slot_mapping = block_tables[req_of_token, positions // self.block_size] * self.block_size + \
-            positions % self.block_size
-
-        batch = AttentionBatch(
-            num_reqs=n,
-            num_decodes=num_decodes,
-            num_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
-            block_tables=torch.from_numpy(block_tables).to(torch.int32),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_start_loc_list=query_start_loc.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-            max_query_len=int(num_new.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size,
-        )
-        metadata = self.backend.build_metadata(batch)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            self.kv_caches,
-            metadata,
-        )
+        hidden, query_start_loc, seq_lens = self.forward(input_ids, starts, num_new, num_decodes,
+                                                         [sched.block_tables[i] for i in order])
 
         # which rows need logits: the last token of each request that reached its end,
         # plus every scheduled position of requests asking for prompt logprobs
@@ -142,6 +125,54 @@ class ModelRunner:
             logprobs=[logprobs_by_row.get(inverse[i]) for i in range(n)],
             prompt_logprobs=[prompt_lp_by_row.get(inverse[i]) for i in range(n)],
         )
+
+    def forward(self, input_ids: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_decodes: int,
+                block_tables_list: list[list[int]], model: Optional[torch.nn.Module] = None,
+                kv_caches: Optional[list[torch.Tensor]] = None, backend: Any = None
+                ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+        """Run the model over one flattened batch (requests ``[0, num_decodes)`` have one token each).
+
+        ``input_ids``: ``[num_tokens]``; ``starts``, ``num_new``: ``[num_reqs]`` int64 (first position
+        and token count per request). Returns hidden states ``[num_tokens, hidden]``,
+        ``query_start_loc`` ``[num_reqs + 1]`` and ``seq_lens`` ``[num_reqs]``. ``model`` and
+        ``kv_caches`` and ``backend`` default to the target's (a speculative draft passes its own).
+        """
+        n = len(starts)
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(n), num_new)
+        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+        seq_lens = starts + num_new
+        max_blocks = max(len(t) for t in block_tables_list)
+        block_tables = np.zeros((n, max_blocks), dtype=np.int64)
+        for row, table in enumerate(block_tables_list):
+            block_tables[row, :len(table)] = table
+        slot_mapping = block_tables[req_of_token, positions // self.block_size] * self.block_size + \
+            positions % self.block_size
+
+        batch = AttentionBatch(
+            num_reqs=n,
+            num_decodes=num_decodes,
+            num_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+            block_tables=torch.from_numpy(block_tables).to(torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc_list=query_start_loc.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        metadata = (self.backend if backend is None else backend).build_metadata(batch)
+        hidden = (self.model if model is None else model)(
+            torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_caches if kv_caches is None else kv_caches,
+            metadata,
+        )
+        return hidden, query_start_loc, seq_lens
 
     def _prompt_logprobs(self, reqs: list[Request], starts, num_new, query_start_loc,
                          hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:

@@ -1,0 +1,195 @@
+"""The ``draft_model`` proposer: a smaller model sharing the target's vocabulary drafts k tokens per step.
+
+Two kinds of draft:
+
+- ``"model": "self:layers=N"`` (self-speculation): the target's own first N
+  layers, its final norm and LM head. Those N layers see exactly the target's
+  inputs, so the K/V they would store for accepted tokens are the target's:
+  the draft reads and writes the target's cache for layers ``< N``. Its writes
+  at draft positions land in slots the target's verify pass overwrites in the
+  same step, so preemption, swap, copy-on-write and prefix caching need
+  nothing extra.
+- ``"model": "/path/to/checkpoint"``: a separate model with its own paged KV
+  cache, indexed by the target's block ids (same block tables, so preemption,
+  abort, swap and prefix caching move both together). It computes every token
+  the target computes in the step (prefill chunks included) before drafting.
+
+Drafting runs k one-token decode passes of the draft over the requests being
+speculated. Greedy requests take the draft's argmax; sampled ones draw from
+the draft's distribution after the request's temperature / top-k / top-p /
+min-p and hand those probabilities to the rejection sampler.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagoda.config import EngineArgs, EngineConfig, SpeculativeConfig
+from pagoda.errors import ConfigError
+from pagoda.rejection_sampler import target_probs, with_bias
+from pagoda.request import Request
+from pagoda.sampler import _generator_for
+from pagoda.scheduler_output import SchedulerOutput
+
+
+class SelfDraft(torch.nn.Module):
+    """The target's first ``num_layers`` decoder layers, then its final norm and LM head."""
+
+    def __init__(self, target: torch.nn.Module, num_layers: int) -> None:
+        super().__init__()
+        self.target = target
+        self.num_layers = num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any
+                ) -> torch.Tensor:
+        t = self.target
+        x = t.embed_tokens(input_ids)
+        cos, sin = t.rotary.cos_sin(positions)
+        residual = None
+        for layer, kv_cache in zip(t.layers[:self.num_layers], kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
+        x, _ = t.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
+
+
+class DraftModelProposer:
+    """Drafts with a small model: the target's first layers (``self:layers=N``) or a checkpoint."""
+
+    def __init__(self, speculative_config: SpeculativeConfig, engine_config: EngineConfig, runner: Any,
+                 plugin_manager: Any) -> None:
+        self.runner = runner
+        name = speculative_config.model
+        if not name:
+            raise ConfigError(
+                'speculative_config method "draft_model" needs "model": a checkpoint directory sharing the '
+                'target\'s tokenizer, or "self:layers=N" for the target\'s own first N layers'
+            )
+        if name.startswith("self:"):
+            self.model, self.kv_caches, self.backend = self._self_draft(name, runner)
+            self.has_own_cache = False
+        else:
+            self.model, self.kv_caches, self.backend = self._checkpoint_draft(name, engine_config, runner,
+                                                                             plugin_manager)
+            self.has_own_cache = True
+            runner.add_draft_kv_caches(self.kv_caches)
+
+    @staticmethod
+    def _self_draft(name: str, runner: Any):
+        match = re.fullmatch(r"self:layers=(\d+)", name)
+        total = len(getattr(runner.model, "layers", ()))
+        if match is None or not 1 <= int(match.group(1)) < total:
+            raise ConfigError(
+                f'speculative_config model {name!r} is not understood; use "self:layers=N" with '
+                f"1 <= N < {total} (the target's layer count), e.g. \"self:layers={max(1, total // 4)}\""
+            )
+        for part in ("embed_tokens", "rotary", "norm"):
+            if not hasattr(runner.model, part):
+                raise ConfigError(f"self-speculation needs a Llama-style target (no {part!r} on "
+                                  f"{type(runner.model).__name__}); pass a draft checkpoint directory instead")
+        num_layers = int(match.group(1))
+        return SelfDraft(runner.model, num_layers), runner.kv_caches[:num_layers], runner.backend
+
+    @staticmethod
+    def _checkpoint_draft(path: str, engine_config: EngineConfig, runner: Any, pm: Any):
+        target = engine_config.model
+        args = EngineArgs.build(model=path, dtype=str(target.dtype).replace("torch.", ""),
+                                max_model_len=target.max_model_len, seed=target.seed)
+        mc = args.create_engine_config().model
+        if mc.vocab_size != target.vocab_size:
+            raise ConfigError(
+                f"the draft model at {path} has a vocabulary of {mc.vocab_size} tokens but the target has "
+                f"{target.vocab_size}; a draft must share the target's tokenizer"
+            )
+        arch = pm.get("pagoda_model_architectures", mc.architecture, "the draft checkpoint's architectures")
+        loader = pm.get("pagoda_model_loaders", mc.load_format, "load_format").factory
+        backend = type(runner.backend)(mc, engine_config.cache)
+        with torch.device(engine_config.device):
+            model = arch.factory(mc, backend, None)
+        loader(mc).load_weights(model)
+        model.eval()
+        kv_dtype = getattr(backend, "kv_cache_dtype", None) or mc.dtype
+        shape = backend.kv_cache_shape(runner.num_blocks)
+        caches = [torch.zeros(shape, dtype=kv_dtype, device=engine_config.device) for _ in range(mc.num_layers)]
+        return model, caches, backend
+
+    # ---- drafting ---------------------------------------------------------------
+
+    def propose(self, sched: SchedulerOutput, rows: list[int], max_drafts: list[int]
+                ) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
+        """Up to ``max_drafts[j]`` tokens for ``sched.requests[rows[j]]`` (request ``i`` decoding: its
+        last token sits at position ``num_tokens - 1``, its blocks hold room for the drafts)."""
+        reqs = [sched.requests[i] for i in rows]
+        tables = [sched.block_tables[i] for i in rows]
+        drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        if self.has_own_cache:
+            logits = self._catch_up(sched, rows)  # [len(rows), vocab], the first draft position
+            if not rows:
+                return [], []
+            tokens = self._choose(logits, reqs, list(range(len(rows))), drafts, probs)
+        elif not rows:
+            return [], []
+        else:
+            tokens = np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64)
+        lengths = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        first = 1 if self.has_own_cache else 0
+        for j in range(first, max(max_drafts)):
+            active = [a for a in range(len(rows)) if max_drafts[a] > j]
+            # one-token decode pass: row a feeds its newest token at position num_tokens - 1 + j
+            starts = lengths[active] - 1 + j
+            hidden, _, _ = self.runner.forward(tokens[active], starts, np.ones(len(active), dtype=np.int64),
+                                               len(active), [tables[a] for a in active], self.model,
+                                               self.kv_caches, self.backend)
+            logits = self.model.compute_logits(hidden)
+            tokens[active] = self._choose(logits, reqs, active, drafts, probs)
+        return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Request], active: list[int], drafts: list[list[int]],
+                probs: list[list[torch.Tensor]]) -> np.ndarray:
+        """Pick each active row's next draft token from ``logits`` ``[len(active), vocab]``."""
+        chosen = logits.argmax(dim=-1).tolist()
+        for j, a in enumerate(active):
+            params = reqs[a].sampling_params
+            if params.is_greedy:
+                if params.logit_bias:
+                    chosen[j] = int(with_bias(logits[j:j + 1], params).argmax())
+            else:
+                q = target_probs(logits[j:j + 1], params)[0]  # [vocab]
+                noise = torch.empty_like(q).exponential_(generator=_generator_for(reqs[a], self.runner_generator))
+                chosen[j] = int((q / noise).argmax())
+                probs[a].append(q)
+            drafts[a].append(chosen[j])
+        return np.array(chosen, dtype=np.int64)
+
+    @property
+    def runner_generator(self) -> torch.Generator:
+        # unseeded requests share the engine sampler's generator
+        return self.runner.sampler.generator
+
+    def _catch_up(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:
+        """Own-cache draft: compute the step's tokens into the draft's cache, as the target will into its
+        own; for a speculated request its last two tokens (the one before may be a draft accepted last
+        step that the draft never fed itself). Returns logits at each speculated request's last token."""
+        n = len(sched.requests)
+        spec = set(rows)
+        num_new = np.array([2 if i in spec else sched.num_new_tokens[i] for i in range(n)], dtype=np.int64)
+        starts = np.array([r.num_tokens - 2 if i in spec else sched.num_computed_before[i]
+                           for i, r in enumerate(sched.requests)], dtype=np.int64)
+        order = sorted(range(n), key=lambda i: num_new[i] != 1)
+        input_ids = np.fromiter((t for i in order for t in
+                                 sched.requests[i].all_token_ids[starts[i]:starts[i] + num_new[i]]), dtype=np.int64)
+        hidden, query_start_loc, _ = self.runner.forward(
+            input_ids, starts[order], num_new[order], int((num_new == 1).sum()),
+            [sched.block_tables[i] for i in order], self.model, self.kv_caches, self.backend)
+        row_of = {i: row for row, i in enumerate(order)}
+        last = [int(query_start_loc[row_of[i] + 1]) - 1 for i in rows]
+        if not last:
+            return torch.empty(0)
+        return self.model.compute_logits(hidden[torch.tensor(last)])
