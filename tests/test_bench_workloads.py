@@ -38,4 +38,5 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile():
     assert "pagoda:" in text and "output tok/s" in text
     assert "KV cache at peak" in text and "waste" in text
     assert "profile: 8 decode steps" in text and "matmuls" in text and "attention" in text
+    assert "of the roofline" in text
     assert "ratio (output tok/s): pagoda / HF =" in text

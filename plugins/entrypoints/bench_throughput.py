@@ -67,14 +67,27 @@ def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
     for i, r in enumerate(requests):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len))
     kv, sched = engine.kv_manager, engine.scheduler
-    peak = {"blocks": 0, "tokens": 0}
+    peak = {"blocks": 0, "tokens": 0, "steps": []}
+    batched: list[int] = []
+    schedule = sched.schedule
+
+    def recording_schedule():
+        out = schedule()
+        batched.append(out.num_batched_tokens)
+        return out
+
+    sched.schedule = recording_schedule  # tokens per step, for the roofline
     start = time.perf_counter()
     while engine.has_unfinished_requests():
+        outputs_before = engine.stats.num_generation_tokens
         engine.step()
+        # linear-layer tokens and LM-head rows of this step
+        peak["steps"].append((batched[-1], engine.stats.num_generation_tokens - outputs_before))
         held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
         if held_blocks > peak["blocks"]:
-            peak = {"blocks": held_blocks, "tokens": sum(r.num_computed_tokens for r in sched.running)}
+            peak.update(blocks=held_blocks, tokens=sum(r.num_computed_tokens for r in sched.running))
     seconds = time.perf_counter() - start
+    del sched.schedule
     return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)), peak
 
 
@@ -125,6 +138,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
     waste = 1 - peak["tokens"] / max(1, peak["blocks"] * llm.engine.config.cache.block_size)
     print(f"pagoda: {mine.seconds:8.2f} s  {mine.output_tps:8.1f} output tok/s  {mine.total_tps:8.1f} total tok/s")
     print(f"KV cache at peak: {peak['blocks']} blocks hold {peak['tokens']} tokens -> waste {waste:.1%}")
+    from pagoda.plugins.entrypoints.roofline import measure_roofline, report
+
+    roofline = measure_roofline(llm.engine.model, llm.engine.config.model.num_layers)
+    print(report(roofline, peak["steps"], mine.seconds))
     if ns.profile:
         from pagoda.plugins.entrypoints.profile import profile_decode
 
