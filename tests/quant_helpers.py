@@ -247,10 +247,19 @@ def fused_reference(ref: dict[str, torch.Tensor], layer: int, fused: str) -> tor
     return torch.cat([ref[f"model.layers.{layer}.{m}"] for m in FUSED[fused]])
 
 
-def greedy(path: Path, prompts: list[list[int]], num_tokens: int = 16, **kwargs) -> list[list[int]]:
-    from pagoda import LLM, SamplingParams
+def small_llm(path: Optional[Path] = None, **kwargs):
+    """An engine with a small KV cache and no swap space (the defaults reserve gigabytes, slow to zero)."""
+    from pagoda import LLM
 
-    llm = LLM(str(path), dtype=kwargs.pop("dtype", "float32"), **kwargs)
+    kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)
+    kwargs.setdefault("swap_space", 0)
+    return LLM(None if path is None else str(path), **kwargs)
+
+
+def greedy(path: Path, prompts: list[list[int]], num_tokens: int = 16, **kwargs) -> list[list[int]]:
+    from pagoda import SamplingParams
+
+    llm = small_llm(path, dtype=kwargs.pop("dtype", "float32"), **kwargs)
     params = SamplingParams(max_tokens=num_tokens, min_tokens=num_tokens, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]

@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagoda import LLM
 from pagoda.errors import CheckpointError, ConfigError
-from quant_helpers import DATA, FUSED, PROMPTS, awq_checkpoint, fused_reference, greedy, write_dense
+from quant_helpers import DATA, FUSED, PROMPTS, awq_checkpoint, fused_reference, greedy, small_llm, write_dense
 
 AUTOAWQ = DATA / "awq-g64"  # written by AutoAWQ 0.2.9 (contrib/quant-tools/quantize_awq.py)
 
@@ -28,7 +27,7 @@ def model_of(llm):
 
 def test_every_awq_linear_equals_its_dequantized_weight(packed):
     root, ref = packed
-    model = model_of(LLM(str(root / "q"), dtype="float32"))
+    model = model_of(small_llm(root / "q", dtype="float32"))
     x = torch.randn(5, 256)
     for i, layer in enumerate(model.layers):
         for fused in FUSED:
@@ -53,7 +52,7 @@ def test_awq_config_is_read_from_autoawq_quant_config_json(tmp_path):
 def test_autoawq_checkpoint_layers_equal_autoawq_own_unpacking():
     reference = load_file(str(AUTOAWQ / "reference" / "dequant.safetensors"))
     ref = {k[: -len(".weight")]: v for k, v in reference.items()}
-    model = model_of(LLM(str(AUTOAWQ), dtype="float32"))
+    model = model_of(small_llm(AUTOAWQ, dtype="float32"))
     x = torch.randn(4, 256)
     for i, layer in enumerate(model.layers):
         for fused in FUSED:
@@ -70,7 +69,7 @@ def test_autoawq_checkpoint_generates_the_tokens_of_its_dense_reference_in_trans
 def test_awq_weights_take_at_least_three_times_less_memory_than_bf16():
     from pagoda.plugins.quant.memory import weight_memory
 
-    mem = weight_memory(model_of(LLM(str(AUTOAWQ), dtype="bfloat16")))
+    mem = weight_memory(model_of(small_llm(AUTOAWQ, dtype="bfloat16")))
     assert mem.linear_bf16_bytes >= 3 * mem.linear_bytes
 
 
@@ -93,12 +92,12 @@ def test_awq_qweight_of_the_wrong_shape_is_refused_naming_the_tensor(tmp_path):
         t[name] = t[name][:, :4].contiguous()
 
     with pytest.raises(CheckpointError, match=r"k_proj\.qweight.*\(128, 4\).*expects \(128, 8\)"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 def test_awq_checkpoint_missing_scales_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing .*layers\.0\.o_proj\.scales"):
-        LLM(str(_corrupt(tmp_path, lambda t: t.pop("model.layers.0.self_attn.o_proj.scales"))), dtype="float32")
+        small_llm(_corrupt(tmp_path, lambda t: t.pop("model.layers.0.self_attn.o_proj.scales")), dtype="float32")
 
 
 def test_awq_float_qweight_is_refused_naming_its_dtype(tmp_path):
@@ -108,7 +107,7 @@ def test_awq_float_qweight_is_refused_naming_its_dtype(tmp_path):
         t[name] = t[name].float()
 
     with pytest.raises(CheckpointError, match=r"up_proj\.qweight.*float32.*expects torch\.int32"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -119,10 +118,10 @@ def test_awq_float_qweight_is_refused_naming_its_dtype(tmp_path):
 def test_unsupported_awq_configs_are_refused(tmp_path, field, value, message):
     path = _corrupt(tmp_path, lambda t: None, lambda c: c.update({field: value}))
     with pytest.raises(ConfigError, match=message):
-        LLM(str(path), dtype="float32")
+        small_llm(path, dtype="float32")
 
 
 def test_awq_group_size_that_does_not_divide_a_layer_is_refused(tmp_path):
     path = _corrupt(tmp_path, lambda t: None, lambda c: c.update({"group_size": 512}))
     with pytest.raises(ConfigError, match=r"in_features \(128\) divisible by group_size 512"):
-        LLM(str(path), dtype="float32")
+        small_llm(path, dtype="float32")

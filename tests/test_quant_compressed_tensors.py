@@ -8,10 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagoda import LLM
 from pagoda.errors import CheckpointError, ConfigError
 from quant_helpers import (DATA, FUSED, PROMPTS, compressed_int_checkpoint, fake_quant_fp8, fused_reference, greedy,
-                           write_dense)
+                           small_llm, write_dense)
 
 # written by llm-compressor 0.14 / compressed-tensors 0.19 (contrib/quant-tools/quantize_llmcompressor.py)
 LLMC = {"w4a16-gptq": None, "w8a16": None, "fp8-dynamic": "dynamic", "fp8-static": "static"}
@@ -32,7 +31,7 @@ def test_llm_compressor_checkpoint_generates_the_tokens_transformers_generates(s
 def test_llm_compressor_layers_equal_compressed_tensors_own_decompression(scheme):
     path = DATA / f"ct-{scheme}"
     ref = reference_weights(path)
-    model = LLM(str(path), dtype="float32").engine.runner.model
+    model = small_llm(path, dtype="float32").engine.runner.model
     x = torch.randn(4, 256)
     for i, layer in enumerate(model.layers):
         for fused in FUSED:
@@ -55,7 +54,7 @@ def test_llm_compressor_layers_equal_compressed_tensors_own_decompression(scheme
                                   dict(bits=4, group=64)])
 def test_packed_int_checkpoints_match_the_dequantized_model_in_full_precision(tmp_path, case):
     ref = compressed_int_checkpoint(tmp_path / "q", **case)
-    model = LLM(str(tmp_path / "q"), dtype="float32").engine.runner.model
+    model = small_llm(tmp_path / "q", dtype="float32").engine.runner.model
     x = torch.randn(3, 128)
     torch.testing.assert_close(model.layers[1].qkv_proj(x), x @ fused_reference(ref, 1, "qkv_proj").t(),
                                rtol=1e-5, atol=1e-5)
@@ -66,14 +65,14 @@ def test_packed_int_checkpoints_match_the_dequantized_model_in_full_precision(tm
 def test_four_bit_checkpoint_weights_take_at_least_three_times_less_memory_than_bf16():
     from pagoda.plugins.quant.memory import weight_memory
 
-    mem = weight_memory(LLM(str(DATA / "ct-w4a16-gptq"), dtype="bfloat16").engine.runner.model)
+    mem = weight_memory(small_llm(DATA / "ct-w4a16-gptq", dtype="bfloat16").engine.runner.model)
     assert mem.linear_bf16_bytes >= 3 * mem.linear_bytes
 
 
 def test_fp8_checkpoint_weights_take_half_the_memory_of_bf16():
     from pagoda.plugins.quant.memory import weight_memory
 
-    mem = weight_memory(LLM(str(DATA / "ct-fp8-dynamic"), dtype="bfloat16").engine.runner.model)
+    mem = weight_memory(small_llm(DATA / "ct-fp8-dynamic", dtype="bfloat16").engine.runner.model)
     assert mem.linear_bf16_bytes >= 1.9 * mem.linear_bytes
 
 
@@ -92,7 +91,7 @@ def _corrupt(tmp_path, edit=None, config_edit=None):
 
 def test_missing_weight_scale_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing .*gate_up_proj\.weight_scale#1"):
-        LLM(str(_corrupt(tmp_path, lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale"))), dtype="float32")
+        small_llm(_corrupt(tmp_path, lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale")), dtype="float32")
 
 
 def test_weight_shape_that_disagrees_with_the_model_is_refused(tmp_path):
@@ -100,7 +99,7 @@ def test_weight_shape_that_disagrees_with_the_model_is_refused(tmp_path):
         t["model.layers.0.self_attn.o_proj.weight_shape"] = torch.tensor([128, 96])
 
     with pytest.raises(CheckpointError, match=r"o_proj: weight_shape of shard 0 is \[128, 96\].*expects \[128, 128\]"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 def test_packed_weight_of_the_wrong_shape_is_refused_naming_the_tensor(tmp_path):
@@ -110,7 +109,7 @@ def test_packed_weight_of_the_wrong_shape_is_refused_naming_the_tensor(tmp_path)
         t[name] = t[name][:, :16].contiguous()
 
     with pytest.raises(CheckpointError, match=r"down_proj\.weight_packed.*\(128, 16\).*expects \(128, 32\)"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -121,4 +120,4 @@ def test_packed_weight_of_the_wrong_shape_is_refused_naming_the_tensor(tmp_path)
 ])
 def test_unsupported_compressed_tensors_schemes_are_refused(tmp_path, edit, message):
     with pytest.raises(ConfigError, match=message):
-        LLM(str(_corrupt(tmp_path, config_edit=edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, config_edit=edit), dtype="float32")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagoda import LLM
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.plugins.quant.memory import weight_memory
-from quant_helpers import FUSED, PROMPTS, TINY, fake_quant_fp8, fp8_checkpoint, fused_reference, greedy, write_dense
+from quant_helpers import (FUSED, PROMPTS, TINY, fake_quant_fp8, fp8_checkpoint, fused_reference, greedy, small_llm,
+                           write_dense)
 
 FIRST_MODULE = {"qkv_proj": "self_attn.q_proj", "o_proj": "self_attn.o_proj", "gate_up_proj": "mlp.gate_proj",
                 "down_proj": "mlp.down_proj"}
@@ -20,7 +20,7 @@ FIRST_MODULE = {"qkv_proj": "self_attn.q_proj", "o_proj": "self_attn.o_proj", "g
 @pytest.mark.parametrize("scheme,block", [("dynamic", None), ("static", None), ("dynamic", (32, 64))])
 def test_every_fp8_linear_equals_its_dequantized_weight_on_fp8_rounded_inputs(tmp_path, scheme, block):
     ref, input_scales = fp8_checkpoint(tmp_path / "q", scheme, block)
-    model = LLM(str(tmp_path / "q"), dtype="float32").engine.runner.model
+    model = small_llm(tmp_path / "q", dtype="float32").engine.runner.model
     x = torch.randn(5, 256)
     for i, layer in enumerate(model.layers):
         for fused in FUSED:
@@ -43,7 +43,7 @@ def test_online_fp8_generates_like_the_dense_model_with_fp8_rounded_weights(tmp_
 
 
 def test_online_fp8_halves_weight_memory_against_bf16():
-    llm = LLM(str(TINY), dtype="bfloat16", quantization="fp8")
+    llm = small_llm(TINY, dtype="bfloat16", quantization="fp8")
     mem = weight_memory(llm.engine.runner.model)
     # fp8 weights plus one float32 scale per output channel (3% of a 128-wide layer)
     assert mem.linear_bytes * 1.9 <= mem.linear_bf16_bytes
@@ -51,7 +51,7 @@ def test_online_fp8_halves_weight_memory_against_bf16():
 
 @pytest.mark.slow
 def test_online_fp8_halves_the_default_models_linear_weights():
-    llm = LLM(dtype="bfloat16", quantization="fp8")
+    llm = small_llm(dtype="bfloat16", quantization="fp8")
     mem = weight_memory(llm.engine.runner.model)
     assert mem.linear_bytes * 2 <= mem.linear_bf16_bytes * 1.01
 
@@ -63,7 +63,7 @@ def test_fp8_checkpoint_with_bf16_weights_is_refused_naming_the_tensor(tmp_path)
     tensors[name] = tensors[name].to(torch.bfloat16)
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"v_proj\.weight.*bfloat16.*expects torch\.float8_e4m3fn"):
-        LLM(str(tmp_path), dtype="float32")
+        small_llm(tmp_path, dtype="float32")
 
 
 def test_static_fp8_checkpoint_missing_input_scales_is_refused(tmp_path):
@@ -72,7 +72,7 @@ def test_static_fp8_checkpoint_missing_input_scales_is_refused(tmp_path):
     tensors.pop("model.layers.1.mlp.down_proj.input_scale")
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing .*down_proj\.input_scale"):
-        LLM(str(tmp_path), dtype="float32")
+        small_llm(tmp_path, dtype="float32")
 
 
 def test_block_scales_of_the_wrong_shape_are_refused(tmp_path):
@@ -82,7 +82,7 @@ def test_block_scales_of_the_wrong_shape_are_refused(tmp_path):
     tensors[name] = tensors[name][:, :1].contiguous()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"down_proj\.weight_scale_inv.*\(4, 1\).*expects \(4, 4\)"):
-        LLM(str(tmp_path), dtype="float32")
+        small_llm(tmp_path, dtype="float32")
 
 
 def test_unknown_activation_scheme_is_refused(tmp_path):
@@ -91,4 +91,4 @@ def test_unknown_activation_scheme_is_refused(tmp_path):
     cfg["quantization_config"]["activation_scheme"] = "per-head"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="activation_scheme 'per-head' is not supported"):
-        LLM(str(tmp_path), dtype="float32")
+        small_llm(tmp_path, dtype="float32")

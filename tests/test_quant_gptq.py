@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagoda import LLM
 from pagoda.errors import CheckpointError, ConfigError
-from quant_helpers import DATA, FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, write_dense
+from quant_helpers import DATA, FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense
 
 GPTQMODEL = DATA / "gptqmodel-g32-actorder"  # written by GPTQModel 7.7 (contrib/quant-tools/quantize_gptqmodel.py)
 
@@ -31,7 +30,7 @@ def packed(request, tmp_path_factory):
 
 def test_every_gptq_linear_equals_its_dequantized_weight(packed):
     root, ref = packed
-    model = LLM(str(root / "q"), dtype="float32").engine.runner.model
+    model = small_llm(root / "q", dtype="float32").engine.runner.model
     x = torch.randn(5, 256)
     for i, layer in enumerate(model.layers):
         for fused in FUSED:
@@ -52,7 +51,7 @@ def test_gptqmodel_checkpoint_generates_the_tokens_of_its_own_unpacking_in_trans
 
 def test_gptqmodel_checkpoint_layers_equal_gptqmodel_own_unpacking():
     ref = {k[: -len(".weight")]: v for k, v in load_file(str(GPTQMODEL / "reference" / "dequant.safetensors")).items()}
-    model = LLM(str(GPTQMODEL), dtype="float32").engine.runner.model
+    model = small_llm(GPTQMODEL, dtype="float32").engine.runner.model
     assert model.layers[0].qkv_proj.int_parts[0][2], "desc_act: the input is read through a permutation"
     x = torch.randn(4, 256)
     for i, layer in enumerate(model.layers):
@@ -66,7 +65,7 @@ def test_gptqmodel_checkpoint_layers_equal_gptqmodel_own_unpacking():
 def test_act_order_shards_with_different_permutations_still_match(tmp_path):
     # q/k/v normally share one permutation (same input); a checkpoint where they do not must still be exact
     ref = gptq_checkpoint(tmp_path / "q", bits=4, group=32, desc_act=True, shared_perm=False)
-    model = LLM(str(tmp_path / "q"), dtype="float32").engine.runner.model
+    model = small_llm(tmp_path / "q", dtype="float32").engine.runner.model
     qkv = model.layers[0].qkv_proj
     assert len(qkv.int_parts) == 3
     x = torch.randn(3, 128)
@@ -80,7 +79,7 @@ def test_v1_zero_points_are_read_one_higher_than_stored(tmp_path):
     cfg = json.loads(cfg_path.read_text())
     cfg["checkpoint_format"] = "gptq_v2"
     cfg_path.write_text(json.dumps(cfg))
-    linear = LLM(str(tmp_path / "q"), dtype="float32").engine.runner.model.layers[0].o_proj
+    linear = small_llm(tmp_path / "q", dtype="float32").engine.runner.model.layers[0].o_proj
     x = torch.randn(2, 128)
     assert not torch.allclose(linear(x), x @ fused_reference(ref, 0, "o_proj").t(), atol=1e-3)
 
@@ -105,12 +104,12 @@ def test_gptq_scales_of_the_wrong_shape_are_refused_naming_the_tensor(tmp_path):
         t[name] = t[name][:4].contiguous()
 
     with pytest.raises(CheckpointError, match=r"down_proj\.scales.*\(4, 128\).*expects \(8, 128\)"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 def test_gptq_missing_qzeros_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing .*qkv_proj\.qzeros#1"):
-        LLM(str(_corrupt(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.qzeros"))), dtype="float32")
+        small_llm(_corrupt(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.qzeros")), dtype="float32")
 
 
 def test_act_order_checkpoint_without_g_idx_is_refused(tmp_path):
@@ -119,7 +118,7 @@ def test_act_order_checkpoint_without_g_idx_is_refused(tmp_path):
             t.pop(k)
 
     with pytest.raises(CheckpointError, match=r"missing .*g_idx"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 def test_g_idx_that_breaks_the_group_size_is_refused_naming_the_tensor(tmp_path):
@@ -129,7 +128,7 @@ def test_g_idx_that_breaks_the_group_size_is_refused_naming_the_tensor(tmp_path)
         t[name] = torch.zeros_like(t[name])
 
     with pytest.raises(CheckpointError, match=r"o_proj\.g_idx.*does not assign 32 input columns to each group"):
-        LLM(str(_corrupt(tmp_path, edit)), dtype="float32")
+        small_llm(_corrupt(tmp_path, edit), dtype="float32")
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -139,4 +138,4 @@ def test_g_idx_that_breaks_the_group_size_is_refused_naming_the_tensor(tmp_path)
 ])
 def test_unsupported_gptq_configs_are_refused(tmp_path, field, value, message):
     with pytest.raises(ConfigError, match=message):
-        LLM(str(_corrupt(tmp_path, config_edit=lambda c: c.update({field: value}))), dtype="float32")
+        small_llm(_corrupt(tmp_path, config_edit=lambda c: c.update({field: value})), dtype="float32")

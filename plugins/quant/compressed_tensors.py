@@ -6,7 +6,8 @@ Two formats are read:
   offset by ``2 ** (b - 1)``; ``weight_scale [out, groups]`` (``groups = 1``
   for the channel strategy); ``weight_shape [2]``; ``weight_g_idx [in]`` with
   ``actorder: group``. Symmetric only: ``W = (u - 2 ** (b - 1)) * scale``.
-- "float-quantized" (FP8 W8A8 / W8A16): see ``fp8.py``.
+- "float-quantized" and, for float weights, "naive-quantized" (FP8 W8A8 /
+  W8A16): ``weight`` float8_e4m3fn with ``weight_scale``; see ``fp8.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pagoda.plugins.quant.fp8 import Fp8LinearMethod
 from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
 from pagoda.plugins.quant.packing import unpack_int32
 
-SUPPORTED_FORMATS = ("pack-quantized", "float-quantized")
+# "naive-quantized" stores FP8 weights exactly like "float-quantized" (llm-compressor writes it for FP8 W8A16)
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized", "naive-quantized")
 
 
 class CompressedTensorsConfig:
