@@ -53,9 +53,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     (penalties and min_tokens are excluded by :func:`is_speculation_safe`).
     """
     logits = with_bias(logits.float(), params) / params.temperature
-    n = logits.shape[0]
-    if params.top_k or params.top_p < 1.0:
+    n, vocab = logits.shape
+    if params.top_p < 1.0:
         logits = _apply_top_k_top_p(logits, [params.top_k] * n, [params.top_p] * n)
+    elif 0 < params.top_k < vocab:
+        # top-k alone: a k-th largest threshold instead of a full sort (differs only on exact ties)
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.min_p > 0:
         threshold = probs.max(dim=-1, keepdim=True).values * params.min_p
