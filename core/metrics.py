@@ -103,10 +103,12 @@ class PrometheusExporter:
     ``kv_manager`` needs ``usage`` and optionally ``stats.queries`` / ``stats.hits``.
     """
 
-    def __init__(self, stats: EngineStats, scheduler: Any, kv_manager: Any, model_name: str) -> None:
+    def __init__(self, stats: EngineStats, scheduler: Any, kv_manager: Any, model_name: str,
+                 spec_stats: Any = None) -> None:
         from prometheus_client import CollectorRegistry
 
         self.stats = stats
+        self.spec_stats = spec_stats  # pagoda.spec_decode.SpecDecodeStats when speculative decoding is on
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.model_name = model_name
@@ -115,7 +117,8 @@ class PrometheusExporter:
 
     @classmethod
     def for_engine(cls, engine: Any) -> "PrometheusExporter":
-        return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name)
+        return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name,
+                   getattr(engine, "spec_stats", None))
 
     def render(self) -> bytes:
         """The text exposition format, as served at ``/metrics``."""
@@ -164,6 +167,18 @@ class PrometheusExporter:
         for reason, n in reasons.items():
             success.add_metric(values + [reason], n)
         yield success
+        spec = self.spec_stats
+        if spec is not None:
+            yield counter("spec_decode_num_drafts", "Verify runs: requests x steps that carried draft tokens.",
+                          spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft run.",
+                                          labels=labels + ["position"])
+            for pos, n in enumerate(list(spec.num_accepted_tokens_per_pos)):
+                per_pos.add_metric(values + [str(pos)], n)
+            yield per_pos
         yield histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
                         s.time_to_first_token)
         yield histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",
