@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -88,9 +89,29 @@ def prompts_for(model_dir: Path, vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
 
 
+def compatible_source(src: Path) -> Path:
+    """A view of ``src`` that transformers 4.51 reads: config written by transformers 5 keeps rope_theta
+    under rope_parameters (4.51 would silently use 10000) and names a tokenizer class 4.51 lacks."""
+    config = json.loads((src / "config.json").read_text())
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    if "rope_theta" in config and tok_config.get("tokenizer_class") != "TokenizersBackend":
+        return src
+    view = Path(tempfile.mkdtemp(prefix="awq-src-"))
+    for item in src.iterdir():
+        (view / item.name).symlink_to(item.resolve())
+    config.setdefault("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for name, data in (("config.json", config), ("tokenizer_config.json", tok_config)):
+        (view / name).unlink()
+        (view / name).write_text(json.dumps(data))
+    return view
+
+
 def main(src: Path, out: Path, group_size: int, dtype: torch.dtype) -> None:
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
+
+    src = compatible_source(src)
 
     model = AutoAWQForCausalLM.from_pretrained(str(src), torch_dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(src)

@@ -35,6 +35,7 @@ class CompressedTensorsConfig:
     def __init__(self, model_config: Any, cfg: dict[str, Any]) -> None:
         self.ignore = list(cfg.get("ignore") or [])
         self.kernel = kernel_for_device()
+        self.fp8_tables: dict = {}  # shared by every FP8 layer
         self.groups = []
         for group_name, group in (cfg.get("config_groups") or {}).items():
             fmt = group.get("format") or cfg.get("format")
@@ -60,7 +61,7 @@ class CompressedTensorsConfig:
         name, _, fmt, weights, acts = self.groups[index]
         if fmt == "pack-quantized":
             return PackedIntLinearMethod(name, weights, acts, self.kernel)
-        return _float_method(name, weights, acts)
+        return _float_method(name, weights, acts, self.fp8_tables)
 
     def _group_of(self, module: str) -> Optional[int]:
         for i, (_, targets, _, _, _) in enumerate(self.groups):
@@ -69,7 +70,8 @@ class CompressedTensorsConfig:
         return None
 
 
-def _float_method(group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]]) -> Fp8LinearMethod:
+def _float_method(group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]],
+                  tables: dict) -> Fp8LinearMethod:
     where = f"compressed-tensors config_groups.{group}"
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         raise ConfigError(f"{where}: float-quantized weights must be type float, num_bits 8; got {weights}")
@@ -86,7 +88,7 @@ def _float_method(group: str, weights: dict[str, Any], acts: Optional[dict[str, 
         if activations == "static" and acts.get("strategy") != "tensor":
             raise ConfigError(f"{where}: static activation strategy {acts.get('strategy')!r} is not supported; "
                               "expected tensor")
-    return Fp8LinearMethod(strategy, activations, block, method="compressed-tensors FP8")
+    return Fp8LinearMethod(strategy, activations, block, method="compressed-tensors FP8", tables=tables)
 
 
 class PackedIntLinearMethod:

@@ -38,6 +38,17 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 float8_e4m3fn values in ``dtype`` (exact for float32 / bf16 / fp16), indexed by their bits."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8).to(dtype)
+
+
+def fp8_values(weight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """fp8 ``weight`` -> ``table.dtype`` by a table lookup: several times faster than ``.to()`` on a CPU."""
+    codes = weight.view(torch.uint8).reshape(-1).to(torch.int32)
+    return table.index_select(0, codes).view(weight.shape)
+
+
 def fake_quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """Round activations through fp8: static ``input_scale`` (scalar), or dynamic per token when None."""
     if input_scale is None:
@@ -49,13 +60,20 @@ class Fp8LinearMethod:
     """``strategy``: tensor | channel | block | online; ``activations``: None | dynamic | static."""
 
     def __init__(self, strategy: str, activations: Optional[str], block: Optional[tuple[int, int]] = None,
-                 scale_name: str = "weight_scale", method: str = "FP8") -> None:
+                 scale_name: str = "weight_scale", method: str = "FP8",
+                 tables: Optional[dict[torch.dtype, torch.Tensor]] = None) -> None:
         self.strategy, self.activations, self.block = strategy, activations, block
         self.scale_name, self.method = scale_name, method
+        self.tables = {} if tables is None else tables  # one lookup table per dtype, shared by every layer
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n_out, n_in = layer.out_features, layer.in_features
         layer.quant_dtype = dtype
+        # float32 for checkpoints (scales multiply exactly before one rounding), the model dtype online
+        table_dtype = dtype if self.strategy == "online" else torch.float32
+        if table_dtype not in self.tables:
+            self.tables[table_dtype] = fp8_table(table_dtype)
+        layer.register_buffer("fp8_table", self.tables[table_dtype], persistent=False)
         if self.strategy == "online":
             add_param(layer, "weight", (n_out, n_in), FP8, self._online_loader(layer))
             layer.register_buffer("weight_scale_rows", torch.ones(n_out), persistent=False)
@@ -111,10 +129,11 @@ class Fp8LinearMethod:
         if self.strategy == "block":
             bo, bi = self.block
             scale = getattr(layer, self.scale_name)  # [out / bo, in / bi]
-            w = layer.weight.view(scale.shape[0], bo, scale.shape[1], bi).float() * scale[:, None, :, None]
+            w = fp8_values(layer.weight, layer.fp8_table).view(scale.shape[0], bo, scale.shape[1], bi)
+            w = w * scale[:, None, :, None]
             return w.view(layer.out_features, layer.in_features).to(dtype)
         # products in float32 (exact for fp8 x fp16/bf16 scales), then one rounding to the model dtype
-        return (layer.weight.float() * layer.weight_scale_rows[:, None]).to(dtype)
+        return (fp8_values(layer.weight, layer.fp8_table) * layer.weight_scale_rows[:, None]).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.activations is not None:
@@ -123,7 +142,7 @@ class Fp8LinearMethod:
             return F.linear(x, self.dequantize(layer), bias)
         # online scales are ours: the per-channel scale commutes with the matmul, so scale the
         # [tokens, out] result instead of the [out, in] weight
-        y = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale_rows.to(x.dtype)
+        y = F.linear(x, fp8_values(layer.weight, layer.fp8_table).to(x.dtype)) * layer.weight_scale_rows.to(x.dtype)
         return y if bias is None else y + bias
 
 
@@ -142,12 +161,14 @@ class Fp8Config:
         if cfg.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"FP8 format {cfg.get('fmt')!r} is not supported; pagoda reads float8_e4m3fn weights")
         self.ignored = list(cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or [])
+        self.tables: dict[torch.dtype, torch.Tensor] = {}
 
     def for_layer(self, prefix: str) -> Optional[Fp8LinearMethod]:
         if is_skipped(prefix, lambda m: any(name_matches(m, p) for p in self.ignored), "FP8"):
             return None
         if not self.serialized:
-            return Fp8LinearMethod("online", None)
+            return Fp8LinearMethod("online", None, tables=self.tables)
         if self.block is not None:
-            return Fp8LinearMethod("block", self.activations, self.block, scale_name="weight_scale_inv")
-        return Fp8LinearMethod("tensor", self.activations)
+            return Fp8LinearMethod("block", self.activations, self.block, scale_name="weight_scale_inv",
+                                   tables=self.tables)
+        return Fp8LinearMethod("tensor", self.activations, tables=self.tables)

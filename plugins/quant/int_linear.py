@@ -58,12 +58,12 @@ def install_int_weight(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, 
 
 def dequantize_int_rows(layer: nn.Module, row_start: int, row_end: int) -> torch.Tensor:
     """Full-precision ``[rows, in]`` weight of rows ``[row_start, row_end)``; built per call, never kept."""
-    q = unpack_uint8(layer.w_q[row_start:row_end], layer.int_bits)  # [rows, in_pad] uint8
     scales = layer.w_scales[row_start:row_end]  # [rows, groups]
     zeros = layer.w_zeros[row_start:row_end]
     rows, num_groups = scales.shape
-    w = q[:, : num_groups * layer.int_group_size].view(rows, num_groups, -1).to(scales.dtype)
-    w = (w - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)  # [rows, groups, group_size]
+    w = unpack_uint8(layer.w_q[row_start:row_end], layer.int_bits, scales.dtype)  # [rows, in_pad]
+    w = w[:, : num_groups * layer.int_group_size].view(rows, num_groups, -1)
+    w.sub_(zeros.unsqueeze(-1)).mul_(scales.unsqueeze(-1))  # [rows, groups, group_size], in place: one buffer
     return w.view(rows, -1)[:, : layer.in_features]
 
 

@@ -22,17 +22,23 @@ class WeightMemory:
                 f"{self.total_bytes / 2**20:.1f} MiB vs {self.total_bf16_bytes / 2**20:.1f} MiB")
 
 
-def _stored_bytes(module: nn.Module) -> int:
-    tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _stored_bytes(module: nn.Module, seen: set[int]) -> int:
+    """Parameters and buffers of ``module`` not counted before (tables shared by layers count once)."""
+    total = 0
+    for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 def weight_memory(model: nn.Module) -> WeightMemory:
     """Bytes of ``model``'s stored weights, split into Linear layers and the rest."""
     linear = linear_bf16 = other = 0
+    seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, Linear):
-            linear += _stored_bytes(module)
+            linear += _stored_bytes(module, seen)
             linear_bf16 += 2 * module.out_features * (module.in_features + (module.bias is not None))
         else:
             other += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))

@@ -14,7 +14,7 @@ differ in which dimension is packed and in which order values sit in a word:
   ``2 ** (bits - 1)`` so signed integers become unsigned.
 
 At run time pagoda keeps every int layout as uint8 ``[out, in * bits / 8]``
-(two 4-bit values per byte, low nibble first), which unpacks in two cheap ops.
+(two 4-bit values per byte, see ``pack_uint8``), which unpacks in two cheap ops.
 """
 
 from __future__ import annotations
@@ -71,19 +71,26 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 def pack_uint8(values: torch.Tensor, bits: int) -> torch.Tensor:
     """pagoda's runtime layout: ``[out, in]`` values -> uint8 ``[out, in * bits / 8]``.
 
-    8-bit values are stored as they are; 4-bit values two per byte, even input
-    index in the low nibble. An odd ``in`` is padded with a zero value.
+    8-bit values are stored as they are. 4-bit rows are split in halves: byte
+    ``k`` holds column ``k`` in its low nibble and column ``k + in / 2`` in its
+    high nibble, so unpacking writes two contiguous blocks (no interleaving
+    copy). An odd ``in`` is padded with a zero value.
     """
     values = values.to(torch.uint8)
     if bits == 8:
         return values.contiguous()
     if values.shape[1] % 2:
         values = torch.nn.functional.pad(values, (0, 1))
-    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+    half = values.shape[1] // 2
+    return (values[:, :half] | (values[:, half:] << 4)).contiguous()
 
 
-def unpack_uint8(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_uint8`: uint8 ``[out, in * bits / 8]`` -> uint8 ``[out, in]`` (in padded to even)."""
+def unpack_uint8(packed: torch.Tensor, bits: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Inverse of :func:`pack_uint8`, converting to ``dtype`` while unpacking: ``[out, in]`` (in padded to even)."""
     if bits == 8:
-        return packed
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+        return packed.to(dtype)
+    rows, half = packed.shape
+    out = torch.empty(rows, 2 * half, dtype=dtype, device=packed.device)
+    out[:, :half] = packed & 0xF  # the uint8 -> dtype conversion happens in these copies
+    out[:, half:] = packed >> 4
+    return out

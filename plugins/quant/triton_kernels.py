@@ -18,7 +18,7 @@ import triton.language as tl
 def _int_dequant_matmul_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
     M, N, K,
-    stride_xm, stride_qn, stride_sn, stride_ym,
+    stride_xm, stride_qn, stride_sn, stride_ym, HALF,
     GROUP: tl.constexpr, BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -33,9 +33,11 @@ def _int_dequant_matmul_kernel(
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=x_mask, other=0.0).to(tl.float32)
         w_mask = (rk[:, None] < K) & (rn[None, :] < N)
         if BITS == 4:
-            # two values per byte, even input column in the low nibble
-            byte = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None] // 2, mask=w_mask, other=0).to(tl.int32)
-            q = (byte >> ((rk[:, None] % 2) * 4)) & 0xF
+            # byte k of a row: column k in the low nibble, column k + HALF in the high one
+            is_high = rk[:, None] >= HALF
+            byte_idx = tl.where(is_high, rk[:, None] - HALF, rk[:, None])
+            byte = tl.load(q_ptr + rn[None, :] * stride_qn + byte_idx, mask=w_mask, other=0).to(tl.int32)
+            q = (byte >> (is_high.to(tl.int32) * 4)) & 0xF
         else:
             q = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None], mask=w_mask, other=0).to(tl.int32)
         g = rk[:, None] // GROUP  # [BLOCK_K, 1] group of each input column
@@ -61,7 +63,7 @@ def int_dequant_matmul(x: torch.Tensor, layer: torch.nn.Module, row_start: int, 
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int_dequant_matmul_kernel[grid](
         x2, q, scales, zeros, y, m, n, k,
-        x2.stride(0), q.stride(0), scales.stride(0), y.stride(0),
+        x2.stride(0), q.stride(0), scales.stride(0), y.stride(0), q.shape[1],
         GROUP=layer.int_group_size, BITS=layer.int_bits,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
