@@ -141,10 +141,13 @@ def pagoda_quant_methods() -> Mapping[str, Factory]:
 def pagoda_proposers() -> Mapping[str, Factory]:
     """Return ``{name: factory}`` of speculative-decoding proposers.
 
-    ``factory(speculative_config, model_config)`` returns an object that
-    proposes up to ``num_speculative_tokens`` draft tokens per running
-    request. Selected by ``speculative_config["method"]``. Called once at
-    start-up.
+    ``factory(speculative_config, engine_config, model_runner, plugin_manager)``
+    returns a :class:`pagoda.interfaces.Proposer` that proposes up to
+    ``num_speculative_tokens`` draft tokens per decoding request each step
+    (the runner gives a draft model the target's model, KV caches and
+    attention backend; the plugin manager resolves a draft checkpoint's
+    architecture and loader). Selected by ``speculative_config["method"]``
+    (built-ins: ``draft_model``, ``ngram``). Called once at start-up.
     """
 
 

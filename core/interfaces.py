@@ -129,6 +129,23 @@ class Sampler(Protocol):
 
 
 @runtime_checkable
+class Proposer(Protocol):
+    """``pagoda_proposers``: draft tokens for speculative decoding."""
+
+    def propose(self, sched: "SchedulerOutput", rows: list[int], max_drafts: list[int]
+                ) -> tuple[list[list[int]], list[Optional["torch.Tensor"]]]:
+        """Called every step before the target's forward pass.
+
+        For each ``sched.requests[rows[j]]`` (a decoding request whose blocks
+        hold room for ``max_drafts[j]`` draft tokens after its last token):
+        at most ``max_drafts[j]`` draft token ids, and the ``[num_drafts,
+        vocab]`` probabilities they were drawn from (None: each draft is a
+        point mass, as for n-gram lookup). A proposer with its own KV cache
+        also computes the step's other scheduled tokens here.
+        """
+
+
+@runtime_checkable
 class LinearMethod(Protocol):
     """What a linear layer asks of its quant method (see ``pagoda.layers.linear``)."""
 

@@ -33,3 +33,9 @@ def test_lookup_bounds_are_checked():
     config = SpeculativeConfig("ngram", 4, prompt_lookup_max=1, prompt_lookup_min=3)
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         NgramProposer(config, None)
+
+
+def test_the_ngram_proposer_meets_the_proposer_interface():
+    from pagoda import interfaces
+
+    assert isinstance(NgramProposer(SpeculativeConfig("ngram", 2), None), interfaces.Proposer)
