@@ -23,15 +23,21 @@ from pagoda.sampler import _apply_top_k_top_p, _generator_for
 from pagoda.sampling_params import SamplingParams
 
 
-def is_speculation_safe(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether the rejection sampler reproduces the default sampler's distribution for these params.
+def is_speculation_safe(request: Request) -> bool:
+    """Whether the rejection sampler reproduces the default sampler's distribution for this request now.
 
     Penalties depend on every earlier output token (drafts included), min_tokens
     bans stop tokens for a while, and per-token logprobs are reported by the
     plain sampler: such requests decode one token per step instead.
     """
-    return (not params.has_penalties and params.logprobs is None
-            and num_output_tokens >= params.min_tokens)
+    params = request.sampling_params
+    if params.has_penalties or params.logprobs is not None:
+        return False
+    if request.num_output_tokens < params.min_tokens:
+        # min_tokens only changes the distribution when it bans something
+        bans_eos = request.eos_token_id is not None and not params.ignore_eos
+        return not (bans_eos or params.stop_token_ids)
+    return True
 
 
 def with_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

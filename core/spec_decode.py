@@ -73,7 +73,7 @@ class Speculator:
         """How many draft tokens a decoding request may verify this step (the scheduler caps it further
         by the step's budget, ``max_model_len`` and free blocks)."""
         params = req.sampling_params
-        if not is_speculation_safe(params, req.num_output_tokens):
+        if not is_speculation_safe(req):
             return 0
         k = self.num_speculative_tokens
         if params.max_tokens is not None:

@@ -115,8 +115,15 @@ def test_the_batch_sampler_gives_seeded_requests_the_same_tokens_every_time():
 
 
 def test_requests_whose_distribution_depends_on_earlier_drafts_are_not_speculated():
-    assert is_speculation_safe(SamplingParams(temperature=0.7, top_p=0.9), 0)
-    assert not is_speculation_safe(SamplingParams(presence_penalty=0.5), 3)
-    assert not is_speculation_safe(SamplingParams(logprobs=2), 3)
-    assert not is_speculation_safe(SamplingParams(min_tokens=5), 4)
-    assert is_speculation_safe(SamplingParams(min_tokens=5), 5)
+    def req(num_output: int, eos=2, **kwargs) -> Request:
+        r = Request("r", [1], SamplingParams(**kwargs), eos_token_id=eos)
+        r.output_token_ids = [9] * num_output
+        return r
+
+    assert is_speculation_safe(req(0, temperature=0.7, top_p=0.9))
+    assert not is_speculation_safe(req(3, presence_penalty=0.5))
+    assert not is_speculation_safe(req(3, logprobs=2))
+    assert not is_speculation_safe(req(4, min_tokens=5))  # EOS is banned for one more token
+    assert is_speculation_safe(req(5, min_tokens=5))
+    assert is_speculation_safe(req(0, min_tokens=5, ignore_eos=True))  # nothing to ban
+    assert not is_speculation_safe(req(0, min_tokens=5, ignore_eos=True, stop_token_ids=[7]))

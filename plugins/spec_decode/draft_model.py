@@ -65,6 +65,8 @@ class DraftModelProposer:
     def __init__(self, speculative_config: SpeculativeConfig, engine_config: EngineConfig, runner: Any,
                  plugin_manager: Any) -> None:
         self.runner = runner
+        # draft noise for unseeded sampled requests (seeded ones use their own generator)
+        self.generator = torch.Generator().manual_seed(engine_config.model.seed)
         name = speculative_config.model
         if not name:
             raise ConfigError(
@@ -162,16 +164,11 @@ class DraftModelProposer:
                     chosen[j] = int(with_bias(logits[j:j + 1], params).argmax())
             else:
                 q = target_probs(logits[j:j + 1], params)[0]  # [vocab]
-                noise = torch.empty_like(q).exponential_(generator=_generator_for(reqs[a], self.runner_generator))
+                noise = torch.empty_like(q).exponential_(generator=_generator_for(reqs[a], self.generator))
                 chosen[j] = int((q / noise).argmax())
                 probs[a].append(q)
             drafts[a].append(chosen[j])
         return np.array(chosen, dtype=np.int64)
-
-    @property
-    def runner_generator(self) -> torch.Generator:
-        # unseeded requests share the engine sampler's generator
-        return self.runner.sampler.generator
 
     def _catch_up(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:
         """Own-cache draft: compute the step's tokens into the draft's cache, as the target will into its
