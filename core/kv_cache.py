@@ -150,7 +150,7 @@ class PagedKVCacheManager:
         parent: Optional[int] = None
         for i in range((len(tokens) - 1) // bs):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]), ())
-            block = self._cached.get(hash(key))
+            block = self._cached.get(hash_block(*key))
             if block is None or block.key != key:
                 break
             hits.append(block)
@@ -339,7 +339,7 @@ class PagedKVCacheManager:
         return block
 
     def _register(self, block: KVBlock, key: BlockKey) -> None:
-        block.block_hash = hash(key)
+        block.block_hash = hash_block(*key)
         block.key = key
         self._cached[block.block_hash] = block
 
@@ -353,7 +353,7 @@ class PagedKVCacheManager:
         while len(hashes) < num_full:
             i = len(hashes)
             key = self._block_key(request, i, hashes)
-            h = hash(key)
+            h = hash_block(*key)
             hashes.append(h)
             if table[i].block_hash is None and h not in self._cached:
                 self._register(table[i], key)

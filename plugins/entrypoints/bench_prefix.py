@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -69,20 +68,15 @@ def make_llm(ns: argparse.Namespace, enable_prefix_caching: bool):
     return LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
 
 
-def measure(ns: argparse.Namespace, llm, requests: list[BenchRequest], warmup: list[BenchRequest]) -> PrefixRun:
-    """Warm up, then run W2 ``--repeats`` times from a cold prefix cache; medians."""
-    run_workload(llm, warmup, "warmup")
-    runs = []
-    for repeat in range(ns.repeats):
-        llm.engine.kv_manager.reset_prefix_cache()
-        runs.append(run_workload(llm, requests, f"w2-{repeat}"))
+def median_run(runs: list[PrefixRun]) -> PrefixRun:
     return PrefixRun(*(statistics.median(getattr(r, name) for r in runs)
                        for name in ("mean_ttft", "total", "mean_ttft_cpu", "total_cpu")),
                      runs[-1].queries, runs[-1].hits)
 
 
 def run_prefix(ns: argparse.Namespace) -> int:
-    llm = make_llm(ns, enable_prefix_caching=True)
+    engines = {caching: make_llm(ns, enable_prefix_caching=caching) for caching in (True, False)}
+    llm = engines[True]
     engine = llm.engine
     vocab, special = engine.config.model.vocab_size, set(llm.get_tokenizer().all_special_ids)
     requests = shared_prefix(vocab, special, ns.num_requests, ns.prefix_len, ns.suffix_len, ns.output_len)
@@ -92,10 +86,15 @@ def run_prefix(ns: argparse.Namespace) -> int:
           f"threads: {engine.num_threads}  KV blocks: {engine.num_blocks} x {engine.config.cache.block_size}")
     print(f"W2: {len(requests)} requests, a {ns.prefix_len}-token shared prefix + {ns.suffix_len} distinct tokens "
           f"each, {ns.output_len} output tokens each, median of {ns.repeats}")
-    cached = measure(ns, llm, requests, warmup)
-    del llm, engine
-    gc.collect()
-    uncached = measure(ns, make_llm(ns, enable_prefix_caching=False), requests, warmup)
+    runs: dict[bool, list[PrefixRun]] = {True: [], False: []}
+    for llm in engines.values():
+        run_workload(llm, warmup, "warmup")
+    # the two modes take turns, so a change in the machine's load falls on both
+    for repeat in range(ns.repeats):
+        for caching, llm in engines.items():
+            llm.engine.kv_manager.reset_prefix_cache()  # every repeat starts cold
+            runs[caching].append(run_workload(llm, requests, f"w2-{repeat}"))
+    cached, uncached = median_run(runs[True]), median_run(runs[False])
     for label, run in (("with prefix caching   ", cached), ("without prefix caching", uncached)):
         print(f"{label}: mean TTFT {run.mean_ttft:8.3f} s  total {run.total:8.2f} s   "
               f"(CPU seconds: mean TTFT {run.mean_ttft_cpu:8.3f}  total {run.total_cpu:8.2f})")
