@@ -33,12 +33,14 @@ TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 
 
 def jit_function(module_name: str, kernel_name: str, monkeypatch):
-    """The kernel as a compilable JITFunction, even if its module was first imported under the interpreter."""
-    import importlib
+    """The kernel as a compilable JITFunction, even if its module was first defined under the interpreter."""
+    from pagoda.plugins.attention.triton_backend import kernel_modules
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    kernel = getattr(importlib.import_module(module_name), kernel_name)
-    return triton.jit(getattr(kernel, "fn", kernel))
+    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in kernel_modules()}
+    kernel = getattr(modules[module_name], kernel_name)
+    assert isinstance(kernel, triton.runtime.JITFunction)
+    return kernel
 
 
 def compile_kernel(fn, dtype: str, constexprs: dict, num_warps: int, arch: int):
@@ -107,7 +109,7 @@ CASES = cases()
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_kernel_compiles_for_the_gpu_without_spilling_registers(case, arch, monkeypatch, tmp_path):
     module, kernel, dtype, num_warps, constexprs = CASES[case]
-    fn = jit_function(f"pagoda.plugins.attention.{module}", kernel, monkeypatch)
+    fn = jit_function(module, kernel, monkeypatch)
     compiled = compile_kernel(fn, dtype, constexprs, num_warps, arch)
     assert len(compiled.asm["cubin"]) > 0
     report = ptxas_report(compiled.asm["ptx"], arch, tmp_path)

@@ -30,6 +30,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def kernel_modules() -> tuple[Any, Any, Any]:
+    """The (kv_write, decode, prefill) kernel modules, defined in the current mode.
+
+    Triton makes a kernel compiled or interpreted when it is defined, reading TRITON_INTERPRET
+    then; modules first imported in the other mode are executed again, so a process (a test
+    run, say) that imported them before setting TRITON_INTERPRET still gets working kernels.
+    """
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pagoda.plugins.attention import triton_common, triton_decode, triton_kv_write, triton_prefill
+
+    modules = (triton_common, triton_kv_write, triton_decode, triton_prefill)  # dependencies first
+    jitted = (triton_common.reduce_max, triton_kv_write._kv_write_kernel, triton_decode._decode_kernel,
+              triton_prefill._prefill_kernel)
+    if any(isinstance(fn, InterpretedFunction) != interpreting() for fn in jitted):
+        modules = tuple(importlib.reload(m) for m in modules)
+    return modules[1:]
+
+
 def check_triton_runnable(name: str) -> torch.device:
     """The device Triton kernels run on here; BackendUnavailable when there is none."""
     if torch.cuda.is_available():
@@ -81,10 +102,9 @@ class TritonAttentionBackend:
         self.device = check_triton_runnable(self.name)
         check_shapes(self.name, model_config, cache_config)
         # imported only now: TRITON_INTERPRET is read when the kernels are defined
-        from pagoda.plugins.attention import triton_decode, triton_kv_write, triton_prefill
         from pagoda.plugins.attention.triton_common import tiles_for
 
-        self._decode, self._kv_write, self._prefill = triton_decode, triton_kv_write, triton_prefill
+        self._kv_write, self._decode, self._prefill = kernel_modules()
         self.tiles = tiles_for(model_config.dtype, model_config.head_dim)
         self.block_size = cache_config.block_size
         self.num_heads = model_config.num_heads

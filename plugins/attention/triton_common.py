@@ -5,11 +5,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 from pagoda.plugins.attention.triton_backend import interpreting
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+# Row reductions built on tl.reduce with our own combine functions. Triton's tl.max / tl.sum are
+# themselves @jit functions, fixed as compiled or interpreted when triton is first imported; these
+# follow our kernels' mode, so the kernels also run in the interpreter after triton was imported
+# without it.
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _maximum)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
 
 
 def dot_dtype(dtype: torch.dtype):

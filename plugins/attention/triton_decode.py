@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision
+from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision, reduce_max, reduce_sum
 
 
 @triton.jit
@@ -53,8 +53,8 @@ def _decode_kernel(
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)  # [G_PAD, D_PAD]
 
     m = tl.full([G_PAD], float("-inf"), tl.float32)  # running max (log2 domain)
-    l = tl.zeros([G_PAD], tl.float32)  # running sum of exp2
-    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    l = tl.full([G_PAD], 0.0, tl.float32)  # running sum of exp2
+    acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32)
     table = block_tables_ptr + req * stride_bt
     head_base = cache_ptr + kv_head * stride_c_head
     for tile_start in range(start, end, TILE_N):
@@ -66,10 +66,10 @@ def _decode_kernel(
         k = tl.load(head_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, D_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, reduce_max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + reduce_sum(p, 1)
         v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         p = p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the storage type, as on the GPU
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -104,10 +104,10 @@ def _merge_splits_kernel(
     s_mask = s < num_splits
     lse = tl.load(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + s, mask=s_mask,
                   other=float("-inf"))  # [SPLITS_PAD]
-    weight = tl.exp2(lse - tl.max(lse, 0))  # empty splits weigh 0; split 0 is never empty
+    weight = tl.exp2(lse - reduce_max(lse, 0))  # empty splits weigh 0; split 0 is never empty
     part = tl.load(part_out_ptr + req * stride_po_req + head * stride_po_head + s[:, None] * stride_po_split
                    + d[None, :], mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [SPLITS_PAD, D_PAD]
-    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    out = reduce_sum(part * weight[:, None], 0) / reduce_sum(weight, 0)
     tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 

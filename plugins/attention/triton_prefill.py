@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision
+from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision, reduce_max, reduce_sum
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def _prefill_kernel(
     q_pos = ctx_len + tok  # absolute position of each row's token
 
     m = tl.full([TILE_Q * G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([TILE_Q * G_PAD], tl.float32)
-    acc = tl.zeros([TILE_Q * G_PAD, D_PAD], tl.float32)
+    l = tl.full([TILE_Q * G_PAD], 0.0, tl.float32)
+    acc = tl.full([TILE_Q * G_PAD, D_PAD], 0.0, tl.float32)
     table = block_tables_ptr + req * stride_bt
     head_base = cache_ptr + kv_head * stride_c_head
     kv_end = tl.minimum(seq_len, ctx_len + q0 + TILE_Q)  # causal: no row of the tile sees past this
@@ -72,10 +72,10 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [rows, TILE_N]
         # key 0 is visible to every row, so no row's running max stays -inf after the first tile
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, reduce_max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        l = l * alpha + reduce_sum(p, 1)
         v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         p = p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the storage type, as on the GPU
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
