@@ -91,7 +91,11 @@ class Scheduler(Protocol):
         """The next step's batch (prefill chunks and decodes), block moves and preemptions."""
 
     def update(self, sched: "SchedulerOutput", sampled_token_ids: list[Optional[int]]) -> list["Request"]:
-        """Append sampled tokens, apply stop rules, free finished requests; return the requests that advanced."""
+        """Append sampled tokens, apply stop rules, free finished requests; return the requests that advanced.
+
+        With speculative decoding an entry may be a list: the verified run of a request that carried
+        draft tokens, appended token by token; its computed count then rolls back to the run.
+        """
 
     def finish(self, request: "Request", status: "RequestStatus") -> None:
         """End a request in any state and free its blocks at once."""

@@ -17,9 +17,13 @@ from pagoda.scheduler_output import SchedulerOutput
 
 @dataclass
 class RunnerOutput:
-    """Aligned with ``SchedulerOutput.requests``: None where a request did not sample this step."""
+    """Aligned with ``SchedulerOutput.requests``: None where a request did not sample this step.
 
-    sampled_token_ids: list[Optional[int]]
+    With speculative decoding, a request that had draft slots gets a list: its accepted drafts
+    followed by one corrected or bonus token.
+    """
+
+    sampled_token_ids: list[Optional[int | list[int]]]
     logprobs: list[Optional[TokenLogprobs]]
     prompt_logprobs: list[Optional[list[TokenLogprobs]]]
 
