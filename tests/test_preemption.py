@@ -144,7 +144,7 @@ config = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config, st.lists(st.one_of(add_op, step_op, add_op, step_op, abort_op, preempt_op), min_size=6, max_size=40))
 def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
     # without chunked prefill the engine insists every sequence fits one step's budget
