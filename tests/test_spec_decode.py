@@ -158,6 +158,23 @@ def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_models, mode):
+    target, _ = tiny_models
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (20, 26, 14, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = generate(tiny_llm(target), prompts, params)
+    llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+                   num_gpu_blocks_override=9, preemption_mode=mode, swap_space=0.01)
+    assert generate(llm, prompts, params) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    # the target drafting for itself accepts everything only if the draft's cache came back intact
+    assert llm.engine.spec_stats.acceptance_rate == 1.0
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.slow
 def test_mixed_batches_keep_greedy_tokens_and_reproduce_seeded_samples(tiny_models):
     target, _ = tiny_models
     gen = torch.Generator().manual_seed(6)

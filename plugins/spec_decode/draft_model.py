@@ -12,7 +12,9 @@ Two kinds of draft:
 - ``"model": "/path/to/checkpoint"``: a separate model with its own paged KV
   cache, indexed by the target's block ids (same block tables, so preemption,
   abort, swap and prefix caching move both together). It computes every token
-  the target computes in the step (prefill chunks included) before drafting.
+  the target computes in the step (prefill chunks included) before drafting,
+  and feeds its last draft too, so its cache holds every token that can be
+  accepted.
 
 Drafting runs k one-token decode passes of the draft over the requests being
 speculated. Greedy requests take the draft's argmax; sampled ones draw from
@@ -142,15 +144,21 @@ class DraftModelProposer:
             tokens = np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64)
         lengths = np.array([r.num_tokens for r in reqs], dtype=np.int64)
         first = 1 if self.has_own_cache else 0
-        for j in range(first, max(max_drafts)):
-            active = [a for a in range(len(rows)) if max_drafts[a] > j]
+        # an own-cache draft also feeds its last draft (logits unused), so that if every draft is
+        # accepted its cache still holds them all: blocks may be cached or preempted before next step
+        end = max(max_drafts) + (1 if self.has_own_cache else 0)
+        for j in range(first, end):
+            active = [a for a in range(len(rows)) if max_drafts[a] > j or (self.has_own_cache and max_drafts[a] == j)]
             # one-token decode pass: row a feeds its newest token at position num_tokens - 1 + j
             starts = lengths[active] - 1 + j
             hidden, _, _ = self.runner.forward(tokens[active], starts, np.ones(len(active), dtype=np.int64),
                                                len(active), [tables[a] for a in active], self.model,
                                                self.kv_caches, self.backend)
-            logits = self.model.compute_logits(hidden)
-            tokens[active] = self._choose(logits, reqs, active, drafts, probs)
+            choosing = [c for c, a in enumerate(active) if max_drafts[a] > j]
+            if choosing:
+                logits = self.model.compute_logits(hidden[torch.tensor(choosing)])
+                rows_now = [active[c] for c in choosing]
+                tokens[rows_now] = self._choose(logits, reqs, rows_now, drafts, probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
     def _choose(self, logits: torch.Tensor, reqs: list[Request], active: list[int], drafts: list[list[int]],
@@ -171,13 +179,13 @@ class DraftModelProposer:
         return np.array(chosen, dtype=np.int64)
 
     def _catch_up(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:
-        """Own-cache draft: compute the step's tokens into the draft's cache, as the target will into its
-        own; for a speculated request its last two tokens (the one before may be a draft accepted last
-        step that the draft never fed itself). Returns logits at each speculated request's last token."""
+        """Own-cache draft: compute the step's tokens into the draft's cache, as the target does into
+        its own (a speculated request: its last token). Returns logits at each speculated request's
+        last token, ``[len(rows), vocab]``."""
         n = len(sched.requests)
         spec = set(rows)
-        num_new = np.array([2 if i in spec else sched.num_new_tokens[i] for i in range(n)], dtype=np.int64)
-        starts = np.array([r.num_tokens - 2 if i in spec else sched.num_computed_before[i]
+        num_new = np.array([1 if i in spec else sched.num_new_tokens[i] for i in range(n)], dtype=np.int64)
+        starts = np.array([r.num_tokens - 1 if i in spec else sched.num_computed_before[i]
                            for i, r in enumerate(sched.requests)], dtype=np.int64)
         order = sorted(range(n), key=lambda i: num_new[i] != 1)
         input_ids = np.fromiter((t for i in order for t in
