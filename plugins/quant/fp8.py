@@ -69,8 +69,11 @@ class Fp8LinearMethod:
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n_out, n_in = layer.out_features, layer.in_features
         layer.quant_dtype = dtype
-        # float32 for checkpoints (scales multiply exactly before one rounding), the model dtype online
-        table_dtype = dtype if self.strategy == "online" else torch.float32
+        # a float32 model multiplies weights by their scales exactly before the matmul (as the reference
+        # tools dequantize); bf16/fp16 models scale the [tokens, out] result instead, which is much cheaper
+        # (block scales always go on the weight)
+        self.scale_output = dtype != torch.float32 and self.strategy != "block"
+        table_dtype = dtype if self.scale_output else torch.float32
         if table_dtype not in self.tables:
             self.tables[table_dtype] = fp8_table(table_dtype)
         layer.register_buffer("fp8_table", self.tables[table_dtype], persistent=False)
@@ -138,11 +141,10 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.activations is not None:
             x = fake_quantize_activations(x, layer.input_scale_max if self.activations == "static" else None)
-        if self.strategy != "online":
+        if not self.scale_output:
             return F.linear(x, self.dequantize(layer), bias)
-        # online scales are ours: the per-channel scale commutes with the matmul, so scale the
-        # [tokens, out] result instead of the [out, in] weight
-        y = F.linear(x, fp8_values(layer.weight, layer.fp8_table).to(x.dtype)) * layer.weight_scale_rows.to(x.dtype)
+        # the per-channel scale commutes with the matmul
+        y = F.linear(x, fp8_values(layer.weight, layer.fp8_table)) * layer.weight_scale_rows.to(x.dtype)
         return y if bias is None else y + bias
 
 
@@ -153,7 +155,8 @@ class Fp8Config:
         self.serialized = cfg.get("quant_method") == "fp8"
         self.activations = cfg.get("activation_scheme", "dynamic") if self.serialized else None
         if self.activations not in (None, "dynamic", "static"):
-            raise ConfigError(f"FP8 activation_scheme {self.activations!r} is not supported; expected dynamic or static")
+            raise ConfigError(f"FP8 activation_scheme {self.activations!r} is not supported; expected dynamic or "
+                              "static")
         block = cfg.get("weight_block_size")
         if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
             raise ConfigError(f"FP8 weight_block_size {block!r} is not supported; expected two positive ints")
