@@ -234,3 +234,32 @@ def whole_prompt_tokens():
 def test_chunked_prefill_generates_the_same_tokens_as_whole_prompts(whole_prompt_tokens, budget, threshold):
     # chunks of 24 and 7 tokens end inside a 16-token block; 16 ends on block boundaries
     assert generate_with(max_num_batched_tokens=budget, long_prefill_token_threshold=threshold) == whole_prompt_tokens
+
+
+# ---- memory: KV waste at the peak of W1 ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size, bound", [(16, 0.05), (8, 0.025)])
+def test_kv_waste_at_the_peak_of_w1_is_only_each_request_s_last_block_tail(block_size, bound):
+    from pagoda.components import load_tokenizer
+    from pagoda.plugins.entrypoints.workloads import random_64
+
+    tokenizer = load_tokenizer(str(ensure_default_model()), None)
+    workload = random_64(49152, set(tokenizer.all_special_ids))
+    # the engine's defaults: 2,048-token steps, 256 sequences, a cache that holds all of W1
+    s = make_scheduler(num_blocks=8192 // block_size * 16, block_size=block_size, budget=2048, max_num_seqs=256,
+                       max_model_len=2048)
+    runner = SimRunner(s.kv.num_blocks, block_size, check=False)
+    for i, r in enumerate(workload):
+        s.add_request(make_request(f"w1-{i}", r.prompt_token_ids, r.output_len))
+    peak_held, peak_slots = 0, 0
+    while s.has_unfinished_requests():
+        step(s, runner)
+        held, slots = s.kv.token_occupancy()
+        assert slots - held <= (block_size - 1) * len(s.running)  # at most one partly filled block each
+        if slots > peak_slots:
+            peak_held, peak_slots = held, slots
+    waste = 1 - peak_held / peak_slots
+    print(f"W1 peak, block size {block_size}: {peak_held} tokens in {peak_slots} slots, waste {waste:.2%}")
+    assert waste < bound
