@@ -62,3 +62,23 @@ def test_cpu_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim, bl
     assert torch.equal(ref_cache, cpu_cache), "both backends must write the same K/V slots"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_large_decode_batches_take_the_batched_path_and_still_match():
+    from pagoda.plugins.attention.cpu_backend import MAX_KERNEL_DECODES
+
+    gen = torch.Generator().manual_seed(7)
+    mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    cc = SimpleNamespace(block_size=16)
+    ref, cpu = TorchAttentionBackend(mc, cc), CpuAttentionBackend(mc, cc)
+    specs = [(int(n), 1) for n in torch.randint(0, 200, (MAX_KERNEL_DECODES + 3,), generator=gen)] + [(40, 9)]
+    batch = _batch(specs, 16, 400, gen)
+    md = cpu.build_metadata(batch)
+    assert md.torch_decode is not None
+    cache = torch.randn(ref.kv_cache_shape(400), generator=gen)
+    q = torch.randn(batch.num_tokens, 9, 64, generator=gen)
+    k = torch.randn(batch.num_tokens, 3, 64, generator=gen)
+    v = torch.randn(batch.num_tokens, 3, 64, generator=gen)
+    layer = SimpleNamespace(scale=0.125)
+    expected = ref.forward(layer, q, k, v, cache.clone(), ref.build_metadata(batch))
+    torch.testing.assert_close(cpu.forward(layer, q, k, v, cache.clone(), md), expected, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,7 @@ inline void load_row(const float* src, float* dst, int n) {
 
 inline void load_row(const at::BFloat16* src, float* dst, int n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
   for (int i = 0; i < n; ++i) {
     uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
     float f;
@@ -87,6 +88,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf.data() + g * head_dim;
             float s = 0.f;
+#pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
             scores[g * len + start + j] = s;
           }
@@ -115,6 +117,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * len + start + j];
             float* ag = acc.data() + g * head_dim;
+#pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
           }
         }
