@@ -119,6 +119,13 @@ def _special_ids(tokenizer) -> set[int]:
     return set(tokenizer.all_special_ids)
 
 
+def _print_speculation(llm) -> None:
+    stats = llm.engine.spec_stats
+    if stats is not None:
+        print(f"speculation: {stats.num_drafts} verify runs, {stats.num_draft_tokens} draft tokens, acceptance "
+              f"{stats.acceptance_rate:.1%}, {stats.mean_acceptance_length:.2f} tokens per verify run")
+
+
 def _print_header(llm) -> None:
     cfg = llm.engine.config
     print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
@@ -138,6 +145,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
     waste = 1 - peak["tokens"] / max(1, peak["blocks"] * llm.engine.config.cache.block_size)
     print(f"pagoda: {mine.seconds:8.2f} s  {mine.output_tps:8.1f} output tok/s  {mine.total_tps:8.1f} total tok/s")
     print(f"KV cache at peak: {peak['blocks']} blocks hold {peak['tokens']} tokens -> waste {waste:.1%}")
+    _print_speculation(llm)
     from pagoda.plugins.entrypoints.roofline import measure_roofline, report
 
     roofline = measure_roofline(llm.engine.model, llm.engine.config.model.num_layers)
@@ -166,6 +174,7 @@ def run_latency(ns: argparse.Namespace) -> int:
     ttft = statistics.median(r[0] for r in runs)
     tpot = statistics.median(r[1] for r in runs)
     print(f"pagoda: TTFT {ttft * 1e3:8.1f} ms  TPOT {tpot * 1e3:8.2f} ms/token")
+    _print_speculation(llm)
     if ns.profile:
         from pagoda.plugins.entrypoints.profile import profile_decode
 
