@@ -82,3 +82,21 @@ def test_large_decode_batches_take_the_batched_path_and_still_match():
     layer = SimpleNamespace(scale=0.125)
     expected = ref.forward(layer, q, k, v, cache.clone(), ref.build_metadata(batch))
     torch.testing.assert_close(cpu.forward(layer, q, k, v, cache.clone(), md), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_cls", [TorchAttentionBackend, CpuAttentionBackend])
+def test_a_padding_slot_of_minus_one_is_not_written(backend_cls):
+    gen = torch.Generator().manual_seed(11)
+    mc = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    backend = backend_cls(mc, SimpleNamespace(block_size=16))
+    batch = _batch([(10, 1), (20, 1), (0, 5)], 16, 32, gen)
+    batch.slot_mapping[1] = -1  # the second decode is padding this step
+    cache = torch.randn(backend.kv_cache_shape(32), generator=gen)
+    before = cache.clone()
+    k = torch.randn(batch.num_tokens, 2, 64, generator=gen)
+    q = torch.randn(batch.num_tokens, 4, 64, generator=gen)
+    backend.forward(SimpleNamespace(scale=0.125), q, k, k, cache, backend.build_metadata(batch))
+    changed = (cache != before).any(dim=-1).any(dim=1)[0].flatten()  # [num_blocks * block_size] slots of K
+    written = set(changed.nonzero().flatten().tolist())
+    expected = set(batch.slot_mapping[batch.slot_mapping >= 0].tolist())
+    assert written == expected

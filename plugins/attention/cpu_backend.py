@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
-from pagoda.plugins.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, split_padding,
+                                                     write_kv)
 
 # Above this many decodes in a step, batched matmuls over gathered K/V beat the per-row kernel
 # (measured with this model family's shapes: 9 heads / 3 KV heads, head_dim 64, 300-token contexts,
@@ -46,7 +47,8 @@ def load_kernels() -> Any:
 
 @dataclass
 class CpuAttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_written] int64
+    written_tokens: Optional[torch.Tensor]  # None when no token is padding
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
     token_req: torch.Tensor  # [num_tokens] int32: the request of each token
     token_len: torch.Tensor  # [num_tokens] int32: keys the token attends to (0: left to SDPA)
@@ -90,14 +92,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if seq_lens[i] == end - start and end - start > 1:
                 fresh.append((start, end))
                 token_len[start:end] = 0
-        return CpuAttentionMetadata(batch.slot_mapping.to(torch.int64), batch.block_tables, token_req,
-                                    token_len.to(torch.int32), fresh, torch_decode)
+        slots, written = split_padding(batch.slot_mapping)
+        token_len[batch.slot_mapping < 0] = 0  # padding tokens attend to nothing
+        return CpuAttentionMetadata(slots, written, batch.block_tables, token_req, token_len.to(torch.int32), fresh,
+                                    torch_decode)
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
-        hkv, num_blocks, bs, d = kv_cache.shape[1:]
-        kv_cache[0].view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
-        kv_cache[1].view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale)
         if md.torch_decode is not None:
             nd = md.torch_decode.num_decodes

@@ -8,7 +8,7 @@ contiguous ``[seq, head_dim]`` run per request that matmul reads in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,32 @@ from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 
 
+def split_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Once per step: the slots to write and, only when some tokens are padding (-1), which tokens."""
+    slot_mapping = slot_mapping.to(torch.int64)
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    tokens = valid.nonzero().flatten()
+    return slot_mapping[tokens], tokens
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             tokens: Optional[torch.Tensor]) -> None:
+    """Store this step's K/V ([T, Hkv, D]) into their slots of a [2, Hkv, num_blocks, bs, D] cache."""
+    if tokens is not None:
+        k, v = k[tokens], v[tokens]
+    hkv, num_blocks, bs, d = kv_cache.shape[1:]
+    kv_cache[0].view(hkv, num_blocks * bs, d).index_copy_(1, slots, k.transpose(0, 1))
+    kv_cache[1].view(hkv, num_blocks * bs, d).index_copy_(1, slots, v.transpose(0, 1))
+
+
 @dataclass
 class TorchAttentionMetadata:
     """Built once per step, read by every layer."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot = block_id * block_size + offset
+    slot_mapping: torch.Tensor  # [num_written] int64, flat slot = block_id * block_size + offset
+    written_tokens: Optional[torch.Tensor]  # which tokens those are, or None when all are (no padding)
     num_decodes: int  # the first num_decodes requests have exactly one query token
     decode_block_ids: torch.Tensor  # [num_decodes * max_decode_blocks] int64
     decode_max_len: int  # padded key length of the decode group (multiple of block_size)
@@ -76,8 +97,10 @@ class TorchAttentionBackend:
                 masks.append(torch.arange(seq_len)[None, :] <= q_pos)
             else:
                 masks.append(None)
+        slots, written = split_padding(batch.slot_mapping)
         return TorchAttentionMetadata(
-            slot_mapping=batch.slot_mapping.to(torch.int64),
+            slot_mapping=slots,
+            written_tokens=written,
             num_decodes=nd,
             decode_block_ids=decode_block_ids,
             decode_max_len=nb * bs,
@@ -91,8 +114,7 @@ class TorchAttentionBackend:
         # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, bs, D]
         hkv, num_blocks, bs, d = kv_cache.shape[1:]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
-        v_cache.view(hkv, num_blocks * bs, d).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:
