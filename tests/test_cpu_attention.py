@@ -100,3 +100,29 @@ def test_a_padding_slot_of_minus_one_is_not_written(backend_cls):
     written = set(changed.nonzero().flatten().tolist())
     expected = set(batch.slot_mapping[batch.slot_mapping >= 0].tolist())
     assert written == expected
+
+
+def test_grouped_decodes_match_attention_computed_request_by_request():
+    from pagoda.plugins.attention.torch_backend import DECODE_GROUP_SIZE
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, bs = 6, 2, 32, 8
+    mc = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=d, dtype=torch.float32)
+    backend = TorchAttentionBackend(mc, SimpleNamespace(block_size=bs))
+    contexts = torch.randint(0, 90, (2 * DECODE_GROUP_SIZE + 5,), generator=gen).tolist()
+    batch = _batch([(c, 1) for c in contexts], bs, 600, gen)
+    cache = torch.randn(backend.kv_cache_shape(600), generator=gen)
+    q = torch.randn(batch.num_tokens, heads, d, generator=gen)
+    k = torch.randn(batch.num_tokens, kv_heads, d, generator=gen)
+    v = torch.randn(batch.num_tokens, kv_heads, d, generator=gen)
+    out = backend.forward(SimpleNamespace(scale=d ** -0.5), q, k, v, cache, backend.build_metadata(batch))
+    out = out.view(-1, heads, d)
+    for i, ctx in enumerate(contexts):
+        table = batch.block_tables[i].long()
+        keys = cache[0][:, table].reshape(kv_heads, -1, d)[:, :ctx + 1]  # [Hkv, L, D]
+        values = cache[1][:, table].reshape(kv_heads, -1, d)[:, :ctx + 1]
+        keys = keys.repeat_interleave(heads // kv_heads, dim=0)
+        values = values.repeat_interleave(heads // kv_heads, dim=0)
+        weights = torch.softmax((keys @ q[i][:, :, None]).squeeze(-1) * d ** -0.5, dim=-1)  # [H, L]
+        expected = (weights[:, :, None] * values).sum(1)
+        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)

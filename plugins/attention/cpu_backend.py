@@ -102,8 +102,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale)
         if md.torch_decode is not None:
-            nd = md.torch_decode.num_decodes
-            out[:nd] = self._decode(q[:nd], kv_cache[0], kv_cache[1], md.torch_decode, layer.scale)
+            for group in md.torch_decode.decode_groups:
+                out[group.rows] = self._decode(q[group.rows], kv_cache[0], kv_cache[1], group, layer.scale)
         for start, end in md.fresh_prefills:
             qi = q[start:end].transpose(0, 1)  # [H, n, D]
             ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, n, D]

@@ -44,13 +44,25 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_written] int64, flat slot = block_id * block_size + offset
     written_tokens: Optional[torch.Tensor]  # which tokens those are, or None when all are (no padding)
     num_decodes: int  # the first num_decodes requests have exactly one query token
-    decode_block_ids: torch.Tensor  # [num_decodes * max_decode_blocks] int64
-    decode_max_len: int  # padded key length of the decode group (multiple of block_size)
-    decode_mask: torch.Tensor  # [1, num_decodes, 1, decode_max_len] float32, 0 or -inf
+    # decodes in groups of similar length, each padded only to its own longest
+    decode_groups: list["DecodeGroup"]
     # one entry per prefill request: (token start, token end, context len, seq len, block ids [n_blocks])
     prefills: list[tuple[int, int, int, int, torch.Tensor]]
     # for prefills with cached context: [n, seq_len] bool, True where attention is allowed
     prefill_masks: list[Any]
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [n] int64: which decode rows (tokens) are in the group
+    block_ids: torch.Tensor  # [n * max_blocks] int64
+    max_len: int  # padded key length (a multiple of block_size)
+    mask: torch.Tensor  # [1, n, 1, max_len] float32, 0 or -inf
+
+
+# Decodes are sorted by length and gathered this many at a time, so a batch mixing short and
+# long contexts does not pad every request to the longest one.
+DECODE_GROUP_SIZE = 16
 
 
 class TorchAttentionBackend:
@@ -71,19 +83,18 @@ class TorchAttentionBackend:
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         bs = self.block_size
         nd = batch.num_decodes
+        groups = []
         if nd:
-            seq_lens = batch.seq_lens[:nd]
-            max_len = int(seq_lens.max())
-            nb = -(-max_len // bs)
-            decode_block_ids = batch.block_tables[:nd, :nb].reshape(-1).to(torch.int64)
-            key_pos = torch.arange(nb * bs)
-            mask = torch.zeros(nd, nb * bs)
-            mask.masked_fill_(key_pos[None, :] >= seq_lens[:, None], float("-inf"))
-            decode_mask = mask.view(1, nd, 1, nb * bs)
-        else:
-            nb = 0
-            decode_block_ids = torch.empty(0, dtype=torch.int64)
-            decode_mask = torch.empty(0)
+            seq_lens = batch.seq_lens[:nd].to(torch.int64)
+            order = torch.argsort(seq_lens)
+            for g0 in range(0, nd, DECODE_GROUP_SIZE):
+                rows = order[g0:g0 + DECODE_GROUP_SIZE]
+                lens = seq_lens[rows]
+                nb = -(-int(lens.max()) // bs)
+                mask = torch.zeros(len(rows), nb * bs)
+                mask.masked_fill_(torch.arange(nb * bs)[None, :] >= lens[:, None], float("-inf"))
+                block_ids = batch.block_tables[rows, :nb].reshape(-1).to(torch.int64)
+                groups.append(DecodeGroup(rows, block_ids, nb * bs, mask.view(1, len(rows), 1, nb * bs)))
         prefills, masks = [], []
         qsl = batch.query_start_loc_list
         for i in range(nd, batch.num_reqs):
@@ -102,9 +113,7 @@ class TorchAttentionBackend:
             slot_mapping=slots,
             written_tokens=written,
             num_decodes=nd,
-            decode_block_ids=decode_block_ids,
-            decode_max_len=nb * bs,
-            decode_mask=decode_mask,
+            decode_groups=groups,
             prefills=prefills,
             prefill_masks=masks,
         )
@@ -112,13 +121,12 @@ class TorchAttentionBackend:
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: TorchAttentionMetadata) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, bs, D]
-        hkv, num_blocks, bs, d = kv_cache.shape[1:]
+        hkv, d = kv_cache.shape[1], kv_cache.shape[-1]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = torch.empty_like(q)
-        nd = md.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, md, layer.scale)
+        for group in md.decode_groups:
+            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, layer.scale)
         for (start, end, ctx, seq_len, block_ids), mask in zip(md.prefills, md.prefill_masks):
             qi = q[start:end].transpose(0, 1)  # [H, n, D]
             if ctx == 0:
@@ -133,16 +141,16 @@ class TorchAttentionBackend:
             out[start:end] = oi.transpose(0, 1)
         return out.view(q.shape[0], -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttentionMetadata,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
                 scale: float) -> torch.Tensor:
         # decode only: one query token per request, grouped per KV head so K/V are never repeated
         nd, h, d = q.shape
         hkv = k_cache.shape[0]
-        length = md.decode_max_len
-        keys = k_cache.index_select(1, md.decode_block_ids).view(hkv, nd, length, d)
-        values = v_cache.index_select(1, md.decode_block_ids).view(hkv, nd, length, d)
+        length = group.max_len
+        keys = k_cache.index_select(1, group.block_ids).view(hkv, nd, length, d)
+        values = v_cache.index_select(1, group.block_ids).view(hkv, nd, length, d)
         qg = q.view(nd, hkv, self.group, d).transpose(0, 1)  # [Hkv, nd, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Hkv, nd, G, L]
-        probs = torch.softmax(scores + md.decode_mask, dim=-1).to(q.dtype)
+        probs = torch.softmax(scores + group.mask, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, nd, G, D]
         return out.transpose(0, 1).reshape(nd, h, d)
