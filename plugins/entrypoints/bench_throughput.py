@@ -131,6 +131,9 @@ def _print_header(llm) -> None:
     print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
           f"threads: {llm.engine.num_threads}  attention: {type(llm.engine.backend).__name__}  "
           f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size}")
+    from pagoda.plugins.quant.memory import weight_memory
+
+    print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
