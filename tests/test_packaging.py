@@ -83,3 +83,12 @@ def test_the_wheel_declares_the_console_script_and_the_builtin_entry_points(whee
 def test_the_wheel_holds_no_tests_or_contrib_packages(wheel):
     top_level = {n.split("/", 1)[0] for n in wheel.namelist()}
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"pagoda"}
+
+
+def test_the_kernel_sources_compiled_on_first_use_are_in_the_wheel(wheel):
+    names = set(wheel.namelist())
+    attention = REPO / "plugins" / "attention"
+    sources = [p for p in attention.rglob("*") if p.suffix in (".cpp", ".cu", ".h")]
+    assert sources
+    for path in sources:
+        assert f"pagoda/plugins/attention/{path.relative_to(attention).as_posix()}" in names
