@@ -266,3 +266,20 @@ def greedy(path: Path, prompts: list[list[int]], num_tokens: int = 16, **kwargs)
 
 
 PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 17, 44, 45, 46, 250, 12, 90, 91, 300], list(range(3, 60, 3))]
+
+
+def edit_checkpoint(path: Path, edit=None, config_edit=None, config_file: str = "config.json") -> Path:
+    """Damage a written checkpoint: ``edit(tensors)`` in place, ``config_edit(quant_config)`` in place.
+
+    The quantization config is ``quantization_config`` inside config.json, or a
+    whole side file such as GPTQ's quantize_config.json.
+    """
+    if edit:
+        tensors = load_file(str(path / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(path / "model.safetensors"))
+    if config_edit:
+        cfg = json.loads((path / config_file).read_text())
+        config_edit(cfg["quantization_config"] if config_file == "config.json" else cfg)
+        (path / config_file).write_text(json.dumps(cfg))
+    return path

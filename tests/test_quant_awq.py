@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda.errors import CheckpointError, ConfigError
-from quant_helpers import DATA, FUSED, PROMPTS, awq_checkpoint, fused_reference, greedy, small_llm, write_dense
+from quant_helpers import (
+    DATA, FUSED, PROMPTS, awq_checkpoint, edit_checkpoint, fused_reference, greedy, small_llm, write_dense,
+)
 
 AUTOAWQ = DATA / "awq-g64"  # written by AutoAWQ 0.2.9 (contrib/quant-tools/quantize_awq.py)
 
@@ -75,14 +77,7 @@ def test_awq_weights_take_at_least_three_times_less_memory_than_bf16():
 
 def _corrupt(tmp_path, edit, config_edit=None):
     awq_checkpoint(tmp_path, group=32)
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    if config_edit:
-        cfg = json.loads((tmp_path / "config.json").read_text())
-        config_edit(cfg["quantization_config"])
-        (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path
+    return edit_checkpoint(tmp_path, edit, config_edit)
 
 
 def test_awq_qweight_of_the_wrong_shape_is_refused_naming_the_tensor(tmp_path):

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda.errors import CheckpointError, ConfigError
-from quant_helpers import (DATA, FUSED, PROMPTS, compressed_int_checkpoint, fake_quant_fp8, fused_reference, greedy,
-                           small_llm, write_dense)
+from quant_helpers import (
+    DATA, FUSED, PROMPTS, compressed_int_checkpoint, edit_checkpoint, fake_quant_fp8, fused_reference, greedy,
+    small_llm, write_dense,
+)
 
 # written by llm-compressor 0.14 / compressed-tensors 0.19 (contrib/quant-tools/quantize_llmcompressor.py)
 LLMC = {"w4a16-gptq": None, "w8a16": None, "fp8-dynamic": "dynamic", "fp8-static": "static"}
@@ -78,15 +80,7 @@ def test_fp8_checkpoint_weights_take_half_the_memory_of_bf16():
 
 def _corrupt(tmp_path, edit=None, config_edit=None):
     compressed_int_checkpoint(tmp_path, bits=4, group=32)
-    if edit:
-        tensors = load_file(str(tmp_path / "model.safetensors"))
-        edit(tensors)
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-    if config_edit:
-        cfg = json.loads((tmp_path / "config.json").read_text())
-        config_edit(cfg["quantization_config"])
-        (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return tmp_path
+    return edit_checkpoint(tmp_path, edit, config_edit)
 
 
 def test_missing_weight_scale_is_refused(tmp_path):

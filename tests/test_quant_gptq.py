@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda.errors import CheckpointError, ConfigError
-from quant_helpers import DATA, FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense
+from quant_helpers import (
+    DATA, FUSED, PROMPTS, edit_checkpoint, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense,
+)
 
 GPTQMODEL = DATA / "gptqmodel-g32-actorder"  # written by GPTQModel 7.7 (contrib/quant-tools/quantize_gptqmodel.py)
 
@@ -86,15 +88,7 @@ def test_v1_zero_points_are_read_one_higher_than_stored(tmp_path):
 
 def _corrupt(tmp_path, edit=None, config_edit=None):
     gptq_checkpoint(tmp_path, bits=4, group=32, desc_act=True)
-    if edit:
-        tensors = load_file(str(tmp_path / "model.safetensors"))
-        edit(tensors)
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-    if config_edit:
-        cfg = json.loads((tmp_path / "quantize_config.json").read_text())
-        config_edit(cfg)
-        (tmp_path / "quantize_config.json").write_text(json.dumps(cfg))
-    return tmp_path
+    return edit_checkpoint(tmp_path, edit, config_edit, config_file="quantize_config.json")
 
 
 def test_gptq_scales_of_the_wrong_shape_are_refused_naming_the_tensor(tmp_path):
