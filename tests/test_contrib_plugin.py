@@ -7,7 +7,6 @@ the console script, which is all an installed distribution needs for its entry p
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -17,27 +16,12 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.default_model import ensure_default_model
 from pagoda.plugin_manager import PluginManager
+from tiny_models import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SJF_SOURCE = REPO / "contrib" / "pagoda-sjf"
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
-
-
-def write_tiny_checkpoint(directory: Path) -> Path:
-    """A one-layer Llama config with the default model's tokenizer; weights come from load_format='dummy'."""
-    default_dir = ensure_default_model()
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_dir / name, directory / name)
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 
 from pagoda import LLM, ConfigError, InvalidRequestError, SamplingParams
 from pagoda.default_model import ensure_default_model
+from tiny_models import write_tiny_checkpoint
 
 PROMPTS = [
     "The capital of France is",
@@ -434,22 +435,7 @@ def test_n_sequences_each_carry_logprobs_and_share_the_prompt_logprobs(llm):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A one-layer Llama config with the default model's tokenizer (no chat template); dummy weights."""
-    import json
-    import shutil
-
-    default_dir = ensure_default_model()
-    directory = tmp_path_factory.mktemp("tiny")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    shutil.copy(default_dir / "tokenizer.json", directory / "tokenizer.json")
-    tok_config = json.loads((default_dir / "tokenizer_config.json").read_text())
-    tok_config.pop("chat_template", None)
-    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    return directory
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), chat_template=False)
 
 
 def test_a_prompt_larger_than_the_whole_kv_cache_is_rejected_up_front(tiny_dir):

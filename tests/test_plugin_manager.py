@@ -7,9 +7,7 @@ put on ``sys.path``. ``importlib.metadata`` finds them exactly as it finds pip-i
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, ConfigError, SamplingParams, hookimpl
-from pagoda.default_model import ensure_default_model
 from pagoda.plugin_manager import BUILTIN_DIST, BUILTIN_PLUGINS, PluginManager
+from tiny_models import write_tiny_checkpoint
 
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 
@@ -77,17 +75,7 @@ def acme(site):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A one-layer Llama config with the default model's tokenizer; weights from load_format='dummy'."""
-    default_dir = ensure_default_model()
-    directory = tmp_path_factory.mktemp("tiny")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_dir / name, directory / name)
-    return directory
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def tiny_llm(tiny_dir: Path, **kwargs) -> LLM:
