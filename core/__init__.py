@@ -7,6 +7,10 @@ import os
 # Must be set before torch loads its OpenMP runtime; set it yourself if you import torch first.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from pagoda.malloc import keep_freed_memory
+
+keep_freed_memory()
+
 from pagoda.markers import hookimpl
 from pagoda.version import __version__
 from pagoda.config import EngineArgs

@@ -106,9 +106,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             for group in md.torch_decode.decode_groups:
                 out[group.rows] = self._decode(q[group.rows], kv_cache[0], kv_cache[1], group, layer.scale)
         for start, end in md.fresh_prefills:
+            # 4-D inputs reach torch's flash kernel; 3-D ones its math path (3x slower at 300 tokens)
             qi = q[start:end].transpose(0, 1)  # [H, n, D]
             ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, n, D]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scale,
+            oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=layer.scale,
                                                 enable_gqa=self.group > 1)
-            out[start:end] = oi.transpose(0, 1)
+            out[start:end] = oi[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
