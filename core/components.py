@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.model_runner import ModelRunner
 from pagoda.plugin_manager import PluginManager
@@ -47,6 +47,7 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
         quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
         quant = quant_factory(mc, mc.quant_config or {})
     backend = select_attention_backend(config, pm)
+    check_kv_cache_dtype(config, backend)
 
     tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
     with torch.device(config.device):
@@ -95,6 +96,24 @@ def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:
         except BackendUnavailable as exc:
             reasons.append(f"{candidate}: {exc}")
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
+
+
+def check_kv_cache_dtype(config: EngineConfig, backend: Any) -> None:
+    """Refuse a backend that would store K/V in another dtype than kv_cache_dtype asks for.
+
+    A backend declares its storage in ``kv_cache_dtype`` (the model dtype when it has none); one
+    that ignores ``--kv-cache-dtype fp8`` would otherwise give bf16 KV memory silently.
+    """
+    wanted = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
+    stored = getattr(backend, "kv_cache_dtype", None) or config.model.dtype
+    if stored != wanted:
+        name = getattr(backend, "name", type(backend).__name__)
+        hint = ("use attention_backend='cpu' or 'torch' on a CPU, 'triton' on a GPU"
+                if is_fp8_kv_cache(config.cache.kv_cache_dtype) else "use kv_cache_dtype='auto'")
+        raise ConfigError(
+            f"the {name!r} attention backend stores K/V as {str(stored).removeprefix('torch.')}, not "
+            f"kv_cache_dtype={config.cache.kv_cache_dtype!r} ({str(wanted).removeprefix('torch.')}); {hint}"
+        )
 
 
 def _kv_element_size(backend: Any, model_dtype: torch.dtype) -> int:

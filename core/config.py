@@ -36,6 +36,38 @@ def cpu_has_bf16() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+# fp8 KV cache formats: name -> storage dtype. e4m3 (range +-448, 3 mantissa bits) with a per-layer scale.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPE_CHOICES = ("auto", *FP8_KV_CACHE_DTYPES, *_DTYPES)
+
+
+def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
+    """True when K/V are stored as fp8 (scaled e4m3) rather than in the model dtype."""
+    return kv_cache_dtype in FP8_KV_CACHE_DTYPES
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype of the KV cache: fp8 e4m3 for ``fp8``/``fp8_e4m3``, the model dtype otherwise.
+
+    A float name that is not the model's dtype is refused: K/V are produced in the model dtype and
+    the backends store them either as they are or as scaled fp8.
+    """
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _DTYPES:
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of "
+                          f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    if _DTYPES[kv_cache_dtype] != model_dtype:
+        model_name = str(model_dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"kv_cache_dtype {kv_cache_dtype!r} differs from the model dtype {model_name}; K/V are stored in the "
+            f"model dtype or as fp8, so pass --kv-cache-dtype auto (or {model_name}) or fp8"
+        )
+    return model_dtype
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -147,7 +179,9 @@ class EngineArgs(BaseModel):
     chat_template: Optional[str] = None
     block_size: int = Field(default=16, gt=0)
     kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = Field(default="auto", description=(
+        "how K/V are stored: auto (the model dtype) or fp8 (alias fp8_e4m3: scaled float8 e4m3, twice the "
+        "tokens in the same memory)"))
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: Optional[int] = Field(default=None, gt=0)
     swap_space: float = Field(default=4.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
@@ -171,6 +205,14 @@ class EngineArgs(BaseModel):
     def _block_size_power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_cache_dtype(cls, v: str) -> str:
+        if v not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)} "
+                             "(fp8 is float8 e4m3 with a per-layer scale)")
         return v
 
     @classmethod
@@ -249,6 +291,7 @@ class EngineArgs(BaseModel):
                 f"max_num_seqs {self.max_num_seqs} exceeds max_num_batched_tokens {max_num_batched_tokens}; "
                 "every running sequence needs at least one token of the step budget"
             )
+        resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)  # refuses a float dtype not the model's
         cache_cfg = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or 2 * GiB,

@@ -85,6 +85,7 @@ class ModelRunner:
                     source, target = self.swap_caches[layer], cache
                 else:
                     source, target = cache, cache
+                source, target = _raw_bytes(source), _raw_bytes(target)  # index_copy_ has no fp8 kernel on a CPU
                 target.index_copy_(self.block_dim, dst.to(target.device),
                                    source.index_select(self.block_dim, src.to(source.device)).to(target.device))
 
@@ -195,3 +196,8 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
             result[row] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
         return result
+
+
+def _raw_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A one-byte (fp8) cache seen as uint8, so block copies work on every device; others unchanged."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 and cache.is_floating_point() else cache

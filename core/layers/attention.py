@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import re
+from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from pagoda.errors import CheckpointError
+
+# per-layer fp8 KV scales as llm-compressor / vLLM checkpoints name them ("kv_scale" is the older
+# single scale for both; AutoFP8 wrote k_proj/v_proj "output_scale")
+_KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
+                            r"v_proj\.output_scale)$")
+
+
+def kv_scale_target(name: str) -> Optional[tuple[int, str]]:
+    """(layer index, scale name) when a checkpoint tensor is a KV cache scale, else None."""
+    match = _KV_SCALE_NAME.search(name)
+    return (int(match.group(1)), match.group(2)) if match else None
 
 
 class Attention(nn.Module):
@@ -20,6 +35,23 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # fp8 KV cache: the cache stores k / k_scale and v / v_scale (per tensor; 1.0 unless the
+        # checkpoint carries them). Plain floats: a backend reads them on every call without a sync.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def load_kv_scale(self, which: str, tensor: torch.Tensor, name: str) -> None:
+        """Set k_scale / v_scale (or both, for ``kv_scale``) from a one-element checkpoint tensor."""
+        value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else math.nan
+        if tensor.numel() != 1 or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(
+                f"KV cache scale {name!r} must be one positive finite number (a per-tensor scale), got shape "
+                f"{tuple(tensor.shape)}" + (f" value {value}" if tensor.numel() == 1 else "")
+            )
+        if which in ("k_scale", "kv_scale", "k_proj.output_scale"):
+            self.k_scale = value
+        if which in ("v_scale", "kv_scale", "v_proj.output_scale"):
+            self.v_scale = value
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, metadata: Any) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
-from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, split_padding,
-                                                     write_kv)
+from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
+from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
+                                                     split_padding, write_kv)
 
 # On one thread, above this many decodes in a step, batched matmuls over gathered K/V beat the
 # per-row kernel (this model family's shapes: 9 heads / 3 KV heads, head_dim 64, 300-token contexts:
@@ -100,11 +101,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
+        k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
         write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
-        out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale)
+        out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale,
+                                           k_scale, v_scale)
         if md.torch_decode is not None:
             for group in md.torch_decode.decode_groups:
-                out[group.rows] = self._decode(q[group.rows], kv_cache[0], kv_cache[1], group, layer.scale)
+                out[group.rows] = self._decode(q[group.rows], kv_cache[0], kv_cache[1], group, layer.scale, k_scale,
+                                               v_scale)
+        if self.fp8 and md.fresh_prefills:
+            # fresh prefills attend to K/V as stored too: [T, Hkv, D] fp8 -> dequantized model dtype
+            k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
         for start, end in md.fresh_prefills:
             # 4-D inputs reach torch's flash kernel; 3-D ones its math path (3x slower at 300 tokens)
             qi = q[start:end].transpose(0, 1)  # [H, n, D]

@@ -3,9 +3,14 @@
 // KV layout (shared with the torch backend): [2, num_kv_heads, num_blocks, block_size, head_dim].
 // One work item is (query token, kv head): the group of query heads sharing that kv head reads
 // every K/V row once, accumulating in fp32. No gathered copy of K/V is ever made.
+//
+// The cache holds the model dtype, or fp8 e4m3 bytes (float8_e4m3fn) read through a 256-entry
+// table. Stored K/V are multiplied by k_scale / v_scale on read: k_scale is folded into the query
+// scale and v_scale into the output, so no row is ever rescaled.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +40,22 @@ inline void load_row(const at::Half* src, float* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// e4m3fn byte -> float, every one of the 256 codes (built once from torch's own conversion)
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      value[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    }
+  }
+};
+const Fp8Table kFp8Table;
+
+inline void load_row(const c10::Float8_e4m3fn* src, float* dst, int n) {
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+  for (int i = 0; i < n; ++i) dst[i] = kFp8Table.value[s[i]];
+}
+
 inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
 inline void store_row(const float* src, at::BFloat16* dst, int n) {
@@ -45,17 +66,19 @@ inline void store_row(const float* src, at::Half* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
 }
 
-template <typename scalar_t>
+// scalar_t: q and out; cache_t: the stored K/V (scalar_t, or c10::Float8_e4m3fn)
+template <typename scalar_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                          const at::Tensor& token_req, const at::Tensor& token_len, at::Tensor& out, double scale) {
+                          const at::Tensor& token_req, const at::Tensor& token_len, at::Tensor& out, double scale,
+                          double k_scale, double v_scale) {
   // q, out: [T, H, D]; block_tables: [B, max_blocks] int32; token_req / token_len: [T] int32
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = k_ptr + num_kv_heads * num_blocks * block_size * head_dim;
+  const cache_t* k_ptr = reinterpret_cast<const cache_t*>(kv_cache.data_ptr());
+  const cache_t* v_ptr = k_ptr + num_kv_heads * num_blocks * block_size * head_dim;
   const int32_t* bt_ptr = block_tables.data_ptr<int32_t>();
   const int32_t* req_ptr = token_req.data_ptr<int32_t>();
   const int32_t* len_ptr = token_len.data_ptr<int32_t>();
@@ -63,7 +86,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t q_stride_t = q.stride(0), q_stride_h = q.stride(1);
   const int64_t head_stride = num_blocks * block_size * head_dim;  // between kv heads
   const int64_t block_stride = block_size * head_dim;
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale * k_scale);  // the stored keys times k_scale
+  const float fv_scale = static_cast<float>(v_scale);
 
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
@@ -77,11 +101,11 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= fscale;
       }
       scores.resize(group * len);
-      const scalar_t* k_head = k_ptr + h * head_stride;
-      const scalar_t* v_head = v_ptr + h * head_stride;
+      const cache_t* k_head = k_ptr + h * head_stride;
+      const cache_t* v_head = v_ptr + h * head_stride;
       // pass 1: scores [group, len]
       for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* k_block = k_head + static_cast<int64_t>(table[start / block_size]) * block_stride;
+        const cache_t* k_block = k_head + static_cast<int64_t>(table[start / block_size]) * block_stride;
         const int64_t n = std::min<int64_t>(block_size, len - start);
         for (int64_t j = 0; j < n; ++j) {
           load_row(k_block + j * head_dim, row.data(), head_dim);
@@ -104,13 +128,13 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           sg[i] = std::exp(sg[i] - m);
           sum += sg[i];
         }
-        const float inv = 1.f / sum;
+        const float inv = fv_scale / sum;  // the stored values times v_scale
         for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
       }
       // pass 2: weighted sum of V rows
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
-        const scalar_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_stride;
+        const cache_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_stride;
         const int64_t n = std::min<int64_t>(block_size, len - start);
         for (int64_t j = 0; j < n; ++j) {
           load_row(v_block + j * head_dim, row.data(), head_dim);
@@ -132,25 +156,43 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
 }  // namespace
 
 // Each query token t attends to the first token_len[t] positions of request token_req[t].
+// The cache is q's dtype, or float8_e4m3fn; read values are stored * k_scale (keys), stored * v_scale (values).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                           const at::Tensor& token_req, const at::Tensor& token_len, double scale) {
+                           const at::Tensor& token_req, const at::Tensor& token_len, double scale, double k_scale,
+                           double v_scale) {
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "q rows must be contiguous in head_dim");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && token_req.scalar_type() == at::kInt &&
                   token_len.scalar_type() == at::kInt,
               "block_tables, token_req and token_len must be int32");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || q.scalar_type() == kv_cache.scalar_type(), "kv_cache must be q's dtype or float8_e4m3fn");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const auto tables = block_tables.contiguous(), reqs = token_req.contiguous(), lens = token_len.contiguous();
   switch (q.scalar_type()) {
     case at::kFloat:
-      paged_attention_impl<float>(q, kv_cache, tables, reqs, lens, out, scale);
+      if (fp8) {
+        paged_attention_impl<float, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale);
+      } else {
+        paged_attention_impl<float, float>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale);
+      }
       break;
     case at::kBFloat16:
-      paged_attention_impl<at::BFloat16>(q, kv_cache, tables, reqs, lens, out, scale);
+      if (fp8) {
+        paged_attention_impl<at::BFloat16, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale,
+                                                               v_scale);
+      } else {
+        paged_attention_impl<at::BFloat16, at::BFloat16>(q, kv_cache, tables, reqs, lens, out, scale, k_scale,
+                                                         v_scale);
+      }
       break;
     case at::kHalf:
-      paged_attention_impl<at::Half>(q, kv_cache, tables, reqs, lens, out, scale);
+      if (fp8) {
+        paged_attention_impl<at::Half, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale,
+                                                           v_scale);
+      } else {
+        paged_attention_impl<at::Half, at::Half>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale);
+      }
       break;
     default:
       TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
@@ -159,5 +201,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", pybind11::arg("q"),
+        pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
+        pybind11::arg("token_len"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
+        pybind11::arg("v_scale") = 1.0);
 }

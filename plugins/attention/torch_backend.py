@@ -3,6 +3,10 @@
 KV layout per layer: ``[2, num_kv_heads, num_blocks, block_size, head_dim]``
 (K then V). Head-major, so gathering a batch's blocks gives, per KV head, one
 contiguous ``[seq, head_dim]`` run per request that matmul reads in place.
+
+With ``kv_cache_dtype="fp8"`` the cache holds scaled float8 e4m3 (see ``kv_fp8``);
+every query, fresh prefills included, attends to K/V as stored, so the output of a
+request does not depend on how its prompt was chunked or prefix-cached.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch.nn.functional as F
 
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
+from pagoda.plugins.attention.kv_fp8 import (dequantize_fp8, kv_cache_dtype_for, kv_scales, quantize_fp8, raw_bytes,
+                                             uses_fp8)
 
 
 def split_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -29,12 +35,23 @@ def split_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, Optional[to
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              tokens: Optional[torch.Tensor]) -> None:
-    """Store this step's K/V ([T, Hkv, D]) into their slots of a [2, Hkv, num_blocks, bs, D] cache."""
+    """Store this step's K/V ([T, Hkv, D], already in the cache's dtype) into their slots of a
+    [2, Hkv, num_blocks, bs, D] cache."""
     if tokens is not None:
         k, v = k[tokens], v[tokens]
     hkv, num_blocks, bs, d = kv_cache.shape[1:]
-    kv_cache[0].view(hkv, num_blocks * bs, d).index_copy_(1, slots, k.transpose(0, 1))
-    kv_cache[1].view(hkv, num_blocks * bs, d).index_copy_(1, slots, v.transpose(0, 1))
+    cache = raw_bytes(kv_cache)
+    cache[0].view(hkv, num_blocks * bs, d).index_copy_(1, slots, raw_bytes(k).transpose(0, 1))
+    cache[1].view(hkv, num_blocks * bs, d).index_copy_(1, slots, raw_bytes(v).transpose(0, 1))
+
+
+def quantize_step_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, fp8: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """This step's K/V as the cache stores them, and the (k_scale, v_scale) a reader multiplies by."""
+    if not fp8:
+        return k, v, 1.0, 1.0
+    k_scale, v_scale = kv_scales(layer)
+    return quantize_fp8(k, k_scale), quantize_fp8(v, v_scale), k_scale, v_scale
 
 
 @dataclass
@@ -76,6 +93,8 @@ class TorchAttentionBackend:
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
         self.group = self.num_heads // self.num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype_for(model_config, cache_config)
+        self.fp8 = uses_fp8(cache_config)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
@@ -123,35 +142,48 @@ class TorchAttentionBackend:
         # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, Hkv, num_blocks, bs, D]
         hkv, d = kv_cache.shape[1], kv_cache.shape[-1]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
         write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = torch.empty_like(q)
         for group in md.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, layer.scale)
+            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, layer.scale, k_scale, v_scale)
         for (start, end, ctx, seq_len, block_ids), mask in zip(md.prefills, md.prefill_masks):
             # 4-D inputs reach torch's flash kernel; 3-D ones its math path (3x slower at 300 tokens)
             qi = q[start:end].transpose(0, 1)  # [H, n, D]
             if ctx == 0:
-                ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, n, D]
+                ki = dequantize_fp8(k[start:end], k_scale, q.dtype) if self.fp8 else k[start:end]
+                vi = dequantize_fp8(v[start:end], v_scale, q.dtype) if self.fp8 else v[start:end]
+                ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, n, D]
                 oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=layer.scale,
                                                     enable_gqa=self.group > 1)
             else:
-                ki = k_cache.index_select(1, block_ids).view(hkv, -1, d)[:, :seq_len]
-                vi = v_cache.index_select(1, block_ids).view(hkv, -1, d)[:, :seq_len]
-                oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=mask, scale=layer.scale,
-                                                    enable_gqa=self.group > 1)
+                ki = self._read(k_cache.index_select(1, block_ids), q.dtype).view(hkv, -1, d)[:, :seq_len]
+                vi = self._read(v_cache.index_select(1, block_ids), q.dtype).view(hkv, -1, d)[:, :seq_len]
+                # fp8: k_scale folds into the softmax scale, v_scale into the output
+                oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=mask,
+                                                    scale=layer.scale * k_scale, enable_gqa=self.group > 1)
+                if v_scale != 1.0:
+                    oi = oi * v_scale
             out[start:end] = oi[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
 
+    @staticmethod
+    def _read(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache rows in the compute dtype (fp8 widens exactly; scales are applied by the caller)."""
+        return stored if stored.dtype == dtype else stored.to(dtype)
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                scale: float) -> torch.Tensor:
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         # decode only: one query token per request, grouped per KV head so K/V are never repeated
         nd, h, d = q.shape
         hkv = k_cache.shape[0]
         length = group.max_len
-        keys = k_cache.index_select(1, group.block_ids).view(hkv, nd, length, d)
-        values = v_cache.index_select(1, group.block_ids).view(hkv, nd, length, d)
+        keys = self._read(k_cache.index_select(1, group.block_ids), q.dtype).view(hkv, nd, length, d)
+        values = self._read(v_cache.index_select(1, group.block_ids), q.dtype).view(hkv, nd, length, d)
         qg = q.view(nd, hkv, self.group, d).transpose(0, 1)  # [Hkv, nd, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Hkv, nd, G, L]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (scale * k_scale)  # [Hkv, nd, G, L]
         probs = torch.softmax(scores + group.mask, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, nd, G, D]
+        if v_scale != 1.0:
+            out = out * v_scale
         return out.transpose(0, 1).reshape(nd, h, d)
