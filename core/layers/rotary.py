@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import ConfigError
+from pagoda.layers.fused_ops import fused_for
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
@@ -52,6 +53,10 @@ class RotaryEmbedding(nn.Module):
         """Per-step lookup, shared by every layer: two ``[num_tokens, 1, head_dim]`` tensors."""
         return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
 
+    def at(self, positions: torch.Tensor) -> "StepRotary":
+        """What every layer of one step needs to rotate its q and k."""
+        return StepRotary(self, positions)
+
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, num_heads, head_dim]
@@ -59,3 +64,33 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x[..., :half], x[..., half:]
         rotated = torch.cat((-x2, x1), dim=-1)
         return x * cos + rotated * sin
+
+
+class StepRotary:
+    """One step's rotary embedding, shared by every layer: the fused CPU kernel, or cos/sin looked up once."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.rotary = rotary
+        self.ops = fused_for(rotary.cos_cache)
+        if self.ops is not None:
+            self.positions = positions.to(torch.int64).contiguous()
+        else:
+            self.cos, self.sin = rotary.cos_sin(positions)
+
+    def split_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+        """``qkv [T, (H + 2 Hkv) * D]`` -> rotated ``q [T, H, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``.
+
+        The fused kernel rotates ``qkv`` in place (it is the projection's fresh output).
+        """
+        fused = (self.ops is not None and qkv.dim() == 2 and qkv.stride(1) == 1
+                 and qkv.dtype == self.rotary.cos_cache.dtype)
+        if fused:
+            self.ops.rotary_(qkv, self.rotary.cos_cache, self.rotary.sin_cache, self.positions,
+                             num_heads + num_kv_heads, head_dim)
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q, k, v = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+        if not fused:
+            if not hasattr(self, "cos"):
+                self.cos, self.sin = self.rotary.cos_sin(self.positions)
+            q, k = RotaryEmbedding.apply(q, self.cos, self.sin), RotaryEmbedding.apply(k, self.cos, self.sin)
+        return q, k, v

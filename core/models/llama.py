@@ -12,7 +12,8 @@ from pagoda.errors import CheckpointError, ConfigError
 from pagoda.layers.attention import Attention, kv_scale_target
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.layers.fused_ops import silu_and_mul
+from pagoda.layers.rotary import RotaryEmbedding, StepRotary
 
 # checkpoint name fragment -> (fused module fragment, shard index)
 _STACKED = {
@@ -51,23 +52,18 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(backend, idx, h, hkv, d, d ** -0.5)
         self.inter = inter
 
-    def forward(self, x, residual, cos, sin, kv_cache, metadata):
+    def forward(self, x, residual, rope: StepRotary, kv_cache, metadata):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         qkv = self.qkv_proj(x)  # [num_tokens, (h + 2 hkv) * d]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.apply(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = rope.split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         attn_out = self.attn(q, k, v, kv_cache, metadata)  # [num_tokens, h * d]
         x = self.o_proj(attn_out)
         x, residual = self.post_attention_layernorm(x, residual)
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        x = self.down_proj(nn.functional.silu(gate) * up)
+        x = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return x, residual
 
 
@@ -103,10 +99,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)  # looked up once per step, not per layer
+        rope = self.rotary.at(positions)  # once per step, not per layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
+            x, residual = layer(x, residual, rope, kv_cache, metadata)
         x, _ = self.norm(x, residual)
         return x
 

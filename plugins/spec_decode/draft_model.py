@@ -50,10 +50,10 @@ class SelfDraft(torch.nn.Module):
                 ) -> torch.Tensor:
         t = self.target
         x = t.embed_tokens(input_ids)
-        cos, sin = t.rotary.cos_sin(positions)
+        rope = t.rotary.at(positions)
         residual = None
         for layer, kv_cache in zip(t.layers[:self.num_layers], kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, metadata)
+            x, residual = layer(x, residual, rope, kv_cache, metadata)
         x, _ = t.norm(x, residual)
         return x
 

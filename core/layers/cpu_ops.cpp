@@ -1,0 +1,216 @@
+// Fused elementwise ops of the decoder layer for x86 CPUs: one pass over memory where the
+// unfused torch ops take two to four, and no temporaries.
+//
+// Every op rounds to the tensor dtype exactly where the torch ops it replaces do, so a bf16
+// model computes the same values either way (up to the order of the RMS sum and a 1-ulp fp32 exp).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// ---- dtype <-> fp32 -----------------------------------------------------------------------
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_f(at::Half x) { return static_cast<float>(x); }
+
+// fp32 -> dtype, round to nearest even (NaN kept a NaN)
+template <typename T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline at::BFloat16 from_f<at::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  at::BFloat16 out;
+  out.x = std::isnan(f) ? static_cast<uint16_t>(0x7FC0)
+                        : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return out;
+}
+template <> inline at::Half from_f<at::Half>(float f) { return static_cast<at::Half>(f); }
+
+// the value an fp32 result takes once stored in T and read back
+template <typename T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
+
+// exp for the SiLU: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial, about 1 ulp,
+// written so the compiler vectorises the loop around it.
+inline float exp_approx(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  // round to nearest through the float mantissa (exact here: no FMA contraction, no fast-math)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// rows per parallel chunk: about 32k elements each, so small batches stay on one thread
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+
+// residual (if given) += x, rounded to T; then out = rms_norm(that) * weight. out may be x.
+template <typename T>
+void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      T* res = residual ? residual + r * hidden : nullptr;
+      float sum = 0.f;
+      if (res) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float v = round_to<T>(to_f(xr[i]) + to_f(res[i]));
+          res[i] = from_f<T>(v);
+          sum += v * v;
+        }
+      } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float v = to_f(xr[i]);
+          sum += v * v;
+        }
+      }
+      const T* src = res ? res : xr;
+      T* o = out + r * hidden;
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(to_f(src[i]) * inv * to_f(weight[i]));
+    }
+  });
+}
+
+// ---- SiLU(gate) * up ------------------------------------------------------------------------
+
+template <typename T>
+void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t row_stride) {
+  at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * row_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = to_f(g[i]);
+        const float s = round_to<T>(gv / (1.f + exp_approx(-gv)));  // F.silu stores in T
+        o[i] = from_f<T>(s * to_f(u[i]));
+      }
+    }
+  });
+}
+
+// ---- rotary embedding ("rotate half" layout), in place on the q and k heads -----------------
+
+template <typename T>
+void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, const int64_t* positions, int64_t tokens,
+                 int64_t rotated_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, grain(rotated_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + positions[t] * head_dim;
+      const T* s = sin + positions[t] * head_dim;
+      for (int64_t h = 0; h < rotated_heads; ++h) {
+        T* x = qkv + t * row_stride + h * head_dim;
+        // out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T as torch does
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
+          const float hi = round_to<T>(x2 * to_f(c[i + half])) + round_to<T>(x1 * to_f(s[i + half]));
+          x[i] = from_f<T>(lo);
+          x[i + half] = from_f<T>(hi);
+        }
+      }
+    }
+  });
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+#define PAGODA_DISPATCH(dtype, NAME, ...)                                                  \
+  switch (dtype) {                                                                         \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__; break; }                       \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__; break; }             \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__; break; }                     \
+    default: TORCH_CHECK(false, NAME, " supports float32, bfloat16 and float16, not ", dtype); \
+  }
+
+}  // namespace
+
+// x, out: [rows, hidden] contiguous (out may be x); residual (optional, same shape) += x first, in place.
+void add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                  double eps, at::Tensor& out) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(),
+              "x, weight and out must be contiguous");
+  const int64_t hidden = x.size(-1), rows = x.numel() / std::max<int64_t>(1, hidden);
+  TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == x.scalar_type(), "weight must be [hidden] in x's dtype");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must have x's shape and dtype");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "residual must be contiguous, with x's shape and dtype");
+  }
+  PAGODA_DISPATCH(x.scalar_type(), "add_rms_norm",
+                  add_rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(),
+                                              residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+                                              weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, hidden,
+                                              static_cast<float>(eps)));
+}
+
+// gate_up: [rows, 2 * inter] (rows may be strided); returns silu(gate) * up: [rows, inter].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * inter] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  PAGODA_DISPATCH(gate_up.scalar_type(), "silu_and_mul",
+                  silu_and_mul_impl<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter,
+                                              gate_up.stride(0)));
+  return out;
+}
+
+// qkv: [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows; rotates the first
+// rotated_heads heads (q and k) in place. cos/sin: [max_position, head_dim]; positions: [tokens] int64.
+void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+             int64_t rotated_heads, int64_t head_dim) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with contiguous rows");
+  TORCH_CHECK(head_dim % 2 == 0 && rotated_heads * head_dim <= qkv.size(1), "rotated heads exceed the qkv width");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == head_dim &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos/sin must be contiguous [max_position, head_dim] tables in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qkv.size(0),
+              "positions must be int64, one per token");
+  const auto pos = positions.contiguous();
+  PAGODA_DISPATCH(qkv.scalar_type(), "rotary_",
+                  rotary_impl<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), cos.data_ptr<scalar_t>(),
+                                        sin.data_ptr<scalar_t>(), pos.data_ptr<int64_t>(), qkv.size(0),
+                                        rotated_heads, head_dim));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection");
+  m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row");
+}

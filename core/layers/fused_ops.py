@@ -1,0 +1,55 @@
+"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU-and-mul, RoPE).
+
+``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
+extension loader). Where it cannot be built, or for tensors it does not cover
+(GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
+compute the same values. ``PAGODA_FUSED_CPU_OPS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@lru_cache(maxsize=1)
+def cpu_ops() -> Optional[Any]:
+    """The compiled kernels, or None when they are turned off or cannot be built here."""
+    if os.environ.get("PAGODA_FUSED_CPU_OPS", "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: products round as torch's do
+    if os.environ.get("PAGODA_CPU_NATIVE", "1") != "0":
+        flags.append("-march=native")
+    try:
+        return load(name="pagoda_cpu_ops", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
+        logger.warning("fused CPU kernels unavailable, using torch ops (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def fused_for(t: torch.Tensor) -> Optional[Any]:
+    """The kernels if they cover ``t`` (a CPU tensor of a supported dtype), else None."""
+    if t.device.type != "cpu" or t.dtype not in _DTYPES:
+        return None
+    return cpu_ops()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+    ops = fused_for(gate_up)
+    if ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

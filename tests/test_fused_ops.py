@@ -1,0 +1,104 @@
+"""The fused CPU kernels compute what the torch ops they replace compute."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers.fused_ops import cpu_ops, silu_and_mul
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be compiled here")
+
+SHAPES = [(1, 576), (7, 100), (64, 576), (300, 33)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 ulp where the fp32 sums differ in order
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+        assert (a != b).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", SHAPES)
+def test_add_rms_norm_matches_torch_add_then_rms_norm(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows * hidden)
+    x, res = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(hidden, generator=g).to(dtype)
+    ref_res = x + res
+    ref = F.rms_norm(ref_res, (hidden,), w, 1e-6)
+    out = torch.empty_like(x)
+    ops.add_rms_norm(x, res, w, 1e-6, out)
+    assert torch.equal(res, ref_res)  # the residual sum is rounded exactly as torch rounds it
+    _close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype, monkeypatch):
+    norm = RMSNorm(96, 1e-5, dtype)
+    norm.weight.copy_(torch.linspace(0.5, 1.5, 96))
+    x, res = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    fused_y, fused_res = norm(x.clone(), res.clone())
+    fused_plain = norm(x.clone())
+    monkeypatch.setattr("pagoda.layers.norm.fused_for", lambda t: None)
+    ref_y, ref_res = norm(x.clone(), res.clone())
+    assert torch.equal(fused_res, ref_res)
+    _close(fused_y, ref_y)
+    _close(fused_plain, norm(x.clone()))
+
+
+def test_rms_norm_without_residual_leaves_its_input_untouched():
+    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    before = x.clone()
+    norm(x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (9, 50), (64, 1536), (3, 7)])
+def test_silu_and_mul_matches_torch(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 6).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_silu_and_mul_reads_rows_of_a_wider_tensor():
+    wide = torch.randn(6, 80).to(torch.bfloat16)
+    gate_up = wide[:, :64]  # row stride 80
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_silu_and_mul_saturates_cleanly_at_extreme_inputs():
+    gate = torch.tensor([[-1e4, -100.0, -88.0, 0.0, 88.0, 100.0, 1e4, float("inf")]])
+    out = ops.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=-1))
+    _close(out, F.silu(gate))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 37), (4, 4, 32, 1), (2, 1, 128, 5)])
+def test_rotary_rotates_q_and_k_in_place_as_the_torch_formula_does(dtype, heads, kv_heads, head_dim, tokens):
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    cos, sin = rope.cos_sin(positions)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    ref_q = RotaryEmbedding.apply(q.reshape(tokens, heads, head_dim), cos, sin)
+    ref_k = RotaryEmbedding.apply(k.reshape(tokens, kv_heads, head_dim), cos, sin)
+    fused_q, fused_k, fused_v = rope.at(positions).split_qkv(qkv.clone(), heads, kv_heads, head_dim)
+    assert torch.equal(fused_q, ref_q) and torch.equal(fused_k, ref_k)
+    assert torch.equal(fused_v, v.reshape(tokens, kv_heads, head_dim))
+
+
+def test_kernels_refuse_tensors_they_cannot_read():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        x = torch.randn(2, 8)
+        ops.add_rms_norm(x, None, torch.ones(4), 1e-5, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="positions must be int64"):
+        ops.rotary_(torch.randn(2, 128), torch.ones(10, 64), torch.ones(10, 64), torch.zeros(2, dtype=torch.int32),
+                    1, 64)
