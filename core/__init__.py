@@ -1,11 +1,10 @@
 """pagoda: an LLM inference and serving engine whose every policy and backend is a plugin."""
 
-import os
+# OpenMP's wait policy must be set before torch loads its OpenMP runtime (see pagoda.openmp);
+# set OMP_WAIT_POLICY yourself if you import torch first.
+from pagoda.openmp import choose_wait_policy
 
-# OpenMP threads that spin while waiting for each other stall badly on a shared CPU (measured: a
-# 2-thread bf16 matmul ran 95x slower spinning than sleeping while other processes were busy).
-# Must be set before torch loads its OpenMP runtime; set it yourself if you import torch first.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+choose_wait_policy()
 
 from pagoda.malloc import keep_freed_memory
 

@@ -134,6 +134,9 @@ def _print_header(llm) -> None:
     from pagoda.plugins.quant.memory import weight_memory
 
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
+    from pagoda import openmp
+
+    print(f"OpenMP waiting: {openmp.wait_policy}")
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
