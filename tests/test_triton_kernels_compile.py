@@ -48,9 +48,11 @@ def compile_kernel(fn, dtype: str, constexprs: dict, num_warps: int, arch: int):
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name == "cache_ptr" and constexprs.get("KV_FP8"):
+            signature[name] = "*u8"  # an fp8 cache is passed as its bytes
         elif name in POINTERS:
             signature[name] = "*" + (dtype if POINTERS[name] == "T" else POINTERS[name])
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "k_scale", "v_scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i64" if name in I64_ARGS else "i32"
@@ -78,27 +80,31 @@ def cases() -> dict:
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     result = {}
-    for dtype, head_dim, group, split in [("bf16", 128, 4, True), ("fp16", 80, 3, False), ("fp32", 256, 2, True),
-                                          ("fp32", 128, 1, True)]:
+    # fp8: an fp8 e4m3 KV cache (read and written as bytes) with the model in `dtype`
+    for dtype, head_dim, group, split, fp8 in [("bf16", 128, 4, True, False), ("fp16", 80, 3, False, False),
+                                               ("fp32", 256, 2, True, False), ("fp32", 128, 1, True, False),
+                                               ("bf16", 128, 4, True, True), ("fp16", 64, 3, False, True)]:
         t = tiles_for(dtypes[dtype], head_dim)
-        result[f"decode-{dtype}-d{head_dim}-gqa{group}{'-split' if split else ''}"] = (
+        result[f"decode-{dtype}-d{head_dim}-gqa{group}{'-split' if split else ''}{'-fp8kv' if fp8 else ''}"] = (
             "triton_decode", "_decode_kernel", dtype, t.decode_warps, dict(
                 GROUP=group, G_PAD=16, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=16,
                 TILE_N=t.decode_tile_n, IS_SPLIT=split, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-                DOT_DTYPE=TL[dtype]))
-    for dtype, head_dim, group in [("bf16", 128, 4), ("fp16", 96, 8), ("bf16", 256, 2), ("fp32", 256, 1),
-                                   ("fp32", 64, 2)]:
+                DOT_DTYPE=TL[dtype], KV_FP8=fp8))
+    for dtype, head_dim, group, fp8 in [("bf16", 128, 4, False), ("fp16", 96, 8, False), ("bf16", 256, 2, False),
+                                        ("fp32", 256, 1, False), ("fp32", 64, 2, False), ("bf16", 128, 4, True),
+                                        ("fp32", 64, 3, True)]:
         t = tiles_for(dtypes[dtype], head_dim)
         g_pad = triton.next_power_of_2(group)
-        result[f"prefill-{dtype}-d{head_dim}-gqa{group}"] = (
+        result[f"prefill-{dtype}-d{head_dim}-gqa{group}{'-fp8kv' if fp8 else ''}"] = (
             "triton_prefill", "_prefill_kernel", dtype, t.prefill_warps, dict(
                 GROUP=group, G_PAD=g_pad, TILE_Q=max(1, t.prefill_rows // g_pad), HEAD_DIM=head_dim,
                 D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=32, TILE_N=t.prefill_tile_n,
-                DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_DTYPE=TL[dtype]))
+                DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_DTYPE=TL[dtype], KV_FP8=fp8))
     result["merge-splits-bf16-d256"] = ("triton_decode", "_merge_splits_kernel", "bf16", 4, dict(
         SPLITS_PAD=16, HEAD_DIM=256, D_PAD=256))
-    result["kv-write-bf16-d128"] = ("triton_kv_write", "_kv_write_kernel", "bf16", 4, dict(
-        NUM_KV_HEADS=8, HEAD_DIM=128, D_PAD=128, HEADS_PAD=8, BLOCK_SIZE=16, TOKENS=1))
+    for fp8 in (False, True):
+        result[f"kv-write-bf16-d128{'-fp8kv' if fp8 else ''}"] = ("triton_kv_write", "_kv_write_kernel", "bf16", 4, dict(
+            NUM_KV_HEADS=8, HEAD_DIM=128, D_PAD=128, HEADS_PAD=8, BLOCK_SIZE=16, TOKENS=1, KV_FP8=fp8))
     return result
 
 

@@ -20,6 +20,7 @@ import torch
 
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
+from pagoda.plugins.attention.kv_fp8 import uses_fp8
 from pagoda.plugins.attention.triton_backend import TritonAttentionBackend, TritonAttentionMetadata
 
 CSRC = Path(__file__).parent / "csrc"
@@ -64,6 +65,12 @@ class CudaAttentionBackend(TritonAttentionBackend):
     name = "cuda"
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, partition_size: int = 512) -> None:
+        if uses_fp8(cache_config):
+            raise BackendUnavailable(
+                "the cuda attention backend's kernels read K/V in the model dtype only, not an fp8 cache "
+                f"(kv_cache_dtype={cache_config.kv_cache_dtype!r}); use attention_backend='triton', which reads "
+                "fp8 on any GPU (or 'auto', which picks it), or kv_cache_dtype='auto'"
+            )
         if not torch.cuda.is_available():
             raise BackendUnavailable(
                 "the cuda attention backend needs a CUDA GPU and a CUDA build of torch "
@@ -90,11 +97,13 @@ class CudaAttentionBackend(TritonAttentionBackend):
         return CudaDecodePlan(self.partition_size, max_parts, part_out, part_max, part_sum)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata, out: torch.Tensor,
-               scale: float) -> None:
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        # k_scale / v_scale are always 1 here: an fp8 cache is refused at construction
         plan: CudaDecodePlan = md.decode_plan
         self.ext.paged_attention_decode(out, q, kv_cache, md.decode_block_tables, md.decode_seq_lens, plan.part_out,
                                         plan.part_max, plan.part_sum, plan.partition_size, plan.max_parts, scale,
                                         torch.cuda.current_stream().cuda_stream)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         self.ext.write_kv(k, v, kv_cache, slot_mapping, torch.cuda.current_stream().cuda_stream)

@@ -7,6 +7,9 @@ rows with wide coalesced loads.
 
 Runs on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1`` (slow; that
 is how the kernels are checked on machines without a GPU).
+
+With ``kv_cache_dtype="fp8"`` the cache is float8_e4m3fn; the kernels see its
+uint8 view and convert with bit arithmetic (any GPU, the interpreter too).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
+from pagoda.plugins.attention.kv_fp8 import kv_cache_dtype_for, kv_scales, raw_bytes, uses_fp8
 
 MAX_HEAD_DIM = 256
 
@@ -70,11 +74,6 @@ def check_shapes(name: str, model_config: ModelConfig, cache_config: CacheConfig
             f"the {name} attention backend supports head_dim 16..{MAX_HEAD_DIM} (64, 80, 96, 128, 256 are "
             f"tested); this model has {model_config.head_dim}; use attention_backend='torch'"
         )
-    if cache_config.kv_cache_dtype not in ("auto", str(model_config.dtype).removeprefix("torch.")):
-        raise BackendUnavailable(
-            f"the {name} attention backend stores K/V in the model dtype; kv_cache_dtype="
-            f"{cache_config.kv_cache_dtype!r} is not supported by it"
-        )
 
 
 @dataclass
@@ -111,6 +110,8 @@ class TritonAttentionBackend:
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
         self.group = self.num_heads // self.num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype_for(model_config, cache_config)  # refuses a float dtype not the model's
+        self.fp8 = uses_fp8(cache_config)
         if target_programs is None:
             # two waves of programs on the GPU; in the interpreter every program costs, so split rarely
             target_programs = (2 * torch.cuda.get_device_properties(0).multi_processor_count
@@ -151,14 +152,15 @@ class TritonAttentionBackend:
                                         self.device)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata, out: torch.Tensor,
-               scale: float) -> None:
-        """q, out: [num_decodes, H, D]."""
+               scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """q, out: [num_decodes, H, D]; kv_cache in q's dtype or uint8 (fp8 codes)."""
         self._decode.decode_attention(q, kv_cache, md.decode_block_tables, md.decode_seq_lens, out, scale,
-                                      md.decode_plan, self.tiles)
+                                      md.decode_plan, self.tiles, k_scale, v_scale)
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Store K/V [T, Hkv, D] into their slots (slot_mapping [T] int64 on the device; -1 = skip)."""
-        self._kv_write.write_kv(k, v, kv_cache, slot_mapping)
+        self._kv_write.write_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: TritonAttentionMetadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -167,11 +169,13 @@ class TritonAttentionBackend:
             q = q.contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
-        self.write_kv(k, v, kv_cache, md.slot_mapping)
+        k_scale, v_scale = kv_scales(layer) if self.fp8 else (1.0, 1.0)
+        kv_cache = raw_bytes(kv_cache)  # fp8: the kernels read and write the bytes
+        self.write_kv(k, v, kv_cache, md.slot_mapping, k_scale, v_scale)
         nd = md.num_decodes
         if nd:
-            self.decode(q[:nd], kv_cache, md, out[:nd], layer.scale)
+            self.decode(q[:nd], kv_cache, md, out[:nd], layer.scale, k_scale, v_scale)
         if md.prefill_plan is not None:
             self._prefill.prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, out,
-                                            layer.scale, md.prefill_plan, self.tiles)
+                                            layer.scale, md.prefill_plan, self.tiles, k_scale, v_scale)
         return out.view(q.shape[0], -1)

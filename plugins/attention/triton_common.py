@@ -37,6 +37,32 @@ def reduce_sum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _add)
 
 
+# fp8 e4m3fn K/V in bit arithmetic over uint8, not Triton's fp8 types: those need sm_89+ on NVIDIA
+# GPUs, so this way the same kernels read and write an fp8 cache on A100s and in the interpreter.
+@triton.jit
+def fp8e4m3_to_float(b):
+    """uint8 e4m3fn codes -> float32 (exact; NaN codes are never written, since writes saturate)."""
+    # magnitude bits moved into an fp16's exponent/mantissa give value * 2^-8, subnormals included
+    half = ((b & 0x7F).to(tl.int16) << 7).to(tl.float16, bitcast=True)
+    f = half.to(tl.float32) * 256.0
+    return tl.where((b & 0x80) != 0, -f, f)
+
+
+@triton.jit
+def float_to_fp8e4m3(x):
+    """float32 -> uint8 e4m3fn codes: saturate to +-448, round to nearest even (as torch's .to())."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal range (a >= 2^-6): keep 3 mantissa bits (nearest even), rebias the exponent 127 -> 7
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal range: multiples of 2^-9; adding 2^23 rounds a * 2^9 to an integer, nearest even
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    mag = tl.where(a < 0.015625, sub, normal)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    return (mag | (sign << 7)).to(tl.uint8)
+
+
 def dot_dtype(dtype: torch.dtype):
     """The operand type of ``tl.dot``: the storage type, except bf16 under the interpreter.
 

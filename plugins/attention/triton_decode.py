@@ -23,19 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision, reduce_max, reduce_sum
+from pagoda.plugins.attention.triton_common import (Tiles, dot_dtype, dot_precision, fp8e4m3_to_float, reduce_max,
+                                                    reduce_sum)
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, tokens_per_split,
+    scale_log2, v_scale, tokens_per_split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_c_kv, stride_c_block, stride_c_head, stride_c_tok,
     stride_po_req, stride_po_head, stride_po_split, stride_pl_req, stride_pl_head,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, IS_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -63,15 +64,20 @@ def _decode_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok  # [TILE_N]
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(head_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, D_PAD]
+        k = tl.load(head_base + row[:, None] + d[None, :], mask=kv_mask, other=0)  # [TILE_N, D_PAD]
+        if KV_FP8:
+            k = fp8e4m3_to_float(k)  # stored codes; k_scale is folded into scale_log2
+        k = k.to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, reduce_max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + reduce_sum(p, 1)
-        v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        p = p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the storage type, as on the GPU
+        v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0)
+        if KV_FP8:
+            v = fp8e4m3_to_float(v)  # stored codes; v_scale multiplies the output
+        p = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the model dtype, as on the GPU
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m = m_new
 
@@ -80,12 +86,16 @@ def _decode_kernel(
         # an empty split (past this request's end) leaves l == 0 and reports lse = -inf
         has_keys = l > 0
         out = acc / tl.where(has_keys, l, 1.0)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
         tl.store(part_out_ptr + req * stride_po_req + head[:, None] * stride_po_head + split * stride_po_split
                  + d[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + req * stride_pl_req + head * stride_pl_head + split, lse, mask=row_mask)
     else:
         out = acc / l[:, None]
+        if KV_FP8:
+            out = out * v_scale
         tl.store(out_ptr + req * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -140,8 +150,10 @@ def plan_decode(num_decodes: int, max_seq_len: int, num_heads: int, num_kv_heads
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     out: torch.Tensor, scale: float, plan: DecodePlan, tiles: Tiles) -> None:
-    """q, out: [num_decodes, num_heads, head_dim]; kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim];
+                     out: torch.Tensor, scale: float, plan: DecodePlan, tiles: Tiles, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> None:
+    """q, out: [num_decodes, num_heads, head_dim]; kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
+    in q's dtype, or uint8 (fp8 e4m3 codes of K / k_scale and V / v_scale);
     block_tables: [num_decodes, max_blocks] int32; seq_lens: [num_decodes] int32."""
     num_decodes, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
@@ -153,13 +165,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     pl_strides = (pl.stride(0), pl.stride(1)) if is_split else (0, 0)
     _decode_kernel[(num_decodes, num_kv_heads, plan.num_splits)](
         q, kv_cache, block_tables, seq_lens, out, po, pl,
-        scale * math.log2(math.e), plan.tokens_per_split,
+        scale * k_scale * math.log2(math.e), v_scale, plan.tokens_per_split,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         *po_strides, *pl_strides,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE_N=tiles.decode_tile_n, IS_SPLIT=is_split,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), num_warps=tiles.decode_warps,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), KV_FP8=kv_cache.dtype == torch.uint8,
+        num_warps=tiles.decode_warps,
     )
     if is_split:
         _merge_splits_kernel[(num_decodes, num_heads)](

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import Tiles, dot_dtype, dot_precision, reduce_max, reduce_sum
+from pagoda.plugins.attention.triton_common import (Tiles, dot_dtype, dot_precision, fp8e4m3_to_float, reduce_max,
+                                                    reduce_sum)
 
 
 @triton.jit
@@ -30,10 +31,10 @@ def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_req_ptr, tile_q0_ptr, out_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_c_kv, stride_c_block, stride_c_head, stride_c_tok,
+    stride_c_kv, stride_c_block, stride_c_head, stride_c_tok, v_scale,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -68,7 +69,10 @@ def _prefill_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(head_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [TILE_N, D_PAD]
+        k = tl.load(head_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [TILE_N, D_PAD]
+        if KV_FP8:
+            k = fp8e4m3_to_float(k)  # stored codes; k_scale is folded into scale_log2
+        k = k.to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [rows, TILE_N]
         # key 0 is visible to every row, so no row's running max stays -inf after the first tile
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -77,11 +81,16 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_new)
         l = l * alpha + reduce_sum(p, 1)
         v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        p = p.to(cache_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the storage type, as on the GPU
+        if KV_FP8:
+            v = fp8e4m3_to_float(v)  # stored codes; v_scale multiplies the output
+        p = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the model dtype, as on the GPU
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m = m_new
 
-    out = acc / l[:, None]
+    if KV_FP8:
+        out = acc * (v_scale / l)[:, None]
+    else:
+        out = acc / l[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -114,18 +123,20 @@ def plan_prefill(query_lens: np.ndarray, first_req: int, group: int, tiles: Tile
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       query_start_loc: torch.Tensor, out: torch.Tensor, scale: float, plan: PrefillPlan,
-                      tiles: Tiles) -> None:
+                      tiles: Tiles, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """q, out: [num_tokens, num_heads, head_dim] (the whole batch; only planned tiles are touched);
+    kv_cache in q's dtype, or uint8 (fp8 e4m3 codes of K / k_scale and V / v_scale);
     block_tables: [num_reqs, max_blocks] int32; seq_lens: [num_reqs]; query_start_loc: [num_reqs + 1]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     _prefill_kernel[(plan.num_tiles, num_kv_heads)](
         q, kv_cache, block_tables, seq_lens, query_start_loc, plan.tile_req, plan.tile_q0, out,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), v_scale,
         GROUP=group, G_PAD=triton.next_power_of_2(group), TILE_Q=plan.tile_q, HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE_N=tiles.prefill_tile_n,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), num_warps=tiles.prefill_warps,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q.dtype), KV_FP8=kv_cache.dtype == torch.uint8,
+        num_warps=tiles.prefill_warps,
     )
