@@ -44,13 +44,19 @@ def is_skipped(prefix: str, predicate: Callable[[str], bool], method: str) -> bo
     return all(flags)
 
 
+INT_KERNELS = ("auto", "cpu", "torch", "triton")
+
+
 def kernel_for_device() -> str:
-    """``triton`` on a GPU or when PAGODA_QUANT_KERNEL=triton; the torch path otherwise (the CPU default)."""
+    """The int kernel from PAGODA_QUANT_KERNEL: ``auto`` is ``triton`` on a GPU and ``cpu`` (C++) otherwise.
+
+    ``torch`` (dequantize a layer per forward, then multiply) stays selectable as the reference.
+    """
     choice = os.environ.get("PAGODA_QUANT_KERNEL", "auto")
-    if choice not in ("auto", "torch", "triton"):
-        raise ConfigError(f"PAGODA_QUANT_KERNEL={choice!r} is not one of auto, torch, triton")
+    if choice not in INT_KERNELS:
+        raise ConfigError(f"PAGODA_QUANT_KERNEL={choice!r} is not one of {', '.join(INT_KERNELS)}")
     if choice == "auto":
-        return "triton" if torch.cuda.is_available() else "torch"
+        return "triton" if torch.cuda.is_available() else "cpu"
     return choice
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import CheckpointError
+from pagoda.plugins.quant.cpu_int_kernel import cpu_int_linear, int_kernels_or_none
 from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
 
 
@@ -68,7 +69,16 @@ def dequantize_int_rows(layer: nn.Module, row_start: int, row_end: int) -> torch
 
 
 def apply_int_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x [..., in] -> [..., out]`` through the packed weight of ``layer``."""
+    """``x [..., in] -> [..., out]`` through the packed weight of ``layer``.
+
+    ``layer.int_kernel`` picks how: ``cpu`` (the C++ kernel of ``cpu_int_kernel.py``; the torch path
+    when it cannot be compiled or the input is not a CPU tensor of the model dtype), ``triton``, or
+    ``torch`` (dequantize each part, then ``F.linear``: the reference).
+    """
+    if layer.int_kernel == "cpu" and x.device.type == "cpu" and x.dtype == layer.w_scales.dtype:
+        kernels = int_kernels_or_none()
+        if kernels is not None:
+            return cpu_int_linear(kernels, layer, x, bias)
     outputs = []
     for i, (row_start, row_end, has_perm) in enumerate(layer.int_parts):
         xin = x.index_select(-1, getattr(layer, f"w_perm_{i}")) if has_perm else x

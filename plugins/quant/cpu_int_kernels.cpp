@@ -1,0 +1,455 @@
+// Group-wise int4 / int8 linear layers for x86 CPUs, computed straight from pagoda's packed layout.
+//
+// Layout (see int_linear.py and packing.py): w_q uint8 [out, bytes]; 8-bit: byte c is column c;
+// 4-bit: byte c holds column c in its low nibble and column c + bytes in its high nibble.
+// w_scales / w_zeros [out, groups] in the model dtype; W[o, c] = (q - zero[o, g]) * scale[o, g] with
+// g = c / group_size. y[m, o] = sum_c x[m, perm[c]] * W[o, c] (+ bias[o]).
+//
+// The weight is never dequantized into memory. Each work item takes a tile of output rows and, for
+// every "segment" of columns (one group, read from one nibble of a contiguous byte range), dots
+// the raw integers q with x in registers; the group's scale multiplies that partial sum once, and
+// the zero point is applied at the end through per-group sums of x:
+//   y[m, o] = sum_g scale[o, g] * (sum_{c in g} x[m, c] q[o, c] - zero[o, g] * xsum[m, g]).
+// With bf16 activations the integers become bf16 (0x4300 | q is exactly 128 + q, so a nibble needs
+// one ternary-logic op) and AVX512-BF16 dot products take 32 columns per instruction; fp32 and
+// fp16 activations use fp32 FMAs, so their results are exact up to summation order. Without
+// AVX-512 a portable scalar loop computes the same sums.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PAGODA_AVX512 1
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum Kind { kLow4 = 0, kHigh4 = 1, kByte8 = 2 };
+
+// Columns [col, col + len) of one group, whose integers sit in bytes [byte, byte + len) as `kind`.
+struct Segment {
+  int64_t col;
+  int64_t len;
+  int64_t byte;
+  int kind;
+  int64_t group;
+};
+
+// Cut [0, in_features) at group boundaries and, for 4-bit rows, where the high nibbles begin.
+std::vector<Segment> make_segments(int64_t in_features, int64_t row_bytes, int bits, int64_t group_size) {
+  std::vector<Segment> segs;
+  for (int64_t c = 0; c < in_features;) {
+    const int64_t g = c / group_size;
+    int64_t end = std::min(in_features, (g + 1) * group_size);
+    Segment s{c, 0, c, kByte8, g};
+    if (bits == 4) {
+      if (c < row_bytes) {
+        end = std::min(end, row_bytes);
+        s.kind = kLow4;
+      } else {
+        s.kind = kHigh4;
+        s.byte = c - row_bytes;
+      }
+    }
+    s.len = end - c;
+    segs.push_back(s);
+    c = end;
+  }
+  return segs;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+
+inline uint8_t int_at(const uint8_t* row, const Segment& s, int64_t i) {
+  const uint8_t b = row[s.byte + i];
+  return s.kind == kLow4 ? (b & 0xF) : s.kind == kHigh4 ? (b >> 4) : b;
+}
+
+// What every tile reads: the packed rows, the activations prepared once per call, the segments.
+struct Problem {
+  const uint8_t* w_q;      // [rows, row_bytes], already offset to the first row of the part
+  int64_t row_bytes;
+  const float* xf;         // [M, in] fp32 activations (fp32 / fp16 models and the scalar path)
+  const uint16_t* xb;      // [M, in] bf16 bits of the activations (bf16 models)
+  int64_t in_features;
+  const std::vector<Segment>* segs;
+  int64_t num_groups;
+};
+
+// ---- scalar reference path: out[m * nt + r] = sum_seg scale * sum q * x ----
+void dot_tile_scalar(const Problem& p, int64_t n0, int nt, int64_t m0, int mt, const float* scale, float* out) {
+  for (int r = 0; r < nt; ++r) {
+    const uint8_t* row = p.w_q + (n0 + r) * p.row_bytes;
+    for (int m = 0; m < mt; ++m) {
+      const float* x = p.xf + (m0 + m) * p.in_features;
+      float total = 0.f;
+      for (const Segment& s : *p.segs) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < s.len; ++i) acc += x[s.col + i] * static_cast<float>(int_at(row, s, i));
+        total += acc * scale[r * p.num_groups + s.group];
+      }
+      out[m * nt + r] = total;
+    }
+  }
+}
+
+#ifdef PAGODA_AVX512
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+inline __mmask32 mask32(int64_t n) { return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1); }
+
+// fp32 -> bf16 bits, round to nearest even like c10::BFloat16 (NaN aside; scales and weights are finite)
+inline __m256i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// 16 integers of a segment as fp32
+template <int KIND>
+inline __m512 ints_f32(const uint8_t* p, __mmask16 mk) {
+  __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, p));
+  if (KIND == kLow4) w = _mm512_and_si512(w, _mm512_set1_epi32(0xF));
+  if (KIND == kHigh4) w = _mm512_srli_epi32(w, 4);
+  return _mm512_cvtepi32_ps(w);
+}
+
+// fp32 FMAs over one segment for NT rows x MT activation rows
+template <int NT, int MT, int KIND>
+inline void segment_f32(const Problem& p, const Segment& s, const uint8_t* rows, const float* x, __m512 (&acc)[NT][MT]) {
+  for (int64_t c = 0; c < s.len; c += 16) {
+    const __mmask16 mk = mask16(s.len - c);
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_ps(mk, x + m * p.in_features + s.col + c);
+    for (int r = 0; r < NT; ++r) {
+      const __m512 w = ints_f32<KIND>(rows + r * p.row_bytes + s.byte + c, mk);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+}
+
+template <int NT, int MT>
+void dot_tile_f32(const Problem& p, int64_t n0, int64_t m0, const float* scale, float* out) {
+  __m512 acc[NT][MT], tot[NT][MT];
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_setzero_ps();
+  const uint8_t* rows = p.w_q + n0 * p.row_bytes;
+  const float* x = p.xf + m0 * p.in_features;
+  for (const Segment& s : *p.segs) {
+    for (int r = 0; r < NT; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+    if (s.kind == kLow4) segment_f32<NT, MT, kLow4>(p, s, rows, x, acc);
+    else if (s.kind == kHigh4) segment_f32<NT, MT, kHigh4>(p, s, rows, x, acc);
+    else segment_f32<NT, MT, kByte8>(p, s, rows, x, acc);
+    for (int r = 0; r < NT; ++r) {
+      const __m512 sc = _mm512_set1_ps(scale[r * p.num_groups + s.group]);
+      for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_fmadd_ps(acc[r][m], sc, tot[r][m]);
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) out[m * NT + r] = _mm512_reduce_add_ps(tot[r][m]);
+}
+#endif
+
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+#define PAGODA_BF16_DOT 1
+// 32 integers of a segment as bf16 words: 4-bit ones as 128 + q (exact), 8-bit ones converted
+template <int KIND>
+inline __m512i ints_bf16(const uint8_t* p, __mmask32 mk) {
+  if (KIND == kByte8) {
+    const __m256i b = _mm256_maskz_loadu_epi8(mk, p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // q <= 255 is exact in bf16
+  }
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, p));
+  const __m512i magic = _mm512_set1_epi16(0x4300);  // bf16 128.0: its mantissa steps by 1
+  if (KIND == kLow4) return _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0xF), magic, 0xEA);  // (w & 15) | magic
+  return _mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+}
+
+template <int NT, int MT, int KIND>
+inline void segment_bf16(const Problem& p, const Segment& s, const uint8_t* rows, const uint16_t* x,
+                         __m512 (&acc)[NT][MT]) {
+  for (int64_t c = 0; c < s.len; c += 32) {
+    const __mmask32 mk = mask32(s.len - c);  // masked tails: x is 0 there, so 128 + 0 adds nothing
+    __m512i xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_maskz_loadu_epi16(mk, x + m * p.in_features + s.col + c);
+    for (int r = 0; r < NT; ++r) {
+      const __m512i w = ints_bf16<KIND>(rows + r * p.row_bytes + s.byte + c, mk);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)w, (__m512bh)xv[m]);
+    }
+  }
+}
+
+template <int NT, int MT>
+void dot_tile_bf16(const Problem& p, int64_t n0, int64_t m0, const float* scale, float* out) {
+  __m512 acc[NT][MT], tot[NT][MT];
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_setzero_ps();
+  const uint8_t* rows = p.w_q + n0 * p.row_bytes;
+  const uint16_t* x = p.xb + m0 * p.in_features;
+  for (const Segment& s : *p.segs) {
+    for (int r = 0; r < NT; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+    if (s.kind == kLow4) segment_bf16<NT, MT, kLow4>(p, s, rows, x, acc);
+    else if (s.kind == kHigh4) segment_bf16<NT, MT, kHigh4>(p, s, rows, x, acc);
+    else segment_bf16<NT, MT, kByte8>(p, s, rows, x, acc);
+    for (int r = 0; r < NT; ++r) {
+      const __m512 sc = _mm512_set1_ps(scale[r * p.num_groups + s.group]);
+      for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_fmadd_ps(acc[r][m], sc, tot[r][m]);
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) out[m * NT + r] = _mm512_reduce_add_ps(tot[r][m]);
+}
+#endif
+
+// ---- dequantization of a tile of rows, for the GEMM path of large batches ----
+// W[o, c] rounded to the model dtype once, exactly as (q - zero) * scale computed in fp32 and
+// converted (what the torch path computes in the model dtype). 4-bit segments go through a
+// 16-entry table per (row, group): one permute per 32 columns instead of a convert, sub and mul.
+
+template <typename T>
+void dequantize_row(const uint8_t* row, const std::vector<Segment>& segs, const float* scale, const float* zero,
+                    T* out, bool vector) {
+  for (const Segment& s : segs) {
+    const float sc = scale[s.group], z = zero[s.group];
+    T* dst = out + s.col;
+    if (s.kind == kByte8) {
+      for (int64_t i = 0; i < s.len; ++i) dst[i] = static_cast<T>((static_cast<float>(row[s.byte + i]) - z) * sc);
+      continue;
+    }
+    int64_t i = 0;
+#ifdef PAGODA_AVX512
+    if (vector) {
+      // the table: (q - zero) * scale for q = 0..15, rounded to T as the scalar conversion does (RNE)
+      const __m512 value = _mm512_mul_ps(
+          _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(z)),
+          _mm512_set1_ps(sc));
+      if (sizeof(T) == 2) {
+        const __m256i half = std::is_same<T, at::Half>::value
+                                 ? _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                 : bf16_bits(value);
+        const __m512i table = _mm512_castsi256_si512(half);  // indices stay below 16
+        for (; i < s.len; i += 32) {
+          const __mmask32 mk = mask32(s.len - i);
+          __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, row + s.byte + i));
+          w = s.kind == kLow4 ? _mm512_and_si512(w, _mm512_set1_epi16(0xF)) : _mm512_srli_epi16(w, 4);
+          _mm512_mask_storeu_epi16(dst + i, mk, _mm512_permutexvar_epi16(w, table));
+        }
+      } else {
+        for (; i < s.len; i += 16) {
+          const __mmask16 mk = mask16(s.len - i);
+          __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, row + s.byte + i));
+          w = s.kind == kLow4 ? _mm512_and_si512(w, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(w, 4);
+          _mm512_mask_storeu_ps(reinterpret_cast<float*>(dst + i), mk, _mm512_permutexvar_ps(w, value));
+        }
+      }
+    }
+#endif
+    for (; i < s.len; ++i) dst[i] = static_cast<T>((static_cast<float>(int_at(row, s, i)) - z) * sc);
+  }
+}
+
+enum Impl { kAuto = 0, kScalar = 1 };
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t, const float*, float*);
+
+// The tile function for nt rows x mt activation rows, or nullptr for the scalar path.
+TileFn pick_tile(bool bf16, int nt, int mt) {
+#define PAGODA_TILE(FN, NT_)                                                                   \
+  switch (mt) {                                                                                \
+    case 1: return &FN<NT_, 1>;                                                                \
+    case 2: return &FN<NT_, 2>;                                                                \
+    case 3: return &FN<NT_, 3>;                                                                \
+    default: return nullptr;                                                                   \
+  }
+#ifdef PAGODA_BF16_DOT
+  if (bf16) {
+    if (nt == 8 && mt == 1) return &dot_tile_bf16<8, 1>;
+    if (nt == 4) { PAGODA_TILE(dot_tile_bf16, 4) }
+    if (nt == 1) { PAGODA_TILE(dot_tile_bf16, 1) }
+    return nullptr;
+  }
+#endif
+#ifdef PAGODA_AVX512
+  if (nt == 8 && mt == 1) return &dot_tile_f32<8, 1>;
+  if (nt == 4) { PAGODA_TILE(dot_tile_f32, 4) }
+  if (nt == 1) { PAGODA_TILE(dot_tile_f32, 1) }
+#endif
+  (void)bf16;
+  return nullptr;
+#undef PAGODA_TILE
+}
+
+// Rows [row_start, row_start + rows) dequantized tile by tile into the model dtype, each tile
+// multiplied by the activations with torch's GEMM; the tile buffer is reused (never a full copy).
+template <typename T>
+void run_gemm(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const T* sp, const T* zp, int64_t G,
+              const std::vector<Segment>& segs, const c10::optional<at::Tensor>& perm, int64_t rows,
+              int64_t tile_rows, at::Tensor& y_rows, bool vector) {
+  const int64_t K = x.size(1);
+  const at::Tensor xp = perm.has_value() ? x.index_select(1, *perm) : x;  // [M, in] in packed column order
+  at::Tensor tile = at::empty({std::min(tile_rows, rows), K}, x.options());
+  T* tp = tile.data_ptr<T>();
+  for (int64_t t0 = 0; t0 < rows; t0 += tile_rows) {
+    const int64_t n = std::min(tile_rows, rows - t0);
+    at::parallel_for(0, n, 8, [&](int64_t r0, int64_t r1) {
+      std::vector<float> scale(G), zero(G);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t o = t0 + r;
+        for (int64_t g = 0; g < G; ++g) {
+          scale[g] = to_float(sp[o * G + g]);
+          zero[g] = to_float(zp[o * G + g]);
+        }
+        dequantize_row<T>(w_q + o * row_bytes, segs, scale.data(), zero.data(), tp + r * K, vector);
+      }
+    });
+    y_rows.narrow(1, t0, n).copy_(at::mm(xp, tile.narrow(0, 0, n).t()));  // [M, n]
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales, const at::Tensor& w_zeros,
+         const c10::optional<at::Tensor>& perm, int bits, int64_t group_size, int64_t row_start, int64_t row_end,
+         at::Tensor& y, const c10::optional<at::Tensor>& bias, int impl, int64_t gemm_min_rows, int64_t tile_rows) {
+  const int64_t M = x.size(0), K = x.size(1), rows = row_end - row_start;
+  const int64_t G = w_scales.size(1), row_bytes = w_q.size(1), ldy = y.size(1);
+  const std::vector<Segment> segs = make_segments(K, row_bytes, bits, group_size);
+  if (M >= gemm_min_rows) {
+    at::Tensor y_rows = y.narrow(1, row_start, rows);
+    run_gemm<T>(x, w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes, w_scales.data_ptr<T>() + row_start * G,
+                w_zeros.data_ptr<T>() + row_start * G, G, segs, perm, rows, tile_rows, y_rows, impl != kScalar);
+    if (bias.has_value()) y_rows.add_(bias->narrow(0, row_start, rows));
+    return;
+  }
+
+  // activations in the column order of the packed weight, and their per-group sums (fp32)
+  bool use_bf16 = false;
+#ifdef PAGODA_BF16_DOT
+  use_bf16 = std::is_same<T, at::BFloat16>::value && impl != kScalar;
+#endif
+  const T* xs = x.data_ptr<T>();
+  const int64_t* pm = perm.has_value() ? perm->data_ptr<int64_t>() : nullptr;
+  std::vector<float> xf(use_bf16 ? 0 : M * K);
+  std::vector<uint16_t> xb(use_bf16 ? M * K : 0);
+  std::vector<float> xsum(M * G, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = xs + m * K;
+    for (int64_t c = 0; c < K; ++c) {
+      const T v = xr[pm ? pm[c] : c];
+      if (use_bf16) std::memcpy(&xb[m * K + c], &v, sizeof(uint16_t));
+      else xf[m * K + c] = to_float(v);
+      xsum[m * G + c / group_size] += to_float(v);
+    }
+  }
+  // the bf16 path reads 4-bit integers as 128 + q, so its zero points move by 128 as well
+  const float offset = (use_bf16 && bits == 4) ? 128.f : 0.f;
+  Problem p{w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes, xf.data(), xb.data(), K, &segs, G};
+
+  const int nt_main = M == 1 ? 8 : 4;
+  const int mt_main = M == 1 ? 1 : M == 2 ? 2 : 3;
+  const bool scalar = impl == kScalar || pick_tile(use_bf16, nt_main, 1) == nullptr;
+  const T* sp = w_scales.data_ptr<T>() + row_start * G;
+  const T* zp = w_zeros.data_ptr<T>() + row_start * G;
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>() + row_start;
+  const int64_t num_tiles = (rows + nt_main - 1) / nt_main;
+
+  at::parallel_for(0, num_tiles, 1, [&](int64_t tile_begin, int64_t tile_end) {
+    std::vector<float> scale(nt_main * G), zero_term(nt_main * G), out(nt_main * mt_main);
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      const int64_t n0 = t * nt_main;
+      const int nt = static_cast<int>(std::min<int64_t>(nt_main, rows - n0));
+      for (int r = 0; r < nt; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = to_float(sp[(n0 + r) * G + g]);
+          scale[r * G + g] = s;
+          zero_term[r * G + g] = s * (to_float(zp[(n0 + r) * G + g]) + offset);
+        }
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += mt_main) {
+        const int mt = static_cast<int>(std::min<int64_t>(mt_main, M - m0));
+        if (scalar) {
+          dot_tile_scalar(p, n0, nt, m0, mt, scale.data(), out.data());
+        } else if (nt == nt_main) {
+          pick_tile(use_bf16, nt, mt)(p, n0, m0, scale.data(), out.data());
+        } else {  // the last, partial tile of rows: one row at a time
+          TileFn one = pick_tile(use_bf16, 1, mt);
+          float part[4];
+          for (int r = 0; r < nt; ++r) {
+            one(p, n0 + r, m0, scale.data() + r * G, part);
+            for (int m = 0; m < mt; ++m) out[m * nt + r] = part[m];
+          }
+        }
+        for (int m = 0; m < mt; ++m) {
+          const float* xsm = xsum.data() + (m0 + m) * G;
+          for (int r = 0; r < nt; ++r) {
+            float v = out[m * nt + r];
+            for (int64_t g = 0; g < G; ++g) v -= zero_term[r * G + g] * xsm[g];
+            if (bp) v += to_float(bp[row_start + n0 + r]);
+            yp[(m0 + m) * ldy + n0 + r] = static_cast<T>(v);
+          }
+        }
+      }
+    }
+  });
+}
+
+// y[:, row_start:row_end] = x[:, perm] @ W[row_start:row_end]^T (+ bias[row_start:row_end])
+void int_linear_rows(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
+                     const at::Tensor& w_zeros, const c10::optional<at::Tensor>& perm, int64_t bits,
+                     int64_t group_size, int64_t row_start, int64_t row_end, at::Tensor y,
+                     const c10::optional<at::Tensor>& bias, int64_t impl, int64_t gemm_min_rows, int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, in] tensor");
+  TORCH_CHECK(w_q.scalar_type() == at::kByte && w_q.is_contiguous(), "w_q must be contiguous uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(w_scales.scalar_type() == x.scalar_type() && w_zeros.scalar_type() == x.scalar_type() &&
+              y.scalar_type() == x.scalar_type(), "x, scales, zeros and y must share the model dtype");
+  TORCH_CHECK(w_scales.is_contiguous() && w_zeros.is_contiguous() && y.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(y.size(0) == x.size(0) && row_end <= y.size(1) && row_end <= w_q.size(0) && row_start >= 0,
+              "rows out of range");
+  const int64_t bytes_needed = bits == 4 ? (x.size(1) + 1) / 2 : x.size(1);
+  TORCH_CHECK(w_q.size(1) >= bytes_needed && w_scales.size(1) * group_size >= x.size(1), "w_q too narrow");
+  if (perm.has_value()) TORCH_CHECK(perm->scalar_type() == at::kLong && perm->numel() == x.size(1), "bad perm");
+  if (bias.has_value()) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous(), "bad bias");
+  const int b = static_cast<int>(bits);
+  const int im = static_cast<int>(impl);
+  switch (x.scalar_type()) {
+    case at::kFloat: run<float>(x, w_q, w_scales, w_zeros, perm, b, group_size, row_start, row_end, y, bias, im, gemm_min_rows, tile_rows); break;
+    case at::kBFloat16:
+      run<at::BFloat16>(x, w_q, w_scales, w_zeros, perm, b, group_size, row_start, row_end, y, bias, im, gemm_min_rows, tile_rows);
+      break;
+    case at::kHalf: run<at::Half>(x, w_q, w_scales, w_zeros, perm, b, group_size, row_start, row_end, y, bias, im, gemm_min_rows, tile_rows); break;
+    default: TORCH_CHECK(false, "int_linear supports float32, bfloat16 and float16 activations");
+  }
+}
+
+bool has_bf16_dot() {
+#ifdef PAGODA_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int_linear_rows", &int_linear_rows, "group-wise int4/int8 linear from the packed layout (CPU)",
+        pybind11::arg("x"), pybind11::arg("w_q"), pybind11::arg("w_scales"), pybind11::arg("w_zeros"),
+        pybind11::arg("perm"), pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("row_start"),
+        pybind11::arg("row_end"), pybind11::arg("y"), pybind11::arg("bias"), pybind11::arg("impl"),
+        pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));
+  m.def("has_bf16_dot", &has_bf16_dot, "whether the AVX512-BF16 path was compiled in");
+}

@@ -1,0 +1,151 @@
+"""The C++ int kernel (the CPU default) multiplies like the dequantized weight, on every path it has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, cpu_int_linear, int_kernels_or_none
+from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, dequantize_int_rows, install_int_weight
+from pagoda.plugins.quant.packing import unpack_uint8
+from quant_helpers import DATA, FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense
+
+KERNELS = int_kernels_or_none()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler for the int kernel on this machine")
+
+DIRECT, GEMM = 1 << 30, 1  # gemm_min_rows that force one path or the other
+
+
+def packed_layer(out_features, in_features, bits, group, dtype, parts=1, seed=0):
+    """A module with a random packed weight; ``parts=2`` reads rows of its first half through a permutation."""
+    gen = torch.Generator().manual_seed(seed)
+    num_groups = -(-in_features // group)
+    q = torch.randint(0, 1 << bits, (out_features, in_features), generator=gen)
+    scales = torch.rand(out_features, num_groups, generator=gen) * 0.1 + 0.01
+    zeros = torch.randint(0, 1 << bits, (out_features, num_groups), generator=gen).float()
+    layout = [IntPart(0, out_features, None)]
+    if parts == 2:
+        half = out_features // 2
+        layout = [IntPart(0, half, torch.randperm(in_features, generator=gen)), IntPart(half, out_features, None)]
+    layer = nn.Module()
+    layer.in_features, layer.out_features, layer.quant_dtype = in_features, out_features, dtype
+    install_int_weight(layer, q, scales, zeros, bits, group, layout, "cpu")
+    return layer
+
+
+def reference_weight(layer) -> torch.Tensor:
+    """``[out, in]`` float32 weight in the input's column order, from the layer's own stored scales and zeros."""
+    gs = layer.int_group_size
+    q = unpack_uint8(layer.w_q, layer.int_bits).float()[:, : layer.in_features]
+    g = torch.arange(layer.in_features) // gs
+    w = (q - layer.w_zeros.float()[:, g]) * layer.w_scales.float()[:, g]
+    for i, (start, end, has_perm) in enumerate(layer.int_parts):
+        if has_perm:
+            perm = getattr(layer, f"w_perm_{i}")
+            rows = w[start:end].clone()
+            w[start:end, perm] = rows  # y = x[:, perm] @ Wp^T  ==  x @ W^T with W[:, perm] = Wp
+    return w
+
+
+def assert_matches(y: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: summation order only; bf16 / fp16: the output's own rounding (relative to the largest output)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    scale = expected.abs().max().clamp(min=1.0)
+    assert ((y.float() - expected).abs().max() / scale).item() < tol
+
+
+SHAPES = [(7, 100), (96, 576), (1728, 576), (96, 100)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_kernel_equals_the_dequantized_weight_for_every_batch_size(out_features, in_features, group, bits, dtype):
+    # in 100 pads the last group of every group size; 576 / 128 leaves a partial group too
+    layer = packed_layer(out_features, in_features, bits, group, dtype, parts=2, seed=out_features + group)
+    w = reference_weight(layer)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in (1, 3, 17, 64):
+        x = torch.randn(rows, in_features).to(dtype)
+        expected = x.float() @ w.t() + bias.float()
+        for gemm_min_rows in (DIRECT, GEMM):
+            y = cpu_int_linear(KERNELS, layer, x, bias, IMPL_AUTO, gemm_min_rows)
+            assert y.dtype == dtype and y.shape == (rows, out_features)
+            assert_matches(y, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits,group,in_features", [(4, 32, 100), (8, 64, 576), (4, 16, 80), (4, 100, 100),
+                                                     (4, 8, 64)])
+def test_portable_scalar_path_equals_the_dequantized_weight(bits, group, in_features, dtype):
+    # the loop machines without AVX-512 run, and odd group sizes (8, 16, a whole 100-column row)
+    layer = packed_layer(40, in_features, bits, group, dtype, parts=2)
+    w = reference_weight(layer)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, in_features).to(dtype)
+        for impl in (IMPL_SCALAR, IMPL_AUTO):
+            for gemm_min_rows in (DIRECT, GEMM):
+                assert_matches(cpu_int_linear(KERNELS, layer, x, None, impl, gemm_min_rows), x.float() @ w.t(), dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemm_path_multiplies_the_torch_paths_bf16_weight(bits):
+    # large batches dequantize tiles to bf16 exactly as the torch path does, so both round alike
+    layer = packed_layer(300, 576, bits, 64, torch.bfloat16)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    torch_weight = dequantize_int_rows(layer, 0, 300)
+    expected = F.linear(x, torch_weight)
+    # one tile: the same GEMM as F.linear on the same weight, so the same bits
+    torch.testing.assert_close(cpu_int_linear(KERNELS, layer, x, None, IMPL_AUTO, GEMM, 1024), expected, rtol=0, atol=0)
+    assert_matches(cpu_int_linear(KERNELS, layer, x, None, IMPL_AUTO, GEMM, 64), expected.float(), torch.bfloat16)
+
+
+def test_leading_dimensions_and_bias_follow_f_linear():
+    layer = packed_layer(96, 576, 4, 128, torch.bfloat16)
+    x = torch.randn(2, 3, 576).to(torch.bfloat16)
+    bias = torch.randn(96).to(torch.bfloat16)
+    y = apply_int_linear(layer, x, bias)
+    assert y.shape == (2, 3, 96)
+    assert_matches(y.reshape(6, 96), x.reshape(6, 576).float() @ reference_weight(layer).t() + bias.float(),
+                   torch.bfloat16)
+
+
+def test_cpu_is_the_default_int_kernel_on_a_cpu(monkeypatch):
+    from pagoda.plugins.quant.base import kernel_for_device
+
+    monkeypatch.delenv("PAGODA_QUANT_KERNEL", raising=False)
+    assert kernel_for_device() == "cpu"
+    monkeypatch.setenv("PAGODA_QUANT_KERNEL", "torch")
+    assert kernel_for_device() == "torch"
+
+
+def test_act_order_checkpoint_generates_the_dequantized_models_tokens_with_the_cpu_kernel(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGODA_QUANT_KERNEL", raising=False)
+    ref = gptq_checkpoint(tmp_path / "q", bits=4, group=32, desc_act=True)
+    model = small_llm(tmp_path / "q", dtype="float32").engine.runner.model
+    assert model.layers[0].qkv_proj.int_kernel == "cpu" and model.layers[0].qkv_proj.int_parts[0][2]
+    x = torch.randn(5, 256)
+    for i, layer in enumerate(model.layers):
+        for fused in FUSED:
+            linear = getattr(layer, fused)
+            xin = x[:, : linear.in_features]
+            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=1e-5, atol=1e-5)
+    assert greedy(tmp_path / "q", PROMPTS) == greedy(write_dense(tmp_path / "dense", ref), PROMPTS)
+
+
+def test_bf16_model_layers_agree_with_the_torch_kernel(monkeypatch):
+    # an AutoAWQ-format checkpoint in the test data, run in bf16 through both kernels
+    monkeypatch.setenv("PAGODA_QUANT_KERNEL", "torch")
+    torch_model = small_llm(DATA / "awq-g64", dtype="bfloat16").engine.runner.model
+    monkeypatch.setenv("PAGODA_QUANT_KERNEL", "cpu")
+    cpu_model = small_llm(DATA / "awq-g64", dtype="bfloat16").engine.runner.model
+    assert cpu_model.layers[0].gate_up_proj.int_kernel == "cpu"
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    for torch_layer, cpu_layer in zip(torch_model.layers, cpu_model.layers):
+        for fused in FUSED:
+            xin = x[:, : getattr(cpu_layer, fused).in_features]
+            expected = getattr(torch_layer, fused)(xin).float()
+            assert_matches(getattr(cpu_layer, fused)(xin), expected, torch.bfloat16)
