@@ -311,6 +311,42 @@ def test_a_kv_scale_for_a_layer_the_model_lacks_is_refused(tmp_path):
         LLM(str(path), dtype="float32", kv_cache_dtype="fp8", swap_space=0, kv_cache_memory_bytes=1 << 20)
 
 
+# ---- block moves and a draft model's own cache ----
+
+TINY_PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((30, 45, 21, 38, 50))]
+TINY_PARAMS = SamplingParams(max_tokens=14, min_tokens=14, temperature=0, ignore_eos=True)
+
+
+def tiny_fp8_tokens(**kwargs) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(TINY), dtype="float32", kv_cache_dtype="fp8", max_model_len=256, **kwargs)
+    schedule, llm.swapped_out = llm.engine.scheduler.schedule, []
+
+    def recording_schedule():
+        sched = schedule()
+        llm.swapped_out.extend(sched.blocks_to_swap_out)
+        return sched
+
+    llm.engine.scheduler.schedule = recording_schedule
+    outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], TINY_PARAMS, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+def test_fp8_blocks_swapped_out_and_back_resume_with_identical_tokens():
+    roomy, _ = tiny_fp8_tokens(swap_space=0, kv_cache_memory_bytes=1 << 20)
+    tokens, llm = tiny_fp8_tokens(num_gpu_blocks_override=10, preemption_mode="swap", swap_space=0.01)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.swapped_out
+    assert {c.dtype for c in llm.engine.runner.swap_caches} == {FP8}
+    assert tokens == roomy
+
+
+def test_a_draft_checkpoint_keeps_its_own_fp8_cache_and_greedy_tokens_stay_the_targets():
+    plain, _ = tiny_fp8_tokens(swap_space=0, kv_cache_memory_bytes=1 << 20)
+    spec = {"method": "draft_model", "model": str(TINY), "num_speculative_tokens": 3}
+    tokens, llm = tiny_fp8_tokens(swap_space=0, kv_cache_memory_bytes=1 << 20, speculative_config=spec)
+    assert {c.dtype for c in llm.engine.runner.draft_kv_caches} == {FP8}
+    assert tokens == plain
+
+
 # ---- end to end on the default model ----
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Explain photosynthesis in simple terms:",
