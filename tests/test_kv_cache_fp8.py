@@ -8,8 +8,12 @@ run under TRITON_INTERPRET=1 on small shapes.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -398,3 +402,32 @@ def test_default_model_fp8_kv_values_fit_e4m3_without_a_scale():
     llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     # measured: max |K| 19.9, max |V| 13.0 over these prompts and all 30 layers
     assert 1.0 < peaks[0] < 448 / 8 and 1.0 < peaks[1] < 448 / 8, peaks
+
+
+# ---- the command line ----
+
+def run_pagoda(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PAGODA_CPU_THREADS="1")
+    return subprocess.run([str(Path(sys.executable).with_name("pagoda")), *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_pagoda_generate_and_bench_latency_take_kv_cache_dtype_fp8():
+    result = run_pagoda("generate", "The capital of France is", "--max-tokens", "8", "--dtype", "float32",
+                        "--kv-cache-space", "0.05", "--kv-cache-dtype", "fp8")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    result = run_pagoda("bench", "latency", "--no-baseline", "--prompt-len", "16", "--output-len", "4", "--repeats",
+                        "1", "--kv-cache-space", "0.05", "--kv-cache-dtype", "fp8")
+    assert result.returncode == 0, result.stderr
+    header = result.stdout.splitlines()[0]
+    assert "KV blocks:" in header and "(float8_e4m3fn)" in header, header
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_pagoda_commands_refuse_an_unsupported_kv_cache_dtype_without_a_traceback(command):
+    result = run_pagoda(*command, "--kv-cache-dtype", "fp8_e5m2")
+    assert result.returncode != 0
+    assert "kv_cache_dtype" in result.stderr and "fp8_e4m3" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -130,7 +130,8 @@ def _print_header(llm) -> None:
     cfg = llm.engine.config
     print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
           f"threads: {llm.engine.num_threads}  attention: {type(llm.engine.backend).__name__}  "
-          f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size}")
+          f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size} "
+          f"({str(getattr(llm.engine.backend, 'kv_cache_dtype', None) or cfg.model.dtype).replace('torch.', '')})")
     from pagoda.plugins.quant.memory import weight_memory
 
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
