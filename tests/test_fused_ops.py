@@ -102,3 +102,45 @@ def test_kernels_refuse_tensors_they_cannot_read():
     with pytest.raises(RuntimeError, match="positions must be int64"):
         ops.rotary_(torch.randn(2, 128), torch.ones(10, 64), torch.ones(10, 64), torch.zeros(2, dtype=torch.int32),
                     1, 64)
+
+
+gemv = pytest.mark.skipif(ops is None or not ops.has_bf16_gemv(), reason="no AVX-512 BF16 GEMV on this CPU")
+
+
+@gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(7, 100), (13, 576), (96, 33), (1728, 576), (5, 1536)])
+def test_bf16_gemv_matches_an_fp32_matmul_of_the_same_values(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float(), b.float())
+    for bias, expected in ((b, ref), (None, ref - b.float())):
+        y = ops.gemv_bf16(x, w, bias)
+        # fp32 sums in another order, then one bf16 rounding
+        torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@gemv
+def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
+    from pagoda.layers import fused_ops
+
+    calls = []
+
+    class CountingOps:
+        def gemv_bf16(self, *args):
+            calls.append(1)
+            return ops.gemv_bf16(*args)
+
+    assert fused_ops._has_gemv()
+    monkeypatch.setattr(fused_ops, "cpu_ops", CountingOps)
+    w = torch.randn(64, 48).bfloat16()
+    x3 = torch.randn(1, 2, 48).bfloat16()  # leading dims are flattened
+    y = fused_ops.linear(x3, w)
+    assert calls and y.shape == (1, 2, 64)
+    torch.testing.assert_close(y.float(), F.linear(x3.float(), w.float()), rtol=1e-2, atol=5e-2)
+    calls.clear()
+    fused_ops.linear(torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 48).bfloat16(), w)
+    fused_ops.linear(torch.randn(2, 48), w.float())  # fp32 stays on torch
+    assert not calls

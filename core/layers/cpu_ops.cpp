@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -142,6 +143,59 @@ void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, const i
   });
 }
 
+// ---- bf16 GEMV for decode-sized batches -------------------------------------------------------
+//
+// y[M, N] = x[M, K] W[N, K]^T for small M, streaming W once: a tile of 4 weight rows is dotted
+// with every row of x (held in L1) through AVX-512 BF16 dot-product instructions, fp32 sums.
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+constexpr bool kHasBf16Dot = true;
+
+inline __m512bh load_bh(const at::BFloat16* p, int64_t remaining) {
+  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
+  const __mmask32 mask = (remaining <= 0) ? 0 : static_cast<__mmask32>((1ull << remaining) - 1);
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+// rows [n0, n0 + R) of W against x rows [m0, m0 + MB)
+template <int R, int MB>
+inline void gemv_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k, float* sums) {
+  __m512 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load_bh(w + r * k + i, k - i);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = load_bh(x + m * x_stride + i, k - i);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) sums[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int MB>
+void gemv_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, const at::BFloat16* bias,
+               at::BFloat16* y, int64_t y_stride, int64_t n_begin, int64_t n_end, int64_t k) {
+  float sums[MB * 4];
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) {
+    gemv_tile<4, MB>(x, x_stride, w + n * k, k, sums);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < 4; ++r)
+        y[m * y_stride + n + r] = from_f<at::BFloat16>(sums[m * 4 + r] + (bias ? to_f(bias[n + r]) : 0.f));
+  }
+  for (; n < n_end; ++n) {
+    gemv_tile<1, MB>(x, x_stride, w + n * k, k, sums);
+    for (int m = 0; m < MB; ++m) y[m * y_stride + n] = from_f<at::BFloat16>(sums[m] + (bias ? to_f(bias[n]) : 0.f));
+  }
+}
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -209,8 +263,52 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, cons
                                         rotated_heads, head_dim));
 }
 
+bool has_bf16_gemv() { return kHasBf16Dot; }
+
+// x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kHasBf16Dot, "this build has no AVX-512 BF16 instructions");
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
+                  x.size(1) == weight.size(1),
+              "x must be [M, K] with contiguous rows and weight a contiguous [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bf16");
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  const at::BFloat16* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.numel() == n && bias_c.scalar_type() == at::kBFloat16, "bias must be [N] bf16");
+    b = bias_c.data_ptr<at::BFloat16>();
+  }
+  auto y = at::empty({m, n}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t xs = x.stride(0);
+  // about 64 KiB of weights per chunk, in whole 4-row tiles
+  const int64_t grain_rows = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k)) / 4 * 4);
+  at::parallel_for(0, n, grain_rows, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += 4) {
+      const at::BFloat16* xm = xp + m0 * xs;
+      at::BFloat16* ym = yp + m0 * n;
+      switch (std::min<int64_t>(4, m - m0)) {
+        case 4: gemv_rows<4>(xm, xs, wp, b, ym, n, begin, end, k); break;
+        case 3: gemv_rows<3>(xm, xs, wp, b, ym, n, begin, end, k); break;
+        case 2: gemv_rows<2>(xm, xs, wp, b, ym, n, begin, end, k); break;
+        default: gemv_rows<1>(xm, xs, wp, b, ym, n, begin, end, k); break;
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection");
+  m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16 present)");
+  m.def("gemv_bf16", &gemv_bf16, "y = x W^T (+ bias) for a few bf16 rows, streaming W once");
   m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row");
 }

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import CheckpointError
+from pagoda.layers.fused_ops import linear
 
 
 class UnquantizedLinearMethod:
@@ -23,7 +23,7 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):

@@ -12,7 +12,7 @@ from pagoda.errors import CheckpointError, ConfigError
 from pagoda.layers.attention import Attention, kv_scale_target
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.fused_ops import silu_and_mul
+from pagoda.layers.fused_ops import linear, silu_and_mul
 from pagoda.layers.rotary import RotaryEmbedding, StepRotary
 
 # checkpoint name fragment -> (fused module fragment, shard index)
@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden] -> [n, vocab]`` in float32."""
         if self.lm_head is None:
-            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
+            return linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
