@@ -319,6 +319,14 @@ void run_gemm(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const 
   }
 }
 
+// tiles of rows to prefetch ahead of the one being multiplied
+constexpr int64_t kPrefetchTiles = 2;
+
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales, const at::Tensor& w_zeros,
          const c10::optional<at::Tensor>& perm, int bits, int64_t group_size, int64_t row_start, int64_t row_end,
@@ -371,6 +379,15 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t n0 = t * nt_main;
       const int nt = static_cast<int>(std::min<int64_t>(nt_main, rows - n0));
+      // A tile's rows are a few cache lines each: too short for the hardware prefetcher to pick
+      // them up, so weights streamed from L3 / DRAM would arrive one demand miss at a time.
+      if (t + kPrefetchTiles < tile_end) {
+        const int64_t ahead = n0 + kPrefetchTiles * nt_main;
+        const int64_t ahead_rows = std::min<int64_t>(nt_main, rows - ahead);
+        prefetch(p.w_q + ahead * row_bytes, ahead_rows * row_bytes);
+        prefetch(sp + ahead * G, ahead_rows * G * sizeof(T));
+        prefetch(zp + ahead * G, ahead_rows * G * sizeof(T));
+      }
       for (int r = 0; r < nt; ++r) {
         for (int64_t g = 0; g < G; ++g) {
           const float s = to_float(sp[(n0 + r) * G + g]);
