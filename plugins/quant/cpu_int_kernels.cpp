@@ -212,6 +212,42 @@ void dot_tile_bf16(const Problem& p, int64_t n0, int64_t m0, const float* scale,
   for (int r = 0; r < NT; ++r)
     for (int m = 0; m < MT; ++m) out[m * NT + r] = _mm512_reduce_add_ps(tot[r][m]);
 }
+
+// Batch 1, 4-bit: one 32-byte load feeds both nibbles (columns c and c + row_bytes), so each byte
+// is read once. Needs row_bytes and the group size to be multiples of 32 (no chunk straddles a
+// group); x is [2 * row_bytes], zero past in_features.
+template <int NT>
+void dot_rows_paired(const uint8_t* rows, int64_t row_bytes, const uint16_t* x, int64_t group_size,
+                     int64_t num_groups, const float* scale, float* out) {
+  __m512 lo[NT], hi[NT], tot[NT];
+  for (int r = 0; r < NT; ++r) lo[r] = hi[r] = tot[r] = _mm512_setzero_ps();
+  const __m512i magic = _mm512_set1_epi16(0x4300), low_nibble = _mm512_set1_epi16(0xF);
+  for (int64_t c = 0; c < row_bytes; c += 32) {
+    const __m512i xl = _mm512_loadu_si512(x + c), xh = _mm512_loadu_si512(x + row_bytes + c);
+    for (int r = 0; r < NT; ++r) {
+      const __m512i w =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + c)));
+      lo[r] = _mm512_dpbf16_ps(lo[r], (__m512bh)_mm512_ternarylogic_epi32(w, low_nibble, magic, 0xEA), (__m512bh)xl);
+      hi[r] = _mm512_dpbf16_ps(hi[r], (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 4), magic), (__m512bh)xh);
+    }
+    const int64_t next = c + 32;
+    if (next % group_size == 0 || next == row_bytes) {  // the low nibbles' group ends here
+      const int64_t g = c / group_size;
+      for (int r = 0; r < NT; ++r) {
+        tot[r] = _mm512_fmadd_ps(lo[r], _mm512_set1_ps(scale[r * num_groups + g]), tot[r]);
+        lo[r] = _mm512_setzero_ps();
+      }
+    }
+    if ((next + row_bytes) % group_size == 0 || next == row_bytes) {  // and the high nibbles' group
+      const int64_t g = (c + row_bytes) / group_size;
+      for (int r = 0; r < NT; ++r) {
+        tot[r] = _mm512_fmadd_ps(hi[r], _mm512_set1_ps(scale[r * num_groups + g]), tot[r]);
+        hi[r] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int r = 0; r < NT; ++r) out[r] = _mm512_reduce_add_ps(tot[r]);
+}
 #endif
 
 // ---- dequantization of a tile of rows, for the GEMM path of large batches ----
@@ -272,19 +308,22 @@ TileFn pick_tile(bool bf16, int nt, int mt) {
     case 1: return &FN<NT_, 1>;                                                                \
     case 2: return &FN<NT_, 2>;                                                                \
     case 3: return &FN<NT_, 3>;                                                                \
+    case 4: return &FN<NT_, 4>;                                                                \
     default: return nullptr;                                                                   \
   }
 #ifdef PAGODA_BF16_DOT
   if (bf16) {
     if (nt == 8 && mt == 1) return &dot_tile_bf16<8, 1>;
-    if (nt == 4) { PAGODA_TILE(dot_tile_bf16, 4) }
+    if (nt == 4 && mt < 4) { PAGODA_TILE(dot_tile_bf16, 4) }
+    if (nt == 2) { PAGODA_TILE(dot_tile_bf16, 2) }
     if (nt == 1) { PAGODA_TILE(dot_tile_bf16, 1) }
     return nullptr;
   }
 #endif
 #ifdef PAGODA_AVX512
   if (nt == 8 && mt == 1) return &dot_tile_f32<8, 1>;
-  if (nt == 4) { PAGODA_TILE(dot_tile_f32, 4) }
+  if (nt == 4 && mt < 4) { PAGODA_TILE(dot_tile_f32, 4) }
+  if (nt == 2) { PAGODA_TILE(dot_tile_f32, 2) }
   if (nt == 1) { PAGODA_TILE(dot_tile_f32, 1) }
 #endif
   (void)bf16;
@@ -361,12 +400,23 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
       xsum[m * G + c / group_size] += to_float(v);
     }
   }
+  // batch 1, 4-bit, bf16, aligned halves: the paired kernel, reading x from a zero-padded copy
+  bool paired = false;
+  std::vector<uint16_t> x_paired;
+#ifdef PAGODA_BF16_DOT
+  paired = use_bf16 && M == 1 && bits == 4 && row_bytes % 32 == 0 && group_size % 32 == 0;
+  if (paired) {
+    x_paired.assign(2 * row_bytes, 0);
+    std::memcpy(x_paired.data(), xb.data(), K * sizeof(uint16_t));
+  }
+#endif
   // the bf16 path reads 4-bit integers as 128 + q, so its zero points move by 128 as well
   const float offset = (use_bf16 && bits == 4) ? 128.f : 0.f;
   Problem p{w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes, xf.data(), xb.data(), K, &segs, G};
 
-  const int nt_main = M == 1 ? 8 : 4;
-  const int mt_main = M == 1 ? 1 : M == 2 ? 2 : 3;
+  // rows x activation rows per tile: at most 16 accumulators plus 16 running sums in registers
+  const int nt_main = M == 1 ? 8 : M <= 3 ? 4 : 2;
+  const int mt_main = M <= 3 ? static_cast<int>(M) : 4;
   const bool scalar = impl == kScalar || pick_tile(use_bf16, nt_main, 1) == nullptr;
   const T* sp = w_scales.data_ptr<T>() + row_start * G;
   const T* zp = w_zeros.data_ptr<T>() + row_start * G;
@@ -399,6 +449,17 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
         const int mt = static_cast<int>(std::min<int64_t>(mt_main, M - m0));
         if (scalar) {
           dot_tile_scalar(p, n0, nt, m0, mt, scale.data(), out.data());
+        } else if (paired) {
+#ifdef PAGODA_BF16_DOT
+          const uint8_t* tile = p.w_q + n0 * row_bytes;
+          if (nt == 8) {
+            dot_rows_paired<8>(tile, row_bytes, x_paired.data(), group_size, G, scale.data(), out.data());
+          } else {
+            for (int r = 0; r < nt; ++r)
+              dot_rows_paired<1>(tile + r * row_bytes, row_bytes, x_paired.data(), group_size, G, scale.data() + r * G,
+                                 out.data() + r);
+          }
+#endif
         } else if (nt == nt_main) {
           pick_tile(use_bf16, nt, mt)(p, n0, m0, scale.data(), out.data());
         } else {  // the last, partial tile of rows: one row at a time
