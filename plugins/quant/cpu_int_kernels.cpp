@@ -275,7 +275,13 @@ void dequantize_row(const uint8_t* row, const std::vector<Segment>& segs, const 
       if (sizeof(T) == 2) {
         const __m256i half = std::is_same<T, at::Half>::value
                                  ? _mm512_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#ifdef PAGODA_BF16_DOT
+                                 // one instruction, also round-to-nearest-even (it flushes subnormals,
+                                 // which (q - zero) * scale of a real checkpoint never is)
+                                 : (__m256i)_mm512_cvtneps_pbh(value);
+#else
                                  : bf16_bits(value);
+#endif
         const __m512i table = _mm512_castsi256_si512(half);  // indices stay below 16
         for (; i < s.len; i += 32) {
           const __mmask32 mk = mask32(s.len - i);
