@@ -39,6 +39,12 @@ CASES = [
     (torch.float32, 4, 1, 80, 8, [(3, 1), (1000, 1), (17, 5)]),
     (torch.bfloat16, 9, 3, 64, 16, [(0, 1), (37, 1), (700, 1), (0, 20), (50, 13)]),
     (torch.float16, 6, 2, 96, 16, [(15, 1), (16, 1), (0, 3), (31, 2)]),
+    # bf16 shapes the AVX-512 BF16 path takes (head_dim % 32, block_size % 16, group <= 8) and some it does not
+    (torch.bfloat16, 8, 1, 128, 32, [(5, 1), (300, 1), (31, 1), (0, 7), (64, 33)]),
+    (torch.bfloat16, 4, 4, 96, 16, [(15, 1), (16, 1), (17, 1), (0, 3), (31, 2)]),
+    (torch.bfloat16, 16, 2, 32, 16, [(1, 1), (255, 1), (20, 4)]),
+    (torch.bfloat16, 18, 2, 64, 16, [(40, 1), (3, 2)]),  # group of 9: generic loops
+    (torch.bfloat16, 9, 3, 64, 8, [(40, 1), (77, 1), (3, 2)]),  # 8-token blocks: generic loops
 ]
 
 
@@ -62,6 +68,19 @@ def test_cpu_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim, bl
     assert torch.equal(ref_cache, cpu_cache), "both backends must write the same K/V slots"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_bf16_decodes_take_the_kernel_at_every_batch_size_on_the_default_model_shapes():
+    torch.set_num_threads(1)
+    from pagoda.plugins.attention.cpu_backend import MAX_KERNEL_DECODES
+
+    mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    cpu = CpuAttentionBackend(mc, SimpleNamespace(block_size=16))
+    if not cpu.kernels.has_bf16_kernel():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    assert cpu.bf16_kernel
+    batch = _batch([(30, 1)] * (MAX_KERNEL_DECODES + 5), 16, 200, torch.Generator().manual_seed(0))
+    assert cpu.build_metadata(batch).torch_decode is None
 
 
 def test_large_decode_batches_take_the_batched_path_on_one_thread_and_still_match():

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -71,6 +72,26 @@ inline void load_row(const c10::Float8_e4m3fn* src, float* dst, int n) {
   for (; i < n; ++i) dst[i] = fp8_e4m3_to_float(s[i]);
 }
 
+// exp(x) for softmax inputs (x <= 0), vectorizable under omp simd: 2^(x log2 e) = 2^n * 2^f with
+// n an integer and f in [-0.5, 0.5]; 2^f by its degree-6 Taylor polynomial (relative error ~1.2e-7),
+// 2^n built in the exponent bits. Inputs below -87 give exp(-87) ~ 1.6e-38 instead of underflowing.
+inline float exp_approx(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.540353e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
 inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
 inline void store_row(const float* src, at::BFloat16* dst, int n) {
@@ -80,6 +101,136 @@ inline void store_row(const float* src, at::BFloat16* dst, int n) {
 inline void store_row(const float* src, at::Half* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+constexpr bool kHasBf16Kernel = true;
+
+// sum of each of 16 registers, as one register (lane r = sum of a[r]): a shuffle-and-add tree
+inline __m512 sum16(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sum for 4 consecutive registers
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]));
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  for (int i = 0; i < 2; ++i) {  // lanes: [regs 0-3 half, regs 0-3 other half, regs 4-7 half, ...]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// out[g, d0 : d0 + 16 * NS] = sum_j p[g, j] * V[j, same slice], with the G x NS sums in registers
+template <int NS>
+void weighted_values(const at::BFloat16* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                     int64_t head_dim, int64_t d0, int64_t group, const float* probs, at::BFloat16* out) {
+  constexpr int kHeads = 12 / NS < 8 ? 12 / NS : 8;  // heads per sweep: about 12 sums in registers
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t gn = std::min<int64_t>(group - g0, kHeads);
+    __m512 acc[kHeads][NS];
+    for (int64_t g = 0; g < gn; ++g)
+      for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < len; start += block_size) {
+      const at::BFloat16* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_size * head_dim + d0;
+      const int64_t n = std::min<int64_t>(block_size, len - start);
+      for (int64_t j = 0; j < n; ++j) {
+        __m512 v[NS];
+        for (int s = 0; s < NS; ++s) v[s] = load_bf16x16(v_block + j * head_dim + 16 * s);
+        for (int64_t g = 0; g < gn; ++g) {
+          const __m512 p = _mm512_set1_ps(probs[(g0 + g) * len + start + j]);
+          for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_fmadd_ps(p, v[s], acc[g][s]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g) {
+      for (int s = 0; s < NS; ++s) {
+        // fp32 -> bf16, round to nearest even (the values are finite)
+        const __m512i bits = _mm512_castps_si512(acc[g][s]);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g0 + g) * head_dim + d0 + 16 * s), _mm512_cvtepi32_epi16(r));
+      }
+    }
+  }
+}
+
+// One (token, kv head) work item over a bf16 cache, for head_dim % 32 == 0 and block_size % 16 == 0.
+// Pass 1 dots 16 key rows at a time with each query head (AVX-512 BF16 pairs, fp32 sums) and folds
+// the 16 partial-sum registers into one register of 16 scores. Pass 2 sweeps the value rows with
+// the output sums of up to four 16-wide slices of head_dim held in registers.
+void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, const at::BFloat16* k_head,
+                      const at::BFloat16* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                      int64_t head_dim, float qk_scale, float v_scale, float* scores, at::BFloat16* out) {
+  const __m512 scale = _mm512_set1_ps(qk_scale);
+  const int64_t chunks = head_dim / 32;
+  // pass 1: scores [group, len]
+  for (int64_t start = 0; start < len; start += 16) {
+    const int64_t n = std::min<int64_t>(16, len - start);
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    const at::BFloat16* rows =
+        k_head + (static_cast<int64_t>(table[start / block_size]) * block_size + start % block_size) * head_dim;
+    if (start + 16 < len) {
+      // fetch the next 16 key rows, and the value rows pass 2 will read, while this chunk computes:
+      // blocks are scattered, so the hardware prefetcher cannot guess them
+      const int64_t next = start + 16;
+      const int64_t offset = (static_cast<int64_t>(table[next / block_size]) * block_size + next % block_size) * head_dim;
+      const int64_t rows_next = std::min<int64_t>(16, len - next);
+      for (int64_t b = 0; b < rows_next * head_dim * 2; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T1);
+      }
+    }
+    if (start == 0) {
+      for (int64_t b = 0; b < n * head_dim * 2; b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(v_head + (rows - k_head)) + b, _MM_HINT_T1);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const at::BFloat16* qg = q + g * q_stride_h;
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512bh qc = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+        for (int64_t r = 0; r < n; ++r) {
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + r * head_dim + 32 * c), qc);
+        }
+      }
+      _mm512_mask_storeu_ps(scores + g * len + start, mask, _mm512_mul_ps(sum16(acc), scale));
+    }
+  }
+  // softmax per query head, in place; v_scale folded into the normaliser
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < len; ++i) {
+      sg[i] = exp_approx(sg[i] - m);
+      sum += sg[i];
+    }
+    const float inv = v_scale / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
+  }
+  // pass 2
+  int64_t d0 = 0;
+  for (; d0 + 64 <= head_dim; d0 += 64) weighted_values<4>(v_head, table, len, block_size, head_dim, d0, group, scores, out);
+  if (head_dim - d0 == 32) weighted_values<2>(v_head, table, len, block_size, head_dim, d0, group, scores, out);
+}
+#else
+constexpr bool kHasBf16Kernel = false;
+#endif
 
 // scalar_t: q and out; cache_t: the stored K/V (scalar_t, or c10::Float8_e4m3fn)
 template <typename scalar_t, typename cache_t>
@@ -103,6 +254,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t block_stride = block_size * head_dim;
   const float fscale = static_cast<float>(scale * k_scale);  // the stored keys times k_scale
   const float fv_scale = static_cast<float>(v_scale);
+  // the bf16 fast path's shapes (anything else takes the generic loops below)
+  const bool bf16_fast = kHasBf16Kernel && head_dim % 32 == 0 && block_size % 16 == 0 && group <= 8 &&
+                         q.stride(2) == 1;
 
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
@@ -111,6 +265,17 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
       const int64_t len = len_ptr[t];
       if (len <= 0) continue;  // left to the caller (fresh prefills use SDPA)
       const int32_t* table = bt_ptr + static_cast<int64_t>(req_ptr[t]) * max_blocks;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
+        if (bf16_fast) {
+          scores.resize(group * len);
+          decode_item_bf16(q_ptr + t * q_stride_t + h * group * q_stride_h, q_stride_h, group, k_ptr + h * head_stride,
+                           v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, scores.data(),
+                           out_ptr + (t * num_heads + h * group) * head_dim);
+          continue;
+        }
+      }
+#endif
       for (int64_t g = 0; g < group; ++g) {
         load_row(q_ptr + t * q_stride_t + (h * group + g) * q_stride_h, qf.data() + g * head_dim, head_dim);
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= fscale;
@@ -133,14 +298,16 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           }
         }
       }
-      // softmax per query head, in place
+      // softmax per query head, in place (vectorised: a scalar expf per score was the kernel's largest cost)
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
         float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < len; ++i) {
-          sg[i] = std::exp(sg[i] - m);
+          sg[i] = exp_approx(sg[i] - m);
           sum += sg[i];
         }
         const float inv = fv_scale / sum;  // the stored values times v_scale
@@ -215,7 +382,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   return out;
 }
 
+// whether bf16 caches take decode_item_bf16 (head_dim % 32 == 0, block_size % 16 == 0, group <= 8)
+bool has_bf16_kernel() { return kHasBf16Kernel; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_bf16_kernel", &has_bf16_kernel, "whether the AVX-512 BF16 decode path was built");
   m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", pybind11::arg("q"),
         pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
         pybind11::arg("token_len"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
