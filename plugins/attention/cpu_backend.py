@@ -89,7 +89,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         fresh = []
         torch_decode = None
         # an fp8 cache always takes the kernel: torch widens gathered fp8 rows ~10x slower than the kernel reads them
-        if batch.num_decodes > MAX_KERNEL_DECODES and torch.get_num_threads() == 1 and not self.bf16_kernel and not self.fp8:
+        batched = batch.num_decodes > MAX_KERNEL_DECODES and torch.get_num_threads() == 1
+        if batched and not self.bf16_kernel and not self.fp8:
             torch_decode = super().build_metadata(batch)
             token_len[:batch.num_decodes] = 0
         qsl, seq_lens = batch.query_start_loc_list, batch.seq_lens_list
