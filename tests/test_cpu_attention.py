@@ -146,3 +146,20 @@ def test_grouped_decodes_match_attention_computed_request_by_request():
         weights = torch.softmax((keys @ q[i][:, :, None]).squeeze(-1) * d ** -0.5, dim=-1)  # [H, L]
         expected = (weights[:, :, None] * values).sum(1)
         torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_writes_strided_k_v_rows_into_the_same_slots_as_index_copy(dtype):
+    from pagoda.plugins.attention.cpu_backend import load_kernels
+    from pagoda.plugins.attention.torch_backend import write_kv
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)  # k, v are views with a row stride
+    k, v = qkv[:, 576:768].view(37, 3, 64), qkv[:, 768:].view(37, 3, 64)
+    slots = torch.randperm(20 * 16, generator=gen)[:37]
+    expected, got = torch.zeros(2, 3, 20, 16, 64, dtype=dtype), torch.zeros(2, 3, 20, 16, 64, dtype=dtype)
+    write_kv(expected, k, v, slots, None)
+    load_kernels().write_kv(got, k, v, slots)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        load_kernels().write_kv(got, k[:1], v[:1], torch.tensor([20 * 16]))

@@ -107,7 +107,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
         k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
-        write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
+        if md.written_tokens is None and k.stride(2) == 1 and v.stride(2) == 1:
+            self.kernels.write_kv(kv_cache, k, v, md.slot_mapping)  # torch's index_copy_ is serial and slower
+        else:
+            write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale,
                                            k_scale, v_scale)
         if md.torch_decode is not None:

@@ -382,10 +382,42 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   return out;
 }
 
+// Stores k, v [T, Hkv, D] (rows contiguous in D, the cache's dtype) into flat slots [T] of a
+// [2, Hkv, num_blocks, block_size, D] cache: one row copy per (token, kv head), in parallel.
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1, "K/V rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "k and v must already be in the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "slots must be int64, one per token");
+  const int64_t tokens = k.size(0), num_kv_heads = kv_cache.size(1), head_dim = kv_cache.size(4);
+  const int64_t slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t row_bytes = head_dim * kv_cache.element_size();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + num_kv_heads * slots_per_head * row_bytes;
+  const char* k_ptr = static_cast<const char*>(k.data_ptr());
+  const char* v_ptr = static_cast<const char*>(v.data_ptr());
+  const int64_t elem = k.element_size();
+  const auto slot_c = slots.contiguous();
+  const int64_t* slot = slot_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_per_head, "slot ", slot[t], " is outside the cache");
+  }
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = (h * slots_per_head + slot[t]) * row_bytes;
+        std::memcpy(k_cache + dst, k_ptr + (t * k.stride(0) + h * k.stride(1)) * elem, row_bytes);
+        std::memcpy(v_cache + dst, v_ptr + (t * v.stride(0) + h * v.stride(1)) * elem, row_bytes);
+      }
+    }
+  });
+}
+
 // whether bf16 caches take decode_item_bf16 (head_dim % 32 == 0, block_size % 16 == 0, group <= 8)
 bool has_bf16_kernel() { return kHasBf16Kernel; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, "store this step's K/V rows into their cache slots");
   m.def("has_bf16_kernel", &has_bf16_kernel, "whether the AVX-512 BF16 decode path was built");
   m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", pybind11::arg("q"),
         pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
