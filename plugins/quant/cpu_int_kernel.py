@@ -24,9 +24,9 @@ _SOURCE = Path(__file__).with_name("cpu_int_kernels.cpp")
 IMPL_AUTO, IMPL_SCALAR = 0, 1
 # From this many activation rows on, tiles of dequantized rows go through torch's GEMM. Measured on
 # this model's four linears x 30 layers (group 64, bf16, one thread), ms per pass, direct / GEMM path
-# / bf16 F.linear: 1 row 5.8 / 30.3 / 16.5; 8 rows 24.9 / 32.0 / 18.7; 12 rows 33.8 / 33.0 / 21.1;
-# 16 rows 44.5 / 36.7 / 22.5; 64 rows 195 / 58.3 / 45.0.
-GEMM_MIN_ROWS = 12
+# / bf16 F.linear in the same run: 1 row 5.8 / 20.3 / 17.5; 4 rows 14.0 / 21.3 / 18.0; 6 rows
+# 20.0 / 22.8 / 18.7; 8 rows 24.8 / 23.3 / 19.6; 16 rows - / 25.8 / 23.2; 64 rows - / 50.3 / 46.4.
+GEMM_MIN_ROWS = 8
 # Rows per dequantized tile on the GEMM path: 256-row tiles cost 40% more than 1024 at 16 rows
 # (torch's GEMM has a fixed cost per call); 1024 rows of a 1536-wide layer is a 3 MB bf16 buffer.
 TILE_ROWS = 1024

@@ -103,8 +103,8 @@ void dot_tile_scalar(const Problem& p, int64_t n0, int nt, int64_t m0, int mt, c
 }
 
 #ifdef PAGODA_AVX512
-inline __mmask16 mask16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
-inline __mmask32 mask32(int64_t n) { return n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1); }
+inline __mmask16 mask16(int64_t n) { return n <= 0 ? 0 : n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+inline __mmask32 mask32(int64_t n) { return n <= 0 ? 0 : n >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << n) - 1); }
 
 // fp32 -> bf16 bits, round to nearest even like c10::BFloat16 (NaN aside; scales and weights are finite)
 inline __m256i bf16_bits(__m512 v) {
@@ -303,6 +303,37 @@ void dequantize_row(const uint8_t* row, const std::vector<Segment>& segs, const 
   }
 }
 
+#ifdef PAGODA_BF16_DOT
+// bf16 (q - zero) * scale for q = 0..15 in the low 16 words
+inline __m512i bf16_table(float zero, float scale) {
+  const __m512 v = _mm512_mul_ps(
+      _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(zero)),
+      _mm512_set1_ps(scale));
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// A 4-bit bf16 row whose halves are aligned to 32 columns (row_bytes and the group size multiples
+// of 32): one load per 32 bytes feeds both nibbles, as in dot_rows_paired; same values as
+// dequantize_row.
+inline void dequantize_row_paired(const uint8_t* row, int64_t row_bytes, int64_t in_features, int64_t group_size,
+                                  const float* scale, const float* zero, uint16_t* out) {
+  __m512i lo_table = _mm512_setzero_si512(), hi_table = _mm512_setzero_si512();
+  int64_t lo_group = -1, hi_group = -1;
+  const __m512i low_nibble = _mm512_set1_epi16(0xF);
+  for (int64_t c = 0; c < row_bytes; c += 32) {
+    const int64_t gl = c / group_size, gh = (c + row_bytes) / group_size;
+    if (gl != lo_group) lo_table = bf16_table(zero[gl], scale[gl]), lo_group = gl;
+    if (gh != hi_group) hi_table = bf16_table(zero[gh], scale[gh]), hi_group = gh;
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+    // columns at or past in_features are padding: not stored (the row is in_features long)
+    _mm512_mask_storeu_epi16(out + c, mask32(in_features - c),
+                             _mm512_permutexvar_epi16(_mm512_and_si512(w, low_nibble), lo_table));
+    _mm512_mask_storeu_epi16(out + row_bytes + c, mask32(in_features - row_bytes - c),
+                             _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), hi_table));
+  }
+}
+#endif
+
 enum Impl { kAuto = 0, kScalar = 1 };
 
 using TileFn = void (*)(const Problem&, int64_t, int64_t, const float*, float*);
@@ -341,9 +372,11 @@ TileFn pick_tile(bool bf16, int nt, int mt) {
 // multiplied by the activations with torch's GEMM; the tile buffer is reused (never a full copy).
 template <typename T>
 void run_gemm(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const T* sp, const T* zp, int64_t G,
-              const std::vector<Segment>& segs, const c10::optional<at::Tensor>& perm, int64_t rows,
-              int64_t tile_rows, at::Tensor& y_rows, bool vector) {
+              const std::vector<Segment>& segs, int bits, int64_t group_size, const c10::optional<at::Tensor>& perm,
+              int64_t rows, int64_t tile_rows, at::Tensor& y_rows, bool vector) {
   const int64_t K = x.size(1);
+  const bool paired = vector && std::is_same<T, at::BFloat16>::value && bits == 4 && row_bytes % 32 == 0 &&
+                      group_size % 32 == 0;
   const at::Tensor xp = perm.has_value() ? x.index_select(1, *perm) : x;  // [M, in] in packed column order
   at::Tensor tile = at::empty({std::min(tile_rows, rows), K}, x.options());
   T* tp = tile.data_ptr<T>();
@@ -357,6 +390,13 @@ void run_gemm(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const 
           scale[g] = to_float(sp[o * G + g]);
           zero[g] = to_float(zp[o * G + g]);
         }
+#ifdef PAGODA_BF16_DOT
+        if (paired) {
+          dequantize_row_paired(w_q + o * row_bytes, row_bytes, K, group_size, scale.data(), zero.data(),
+                                reinterpret_cast<uint16_t*>(tp + r * K));
+          continue;
+        }
+#endif
         dequantize_row<T>(w_q + o * row_bytes, segs, scale.data(), zero.data(), tp + r * K, vector);
       }
     });
@@ -382,7 +422,8 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
   if (M >= gemm_min_rows) {
     at::Tensor y_rows = y.narrow(1, row_start, rows);
     run_gemm<T>(x, w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes, w_scales.data_ptr<T>() + row_start * G,
-                w_zeros.data_ptr<T>() + row_start * G, G, segs, perm, rows, tile_rows, y_rows, impl != kScalar);
+                w_zeros.data_ptr<T>() + row_start * G, G, segs, bits, group_size, perm, rows, tile_rows, y_rows,
+                impl != kScalar);
     if (bias.has_value()) y_rows.add_(bias->narrow(0, row_start, rows));
     return;
   }
