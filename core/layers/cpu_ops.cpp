@@ -217,7 +217,8 @@ void add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(),
               "x, weight and out must be contiguous");
   const int64_t hidden = x.size(-1), rows = x.numel() / std::max<int64_t>(1, hidden);
-  TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == x.scalar_type(), "weight must be [hidden] in x's dtype");
+  TORCH_CHECK(weight.numel() == hidden && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
   TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must have x's shape and dtype");
   if (residual.has_value()) {
     TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&

@@ -88,7 +88,8 @@ class StepRotary:
             self.ops.rotary_(qkv, self.rotary.cos_cache, self.rotary.sin_cache, self.positions,
                              num_heads + num_kv_heads, head_dim)
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-        q, k, v = q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+        q = q.view(-1, num_heads, head_dim)
+        k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
         if not fused:
             if not hasattr(self, "cos"):
                 self.cos, self.sin = self.rotary.cos_sin(self.positions)
