@@ -153,7 +153,11 @@ CASES = {
     "cpu-fp16": Case("cpu", torch.float16, 9, 3, 64, 16, [(33, 1), (0, 17), (5, 11)], 0.5, 0.25),
     "cpu-fp32-saturating": Case("cpu", torch.float32, 4, 2, 48, 8, [(19, 1), (0, 9), (12, 6)], 0.005, 0.004,
                                 magnitude=3.0),
-    # more than 16 decodes on one thread: the cpu backend's batched-gather decode path
+    # bf16 model, head_dim % 32 == 0, block_size % 16 == 0: the kernel's AVX-512 BF16 path where built
+    "cpu-bf16-simd-path": Case("cpu", torch.bfloat16, 9, 3, 64, 16, [(37, 1), (18, 1), (0, 23), (50, 7)], 0.04, 0.02),
+    "cpu-bf16-simd-path-d96-saturating": Case("cpu", torch.bfloat16, 4, 2, 96, 32, [(40, 1), (5, 9)], 0.005, 0.004,
+                                              magnitude=3.0),
+    # more than 16 decodes on one thread: an fp8 cache still takes the kernel (never the batched gather)
     "cpu-bf16-many-decodes": Case("cpu", torch.bfloat16, 4, 2, 32, 8, [(c, 1) for c in range(3, 60, 3)], 0.03, 0.05),
     "triton-fp32-odd-sizes": Case("triton", torch.float32, 6, 2, 40, 8, [(21, 1), (0, 9), (13, 5)], 0.04, 0.02),
     "triton-bf16-saturating": Case("triton", torch.bfloat16, 4, 2, 32, 16, [(17, 1), (6, 7)], 0.005, 0.004,

@@ -74,8 +74,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
             raise BackendUnavailable(f"could not compile the C++ attention kernels ({exc.__class__.__name__}: "
                                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})") from None
-        # decodes over a bf16 cache take the kernel's AVX-512 BF16 path where the shapes allow it
-        self.bf16_kernel = (self.kv_cache_dtype == torch.bfloat16 and self.kernels.has_bf16_kernel()
+        # decodes of a bf16 model over a bf16 or fp8 cache take the kernel's AVX-512 BF16 path where the
+        # shapes allow it (fp8 codes are widened to bf16 exactly, head_dim <= 256)
+        self.bf16_kernel = (model_config.dtype == torch.bfloat16 and self.kernels.has_bf16_kernel()
+                            and (self.kv_cache_dtype == torch.bfloat16 or (self.fp8 and self.head_dim <= 256))
                             and self.head_dim % 32 == 0 and self.block_size % 16 == 0 and self.group <= 8)
 
     def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:

@@ -57,17 +57,20 @@ inline float fp8_e4m3_to_float(uint8_t code) {
   return (code & 0x80u) ? -value : value;
 }
 
+#if defined(__AVX512F__)
+inline __m512 fp8x16_to_float(const uint8_t* codes) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.f));
+}
+#endif
+
 inline void load_row(const c10::Float8_e4m3fn* src, float* dst, int n) {
   const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
   int i = 0;
 #if defined(__AVX512F__)
-  const __m512 two8 = _mm512_set1_ps(256.f);
-  for (; i + 16 <= n; i += 16) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-    const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
-                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(half), two8));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fp8x16_to_float(s + i));
 #endif
   for (; i < n; ++i) dst[i] = fp8_e4m3_to_float(s[i]);
 }
@@ -129,9 +132,13 @@ inline __m512 load_bf16x16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 cache values as fp32: bf16 or fp8 e4m3 codes (exact either way)
+inline __m512 load_x16(const at::BFloat16* p) { return load_bf16x16(p); }
+inline __m512 load_x16(const c10::Float8_e4m3fn* p) { return fp8x16_to_float(reinterpret_cast<const uint8_t*>(p)); }
+
 // out[g, d0 : d0 + 16 * NS] = sum_j p[g, j] * V[j, same slice], with the G x NS sums in registers
-template <int NS>
-void weighted_values(const at::BFloat16* v_head, const int32_t* table, int64_t len, int64_t block_size,
+template <int NS, typename cache_t>
+void weighted_values(const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
                      int64_t head_dim, int64_t d0, int64_t group, const float* probs, at::BFloat16* out) {
   constexpr int kHeads = 12 / NS < 8 ? 12 / NS : 8;  // heads per sweep: about 12 sums in registers
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
@@ -140,11 +147,11 @@ void weighted_values(const at::BFloat16* v_head, const int32_t* table, int64_t l
     for (int64_t g = 0; g < gn; ++g)
       for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_setzero_ps();
     for (int64_t start = 0; start < len; start += block_size) {
-      const at::BFloat16* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_size * head_dim + d0;
+      const cache_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_size * head_dim + d0;
       const int64_t n = std::min<int64_t>(block_size, len - start);
       for (int64_t j = 0; j < n; ++j) {
         __m512 v[NS];
-        for (int s = 0; s < NS; ++s) v[s] = load_bf16x16(v_block + j * head_dim + 16 * s);
+        for (int s = 0; s < NS; ++s) v[s] = load_x16(v_block + j * head_dim + 16 * s);
         for (int64_t g = 0; g < gn; ++g) {
           const __m512 p = _mm512_set1_ps(probs[(g0 + g) * len + start + j]);
           for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_fmadd_ps(p, v[s], acc[g][s]);
@@ -167,31 +174,48 @@ void weighted_values(const at::BFloat16* v_head, const int32_t* table, int64_t l
 // Pass 1 dots 16 key rows at a time with each query head (AVX-512 BF16 pairs, fp32 sums) and folds
 // the 16 partial-sum registers into one register of 16 scores. Pass 2 sweeps the value rows with
 // the output sums of up to four 16-wide slices of head_dim held in registers.
-void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, const at::BFloat16* k_head,
-                      const at::BFloat16* v_head, const int32_t* table, int64_t len, int64_t block_size,
+// An fp8 cache (head_dim <= kMaxFp8HeadDim) is widened 16 key rows at a time into a bf16 tile (exact:
+// e4m3 values are bf16 values) and value rows 16 codes at a time.
+constexpr int64_t kMaxFp8HeadDim = 256;
+
+template <typename cache_t>
+void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, const cache_t* k_head,
+                      const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
                       int64_t head_dim, float qk_scale, float v_scale, float* scores, at::BFloat16* out) {
+  constexpr bool kFp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
+  alignas(64) at::BFloat16 tile[kFp8 ? 16 * kMaxFp8HeadDim : 1];
   const __m512 scale = _mm512_set1_ps(qk_scale);
   const int64_t chunks = head_dim / 32;
   // pass 1: scores [group, len]
   for (int64_t start = 0; start < len; start += 16) {
     const int64_t n = std::min<int64_t>(16, len - start);
     const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-    const at::BFloat16* rows =
+    const cache_t* key_rows =
         k_head + (static_cast<int64_t>(table[start / block_size]) * block_size + start % block_size) * head_dim;
+    const at::BFloat16* rows;
+    if constexpr (kFp8) {
+      const uint8_t* codes = reinterpret_cast<const uint8_t*>(key_rows);
+      for (int64_t i = 0; i < n * head_dim; i += 16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + i), (__m256i)_mm512_cvtneps_pbh(fp8x16_to_float(codes + i)));
+      }
+      rows = tile;
+    } else {
+      rows = key_rows;
+    }
     if (start + 16 < len) {
       // fetch the next 16 key rows, and the value rows pass 2 will read, while this chunk computes:
       // blocks are scattered, so the hardware prefetcher cannot guess them
       const int64_t next = start + 16;
       const int64_t offset = (static_cast<int64_t>(table[next / block_size]) * block_size + next % block_size) * head_dim;
       const int64_t rows_next = std::min<int64_t>(16, len - next);
-      for (int64_t b = 0; b < rows_next * head_dim * 2; b += 64) {
+      for (int64_t b = 0; b < rows_next * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T1);
       }
     }
     if (start == 0) {
-      for (int64_t b = 0; b < n * head_dim * 2; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(v_head + (rows - k_head)) + b, _MM_HINT_T1);
+      for (int64_t b = 0; b < n * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(v_head + (key_rows - k_head)) + b, _MM_HINT_T1);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -266,8 +290,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
       if (len <= 0) continue;  // left to the caller (fresh prefills use SDPA)
       const int32_t* table = bt_ptr + static_cast<int64_t>(req_ptr[t]) * max_blocks;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-      if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
-        if (bf16_fast) {
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
+                    (std::is_same_v<cache_t, at::BFloat16> || std::is_same_v<cache_t, c10::Float8_e4m3fn>)) {
+        if (bf16_fast && (std::is_same_v<cache_t, at::BFloat16> || head_dim <= kMaxFp8HeadDim)) {
           scores.resize(group * len);
           decode_item_bf16(q_ptr + t * q_stride_t + h * group * q_stride_h, q_stride_h, group, k_ptr + h * head_stride,
                            v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, scores.data(),
