@@ -1,10 +1,13 @@
 """The ``cpu`` int kernel: group-wise int4/int8 linears multiplied straight from the packed bits.
 
-``cpu_int_kernels.cpp`` dots the packed integers with the activations in
-registers, a tile of output rows per work item, so no full-precision weight is
-ever built (see the comment at the top of the C++ file for the arithmetic). It
-is compiled on first use (about half a minute) and cached by torch's extension
-loader; when that fails (no compiler), layers fall back to the torch path.
+Below ``GEMM_MIN_ROWS`` activation rows (decode), ``cpu_int_kernels.cpp`` dots
+the packed integers with the activations in registers, a tile of output rows
+per work item, so no full-precision weight is ever built (see the comment at
+the top of the C++ file for the arithmetic). From there on (prefill, large
+decode batches) it dequantizes at most ``TILE_ROWS`` rows at a time into one
+reused buffer for torch's GEMM. It is compiled on first use (about half a
+minute) and cached by torch's extension loader; when that fails (no compiler),
+layers fall back to the torch path.
 """
 
 from __future__ import annotations

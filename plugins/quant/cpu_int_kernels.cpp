@@ -5,8 +5,8 @@
 // w_scales / w_zeros [out, groups] in the model dtype; W[o, c] = (q - zero[o, g]) * scale[o, g] with
 // g = c / group_size. y[m, o] = sum_c x[m, perm[c]] * W[o, c] (+ bias[o]).
 //
-// The weight is never dequantized into memory. Each work item takes a tile of output rows and, for
-// every "segment" of columns (one group, read from one nibble of a contiguous byte range), dots
+// Small batches (the direct path): the weight is never dequantized into memory. Each work item
+// takes a tile of output rows and, for every "segment" of columns (one group, read from one nibble of a contiguous byte range), dots
 // the raw integers q with x in registers; the group's scale multiplies that partial sum once, and
 // the zero point is applied at the end through per-group sums of x:
 //   y[m, o] = sum_g scale[o, g] * (sum_{c in g} x[m, c] q[o, c] - zero[o, g] * xsum[m, g]).
@@ -14,6 +14,11 @@
 // one ternary-logic op) and AVX512-BF16 dot products take 32 columns per instruction; fp32 and
 // fp16 activations use fp32 FMAs, so their results are exact up to summation order. Without
 // AVX-512 a portable scalar loop computes the same sums.
+//
+// Larger batches (the GEMM path, chosen by the caller's gemm_min_rows): tiles of rows are
+// dequantized into one reused buffer in the model dtype, bit for bit what the torch path builds,
+// and multiplied by torch's GEMM, whose blocking beats register tiles once the dequantization is
+// shared by enough activation rows.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
