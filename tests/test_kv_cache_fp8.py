@@ -124,6 +124,15 @@ def test_triton_fp8_conversions_match_torch_bit_for_bit():
     assert torch.equal(table.cpu()[keep], finite[keep])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_torch_backends_fp8_widening_equals_torch_casts_for_every_code(dtype):
+    from pagoda.plugins.attention.kv_fp8 import widen_fp8
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).reshape(4, 64)
+    finite = ~codes.float().isnan()  # NaN codes are never written: writes saturate
+    assert torch.equal(widen_fp8(codes, dtype)[finite], codes.to(dtype)[finite])
+
+
 def _triton_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

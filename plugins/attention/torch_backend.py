@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.plugins.attention.kv_fp8 import (dequantize_fp8, kv_cache_dtype_for, kv_scales, quantize_fp8, raw_bytes,
-                                             uses_fp8)
+                                             uses_fp8, widen_fp8)
 
 
 def split_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -170,7 +170,7 @@ class TorchAttentionBackend:
     @staticmethod
     def _read(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gathered cache rows in the compute dtype (fp8 widens exactly; scales are applied by the caller)."""
-        return stored if stored.dtype == dtype else stored.to(dtype)
+        return stored if stored.dtype == dtype else widen_fp8(stored, dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
