@@ -405,7 +405,11 @@ void run_gemm(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const 
         dequantize_row<T>(w_q + o * row_bytes, segs, scale.data(), zero.data(), tp + r * K, vector);
       }
     });
-    y_rows.narrow(1, t0, n).copy_(at::mm(xp, tile.narrow(0, 0, n).t()));  // [M, n]
+    if (n == y_rows.size(1) && y_rows.is_contiguous()) {
+      at::mm_out(y_rows, xp, tile.t());  // one tile covering every output column: no copy
+    } else {
+      y_rows.narrow(1, t0, n).copy_(at::mm(xp, tile.narrow(0, 0, n).t()));  // [M, n]
+    }
   }
 }
 
