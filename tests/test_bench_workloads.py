@@ -40,3 +40,18 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile():
     assert "profile: 8 decode steps" in text and "matmuls" in text and "attention" in text
     assert "of the roofline" in text
     assert "ratio (output tok/s): pagoda / HF =" in text
+
+
+def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_path):
+    from pagoda.llm import LLM
+    from pagoda.plugins.entrypoints.roofline import measure_roofline
+    from tiny_models import write_tiny_checkpoint
+
+    llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", dtype="bfloat16", quantization="fp8",
+              kv_cache_memory_bytes=1 << 22, cpu_threads=1)
+    model = llm.engine.model
+    dense = sum(m.in_features * m.out_features for m in model.layers[0].modules()
+                if type(m).__name__ == "Linear")
+    roofline = measure_roofline(model, len(model.layers))  # fp8 weights: no bf16 x fp8 matmul is attempted
+    assert roofline.flops_per_token == 2 * dense * len(model.layers)
+    assert all(rate > 0 for rate in roofline.seconds_per_flop.values())

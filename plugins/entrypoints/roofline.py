@@ -39,17 +39,21 @@ class Roofline:
         return self.seconds_per_flop[bucket]
 
 
-def _weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One decoder layer's dense weights and the LM head's."""
-    layer = model.layers[0]
-    layer_weights = [m.weight for m in layer.modules() if isinstance(m, Linear) and hasattr(m, "weight")]
-    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
-    return layer_weights, head
+def _dense_weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Dense weights in the model dtype with one decoder layer's linear shapes, and the LM head's.
+
+    Random stand-ins, so that a quantized model is held to the dense GEMM speed of its shapes
+    (its packed weights are not what a GEMM reads)."""
+    dtype = model.embed_tokens.weight.dtype
+    layer_shapes = [(m.out_features, m.in_features) for m in model.layers[0].modules() if isinstance(m, Linear)]
+    head = model.embed_tokens.weight if model.lm_head is None else None
+    head_shape = tuple(head.shape) if head is not None else (model.lm_head.out_features, model.lm_head.in_features)
+    return [torch.randn(shape, dtype=dtype) for shape in layer_shapes], torch.randn(head_shape, dtype=dtype)
 
 
 @torch.inference_mode()
 def measure_roofline(model: torch.nn.Module, num_layers: int) -> Roofline:
-    layer_weights, head = _weights(model)
+    layer_weights, head = _dense_weights(model)
     dtype = head.dtype
     layer_params = sum(w.numel() for w in layer_weights)
     rates = {}
