@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagoda.cpp_extension import load_cpu_extension
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -27,13 +29,8 @@ def cpu_ops() -> Optional[Any]:
     """The compiled kernels, or None when they are turned off or cannot be built here."""
     if os.environ.get("PAGODA_FUSED_CPU_OPS", "1") == "0":
         return None
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no FMA contraction: products round as torch's do
-    if os.environ.get("PAGODA_CPU_NATIVE", "1") != "0":
-        flags.append("-march=native")
-    try:
-        return load(name="pagoda_cpu_ops", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+    try:  # no FMA contraction: products round as torch's do
+        return load_cpu_extension("pagoda_cpu_ops", _SOURCE, ["-ffp-contract=off"])
     except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
         logger.warning("fused CPU kernels unavailable, using torch ops (%s: %s)", type(exc).__name__, exc)
         return None

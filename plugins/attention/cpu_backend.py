@@ -10,7 +10,6 @@ compiled on first use (about a minute) and cached by torch's extension loader.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
+from pagoda.cpp_extension import load_cpu_extension
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
 from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
@@ -39,12 +39,7 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 @lru_cache(maxsize=1)
 def load_kernels() -> Any:
     """Compile (once per machine) and import the C++ kernels."""
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-fopenmp"]
-    if os.environ.get("PAGODA_CPU_NATIVE", "1") != "0":
-        flags.append("-march=native")
-    return load(name="pagoda_cpu_attention", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+    return load_cpu_extension("pagoda_cpu_attention", _SOURCE)
 
 
 @dataclass

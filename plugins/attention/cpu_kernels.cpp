@@ -95,6 +95,26 @@ inline float exp_approx(float x) {
   return p * two_n;
 }
 
+// softmax over each of `rows` rows of `len` scores, in place, times `out_scale` (v_scale is folded
+// in here, so no value row is rescaled); vectorised: a scalar expf per score was a kernel's largest cost
+inline void softmax_rows(float* scores, int64_t rows, int64_t len, float out_scale) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < len; ++i) {
+      sg[i] = exp_approx(sg[i] - m);
+      sum += sg[i];
+    }
+    const float inv = out_scale / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
+  }
+}
+
 inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
 inline void store_row(const float* src, at::BFloat16* dst, int n) {
@@ -231,22 +251,7 @@ void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, 
       _mm512_mask_storeu_ps(scores + g * len + start, mask, _mm512_mul_ps(sum16(acc), scale));
     }
   }
-  // softmax per query head, in place; v_scale folded into the normaliser
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < len; ++i) {
-      sg[i] = exp_approx(sg[i] - m);
-      sum += sg[i];
-    }
-    const float inv = v_scale / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
-  }
+  softmax_rows(scores, group, len, v_scale);
   // pass 2
   int64_t d0 = 0;
   for (; d0 + 64 <= head_dim; d0 += 64) weighted_values<4>(v_head, table, len, block_size, head_dim, d0, group, scores, out);
@@ -323,21 +328,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           }
         }
       }
-      // softmax per query head, in place (vectorised: a scalar expf per score was the kernel's largest cost)
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < len; ++i) m = std::max(m, sg[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < len; ++i) {
-          sg[i] = exp_approx(sg[i] - m);
-          sum += sg[i];
-        }
-        const float inv = fv_scale / sum;  // the stored values times v_scale
-        for (int64_t i = 0; i < len; ++i) sg[i] *= inv;
-      }
+      softmax_rows(scores.data(), group, len, fv_scale);  // the stored values times v_scale
       // pass 2: weighted sum of V rows
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {

@@ -12,7 +12,6 @@ layers fall back to the torch path.
 
 from __future__ import annotations
 
-import os
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from pagoda.cpp_extension import load_cpu_extension
 
 _SOURCE = Path(__file__).with_name("cpu_int_kernels.cpp")
 
@@ -40,12 +41,7 @@ TILE_ROWS = 4096
 @lru_cache(maxsize=1)
 def load_int_kernels() -> Any:
     """Compile (once per machine) and import the C++ kernel; raises when it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    flags = ["-O3", "-fopenmp"]
-    if os.environ.get("PAGODA_CPU_NATIVE", "1") != "0":
-        flags.append("-march=native")
-    return load(name="pagoda_cpu_int_linear", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+    return load_cpu_extension("pagoda_cpu_int_linear", _SOURCE)
 
 
 @lru_cache(maxsize=1)
