@@ -247,6 +247,17 @@ def fused_reference(ref: dict[str, torch.Tensor], layer: int, fused: str) -> tor
     return torch.cat([ref[f"model.layers.{layer}.{m}"] for m in FUSED[fused]])
 
 
+def assert_linears_match(model, ref: dict[str, torch.Tensor], rows: int = 5, rtol: float = 1e-5,
+                         atol: float = 1e-5) -> None:
+    """Every fused linear of every layer of ``model`` gives ``x @ W^T`` for its dequantized reference ``W``."""
+    x = torch.randn(rows, 256)
+    for i, layer in enumerate(model.layers):
+        for fused in FUSED:
+            linear = getattr(layer, fused)
+            xin = x[:, : linear.in_features]
+            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=rtol, atol=atol)
+
+
 def small_llm(path: Optional[Path] = None, **kwargs):
     """An engine with a small KV cache and no swap space (the defaults reserve gigabytes, slow to zero)."""
     from pagoda import LLM

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pagoda.errors import CheckpointError, ConfigError
 from quant_helpers import (
-    DATA, FUSED, PROMPTS, awq_checkpoint, edit_checkpoint, fused_reference, greedy, small_llm, write_dense,
+    DATA, PROMPTS, assert_linears_match, awq_checkpoint, edit_checkpoint, greedy, small_llm, write_dense,
 )
 
 AUTOAWQ = DATA / "awq-g64"  # written by AutoAWQ 0.2.9 (contrib/quant-tools/quantize_awq.py)
@@ -30,13 +29,7 @@ def model_of(llm):
 def test_every_awq_linear_equals_its_dequantized_weight(packed):
     root, ref = packed
     model = model_of(small_llm(root / "q", dtype="float32"))
-    x = torch.randn(5, 256)
-    for i, layer in enumerate(model.layers):
-        for fused in FUSED:
-            linear = getattr(layer, fused)
-            w = fused_reference(ref, i, fused)
-            torch.testing.assert_close(linear(x[:, : linear.in_features]), x[:, : linear.in_features] @ w.t(),
-                                       rtol=1e-5, atol=1e-5)
+    assert_linears_match(model, ref)
 
 
 def test_awq_greedy_tokens_match_the_dequantized_model_in_full_precision(packed):
@@ -55,12 +48,7 @@ def test_autoawq_checkpoint_layers_equal_autoawq_own_unpacking():
     reference = load_file(str(AUTOAWQ / "reference" / "dequant.safetensors"))
     ref = {k[: -len(".weight")]: v for k, v in reference.items()}
     model = model_of(small_llm(AUTOAWQ, dtype="float32"))
-    x = torch.randn(4, 256)
-    for i, layer in enumerate(model.layers):
-        for fused in FUSED:
-            linear = getattr(layer, fused)
-            xin = x[:, : linear.in_features]
-            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=1e-5, atol=1e-5)
+    assert_linears_match(model, ref, rows=4)
 
 
 def test_autoawq_checkpoint_generates_the_tokens_of_its_dense_reference_in_transformers():

@@ -10,7 +10,9 @@ from torch import nn
 from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, cpu_int_linear, int_kernels_or_none
 from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, dequantize_int_rows, install_int_weight
 from pagoda.plugins.quant.packing import unpack_uint8
-from quant_helpers import DATA, FUSED, PROMPTS, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense
+from quant_helpers import (
+    DATA, FUSED, PROMPTS, assert_linears_match, gptq_checkpoint, greedy, small_llm, write_dense,
+)
 
 KERNELS = int_kernels_or_none()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler for the int kernel on this machine")
@@ -127,12 +129,7 @@ def test_act_order_checkpoint_generates_the_dequantized_models_tokens_with_the_c
     ref = gptq_checkpoint(tmp_path / "q", bits=4, group=32, desc_act=True)
     model = small_llm(tmp_path / "q", dtype="float32").engine.runner.model
     assert model.layers[0].qkv_proj.int_kernel == "cpu" and model.layers[0].qkv_proj.int_parts[0][2]
-    x = torch.randn(5, 256)
-    for i, layer in enumerate(model.layers):
-        for fused in FUSED:
-            linear = getattr(layer, fused)
-            xin = x[:, : linear.in_features]
-            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=1e-5, atol=1e-5)
+    assert_linears_match(model, ref)
     assert greedy(tmp_path / "q", PROMPTS) == greedy(write_dense(tmp_path / "dense", ref), PROMPTS)
 
 

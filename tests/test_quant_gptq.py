@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pagoda.errors import CheckpointError, ConfigError
 from quant_helpers import (
-    DATA, FUSED, PROMPTS, edit_checkpoint, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense,
+    DATA, PROMPTS, assert_linears_match, edit_checkpoint, fused_reference, gptq_checkpoint, greedy, small_llm, write_dense,
 )
 
 GPTQMODEL = DATA / "gptqmodel-g32-actorder"  # written by GPTQModel 7.7 (contrib/quant-tools/quantize_gptqmodel.py)
@@ -33,12 +33,7 @@ def packed(request, tmp_path_factory):
 def test_every_gptq_linear_equals_its_dequantized_weight(packed):
     root, ref = packed
     model = small_llm(root / "q", dtype="float32").engine.runner.model
-    x = torch.randn(5, 256)
-    for i, layer in enumerate(model.layers):
-        for fused in FUSED:
-            linear = getattr(layer, fused)
-            xin = x[:, : linear.in_features]
-            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=1e-5, atol=1e-5)
+    assert_linears_match(model, ref)
 
 
 def test_gptq_greedy_tokens_match_the_dequantized_model_in_full_precision(packed):
@@ -55,13 +50,8 @@ def test_gptqmodel_checkpoint_layers_equal_gptqmodel_own_unpacking():
     ref = {k[: -len(".weight")]: v for k, v in load_file(str(GPTQMODEL / "reference" / "dequant.safetensors")).items()}
     model = small_llm(GPTQMODEL, dtype="float32").engine.runner.model
     assert model.layers[0].qkv_proj.int_parts[0][2], "desc_act: the input is read through a permutation"
-    x = torch.randn(4, 256)
-    for i, layer in enumerate(model.layers):
-        for fused in FUSED:
-            linear = getattr(layer, fused)
-            xin = x[:, : linear.in_features]
-            # GPTQModel's CPU kernel unpacks in fp16, so its reference carries fp16 rounding
-            torch.testing.assert_close(linear(xin), xin @ fused_reference(ref, i, fused).t(), rtol=1e-3, atol=3e-3)
+    # GPTQModel's CPU kernel unpacks in fp16, so its reference carries fp16 rounding
+    assert_linears_match(model, ref, rows=4, rtol=1e-3, atol=3e-3)
 
 
 def test_act_order_shards_with_different_permutations_still_match(tmp_path):
