@@ -7,15 +7,13 @@ import logging
 import time
 from typing import Any, Iterable, Optional, Union
 
-import torch
-
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.errors import ConfigError, InvalidRequestError
+from pagoda.errors import InvalidRequestError
 from pagoda.metrics import EngineStats
 from pagoda.output_processor import OutputProcessor
 from pagoda.outputs import RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
-from pagoda.request import Request, RequestStatus
+from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.threads import configure_threads
 

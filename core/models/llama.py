@@ -40,7 +40,6 @@ class DecoderLayer(nn.Module):
         prefix = f"model.layers.{idx}"
         q = lambda name: quant.for_layer(f"{prefix}.{name}") if quant is not None else None  # noqa: E731
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
-        self.q_size, self.kv_size = h * d, hkv * d
         self.qkv_proj = Linear(cfg.hidden_size, [h * d, hkv * d, hkv * d], qkv_bias, dtype, q("self_attn.qkv_proj"),
                                f"{prefix}.self_attn.qkv_proj")
         self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj")
@@ -50,7 +49,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.attn = Attention(backend, idx, h, hkv, d, d ** -0.5)
-        self.inter = inter
 
     def forward(self, x, residual, rope: StepRotary, kv_cache, metadata):
         if residual is None:
