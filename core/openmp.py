@@ -21,6 +21,8 @@ SPIN_COUNT = "20000"  # libgomp spin iterations before a waiting thread sleeps (
 
 # what was decided, for the benchmarks' header
 wait_policy = "user"
+# the environment variables pagoda set itself (a baseline run in a child process drops them)
+set_here: list[str] = []
 
 
 def runnable_processes(samples: int = 15, interval: float = 0.004) -> float:
@@ -43,8 +45,10 @@ def choose_wait_policy() -> str:
         wait_policy = "user"
     elif runnable_processes() >= 1:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        set_here.append("OMP_WAIT_POLICY")
         wait_policy = "sleep (other processes were runnable at start-up)"
     else:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+        set_here.append("GOMP_SPINCOUNT")
         wait_policy = f"spin {SPIN_COUNT}, then sleep (the machine was idle at start-up)"
     return wait_policy

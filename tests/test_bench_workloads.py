@@ -39,7 +39,7 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile():
     assert "KV cache at peak" in text and "waste" in text
     assert "profile: 8 decode steps" in text and "matmuls" in text and "attention" in text
     assert "of the roofline" in text
-    assert "ratio (output tok/s): pagoda / HF =" in text
+    assert "in a fresh process" in text and "ratio (output tok/s): pagoda / HF =" in text
 
 
 def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_path):
@@ -55,3 +55,19 @@ def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_pa
     roofline = measure_roofline(model, len(model.layers))  # fp8 weights: no bf16 x fp8 matmul is attempted
     assert roofline.flops_per_token == 2 * dense * len(model.layers)
     assert all(rate > 0 for rate in roofline.seconds_per_flop.values())
+
+
+def test_the_hf_baseline_runs_in_a_process_that_never_imports_pagoda():
+    import json
+
+    from pagoda.default_model import ensure_default_model
+    from pagoda.plugins.entrypoints import hf_baseline
+
+    job = {"kind": "static", "model": str(ensure_default_model()), "dtype": "float32", "threads": 1, "batch_size": 2,
+           "requests": [[[5, 6, 7], 3], [[8, 9], 4], [[10], 2]]}
+    # run as the benchmark runs it: pagoda's import-time malloc and OpenMP tuning must not reach the baseline
+    out = subprocess.run([sys.executable, hf_baseline.__file__], input=json.dumps(job), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["seconds"] > 0 and result["pagoda_imported"] is False

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -29,6 +33,9 @@ def add_parser(sub, name: str) -> None:
         p.set_defaults(func=run_latency)
     p.add_argument("--hf-dtype", default="float32", help="dtype of the HF baseline (float32 or bfloat16)")
     p.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--hf-same-process", action="store_true",
+                   help="run the HF baseline inside the benchmark process, with pagoda's malloc and OpenMP "
+                        "settings (default: a fresh process, as HF users run it)")
     p.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
     add_engine_args(p)
 
@@ -91,28 +98,25 @@ def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
     return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)), peak
 
 
-def run_hf(model_dir: str, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int) -> Result:
-    """Static batching as a conventional server does it: left-padded batches, each run to its longest output."""
-    from transformers import AutoModelForCausalLM
+def run_hf(llm, ns: argparse.Namespace, kind: str, requests: list[BenchRequest], **extra) -> dict:
+    """The HF transformers baseline on the same requests, in a fresh process unless ``--hf-same-process``."""
+    job = {"kind": kind, "model": llm.engine.config.model.model, "dtype": str(_dtype(ns.hf_dtype)).removeprefix("torch."),
+           "threads": llm.engine.num_threads, "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
+           **extra}
+    if ns.hf_same_process:
+        from pagoda.plugins.entrypoints import hf_baseline
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model.generation_config.eos_token_id = None
-    pad = 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for b in range(0, len(requests), batch_size):
-            batch = requests[b:b + batch_size]
-            width = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, r in enumerate(batch):
-                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-                mask[i, width - len(r.prompt_token_ids):] = 1
-            n_out = max(r.output_len for r in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
-                           do_sample=False, pad_token_id=pad)
-    seconds = time.perf_counter() - start
-    return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests))
+        return hf_baseline.run(job)
+    from pagoda import openmp
+    from pagoda.plugins.entrypoints import hf_baseline
+
+    # the child gets the user's environment, not the OpenMP settings pagoda chose for itself
+    env = {k: v for k, v in os.environ.items() if k not in openmp.set_here}
+    proc = subprocess.run([sys.executable, hf_baseline.__file__], input=json.dumps(job), capture_output=True,
+                          text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the HF transformers baseline failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -163,8 +167,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
         profile_decode(llm, requests)
     if not ns.no_baseline:
         subset = requests if ns.hf_batches is None else requests[:ns.hf_batches * ns.hf_batch_size]
-        hf = run_hf(llm.engine.config.model.model, _dtype(ns.hf_dtype), subset, ns.hf_batch_size)
-        print(f"HF transformers ({ns.hf_dtype}, static batches of {ns.hf_batch_size}, {len(subset)} requests): "
+        seconds = run_hf(llm, ns, "static", subset, batch_size=ns.hf_batch_size)["seconds"]
+        hf = Result(seconds, sum(len(r.prompt_token_ids) for r in subset), sum(r.output_len for r in subset))
+        print(f"HF transformers ({ns.hf_dtype}, static batches of {ns.hf_batch_size}, {len(subset)} requests, "
+              f"{_where(ns)}): "
               f"{hf.seconds:8.2f} s  {hf.output_tps:8.1f} output tok/s  {hf.total_tps:8.1f} total tok/s")
         print(f"ratio (output tok/s): pagoda / HF = {mine.output_tps / hf.output_tps:.1f}x")
     return 0
@@ -187,10 +193,9 @@ def run_latency(ns: argparse.Namespace) -> int:
 
         profile_decode(llm, [req])
     if not ns.no_baseline:
-        hf_runs = [_hf_latency(llm.engine.config.model.model, _dtype(ns.hf_dtype), req) for _ in range(ns.repeats)]
-        hf_ttft = statistics.median(r[0] for r in hf_runs)
-        hf_tpot = statistics.median(r[1] for r in hf_runs)
-        print(f"HF transformers ({ns.hf_dtype}, batch 1): TTFT {hf_ttft * 1e3:8.1f} ms  TPOT {hf_tpot * 1e3:8.2f} ms/token")
+        hf = run_hf(llm, ns, "latency", [req], repeats=ns.repeats)
+        hf_ttft, hf_tpot = hf["ttft"], hf["tpot"]
+        print(f"HF transformers ({ns.hf_dtype}, batch 1, {_where(ns)}): TTFT {hf_ttft * 1e3:8.1f} ms  TPOT {hf_tpot * 1e3:8.2f} ms/token")
         print(f"ratio (TPOT): HF / pagoda = {hf_tpot / tpot:.1f}x")
     return 0
 
@@ -208,28 +213,8 @@ def _pagoda_latency(llm, req: BenchRequest) -> tuple[float, float]:
     return first - start, (end - first) / max(1, req.output_len - 1)
 
 
-_HF_CACHE: dict = {}
-
-
-def _hf_latency(model_dir: str, dtype: torch.dtype, req: BenchRequest) -> tuple[float, float]:
-    from transformers import AutoModelForCausalLM
-
-    key = (model_dir, dtype)
-    if key not in _HF_CACHE:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        model.generation_config.eos_token_id = None
-        _HF_CACHE[key] = model
-    model = _HF_CACHE[key]
-    ids = torch.tensor([req.prompt_token_ids])
-    with torch.inference_mode():
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        ttft = time.perf_counter() - start
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=req.output_len, min_new_tokens=req.output_len, do_sample=False,
-                       pad_token_id=0)
-        total = time.perf_counter() - start
-    return ttft, (total - ttft) / max(1, req.output_len - 1)
+def _where(ns: argparse.Namespace) -> str:
+    return "in this process" if ns.hf_same_process else "in a fresh process"
 
 
 def _dtype(name: str) -> torch.dtype:
