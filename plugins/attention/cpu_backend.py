@@ -3,13 +3,17 @@
 Decodes and prefill chunks that follow cached context attend through
 ``cpu_kernels.cpp``, which reads K/V in place from the block pool (no gathered
 copy), one (token, kv head) pair per work item, fp32 accumulation. Fresh
-prefills keep using SDPA, whose causal kernel is GEMM-shaped, and steps with
-many decodes use the torch backend's batched path, which wins there. The kernel is
-compiled on first use (about a minute) and cached by torch's extension loader.
+prompts of a bf16 model go through ``cpu_prefill.cpp``, a flash-style causal
+kernel on AVX-512 BF16, all of a step's prompts in one call; other dtypes (and
+``PAGODA_CPU_PREFILL_KERNEL=0``) use SDPA. Steps with many decodes of a model
+without the bf16 decode path use the torch backend's batched path, which wins
+there. The kernels are compiled on first use (about a minute) and cached by
+torch's extension loader.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -34,12 +38,22 @@ from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, Torch
 MAX_KERNEL_DECODES = 16
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.cpp")
 
 
 @lru_cache(maxsize=1)
 def load_kernels() -> Any:
     """Compile (once per machine) and import the C++ kernels."""
     return load_cpu_extension("pagoda_cpu_attention", _SOURCE)
+
+
+@lru_cache(maxsize=1)
+def load_prefill_kernel() -> Any:
+    """The fresh-prompt kernel (``cpu_prefill.cpp``), or None where it cannot be built."""
+    try:
+        return load_cpu_extension("pagoda_cpu_prefill", _PREFILL_SOURCE)
+    except Exception:  # no compiler: SDPA serves fresh prompts
+        return None
 
 
 @dataclass
@@ -74,6 +88,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.bf16_kernel = (model_config.dtype == torch.bfloat16 and self.kernels.has_bf16_kernel()
                             and (self.kv_cache_dtype == torch.bfloat16 or (self.fp8 and self.head_dim <= 256))
                             and self.head_dim % 32 == 0 and self.block_size % 16 == 0 and self.group <= 8)
+        # fresh prompts of a bf16 model: a flash-style AVX-512 BF16 kernel (3-4x SDPA's at W1's lengths)
+        self.prefill_kernel = None
+        if model_config.dtype == torch.bfloat16 and os.environ.get("PAGODA_CPU_PREFILL_KERNEL", "1") != "0":
+            kernel = load_prefill_kernel()
+            if kernel is not None and kernel.supports_head_dim(self.head_dim):
+                self.prefill_kernel = kernel
 
     def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:
         n = batch.num_reqs
@@ -117,6 +137,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.fp8 and md.fresh_prefills:
             # fresh prefills attend to K/V as stored too: [T, Hkv, D] fp8 -> dequantized model dtype
             k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
+        if self.prefill_kernel is not None and md.fresh_prefills:
+            ranges = [i for pair in md.fresh_prefills for i in pair]
+            self.prefill_kernel.prefill_attention(q, k, v, out, ranges, layer.scale)
+            return out.view(q.shape[0], -1)
         for start, end in md.fresh_prefills:
             # 4-D inputs reach torch's flash kernel; 3-D ones its math path (3x slower at 300 tokens)
             qi = q[start:end].transpose(0, 1)  # [H, n, D]

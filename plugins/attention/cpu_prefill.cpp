@@ -1,0 +1,258 @@
+// Causal attention of fresh prompts (no cached context) for bf16 models, on AVX-512 BF16 CPUs.
+//
+// Flash-style: one work item is (prompt, kv head, block of 16 query tokens). The query rows of that
+// block and of the kv head's group of query heads stream over the prompt's 16-key blocks up to the
+// diagonal with an online softmax in fp32, so no score matrix is ever stored. Both products run on
+// vdpbf16ps (bf16 pairs, fp32 sums): scores exactly as a bf16 matmul computes them, probabilities
+// rounded to bf16 for P.V as GEMM-based attention kernels do.
+//
+// So that each instruction multiplies 16 lanes by one broadcast bf16 pair, K and V are first re-laid
+// out per 16-key block (a pass over K/V, cheap next to the n^2 work):
+//   kt[h][block][p][16 keys]   = (k[key][2p], k[key][2p + 1])       scores: lanes are keys
+//   vt[h][block][8][head_dim]  = (v[2i][d], v[2i + 1][d])           P.V: lanes are dims
+// Keys past a prompt's end are zero and masked.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // keys per block, and query tokens per work item
+
+bool has_prefill_kernel() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+// 2^x for x <= 0 (masked lanes are zeroed by the caller): 2^round(x) * (degree-6 polynomial of the rest)
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.540353e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline uint32_t pair(const uint16_t* lo, const uint16_t* hi) {
+  return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
+}
+
+// fp32 -> bf16 bits, round to nearest even (finite values)
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16));
+}
+
+// Re-lay one 16-key block of one kv head (see the header); `n` valid keys, the rest zero.
+template <int D>
+void relayout_block(const uint16_t* k, const uint16_t* v, int64_t token_stride, int64_t n, uint32_t* kt,
+                    uint32_t* vt) {
+  constexpr int P = D / 2;
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t j = 0; j < kBlock; ++j)
+      kt[p * kBlock + j] = j < n ? pair(k + j * token_stride + 2 * p, k + j * token_stride + 2 * p + 1) : 0u;
+  static const uint16_t zero = 0;
+  for (int64_t i = 0; i < kBlock / 2; ++i) {
+    const uint16_t* v0 = 2 * i < n ? v + 2 * i * token_stride : nullptr;
+    const uint16_t* v1 = 2 * i + 1 < n ? v + (2 * i + 1) * token_stride : nullptr;
+    for (int64_t d = 0; d < D; ++d) vt[i * D + d] = pair(v0 ? v0 + d : &zero, v1 ? v1 + d : &zero);
+  }
+}
+
+// R query rows (token-major: row = token * group + head) of one work item against key blocks
+// 0..diag; rows past `rows` repeat the last one and are not stored.
+template <int D, int R>
+void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64_t out_token_stride,
+                 const uint32_t* kt, const uint32_t* vt, int64_t diag, int64_t group, int64_t row0, int64_t rows,
+                 float scale_log2) {
+  constexpr int P = D / 2;        // bf16 pairs per row
+  constexpr int C = D / 16;       // 16-lane chunks of an output row
+  const uint32_t* qp[R];
+  int64_t token[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + std::min<int64_t>(r, rows - 1);
+    token[r] = row / group;
+    qp[r] = reinterpret_cast<const uint32_t*>(q + token[r] * q_token_stride + (row % group) * D);
+  }
+  __m512 o[R][C], l[R];
+  float m[R];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) o[r][c] = _mm512_setzero_ps();
+    l[r] = _mm512_setzero_ps();
+    m[r] = -INFINITY;
+  }
+  const __m512 scale = _mm512_set1_ps(scale_log2);
+  for (int64_t b = 0; b <= diag; ++b) {
+    const uint32_t* kb = kt + b * P * kBlock;
+    const uint32_t* vb = vt + b * (kBlock / 2) * D;
+    // two sums per row over alternate pairs: 2R independent chains hide the dot instruction's latency
+    __m512 s[R], s2[R];
+    for (int r = 0; r < R; ++r) s[r] = s2[r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int p = 0; p < P; p += 2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + p * kBlock);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (p + 1) * kBlock);
+      for (int r = 0; r < R; ++r) {
+        s[r] = _mm512_dpbf16_ps(s[r], k0, (__m512bh)_mm512_set1_epi32(qp[r][p]));
+        s2[r] = _mm512_dpbf16_ps(s2[r], k1, (__m512bh)_mm512_set1_epi32(qp[r][p + 1]));
+      }
+    }
+    for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
+    alignas(64) uint32_t probs[R][kBlock / 2];
+    __m512 x[R];
+    __mmask16 valid[R];
+    alignas(64) float shift[16] = {};  // m_old - m_new per row: the rescale of what was summed so far
+    for (int r = 0; r < R; ++r) {
+      // keys after the row's own token (diagonal block only) do not exist for it
+      valid[r] = b < diag ? __mmask16(0xFFFF) : __mmask16((2u << (token[r] % kBlock)) - 1u);
+      x[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[r], _mm512_mul_ps(s[r], scale));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(x[r]));
+      shift[r] = m[r] - m_new;  // -inf on the first block: nothing summed yet
+      m[r] = m_new;
+    }
+    alignas(64) float alpha[16];
+    _mm512_store_ps(alpha, exp2_ps(_mm512_load_ps(shift)));  // all rows at once
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      const __m512 pr = _mm512_maskz_mov_ps(valid[r], exp2_ps(_mm512_sub_ps(x[r], _mm512_set1_ps(m[r]))));
+      l[r] = _mm512_fmadd_ps(l[r], a, pr);
+      for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(o[r][c], a);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), to_bf16(pr));
+    }
+    for (int i = 0; i < kBlock / 2; ++i) {
+      for (int c = 0; c < C; ++c) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vb + i * D + 16 * c);
+        for (int r = 0; r < R; ++r)
+          o[r][c] = _mm512_dpbf16_ps(o[r][c], vv, (__m512bh)_mm512_set1_epi32(probs[r][i]));
+      }
+    }
+  }
+  for (int r = 0; r < R && r < rows; ++r) {
+    const int64_t row = row0 + r;
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+    uint16_t* dst = out + token[r] * out_token_stride + (row % group) * D;
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), to_bf16(_mm512_mul_ps(o[r][c], inv)));
+  }
+}
+
+template <int D>
+void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+                  const std::vector<int64_t>& ranges, double scale) {
+  constexpr int R = D <= 64 ? 4 : 2;  // rows per sweep: R * (D / 16 + 2) registers of sums and scores
+  const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;
+  const int64_t* begin = ranges.data();  // prompt i: tokens begin[2i] .. begin[2i + 1]
+  const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+
+  // every prompt's blocks, numbered across prompts: first block of prompt i, and (prompt, block) pairs
+  std::vector<int64_t> first_block(num_prompts + 1, 0);
+  for (int64_t i = 0; i < num_prompts; ++i)
+    first_block[i + 1] = first_block[i] + (begin[2 * i + 1] - begin[2 * i] + kBlock - 1) / kBlock;
+  const int64_t blocks = first_block[num_prompts];
+  std::vector<std::pair<int64_t, int64_t>> items;  // (prompt, block) in the order of first_block
+  items.reserve(blocks);
+  for (int64_t i = 0; i < num_prompts; ++i)
+    for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
+
+  const int64_t kt_size = (D / 2) * kBlock, vt_size = (kBlock / 2) * D;  // uint32 per block
+  std::vector<uint32_t> kt(static_cast<size_t>(kv_heads * blocks * kt_size));
+  std::vector<uint32_t> vt(static_cast<size_t>(kv_heads * blocks * vt_size));
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t w = first; w < last; ++w) {
+      const int64_t h = w / blocks, gb = w % blocks;
+      const auto [i, b] = items[gb];
+      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
+      relayout_block<D>(kd + t0 * ks + h * D, vd + t0 * vs + h * D, ks, n, &kt[(h * blocks + gb) * kt_size],
+                        &vt[(h * blocks + gb) * vt_size]);
+    }
+  });
+  // later query blocks see more keys: hand them out first
+  std::vector<int64_t> order(kv_heads * blocks);
+  for (int64_t w = 0; w < kv_heads * blocks; ++w) order[w] = w;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return items[a % blocks].second > items[b % blocks].second;
+  });
+  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  // items differ in cost by up to the prompt length, so threads take the next one as they finish
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = kv_heads * blocks;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t w = next++; w < num_items; w = next++) {
+      const int64_t h = order[w] / blocks, gb = order[w] % blocks;
+      const auto [i, b] = items[gb];
+      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
+      const uint32_t* kh = &kt[(h * blocks + first_block[i]) * kt_size];
+      const uint32_t* vh = &vt[(h * blocks + first_block[i]) * vt_size];
+      // rows of this item: its n tokens x the group's heads, token-major
+      for (int64_t r0 = 0; r0 < n * group; r0 += R)
+        attend_rows<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group,
+                          r0, std::min<int64_t>(R, n * group - r0), scale_log2);
+    }
+  });
+}
+
+#endif
+
+// q [T, H, D], k/v [T, Hkv, D] bf16 with unit dim stride and heads packed; out [T, H, D] likewise.
+// ranges: [begin_0, end_0, begin_1, end_1, ...], the tokens of each prompt, which attends causally to
+// itself only; tokens outside every range are left alone.
+void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor out,
+                       const std::vector<int64_t>& ranges, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "prefill_attention takes bfloat16 tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [T, heads, D]");
+  const int64_t d = q.size(2);
+  for (const torch::Tensor* t : {&q, &k, &v, static_cast<const torch::Tensor*>(&out)})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d, "each token's heads must be packed rows of head_dim");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && out.size(0) == q.size(0) &&
+                  out.size(1) == q.size(1) && v.size(1) == k.size(1) && k.size(2) == d && v.size(2) == d &&
+                  out.size(2) == d, "q/out [T, H, D] and k/v [T, Hkv, D] must agree");
+  TORCH_CHECK(ranges.size() % 2 == 0, "ranges must be begin/end pairs");
+  for (size_t i = 0; i < ranges.size(); i += 2)
+    TORCH_CHECK(0 <= ranges[i] && ranges[i] <= ranges[i + 1] && ranges[i + 1] <= q.size(0), "range out of bounds");
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (d == 64) return prefill_impl<64>(q, k, v, out, ranges, scale);
+  if (d == 128) return prefill_impl<128>(q, k, v, out, ranges, scale);
+  if (d == 32) return prefill_impl<32>(q, k, v, out, ranges, scale);
+#endif
+  TORCH_CHECK(false, "prefill_attention: no kernel for head_dim ", d, " on this CPU");
+}
+
+bool supports_head_dim(int64_t d) { return has_prefill_kernel() && (d == 32 || d == 64 || d == 128); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supports_head_dim", &supports_head_dim, "whether this build has a prefill kernel for head_dim");
+  m.def("prefill_attention", &prefill_attention, "causal attention of fresh bf16 prompts (CPU, AVX-512 BF16)");
+}

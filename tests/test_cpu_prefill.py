@@ -1,0 +1,94 @@
+"""The fresh-prompt kernel (``cpu_prefill.cpp``) against causal attention computed in float32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.plugins.attention.cpu_backend import load_prefill_kernel
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+kernel = load_prefill_kernel()
+# on a CPU with AVX-512 BF16 a kernel that fails to build is a failure, not a skip
+pytestmark = pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="the prefill kernel needs AVX-512 BF16")
+
+
+def test_the_kernel_builds_on_this_cpu():
+    assert kernel is not None and kernel.supports_head_dim(64)
+
+
+def _qkv(tokens, heads, kv_heads, head_dim, gen):
+    """q, k, v as views of one fused projection output, as the model hands them over."""
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
+    q = fused[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = fused[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = fused[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    return q, k, v
+
+
+def _reference(q, k, v, ranges, scale):
+    out = {}
+    group = q.shape[1] // k.shape[1]
+    for start, end in ranges:
+        qi, ki, vi = (t[start:end].float().transpose(0, 1) for t in (q, k, v))
+        ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
+        out[(start, end)] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lengths", [
+    (9, 3, 64, [1, 15, 16, 17, 100, 300]),  # the default model's shapes; block edges
+    (8, 8, 128, [7, 40, 33]),
+    (16, 2, 32, [31, 64, 3]),
+    (4, 1, 64, [129]),
+])
+def test_prompts_match_float32_causal_attention(heads, kv_heads, head_dim, lengths):
+    gen = torch.Generator().manual_seed(sum(lengths) + head_dim)
+    ranges, start = [], 0
+    for n in lengths:
+        ranges.append((start, start + n))
+        start += n
+    q, k, v = _qkv(start, heads, kv_heads, head_dim, gen)
+    out = torch.zeros(start, heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    kernel.prefill_attention(q, k, v, out, [i for r in ranges for i in r], scale)
+    for (s, e), ref in _reference(q, k, v, ranges, scale).items():
+        # probabilities are rounded to bf16 before P.V, as in bf16 GEMM attention: a few bf16 ulps
+        torch.testing.assert_close(out[s:e].float(), ref, atol=2e-2, rtol=2e-2)
+        assert (out[s:e].float() - ref).abs().mean() < 2e-3
+
+
+def test_tokens_outside_the_ranges_are_left_alone_and_ranges_need_not_touch():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(60, 9, 3, 64, gen)
+    out = torch.full((60, 9, 64), 5.0, dtype=torch.bfloat16)
+    ranges = [(3, 20), (30, 31), (40, 58)]  # decodes or cached-context chunks would sit in the gaps
+    kernel.prefill_attention(q, k, v, out, [i for r in ranges for i in r], 0.125)
+    inside = torch.zeros(60, dtype=torch.bool)
+    for s, e in ranges:
+        inside[s:e] = True
+    assert (out[~inside] == 5.0).all()
+    for (s, e), ref in _reference(q, k, v, ranges, 0.125).items():
+        torch.testing.assert_close(out[s:e].float(), ref, atol=2e-2, rtol=2e-2)
+    # a prompt sees only itself: its first token's output is its own value row, per head
+    torch.testing.assert_close(out[30].float(), v[30].float().repeat_interleave(3, 0), atol=1e-2, rtol=1e-2)
+
+
+def test_bad_arguments_are_refused_with_what_was_wrong():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(10, 9, 3, 64, gen)
+    out = torch.empty(10, 9, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="range out of bounds"):
+        kernel.prefill_attention(q, k, v, out, [0, 11], 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.prefill_attention(q.float(), k, v, out, [0, 10], 0.125)
+    with pytest.raises(RuntimeError, match="no kernel for head_dim 48"):
+        q48, k48, v48 = _qkv(4, 2, 1, 48, gen)
+        kernel.prefill_attention(q48, k48, v48, torch.empty(4, 2, 48, dtype=torch.bfloat16), [0, 4], 0.1)
