@@ -157,37 +157,48 @@ inline __m512 load_x16(const at::BFloat16* p) { return load_bf16x16(p); }
 inline __m512 load_x16(const c10::Float8_e4m3fn* p) { return fp8x16_to_float(reinterpret_cast<const uint8_t*>(p)); }
 
 // out[g, d0 : d0 + 16 * NS] = sum_j p[g, j] * V[j, same slice], with the G x NS sums in registers
-template <int NS, typename cache_t>
-void weighted_values(const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
-                     int64_t head_dim, int64_t d0, int64_t group, const float* probs, at::BFloat16* out) {
-  constexpr int kHeads = 12 / NS < 8 ? 12 / NS : 8;  // heads per sweep: about 12 sums in registers
-  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
-    const int64_t gn = std::min<int64_t>(group - g0, kHeads);
-    __m512 acc[kHeads][NS];
-    for (int64_t g = 0; g < gn; ++g)
-      for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_setzero_ps();
-    for (int64_t start = 0; start < len; start += block_size) {
-      const cache_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_size * head_dim + d0;
-      const int64_t n = std::min<int64_t>(block_size, len - start);
-      for (int64_t j = 0; j < n; ++j) {
-        __m512 v[NS];
-        for (int s = 0; s < NS; ++s) v[s] = load_x16(v_block + j * head_dim + 16 * s);
-        for (int64_t g = 0; g < gn; ++g) {
-          const __m512 p = _mm512_set1_ps(probs[(g0 + g) * len + start + j]);
-          for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_fmadd_ps(p, v[s], acc[g][s]);
-        }
-      }
-    }
-    for (int64_t g = 0; g < gn; ++g) {
-      for (int s = 0; s < NS; ++s) {
-        // fp32 -> bf16, round to nearest even (the values are finite)
-        const __m512i bits = _mm512_castps_si512(acc[g][s]);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g0 + g) * head_dim + d0 + 16 * s), _mm512_cvtepi32_epi16(r));
+// out[g0 + g, d0 : d0 + 16 * NS] for GH heads = sum_j p[g, j] * V[j, same slice]. GH and NS are
+// compile-time so the GH x NS sums stay in registers (with a runtime count they spill to the stack,
+// and every FMA waits on a store).
+template <int NS, int GH, typename cache_t>
+void weighted_values_heads(const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                           int64_t head_dim, int64_t d0, int64_t g0, const float* probs, at::BFloat16* out) {
+  __m512 acc[GH][NS];
+  for (int g = 0; g < GH; ++g)
+    for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const cache_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_size * head_dim + d0;
+    const int64_t n = std::min<int64_t>(block_size, len - start);
+    const float* p_row = probs + g0 * len + start;
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 v[NS];
+      for (int s = 0; s < NS; ++s) v[s] = load_x16(v_block + j * head_dim + 16 * s);
+      for (int g = 0; g < GH; ++g) {
+        const __m512 p = _mm512_set1_ps(p_row[g * len + j]);
+        for (int s = 0; s < NS; ++s) acc[g][s] = _mm512_fmadd_ps(p, v[s], acc[g][s]);
       }
     }
   }
+  for (int g = 0; g < GH; ++g) {
+    for (int s = 0; s < NS; ++s) {
+      // fp32 -> bf16, round to nearest even (the values are finite)
+      const __m512i bits = _mm512_castps_si512(acc[g][s]);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g0 + g) * head_dim + d0 + 16 * s), _mm512_cvtepi32_epi16(r));
+    }
+  }
+}
+
+// every head of the group, up to three at a time (12 sums of 16 lanes in registers for NS = 4)
+template <int NS, typename cache_t>
+void weighted_values(const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                     int64_t head_dim, int64_t d0, int64_t group, const float* probs, at::BFloat16* out) {
+  int64_t g0 = 0;
+  for (; g0 + 3 <= group; g0 += 3)
+    weighted_values_heads<NS, 3>(v_head, table, len, block_size, head_dim, d0, g0, probs, out);
+  if (group - g0 == 2) weighted_values_heads<NS, 2>(v_head, table, len, block_size, head_dim, d0, g0, probs, out);
+  if (group - g0 == 1) weighted_values_heads<NS, 1>(v_head, table, len, block_size, head_dim, d0, g0, probs, out);
 }
 
 // One (token, kv head) work item over a bf16 cache, for head_dim % 32 == 0 and block_size % 16 == 0.
@@ -240,11 +251,13 @@ void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, 
     }
     for (int64_t g = 0; g < group; ++g) {
       const at::BFloat16* qg = q + g * q_stride_h;
+      // all 16 rows, a compile-time count, so the sums stay in registers: a tile never crosses a
+      // block (block_size % 16 == 0), and the lanes of rows past `n` are masked off when stored
       __m512 acc[16];
       for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
       for (int64_t c = 0; c < chunks; ++c) {
         const __m512bh qc = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
-        for (int64_t r = 0; r < n; ++r) {
+        for (int r = 0; r < 16; ++r) {
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(rows + r * head_dim + 32 * c), qc);
         }
       }
