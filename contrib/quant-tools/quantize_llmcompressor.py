@@ -5,6 +5,7 @@ Run in a venv of its own (llm-compressor pins its transformers):
     python -m venv /work/qvenvs/llmc
     /work/qvenvs/llmc/bin/pip install /opt/wheels/torch-*.whl llmcompressor
     /work/qvenvs/llmc/bin/python contrib/quant-tools/quantize_llmcompressor.py SRC OUT_ROOT [schemes...]
+    ... quantize_llmcompressor.py --reference-only CKPT [CKPT ...]
 
 Schemes: w4a16-gptq (GPTQ, group 64, actorder weight: compressed-tensors 0.19 removed "group"), w8a16 (RTN, channel),
 fp8-dynamic (FP8 channel weights, dynamic per-token activations),
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from reference_generations import write_reference_generations
 
 PROSE = "/usr/share/common-licenses/GPL-3"
 
@@ -78,33 +80,7 @@ def dump_reference(out: Path) -> None:
             dense[name + ".weight"] = module.weight.detach().float().contiguous()
     (out / "reference").mkdir(exist_ok=True)
     save_file(dense, str(out / "reference" / "dequant.safetensors"))
-    write_reference_generations(model, out)
-
-
-def write_reference_generations(model, out: Path, num_tokens: int = 16) -> None:
-    """Greedy tokens of the reference runtime (transformers + the tool's integration) for fixed prompts."""
-    import json
-
-    prompts = prompts_for(out, model.config.vocab_size)
-    outputs = []
-    for ids in prompts:
-        with torch.no_grad():
-            seq = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                                 do_sample=False)
-        outputs.append(seq[0, len(ids):].tolist())
-    (out / "reference" / "generations.json").write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
-
-
-def prompts_for(model_dir: Path, vocab_size: int) -> list[list[int]]:
-    """Three prompts: real text for a real tokenizer, random token ids for the tiny test model."""
-    if vocab_size > 1000:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        texts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
-        return [tokenizer(t)["input_ids"] for t in texts]
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
+    write_reference_generations(model, out, out)
 
 
 def main(src: Path, out_root: Path, schemes: list[str]) -> None:
@@ -124,4 +100,8 @@ def main(src: Path, out_root: Path, schemes: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--reference-only":  # redo the reference of existing checkpoints
+        for ckpt in sys.argv[2:]:
+            dump_reference(Path(ckpt))
+        sys.exit(0)
     main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:] or ["w4a16-gptq", "w8a16", "fp8-dynamic", "fp8-static"])
