@@ -35,6 +35,8 @@ def describe_divergence(step: int, got: list[int], expected: list[int], logprobs
         ids, logits = ref_top2[step]
         if ids[1] == ours:
             where += f", the reference's margin {logits[0] - logits[1]:.4f}"
+        elif ids[0] == ours:  # the reference's raw logits put pagoda's token first, yet it did not pick it
+            where += ", the reference's raw top token is pagoda's (a token it bans, e.g. EOS before min tokens)"
         else:
             where += f", pagoda's token is not the reference's second (its top-2 margin {logits[0] - logits[1]:.4f})"
     return where
@@ -73,8 +75,9 @@ def main(paths: list[str]) -> int:
         expected = json.loads((path / "reference" / "generations.json").read_text())
         num_tokens = len(expected["outputs"][0])
         llm = LLM(str(path), dtype="float32")
-        params = SamplingParams(max_tokens=num_tokens, min_tokens=num_tokens, temperature=0, ignore_eos=True,
-                                logprobs=2)
+        # min_tokens bans EOS for every step, as transformers' min_new_tokens does in the reference (with
+        # ignore_eos, EOS would stay a candidate instead)
+        params = SamplingParams(max_tokens=num_tokens, min_tokens=num_tokens, temperature=0, logprobs=2)
         outs = llm.generate([{"prompt_token_ids": p} for p in expected["prompts"]], params, use_tqdm=False)
         got = [list(o.outputs[0].token_ids) for o in outs]
         same = sum(g == e for g, e in zip(got, expected["outputs"]))

@@ -5,6 +5,11 @@ AutoAWQ 0.2.9 pins an older transformers, so it lives in its own venv:
     python -m venv /work/qvenvs/awq
     /work/qvenvs/awq/bin/pip install /opt/wheels/torch-*.whl autoawq==0.2.9 transformers==4.51.3
     /work/qvenvs/awq/bin/python contrib/quant-tools/quantize_awq.py SRC OUT [GROUP_SIZE [DTYPE]]
+    ... quantize_awq.py --reference-only SRC OUT     # redo the reference of an existing checkpoint
+
+GROUP_SIZE must divide every linear's in_features (64 for SmolLM2-135M, whose hidden size is 576).
+DTYPE float32 is several times faster than the default float16 on a CPU without native fp16 matmuls
+(SmolLM2-135M: about 50 s per layer with one thread).
 
 On a CPU, AutoAWQ's scale search snapshots a block's weights with
 ``.cpu()``, which returns the very same tensors there, so the in-place
@@ -24,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from reference_generations import write_reference_generations
 
 PROSE = "/usr/share/common-licenses/GPL-3"
 
@@ -68,25 +74,7 @@ def dump_reference(src: Path, out: Path, group_size: int) -> None:
         for name, w in {**rest, **dense}.items():
             if name != "lm_head.weight" or not model.config.tie_word_embeddings:
                 model.get_parameter(name).copy_(w)
-    prompts = prompts_for(out, model.config.vocab_size)
-    outputs = []
-    for ids in prompts:
-        with torch.no_grad():
-            seq = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        outputs.append(seq[0, len(ids):].tolist())
-    (out / "reference" / "generations.json").write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
-
-
-def prompts_for(model_dir: Path, vocab_size: int) -> list[list[int]]:
-    """Three prompts: real text for a real tokenizer, random token ids for the tiny test model."""
-    if vocab_size > 1000:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        texts = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
-        return [tokenizer(t)["input_ids"] for t in texts]
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
+    write_reference_generations(model, out, out)
 
 
 def compatible_source(src: Path) -> Path:
@@ -129,6 +117,13 @@ def main(src: Path, out: Path, group_size: int, dtype: torch.dtype) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--reference-only":
+        ckpt = Path(sys.argv[3])
+        config = json.loads((ckpt / "config.json").read_text())
+        group = config.get("quantization_config", {}).get("group_size") or json.loads(
+            (ckpt / "quant_config.json").read_text())["q_group_size"]
+        dump_reference(compatible_source(Path(sys.argv[2])), ckpt, group)
+        sys.exit(0)
     # float32 searches several times faster than float16 on a CPU without native fp16 matmuls
     main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 64,
          getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float16)
