@@ -3,12 +3,14 @@
 Used by every quantize_*.py script (each in its own venv; this file imports only torch and transformers).
 ``reference/generations.json`` holds ``prompts`` and ``outputs`` (token ids) and ``top2``: for every
 generated token, the two best token ids and their logits, so a runtime that parts from the reference
-can tell a near-tie (a small top-2 margin) from a real difference.
+can tell a near-tie (a small top-2 margin) from a real difference. ``REFERENCE_TOKENS=N`` in the
+environment generates N tokens per prompt instead of 16.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -27,8 +29,9 @@ def prompts_for(tokenizer_dir: Path, vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 23)]
 
 
-def write_reference_generations(model, out: Path, tokenizer_dir: Path, num_tokens: int = 16) -> None:
-    """Greedy ``num_tokens`` per prompt (eos not allowed to stop them) -> out/reference/generations.json."""
+def write_reference_generations(model, out: Path, tokenizer_dir: Path) -> None:
+    """Greedy ``REFERENCE_TOKENS`` (16) per prompt, EOS not allowed to stop them -> reference/generations.json."""
+    num_tokens = int(os.environ.get("REFERENCE_TOKENS", "16"))
     prompts = prompts_for(tokenizer_dir, model.config.vocab_size)
     outputs, top2 = [], []
     for ids in prompts:
