@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any, Iterable, Optional, Union
 
+from pagoda import hugepages
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import InvalidRequestError
 from pagoda.metrics import EngineStats
@@ -50,6 +51,7 @@ class LLMEngine:
             self.spec_stats = enable_speculation(config, self.pm, self.runner, self.scheduler)
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
         self._ids = itertools.count()
+        self._largest_step = 0  # tokens of the largest step so far (see step())
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
@@ -136,6 +138,11 @@ class LLMEngine:
         """One iteration: schedule, execute, update, emit."""
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched) if not sched.is_empty else None
+        if sched.num_batched_tokens > 1.25 * self._largest_step:
+            # the heap just grew to hold this step's activations: back it with huge pages (a few times
+            # in a process's life: each advice collapses what the heap gained since the last)
+            self._largest_step = sched.num_batched_tokens
+            hugepages.advise_heap()
         progressed = self._update(sched, result)
         return self._emit(progressed)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from pagoda import hugepages
 from pagoda.attention_batch import AttentionBatch
 from pagoda.config import EngineConfig
 from pagoda.request import Request
@@ -42,9 +44,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = backend.kv_cache_shape(num_blocks)
         kv_dtype = getattr(backend, "kv_cache_dtype", None) or config.model.dtype
-        # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        # zeroed (masked-out slots are multiplied by 0 and must not hold NaN), after asking for huge
+        # pages so the first touch already gets them
+        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(config.model.num_layers)]
+        hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
+        for cache in self.kv_caches:
+            cache.zero_()
         # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape
         one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
         self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)

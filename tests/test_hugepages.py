@@ -1,0 +1,61 @@
+"""Large CPU tensors and the heap get 2 MiB pages when asked; PAGODA_HUGE_PAGES=0 leaves them alone."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import hugepages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                               reason="transparent huge pages are off on this machine")
+
+
+def _huge_kib_in(start: int, end: int) -> int:
+    """AnonHugePages of the mappings overlapping [start, end), from /proc/self/smaps."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < end and hi > start
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_only_whole_huge_pages_inside_a_range_are_advised():
+    page = hugepages.HUGE_PAGE
+    assert hugepages.advise_range(page + 1, 2 * page + 100) == 0  # no whole 2 MiB page inside
+    buf = torch.empty(8 * page, dtype=torch.uint8)
+    start = buf.data_ptr()
+    advised = hugepages.advise_range(start, start + buf.numel())
+    assert advised % page == 0 and 6 * page <= advised <= 8 * page
+
+
+@needs_thp
+def test_an_advised_tensor_is_backed_by_huge_pages_once_touched():
+    t = torch.empty(32 << 20, dtype=torch.uint8)
+    assert hugepages.advise_tensors([t]) >= 30 << 20
+    t.fill_(1)
+    assert _huge_kib_in(t.data_ptr(), t.data_ptr() + t.numel()) >= 2048
+
+
+def test_the_switch_turns_advice_off(monkeypatch):
+    monkeypatch.setenv("PAGODA_HUGE_PAGES", "0")
+    assert hugepages.advise_tensors([torch.empty(16 << 20, dtype=torch.uint8)]) == 0
+    assert hugepages.advise_heap() == 0
+
+
+@needs_thp
+def test_the_engine_backs_its_kv_cache_with_huge_pages(tmp_path):
+    from pagoda.llm import LLM
+    from tiny_models import write_tiny_checkpoint
+
+    llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=64 << 20,
+              cpu_threads=1)
+    cache = llm.engine.runner.kv_caches[0]
+    assert cache.abs().max().item() == 0  # zeroed after the advice
+    start = cache.untyped_storage().data_ptr()
+    assert _huge_kib_in(start, start + cache.untyped_storage().nbytes()) >= 2048
