@@ -81,6 +81,15 @@ def test_tokens_outside_the_ranges_are_left_alone_and_ranges_need_not_touch():
     torch.testing.assert_close(out[30].float(), v[30].float().repeat_interleave(3, 0), atol=1e-2, rtol=1e-2)
 
 
+def test_k_and_v_may_have_different_token_strides():
+    gen = torch.Generator().manual_seed(11)
+    q, k, _ = _qkv(40, 9, 3, 64, gen)
+    v = torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16)  # its own contiguous tensor
+    out = torch.empty(40, 9, 64, dtype=torch.bfloat16)
+    kernel.prefill_attention(q, k, v, out, [0, 40], 0.125)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, [(0, 40)], 0.125)[(0, 40)], atol=2e-2, rtol=2e-2)
+
+
 def test_bad_arguments_are_refused_with_what_was_wrong():
     gen = torch.Generator().manual_seed(3)
     q, k, v = _qkv(10, 9, 3, 64, gen)

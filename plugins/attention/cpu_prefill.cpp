@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -68,16 +69,16 @@ inline __m256i to_bf16(__m512 x) {
 
 // Re-lay one 16-key block of one kv head (see the header); `n` valid keys, the rest zero.
 template <int D>
-void relayout_block(const uint16_t* k, const uint16_t* v, int64_t token_stride, int64_t n, uint32_t* kt,
-                    uint32_t* vt) {
+void relayout_block(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int64_t n,
+                    uint32_t* kt, uint32_t* vt) {
   constexpr int P = D / 2;
   for (int64_t p = 0; p < P; ++p)
     for (int64_t j = 0; j < kBlock; ++j)
-      kt[p * kBlock + j] = j < n ? pair(k + j * token_stride + 2 * p, k + j * token_stride + 2 * p + 1) : 0u;
+      kt[p * kBlock + j] = j < n ? pair(k + j * k_stride + 2 * p, k + j * k_stride + 2 * p + 1) : 0u;
   static const uint16_t zero = 0;
   for (int64_t i = 0; i < kBlock / 2; ++i) {
-    const uint16_t* v0 = 2 * i < n ? v + 2 * i * token_stride : nullptr;
-    const uint16_t* v1 = 2 * i + 1 < n ? v + (2 * i + 1) * token_stride : nullptr;
+    const uint16_t* v0 = 2 * i < n ? v + 2 * i * v_stride : nullptr;
+    const uint16_t* v1 = 2 * i + 1 < n ? v + (2 * i + 1) * v_stride : nullptr;
     for (int64_t d = 0; d < D; ++d) vt[i * D + d] = pair(v0 ? v0 + d : &zero, v1 ? v1 + d : &zero);
   }
 }
@@ -183,14 +184,15 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
 
   const int64_t kt_size = (D / 2) * kBlock, vt_size = (kBlock / 2) * D;  // uint32 per block
-  std::vector<uint32_t> kt(static_cast<size_t>(kv_heads * blocks * kt_size));
-  std::vector<uint32_t> vt(static_cast<size_t>(kv_heads * blocks * vt_size));
+  // every entry is written by the re-layout (padding included), so no zero-fill first
+  std::unique_ptr<uint32_t[]> kt(new uint32_t[kv_heads * blocks * kt_size]);
+  std::unique_ptr<uint32_t[]> vt(new uint32_t[kv_heads * blocks * vt_size]);
   at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t w = first; w < last; ++w) {
       const int64_t h = w / blocks, gb = w % blocks;
       const auto [i, b] = items[gb];
       const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
-      relayout_block<D>(kd + t0 * ks + h * D, vd + t0 * vs + h * D, ks, n, &kt[(h * blocks + gb) * kt_size],
+      relayout_block<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * blocks + gb) * kt_size],
                         &vt[(h * blocks + gb) * vt_size]);
     }
   });
