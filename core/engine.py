@@ -16,7 +16,7 @@ from pagoda.outputs import RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from pagoda.threads import configure_threads
+from pagoda.threads import ThreadGovernor, configure_threads
 
 logger = logging.getLogger("pagoda")
 
@@ -30,6 +30,8 @@ class LLMEngine:
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
         self.num_threads = configure_threads(config.parallel.cpu_threads)
+        # a measured count is measured again now and then (see ThreadGovernor); a set one stays
+        self._governor = ThreadGovernor.for_setting(config.parallel.cpu_threads, self.num_threads)
         from pagoda.components import build_components
 
         parts = build_components(config, self.pm)
@@ -143,6 +145,8 @@ class LLMEngine:
             # in a process's life: each advice collapses what the heap gained since the last)
             self._largest_step = sched.num_batched_tokens
             hugepages.advise_heap()
+        if self._governor is not None and result is not None:
+            self.num_threads = self._governor.maybe_retune()
         progressed = self._update(sched, result)
         return self._emit(progressed)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def available_cores() -> int:
@@ -31,8 +34,8 @@ def _time_matmuls(num_threads: int, repeats: int = 12) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def measure_best_threads() -> int:
-    """Try one thread and every core, twice each, interleaved; keep the faster.
+def measure_best_threads(rounds: int = 2, repeats: int = 12) -> int:
+    """Try one thread and every core, ``rounds`` times each, interleaved; keep the faster.
 
     On a shared machine, threads that wait for each other can be many times
     slower than one thread alone; on a quiet one, more threads win.
@@ -41,9 +44,9 @@ def measure_best_threads() -> int:
     if cores == 1:
         return 1
     timings = {1: [], cores: []}
-    for _ in range(2):
+    for _ in range(rounds):
         for n in timings:
-            timings[n].append(_time_matmuls(n))
+            timings[n].append(_time_matmuls(n, repeats))
     return min(timings, key=lambda n: min(timings[n]))
 
 
@@ -58,3 +61,38 @@ def configure_threads(requested: Optional[int]) -> int:
         n = measure_best_threads()
     torch.set_num_threads(n)
     return n
+
+
+class ThreadGovernor:
+    """Re-takes the start-up measurement now and then, so a machine that gets busy (or quiet) mid-run
+    is followed: two threads that wait on each other under load can be several times slower than one.
+
+    Only for a measured thread count (no ``--cpu-threads`` / ``PAGODA_CPU_THREADS``) on more than one
+    core. A check costs a few ms of matmuls; at most one every ``interval`` seconds.
+    """
+
+    def __init__(self, threads: int, interval: float = 10.0, measure: Optional[Callable[[], int]] = None) -> None:
+        self.threads = threads
+        self.interval = interval
+        self._measure = measure or (lambda: measure_best_threads(rounds=1, repeats=4))
+        self._next = time.monotonic() + interval
+
+    @classmethod
+    def for_setting(cls, requested: Optional[int], threads: int) -> Optional["ThreadGovernor"]:
+        """A governor when the count was measured, else None (the user's setting stays)."""
+        if requested or os.environ.get("PAGODA_CPU_THREADS") or available_cores() == 1:
+            return None
+        return cls(threads, float(os.environ.get("PAGODA_THREAD_RECHECK_SECONDS", "10")))
+
+    def maybe_retune(self) -> int:
+        """Measure again if the interval has passed; returns the thread count now in use."""
+        now = time.monotonic()
+        if now < self._next:
+            return self.threads
+        best = self._measure()
+        torch.set_num_threads(best)
+        if best != self.threads:
+            logger.info("compute threads %d -> %d (re-measured: the machine's load changed)", self.threads, best)
+            self.threads = best
+        self._next = time.monotonic() + self.interval
+        return best

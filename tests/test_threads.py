@@ -52,3 +52,40 @@ def test_a_wait_policy_the_user_set_is_left_alone(monkeypatch):
 def test_the_run_queue_is_read_from_proc_loadavg():
     # this process is excluded; the count is never negative where /proc exists
     assert openmp.runnable_processes(samples=3, interval=0.0) >= 0
+
+
+def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeypatch):
+    from pagoda.threads import ThreadGovernor
+
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    assert ThreadGovernor.for_setting(1, 1) is None  # --cpu-threads given
+    monkeypatch.setenv("PAGODA_CPU_THREADS", "1")
+    assert ThreadGovernor.for_setting(None, 1) is None
+    monkeypatch.delenv("PAGODA_CPU_THREADS")
+    # the load changes between checks: every core, then one thread once others compete
+    answers = iter([2, 1])
+    governor = ThreadGovernor(2, interval=0.0, measure=lambda: next(answers))
+    assert governor.maybe_retune() == 2 and torch.get_num_threads() == 2
+    assert governor.maybe_retune() == 1 and torch.get_num_threads() == 1
+    waiting = ThreadGovernor(1, interval=3600.0, measure=lambda: pytest.fail("measured before the interval"))
+    assert waiting.maybe_retune() == 1
+
+
+def test_the_engine_re_measures_its_threads_while_it_runs(monkeypatch, tmp_path):
+    from pagoda.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+    from tiny_models import write_tiny_checkpoint
+
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "0")
+    llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=1 << 22)
+    governor = llm.engine._governor
+    if available_cores() == 1:
+        assert governor is None
+        return
+    checks = []
+    measure = governor._measure
+    governor._measure = lambda: checks.append(1) or measure()
+    llm.generate(["a b c"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(checks) >= 3  # every step, with a zero interval
+    assert llm.engine.num_threads == torch.get_num_threads() in (1, available_cores())
