@@ -30,8 +30,9 @@ class LLMEngine:
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
         self.num_threads = configure_threads(config.parallel.cpu_threads)
-        # a measured count is measured again now and then (see ThreadGovernor); a set one stays
-        self._governor = ThreadGovernor.for_setting(config.parallel.cpu_threads, self.num_threads)
+        # a measured count is measured again now and then (see ThreadGovernor); a set one stays.
+        # Benchmarks set this to None to hold one configuration for a whole run.
+        self.thread_governor = ThreadGovernor.for_setting(config.parallel.cpu_threads, self.num_threads)
         from pagoda.components import build_components
 
         parts = build_components(config, self.pm)
@@ -145,8 +146,8 @@ class LLMEngine:
             # in a process's life: each advice collapses what the heap gained since the last)
             self._largest_step = sched.num_batched_tokens
             hugepages.advise_heap()
-        if self._governor is not None and result is not None:
-            self.num_threads = self._governor.maybe_retune()
+        if self.thread_governor is not None and result is not None:
+            self.num_threads = self.thread_governor.maybe_retune()
         progressed = self._update(sched, result)
         return self._emit(progressed)
 

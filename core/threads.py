@@ -70,7 +70,9 @@ class ThreadGovernor:
     Only for a measured thread count (no ``--cpu-threads`` / ``PAGODA_CPU_THREADS``) on more than one
     core. A check costs about 25 ms of matmuls; at most one every ``interval`` seconds. W1 with one
     busy process arriving once it had started (threads spinning, as chosen on the idle machine):
-    44.3 and 43.5 s without re-checks, 25.1 and 26.7 s re-checking every 5 s.
+    44.3 and 43.5 s without re-checks, 25.1 and 26.7 s re-checking every 5 s and switching on one
+    check. A switch now waits for two checks in a row: one noisy check on a quiet machine once
+    dropped a benchmark to one thread.
     """
 
     def __init__(self, threads: int, interval: float = 5.0, measure: Optional[Callable[[], int]] = None) -> None:
@@ -78,6 +80,7 @@ class ThreadGovernor:
         self.interval = interval
         self._measure = measure or (lambda: measure_best_threads(rounds=1, repeats=4))
         self._next = time.monotonic() + interval
+        self._pending: Optional[int] = None  # a different count seen at the last check, not yet taken
 
     @classmethod
     def for_setting(cls, requested: Optional[int], threads: int) -> Optional["ThreadGovernor"]:
@@ -92,9 +95,11 @@ class ThreadGovernor:
         if now < self._next:
             return self.threads
         best = self._measure()
-        torch.set_num_threads(best)
-        if best != self.threads:
+        # one measurement can be a hiccup: change only when two checks in a row agree on it
+        if best != self.threads and best == self._pending:
             logger.info("compute threads %d -> %d (re-measured: the machine's load changed)", self.threads, best)
             self.threads = best
+        self._pending = best if best != self.threads else None
+        torch.set_num_threads(self.threads)  # the measurement itself changed it
         self._next = time.monotonic() + self.interval
-        return best
+        return self.threads

@@ -59,7 +59,11 @@ def _make_llm(ns: argparse.Namespace):
     from pagoda.llm import LLM
 
     args = engine_args_from(ns)
-    return LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
+    llm = LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
+    # one configuration for the whole run: pagoda, the roofline, the profile and the baseline all get the
+    # thread count measured at start-up
+    llm.engine.thread_governor = None
+    return llm
 
 
 def _params(n_out: int):
