@@ -61,7 +61,7 @@ def advise_tensors(tensors: Iterable[torch.Tensor]) -> int:
     """Huge pages for the storage of each CPU tensor (2 MiB pages wholly inside it). Returns bytes advised."""
     total = 0
     for t in tensors:
-        if t.device.type != "cpu":
+        if t.device.type != "cpu" or t.is_mkldnn:  # a oneDNN-packed weight's memory is oneDNN's own
             continue
         storage = t.untyped_storage()
         total += advise_range(storage.data_ptr(), storage.data_ptr() + storage.nbytes())

@@ -8,11 +8,16 @@ import torch
 from torch import nn
 
 from pagoda.errors import CheckpointError
+from pagoda.layers import onednn
 from pagoda.layers.fused_ops import linear
 
 
 class UnquantizedLinearMethod:
-    """Plain dense weights: ``weight [out_features, in_features]`` in the model dtype."""
+    """Plain dense weights: ``weight [out_features, in_features]`` in the model dtype.
+
+    Once loaded, a bf16 weight on a CPU is replaced by its oneDNN-packed form (see ``layers.onednn``):
+    same shape and values, an opaque layout, ``onednn.dense(layer.weight)`` gives the plain matrix back.
+    """
 
     def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
@@ -20,9 +25,15 @@ class UnquantizedLinearMethod:
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        pass
+        if onednn.is_packed(layer.weight):
+            return
+        packed = onednn.pack_weight(layer.weight.data)
+        if packed is not None:  # the plain copy is dropped: one copy of the weights in memory
+            layer.weight = nn.Parameter(packed, requires_grad=False)
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if onednn.is_packed(layer.weight):
+            return onednn.packed_linear(x, layer.weight, bias)
         return linear(x, layer.weight, bias)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.layers import onednn
 from pagoda.layers.attention import Attention, kv_scale_target
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
@@ -107,8 +108,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden] -> [n, vocab]`` in float32."""
         if self.lm_head is None:
+            head = self._tied_head()
+            if head is not None:
+                return onednn.packed_linear(hidden, head).float()
             return linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def _tied_head(self) -> Optional[torch.Tensor]:
+        """The embedding packed for the LM head (see ``layers.onednn``), made on first use and again
+        whenever the embedding changes; None where packing does not apply. The embedding itself stays
+        plain for the token lookup."""
+        w = self.embed_tokens.weight
+        key = (w.data_ptr(), w.dtype, None if w.is_inference() else w._version)
+        if getattr(self, "_packed_head_key", None) != key:
+            self._packed_head = onednn.pack_weight(w.data)
+            self._packed_head_key = key
+        return self._packed_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill parameters from ``(checkpoint_name, tensor)`` pairs; every parameter must be set."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.layers import onednn
 from pagoda.layers.linear import Linear
 
 # batch sizes at which GEMM speed is measured; a step uses the nearest (in log space)
@@ -53,9 +54,16 @@ def _dense_weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Te
 
 @torch.inference_mode()
 def measure_roofline(model: torch.nn.Module, num_layers: int) -> Roofline:
+    """GEMM speed per batch bucket, on the fastest GEMM pagoda has here: oneDNN with packed weights for bf16
+    (what the engine's dense layers run, see ``layers.onednn``), else ``F.linear``."""
     layer_weights, head = _dense_weights(model)
     dtype = head.dtype
     layer_params = sum(w.numel() for w in layer_weights)
+    gemms = []
+    for w in layer_weights + [head]:
+        packed = onednn.pack_weight(w)
+        gemms.append((w.shape[1], (lambda x, p=packed: onednn.packed_linear(x, p)) if packed is not None
+                      else (lambda x, w=w: torch.nn.functional.linear(x, w))))
     rates = {}
     for m in _BUCKETS:
         xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=dtype) for w in layer_weights + [head]}
@@ -63,8 +71,8 @@ def measure_roofline(model: torch.nn.Module, num_layers: int) -> Roofline:
         samples = []
         for _ in range(3):
             start = time.perf_counter()
-            for w in layer_weights + [head]:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            for in_features, gemm in gemms:
+                gemm(xs[in_features])
             samples.append(time.perf_counter() - start)
         rates[m] = min(samples[1:]) / flops  # the first run warms up
     return Roofline(2 * layer_params * num_layers, 2 * head.numel(), rates)

@@ -26,8 +26,9 @@ def _stored_bytes(module: nn.Module, seen: set[int]) -> int:
     """Parameters and buffers of ``module`` not counted before (tables shared by layers count once)."""
     total = 0
     for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        key = id(t) if t.is_mkldnn else t.data_ptr()  # a oneDNN-packed weight has no data pointer
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total
 
