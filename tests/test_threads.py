@@ -49,9 +49,36 @@ def test_a_wait_policy_the_user_set_is_left_alone(monkeypatch):
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
 
 
-def test_the_run_queue_is_read_from_proc_loadavg():
-    # this process is excluded; the count is never negative where /proc exists
-    assert openmp.runnable_processes(samples=3, interval=0.0) >= 0
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_a_busy_user_process_counts_as_runnable_and_this_process_does_not():
+    import subprocess
+    import sys
+    import time
+
+    before = openmp.runnable_processes(samples=3, interval=0.0)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert openmp.runnable_processes(samples=9, interval=0.005) >= 1
+    finally:
+        busy.kill()
+        busy.wait()
+    assert before >= 0
+
+
+def test_kernel_threads_sleeping_tasks_and_this_process_are_not_counted(tmp_path):
+    def task(pid: int, tid: int, comm: str, state: str, flags: int) -> None:
+        d = tmp_path / str(pid) / "task" / str(tid)
+        d.mkdir(parents=True)
+        # pid (comm) state ppid pgrp session tty_nr tpgid flags ...
+        (d / "stat").write_text(f"{tid} ({comm}) {state} 2 0 0 0 -1 {flags} 0 0 0 0\n")
+
+    task(77, 77, "kdamond.0", "R", openmp._PF_KTHREAD | 0x40)  # a kernel thread, running
+    task(500, 500, "python", "S", 0x400000)  # a sleeping user process
+    task(500, 501, "worker (busy)", "R", 0x400040)  # its running thread; a comm with a ")" in it
+    task(600, 600, "pagoda", "R", 0x400000)  # this process
+    (tmp_path / "self").mkdir()  # not a pid
+    assert openmp._runnable_user_tasks(600, proc=str(tmp_path)) == 1
 
 
 def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeypatch):
