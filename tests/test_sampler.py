@@ -266,3 +266,20 @@ def test_sampler_does_not_modify_the_callers_logits():
     Sampler(model_config())(logits, [make_request(SamplingParams(temperature=0.7, top_k=2, logit_bias={1: 5.0},
                                                                  presence_penalty=1.0), output=[0])])
     assert torch.equal(logits, LOGITS[None])
+
+
+def test_row_argmax_matches_torch_including_ties_nans_and_all_minus_inf():
+    from pagoda.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(3)
+    for rows, vocab in [(1, 5), (3, 49152), (64, 49152), (7, 33)]:
+        x = torch.randn(rows, vocab, generator=g)
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    x = torch.zeros(4, 10)
+    x[0, [2, 5]] = 1.0  # a tie: the first wins
+    x[1, [7, 2]] = float("nan")  # a NaN is the maximum, the first of them
+    x[2] = float("-inf")
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1)) and got.tolist() == [2, 2, 0, 0] and got.dtype == torch.int64
+    strided = torch.randn(6, 40, generator=g)[:, ::2]  # not contiguous: torch's own argmax
+    assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
