@@ -256,6 +256,7 @@ void weighted_values(const cache_t* v_head, const int32_t* table, int64_t len, i
 // An fp8 cache (head_dim <= kMaxFp8HeadDim) is widened 16 key rows at a time into a bf16 tile (exact:
 // e4m3 values are bf16 values) and value rows 16 codes at a time.
 constexpr int64_t kMaxFp8HeadDim = 256;
+constexpr int64_t kFarTile = 3;  // tiles of 16 keys ahead for the L2 prefetch
 
 template <typename cache_t>
 void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, const cache_t* k_head,
@@ -292,7 +293,26 @@ void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, 
         _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T1);
       }
     }
+    if (start + 16 * kFarTile < len) {
+      // and a tile further on into L2, so that the near prefetch above finds it there: more of the
+      // scattered blocks are in flight at once (W1's decode state, 64 requests, per layer: 0.41-0.52 ms
+      // -> 0.38-0.49 ms on 2 threads, 0.72-0.77 -> 0.62-0.74 ms on 1; 4 or 6 tiles ahead gained less)
+      const int64_t far = start + 16 * kFarTile;
+      const int64_t offset = (static_cast<int64_t>(table[far / block_size]) * block_size + far % block_size) * head_dim;
+      for (int64_t b = 0; b < 16 * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T2);
+      }
+    }
     if (start == 0) {
+      for (int64_t ahead = 32; ahead < std::min<int64_t>(len, 16 * kFarTile); ahead += 16) {  // the tiles between
+        const int64_t offset =
+            (static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size) * head_dim;
+        for (int64_t b = 0; b < 16 * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T2);
+          _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T2);
+        }
+      }
       for (int64_t b = 0; b < n * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(v_head + (key_rows - k_head)) + b, _MM_HINT_T1);
       }
