@@ -53,7 +53,7 @@ def test_linear_layer_packs_once_after_loading_and_keeps_its_shape_and_values():
     x = torch.randn(9, 40, generator=g).to(torch.bfloat16)
     plain = layer(x)
     layer.process_weights_after_loading()
-    assert onednn.is_packed(layer.weight) and tuple(layer.weight.shape) == (32, 40)
+    assert layer.packed and onednn.is_packed(layer.weight) and tuple(layer.weight.shape) == (32, 40)
     packed_param = layer.weight
     layer.process_weights_after_loading()  # a second call leaves it alone
     assert layer.weight is packed_param
@@ -66,6 +66,7 @@ def _unpack(model) -> None:
     for m in model.modules():
         if isinstance(m, Linear) and onednn.is_packed(m.weight):
             m.weight = torch.nn.Parameter(onednn.dense(m.weight), requires_grad=False)
+            m.packed = False
     model._packed_head = None  # the tied LM head falls back to the plain embedding
 
 

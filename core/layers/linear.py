@@ -30,6 +30,7 @@ class UnquantizedLinearMethod:
         packed = onednn.pack_weight(layer.weight.data)
         if packed is not None:  # the plain copy is dropped: one copy of the weights in memory
             layer.weight = nn.Parameter(packed, requires_grad=False)
+            layer.packed = True
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if onednn.is_packed(layer.weight):
@@ -58,6 +59,7 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.out_features = sum(self.output_sizes)
         self.prefix = prefix
+        self.packed = False  # weight in oneDNN's layout: forward calls it directly (see UnquantizedLinearMethod)
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, dtype)
         if bias:
@@ -90,4 +92,6 @@ class Linear(nn.Module):
         self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:  # the hot path of a bf16 model on a CPU, 121 calls a decode step here: no detours
+            return onednn.packed_linear(x, self.weight, self.bias)
         return self.quant_method.apply(self, x, self.bias)

@@ -66,7 +66,7 @@ def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for ``packed = pack_weight(W)``; ``x`` bf16 of any leading shape."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
 def is_packed(t: torch.Tensor) -> bool:
