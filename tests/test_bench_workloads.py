@@ -55,6 +55,8 @@ def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_pa
     roofline = measure_roofline(model, len(model.layers))  # fp8 weights: no bf16 x fp8 matmul is attempted
     assert roofline.flops_per_token == 2 * dense * len(model.layers)
     assert all(rate > 0 for rate in roofline.seconds_per_flop.values())
+    assert all(rate > 0 for rate in roofline.head_seconds_per_flop.values())
+    assert roofline.step_seconds(64, 64) > roofline.step_seconds(64, 0) > 0
 
 
 def test_the_hf_baseline_runs_in_a_process_that_never_imports_pagoda():
