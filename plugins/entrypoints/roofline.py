@@ -46,8 +46,14 @@ def _rate(rates: dict[int, float], m: int) -> float:
     return rates[bucket]
 
 
-def _dense_weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Dense weights in the model dtype with one decoder layer's linear shapes, and the LM head's.
+# distinct stand-in layers at most (bytes of dense weights): far beyond any L3, so small batches stream their
+# weights from memory as the engine must, without holding a second copy of a large model
+_STAND_IN_BYTES = 256 << 20
+
+
+def _dense_weights(model: torch.nn.Module, num_layers: int) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Dense weights in the model dtype with the decoder layers' linear shapes (as many distinct layers as
+    ``_STAND_IN_BYTES`` allows, up to ``num_layers``), and the LM head's.
 
     Random stand-ins, so that a quantized model is held to the dense GEMM speed of its shapes
     (its packed weights are not what a GEMM reads)."""
@@ -55,7 +61,10 @@ def _dense_weights(model: torch.nn.Module) -> tuple[list[torch.Tensor], torch.Te
     layer_shapes = [(m.out_features, m.in_features) for m in model.layers[0].modules() if isinstance(m, Linear)]
     head = model.embed_tokens.weight if model.lm_head is None else None
     head_shape = tuple(head.shape) if head is not None else (model.lm_head.out_features, model.lm_head.in_features)
-    return [torch.randn(shape, dtype=dtype) for shape in layer_shapes], torch.randn(head_shape, dtype=dtype)
+    layer_bytes = sum(o * i for o, i in layer_shapes) * torch.finfo(dtype).bits // 8
+    distinct = max(1, min(num_layers, _STAND_IN_BYTES // max(1, layer_bytes)))
+    layers = [[torch.randn(shape, dtype=dtype) for shape in layer_shapes] for _ in range(distinct)]
+    return layers, torch.randn(head_shape, dtype=dtype)
 
 
 @torch.inference_mode()
@@ -63,13 +72,16 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
     """GEMM speed per batch bucket, on the fastest GEMM pagoda has here: oneDNN with packed weights for bf16
     (what the engine's dense layers run, see ``layers.onednn``), else ``F.linear``.
 
-    The decoder layer's GEMMs and the LM head's are timed apart: the engine runs the head over a few rows
+    A roofline in both senses: up to 64 rows a bucket runs the GEMMs of every decoder layer (distinct
+    weights, up to 256 MB of them), so that it pays for streaming the weights from memory as a decode step
+    must; from 256 rows, where the GEMMs are compute-bound, one layer's. Timing one layer's weights over
+    and over had held small batches to a speed no step can reach (the weights sat in cache).
+    The decoder layers' GEMMs and the LM head's are timed apart: the engine runs the head over a few rows
     a step, never over a whole prompt, and a 2048-row head (its output alone 200 MB) is slower per FLOP
-    than the layers at 2048 rows. Every bucket is timed once per round, just after an untimed pass (so its
-    weights are in cache, as a roofline wants), rounds interleaved, and the fastest round counts: one pass
-    per bucket gave rates 2x apart between runs on this shared machine.
+    than the layers at 2048 rows. Every bucket is timed once per round, rounds interleaved, and the
+    fastest round counts: one pass per bucket gave rates 2x apart between runs on this shared machine.
     """
-    layer_weights, head = _dense_weights(model)
+    layers, head = _dense_weights(model, num_layers)
     dtype = head.dtype
 
     def gemm(w: torch.Tensor):
@@ -78,26 +90,31 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
             return lambda x: onednn.packed_linear(x, packed)
         return lambda x: torch.nn.functional.linear(x, w)
 
-    layer_gemms = [(w.shape[1], gemm(w)) for w in layer_weights]
+    layer_gemms = [[(w.shape[1], gemm(w)) for w in layer] for layer in layers]
+    del layers  # the packed copies are what runs
     head_gemm = [(head.shape[1], gemm(head))]
-    layer_flops = 2 * sum(w.numel() for w in layer_weights)
-    inputs = {m: {k: torch.randn(m, k, dtype=dtype) for k in {w.shape[1] for w in layer_weights + [head]}}
-              for m in _BUCKETS}
+    layer_flops = 2 * sum(w.numel() for w in _dense_layer_shapes(model))
+    in_sizes = {k for k, _ in layer_gemms[0]} | {head.shape[1]}
+    inputs = {m: {k: torch.randn(m, k, dtype=dtype) for k in in_sizes} for m in _BUCKETS}
     best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):
         for m in _BUCKETS:
-            for kind, gemms in (("layers", layer_gemms), ("head", head_gemm)):
-                for timed in (False, True):  # the untimed pass brings the weights into cache: a roofline
+            streamed = layer_gemms if m <= 64 else layer_gemms[:1]
+            for kind, gemms, flops in (("layers", [g for layer in streamed for g in layer], len(streamed) * m * layer_flops),
+                                       ("head", head_gemm, m * 2 * head.numel())):
+                for timed in (False, True):  # the untimed pass warms up (a one-layer set stays in cache)
                     start = time.perf_counter()
                     for in_features, fn in gemms:
                         fn(inputs[m][in_features])
                     if timed:
-                        best[kind, m] = min(best.get((kind, m), math.inf), time.perf_counter() - start)
-    return Roofline(
-        layer_flops * num_layers, 2 * head.numel(),
-        {m: best["layers", m] / (m * layer_flops) for m in _BUCKETS},
-        {m: best["head", m] / (m * 2 * head.numel()) for m in _BUCKETS},
-    )
+                        rate = (time.perf_counter() - start) / flops
+                        best[kind, m] = min(best.get((kind, m), math.inf), rate)
+    return Roofline(layer_flops * num_layers, 2 * head.numel(),
+                    {m: best["layers", m] for m in _BUCKETS}, {m: best["head", m] for m in _BUCKETS})
+
+
+def _dense_layer_shapes(model: torch.nn.Module) -> list[torch.Size]:
+    return [torch.Size((m.out_features, m.in_features)) for m in model.layers[0].modules() if isinstance(m, Linear)]
 
 
 def report(roofline: Roofline, steps: list[tuple[int, int]], seconds: float) -> str:
