@@ -75,6 +75,7 @@ def test_default_model_in_bf16_gives_the_same_tokens_and_logprobs_packed_and_pla
     model = llm.engine.model
     packed = [m for m in model.modules() if isinstance(m, Linear) and onednn.is_packed(m.weight)]
     assert len(packed) == 4 * len(model.layers)
+    assert model._packed_head is not None  # the tied LM head was packed at load time
     memory = weight_memory(model)
     assert memory.linear_bytes == memory.linear_bf16_bytes  # a packed weight is counted at its bf16 size
     # six prompts, so the plain run's decode steps (more than 4 rows) go through F.linear, not the GEMV kernel

@@ -169,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+        if self.lm_head is None:
+            self._tied_head()  # packed now, not in the first request's step
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor, layer_idx: int, which: str) -> None:
         """A per-layer fp8 KV cache scale (used only with kv_cache_dtype fp8)."""
