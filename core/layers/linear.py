@@ -25,7 +25,7 @@ class UnquantizedLinearMethod:
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        if onednn.is_packed(layer.weight):
+        if layer.packed:
             return
         packed = onednn.pack_weight(layer.weight.data)
         if packed is not None:  # the plain copy is dropped: one copy of the weights in memory
@@ -33,7 +33,7 @@ class UnquantizedLinearMethod:
             layer.packed = True
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if onednn.is_packed(layer.weight):
+        if layer.packed:  # Linear.forward takes this path itself; here for callers of apply
             return onednn.packed_linear(x, layer.weight, bias)
         return linear(x, layer.weight, bias)
 

@@ -258,6 +258,20 @@ void weighted_values(const cache_t* v_head, const int32_t* table, int64_t len, i
 constexpr int64_t kMaxFp8HeadDim = 256;
 constexpr int64_t kFarTile = 3;  // tiles of 16 keys ahead for the L2 prefetch
 
+// prefetch `rows` key rows (hint KH) and value rows (hint VH) from position `pos` of a sequence; a tile of
+// 16 never crosses a block (block_size % 16 == 0), so rows past the sequence's end are still in its block
+template <int KH, int VH, typename cache_t>
+inline void prefetch_tile(const cache_t* k_head, const cache_t* v_head, const int32_t* table, int64_t pos,
+                          int64_t rows, int64_t block_size, int64_t head_dim) {
+  const int64_t offset = (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * head_dim;
+  const char* k = reinterpret_cast<const char*>(k_head + offset);
+  const char* v = reinterpret_cast<const char*>(v_head + offset);
+  for (int64_t b = 0; b < rows * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
+    _mm_prefetch(k + b, static_cast<_mm_hint>(KH));
+    _mm_prefetch(v + b, static_cast<_mm_hint>(VH));
+  }
+}
+
 template <typename cache_t>
 void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, const cache_t* k_head,
                       const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
@@ -285,33 +299,18 @@ void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, 
     if (start + 16 < len) {
       // fetch the next 16 key rows, and the value rows pass 2 will read, while this chunk computes:
       // blocks are scattered, so the hardware prefetcher cannot guess them
-      const int64_t next = start + 16;
-      const int64_t offset = (static_cast<int64_t>(table[next / block_size]) * block_size + next % block_size) * head_dim;
-      const int64_t rows_next = std::min<int64_t>(16, len - next);
-      for (int64_t b = 0; b < rows_next * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T1);
-      }
+      prefetch_tile<_MM_HINT_T0, _MM_HINT_T1>(k_head, v_head, table, start + 16, std::min<int64_t>(16, len - start - 16),
+                                              block_size, head_dim);
     }
     if (start + 16 * kFarTile < len) {
       // and a tile further on into L2, so that the near prefetch above finds it there: more of the
       // scattered blocks are in flight at once (W1's decode state, 64 requests, per layer: 0.41-0.52 ms
       // -> 0.38-0.49 ms on 2 threads, 0.72-0.77 -> 0.62-0.74 ms on 1; 4 or 6 tiles ahead gained less)
-      const int64_t far = start + 16 * kFarTile;
-      const int64_t offset = (static_cast<int64_t>(table[far / block_size]) * block_size + far % block_size) * head_dim;
-      for (int64_t b = 0; b < 16 * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T2);
-        _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T2);
-      }
+      prefetch_tile<_MM_HINT_T2, _MM_HINT_T2>(k_head, v_head, table, start + 16 * kFarTile, 16, block_size, head_dim);
     }
     if (start == 0) {
       for (int64_t ahead = 32; ahead < std::min<int64_t>(len, 16 * kFarTile); ahead += 16) {  // the tiles between
-        const int64_t offset =
-            (static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size) * head_dim;
-        for (int64_t b = 0; b < 16 * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_head + offset) + b, _MM_HINT_T2);
-          _mm_prefetch(reinterpret_cast<const char*>(v_head + offset) + b, _MM_HINT_T2);
-        }
+        prefetch_tile<_MM_HINT_T2, _MM_HINT_T2>(k_head, v_head, table, ahead, 16, block_size, head_dim);
       }
       for (int64_t b = 0; b < n * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(v_head + (key_rows - k_head)) + b, _MM_HINT_T1);

@@ -90,10 +90,10 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
             return lambda x: onednn.packed_linear(x, packed)
         return lambda x: torch.nn.functional.linear(x, w)
 
+    layer_flops = 2 * sum(w.numel() for w in layers[0])
     layer_gemms = [[(w.shape[1], gemm(w)) for w in layer] for layer in layers]
     del layers  # the packed copies are what runs
     head_gemm = [(head.shape[1], gemm(head))]
-    layer_flops = 2 * sum(w.numel() for w in _dense_layer_shapes(model))
     in_sizes = {k for k, _ in layer_gemms[0]} | {head.shape[1]}
     inputs = {m: {k: torch.randn(m, k, dtype=dtype) for k in in_sizes} for m in _BUCKETS}
     best: dict[tuple[str, int], float] = {}
@@ -111,10 +111,6 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
                         best[kind, m] = min(best.get((kind, m), math.inf), rate)
     return Roofline(layer_flops * num_layers, 2 * head.numel(),
                     {m: best["layers", m] for m in _BUCKETS}, {m: best["head", m] for m in _BUCKETS})
-
-
-def _dense_layer_shapes(model: torch.nn.Module) -> list[torch.Size]:
-    return [torch.Size((m.out_features, m.in_features)) for m in model.layers[0].modules() if isinstance(m, Linear)]
 
 
 def report(roofline: Roofline, steps: list[tuple[int, int]], seconds: float) -> str:
