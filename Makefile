@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-avx2 bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ demo: $(STAMP)
 	$(VENV)/bin/pagoda generate --chat "What is the capital of France? Answer in one sentence."
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
+
+# the suite as an AVX2-only CPU runs it (no AVX-512, no bf16 math), on a machine that has more:
+# pagoda's kernels are built for AVX2 and torch's own kernels are capped the same way
+test-avx2: $(STAMP)
+	PAGODA_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q tests --durations=25
 
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput

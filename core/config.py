@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from pagoda.cpu_isa import cpu_isa
 from pagoda.errors import ConfigError
 
 GiB = 1 << 30
@@ -28,12 +29,8 @@ _DTYPES = {
 
 
 def cpu_has_bf16() -> bool:
-    """True when this CPU multiplies bf16 natively (AMX or AVX-512 BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
-    except (OSError, IndexError):
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    """True when this CPU multiplies bf16 natively (AVX-512 BF16), unless ``PAGODA_CPU_ISA`` caps it lower."""
+    return cpu_isa() == "avx512_bf16"
 
 
 # fp8 KV cache formats: name -> storage dtype. e4m3 (range +-448, 3 mantissa bits) with a per-layer scale.

@@ -63,8 +63,12 @@ def ensure_gguf_checkpoint(gguf: Path) -> Path:
     return _converted(gguf, cache_root() / "models" / f"{gguf.stem}-{key}")
 
 
+def _is_complete(target: Path) -> bool:
+    return (target / "model.safetensors").exists() and (target / "config.json").exists()
+
+
 def _converted(gguf: Path, target: Path) -> Path:
-    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+    if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -76,9 +80,15 @@ def _converted(gguf: Path, target: Path) -> Path:
                 f"{gguf} could not be converted from GGUF ({exc.__class__.__name__}: {exc}); "
                 "check that the file is complete and is a model GGUF file"
             ) from None
+        if _is_complete(target):  # another process converted it meanwhile: keep the one already in use
+            return target
         if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)  # atomic: a half-written conversion is never picked up
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)  # atomic: a half-written conversion is never picked up
+        except OSError:
+            if not _is_complete(target):  # not a concurrent conversion that won the race
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -28,9 +28,14 @@ def test_latency_and_shared_prefix_workloads_have_their_shapes():
     assert len({tuple(r.prompt_token_ids[1024:]) for r in shared}) == 64
 
 
-def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile():
-    cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", "--num-requests", "4", "--hf-batch-size", "2",
-           "--hf-batches", "1", "--profile", "--cpu-threads", "1"]
+def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path):
+    from tiny_models import write_tiny_llama
+
+    # a 2-layer model with random weights in a real checkpoint: the command, the roofline over the model's own
+    # shapes, the profile and the HF baseline (which loads the same files) run as on the default model
+    write_tiny_llama(tmp_path)
+    cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", "--model", str(tmp_path), "--num-requests", "4",
+           "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--cpu-threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout

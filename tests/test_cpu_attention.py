@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pagoda import cpu_isa
 from pagoda.attention_batch import AttentionBatch
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
@@ -77,7 +78,7 @@ def test_bf16_decodes_take_the_kernel_at_every_batch_size_on_the_default_model_s
     mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
     cpu = CpuAttentionBackend(mc, SimpleNamespace(block_size=16))
     if not cpu.kernels.has_bf16_kernel():
-        pytest.skip("this CPU has no AVX-512 BF16")
+        pytest.skip(f"the bf16 decode kernel needs AVX-512 BF16; this CPU runs {cpu_isa.describe()}")
     assert cpu.bf16_kernel
     batch = _batch([(30, 1)] * (MAX_KERNEL_DECODES + 5), 16, 200, torch.Generator().manual_seed(0))
     assert cpu.build_metadata(batch).torch_decode is None

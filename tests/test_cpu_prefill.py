@@ -4,20 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda import cpu_isa
 from pagoda.plugins.attention.cpu_backend import load_prefill_kernel
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
-
 
 kernel = load_prefill_kernel()
 # on a CPU with AVX-512 BF16 a kernel that fails to build is a failure, not a skip
-pytestmark = pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="the prefill kernel needs AVX-512 BF16")
+pytestmark = pytest.mark.skipif(cpu_isa.cpu_isa() != "avx512_bf16",
+                                reason=f"the prefill kernel needs AVX-512 BF16; this CPU runs {cpu_isa.describe()}")
 
 
 def test_the_kernel_builds_on_this_cpu():

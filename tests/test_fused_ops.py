@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda import cpu_isa
 from pagoda.layers.fused_ops import cpu_ops, silu_and_mul
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding
@@ -104,7 +105,8 @@ def test_kernels_refuse_tensors_they_cannot_read():
                     1, 64)
 
 
-gemv = pytest.mark.skipif(ops is None or not ops.has_bf16_gemv(), reason="no AVX-512 BF16 GEMV on this CPU")
+gemv = pytest.mark.skipif(ops is None or not ops.has_bf16_gemv(),
+                          reason=f"the bf16 GEMV needs AVX-512 BF16; this CPU runs {cpu_isa.describe()}")
 
 
 @gemv

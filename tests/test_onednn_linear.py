@@ -4,13 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda import cpu_isa
 from pagoda.layers import onednn
 from pagoda.layers.linear import Linear
 from pagoda.llm import LLM
 from pagoda.plugins.quant.memory import weight_memory
 from pagoda.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not onednn.packing_available(), reason="no oneDNN bf16 packing on this CPU")
+pytestmark = pytest.mark.skipif(not onednn.packing_available(), reason="oneDNN packs bf16 weights on AVX-512 CPUs; "
+                                f"this CPU runs {cpu_isa.describe()}")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 333])

@@ -80,7 +80,7 @@ def test_greedy_speculation_under_swap_preemption_gives_the_plain_tokens(plain_g
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from test_attention_backends import write_tiny_llama
+    from tiny_models import write_tiny_llama
 
     target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
     write_tiny_llama(target, seed=0)

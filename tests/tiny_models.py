@@ -1,10 +1,14 @@
-"""A one-layer Llama checkpoint directory for tests that need engine options, not real weights."""
+"""Tiny Llama checkpoint directories: a one-layer config for tests that need engine options, not real weights,
+and a two-layer one with random weights in real safetensors files."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 from pagoda.default_model import ensure_default_model
 
@@ -27,3 +31,44 @@ def write_tiny_checkpoint(directory: Path, chat_template: bool = True) -> Path:
         tok_config.pop("chat_template", None)
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return directory
+
+
+def write_tiny_llama(model_dir, seed: int = 0) -> None:
+    """A 2-layer Llama (hidden 64, 4 heads / 2 KV heads of 64) with random weights, as real safetensors files.
+
+    The LM head is not tied: with tied random embeddings every token would predict itself and attention
+    would not show in the tokens."""
+    default_dir = ensure_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_dir / name, model_dir / name)
+    hidden, heads, kv_heads, head_dim, inter, vocab, layers = 64, 4, 2, 64, 128, 49152, 2
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1024, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        # scaled so activations keep unit size and the greedy choice is not a near-tie
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+               "model.norm.weight": torch.ones(hidden), "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(tensors, str(model_dir / "model.safetensors"))

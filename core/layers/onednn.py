@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from pagoda.cpu_isa import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 # the batch size oneDNN is told to expect; the layout it picks did not depend on it here (1 to 2048 rows
@@ -36,6 +38,9 @@ _BATCH_HINT = 64
 def packing_available() -> bool:
     """Whether bf16 weights can be packed here, checked once on a small product against ``F.linear``."""
     if os.environ.get("PAGODA_ONEDNN_PACKED", "1") == "0":
+        return False
+    # torch routes bf16 matmuls to oneDNN only on AVX-512 CPUs; below that (or capped below it) F.linear
+    if cpu_isa() not in ("avx512", "avx512_bf16"):
         return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
