@@ -4,6 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# test files run in this many worker processes (pytest-xdist); most tests use one thread, so 2 cores fit 2
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 .PHONY: install demo test test-avx2 bench clean
 
@@ -23,12 +26,12 @@ demo: $(STAMP)
 	$(VENV)/bin/pagoda generate --chat "What is the capital of France? Answer in one sentence."
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests --durations=25
+	$(PYTEST)
 
 # the suite as an AVX2-only CPU runs it (no AVX-512, no bf16 math), on a machine that has more:
 # pagoda's kernels are built for AVX2 and torch's own kernels are capped the same way
 test-avx2: $(STAMP)
-	PAGODA_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q tests --durations=25
+	PAGODA_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTEST)
 
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput

@@ -11,3 +11,12 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # sleeping, not spinning, OpenMP threads (pagoda sets this too, but only if it is imported first)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU code paths this run covered: the ISA level pagoda's kernels were built for."""
+    from pagoda import cpu_isa
+
+    level = cpu_isa.cpu_isa()
+    hint = "" if cpu_isa.is_capped() or level in ("generic", "avx2") else " (make test-avx2 runs the AVX2 path here)"
+    terminalreporter.write_line(f"pagoda CPU kernels ran at ISA level: {cpu_isa.describe()}{hint}")
