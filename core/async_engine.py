@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pagoda.engine import LLMEngine, PromptType
-from pagoda.errors import PagodaError
+from pagoda.errors import InvalidRequestError, PagodaError
 from pagoda.outputs import RequestOutput
 from pagoda.request import RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -162,8 +162,9 @@ class AsyncLLMEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    async def shutdown(self, timeout: float = 0.0) -> None:
-        """Stop accepting; wait up to ``timeout`` s for in-flight requests, fail the rest, stop the thread."""
+    async def drain(self, timeout: float = 0.0) -> None:
+        """Stop accepting; wait up to ``timeout`` s for in-flight requests, then fail the rest (their streams
+        end with an error, their KV blocks are freed). The engine thread keeps running."""
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline:
@@ -173,6 +174,10 @@ class AsyncLLMEngine:
             ids = list(self._streams)
             self._fail_streams(ids, EngineDeadError("the server is shutting down; the request was not finished"))
             self._submit(lambda: self.engine.abort_request(ids))
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """:meth:`drain`, then stop the engine thread."""
+        await self.drain(timeout)
         self._stop = True
         self._wakeup.set()
         if self._thread is not None:
@@ -227,6 +232,10 @@ class AsyncLLMEngine:
         limit = self.max_waiting_requests
         if limit is None:
             return
+        if num_seqs > limit:  # could never be admitted, even into an empty queue
+            raise InvalidRequestError(
+                f"this request has {num_seqs} sequences (prompts x n) but the server queues at most {limit} "
+                "(--max-waiting-requests); send fewer prompts or a smaller n per request")
         # racy reads of a list length from another thread are fine: this is admission control
         num_pending = self._num_submitted_seqs - self._num_added_seqs
         num_waiting = self.engine.scheduler.num_waiting + num_pending

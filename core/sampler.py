@@ -80,6 +80,9 @@ class Sampler:
         sub_params = [params[i] for i in random_rows]
         temperature = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32)
         sub.div_(temperature[:, None])
+        # extreme penalties can push logits to +inf, and softmax over an inf is NaN: the largest finite
+        # value keeps those tokens on top, tied with each other
+        torch.nan_to_num_(sub, nan=float("-inf"), posinf=torch.finfo(sub.dtype).max)
         top_k = [p.top_k for p in sub_params]
         top_p = [p.top_p for p in sub_params]
         if any(k for k in top_k) or any(p < 1.0 for p in top_p):
@@ -159,6 +162,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
         mass_before = probs.cumsum(dim=-1) - probs
         remove |= mass_before >= p[:, None]
+        remove[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
     sorted_logits.masked_fill_(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 

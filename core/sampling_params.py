@@ -14,6 +14,7 @@ _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed")
 _OPTIONAL_FIELDS = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2 ** 31 - 1  # ranks are compared in 32-bit tensors; a top_k at or above the vocabulary keeps all
 
 
 @dataclass
@@ -86,8 +87,8 @@ class SamplingParams:
             bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
-            bad("top_k", "must be >= 0 (0 or -1 disables it)")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be in [0, {MAX_TOP_K}] (0 or -1 disables it)")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         if not -2 <= self.presence_penalty <= 2:

@@ -283,3 +283,28 @@ def test_row_argmax_matches_torch_including_ties_nans_and_all_minus_inf():
     assert torch.equal(got, x.argmax(dim=-1)) and got.tolist() == [2, 2, 0, 0] and got.dtype == torch.int64
     strided = torch.randn(6, 40, generator=g)[:, ::2]  # not contiguous: torch's own argmax
     assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+
+
+# ---- degenerate values at the edge of their ranges ---------------------------------------------
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_only_the_most_likely_token():
+    # 1e-300 is 0.0 in float32: the nucleus is the top token, never an empty set sampled as token 0
+    counts = draw(SamplingParams(temperature=1.0, top_p=1e-300), LOGITS[[3, 1, 0, 2, 4, 5]], n=500)
+    assert counts[2] == 500
+
+
+def test_an_extreme_repetition_penalty_samples_only_repeated_tokens():
+    # a penalty near 0 divides the seen tokens' positive logits into infinity: they win, tied, and nothing is NaN
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.25, 0.1])
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-300)
+    sampler = Sampler(model_config())
+    requests = [make_request(params, prompt=(2, 4), rid=str(i)) for i in range(400)]
+    tokens = sampler(logits.expand(400, -1).clone(), requests).token_ids
+    assert set(tokens) == {2, 4}
+
+
+def test_top_k_beyond_32_bits_is_refused_with_its_range():
+    with pytest.raises(Exception, match=r"top_k=9223372036854775808 is invalid: must be in \[0, 2147483647\]"):
+        SamplingParams(top_k=2 ** 63)
+    assert SamplingParams(top_k=2 ** 31 - 1).top_k == 2 ** 31 - 1

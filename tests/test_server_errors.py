@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -22,6 +23,7 @@ from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
 MAX_MODEL_LEN = 64
 MAX_REQUEST_BYTES = 1 << 20
+BODY_TIMEOUT = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_request_bytes=MAX_REQUEST_BYTES)).start()
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_request_bytes=MAX_REQUEST_BYTES,
+                                 body_timeout=BODY_TIMEOUT)).start()
     yield srv
     srv.stop()
 
@@ -114,6 +117,24 @@ BAD_INPUT = [
     ("best-of-not-n", C, ok_completion(best_of=3), 400, "best_of"),
     ("detokenize-outside-vocab", "/detokenize", {"tokens": [10 ** 9]}, 400, "vocabulary"),
     ("tokenize-neither", "/tokenize", {}, 400, "prompt"),
+    # one request must not be able to fail the engine step it is batched in
+    ("top-k-beyond-64-bits", C, ok_completion(top_k=2 ** 63), 400, "top_k"),
+    ("top-k-beyond-32-bits", CH, ok_chat(top_k=2 ** 31), 400, "top_k"),
+    # JSON can carry unpaired UTF-16 surrogates, which no tokenizer encodes
+    ("surrogate-in-prompt", C, b'{"prompt": "\\ud83d", "max_tokens": 2}', 400, "prompt: contains an unpaired UTF-16"),
+    ("surrogate-in-stop", C, b'{"prompt": "Hi", "stop": "\\udc00"}', 400, "stop"),
+    ("surrogate-in-chat-content", CH, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', 400,
+     "content: contains an unpaired UTF-16"),
+    ("surrogate-in-chat-part", CH, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     400, "unpaired UTF-16"),
+    ("surrogate-in-tokenize-prompt", "/tokenize", b'{"prompt": "\\ud83d"}', 400, "prompt: contains an unpaired UTF-16"),
+    # admission counts sequences: a request that could never fit the waiting queue is refused, not admitted alone
+    ("more-sequences-than-the-queue", C, ok_completion(prompt=["a", "b"], n=2), 400, "4 sequences (prompts x n)"),
+    # a prompt longer in characters than any max_model_len tokens can hold is refused before it is tokenized
+    ("prompt-too-many-characters", C, ok_completion(prompt="x" * 900_000), 400, "characters"),
+    ("chat-too-many-characters", CH, ok_chat(messages=[{"role": "user", "content": "x" * 900_000}]), 400,
+     "characters"),
+    ("tokenize-too-many-characters", "/tokenize", {"prompt": "x" * 900_000}, 400, "characters"),
 ]
 
 
@@ -138,6 +159,29 @@ def test_a_huge_body_gets_413_whether_its_length_is_declared_or_streamed(http):
 
     resp = http.post(C, content=chunked(), headers={"content-type": "application/json"})
     assert resp.status_code == 413
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["shorter-than-content-length", "one-byte-at-a-time"])
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_closed(server, http, trickle):
+    import socket
+
+    body = json.dumps(ok_completion()).encode()
+    head = (f"POST {C} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((server.host, server.port), timeout=BODY_TIMEOUT + 10) as sock:
+        sock.sendall(head + body[:5])
+        started = time.monotonic()
+        if trickle:  # one byte every 0.4 s: each arrives in time, the whole body does not
+            for byte in body[5:8]:
+                time.sleep(0.4)
+                sock.sendall(bytes([byte]))
+        response = b""
+        while chunk := sock.recv(65536):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 408"), response
+    assert b"--request-body-timeout" in response
+    assert time.monotonic() - started < BODY_TIMEOUT + 5
+    assert http.post(C, json=ok_completion()).status_code == 200
 
 
 def test_unknown_routes_and_methods_answer_in_the_openai_error_shape(http):

@@ -12,7 +12,7 @@ logger = logging.getLogger("pagoda")
 
 
 def register(sub) -> None:
-    from pagoda.plugins.entrypoints.server import DEFAULT_MAX_REQUEST_BYTES
+    from pagoda.plugins.entrypoints.server import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
@@ -25,6 +25,10 @@ def register(sub) -> None:
                         "(default: $PAGODA_API_KEY, else no key)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
+    p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a request body may take to arrive in full; slower ones get 408")
+    p.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections and requests at most; beyond it new connections get 503")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open requests may take to finish after SIGTERM before they are failed")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -34,19 +38,18 @@ def register(sub) -> None:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagoda.async_engine import AsyncLLMEngine
     from pagoda.engine import LLMEngine
-    from pagoda.plugins.entrypoints.server import build_app
+    from pagoda.plugins.entrypoints.server import build_app, make_uvicorn_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
     async_engine = AsyncLLMEngine(engine)
-    app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes)
+    app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
+                    shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout)
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                timeout_graceful_shutdown=ns.shutdown_timeout)
+    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
+                        limit_concurrency=ns.limit_concurrency).run()
     return 0

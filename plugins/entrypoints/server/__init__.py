@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI
 
@@ -24,10 +25,12 @@ from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
 from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive in full
 
 
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it."""
 
     @contextlib.asynccontextmanager
@@ -42,7 +45,8 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.state.engine = engine
     install_error_handlers(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
+                       body_timeout=body_timeout)
     return app
 
 
@@ -52,17 +56,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: float, **options: Any):
+    """uvicorn serving ``app``, with a shutdown that ends every open request cleanly.
+
+    On SIGTERM (or ``should_exit``) the engine stops accepting, open requests get ``shutdown_timeout`` seconds
+    to finish, and those still running are failed by the engine: a stream ends with an error event and
+    ``[DONE]``, a plain request gets a 503. Only then does uvicorn close the connections, so none is cut
+    mid-response. A shutdown that went this way exits with status 0, not by the signal.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            await app.state.engine.drain(shutdown_timeout)
+            await super().shutdown(sockets)
+            # uvicorn re-raises a caught SIGTERM after shutting down; a clean shutdown is a normal exit
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    # uvicorn's own wait for open connections comes after the drain: it only sees requests already ending
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=_CLOSE_SECONDS, lifespan="on",
+                            **options)
+    return Server(config)
+
+
+# after the drain, how long uvicorn waits for the ended requests' connections to close
+_CLOSE_SECONDS = 5.0
+
+
 class ServerThread:
     """uvicorn serving ``app`` on ``host:port`` in a daemon thread; ``stop()`` shuts it down gracefully."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: Optional[int] = None,
                  graceful_timeout: float = 5.0) -> None:
-        import uvicorn
-
         self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=graceful_timeout, lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = make_uvicorn_server(app, self.host, self.port, graceful_timeout, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, name="pagoda-uvicorn", daemon=True)
 
     @property

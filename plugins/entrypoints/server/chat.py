@@ -29,7 +29,7 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    """Apply the chat template (run on the engine thread); a template failure is the request's fault: 400."""
+    """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400."""
     if not tokenizer.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
@@ -48,8 +48,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     messages = plain_messages(body.messages)
-    text, token_ids = await ctx.engine.run_in_engine(
-        lambda: render_chat(ctx.tokenizer, messages, body.add_generation_prompt))
+    ctx.check_text_length("".join(m["content"] for m in messages), "messages")
+    text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, body.add_generation_prompt))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = ctx.resolve_max_tokens(len(token_ids), requested)
     num_top = (body.top_logprobs or 0) if body.logprobs else None

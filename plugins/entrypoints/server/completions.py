@@ -30,9 +30,11 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
 
     raw = body.prompt
     prompts = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else list(raw)
-    tok = ctx.tokenizer
+    for p in prompts:
+        if isinstance(p, str):
+            ctx.check_text_length(p, "prompt")
 
-    def tokenize():  # on the engine thread, which owns the tokenizer
+    def tokenize(tok):
         result = []
         for p in prompts:
             if isinstance(p, str):
@@ -42,7 +44,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
                 result.append({"prompt": text, "prompt_token_ids": list(p)})
         return result
 
-    engine_prompts = await ctx.engine.run_in_engine(tokenize)
+    engine_prompts = await ctx.run_tokenizer(tokenize)
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     params = make_sampling_params(body, max_tokens, body.logprobs)
     request_id = new_id("cmpl")

@@ -1,4 +1,5 @@
-"""ASGI guard in front of every route: the API key (all routes but probes) and a cap on request body size.
+"""ASGI guard in front of every route: the API key (all routes but probes), a cap on request body size and a
+deadline for the body to arrive.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
 notices pass through untouched.
@@ -6,6 +7,7 @@ notices pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from typing import Any, Optional
@@ -18,10 +20,11 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class GuardMiddleware:
-    def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int, body_timeout: float) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -39,8 +42,15 @@ class GuardMiddleware:
         if scope["method"] in ("POST", "PUT", "PATCH"):
             # read the body here, bounded, then replay it: an oversized chunked body never reaches the app
             chunks, size = [], 0
+            deadline = asyncio.get_running_loop().time() + self.body_timeout
             while True:
-                message = await receive()
+                try:  # a client trickling its body, or sending less than its Content-Length, holds nothing for long
+                    message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+                except asyncio.TimeoutError:
+                    await _send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                                 "(--request-body-timeout); send the whole body at once",
+                                      code="request_timeout", headers=[(b"connection", b"close")])
+                    return
                 if message["type"] == "http.disconnect":
                     return
                 chunk = message.get("body", b"")

@@ -8,16 +8,28 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from pagoda.sampling_params import MAX_LOGPROBS
+from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
 
 MAX_N = 16  # sequences per request
 MAX_STOP = 16  # stop strings per request
 # seeds go to torch.Generator.manual_seed (64-bit); request i of n uses seed + i
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N
 
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+def _encodable(text: str) -> str:
+    """JSON may carry unpaired UTF-16 surrogates (``"\\ud83d"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains an unpaired UTF-16 surrogate ({text[exc.start]!a}) at character {exc.start}; "
+                         "send valid Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+NonEmptyStr = Annotated[Text, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -45,7 +57,7 @@ class SamplingFields(_Body):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # the extra sampling fields vLLM accepts
-    top_k: Optional[int] = Field(None, ge=-1)
+    top_k: Optional[int] = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: Optional[float] = Field(None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
     ignore_eos: bool = False
@@ -66,20 +78,20 @@ class CompletionRequest(SamplingFields):
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: Optional[str] = None
+    suffix: Optional[Text] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: Union[Text, list[TextPart], None] = None
+    name: Optional[Text] = None
     tool_call_id: Optional[str] = None
 
 
@@ -103,7 +115,7 @@ class TokenizeRequest(_Body):
     """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model: Optional[str] = None
-    prompt: Optional[str] = None
+    prompt: Optional[Text] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

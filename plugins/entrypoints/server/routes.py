@@ -41,7 +41,7 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     async def models():
         return {"object": "list", "data": [{
             "id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "pagoda",
-            "root": engine.engine.config.model.model, "max_model_len": ctx.max_model_len}]}
+            "root": ctx.served_model_name, "max_model_len": ctx.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -65,12 +65,13 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' (text) or 'messages' (chat)", param="prompt")
-        tok = ctx.tokenizer
         if body.messages is not None:
             messages = plain_messages(body.messages)
-            _, ids = await engine.run_in_engine(lambda: render_chat(tok, messages, body.add_generation_prompt))
+            ctx.check_text_length("".join(m["content"] for m in messages), "messages")
+            _, ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, body.add_generation_prompt))
         else:
-            ids = await engine.run_in_engine(lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ctx.check_text_length(body.prompt, "prompt")
+            ids = await ctx.run_tokenizer(lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -80,5 +81,5 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
         bad = [t for t in body.tokens if t >= vocab]
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-        text = await engine.run_in_engine(lambda: ctx.tokenizer.decode(body.tokens))
+        text = await ctx.run_tokenizer(lambda tok: tok.decode(body.tokens))
         return JSONResponse({"prompt": text})

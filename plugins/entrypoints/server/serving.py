@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 
@@ -25,20 +27,41 @@ class ClientGone(Exception):
 
 @dataclass
 class ServingContext:
-    """The engine plus the facts every handler checks requests against."""
+    """The engine plus the facts every handler checks requests against.
+
+    Prompts are tokenized on a thread of their own with a tokenizer of its own (fast tokenizers must not be
+    shared between threads), so a long prompt never holds up the engine's steps.
+    """
 
     engine: AsyncLLMEngine
     served_model_name: str
     max_model_len: int
     num_blocks: int
     block_size: int
-    tokenizer: Any
+    tokenizer: Any  # used on the tokenizer thread only
+    max_chars_per_token: int
+    tokenizer_thread: ThreadPoolExecutor
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine) -> "ServingContext":
         core = engine.engine
+        tokenizer = copy.deepcopy(core.tokenizer)
         return cls(engine, core.config.model.served_model_name, core.config.model.max_model_len, core.num_blocks,
-                   core.config.cache.block_size, core.tokenizer)
+                   core.config.cache.block_size, tokenizer, longest_token_chars(tokenizer),
+                   ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"))
+
+    async def run_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(tokenizer)`` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, self.tokenizer)
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """400 before tokenizing a text that cannot fit the context whatever its tokens are: no token covers
+        more than ``max_chars_per_token`` characters."""
+        limit = self.max_model_len * self.max_chars_per_token
+        if len(text) > limit:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                                f"{param} has {len(text)} characters, more than any {self.max_model_len} tokens "
+                                f"can hold (at most {limit}); shorten the {param}", param=param)
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.served_model_name:
@@ -63,6 +86,13 @@ class ServingContext:
             raise APIError(400, f"the prompt plus max_tokens needs {need} KV cache blocks but the server has "
                                 f"{self.num_blocks}; lower max_tokens or shorten the prompt", param="max_tokens")
         return max_tokens
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token decodes to: its vocabulary string's length bounds it (byte-level BPE writes
+    each byte as one character, and a character takes at least a byte), plus the added tokens' own text."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max((len(t) for t in vocab), default=1))
 
 
 def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
