@@ -73,7 +73,8 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, Optional[st
         else:
             given = err.get("input")
             shown = repr(given) if len(repr(given)) <= 80 else repr(given)[:77] + "..."
-            parts.append(f"{field}: {err.get('msg')} (got {shown})")
+            message = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's prefix for our own checks
+            parts.append(f"{field}: {message} (got {shown})")
     if len(errors) > 5:
         parts.append(f"and {len(errors) - 5} more problems")
     return "; ".join(parts) or "invalid request body", first_param
