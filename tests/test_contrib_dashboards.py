@@ -93,3 +93,11 @@ def test_the_deployment_runs_pagoda_serve_with_valid_flags_and_probes_health():
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > ns.shutdown_timeout
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+
+
+def test_the_deployment_listening_on_every_interface_requires_its_api_key_secret():
+    deployment = yaml.safe_load((Path(__file__).resolve().parents[1] / "contrib/k8s/deployment.yaml").read_text())
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert "0.0.0.0" in container["args"]
+    [key] = [e for e in container["env"] if e["name"] == "PAGODA_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"]["optional"] is False

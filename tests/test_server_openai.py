@@ -8,6 +8,7 @@ engine before the server takes it over.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -225,6 +226,9 @@ def test_an_unknown_model_name_gets_404(client):
 def test_models_version_tokenize_and_detokenize_endpoints(client, server, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
     headers = {"Authorization": f"Bearer {API_KEY}"}
+    # the model's name, never where its files lie on the server's disk
+    [listed] = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+    assert listed["root"] == MODEL and "/" not in json.dumps(listed)
     assert httpx.get(server.url + "/version").json()["version"]
     tok = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=headers).json()
     assert tok["tokens"] == llm.get_tokenizer().encode(PROMPT) and tok["count"] == len(tok["tokens"])
