@@ -62,6 +62,16 @@ def test_serve_starts_on_the_default_model_with_no_model_flag(server):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
 
 
+def test_a_keyless_server_on_loopback_answers_only_loopback_host_names(server):
+    _, url, _ = server
+    port = url.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+        assert httpx.get(url + "/v1/models", headers={"Host": host}).status_code == 200
+    # DNS rebinding: a page on another site whose name now resolves to 127.0.0.1
+    refused = httpx.get(url + "/v1/models", headers={"Host": f"attacker.example:{port}"})
+    assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
+
+
 def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
     _, url, _ = server
     result_file = tmp_path / "w4.json"

@@ -29,6 +29,9 @@ def register(sub) -> None:
                    help="seconds a request body may take to arrive in full; slower ones get 408")
     p.add_argument("--limit-concurrency", type=int, default=1024,
                    help="open connections and requests at most; beyond it new connections get 503")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names to answer (default: the loopback names when serving "
+                        "on a loopback address without --api-key, else any)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open requests may take to finish after SIGTERM before they are failed")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -40,13 +43,14 @@ def register(sub) -> None:
 def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.async_engine import AsyncLLMEngine
     from pagoda.engine import LLMEngine
-    from pagoda.plugins.entrypoints.server import build_app, make_uvicorn_server
+    from pagoda.plugins.entrypoints.server import build_app, default_allowed_hosts, make_uvicorn_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
-                    shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout)
+                    shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
+                    allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts))
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

@@ -30,7 +30,7 @@ DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive in full
 
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it."""
 
     @contextlib.asynccontextmanager
@@ -46,8 +46,21 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     install_error_handlers(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
-                       body_timeout=body_timeout)
+                       body_timeout=body_timeout, allowed_hosts=allowed_hosts)
     return app
+
+
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def default_allowed_hosts(host: str, api_key: Optional[str], allowed: Optional[str]) -> Optional[frozenset[str]]:
+    """The Host names to answer: ``--allowed-hosts`` if given; on a loopback address without an API key only
+    the loopback names (a web page cannot then reach the server through a name of its own); otherwise any."""
+    if allowed:
+        return frozenset(h.strip().lower() for h in allowed.split(",") if h.strip())
+    if api_key is None and host in LOOPBACK_NAMES:
+        return LOOPBACK_NAMES
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

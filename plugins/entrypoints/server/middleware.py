@@ -1,5 +1,5 @@
-"""ASGI guard in front of every route: the API key (all routes but probes), a cap on request body size and a
-deadline for the body to arrive.
+"""ASGI guard in front of every route: the Host header, the API key (all routes but probes), a cap on request
+body size and a deadline for the body to arrive.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
 notices pass through untouched.
@@ -20,8 +20,10 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class GuardMiddleware:
-    def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int, body_timeout: float) -> None:
+    def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int, body_timeout: float,
+                 allowed_hosts: Optional[frozenset[str]] = None) -> None:
         self.app = app
+        self.allowed_hosts = allowed_hosts  # None: any Host header
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
         self.body_timeout = body_timeout
@@ -30,6 +32,13 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.allowed_hosts is not None:
+            host = _host_name(scope)
+            if host not in self.allowed_hosts:
+                # a page on another site resolving its name to this address (DNS rebinding) is refused here
+                await _send_error(send, 400, f"the Host header {host!r} is not a name this server answers to; "
+                                             "add it to --allowed-hosts")
+                return
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             if not self._authorized(scope):
                 await _send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
@@ -77,6 +86,17 @@ class GuardMiddleware:
         shown = f"more than {self.max_request_bytes}" if at_least else str(size)
         return (f"the request body is {shown} bytes, over the limit of {self.max_request_bytes} bytes "
                 "(--max-request-bytes); send a smaller request")
+
+
+def _host_name(scope) -> str:
+    """The Host header without its port, lower-cased (``[::1]:8000`` -> ``::1``)."""
+    for name, value in scope["headers"]:
+        if name == b"host":
+            host = value.decode("latin-1").strip().lower()
+            if host.startswith("["):
+                return host[1:host.find("]")] if "]" in host else host
+            return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return ""
 
 
 def _content_length(scope) -> Optional[int]:
