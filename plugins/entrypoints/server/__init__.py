@@ -20,7 +20,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 
 from pagoda.async_engine import AsyncLLMEngine
-from pagoda.plugins.entrypoints.server.errors import install_error_handlers
+from pagoda.plugins.entrypoints.server.errors import document_errors, install_error_handlers
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
 from pagoda.version import __version__
 
@@ -44,6 +44,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
     install_error_handlers(app)
+    document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
                        body_timeout=body_timeout, allowed_hosts=allowed_hosts)

@@ -113,3 +113,48 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception):
         err = to_api_error(exc)
         return error_response(err.status, err.message, err.param, err.code, err.headers)
+
+
+# what any operation may answer besides its own success: the guard (key, size, body deadline, Host) runs in
+# front of every route, and every engine-backed route can meet a full queue, a shutdown or an engine fault
+ERROR_STATUSES = {
+    "400": "Bad request: invalid JSON, a field out of range (the message names it), a prompt that cannot fit",
+    "401": "Missing or wrong API key (only when the server has one)",
+    "404": "Unknown model",
+    "408": "The request body did not arrive within --request-body-timeout",
+    "413": "The request body is over --max-request-bytes",
+    "500": "The engine failed while running this request; the server serves on",
+    "503": "Overloaded (with Retry-After), shutting down, or the engine cannot serve",
+}
+ERROR_SCHEMA = {
+    "title": "ErrorResponse", "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make the app's OpenAPI document say what the server answers: errors are 400 in OpenAI's shape, not
+    FastAPI's 422, and every operation lists the error statuses the guard and the engine can give."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            components["ErrorResponse"] = ERROR_SCHEMA
+            error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status, description in ERROR_STATUSES.items():
+                        responses.setdefault(status, {"description": description, "content": error})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagoda.async_engine import AsyncLLMEngine
 from pagoda.metrics import PrometheusExporter
@@ -18,19 +18,24 @@ from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
 from pagoda.version import __version__
 
 
+# with "stream": true the answer is server-sent events, one JSON chunk per "data:" line, ending "data: [DONE]"
+_STREAMED = {200: {"description": "The completion as JSON, or with stream=true as server-sent events",
+                   "content": {"text/event-stream": {}}}}
+
+
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx = ServingContext.for_engine(engine)
     exporter = PrometheusExporter.for_engine(engine.engine)
     created = int(time.time())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request):
         try:
             return await create_completion(ctx, body, request)
         except ClientGone:
             return Response(status_code=499)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
             return await create_chat_completion(ctx, body, request)
@@ -46,11 +51,13 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     @app.get("/health")
     async def health():
         if engine.is_healthy:
-            return Response(status_code=200)
+            return {"status": "ok"}
         reason = engine.dead_reason or "the server is shutting down"
         return error_response(503, f"the engine cannot serve: {reason}", code="engine_unavailable")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 

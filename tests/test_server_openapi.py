@@ -1,0 +1,62 @@
+"""The published OpenAPI document describes the server: schemathesis drives a live server from it and checks
+every answer's status code, media type, headers and body against the document, and that none is a 5xx."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagoda import LLM
+from pagoda.async_engine import AsyncLLMEngine
+from pagoda.plugins.entrypoints.server import ServerThread, build_app
+
+SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
+CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
+          "response_headers_conformance")
+
+
+@pytest.fixture(scope="module")
+def server():
+    # a small context keeps every generated completion short
+    llm = LLM(dtype="float32", cpu_threads=1, max_model_len=64, max_num_seqs=2, max_waiting_requests=4,
+              kv_cache_memory_bytes=32 << 20)
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_request_bytes=1 << 20)).start()
+    yield srv
+    srv.stop()
+
+
+def test_every_operation_documents_the_errors_the_server_sends(server):
+    doc = httpx.get(server.url + "/openapi.json").json()
+    assert "ErrorResponse" in doc["components"]["schemas"]
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            statuses = set(operation["responses"])
+            assert "422" not in statuses, (method, path)  # the server answers bad bodies with 400
+            assert {"200", "400", "401", "408", "413", "500", "503"} <= statuses, (method, path)
+    streamed = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "text/event-stream"} <= set(streamed)
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+
+
+def test_health_and_metrics_answer_in_their_documented_media_types(server):
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.headers["content-type"] == "application/json"
+    assert health.json() == {"status": "ok"}
+    assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed (pip install -e '.[test]')")
+def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(server):
+    # a fixed seed and a bounded number of cases per operation, so the run takes the same ~20 s every time
+    run = subprocess.run([SCHEMATHESIS, "run", server.url + "/openapi.json", "--phases", "fuzzing",
+                          "--max-examples", "20", "--seed", "1", "--checks", CHECKS, "--request-timeout", "60",
+                          "--no-color"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "No issues found" in run.stdout
+    assert httpx.get(server.url + "/health").status_code == 200
