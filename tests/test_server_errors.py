@@ -24,6 +24,7 @@ from pagoda.plugins.entrypoints.server import ServerThread, build_app
 MAX_MODEL_LEN = 64
 MAX_REQUEST_BYTES = 1 << 20
 BODY_TIMEOUT = 1.0
+HEADER_TIMEOUT = 1.5
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def llm():
 @pytest.fixture(scope="module")
 def server(llm):
     srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_request_bytes=MAX_REQUEST_BYTES,
-                                 body_timeout=BODY_TIMEOUT)).start()
+                                 body_timeout=BODY_TIMEOUT), header_timeout=HEADER_TIMEOUT).start()
     yield srv
     srv.stop()
 
@@ -181,6 +182,22 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_clos
     assert response.startswith(b"HTTP/1.1 408"), response
     assert b"--request-body-timeout" in response
     assert time.monotonic() - started < BODY_TIMEOUT + 5
+    assert http.post(C, json=ok_completion()).status_code == 200
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"],
+                         ids=["nothing", "half-the-headers"])
+def test_a_connection_whose_headers_do_not_arrive_in_time_is_closed_with_408(server, http, sent):
+    import socket
+
+    with socket.create_connection((server.host, server.port), timeout=HEADER_TIMEOUT + 10) as sock:
+        started = time.monotonic()
+        sock.sendall(sent)
+        response = b""
+        while chunk := sock.recv(65536):
+            response += chunk
+    assert response.startswith(b"HTTP/1.1 408")
+    assert HEADER_TIMEOUT - 0.2 < time.monotonic() - started < HEADER_TIMEOUT + 5
     assert http.post(C, json=ok_completion()).status_code == 200
 
 

@@ -12,7 +12,8 @@ logger = logging.getLogger("pagoda")
 
 
 def register(sub) -> None:
-    from pagoda.plugins.entrypoints.server import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+    from pagoda.plugins.entrypoints.server import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
+                                                   DEFAULT_MAX_REQUEST_BYTES)
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
@@ -25,6 +26,9 @@ def register(sub) -> None:
                         "(default: $PAGODA_API_KEY, else no key)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
+    p.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a new connection may take to send its request line and headers; slower ones "
+                        "are closed with 408")
     p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
                    help="seconds a request body may take to arrive in full; slower ones get 408")
     p.add_argument("--limit-concurrency", type=int, default=1024,
@@ -54,6 +58,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)
-    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
-                        limit_concurrency=ns.limit_concurrency).run()
+    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
+                        log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency).run()
     return 0

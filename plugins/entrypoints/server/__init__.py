@@ -70,13 +70,41 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: float, **options: Any):
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a new connection's request line and headers to arrive
+
+
+def _header_deadline_protocol(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose first request's headers have not arrived within
+    ``seconds`` (a client trickling headers would otherwise hold its connection for ever); it answers 408."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_deadline = self.loop.call_later(seconds, self._headers_late)
+
+        def _headers_late(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():  # no request has begun on it
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n")
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self._header_deadline.cancel()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineProtocol
+
+
+def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: float,
+                        header_timeout: float = DEFAULT_HEADER_TIMEOUT, **options: Any):
     """uvicorn serving ``app``, with a shutdown that ends every open request cleanly.
 
     On SIGTERM (or ``should_exit``) the engine stops accepting, open requests get ``shutdown_timeout`` seconds
     to finish, and those still running are failed by the engine: a stream ends with an error event and
     ``[DONE]``, a plain request gets a 503. Only then does uvicorn close the connections, so none is cut
-    mid-response. A shutdown that went this way exits with status 0, not by the signal.
+    mid-response. A shutdown that went this way exits with status 0, not by the signal. A connection whose
+    headers take longer than ``header_timeout`` seconds is closed with a 408.
     """
     import uvicorn
 
@@ -89,7 +117,7 @@ def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: fl
 
     # uvicorn's own wait for open connections comes after the drain: it only sees requests already ending
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=_CLOSE_SECONDS, lifespan="on",
-                            **options)
+                            http=_header_deadline_protocol(header_timeout), **options)
     return Server(config)
 
 
@@ -101,9 +129,10 @@ class ServerThread:
     """uvicorn serving ``app`` on ``host:port`` in a daemon thread; ``stop()`` shuts it down gracefully."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: Optional[int] = None,
-                 graceful_timeout: float = 5.0) -> None:
+                 graceful_timeout: float = 5.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
         self.host, self.port = host, port or free_port(host)
-        self.server = make_uvicorn_server(app, self.host, self.port, graceful_timeout, log_level="warning")
+        self.server = make_uvicorn_server(app, self.host, self.port, graceful_timeout, header_timeout,
+                                          log_level="warning")
         self.thread = threading.Thread(target=self.server.run, name="pagoda-uvicorn", daemon=True)
 
     @property
