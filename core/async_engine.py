@@ -59,6 +59,19 @@ class _Stream:
     latest: Optional[RequestOutput] = None
     error: Optional[BaseException] = None
     finished: bool = False
+    num_cost_tokens: int = 0  # prompt + max_tokens, times n: what admission counts until the first output
+
+
+def request_cost_tokens(prompt: PromptType, params: SamplingParams, max_model_len: int) -> int:
+    """What a request may cost in tokens: its prompt plus max_tokens (without one, the rest of the context),
+    for each of its n sequences. A text prompt counts its characters, a bound that needs no tokenizer."""
+    if isinstance(prompt, (str, list)):
+        num_prompt = len(prompt)
+    else:
+        ids = prompt.get("prompt_token_ids")
+        num_prompt = len(ids) if ids is not None else len(prompt.get("prompt") or "")
+    num_output = params.max_tokens if params.max_tokens is not None else max(0, max_model_len - num_prompt)
+    return (num_prompt + num_output) * params.n
 
 
 class RequestStream:
@@ -128,6 +141,7 @@ class AsyncLLMEngine:
                  max_consecutive_failures: int = 3) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests or engine.config.scheduler.max_waiting_requests
+        self.max_waiting_tokens = engine.config.scheduler.max_waiting_tokens
         self.max_consecutive_failures = max_consecutive_failures
         self.model_name = engine.config.model.served_model_name
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -203,9 +217,10 @@ class AsyncLLMEngine:
         ``check_capacity=False``.
         """
         self._check_alive()
+        num_cost_tokens = request_cost_tokens(prompt, params, self.engine.config.model.max_model_len)
         if check_capacity:
-            self.check_capacity(params.n)
-        stream = _Stream()
+            self.check_capacity(params.n, num_cost_tokens)
+        stream = _Stream(num_cost_tokens=num_cost_tokens)
         self._streams[request_id] = stream
         self._num_submitted_seqs += params.n
 
@@ -227,8 +242,10 @@ class AsyncLLMEngine:
         if not self._accepting or self._thread is None:
             raise EngineDeadError("the server is shutting down and accepts no new requests")
 
-    def check_capacity(self, num_seqs: int) -> None:
-        """Raise EngineOverloadedError if ``num_seqs`` more sequences would overfill the waiting queue."""
+    def check_capacity(self, num_seqs: int, num_tokens: int = 0) -> None:
+        """Raise EngineOverloadedError if ``num_seqs`` more sequences (or ``num_tokens`` more tokens of prompt and
+        output) would overfill the waiting queue; InvalidRequestError if they could never fit it."""
+        self._check_tokens(num_tokens)
         limit = self.max_waiting_requests
         if limit is None:
             return
@@ -243,6 +260,22 @@ class AsyncLLMEngine:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_waiting} sequences are already waiting and the queue holds "
                 f"at most {limit} (--max-waiting-requests); retry later", self._retry_after(num_waiting))
+
+    def _check_tokens(self, num_tokens: int) -> None:
+        limit = self.max_waiting_tokens
+        if limit is None:
+            return
+        if num_tokens > limit:
+            raise InvalidRequestError(
+                f"this request may take {num_tokens} tokens (prompt plus max_tokens, times n) but the server queues "
+                f"at most {limit} (--max-waiting-tokens); lower max_tokens, n or the number of prompts")
+        # requests with no output yet: queued, or in their first prefill
+        unstarted = [s for s in self._streams.values() if s.latest is None and not s.finished]
+        num_queued = sum(s.num_cost_tokens for s in unstarted)
+        if num_queued and num_queued + num_tokens > limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: requests not yet started hold {num_queued} tokens and the queue holds "
+                f"at most {limit} (--max-waiting-tokens); retry later", self._retry_after(len(unstarted)))
 
     def _retry_after(self, num_waiting: int) -> int:
         """Seconds until the queue has likely drained: waiting x mean latency / batch slots, in [1, 60]."""

@@ -128,6 +128,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int
     max_waiting_requests: Optional[int]
+    max_waiting_tokens: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ class EngineArgs(BaseModel):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     max_waiting_requests: Optional[int] = Field(default=None, gt=0)
+    max_waiting_tokens: Optional[int] = Field(
+        default=None, gt=0, description="prompt plus max_tokens, times n, of the requests not yet started, at most "
+                                        "(the server answers 503 beyond it; default: no bound)")
     tensor_parallel_size: int = Field(default=1, gt=0)
     cpu_threads: Optional[int] = Field(default=None, gt=0)
     speculative_config: Optional[dict[str, Any]] = None
@@ -307,6 +311,7 @@ class EngineArgs(BaseModel):
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting_requests=self.max_waiting_requests,
+            max_waiting_tokens=self.max_waiting_tokens,
         )
         spec_cfg = None
         if self.speculative_config:

@@ -195,3 +195,24 @@ def test_a_crash_that_escapes_the_step_fails_waiting_clients_instead_of_hanging_
     assert run(llm.engine, main) is False
     monkeypatch.undo()
     assert_engine_clean(llm.engine)
+
+
+def test_admission_counts_tokens_a_request_may_cost_not_only_requests(llm):
+    # --max-waiting-tokens 60: prompt plus max_tokens, times n, of the requests that have not started yet
+    engine = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=16 << 20, max_waiting_tokens=60).engine
+    prompt = {"prompt_token_ids": [504, 3458, 314, 4649, 314]}  # 5 tokens
+
+    async def main(aengine):
+        with pytest.raises(InvalidRequestError, match=r"140 tokens .* at most 60 \(--max-waiting-tokens\)"):
+            aengine.generate("huge", prompt, SamplingParams(max_tokens=30, n=4))
+        first = aengine.generate("a", prompt, SamplingParams(max_tokens=40))  # 45 tokens, not started yet
+        with pytest.raises(EngineOverloadedError, match="hold 45 tokens"):
+            aengine.generate("b", prompt, SamplingParams(max_tokens=20))  # 25 more would make 70
+        small = aengine.generate("c", prompt, SamplingParams(max_tokens=10))  # 15 more: 60 fits
+        outs = [o async for o in first]
+        assert outs[-1].finished and [o async for o in small][-1].finished
+        # once started, a request no longer holds the queue
+        return [o async for o in aengine.generate("d", prompt, SamplingParams(max_tokens=40))][-1]
+
+    assert run(engine, main).finished
+    assert_engine_clean(engine)

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 
-from pagoda.async_engine import AsyncLLMEngine
+from pagoda.async_engine import AsyncLLMEngine, request_cost_tokens
 from pagoda.outputs import RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
@@ -166,7 +166,10 @@ class Generation:
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
                  priority: int) -> None:
-        engine.check_capacity(params.n * len(prompts))  # the prompts of one request are admitted together
+        # the prompts of one request are admitted together
+        max_model_len = engine.engine.config.model.max_model_len
+        engine.check_capacity(params.n * len(prompts),
+                              sum(request_cost_tokens(p, params, max_model_len) for p in prompts))
         self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False)
                      for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
