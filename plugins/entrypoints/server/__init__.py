@@ -3,7 +3,8 @@
 ``build_app`` wires an :class:`~pagoda.async_engine.AsyncLLMEngine` into an
 app: every plugin's ``pagoda_add_routes(app, engine)`` adds its routes (the
 built-in OpenAI routes arrive the same way), errors take OpenAI's shape, and a
-guard checks the API key and the body size first. ``ServerThread`` runs the
+guard checks the Host, the API key and the body first. ``make_uvicorn_server`` runs it under uvicorn
+with a clean shutdown and a header deadline; ``ServerThread`` runs the
 app under uvicorn in a background thread (tests, embedding applications).
 """
 
@@ -26,6 +27,9 @@ from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive in full
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a new connection's request line and headers to arrive
+# after the drain at shutdown, how long uvicorn waits for the ended requests' connections to close
+_CLOSE_SECONDS = 5.0
 
 
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
@@ -68,9 +72,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a new connection's request line and headers to arrive
 
 
 def _header_deadline_protocol(seconds: float) -> type:
@@ -119,10 +120,6 @@ def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: fl
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=_CLOSE_SECONDS, lifespan="on",
                             http=_header_deadline_protocol(header_timeout), **options)
     return Server(config)
-
-
-# after the drain, how long uvicorn waits for the ended requests' connections to close
-_CLOSE_SECONDS = 5.0
 
 
 class ServerThread:
