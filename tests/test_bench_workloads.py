@@ -39,7 +39,7 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "threads: 1" in text
+    assert "threads: 1" in text and "CPU kernels built for: " in text
     assert "pagoda:" in text and "output tok/s" in text
     assert "KV cache at peak" in text and "waste" in text
     assert "profile: 8 decode steps" in text and "matmuls" in text and "attention" in text

@@ -143,9 +143,9 @@ def _print_header(llm) -> None:
     from pagoda.plugins.quant.memory import weight_memory
 
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
-    from pagoda import openmp
+    from pagoda import cpu_isa, openmp
 
-    print(f"OpenMP waiting: {openmp.wait_policy}")
+    print(f"OpenMP waiting: {openmp.wait_policy}  CPU kernels built for: {cpu_isa.describe()}")
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
