@@ -19,6 +19,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from pagoda.errors import ConfigError
+
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
 
 # the cpuinfo flags each level needs on top of the level below it
@@ -63,7 +65,7 @@ def requested_cap() -> str:
     """``PAGODA_CPU_ISA`` (``auto`` or a level); an unknown value is an error naming the choices."""
     value = os.environ.get("PAGODA_CPU_ISA", "auto").strip().lower() or "auto"
     if value != "auto" and value not in LEVELS:
-        raise ValueError(f"PAGODA_CPU_ISA={value!r} is not a CPU level; use auto or one of {', '.join(LEVELS)}")
+        raise ConfigError(f"PAGODA_CPU_ISA={value!r} is not a CPU level; use auto or one of {', '.join(LEVELS)}")
     return value
 
 
