@@ -66,6 +66,12 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     scheduler = scheduler_cls(config.scheduler, cc, kv_manager)
     sampler = sampler_cls(mc)
     runner = ModelRunner(config, model, backend, sampler, num_blocks)
+    if config.speculative is not None:
+        spec = config.speculative
+        proposer = pm.get("pagoda_proposers", spec.method, "speculative_config method").factory
+        runner.set_proposer(proposer(spec, config, runner, pm))
+        logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
+                    spec.num_speculative_tokens)
     if cc.preemption_mode == "swap":
         # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
         num_swap_blocks = cc.swap_space_bytes // bytes_per_block

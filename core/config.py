@@ -129,6 +129,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int
     max_waiting_requests: Optional[int]
     max_waiting_tokens: Optional[int] = None
+    # draft slots a decoding request may get per step (speculative decoding; 0 = off)
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,11 @@ class EngineArgs(BaseModel):
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
 
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: this pagoda runs a model in one process; "
+                "leave --tensor-parallel-size at 1 (run replicas behind a load balancer to use more machines)"
+            )
         model_dir = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir)
         text_config = hf_config.get("text_config", hf_config)
@@ -303,16 +310,6 @@ class EngineArgs(BaseModel):
             preemption_mode=self.preemption_mode,
             kv_allocator=self.kv_allocator,
         )
-        sched_cfg = SchedulerConfig(
-            policy=self.scheduling_policy,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_waiting_requests=self.max_waiting_requests,
-            max_waiting_tokens=self.max_waiting_tokens,
-        )
         spec_cfg = None
         if self.speculative_config:
             spec = dict(self.speculative_config)
@@ -326,6 +323,22 @@ class EngineArgs(BaseModel):
                 **{k: v for k, v in spec.items() if k in known},
                 extra={k: v for k, v in spec.items() if k not in known},
             )
+            if not isinstance(spec_cfg.num_speculative_tokens, int) or spec_cfg.num_speculative_tokens < 1:
+                raise ConfigError(
+                    f"speculative_config num_speculative_tokens={spec_cfg.num_speculative_tokens!r}; pass an "
+                    "integer of at least 1 (or leave speculative_config out to decode one token per step)"
+                )
+        sched_cfg = SchedulerConfig(
+            policy=self.scheduling_policy,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_waiting_requests=self.max_waiting_requests,
+            max_waiting_tokens=self.max_waiting_tokens,
+            num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+        )
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -36,8 +36,12 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self.params.spaces_between_special_tokens,
         ) if ids else ""
 
-    def add_tokens(self, token_ids: list[int]) -> Optional[str]:
-        """Append tokens; returns the stop string hit (text truncated at it), or None."""
+    def add_tokens(self, token_ids: list[int], may_stop: bool) -> Optional[str]:
+        """Append tokens; returns the stop string hit (text truncated at it), or None.
+
+        ``may_stop``: whether a stop string may end the sequence now (the sequence decides, see
+        :meth:`pagoda.request.Request.may_stop_at`); the text grows either way.
+        """
         self.ids.extend(token_ids)
         self.num_output_tokens += len(token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
@@ -49,8 +53,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         start = max(0, len(self.text) - self.max_stop_len + 1)
         self.text += delta
-        # like EOS and stop_token_ids, stop strings only end a sequence once it has min_tokens
-        if not self.params.stop_strings or self.num_output_tokens <= self.params.min_tokens:
+        if not self.params.stop_strings or not may_stop:
             return None
         best: Optional[tuple[int, str]] = None
         for stop in self.params.stop_strings:

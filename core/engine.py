@@ -9,13 +9,14 @@ from typing import Any, Iterable, Optional, Union
 
 from pagoda import hugepages
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.errors import InvalidRequestError
-from pagoda.metrics import EngineStats
+from pagoda.errors import InvalidRequestError, StepFailedError
+from pagoda.metrics import EngineStats, SpecDecodeStats
 from pagoda.output_processor import OutputProcessor
 from pagoda.outputs import RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
-from pagoda.request import Request
+from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.threads import ThreadGovernor, configure_threads
 
 logger = logging.getLogger("pagoda")
@@ -29,10 +30,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> None:
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
-        self.num_threads = configure_threads(config.parallel.cpu_threads)
-        # a measured count is measured again now and then (see ThreadGovernor); a set one stays.
-        # Benchmarks set this to None to hold one configuration for a whole run.
-        self.thread_governor = ThreadGovernor.for_setting(config.parallel.cpu_threads, self.num_threads)
+        self.host = HostTuning(config)
         from pagoda.components import build_components
 
         parts = build_components(config, self.pm)
@@ -46,15 +44,20 @@ class LLMEngine:
         self.eos_token_id = parts.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
-        # speculative decoding's acceptance counters (pagoda.spec_decode.SpecDecodeStats), None when off
-        self.spec_stats = None
-        if config.speculative is not None:
-            from pagoda.spec_decode import enable_speculation
-
-            self.spec_stats = enable_speculation(config, self.pm, self.runner, self.scheduler)
+        # speculative decoding's acceptance counters, None when off
+        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens) if config.speculative else None
+        # step observers: ``before_step(engine, sched)`` once a step is scheduled and
+        # ``after_step(engine, sched, result, seconds)`` once it is emitted (host tuning, benchmarks, --profile)
+        self.observers: list[Any] = [self.host]
+        # seconds each phase of the last step took: schedule, execute, update, emit
+        self.last_step_timings: dict[str, float] = {}
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
         self._ids = itertools.count()
-        self._largest_step = 0  # tokens of the largest step so far (see step())
+
+    @property
+    def num_threads(self) -> int:
+        """Threads compute runs on now (a measured count can change while the engine runs)."""
+        return self.host.num_threads
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
@@ -92,7 +95,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Request(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
                                     parent_id=request_id, seed=seed))
-        self.output_processor.add(request_id, text, token_ids, children)
+        self.output_processor.add(request_id, text, token_ids, children)  # also gives each its detokenizer
         for child in children:
             self.scheduler.add_request(child)
         self.stats.on_arrival(len(token_ids))
@@ -138,49 +141,135 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute, update, emit."""
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched) if not sched.is_empty else None
-        if sched.num_batched_tokens > 1.25 * self._largest_step:
-            # the heap just grew to hold this step's activations: back it with huge pages (a few times
-            # in a process's life: each advice collapses what the heap gained since the last)
-            self._largest_step = sched.num_batched_tokens
-            hugepages.advise_heap()
-        if self.thread_governor is not None and result is not None:
-            self.num_threads = self.thread_governor.maybe_retune()
-        progressed = self._update(sched, result)
-        return self._emit(progressed)
+        """One iteration: schedule, execute, update, emit.
 
-    def _update(self, sched, result) -> list[Request]:
+        Raises :class:`StepFailedError` (after rolling the step back) only when the step's execution
+        fails for every request in it; a request whose execution fails alone ends with an error.
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        for observer in self.observers:
+            observer.before_step(self, sched)
+        t1 = time.perf_counter()
+        result = self._execute(sched)
+        t2 = time.perf_counter()
+        progressed = self._update(sched, result)
+        t3 = time.perf_counter()
+        outputs = self._emit(progressed)
+        t4 = time.perf_counter()
+        self.last_step_timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "emit": t4 - t3}
+        for observer in self.observers:
+            observer.after_step(self, sched, result, t4 - t0)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> Optional[RunnerOutput]:
+        if sched.is_empty:
+            return None
+        try:
+            self.runner.move_blocks(sched)
+        except Exception as exc:
+            self.scheduler.rollback(sched)
+            raise StepFailedError(f"moving KV blocks failed: {type(exc).__name__}: {exc}",
+                                  self._user_request_ids(sched.requests)) from exc
+        try:
+            return self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
+            return self._isolate_fault(sched, exc)
+
+    def _isolate_fault(self, sched: SchedulerOutput, first: Exception) -> RunnerOutput:
+        """The step's execution raised. Run it once more (a passing fault costs one retry), then in halves
+        down to single requests: a request that fails alone ends with an error and the others go on.
+        If every request fails even alone, the step is rolled back and :class:`StepFailedError` raised.
+
+        Running part of a step again is safe: execution writes K/V only at the step's new positions.
+        """
+        logger.warning("a step failed (%s: %s); running it again to isolate the fault",
+                       type(first).__name__, first, exc_info=first)
+        try:
+            return self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001
+            last = exc
+        n = len(sched.requests)
+        parts: list[tuple[list[int], RunnerOutput]] = []
+        failed: dict[int, Exception] = {}
+
+        def run(indices: list[int]) -> None:
+            nonlocal last
+            try:
+                parts.append((indices, self.runner.execute(sched.select(indices))))
+            except Exception as exc:  # noqa: BLE001
+                last = exc
+                if len(indices) == 1:
+                    failed[indices[0]] = exc
+                else:
+                    run(indices[:len(indices) // 2])
+                    run(indices[len(indices) // 2:])
+
+        if n > 1:
+            run(list(range(n // 2)))
+            run(list(range(n // 2, n)))
+        else:
+            failed[0] = last
+        if len(failed) == n:
+            self.scheduler.rollback(sched)
+            raise StepFailedError(
+                f"the step failed for each of its {n} request(s), even run alone: {type(last).__name__}: {last}",
+                self._user_request_ids(sched.requests)) from last
+        for i, exc in failed.items():
+            req = sched.requests[i]
+            logger.error("request %s failed alone and is ended: %s: %s", req.request_id, type(exc).__name__, exc)
+            req.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return RunnerOutput.merge(n, parts)
+
+    @staticmethod
+    def _user_request_ids(requests: Iterable[Request]) -> list[str]:
+        return sorted({r.parent_id or r.request_id for r in requests})
+
+    def _update(self, sched: SchedulerOutput, result: Optional[RunnerOutput]) -> list[Request]:
         if result is None:
             return []
-        now = time.monotonic()
-        for req, lp, plp, start in zip(sched.requests, result.logprobs, result.prompt_logprobs,
-                                       sched.num_computed_before):
-            if lp is not None and req.logprobs is not None:
-                req.logprobs.append(lp)
-            # after a recompute preemption the prompt is computed again; record it once
-            if plp is not None and req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1:
-                req.prompt_logprobs.extend(plp)
+        before = [r.num_output_tokens for r in sched.requests]
+        progressed = self.scheduler.update(sched, result)
+        num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))
+        self.stats.on_step(sched, progressed, time.monotonic(), num_new)
         if self.spec_stats is not None:
-            num_before = sum(r.num_output_tokens for r in sched.requests)
-        progressed = self.scheduler.update(sched, result.sampled_token_ids)
-        if self.spec_stats is not None:
-            # a verified run appends several tokens; on_step below counts one per request
-            extra = sum(r.num_output_tokens for r in sched.requests) - num_before - len(progressed)
-            self.stats.num_generation_tokens += extra
-        for req in progressed:
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-        self.stats.on_step(sched, progressed, now)
+            for k, tokens in zip(result.num_draft_tokens, result.sampled_token_ids):
+                if k:
+                    self.spec_stats.observe(k, len(tokens) - 1)
         return progressed
 
     def _emit(self, progressed: list[Request]) -> list[RequestOutput]:
-        self.output_processor.detokenize(progressed, self.scheduler.finish)
         finished = self.scheduler.drain_finished()
         for req in finished:
             self.stats.on_finished(req)
             if self._has_finish_observers:
                 self.pm.notify_request_finished(req)
         return self.output_processor.make_outputs(progressed + finished)
+
+
+class HostTuning:
+    """Host tuning around the steps (a step observer): huge-page advice when the heap grows to hold a
+    larger step than before, and re-measuring the thread count now and then (see ThreadGovernor)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.num_threads = configure_threads(config.parallel.cpu_threads)
+        # a measured count is measured again now and then; a set one stays
+        self.governor = ThreadGovernor.for_setting(config.parallel.cpu_threads, self.num_threads)
+        self._largest_step = 0  # tokens of the largest step so far
+
+    def hold_threads(self) -> None:
+        """Keep the current thread count for good (benchmarks hold one configuration for a whole run)."""
+        self.governor = None
+
+    def before_step(self, engine: Any, sched: Any) -> None:
+        pass
+
+    def after_step(self, engine: Any, sched: Any, result: Any, seconds: float) -> None:
+        if sched.num_batched_tokens > 1.25 * self._largest_step:
+            # the heap just grew to hold this step's activations: back it with huge pages (a few times
+            # in a process's life: each advice collapses what the heap gained since the last)
+            self._largest_step = sched.num_batched_tokens
+            hugepages.advise_heap()
+        if self.governor is not None and result is not None:
+            self.num_threads = self.governor.maybe_retune()

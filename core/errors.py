@@ -19,3 +19,16 @@ class BackendUnavailable(PagodaError, RuntimeError):
 
 class CheckpointError(PagodaError, ValueError):
     """A checkpoint is missing, corrupt, or does not match the model it is loaded into."""
+
+
+class StepFailedError(PagodaError, RuntimeError):
+    """A step's execution failed for every request in it, even run alone: the fault is not one request's.
+
+    The step was rolled back: no request's progress moved (their KV is recomputed), so stepping
+    again goes on from where they were. ``request_ids`` are the user request ids of the step's
+    sequences, the ones the fault touched.
+    """
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pagoda.attention_batch import AttentionBatch
     from pagoda.request import Request, RequestStatus
     from pagoda.sampler import SamplerOutput
-    from pagoda.scheduler_output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
 
 
 @runtime_checkable

@@ -4,7 +4,7 @@ copy-on-write and a CPU swap pool.
 Bookkeeping only: block ids, ref counts, hashes. The tensors that hold K/V
 live in the model runner, indexed by the ids handed out here; the block moves
 this manager decides (swap out, swap in, copy) travel to the runner in the
-:class:`~pagoda.scheduler_output.SchedulerOutput`.
+:class:`~pagoda.step.SchedulerOutput`.
 """
 
 from __future__ import annotations

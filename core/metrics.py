@@ -55,6 +55,39 @@ class Histogram:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's acceptance counters (vLLM's ``spec_decode_*`` metrics), written by the engine thread."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verify runs: one per request per step that carried at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [k]: how often the draft at position j (0-based) was accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify run: accepted drafts plus the corrected or bonus token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class EngineStats:
     """Counters and latency histograms, updated by the engine as requests arrive, step and finish."""
 
@@ -74,10 +107,11 @@ class EngineStats:
         self.num_requests_arrived += 1
         self.num_prompt_tokens += num_prompt_tokens
 
-    def on_step(self, sched, progressed: list[Request], now: float) -> None:
-        """``progressed``: the requests that produced one token at ``now``."""
+    def on_step(self, sched, progressed: list[Request], now: float, num_new_tokens: Optional[int] = None) -> None:
+        """``progressed``: the requests that gained tokens at ``now`` (``num_new_tokens`` in all; one each
+        when not given)."""
         self.num_steps += 1
-        self.num_generation_tokens += len(progressed)
+        self.num_generation_tokens += len(progressed) if num_new_tokens is None else num_new_tokens
         last = self._last_token_time
         for req in progressed:
             prev = last.get(req.request_id)
@@ -108,7 +142,7 @@ class PrometheusExporter:
         from prometheus_client import CollectorRegistry
 
         self.stats = stats
-        self.spec_stats = spec_stats  # pagoda.spec_decode.SpecDecodeStats when speculative decoding is on
+        self.spec_stats = spec_stats  # SpecDecodeStats when speculative decoding is on
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.model_name = model_name

@@ -1,33 +1,20 @@
-"""Turns a schedule into tensors, runs the model, samples. Keeps no books of its own."""
+"""Turns a schedule into tensors, runs the model, samples (and verifies drafts). Keeps no books of its own."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import time
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from pagoda import hugepages
-from pagoda.attention_batch import AttentionBatch
+from pagoda.attention_batch import FlatBatch
 from pagoda.config import EngineConfig
-from pagoda.request import Request
-from pagoda.sampler import TokenLogprobs, prompt_logprobs_for
-from pagoda.scheduler_output import SchedulerOutput
-
-
-@dataclass
-class RunnerOutput:
-    """Aligned with ``SchedulerOutput.requests``: None where a request did not sample this step.
-
-    With speculative decoding, a request that had draft slots gets a list: its accepted drafts
-    followed by one corrected or bonus token.
-    """
-
-    sampled_token_ids: list[Optional[int | list[int]]]
-    logprobs: list[Optional[TokenLogprobs]]
-    prompt_logprobs: list[Optional[list[TokenLogprobs]]]
+from pagoda.rejection_sampler import RejectionSampler
+from pagoda.sampler import prompt_logprobs_for
+from pagoda.step import RunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
@@ -57,8 +44,17 @@ class ModelRunner:
         self.swap_caches: Optional[list[torch.Tensor]] = None
         # a speculative draft model's own KV tensors, indexed by the same block ids (moved with the target's)
         self.draft_kv_caches: list[torch.Tensor] = []
-        # set when speculative decoding is on: runs the steps that verify draft tokens
-        self.speculator: Any = None
+        # speculative decoding: fills the schedule's draft slots (see set_proposer)
+        self.proposer: Any = None
+        self.rejection_sampler: Optional[RejectionSampler] = None
+        # seconds the last execute spent per part: draft, metadata, model, logits, sampling
+        self.timings: dict[str, float] = {}
+
+    def set_proposer(self, proposer: Any) -> None:
+        """Turn speculative decoding on: ``proposer.propose(sched)`` fills each request's draft slots
+        (``SchedulerOutput.num_draft_slots``) and the runner verifies the drafts by rejection sampling."""
+        self.proposer = proposer
+        self.rejection_sampler = RejectionSampler(self.config.model.seed)
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
         """CPU memory for swapped-out blocks, laid out like the cache itself."""
@@ -97,111 +93,99 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        if sched.has_block_moves:
-            self.move_blocks(sched)
-        n = len(sched.requests)
-        if n == 0:
-            return RunnerOutput([], [], [])
-        if self.speculator is not None:
-            return self.speculator.execute(sched)
-        # decodes first: the backends treat requests [0, num_decodes) as one-token queries
-        order = sorted(range(n), key=lambda i: sched.num_new_tokens[i] != 1)
-        reqs = [sched.requests[i] for i in order]
-        num_new = np.array([sched.num_new_tokens[i] for i in order], dtype=np.int64)
-        starts = np.array([sched.num_computed_before[i] for i in order], dtype=np.int64)
-        num_decodes = int((num_new == 1).sum())
+        """Run one step's forward pass and sampling (block moves are :meth:`move_blocks`, done first).
 
-        input_ids = np.concatenate([r.all_token_ids[s:s + k] for r, s, k in zip(reqs, starts.tolist(),
-                                                                                  num_new.tolist())])
-        hidden, query_start_loc, seq_lens = self.forward(input_ids, starts, num_new, num_decodes,
-                                                         [sched.block_tables[i] for i in order])
-
-        # which rows need logits: the last token of each request that reached its end,
-        # plus every scheduled position of requests asking for prompt logprobs
-        sample_rows = [row for row, r in enumerate(reqs) if seq_lens[row] == r.num_tokens]
-        logits_idx = [int(query_start_loc[row + 1]) - 1 for row in sample_rows]
-        sampled_by_row: dict[int, int] = {}
-        logprobs_by_row: dict[int, Optional[TokenLogprobs]] = {}
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(logits_idx)])
-            out = self.sampler(logits, [reqs[row] for row in sample_rows])
-            for j, row in enumerate(sample_rows):
-                sampled_by_row[row] = out.token_ids[j]
-                logprobs_by_row[row] = out.logprobs[j] if out.logprobs else None
-        prompt_lp_by_row = self._prompt_logprobs(reqs, starts, num_new, query_start_loc, hidden)
-
-        inverse = {i: row for row, i in enumerate(order)}
-        return RunnerOutput(
-            sampled_token_ids=[sampled_by_row.get(inverse[i]) for i in range(n)],
-            logprobs=[logprobs_by_row.get(inverse[i]) for i in range(n)],
-            prompt_logprobs=[prompt_lp_by_row.get(inverse[i]) for i in range(n)],
-        )
-
-    def forward(self, input_ids: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_decodes: int,
-                block_tables_list: list[list[int]], model: Optional[torch.nn.Module] = None,
-                kv_caches: Optional[list[torch.Tensor]] = None, backend: Any = None
-                ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        """Run the model over one flattened batch (requests ``[0, num_decodes)`` have one token each).
-
-        ``input_ids``: ``[num_tokens]``; ``starts``, ``num_new``: ``[num_reqs]`` int64 (first position
-        and token count per request). Returns hidden states ``[num_tokens, hidden]``,
-        ``query_start_loc`` ``[num_reqs + 1]`` and ``seq_lens`` ``[num_reqs]``. ``model`` and
-        ``kv_caches`` and ``backend`` default to the target's (a speculative draft passes its own).
+        Writes K/V only at the step's new positions, so running the same schedule again gives the
+        same result: the engine re-runs parts of a step whose execution raised.
         """
-        n = len(starts)
-        query_start_loc = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        req_of_token = np.repeat(np.arange(n), num_new)
-        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
-        seq_lens = starts + num_new
-        max_blocks = max(len(t) for t in block_tables_list)
-        block_tables = np.zeros((n, max_blocks), dtype=np.int64)
-        for row, table in enumerate(block_tables_list):
-            block_tables[row, :len(table)] = table
-        slot_mapping = block_tables[req_of_token, positions // self.block_size] * self.block_size + \
-            positions % self.block_size
+        n = len(sched.requests)
+        out = RunnerOutput.empty(n)
+        clock = time.perf_counter
+        self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "sampling"), 0.0)
+        if n == 0:
+            return out
+        reqs = sched.requests
+        if self.proposer is not None:
+            t = clock()
+            # called every step: a draft model with its own KV cache also computes this step's other tokens
+            drafts, draft_probs = self.proposer.propose(sched)
+            timings["draft"] = clock() - t
+        else:
+            drafts, draft_probs = [[] for _ in range(n)], [None] * n
+        pieces = []
+        for i, r in enumerate(reqs):
+            start = sched.num_computed_before[i]
+            # the known tokens; a request with draft slots then its drafts (fewer than the slots if
+            # the proposer found fewer: the other slots stay unused)
+            pieces.append(r.all_token_ids[start:start + sched.num_real_tokens(i)] + drafts[i])
+        batch = FlatBatch(pieces, sched.num_computed_before, sched.block_tables, self.block_size)
+        t = clock()
+        metadata = self.backend.build_metadata(batch.attention)
+        t1 = clock()
+        hidden = self.forward(batch, metadata=metadata)
+        t2 = clock()
+        timings["metadata"], timings["model"] = t1 - t, t2 - t1
 
-        batch = AttentionBatch(
-            num_reqs=n,
-            num_decodes=num_decodes,
-            num_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
-            block_tables=torch.from_numpy(block_tables).to(torch.int32),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_start_loc_list=query_start_loc.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-            max_query_len=int(num_new.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=self.block_size,
-        )
-        metadata = (self.backend if backend is None else backend).build_metadata(batch)
-        hidden = (self.model if model is None else model)(
-            torch.from_numpy(np.asarray(input_ids, dtype=np.int64)).to(self.device),
-            torch.from_numpy(positions).to(self.device),
+        # one token for each request that reached its last known token and has no drafts
+        plain = [i for i in range(n) if not drafts[i]
+                 and sched.num_computed_before[i] + sched.num_real_tokens(i) == reqs[i].num_tokens]
+        if plain:
+            t = clock()
+            logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in plain])])
+            t1 = clock()
+            sampled = self.sampler(logits, [reqs[i] for i in plain])
+            timings["logits"] += t1 - t
+            timings["sampling"] += clock() - t1
+            for j, i in enumerate(plain):
+                out.sampled_token_ids[i] = [sampled.token_ids[j]]
+                out.logprobs[i] = sampled.logprobs[j] if sampled.logprobs else None
+        verify = [i for i in range(n) if drafts[i]]
+        if verify:
+            # every position of a verified run is scored: the last known token and each draft
+            idx = np.concatenate([np.arange(batch.rows(i).start, batch.rows(i).stop) for i in verify])
+            t = clock()
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx)])  # [sum(k_i + 1), vocab]
+            timings["logits"] += clock() - t
+            t = clock()
+            row_starts = np.concatenate([[0], np.cumsum([len(drafts[i]) + 1 for i in verify])[:-1]]).tolist()
+            verdicts = self.rejection_sampler(logits, row_starts, [reqs[i] for i in verify],
+                                              [drafts[i] for i in verify], [draft_probs[i] for i in verify])
+            for i, verdict in zip(verify, verdicts):
+                out.sampled_token_ids[i] = verdict.token_ids
+                out.num_draft_tokens[i] = len(drafts[i])
+            timings["sampling"] += clock() - t
+        self._prompt_logprobs(sched, batch, hidden, out)
+        return out
+
+    def forward(self, batch: FlatBatch, model: Optional[torch.nn.Module] = None,
+                kv_caches: Optional[list[torch.Tensor]] = None, backend: Any = None, metadata: Any = None
+                ) -> torch.Tensor:
+        """Run the model over one flattened batch; returns hidden states ``[num_tokens, hidden]`` in the
+        batch's row order (:meth:`FlatBatch.rows`). ``model``, ``kv_caches`` and ``backend`` default to
+        the target's (a speculative draft passes its own); ``metadata`` to the backend's for ``batch``."""
+        if metadata is None:
+            metadata = (self.backend if backend is None else backend).build_metadata(batch.attention)
+        return (self.model if model is None else model)(
+            torch.from_numpy(batch.input_ids).to(self.device),
+            torch.from_numpy(batch.positions).to(self.device),
             self.kv_caches if kv_caches is None else kv_caches,
             metadata,
         )
-        return hidden, query_start_loc, seq_lens
 
-    def _prompt_logprobs(self, reqs: list[Request], starts, num_new, query_start_loc,
-                         hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
-        result = {}
-        for row, r in enumerate(reqs):
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor,
+                         out: RunnerOutput) -> None:
+        for i, r in enumerate(sched.requests):
             num_top = r.sampling_params.prompt_logprobs
-            start = int(starts[row])
+            start = sched.num_computed_before[i]
             if num_top is None or start >= r.num_prompt_tokens - 1:
                 continue
             # position p predicts prompt token p + 1; only prompt positions count
-            end = min(start + int(num_new[row]), r.num_prompt_tokens - 1)
+            end = min(start + sched.num_real_tokens(i), r.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            q0 = int(query_start_loc[row])
-            rows = hidden[q0:q0 + (end - start)]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            result[row] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
-        return result
+            first = batch.rows(i).start
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + (end - start)]), dim=-1)
+            out.prompt_logprobs[i] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
 
 
 def _raw_bytes(cache: torch.Tensor) -> torch.Tensor:

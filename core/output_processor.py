@@ -1,14 +1,14 @@
-"""Builds RequestOutputs from request state: detokenization, stop strings, the n sequences of a request."""
+"""Builds RequestOutputs from request state: the text, logprobs and metrics of the n sequences of a request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagoda.detokenizer import IncrementalDetokenizer
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagoda.request import Request, RequestStatus
+from pagoda.request import Request
 
 
 @dataclass
@@ -19,9 +19,7 @@ class ParentState:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     children: list[Request]
-    detoks: list[Optional[IncrementalDetokenizer]]
     arrival_time: float
-    num_sent_tokens: list[int] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -35,13 +33,12 @@ class OutputProcessor:
         taken = [i for i in [request_id] + [c.request_id for c in children] if self.has(i)]
         if taken:
             raise InvalidRequestError(f"request id {taken[0]!r} is already in use; pass a unique request id")
-        detoks = [
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, c.sampling_params)
-            if c.sampling_params.detokenize else None
-            for c in children
-        ]
-        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children, detoks,
-                                               children[0].arrival_time, [0] * len(children))
+        for child in children:
+            # the sequence feeds it as tokens are committed (and finds stop strings there)
+            if child.sampling_params.detokenize:
+                child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params)
+        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children,
+                                               children[0].arrival_time)
         self.sequence_ids.update(c.request_id for c in children)
 
     def has(self, request_id: str) -> bool:
@@ -50,21 +47,6 @@ class OutputProcessor:
     def _forget(self, parent: ParentState) -> None:
         del self.parents[parent.request_id]
         self.sequence_ids.difference_update(c.request_id for c in parent.children)
-
-    def detokenize(self, progressed: list[Request], stop_request) -> None:
-        """Detokenize new tokens; ``stop_request(req, status)`` ends a sequence that hit a stop string."""
-        for req in progressed:
-            parent = self.parents.get(req.parent_id or req.request_id)
-            if parent is None:
-                continue
-            idx = parent.children.index(req)
-            detok = parent.detoks[idx]
-            if detok is not None:
-                stop = detok.add_tokens(req.output_token_ids[parent.num_sent_tokens[idx]:])
-                if stop is not None and not req.is_finished:
-                    req.stop_reason = stop
-                    stop_request(req, RequestStatus.FINISHED_STOPPED)
-            parent.num_sent_tokens[idx] = req.num_output_tokens
 
     def make_outputs(self, requests: list[Request]) -> list[RequestOutput]:
         """One RequestOutput per parent of ``requests``; finished parents are forgotten."""
@@ -83,7 +65,8 @@ class OutputProcessor:
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
         completions = []
-        for i, (req, detok) in enumerate(zip(parent.children, parent.detoks)):
+        for i, req in enumerate(parent.children):
+            detok = req.detokenizer
             finished = req.is_finished
             logprobs = cumulative = None
             if req.logprobs is not None:

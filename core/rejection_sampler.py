@@ -23,23 +23,6 @@ from pagoda.sampler import _apply_top_k_top_p, _generator_for
 from pagoda.sampling_params import SamplingParams
 
 
-def is_speculation_safe(request: Request) -> bool:
-    """Whether the rejection sampler reproduces the default sampler's distribution for this request now.
-
-    Penalties depend on every earlier output token (drafts included), min_tokens
-    bans stop tokens for a while, and per-token logprobs are reported by the
-    plain sampler: such requests decode one token per step instead.
-    """
-    params = request.sampling_params
-    if params.has_penalties or params.logprobs is not None:
-        return False
-    if request.num_output_tokens < params.min_tokens:
-        # min_tokens only changes the distribution when it bans something
-        bans_eos = request.eos_token_id is not None and not params.ignore_eos
-        return not (bans_eos or params.stop_token_ids)
-    return True
-
-
 def with_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``[n, vocab]`` logits plus the request's logit bias (a new tensor when there is one)."""
     if not params.logit_bias:
@@ -56,7 +39,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the default sampler draws from: ``[n, vocab]`` float32 logits -> probabilities.
 
     Logit bias, temperature, top-k / top-p and min-p, as in :class:`pagoda.sampler.Sampler`
-    (penalties and min_tokens are excluded by :func:`is_speculation_safe`).
+    (penalties and min_tokens bans are excluded by :meth:`pagoda.request.Request.may_speculate`).
     """
     logits = with_bias(logits.float(), params) / params.temperature
     n, vocab = logits.shape

@@ -69,6 +69,9 @@ class Request:
     last_token_time: Optional[float] = None
     # opaque state a sampler may keep (e.g. a torch.Generator for seeded requests)
     sampler_state: Any = None
+    # turns output tokens into text and finds stop strings (pagoda.detokenizer.IncrementalDetokenizer);
+    # None when the request asked for no text
+    detokenizer: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -100,6 +103,74 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    # ---- stop conditions: decided here and nowhere else --------------------------
+
+    def may_stop_at(self, num_output_tokens: int) -> bool:
+        """Whether output token number ``num_output_tokens`` (1-based) may end the sequence by a stop
+        condition (EOS, a stop token id, a stop string): only past ``min_tokens``."""
+        return num_output_tokens > self.sampling_params.min_tokens
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens the next sample must not be: while a stop is not yet allowed, EOS and the stop token ids."""
+        params = self.sampling_params
+        if self.may_stop_at(self.num_output_tokens + 1):
+            return []
+        banned = list(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            banned.append(self.eos_token_id)
+        return banned
+
+    def may_speculate(self) -> bool:
+        """Whether drafts verified by rejection sampling reproduce the plain sampler's distribution now.
+
+        Penalties depend on every earlier output token (drafts included), a ban on stop tokens changes
+        the distribution, and per-token logprobs come from the plain sampler: such requests decode one
+        token per step.
+        """
+        params = self.sampling_params
+        return not (params.has_penalties or params.logprobs is not None or self.banned_token_ids())
+
+    def append_output_tokens(self, token_ids: list[int], max_model_len: int) -> Optional[RequestStatus]:
+        """Append a step's tokens (one, or a verified speculative run) and apply every stop condition.
+
+        Returns the finished status if the sequence ended; tokens after the one that ended it are
+        dropped. The text (and stop strings) follow token by token only when stop strings are set.
+        """
+        params = self.sampling_params
+        detok = self.detokenizer
+        per_token_text = detok is not None and bool(params.stop_strings)
+        start = self.num_output_tokens
+        status = None
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+            status = self._stop_after(token_id, max_model_len)
+            if per_token_text and status is None:
+                stop = detok.add_tokens([token_id], self.may_stop_at(self.num_output_tokens))
+                if stop is not None:
+                    self.stop_reason = stop
+                    status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                break
+        if detok is not None and not per_token_text:
+            detok.add_tokens(self.output_token_ids[start:], False)
+        elif per_token_text and status is not None and detok.num_output_tokens < self.num_output_tokens:
+            detok.add_tokens(self.output_token_ids[detok.num_output_tokens:], False)
+        return status
+
+    def _stop_after(self, token_id: int, max_model_len: int) -> Optional[RequestStatus]:
+        params = self.sampling_params
+        if self.may_stop_at(self.num_output_tokens):
+            if token_id == self.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     @property
     def finish_reason(self) -> Optional[str]:

@@ -10,9 +10,7 @@ import torch
 from pagoda.config import ModelConfig
 from pagoda.markers import hookimpl
 from pagoda.request import Request
-
-# {token_id: (logprob, rank)} for one position
-TokenLogprobs = dict[int, tuple[float, int]]
+from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +48,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(p.is_greedy and not p.has_penalties and not p.logit_bias and not self._banned_now(r)
+        if all(p.is_greedy and not p.has_penalties and not p.logit_bias and not r.banned_token_ids()
                for p, r in zip(params, requests)):
             token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
         else:
@@ -105,20 +103,9 @@ class Sampler:
                 ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.int64)
                 vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
                 logits[i].index_add_(0, ids, vals)
-            banned = self._banned_now(r)
+            banned = r.banned_token_ids()
             if banned:
                 logits[i, torch.tensor(banned)] = float("-inf")
-
-    @staticmethod
-    def _banned_now(r: Request) -> list[int]:
-        """Tokens ``min_tokens`` forbids at this step: the stop tokens, and EOS unless ignored."""
-        p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
-            return []
-        banned = list(p.stop_token_ids)
-        if r.eos_token_id is not None and not p.ignore_eos:
-            banned.append(r.eos_token_id)
-        return banned
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         n, vocab = logits.shape

@@ -17,7 +17,7 @@ from pagoda.plugins.schedulers.fcfs import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.step import RunnerOutput, SchedulerOutput
 
 POLICIES = {"fcfs": FCFSScheduler, "priority": PriorityScheduler}
 
@@ -63,7 +63,7 @@ class SimRunner:
         self.swap: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_swap_blocks)]
         self.check = check
 
-    def execute(self, sched: SchedulerOutput) -> list[Optional[int]]:
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for block, slot in sched.blocks_to_swap_out:
             self.swap[slot] = list(self.cache[block])
         for slot, block in sched.blocks_to_swap_in:
@@ -85,8 +85,9 @@ class SimRunner:
                 assert context == req.all_token_ids[:seq_len], f"{req.request_id} attends to wrong KV"
             else:
                 context = req.all_token_ids[:seq_len]
-            sampled.append(next_token(context) if seq_len == req.num_tokens else None)
-        return sampled
+            sampled.append([next_token(context)] if seq_len == req.num_tokens else [])
+        n = len(sampled)
+        return RunnerOutput(sampled, [None] * n, [None] * n, [0] * n)
 
     def assert_prefix_cache_matches_contents(self, kv: PagedKVCacheManager) -> None:
         for h, block in kv._cached.items():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pagoda import LLM, SamplingParams
 from pagoda.default_model import ensure_default_model
 from pagoda.request import RequestStatus
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.step import SchedulerOutput
 from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
                             run_until_done, step)
 

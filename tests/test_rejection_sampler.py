@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.rejection_sampler import RejectionSampler, accept_greedy, accept_sampled, is_speculation_safe
+from pagoda.rejection_sampler import RejectionSampler, accept_greedy, accept_sampled
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -120,10 +120,10 @@ def test_requests_whose_distribution_depends_on_earlier_drafts_are_not_speculate
         r.output_token_ids = [9] * num_output
         return r
 
-    assert is_speculation_safe(req(0, temperature=0.7, top_p=0.9))
-    assert not is_speculation_safe(req(3, presence_penalty=0.5))
-    assert not is_speculation_safe(req(3, logprobs=2))
-    assert not is_speculation_safe(req(4, min_tokens=5))  # EOS is banned for one more token
-    assert is_speculation_safe(req(5, min_tokens=5))
-    assert is_speculation_safe(req(0, min_tokens=5, ignore_eos=True))  # nothing to ban
-    assert not is_speculation_safe(req(0, min_tokens=5, ignore_eos=True, stop_token_ids=[7]))
+    assert req(0, temperature=0.7, top_p=0.9).may_speculate()
+    assert not req(3, presence_penalty=0.5).may_speculate()
+    assert not req(3, logprobs=2).may_speculate()
+    assert not req(4, min_tokens=5).may_speculate()  # EOS is banned for one more token
+    assert req(5, min_tokens=5).may_speculate()
+    assert req(0, min_tokens=5, ignore_eos=True).may_speculate()  # nothing to ban
+    assert not req(0, min_tokens=5, ignore_eos=True, stop_token_ids=[7]).may_speculate()

@@ -109,7 +109,7 @@ def test_the_engine_re_measures_its_threads_while_it_runs(monkeypatch, tmp_path)
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
     monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "0")
     llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=1 << 22)
-    governor = llm.engine.thread_governor
+    governor = llm.engine.host.governor
     if available_cores() == 1:
         assert governor is None
         return

@@ -69,6 +69,10 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 causal LM. ``forward`` takes one step's flattened tokens."""
 
+    # given the caches of its first N layers only, forward runs those N layers, then the final norm:
+    # a self-speculation draft ("self:layers=N") is the target itself
+    runs_first_layers_of_caches = True
+
     def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
         super().__init__()
         text_cfg = cfg.hf_config.get("text_config", cfg.hf_config)
@@ -96,7 +100,10 @@ class LlamaForCausalLM(nn.Module):
             "max_position_embeddings", cfg.max_model_len))), theta, scaling, cfg.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any) -> torch.Tensor:
-        """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``."""
+        """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``.
+
+        Runs one decoder layer per entry of ``kv_caches`` (all of them normally; the first N for a
+        self-speculation draft)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions)  # once per step, not per layer
         residual = None

@@ -62,7 +62,7 @@ def _make_llm(ns: argparse.Namespace):
     llm = LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
     # one configuration for the whole run: pagoda, the roofline, the profile and the baseline all get the
     # thread count measured at start-up
-    llm.engine.thread_governor = None
+    llm.engine.host.hold_threads()
     return llm
 
 
@@ -79,26 +79,29 @@ def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
         engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len))
     kv, sched = engine.kv_manager, engine.scheduler
     peak = {"blocks": 0, "tokens": 0, "steps": []}
-    batched: list[int] = []
-    schedule = sched.schedule
 
-    def recording_schedule():
-        out = schedule()
-        batched.append(out.num_batched_tokens)
-        return out
+    class StepRecorder:
+        """Per step: linear-layer tokens and LM-head rows (for the roofline), and KV use at its peak."""
 
-    sched.schedule = recording_schedule  # tokens per step, for the roofline
+        def before_step(self, engine, sched) -> None:
+            self.outputs_before = engine.stats.num_generation_tokens
+
+        def after_step(self, engine, sched_out, result, seconds) -> None:
+            peak["steps"].append((sched_out.num_batched_tokens,
+                                  engine.stats.num_generation_tokens - self.outputs_before))
+            held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
+            if held_blocks > peak["blocks"]:
+                peak.update(blocks=held_blocks, tokens=sum(r.num_computed_tokens for r in sched.running))
+
+    recorder = StepRecorder()
+    engine.observers.append(recorder)
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        outputs_before = engine.stats.num_generation_tokens
-        engine.step()
-        # linear-layer tokens and LM-head rows of this step
-        peak["steps"].append((batched[-1], engine.stats.num_generation_tokens - outputs_before))
-        held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
-        if held_blocks > peak["blocks"]:
-            peak.update(blocks=held_blocks, tokens=sum(r.num_computed_tokens for r in sched.running))
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.observers.remove(recorder)
     seconds = time.perf_counter() - start
-    del sched.schedule
     return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)), peak
 
 

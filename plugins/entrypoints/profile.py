@@ -1,54 +1,66 @@
 """``--profile``: where the time of a decode step goes.
 
-The engine's components are wrapped with timers for a few steady-state decode
-steps (after every prefill has finished), then restored. Matmuls are the
-model's linear layers and the LM head; attention includes the K/V write.
+For a few steady-state decode steps (after every prefill has finished), a
+step observer adds up the engine's phase timings (``engine.last_step_timings``)
+and the runner's (``runner.timings``), and forward hooks time the model's
+linear layers and attention layers. Matmuls are the linear layers and the LM
+head; attention includes the K/V write.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Callable
 
 import torch
 
+from pagoda.layers.attention import Attention
 from pagoda.layers.linear import Linear
 from pagoda.plugins.entrypoints.workloads import BenchRequest
 
 
-class _Timers:
+class _ModuleTimer:
+    """Adds up the time spent in every module of the given types, with forward hooks (removed by ``close``)."""
+
+    def __init__(self, model: torch.nn.Module, categories: dict[type, str]) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._handles = []
+        for module in model.modules():
+            category = next((c for t, c in categories.items() if isinstance(module, t)), None)
+            if category is None:
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._start))
+            self._handles.append(module.register_forward_hook(self._stop_for(category)))
+
+    def _start(self, module, args) -> None:
+        module._profile_start = time.perf_counter()
+
+    def _stop_for(self, category: str):
+        def stop(module, args, output) -> None:
+            self.seconds[category] += time.perf_counter() - module._profile_start
+        return stop
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _PhaseTotals:
+    """A step observer adding up the engine's and the runner's timings of each step."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
 
-    def wrap(self, category: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[category] += time.perf_counter() - start
+    def before_step(self, engine, sched) -> None:
+        pass
 
-        return timed
-
-
-class _Patches:
-    """Sets attributes and puts every one back as it was."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[object, str, object, bool]] = []
-
-    def set(self, obj, name: str, value) -> None:
-        self._undo.append((obj, name, getattr(obj, name), name in vars(obj)))
-        setattr(obj, name, value)
-
-    def restore(self) -> None:
-        for obj, name, original, was_own in reversed(self._undo):
-            if was_own:
-                setattr(obj, name, original)
-            else:
-                delattr(obj, name)
-        self._undo.clear()
+    def after_step(self, engine, sched, result, seconds: float) -> None:
+        self.seconds["step"] += seconds
+        for name, value in engine.last_step_timings.items():
+            self.seconds[name] += value
+        if result is not None:
+            for name, value in engine.runner.timings.items():
+                self.seconds["runner " + name] += value
 
 
 def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dict[str, float]:
@@ -64,42 +76,30 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
     while sched.waiting or any(not r.is_prefill_done for r in sched.running):
         engine.step()
     batch = sched.num_running
-    timers = _Timers()
-    patches = _Patches()
-    model, runner, sched = engine.model, engine.runner, engine.scheduler
-    for m in model.modules():
-        if isinstance(m, Linear):
-            patches.set(m, "forward", timers.wrap("matmul", m.forward))
-    patches.set(model, "compute_logits", timers.wrap("matmul", model.compute_logits))
-    patches.set(sched, "schedule", timers.wrap("scheduling", sched.schedule))
-    patches.set(sched, "update", timers.wrap("scheduling", sched.update))
-    patches.set(runner, "execute", timers.wrap("runner total", runner.execute))
-    patches.set(runner, "sampler", timers.wrap("sampling", runner.sampler))
-    backend = runner.backend
-    patches.set(backend, "forward", timers.wrap("attention", backend.forward))
-    patches.set(backend, "build_metadata", timers.wrap("attention metadata", backend.build_metadata))
-    op = engine.output_processor
-    patches.set(op, "detokenize", timers.wrap("detokenize + outputs", op.detokenize))
-    patches.set(op, "make_outputs", timers.wrap("detokenize + outputs", op.make_outputs))
-    start = time.perf_counter()
+    modules = _ModuleTimer(engine.model, {Linear: "matmul", Attention: "attention"})
+    phases = _PhaseTotals()
+    engine.observers.append(phases)
     try:
         for _ in range(num_steps):
             engine.step()
     finally:
-        total = time.perf_counter() - start
-        patches.restore()
+        engine.observers.remove(phases)
+        modules.close()
         engine.abort_request([f"profile-{i}" for i in range(len(requests))])
         engine.step()
-    s = timers.seconds
-    model_other = s["runner total"] - s["matmul"] - s["attention"] - s["attention metadata"] - s["sampling"]
+    s, m = phases.seconds, modules.seconds
+    total = s["step"]
     rows = {
-        "matmuls (linear layers + LM head)": s["matmul"],
-        "attention (K/V write + kernel)": s["attention"],
-        "other model ops + input building": model_other,
-        "attention metadata": s["attention metadata"],
-        "sampling": s["sampling"],
-        "scheduling (schedule + update)": s["scheduling"],
-        "detokenization + outputs": s["detokenize + outputs"],
+        "matmuls (linear layers + LM head)": m["matmul"] + s["runner logits"],
+        "attention (K/V write + kernel)": m["attention"],
+        "other model ops + input building": s["execute"] - m["matmul"] - m["attention"] - s["runner metadata"]
+        - s["runner logits"] - s["runner sampling"] - s["runner draft"],
+        "attention metadata": s["runner metadata"],
+        "drafting (speculative decoding)": s["runner draft"],
+        "sampling": s["runner sampling"],
+        "scheduling": s["schedule"],
+        "update (commit, stops, detokenization)": s["update"],
+        "outputs": s["emit"],
     }
     rows["unaccounted (engine Python)"] = total - sum(rows.values())
     print(f"profile: {num_steps} decode steps at batch {batch}, {total / num_steps * 1e3:.1f} ms per step "

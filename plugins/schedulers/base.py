@@ -12,16 +12,21 @@ blocks are freed, it waits at the front and is prefilled again, reusing the
 prefix cache) or by ``swap`` (its blocks move to the CPU swap pool). Policies
 differ in the order requests queue in, which running request is preempted,
 and whether an arrival may preempt running work.
+
+Progress is committed in :meth:`TokenBudgetScheduler.update`, from the
+runner's result: ``schedule`` hands out blocks and picks the step's requests
+but moves no request's computed-token count, so a step whose execution raises
+leaves every request where it was (see :meth:`TokenBudgetScheduler.rollback`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.request import Request, RequestStatus
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.step import RunnerOutput, SchedulerOutput
 
 
 class TokenBudgetScheduler:
@@ -33,6 +38,7 @@ class TokenBudgetScheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.num_speculative_tokens = scheduler_config.num_speculative_tokens
         self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
         self.waiting: list[Request] = []
@@ -45,8 +51,6 @@ class TokenBudgetScheduler:
         self._prompt_leaders: dict[str, Request] = {}
         # request id -> tokens scheduled in the step being built
         self._scheduled_now: dict[str, int] = {}
-        # speculative decoding (set by the engine): request -> draft tokens it may verify this step
-        self.max_spec_tokens: Optional[Callable[[Request], int]] = None
 
     # ---- policy points -------------------------------------------------------
 
@@ -128,8 +132,10 @@ class TokenBudgetScheduler:
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
                 continue
-            if self.max_spec_tokens is not None and req.num_tokens - req.num_computed_tokens == 1:
-                num_new += self._num_spec_tokens(req, budget - 1)
+            num_drafts = 0
+            if self.num_speculative_tokens and req.num_tokens - req.num_computed_tokens == 1:
+                num_drafts = self._num_draft_slots(req, budget - 1)
+                num_new += num_drafts
             if self._outgrows_cache(req, num_new):
                 self._fail_unfittable(req)
                 continue
@@ -140,14 +146,19 @@ class TokenBudgetScheduler:
                 if victim is req:
                     break
             else:
-                self._add_to_output(out, req, num_new)
+                self._add_to_output(out, req, num_new, num_drafts)
                 budget -= num_new
         return budget
 
-    def _num_spec_tokens(self, req: Request, budget: int) -> int:
-        """Draft slots for a decoding request: what the proposer wants, within the budget and
-        ``max_model_len``, and only if the blocks are free now (drafts never cost a preemption)."""
-        k = min(self.max_spec_tokens(req), budget, self.max_model_len - req.num_tokens)
+    def _num_draft_slots(self, req: Request, budget: int) -> int:
+        """Draft slots for a decoding request: ``num_speculative_tokens`` when its sampling allows
+        speculation, within its ``max_tokens``, the budget and ``max_model_len``, and only if the blocks
+        are free now (drafts never cost a preemption)."""
+        if not req.may_speculate():
+            return 0
+        k = min(self.num_speculative_tokens, budget, self.max_model_len - req.num_tokens)
+        if req.sampling_params.max_tokens is not None:
+            k = min(k, req.sampling_params.max_tokens - req.num_output_tokens - 1)  # no drafts past the last token
         if k <= 0 or self._outgrows_cache(req, 1 + k) or not self.kv.can_allocate(req, 1 + k):
             return 0
         return k
@@ -179,7 +190,7 @@ class TokenBudgetScheduler:
             if not self._may_admit_waiting(req):
                 break
             leader = self._prompt_leader(req)
-            if leader is not None and self._computed_before_step(leader) < req.num_prompt_tokens - 1:
+            if leader is not None and leader.num_computed_tokens < req.num_prompt_tokens - 1:
                 idx += 1  # its sibling is still computing the shared prompt: join once that is done
                 continue
             if leader is not None:
@@ -220,9 +231,6 @@ class TokenBudgetScheduler:
             return None
         return leader
 
-    def _computed_before_step(self, req: Request) -> int:
-        return req.num_computed_tokens - self._scheduled_now.get(req.request_id, 0)
-
     def _fork_from(self, leader: Request, req: Request) -> int:
         """Share the leader's prompt blocks; compute only the last prompt token (for this sequence's
         own first sample). Returns the tokens scheduled, 0 if the pool is short."""
@@ -258,12 +266,8 @@ class TokenBudgetScheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
-        out.requests.append(req)
-        out.num_new_tokens.append(num_new)
-        out.num_computed_before.append(req.num_computed_tokens)
-        out.block_tables.append(self.kv.block_table(req.request_id))
-        req.num_computed_tokens += num_new
+    def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int, num_drafts: int = 0) -> None:
+        out.add(req, num_new, req.num_computed_tokens, self.kv.block_table(req.request_id), num_drafts)
         self._scheduled_now[req.request_id] = num_new
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -282,52 +286,66 @@ class TokenBudgetScheduler:
         self.num_preemptions += 1
         out.preempted.append(req)
 
-    def update(self, sched: SchedulerOutput, sampled_token_ids: list[Optional[int]]) -> list[Request]:
-        """Append sampled tokens, apply stop conditions, free finished requests.
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Commit the step: advance each request's computed tokens, append what it sampled (logprobs
+        included), apply the stop conditions, free finished requests.
 
-        Returns the requests that produced a token this step (finished ones included).
+        A request computed its known tokens this step plus the drafts it had accepted; its newest
+        token (sampled now) is computed next step. Returns the requests that gained a token
+        (finished ones included).
         """
         progressed = []
-        for req, token_id in zip(sched.requests, sampled_token_ids):
-            if token_id is None or req.is_finished:
+        now = time.monotonic()
+        for i, req in enumerate(sched.requests):
+            if req.is_finished:
+                continue  # aborted or failed during the step
+            token_ids = result.sampled_token_ids[i]
+            start = sched.num_computed_before[i]
+            prompt_lp = result.prompt_logprobs[i]
+            # after a recompute preemption the prompt is computed again; record it once
+            if prompt_lp is not None and req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1:
+                req.prompt_logprobs.extend(prompt_lp)
+            computed = start + sched.num_real_tokens(i)
+            if not token_ids:
+                req.num_computed_tokens = computed
                 continue
-            if isinstance(token_id, list):  # speculative decoding: the accepted run of this step
-                self._append_verified(req, token_id)
-                progressed.append(req)
-                continue
-            req.append_output_token(token_id)
+            req.num_computed_tokens = computed + len(token_ids) - 1
+            if result.logprobs[i] is not None and req.logprobs is not None:
+                req.logprobs.append(result.logprobs[i])
+            status = req.append_output_tokens(token_ids, self.max_model_len)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
             progressed.append(req)
-            status = self._check_stop(req, token_id)
             if status is not None:
                 self.finish(req, status)
+            elif sched.num_draft_slots[i]:
+                # release the blocks that only held rejected or unused draft slots
+                self.kv.trim_slots(req, req.num_tokens)
         return progressed
 
-    def _append_verified(self, req: Request, token_ids: list[int]) -> None:
-        """Append a verified run token by token (a stop ends it early, dropping the rest), then roll
-        the computed count back to it and release the blocks that only held rejected drafts."""
-        for token_id in token_ids:
-            req.append_output_token(token_id)
-            status = self._check_stop(req, token_id)
-            if status is not None:
-                self.finish(req, status)
-                return
-        # K/V are valid up to the last accepted draft; the newest token is computed next step
-        req.num_computed_tokens = req.num_tokens - 1
-        self.kv.trim_slots(req, req.num_tokens)
+    def rollback(self, sched: SchedulerOutput) -> None:
+        """Undo what a step that failed to execute may have left half done.
 
-    def _check_stop(self, req: Request, token_id: int) -> Optional[RequestStatus]:
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if token_id == req.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                req.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        No request's progress moved (that happens in :meth:`update`), but the step's block moves,
+        copy-on-write copies and K/V writes may have run in part, and blocks registered in the prefix
+        cache for this step's tokens hold nothing valid. So the prefix cache is dropped, and the
+        step's requests (and those it swapped out) lose their KV blocks and wait at the front of the
+        queue to be computed again from their tokens: their outputs continue exactly as before.
+        """
+        self.kv.reset_prefix_cache()
+        for req in list(sched.requests) + list(sched.preempted):
+            if req.is_finished or req.status == RequestStatus.PREEMPTED:
+                continue
+            for queue in (self.running, self.swapped):
+                if req in queue:
+                    queue.remove(req)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            if self._prompt_leaders.get(req.parent_id) is req:
+                del self._prompt_leaders[req.parent_id]
+            self._insert_waiting(req, front=True)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Finish a request in any state (waiting, running, swapped) and free its blocks at once."""

@@ -6,7 +6,7 @@ import bisect
 
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 from pagoda.request import Request
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.step import SchedulerOutput
 
 
 def priority_key(req: Request) -> tuple:

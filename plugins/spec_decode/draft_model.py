@@ -3,7 +3,8 @@
 Two kinds of draft:
 
 - ``"model": "self:layers=N"`` (self-speculation): the target's own first N
-  layers, its final norm and LM head. Those N layers see exactly the target's
+  layers, its final norm and LM head (the target run with only its first N
+  layers' caches runs only those layers). Those N layers see exactly the target's
   inputs, so the K/V they would store for accepted tokens are the target's:
   the draft reads and writes the target's cache for layers ``< N``. Its writes
   at draft positions land in slots the target's verify pass overwrites in the
@@ -35,30 +36,8 @@ from pagoda.errors import ConfigError
 from pagoda.rejection_sampler import target_probs, with_bias
 from pagoda.request import Request
 from pagoda.sampler import _generator_for
-from pagoda.scheduler_output import SchedulerOutput
-
-
-class SelfDraft(torch.nn.Module):
-    """The target's first ``num_layers`` decoder layers, then its final norm and LM head."""
-
-    def __init__(self, target: torch.nn.Module, num_layers: int) -> None:
-        super().__init__()
-        self.target = target
-        self.num_layers = num_layers
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any
-                ) -> torch.Tensor:
-        t = self.target
-        x = t.embed_tokens(input_ids)
-        rope = t.rotary.at(positions)
-        residual = None
-        for layer, kv_cache in zip(t.layers[:self.num_layers], kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, metadata)
-        x, _ = t.norm(x, residual)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
+from pagoda.attention_batch import FlatBatch
+from pagoda.step import SchedulerOutput
 
 
 class DraftModelProposer:
@@ -93,12 +72,11 @@ class DraftModelProposer:
                 f'speculative_config model {name!r} is not understood; use "self:layers=N" with '
                 f"1 <= N < {total} (the target's layer count), e.g. \"self:layers={max(1, total // 4)}\""
             )
-        for part in ("embed_tokens", "rotary", "norm"):
-            if not hasattr(runner.model, part):
-                raise ConfigError(f"self-speculation needs a Llama-style target (no {part!r} on "
-                                  f"{type(runner.model).__name__}); pass a draft checkpoint directory instead")
+        if not getattr(runner.model, "runs_first_layers_of_caches", False):
+            raise ConfigError(f"self-speculation needs a target that can run its first N layers alone "
+                              f"({type(runner.model).__name__} cannot); pass a draft checkpoint directory instead")
         num_layers = int(match.group(1))
-        return SelfDraft(runner.model, num_layers), runner.kv_caches[:num_layers], runner.backend
+        return runner.model, runner.kv_caches[:num_layers], runner.backend
 
     @staticmethod
     def _checkpoint_draft(path: str, engine_config: EngineConfig, runner: Any, pm: Any):
@@ -125,24 +103,29 @@ class DraftModelProposer:
 
     # ---- drafting ---------------------------------------------------------------
 
-    def propose(self, sched: SchedulerOutput, rows: list[int], max_drafts: list[int]
-                ) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
-        """Up to ``max_drafts[j]`` tokens for ``sched.requests[rows[j]]`` (request ``i`` decoding: its
-        last token sits at position ``num_tokens - 1``, its blocks hold room for the drafts)."""
+    def propose(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
+        """Up to ``sched.num_draft_slots[i]`` drafts for each request (a request with slots is decoding: its
+        last token sits at position ``num_tokens - 1`` and its blocks hold room for the drafts), and for
+        sampled requests the draft distributions ``[k_i, vocab]`` (None for greedy ones)."""
+        n = len(sched.requests)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        probs: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        rows = [i for i in range(n) if sched.num_draft_slots[i]]
+        max_drafts = [sched.num_draft_slots[i] for i in rows]
         reqs = [sched.requests[i] for i in rows]
         tables = [sched.block_tables[i] for i in rows]
-        drafts: list[list[int]] = [[] for _ in rows]
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        row_drafts = [drafts[i] for i in rows]
+        row_probs = [probs[i] for i in rows]
         if self.has_own_cache:
             logits = self._catch_up(sched, rows)  # [len(rows), vocab], the first draft position
             if not rows:
-                return [], []
-            tokens = self._choose(logits, reqs, list(range(len(rows))), drafts, probs)
+                return drafts, [None] * n
+            tokens = self._choose(logits, reqs, list(range(len(rows))), row_drafts, row_probs)
         elif not rows:
-            return [], []
+            return drafts, [None] * n
         else:
             tokens = np.array([r.all_token_ids[-1] for r in reqs], dtype=np.int64)
-        lengths = np.array([r.num_tokens for r in reqs], dtype=np.int64)
+        lengths = [r.num_tokens for r in reqs]
         first = 1 if self.has_own_cache else 0
         # an own-cache draft also feeds its last draft (logits unused), so that if every draft is
         # accepted its cache still holds them all: blocks may be cached or preempted before next step
@@ -150,15 +133,14 @@ class DraftModelProposer:
         for j in range(first, end):
             active = [a for a in range(len(rows)) if max_drafts[a] > j or (self.has_own_cache and max_drafts[a] == j)]
             # one-token decode pass: row a feeds its newest token at position num_tokens - 1 + j
-            starts = lengths[active] - 1 + j
-            hidden, _, _ = self.runner.forward(tokens[active], starts, np.ones(len(active), dtype=np.int64),
-                                               len(active), [tables[a] for a in active], self.model,
-                                               self.kv_caches, self.backend)
+            batch = FlatBatch([[int(tokens[a])] for a in active], [lengths[a] - 1 + j for a in active],
+                              [tables[a] for a in active], self.runner.block_size)
+            hidden = self.runner.forward(batch, self.model, self.kv_caches, self.backend)
             choosing = [c for c, a in enumerate(active) if max_drafts[a] > j]
             if choosing:
-                logits = self.model.compute_logits(hidden[torch.tensor(choosing)])
+                logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(c) for c in choosing])])
                 rows_now = [active[c] for c in choosing]
-                tokens[rows_now] = self._choose(logits, reqs, rows_now, drafts, probs)
+                tokens[rows_now] = self._choose(logits, reqs, rows_now, row_drafts, row_probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
     def _choose(self, logits: torch.Tensor, reqs: list[Request], active: list[int], drafts: list[list[int]],
@@ -179,22 +161,17 @@ class DraftModelProposer:
         return np.array(chosen, dtype=np.int64)
 
     def _catch_up(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:
-        """Own-cache draft: compute the step's tokens into the draft's cache, as the target does into
-        its own (a speculated request: its last token). Returns logits at each speculated request's
+        """Own-cache draft: compute the step's known tokens into the draft's cache, as the target does into
+        its own (a request with draft slots: its last token). Returns logits at each such request's
         last token, ``[len(rows), vocab]``."""
-        n = len(sched.requests)
-        spec = set(rows)
-        num_new = np.array([1 if i in spec else sched.num_new_tokens[i] for i in range(n)], dtype=np.int64)
-        starts = np.array([r.num_tokens - 1 if i in spec else sched.num_computed_before[i]
-                           for i, r in enumerate(sched.requests)], dtype=np.int64)
-        order = sorted(range(n), key=lambda i: num_new[i] != 1)
-        input_ids = np.fromiter((t for i in order for t in
-                                 sched.requests[i].all_token_ids[starts[i]:starts[i] + num_new[i]]), dtype=np.int64)
-        hidden, query_start_loc, _ = self.runner.forward(
-            input_ids, starts[order], num_new[order], int((num_new == 1).sum()),
-            [sched.block_tables[i] for i in order], self.model, self.kv_caches, self.backend)
-        row_of = {i: row for row, i in enumerate(order)}
-        last = [int(query_start_loc[row_of[i] + 1]) - 1 for i in rows]
-        if not last:
+        pieces = []
+        starts = []
+        for i, req in enumerate(sched.requests):
+            start = sched.num_computed_before[i]
+            pieces.append(req.all_token_ids[start:start + sched.num_real_tokens(i)])
+            starts.append(start)
+        batch = FlatBatch(pieces, starts, sched.block_tables, self.runner.block_size)
+        hidden = self.runner.forward(batch, self.model, self.kv_caches, self.backend)
+        if not rows:
             return torch.empty(0)
-        return self.model.compute_logits(hidden[torch.tensor(last)])
+        return self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in rows])])

@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pagoda.config import EngineConfig, SpeculativeConfig
 from pagoda.errors import ConfigError
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.step import SchedulerOutput
 
 
 def ngram_lookup(token_ids: Sequence[int], max_n: int, min_n: int, num_drafts: int) -> list[int]:
@@ -50,9 +50,8 @@ class NgramProposer:
                 "1 <= prompt_lookup_min <= prompt_lookup_max (e.g. 1 and 4)"
             )
 
-    def propose(self, sched: SchedulerOutput, rows: list[int], max_drafts: list[int]
-                ) -> tuple[list[list[int]], list[Optional[Any]]]:
-        """Drafts for ``sched.requests[rows[j]]``, at most ``max_drafts[j]`` each; no probabilities."""
-        drafts = [ngram_lookup(sched.requests[i].all_token_ids, self.max_n, self.min_n, k)
-                  for i, k in zip(rows, max_drafts)]
-        return drafts, [None] * len(rows)
+    def propose(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[Optional[Any]]]:
+        """Up to ``sched.num_draft_slots[i]`` drafts per request (none where it has no slots); no probabilities."""
+        drafts = [ngram_lookup(req.all_token_ids, self.max_n, self.min_n, k) if k else []
+                  for req, k in zip(sched.requests, sched.num_draft_slots)]
+        return drafts, [None] * len(drafts)

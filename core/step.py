@@ -1,0 +1,116 @@
+"""The step contract: what a scheduler decides for one step, and what the runner reports back.
+
+One engine step is ``schedule -> execute -> update -> emit``. The scheduler's
+:class:`SchedulerOutput` names the requests to run and how many tokens each
+computes; the runner executes it and returns a :class:`RunnerOutput` aligned
+with it; the scheduler then commits each request's progress from that result
+in ``update``. Nothing before ``update`` moves a request's progress, so a step
+whose execution raises leaves every request as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from pagoda.request import Request
+
+# per sampled token: {token_id: (logprob, rank)} for the sampled token and the top-k alternatives
+TokenLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class SchedulerOutput:
+    """Which requests run this step and how many tokens each computes.
+
+    Prefill chunks and decodes share one batch. For request ``i``:
+
+    - ``num_computed_before[i]``: the position of its first new token (the
+      tokens before it have K/V in the cache);
+    - ``num_new_tokens[i]``: the positions computed this step, draft slots
+      included;
+    - ``num_draft_slots[i]``: the last that many of those positions are
+      speculative draft slots (0 unless speculative decoding is on and the
+      request is decoding): the proposer fills up to that many drafts after
+      the request's last token and the target verifies them in the same pass.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_computed_before: list[int] = field(default_factory=list)
+    num_draft_slots: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # block moves the runner performs before the forward pass, in this order:
+    # (cache block -> swap slot), (swap slot -> cache block), (source block -> copy-on-write target)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, request: Request, num_new_tokens: int, num_computed_before: int, block_table: list[int],
+            num_draft_slots: int = 0) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+        self.num_computed_before.append(num_computed_before)
+        self.num_draft_slots.append(num_draft_slots)
+        self.block_tables.append(block_table)
+
+    def select(self, indices: Sequence[int]) -> "SchedulerOutput":
+        """The same step restricted to requests ``indices``, without block moves (for re-running part of it)."""
+        sub = SchedulerOutput()
+        for i in indices:
+            sub.add(self.requests[i], self.num_new_tokens[i], self.num_computed_before[i], self.block_tables[i],
+                    self.num_draft_slots[i])
+        return sub
+
+    def num_real_tokens(self, i: int) -> int:
+        """Request ``i``'s known tokens computed this step (its new tokens without the draft slots)."""
+        return self.num_new_tokens[i] - self.num_draft_slots[i]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def has_block_moves(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests and not self.has_block_moves
+
+
+@dataclass
+class RunnerOutput:
+    """The runner's result, aligned with ``SchedulerOutput.requests``.
+
+    ``sampled_token_ids[i]`` is the list of tokens request ``i`` appends: empty
+    when it sampled nothing (a prefill chunk short of the prompt's end), one
+    token for an ordinary step, or its accepted drafts followed by one
+    corrected or bonus token when it verified ``num_draft_tokens[i]`` drafts.
+    ``logprobs[i]`` belongs to the last sampled token (requests asking for
+    logprobs never speculate); ``prompt_logprobs[i]`` covers the prompt
+    positions computed this step.
+    """
+
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Optional[TokenLogprobs]]
+    prompt_logprobs: list[Optional[list[TokenLogprobs]]]
+    num_draft_tokens: list[int]
+
+    @classmethod
+    def empty(cls, num_requests: int) -> "RunnerOutput":
+        return cls([[] for _ in range(num_requests)], [None] * num_requests, [None] * num_requests,
+                   [0] * num_requests)
+
+    @classmethod
+    def merge(cls, num_requests: int, parts: Sequence[tuple[Sequence[int], "RunnerOutput"]]) -> "RunnerOutput":
+        """One output from outputs of sub-steps (``SchedulerOutput.select``); requests in none stay empty."""
+        out = cls.empty(num_requests)
+        for indices, part in parts:
+            for j, i in enumerate(indices):
+                out.sampled_token_ids[i] = part.sampled_token_ids[j]
+                out.logprobs[i] = part.logprobs[j]
+                out.prompt_logprobs[i] = part.prompt_logprobs[j]
+                out.num_draft_tokens[i] = part.num_draft_tokens[j]
+        return out
