@@ -6,11 +6,17 @@ step's outputs are handed to the event loop in one call; every request keeps
 only its newest (cumulative) output, so a slow client never makes the engine
 queue up memory.
 
-Failure model: an exception inside ``step()`` fails the requests that were
-running (their KV state is no longer trustworthy) with :class:`EngineStepError`
-and keeps the waiting ones. After ``max_consecutive_failures`` failed steps in
-a row, or when the clean-up itself fails, the engine is dead: every request
-fails with :class:`EngineDeadError` and ``is_healthy`` turns False.
+Failure model: the engine isolates a fault in a step's execution itself (a
+request that fails alone ends with an error, the others go on). When a step
+fails for every request in it, ``step()`` raises :class:`StepFailedError`
+with the step rolled back; those requests are failed with
+:class:`EngineStepError`, the others go on. Any other exception from ``step()``
+fails the running requests. After ``max_consecutive_failures`` such failures
+in a row the engine checks itself (:meth:`LLMEngine.self_check`: one token of
+a one-token prompt through the model): if that works, the failures were the
+requests' own and serving goes on; if it fails, or when the clean-up itself
+fails, the engine is dead: every request fails with :class:`EngineDeadError`
+and ``is_healthy`` turns False.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pagoda.engine import LLMEngine, PromptType
-from pagoda.errors import InvalidRequestError, PagodaError
+from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
 from pagoda.outputs import RequestOutput
 from pagoda.request import RequestStatus
 from pagoda.sampling_params import SamplingParams
@@ -343,23 +349,36 @@ class AsyncLLMEngine:
 
     def _on_step_failure(self, exc: Exception) -> None:
         self.num_failed_steps += 1
-        self._consecutive_failures += 1
         logger.error("engine step failed:\n%s", traceback.format_exc())
         error = EngineStepError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         try:
-            # running requests have half-applied state (allocated blocks, advanced positions): fail them
-            running = list(self.engine.scheduler.running)
-            parent_ids = sorted({r.parent_id or r.request_id for r in running})
-            for req in running:
-                req.error = str(error)
-                self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR)  # counted as "error" in metrics
+            if isinstance(exc, StepFailedError):
+                # rolled back: only the step's own requests saw the fault
+                parent_ids = list(exc.request_ids)
+                sequences = [c for rid in parent_ids for c in self.engine.sequences_of(rid)]
+            else:
+                # the step may have been left half-applied: fail every running request
+                sequences = list(self.engine.scheduler.running)
+                parent_ids = sorted({r.parent_id or r.request_id for r in sequences})
+            self._consecutive_failures += 1
+            for req in sequences:
+                if not req.is_finished:
+                    req.error = str(error)
+                    self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR)  # counted as "error" in metrics
             self.engine.abort_request(parent_ids)  # their sibling sequences (n > 1) and output state
         except Exception as cleanup_exc:  # noqa: BLE001
             self._die(f"clean-up after a failed step raised {type(cleanup_exc).__name__}: {cleanup_exc}")
             return
         self._to_loop(self._fail_streams, parent_ids, error)
         if self._consecutive_failures >= self.max_consecutive_failures:
-            self._die(f"{self._consecutive_failures} consecutive steps failed; last: {type(exc).__name__}: {exc}")
+            problem = self.engine.self_check()
+            if problem is None:
+                logger.warning("%d steps failed in a row but the engine's self-check passes: the failed requests "
+                               "caused them; serving goes on", self._consecutive_failures)
+                self._consecutive_failures = 0
+                return
+            self._die(f"{self._consecutive_failures} consecutive steps failed and the self-check failed too "
+                      f"({problem}); last: {type(exc).__name__}: {exc}")
 
     def _die(self, reason: str) -> None:
         logger.critical("the engine is dead: %s", reason)

@@ -135,6 +135,11 @@ class LLMEngine:
             self.scheduler.abort_requests([c.request_id for c in parent.children if not c.is_finished])
             self.output_processor.abort(rid)
 
+    def sequences_of(self, request_id: str) -> list[Request]:
+        """The sequences (``n`` of them) generated for a user request; empty once it is finished."""
+        parent = self.output_processor.parents.get(request_id)
+        return list(parent.children) if parent is not None else []
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -221,6 +226,22 @@ class LLMEngine:
             req.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         return RunnerOutput.merge(n, parts)
+
+    def self_check(self) -> Optional[str]:
+        """Run one token of a one-token prompt through the runner, outside the scheduler (no request is
+        touched). Returns None if it works, else what failed; None too when no KV block is free to try."""
+        probe = Request("pagoda-self-check", [self.eos_token_id or 0], SamplingParams(temperature=0.0, max_tokens=1))
+        if not self.kv_manager.allocate_slots(probe, 1):
+            return None
+        try:
+            sched = SchedulerOutput()
+            sched.add(probe, 1, 0, self.kv_manager.block_table(probe.request_id))
+            self.runner.execute(sched)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the answer is what failed
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.kv_manager.free(probe)
 
     @staticmethod
     def _user_request_ids(requests: Iterable[Request]) -> list[str]:

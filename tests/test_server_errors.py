@@ -374,17 +374,26 @@ def fail_steps(monkeypatch, llm, when):
         return real(sched)
 
     monkeypatch.setattr(runner, "execute", execute)
+    return calls
 
 
-def test_an_engine_fault_fails_the_request_with_500_and_the_server_serves_on(server, http, llm, monkeypatch):
-    fail_steps(monkeypatch, llm, lambda n: n == 1)
+def test_an_engine_fault_fails_only_its_request_with_500_and_the_server_serves_on(server, http, llm, monkeypatch):
+    # a fault that passes costs a retry within the step: the client never sees it
+    calls = fail_steps(monkeypatch, llm, lambda n: n == 1)
+    assert post(http, C, ok_completion(temperature=0)).status_code == 200
+    assert calls["n"] >= 2
+    monkeypatch.undo()
+
+    # a fault that persists for a request fails it, with the cause
+    fail_steps(monkeypatch, llm, lambda n: True)
     resp = post(http, C, ok_completion(temperature=0))
     assert resp.status_code == 500
     error = resp.json()["error"]
     assert error["type"] == "server_error" and "injected runner fault" in error["message"]
+    monkeypatch.undo()
 
     # a fault after the stream started ends it with an error event instead of hanging
-    fail_steps(monkeypatch, llm, lambda n: n == 3)
+    fail_steps(monkeypatch, llm, lambda n: n >= 3)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
     with pytest.raises(openai.APIError, match="injected runner fault"):
         for _ in client.completions.create(model=llm.engine.config.model.served_model_name, prompt="Hello",
@@ -393,6 +402,27 @@ def test_an_engine_fault_fails_the_request_with_500_and_the_server_serves_on(ser
     monkeypatch.undo()
     assert http.get("/health").status_code == 200
     assert post(http, C, ok_completion()).status_code == 200
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_requests_that_fail_one_after_another_do_not_kill_an_engine_that_works(http, llm, monkeypatch):
+    # the same bad input three times in a row: the engine checks itself and finds it can still run
+    poisoned = {"prompt": "Hello poison", "max_tokens": 2}
+    poison_ids = set(llm.engine.tokenizer.encode(poisoned["prompt"])) - set(llm.engine.tokenizer.encode("Hello"))
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def execute(sched):
+        if any(poison_ids & set(r.prompt_token_ids) for r in sched.requests):
+            raise RuntimeError("injected fault on one input")
+        return real(sched)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    statuses = [post(http, C, poisoned).status_code for _ in range(4)]
+    assert statuses == [500] * 4
+    assert http.get("/health").status_code == 200
+    assert post(http, C, ok_completion()).status_code == 200
+    monkeypatch.undo()
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.num_blocks
 
 
