@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 from pagoda.engine import LLMEngine, PromptType
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
 from pagoda.outputs import RequestOutput
-from pagoda.request import RequestStatus
+from pagoda.sequence import SequenceStatus
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagoda")
@@ -364,7 +364,7 @@ class AsyncLLMEngine:
             for req in sequences:
                 if not req.is_finished:
                     req.error = str(error)
-                    self.engine.scheduler.finish(req, RequestStatus.FINISHED_ERROR)  # counted as "error" in metrics
+                    self.engine.scheduler.finish(req, SequenceStatus.FINISHED_ERROR)  # counted as "error" in metrics
             self.engine.abort_request(parent_ids)  # their sibling sequences (n > 1) and output state
         except Exception as cleanup_exc:  # noqa: BLE001
             self._die(f"clean-up after a failed step raised {type(cleanup_exc).__name__}: {cleanup_exc}")

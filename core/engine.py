@@ -11,10 +11,10 @@ from pagoda import hugepages
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.metrics import EngineStats, SpecDecodeStats
-from pagoda.output_processor import OutputProcessor
+from pagoda.outputs import OutputProcessor
 from pagoda.outputs import RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
-from pagoda.request import Request, RequestStatus
+from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.threads import ThreadGovernor, configure_threads
@@ -93,7 +93,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            children.append(Request(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
+            children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
                                     parent_id=request_id, seed=seed))
         self.output_processor.add(request_id, text, token_ids, children)  # also gives each its detokenizer
         for child in children:
@@ -135,7 +135,7 @@ class LLMEngine:
             self.scheduler.abort_requests([c.request_id for c in parent.children if not c.is_finished])
             self.output_processor.abort(rid)
 
-    def sequences_of(self, request_id: str) -> list[Request]:
+    def sequences_of(self, request_id: str) -> list[Sequence]:
         """The sequences (``n`` of them) generated for a user request; empty once it is finished."""
         parent = self.output_processor.parents.get(request_id)
         return list(parent.children) if parent is not None else []
@@ -224,13 +224,13 @@ class LLMEngine:
             req = sched.requests[i]
             logger.error("request %s failed alone and is ended: %s: %s", req.request_id, type(exc).__name__, exc)
             req.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self.scheduler.finish(req, SequenceStatus.FINISHED_ERROR)
         return RunnerOutput.merge(n, parts)
 
     def self_check(self) -> Optional[str]:
         """Run one token of a one-token prompt through the runner, outside the scheduler (no request is
         touched). Returns None if it works, else what failed; None too when no KV block is free to try."""
-        probe = Request("pagoda-self-check", [self.eos_token_id or 0], SamplingParams(temperature=0.0, max_tokens=1))
+        probe = Sequence("pagoda-self-check", [self.eos_token_id or 0], SamplingParams(temperature=0.0, max_tokens=1))
         if not self.kv_manager.allocate_slots(probe, 1):
             return None
         try:
@@ -244,10 +244,10 @@ class LLMEngine:
             self.kv_manager.free(probe)
 
     @staticmethod
-    def _user_request_ids(requests: Iterable[Request]) -> list[str]:
+    def _user_request_ids(requests: Iterable[Sequence]) -> list[str]:
         return sorted({r.parent_id or r.request_id for r in requests})
 
-    def _update(self, sched: SchedulerOutput, result: Optional[RunnerOutput]) -> list[Request]:
+    def _update(self, sched: SchedulerOutput, result: Optional[RunnerOutput]) -> list[Sequence]:
         if result is None:
             return []
         before = [r.num_output_tokens for r in sched.requests]
@@ -260,7 +260,7 @@ class LLMEngine:
                     self.spec_stats.observe(k, len(tokens) - 1)
         return progressed
 
-    def _emit(self, progressed: list[Request]) -> list[RequestOutput]:
+    def _emit(self, progressed: list[Sequence]) -> list[RequestOutput]:
         finished = self.scheduler.drain_finished()
         for req in finished:
             self.stats.on_finished(req)

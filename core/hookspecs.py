@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import pluggy
 
 if TYPE_CHECKING:
-    from pagoda.request import Request
+    from pagoda.sequence import Sequence
 
 hookspec = pluggy.HookspecMarker("pagoda")
 
@@ -182,7 +182,7 @@ def pagoda_add_routes(app: Any, engine: Any) -> None:
 
 
 @hookspec
-def pagoda_request_finished(request: "Request") -> None:
+def pagoda_request_finished(request: "Sequence") -> None:
     """Called once for each request as it finishes (stopped, length or
     aborted), after its KV blocks are freed. Observers only: must not block.
     """

@@ -8,13 +8,14 @@ component is listed here; anything else is the component's own business.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+import typing
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
-    from pagoda.attention_batch import AttentionBatch
-    from pagoda.request import Request, RequestStatus
+    from pagoda.step import AttentionBatch
+    from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.sampler import SamplerOutput
     from pagoda.step import SchedulerOutput
 
@@ -62,15 +63,15 @@ class KVCacheManager(Protocol):
 
     def num_blocks_held(self, request_id: str) -> int: ...
 
-    def get_computed_blocks(self, request: "Request") -> tuple[list, int]:
+    def get_computed_blocks(self, request: "Sequence") -> tuple[list, int]:
         """Cached blocks covering the start of the request, and how many tokens they hold."""
 
-    def can_allocate(self, request: "Request", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool: ...
+    def can_allocate(self, request: "Sequence", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool: ...
 
-    def allocate_slots(self, request: "Request", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool:
+    def allocate_slots(self, request: "Sequence", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (allocating nothing) if the pool is short."""
 
-    def free(self, request: "Request | str") -> None: ...
+    def free(self, request: "Sequence | str") -> None: ...
 
 
 @runtime_checkable
@@ -83,26 +84,26 @@ class Scheduler(Protocol):
     @property
     def num_running(self) -> int: ...
 
-    def add_request(self, request: "Request") -> None: ...
+    def add_request(self, request: "Sequence") -> None: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
     def schedule(self) -> "SchedulerOutput":
         """The next step's batch (prefill chunks and decodes), block moves and preemptions."""
 
-    def update(self, sched: "SchedulerOutput", sampled_token_ids: list[Optional[int]]) -> list["Request"]:
+    def update(self, sched: "SchedulerOutput", sampled_token_ids: list[Optional[int]]) -> list["Sequence"]:
         """Append sampled tokens, apply stop rules, free finished requests; return the requests that advanced.
 
         With speculative decoding an entry may be a list: the verified run of a request that carried
         draft tokens, appended token by token; its computed count then rolls back to the run.
         """
 
-    def finish(self, request: "Request", status: "RequestStatus") -> None:
+    def finish(self, request: "Sequence", status: "SequenceStatus") -> None:
         """End a request in any state and free its blocks at once."""
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list["Request"]: ...
+    def abort_requests(self, request_ids: Iterable[str]) -> list["Sequence"]: ...
 
-    def drain_finished(self) -> list["Request"]:
+    def drain_finished(self) -> list["Sequence"]:
         """Requests finished since the last call."""
 
 
@@ -129,7 +130,7 @@ class AttentionBackend(Protocol):
 class Sampler(Protocol):
     """``pagoda_samplers``: logits of the requests to sample -> token ids (and logprobs)."""
 
-    def __call__(self, logits: "torch.Tensor", requests: Sequence["Request"]) -> "SamplerOutput": ...
+    def __call__(self, logits: "torch.Tensor", requests: typing.Sequence["Sequence"]) -> "SamplerOutput": ...
 
 
 @runtime_checkable

@@ -9,13 +9,14 @@ existing dashboards and alerts port by a prefix rename.
 
 from __future__ import annotations
 
+import typing
 import bisect
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -32,7 +33,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class Histogram:
     """Fixed upper bounds plus +Inf; ``counts[i]`` holds observations in bucket i (not cumulative)."""
 
-    def __init__(self, bounds: Sequence[float]) -> None:
+    def __init__(self, bounds: typing.Sequence[float]) -> None:
         self.bounds = tuple(bounds)
         self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
@@ -107,7 +108,7 @@ class EngineStats:
         self.num_requests_arrived += 1
         self.num_prompt_tokens += num_prompt_tokens
 
-    def on_step(self, sched, progressed: list[Request], now: float, num_new_tokens: Optional[int] = None) -> None:
+    def on_step(self, sched, progressed: list[Sequence], now: float, num_new_tokens: Optional[int] = None) -> None:
         """``progressed``: the requests that gained tokens at ``now`` (``num_new_tokens`` in all; one each
         when not given)."""
         self.num_steps += 1
@@ -121,7 +122,7 @@ class EngineStats:
                 self.inter_token_latency.observe(now - prev)
             last[req.request_id] = now
 
-    def on_finished(self, request: Request, now: Optional[float] = None) -> None:
+    def on_finished(self, request: Sequence, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
         self.finished_by_reason[request.finish_reason] += 1
         self._last_token_time.pop(request.request_id, None)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import itertools
 import time
+import typing
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from pagoda import hugepages
-from pagoda.attention_batch import FlatBatch
 from pagoda.config import EngineConfig
 from pagoda.rejection_sampler import RejectionSampler
 from pagoda.sampler import prompt_logprobs_for
-from pagoda.step import RunnerOutput, SchedulerOutput
+from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
@@ -186,6 +186,66 @@ class ModelRunner:
             first = batch.rows(i).start
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + (end - start)]), dim=-1)
             out.prompt_logprobs[i] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
+
+
+class FlatBatch:
+    """The one place a forward pass's batch is laid out: requests' tokens, decodes first, flattened.
+
+    Built from one piece of tokens per request, in the caller's order (a plain
+    step's new tokens, a verify pass's last token plus drafts, a draft pass's
+    one token each). The attention backends treat requests ``[0, num_decodes)``
+    as one-token queries, so one-token pieces go first; :meth:`rows` and
+    :meth:`last_row` map hidden-state rows back to the caller's order.
+    """
+
+    def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int], block_tables: typing.Sequence[list[int]],
+                 block_size: int) -> None:
+        n = len(pieces)
+        lengths = [len(p) for p in pieces]
+        order = sorted(range(n), key=lambda i: lengths[i] != 1)
+        num_new = np.array([lengths[i] for i in order], dtype=np.int64)
+        starts_sorted = np.array([starts[i] for i in order], dtype=np.int64)
+        num_decodes = int((num_new == 1).sum())
+        self.input_ids = np.fromiter((t for i in order for t in pieces[i]), dtype=np.int64, count=int(num_new.sum()))
+
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(n), num_new)
+        self.positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts_sorted[req_of_token]
+        seq_lens = starts_sorted + num_new
+        max_blocks = max(len(block_tables[i]) for i in order)
+        tables = np.zeros((n, max_blocks), dtype=np.int64)
+        for row, i in enumerate(order):
+            tables[row, :len(block_tables[i])] = block_tables[i]
+        slot_mapping = tables[req_of_token, self.positions // block_size] * block_size + \
+            self.positions % block_size
+        self.attention = AttentionBatch(
+            num_reqs=n,
+            num_decodes=num_decodes,
+            num_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+            block_tables=torch.from_numpy(tables).to(torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc_list=query_start_loc.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+        )
+        # request i (caller's order) -> its first row and row count in the hidden states
+        self._first = [0] * n
+        for row, i in enumerate(order):
+            self._first[i] = int(query_start_loc[row])
+        self._lengths = lengths
+
+    def rows(self, i: int) -> range:
+        """Hidden-state rows of request ``i`` (the caller's order)."""
+        return range(self._first[i], self._first[i] + self._lengths[i])
+
+    def last_row(self, i: int) -> int:
+        return self._first[i] + self._lengths[i] - 1
 
 
 def _raw_bytes(cache: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ BUILTIN_DIST = "pagoda (built-in)"
 BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
     ("loaders", "pagoda.loader"),
     ("models", "pagoda.models"),
-    ("kv_paged", "pagoda.kv_cache"),
+    ("kv_paged", "pagoda.kv_blocks"),
     ("sampler", "pagoda.sampler"),
     ("schedulers", "pagoda.plugins.schedulers"),
     ("attention", "pagoda.plugins.attention"),

@@ -13,12 +13,13 @@ the draft equals the target's argmax, so they emit the target's own tokens.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.sampler import _apply_top_k_top_p, _generator_for
 from pagoda.sampling_params import SamplingParams
 
@@ -39,7 +40,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the default sampler draws from: ``[n, vocab]`` float32 logits -> probabilities.
 
     Logit bias, temperature, top-k / top-p and min-p, as in :class:`pagoda.sampler.Sampler`
-    (penalties and min_tokens bans are excluded by :meth:`pagoda.request.Request.may_speculate`).
+    (penalties and min_tokens bans are excluded by :meth:`pagoda.sequence.Request.may_speculate`).
     """
     logits = with_bias(logits.float(), params) / params.temperature
     n, vocab = logits.shape
@@ -114,8 +115,8 @@ class RejectionSampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, row_starts: Sequence[int], requests: Sequence[Request],
-                 draft_token_ids: Sequence[list[int]], draft_probs: Sequence[Optional[torch.Tensor]]
+    def __call__(self, logits: torch.Tensor, row_starts: typing.Sequence[int], requests: typing.Sequence[Sequence],
+                 draft_token_ids: typing.Sequence[list[int]], draft_probs: typing.Sequence[Optional[torch.Tensor]]
                  ) -> list[Verdict]:
         """``logits``: ``[sum(k_i + 1), vocab]``, request i's rows at ``row_starts[i]``..+k_i+1.
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from pagoda.config import ModelConfig
 from pagoda.markers import hookimpl
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
 
 
@@ -43,7 +44,7 @@ class Sampler:
         self.vocab_size = model_config.vocab_size
         self.generator = torch.Generator().manual_seed(model_config.seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> SamplerOutput:
         # logits: [num_reqs, vocab] float32, one row per request to sample
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -62,7 +63,7 @@ class Sampler:
             ]
         return SamplerOutput(token_list, logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> torch.Tensor:
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
         self._apply_bias_and_min_tokens(logits, requests)
@@ -96,7 +97,7 @@ class Sampler:
         out[rows] = argmax_rows(probs / noise)
         return out
 
-    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
         for i, r in enumerate(requests):
             p = r.sampling_params
             if p.logit_bias:
@@ -107,7 +108,7 @@ class Sampler:
             if banned:
                 logits[i, torch.tensor(banned)] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
         n, vocab = logits.shape
         out_counts = torch.zeros(n, vocab, dtype=torch.float32)
         seen_prompt = torch.zeros(n, vocab, dtype=torch.bool)
@@ -128,7 +129,7 @@ class Sampler:
         logits.sub_(freq * out_counts + presence * (out_counts > 0).float())
 
 
-def _generator_for(request: Request, default: torch.Generator) -> torch.Generator:
+def _generator_for(request: Sequence, default: torch.Generator) -> torch.Generator:
     if request.seed is None:
         return default
     if request.sampler_state is None:

@@ -1,4 +1,5 @@
-"""The step contract: what a scheduler decides for one step, and what the runner reports back.
+"""The step contract: what a scheduler decides for one step, what the runner reports back, and the
+batch description the runner hands to the attention backend.
 
 One engine step is ``schedule -> execute -> update -> emit``. The scheduler's
 :class:`SchedulerOutput` names the requests to run and how many tokens each
@@ -10,10 +11,13 @@ whose execution raises leaves every request as it was.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
-from pagoda.request import Request
+import torch
+
+from pagoda.sequence import Sequence
 
 # per sampled token: {token_id: (logprob, rank)} for the sampled token and the top-k alternatives
 TokenLogprobs = dict[int, tuple[float, int]]
@@ -35,19 +39,19 @@ class SchedulerOutput:
       the request's last token and the target verifies them in the same pass.
     """
 
-    requests: list[Request] = field(default_factory=list)
+    requests: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_computed_before: list[int] = field(default_factory=list)
     num_draft_slots: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     # block moves the runner performs before the forward pass, in this order:
     # (cache block -> swap slot), (swap slot -> cache block), (source block -> copy-on-write target)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
-    def add(self, request: Request, num_new_tokens: int, num_computed_before: int, block_table: list[int],
+    def add(self, request: Sequence, num_new_tokens: int, num_computed_before: int, block_table: list[int],
             num_draft_slots: int = 0) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
@@ -55,7 +59,7 @@ class SchedulerOutput:
         self.num_draft_slots.append(num_draft_slots)
         self.block_tables.append(block_table)
 
-    def select(self, indices: Sequence[int]) -> "SchedulerOutput":
+    def select(self, indices: typing.Sequence[int]) -> "SchedulerOutput":
         """The same step restricted to requests ``indices``, without block moves (for re-running part of it)."""
         sub = SchedulerOutput()
         for i in indices:
@@ -64,7 +68,7 @@ class SchedulerOutput:
         return sub
 
     def num_real_tokens(self, i: int) -> int:
-        """Request ``i``'s known tokens computed this step (its new tokens without the draft slots)."""
+        """Sequence ``i``'s known tokens computed this step (its new tokens without the draft slots)."""
         return self.num_new_tokens[i] - self.num_draft_slots[i]
 
     @property
@@ -104,7 +108,7 @@ class RunnerOutput:
                    [0] * num_requests)
 
     @classmethod
-    def merge(cls, num_requests: int, parts: Sequence[tuple[Sequence[int], "RunnerOutput"]]) -> "RunnerOutput":
+    def merge(cls, num_requests: int, parts: typing.Sequence[tuple[typing.Sequence[int], "RunnerOutput"]]) -> "RunnerOutput":
         """One output from outputs of sub-steps (``SchedulerOutput.select``); requests in none stay empty."""
         out = cls.empty(num_requests)
         for indices, part in parts:
@@ -114,3 +118,25 @@ class RunnerOutput:
                 out.prompt_logprobs[i] = part.prompt_logprobs[j]
                 out.num_draft_tokens[i] = part.num_draft_tokens[j]
         return out
+
+
+@dataclass
+class AttentionBatch:
+    """One step's requests, decodes first, tokens flattened without padding.
+
+    Tensors live on the CPU; a backend moves what it needs to its device once
+    per step in ``build_metadata``.
+    """
+
+    num_reqs: int
+    num_decodes: int  # requests [0, num_decodes) have exactly one query token
+    num_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, KV length after this step
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 marks a padding token to skip
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_cache import PagedKVCacheManager
-from pagoda.plugins.schedulers.fcfs import FCFSScheduler
+from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import RunnerOutput, SchedulerOutput
 
@@ -34,9 +34,9 @@ def make_scheduler(policy: str = "fcfs", num_blocks: int = 64, block_size: int =
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
-                 n: int = 1, parent_id: Optional[str] = None) -> Request:
+                 n: int = 1, parent_id: Optional[str] = None) -> Sequence:
     params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
-    return Request(rid, prompt, params, None, arrival, None, priority, parent_id=parent_id)
+    return Sequence(rid, prompt, params, None, arrival, None, priority, parent_id=parent_id)
 
 
 def next_token(context: list[int]) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagoda.attention_batch import AttentionBatch
+from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend

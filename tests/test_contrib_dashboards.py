@@ -11,7 +11,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_cache import PagedKVCacheManager
+from pagoda.kv_blocks import PagedKVCacheManager
 from pagoda.metrics import EngineStats, PrometheusExporter
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagoda import cpu_isa
-from pagoda.attention_batch import AttentionBatch
+from pagoda.step import AttentionBatch
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import write_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
-from pagoda.attention_batch import AttentionBatch
+from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, EngineArgs, ModelConfig
 from pagoda.errors import CheckpointError, ConfigError
 

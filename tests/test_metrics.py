@@ -5,11 +5,11 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_cache import PagedKVCacheManager
+from pagoda.kv_blocks import PagedKVCacheManager
 from pagoda.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineStats, Histogram,
                             PrometheusExporter)
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
-from pagoda.request import Request, RequestStatus
+from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
 
 
@@ -50,13 +50,13 @@ def test_buckets_are_vllms():
 
 def test_first_token_is_a_ttft_sample_and_later_tokens_are_inter_token_samples():
     stats = EngineStats()
-    req = Request("r", [1, 2, 3], SamplingParams(), arrival_time=10.0)
+    req = Sequence("r", [1, 2, 3], SamplingParams(), arrival_time=10.0)
     req.scheduled_time = 10.5
     stats.on_arrival(3)
     stats.on_step(None, [req], now=11.0)
     stats.on_step(None, [req], now=11.25)
     stats.on_step(None, [req], now=11.75)
-    req.status = RequestStatus.FINISHED_LENGTH
+    req.status = SequenceStatus.FINISHED_LENGTH
     stats.on_finished(req, now=12.0)
     assert stats.time_to_first_token.count == 1 and stats.time_to_first_token.sum == 1.0
     assert stats.inter_token_latency.count == 2 and stats.inter_token_latency.sum == 0.75
@@ -72,7 +72,7 @@ def test_exporter_reads_live_gauges_from_the_scheduler_and_kv_manager():
     before = scrape(exporter)
     assert before[("pagoda:num_requests_running",)] == 0 and before[("pagoda:kv_cache_usage_perc",)] == 0
     for i in range(3):
-        sched.add_request(Request(f"r{i}", list(range(40)), SamplingParams()))
+        sched.add_request(Sequence(f"r{i}", list(range(40)), SamplingParams()))
     sched.schedule()  # admits all three: 3 blocks each of 8
     after = scrape(exporter)
     assert after[("pagoda:num_requests_running",)] == 3

@@ -23,7 +23,7 @@ PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 
 SCHEDULER_PLUGIN = """
 import pagoda
-from pagoda.plugins.schedulers.fcfs import FCFSScheduler
+from pagoda.plugins.schedulers.base import FCFSScheduler
 
 class {cls}(FCFSScheduler):
     pass

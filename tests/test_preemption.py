@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pagoda import LLM, SamplingParams
 from pagoda.default_model import ensure_default_model
-from pagoda.request import RequestStatus
+from pagoda.sequence import SequenceStatus
 from pagoda.step import SchedulerOutput
 from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
                             run_until_done, step)
@@ -41,7 +41,7 @@ def fill_until_preempted(policy: str, mode: str, num_swap_blocks: int = 32):
 def test_recompute_preemption_frees_the_newest_request_and_requeues_it_first():
     s, runner, reqs, sched = fill_until_preempted("fcfs", "recompute")
     assert sched.preempted == [reqs[2]]
-    assert reqs[2].status == RequestStatus.PREEMPTED and reqs[2].num_computed_tokens == 0
+    assert reqs[2].status == SequenceStatus.PREEMPTED and reqs[2].num_computed_tokens == 0
     assert s.kv.num_blocks_held("r2") == 0 and s.waiting[0] is reqs[2]
     run_until_done(s, runner)
     for r in reqs:
@@ -58,7 +58,7 @@ def test_a_recomputed_request_reuses_its_blocks_from_the_prefix_cache():
     s.add_request(victim)
     while not s.num_preemptions:
         step(s, runner)
-    assert victim.status == RequestStatus.PREEMPTED and s.kv.stats.hits == 0
+    assert victim.status == SequenceStatus.PREEMPTED and s.kv.stats.hits == 0
     run_until_done(s, runner)
     assert s.kv.stats.hits >= 8  # its two full blocks were still cached when it came back
     assert victim.output_token_ids == expected_output(victim.prompt_token_ids, 4)
@@ -67,10 +67,10 @@ def test_a_recomputed_request_reuses_its_blocks_from_the_prefix_cache():
 def test_swap_preemption_moves_blocks_out_and_brings_them_back():
     s, runner, reqs, sched = fill_until_preempted("fcfs", "swap")
     victim = reqs[2]
-    assert victim.status == RequestStatus.SWAPPED and s.swapped == [victim]
+    assert victim.status == SequenceStatus.SWAPPED and s.swapped == [victim]
     assert len(sched.blocks_to_swap_out) == s.kv.num_swap_blocks - s.kv.num_free_swap_blocks
     computed = victim.num_computed_tokens
-    while victim.status == RequestStatus.SWAPPED:
+    while victim.status == SequenceStatus.SWAPPED:
         sched = step(s, runner)
     assert sched.blocks_to_swap_in and victim.num_computed_tokens > computed  # resumed, not recomputed
     run_until_done(s, runner)
@@ -81,7 +81,7 @@ def test_swap_preemption_moves_blocks_out_and_brings_them_back():
 
 def test_swap_preemption_falls_back_to_recompute_when_the_swap_pool_is_full():
     s, runner, reqs, _ = fill_until_preempted("fcfs", "swap", num_swap_blocks=1)
-    assert reqs[2].status == RequestStatus.PREEMPTED and not s.swapped
+    assert reqs[2].status == SequenceStatus.PREEMPTED and not s.swapped
     run_until_done(s, runner)
     assert all(r.output_token_ids == expected_output(r.prompt_token_ids, 12) for r in reqs)
 
@@ -196,11 +196,11 @@ def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
     for req in added:
         capacity_needed = kv.blocks_needed(req.num_prompt_tokens + req.sampling_params.max_tokens - 1)
         if req.request_id in aborted:
-            assert req.status == RequestStatus.FINISHED_ABORTED
-        elif req.status == RequestStatus.FINISHED_ERROR:
+            assert req.status == SequenceStatus.FINISHED_ABORTED
+        elif req.status == SequenceStatus.FINISHED_ERROR:
             assert capacity_needed > cfg["num_blocks"] and req.error
         else:
-            assert req.status == RequestStatus.FINISHED_LENGTH
+            assert req.status == SequenceStatus.FINISHED_LENGTH
             assert req.output_token_ids == expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
     assert kv.num_free_blocks == cfg["num_blocks"] and kv.num_free_swap_blocks == cfg["num_swap_blocks"]
     assert not kv._tables and not kv._swapped and not kv._hashes and not kv._num_slots

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.rejection_sampler import RejectionSampler, accept_greedy, accept_sampled
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
 
 # chi-square critical values at p = 0.001 by degrees of freedom
@@ -107,7 +107,7 @@ def test_the_batch_sampler_gives_seeded_requests_the_same_tokens_every_time():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
 
     def run():
-        req = Request("r", [1, 2], SamplingParams(temperature=1.0, seed=7))
+        req = Sequence("r", [1, 2], SamplingParams(temperature=1.0, seed=7))
         sampler = RejectionSampler(seed=0)
         return sampler(logits, [0], [req], [[3, 4]], [None])[0].token_ids
 
@@ -115,8 +115,8 @@ def test_the_batch_sampler_gives_seeded_requests_the_same_tokens_every_time():
 
 
 def test_requests_whose_distribution_depends_on_earlier_drafts_are_not_speculated():
-    def req(num_output: int, eos=2, **kwargs) -> Request:
-        r = Request("r", [1], SamplingParams(**kwargs), eos_token_id=eos)
+    def req(num_output: int, eos=2, **kwargs) -> Sequence:
+        r = Sequence("r", [1], SamplingParams(**kwargs), eos_token_id=eos)
         r.output_token_ids = [9] * num_output
         return r
 

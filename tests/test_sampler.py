@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagoda.config import ModelConfig
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.sampler import Sampler
 from pagoda.sampling_params import SamplingParams
 
@@ -34,8 +34,8 @@ def model_config(vocab_size: int = VOCAB, seed: int = 0) -> ModelConfig:
     )
 
 
-def make_request(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None, rid="r") -> Request:
-    req = Request(rid, list(prompt), params, eos_token_id=EOS, seed=seed)
+def make_request(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None, rid="r") -> Sequence:
+    req = Sequence(rid, list(prompt), params, eos_token_id=EOS, seed=seed)
     for t in output:
         req.append_output_token(t)
     return req

@@ -13,9 +13,9 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.default_model import ensure_default_model
 from pagoda.plugin_manager import get_plugin_manager
-from pagoda.plugins.schedulers.fcfs import FCFSScheduler
+from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.request import RequestStatus
+from pagoda.sequence import SequenceStatus
 from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
                             run_until_done, step)
 
@@ -60,7 +60,7 @@ def test_every_request_gets_exactly_its_tokens():
         s.add_request(r)
     run_until_done(s, runner)
     for r in reqs:
-        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.status == SequenceStatus.FINISHED_LENGTH
         assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params.max_tokens)
     assert s.kv.num_free_blocks == 64
 
@@ -141,9 +141,9 @@ def test_a_request_that_outgrows_the_whole_cache_fails_with_a_clear_error():
     s.add_request(req)
     s.add_request(other)
     run_until_done(s, runner)
-    assert req.status == RequestStatus.FINISHED_ERROR
+    assert req.status == SequenceStatus.FINISHED_ERROR
     assert "needs 5 KV blocks" in req.error and "whole cache has 4" in req.error
-    assert other.status == RequestStatus.FINISHED_LENGTH
+    assert other.status == SequenceStatus.FINISHED_LENGTH
     assert s.kv.num_free_blocks == 4
 
 
@@ -152,7 +152,7 @@ def test_a_waiting_prompt_larger_than_the_cache_is_rejected_not_starved():
     s.add_request(make_request("big", prompt(40), max_tokens=2))
     step(s, SimRunner(4, 4))
     [failed] = s.drain_finished()
-    assert failed.status == RequestStatus.FINISHED_ERROR and "raise --kv-cache-memory-bytes" in failed.error
+    assert failed.status == SequenceStatus.FINISHED_ERROR and "raise --kv-cache-memory-bytes" in failed.error
     assert not s.has_unfinished_requests()
 
 
@@ -175,12 +175,12 @@ def test_abort_in_any_state_frees_every_block_at_once(state):
         while not victim.num_output_tokens:
             step(s, runner)
     if state in ("swapped", "preempted"):
-        while victim.status == RequestStatus.RUNNING:
+        while victim.status == SequenceStatus.RUNNING:
             step(s, runner)
-        assert victim.status == (RequestStatus.SWAPPED if state == "swapped" else RequestStatus.PREEMPTED)
+        assert victim.status == (SequenceStatus.SWAPPED if state == "swapped" else SequenceStatus.PREEMPTED)
         s.abort_requests(["hog"])
     assert s.abort_requests(["v"]) == [victim]
-    assert victim.status == RequestStatus.FINISHED_ABORTED
+    assert victim.status == SequenceStatus.FINISHED_ABORTED
     assert s.kv.num_free_blocks == 8 and s.kv.num_free_swap_blocks == 16
     assert not s.has_unfinished_requests()
     assert_kv_consistent(s.kv)

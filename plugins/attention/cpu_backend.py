@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention_batch import AttentionBatch
+from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.cpp_extension import load_cpu_extension
 from pagoda.errors import BackendUnavailable

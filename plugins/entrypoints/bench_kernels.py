@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.attention_batch import AttentionBatch
+from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig, resolve_dtype
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.triton_backend import TritonAttentionBackend

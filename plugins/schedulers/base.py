@@ -25,7 +25,7 @@ import time
 from typing import Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.request import Request, RequestStatus
+from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 
@@ -41,37 +41,37 @@ class TokenBudgetScheduler:
         self.num_speculative_tokens = scheduler_config.num_speculative_tokens
         self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.finished: list[Request] = []  # since the last drain_finished()
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.finished: list[Sequence] = []  # since the last drain_finished()
         self.num_preemptions = 0
         # n > 1: parent request id -> the sibling that computes the shared prompt for the others
-        self._prompt_leaders: dict[str, Request] = {}
+        self._prompt_leaders: dict[str, Sequence] = {}
         # request id -> tokens scheduled in the step being built
         self._scheduled_now: dict[str, int] = {}
 
     # ---- policy points -------------------------------------------------------
 
-    def _insert_waiting(self, request: Request, front: bool = False) -> None:
+    def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
         if front:
             self.waiting.insert(0, request)
         else:
             self.waiting.append(request)
 
-    def _insert_running(self, request: Request) -> None:
+    def _insert_running(self, request: Sequence) -> None:
         self.running.append(request)
 
-    def _insert_swapped(self, request: Request) -> None:
+    def _insert_swapped(self, request: Sequence) -> None:
         self.swapped.append(request)
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
+    def _pick_victim(self, candidates: list[Sequence]) -> Sequence:
         """The request to preempt when blocks run out, among ``candidates``
         (running requests not yet scheduled this step, in running order): the newest one."""
         return candidates[-1]
 
-    def _running_order(self) -> list[Request]:
+    def _running_order(self) -> list[Sequence]:
         """The order running requests get budget and blocks: decodes (one token each) before
         prefill chunks, so a long prompt never holds up the sequences already generating."""
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -80,7 +80,7 @@ class TokenBudgetScheduler:
     def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         """Preempt running work in favour of waiting requests; first come, first served never does."""
 
-    def _may_admit_waiting(self, request: Request) -> bool:
+    def _may_admit_waiting(self, request: Sequence) -> bool:
         """Whether a waiting request may start while others sit swapped out (they come back first)."""
         return not self.swapped
 
@@ -103,9 +103,9 @@ class TokenBudgetScheduler:
 
     # ---- actions -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Sequence) -> None:
         self.requests[request.request_id] = request
-        request.status = RequestStatus.WAITING
+        request.status = SequenceStatus.WAITING
         self._insert_waiting(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -127,7 +127,7 @@ class TokenBudgetScheduler:
         for req in self._running_order():
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
@@ -150,7 +150,7 @@ class TokenBudgetScheduler:
                 budget -= num_new
         return budget
 
-    def _num_draft_slots(self, req: Request, budget: int) -> int:
+    def _num_draft_slots(self, req: Sequence, budget: int) -> int:
         """Draft slots for a decoding request: ``num_speculative_tokens`` when its sampling allows
         speculation, within its ``max_tokens``, the budget and ``max_model_len``, and only if the blocks
         are free now (drafts never cost a preemption)."""
@@ -176,7 +176,7 @@ class TokenBudgetScheduler:
             out.blocks_to_swap_in.extend(self.kv.swap_in(req))
             if not self.kv.allocate_slots(req, num_new):
                 raise RuntimeError(f"KV bookkeeping error: {req.request_id} swapped in without room to run")
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             self._insert_running(req)
             self._add_to_output(out, req, num_new)
             budget -= num_new
@@ -213,25 +213,25 @@ class TokenBudgetScheduler:
                 if req.sampling_params.n > 1 and req.num_output_tokens == 0:
                     self._prompt_leaders.setdefault(req.parent_id, req)
             self.waiting.pop(idx)
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = now
             self._insert_running(req)
             self._add_to_output(out, req, num_new)
             budget -= num_new
 
-    def _prompt_leader(self, req: Request) -> Optional[Request]:
+    def _prompt_leader(self, req: Sequence) -> Optional[Sequence]:
         """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
         params = req.sampling_params
         if params.n <= 1 or params.prompt_logprobs is not None or req.num_output_tokens or req.num_prompt_tokens < 2:
             return None  # (prompt logprobs need every prompt position computed)
         leader = self._prompt_leaders.get(req.parent_id)
-        if leader is None or leader is req or leader.status != RequestStatus.RUNNING:
+        if leader is None or leader is req or leader.status != SequenceStatus.RUNNING:
             self._prompt_leaders.pop(req.parent_id, None)
             return None
         return leader
 
-    def _fork_from(self, leader: Request, req: Request) -> int:
+    def _fork_from(self, leader: Sequence, req: Sequence) -> int:
         """Share the leader's prompt blocks; compute only the last prompt token (for this sequence's
         own first sample). Returns the tokens scheduled, 0 if the pool is short."""
         num_shared = req.num_prompt_tokens - 1
@@ -243,19 +243,19 @@ class TokenBudgetScheduler:
             return 0
         return 1
 
-    def _outgrows_cache(self, req: Request, num_new: int) -> bool:
+    def _outgrows_cache(self, req: Sequence, num_new: int) -> bool:
         return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks
 
-    def _fail_unfittable(self, req: Request) -> None:
+    def _fail_unfittable(self, req: Sequence) -> None:
         need = self.kv.blocks_needed(max(req.num_tokens, req.num_computed_tokens + 1))
         req.error = (
             f"request {req.request_id} needs {need} KV blocks for its {req.num_tokens} tokens but the whole cache "
             f"has {self.kv.num_blocks}; raise --kv-cache-memory-bytes (or --num-gpu-blocks-override) or shorten "
             "the prompt / max_tokens"
         )
-        self.finish(req, RequestStatus.FINISHED_ERROR)
+        self.finish(req, SequenceStatus.FINISHED_ERROR)
 
-    def _num_new_tokens(self, req: Request, budget: int, num_computed: Optional[int] = None) -> int:
+    def _num_new_tokens(self, req: Sequence, budget: int, num_computed: Optional[int] = None) -> int:
         """Tokens to compute this step: all that remain, or a chunk of them with chunked prefill
         (at most the budget and ``long_prefill_token_threshold``); 0 if a whole prompt does not fit."""
         remaining = req.num_tokens - (req.num_computed_tokens if num_computed is None else num_computed)
@@ -266,27 +266,27 @@ class TokenBudgetScheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _add_to_output(self, out: SchedulerOutput, req: Request, num_new: int, num_drafts: int = 0) -> None:
+    def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_drafts: int = 0) -> None:
         out.add(req, num_new, req.num_computed_tokens, self.kv.block_table(req.request_id), num_drafts)
         self._scheduled_now[req.request_id] = num_new
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Sequence, out: SchedulerOutput) -> None:
         """Swap the request's blocks out if configured and there is room, else free them to recompute later."""
         self.running.remove(req)
         if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
             out.blocks_to_swap_out.extend(self.kv.swap_out(req))
-            req.status = RequestStatus.SWAPPED
+            req.status = SequenceStatus.SWAPPED
             self._insert_swapped(req)
         else:
             self.kv.free(req)
             req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED
+            req.status = SequenceStatus.PREEMPTED
             self._insert_waiting(req, front=True)
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
 
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
         """Commit the step: advance each request's computed tokens, append what it sampled (logprobs
         included), apply the stop conditions, free finished requests.
 
@@ -335,19 +335,19 @@ class TokenBudgetScheduler:
         """
         self.kv.reset_prefix_cache()
         for req in list(sched.requests) + list(sched.preempted):
-            if req.is_finished or req.status == RequestStatus.PREEMPTED:
+            if req.is_finished or req.status == SequenceStatus.PREEMPTED:
                 continue
             for queue in (self.running, self.swapped):
                 if req in queue:
                     queue.remove(req)
             self.kv.free(req)
             req.num_computed_tokens = 0
-            req.status = RequestStatus.PREEMPTED
+            req.status = SequenceStatus.PREEMPTED
             if self._prompt_leaders.get(req.parent_id) is req:
                 del self._prompt_leaders[req.parent_id]
             self._insert_waiting(req, front=True)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Sequence, status: SequenceStatus) -> None:
         """Finish a request in any state (waiting, running, swapped) and free its blocks at once."""
         if req.is_finished:
             return
@@ -362,16 +362,21 @@ class TokenBudgetScheduler:
         self.requests.pop(req.request_id, None)
         self.finished.append(req)
 
-    def drain_finished(self) -> list[Request]:
+    def drain_finished(self) -> list[Sequence]:
         """Requests finished since the last call (stopped, length, aborted or failed)."""
         finished, self.finished = self.finished, []
         return finished
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Sequence]:
         aborted = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                self.finish(req, SequenceStatus.FINISHED_ABORTED)
                 aborted.append(req)
         return aborted
+
+
+class FCFSScheduler(TokenBudgetScheduler):
+    """``fcfs``: first come, first served. The base scheduler's defaults already are: arrival order, the
+    newest running request preempted first, and no arrival ever preempts running work."""

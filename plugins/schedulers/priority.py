@@ -5,11 +5,11 @@ from __future__ import annotations
 import bisect
 
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 
 
-def priority_key(req: Request) -> tuple:
+def priority_key(req: Sequence) -> tuple:
     return (req.priority, req.arrival_time, req.request_id)
 
 
@@ -21,23 +21,23 @@ class PriorityScheduler(TokenBudgetScheduler):
     preempts the lowest-ranked running requests until it can.
     """
 
-    def _insert_waiting(self, request: Request, front: bool = False) -> None:
+    def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
         bisect.insort(self.waiting, request, key=priority_key)
 
-    def _insert_running(self, request: Request) -> None:
+    def _insert_running(self, request: Sequence) -> None:
         bisect.insort(self.running, request, key=priority_key)
 
-    def _insert_swapped(self, request: Request) -> None:
+    def _insert_swapped(self, request: Sequence) -> None:
         bisect.insort(self.swapped, request, key=priority_key)
 
-    def _pick_victim(self, candidates: list[Request]) -> Request:
+    def _pick_victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=priority_key)
 
-    def _running_order(self) -> list[Request]:
+    def _running_order(self) -> list[Sequence]:
         # strictly by priority: decodes of low-priority work must not pin blocks a higher one needs
         return list(self.running)
 
-    def _may_admit_waiting(self, request: Request) -> bool:
+    def _may_admit_waiting(self, request: Sequence) -> bool:
         return not self.swapped or priority_key(request) < priority_key(self.swapped[0])
 
     def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
@@ -59,10 +59,10 @@ class PriorityScheduler(TokenBudgetScheduler):
             if self._fits(head):
                 return
 
-    def _fits(self, req: Request) -> bool:
+    def _fits(self, req: Sequence) -> bool:
         return len(self.running) < self.max_num_seqs and self._blocks_for_first_chunk(req) <= self.kv.num_free_blocks
 
-    def _blocks_for_first_chunk(self, req: Request) -> int:
+    def _blocks_for_first_chunk(self, req: Sequence) -> int:
         computed_blocks, num_cached = self.kv.get_computed_blocks(req)
         num_new = self._num_new_tokens(req, self.max_num_batched_tokens, num_cached)
         return self.kv.num_blocks_to_take(req, num_new, computed_blocks)

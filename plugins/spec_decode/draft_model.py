@@ -34,9 +34,9 @@ import torch
 from pagoda.config import EngineArgs, EngineConfig, SpeculativeConfig
 from pagoda.errors import ConfigError
 from pagoda.rejection_sampler import target_probs, with_bias
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 from pagoda.sampler import _generator_for
-from pagoda.attention_batch import FlatBatch
+from pagoda.model_runner import FlatBatch
 from pagoda.step import SchedulerOutput
 
 
@@ -143,7 +143,7 @@ class DraftModelProposer:
                 tokens[rows_now] = self._choose(logits, reqs, rows_now, row_drafts, row_probs)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
-    def _choose(self, logits: torch.Tensor, reqs: list[Request], active: list[int], drafts: list[list[int]],
+    def _choose(self, logits: torch.Tensor, reqs: list[Sequence], active: list[int], drafts: list[list[int]],
                 probs: list[list[torch.Tensor]]) -> np.ndarray:
         """Pick each active row's next draft token from ``logits`` ``[len(active), vocab]``."""
         chosen = logits.argmax(dim=-1).tolist()

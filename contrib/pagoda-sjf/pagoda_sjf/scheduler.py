@@ -10,10 +10,10 @@ from __future__ import annotations
 import bisect
 
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 
 
-def _job_size(request: Request) -> tuple[int, float]:
+def _job_size(request: Sequence) -> tuple[int, float]:
     # ties keep arrival order
     return (request.num_prompt_tokens, request.arrival_time)
 
@@ -21,7 +21,7 @@ def _job_size(request: Request) -> tuple[int, float]:
 class ShortestJobFirstScheduler(TokenBudgetScheduler):
     """The token-budget scheduler with its waiting queue kept sorted by prompt length."""
 
-    def _insert_waiting(self, request: Request, front: bool = False) -> None:
+    def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
         if front:
             # a preempted request already holds its place: it resumes before anything new starts
             self.waiting.insert(0, request)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.kv_cache import PagedKVCacheManager
-from pagoda.request import Request
+from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
 
 BS = 4
 
 
-def make_request(rid: str, token_ids: list[int]) -> Request:
-    return Request(rid, list(token_ids), SamplingParams(max_tokens=8))
+def make_request(rid: str, token_ids: list[int]) -> Sequence:
+    return Sequence(rid, list(token_ids), SamplingParams(max_tokens=8))
 
 
-def admit(kv: PagedKVCacheManager, req: Request, num_new: int | None = None) -> int:
+def admit(kv: PagedKVCacheManager, req: Sequence, num_new: int | None = None) -> int:
     """What a scheduler does on first admission: reuse the cached prefix, allocate the rest."""
     blocks, num_cached = kv.get_computed_blocks(req)
     num_new = req.num_tokens - num_cached if num_new is None else num_new

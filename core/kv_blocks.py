@@ -9,13 +9,14 @@ this manager decides (swap out, swap in, copy) travel to the runner in the
 
 from __future__ import annotations
 
+import typing
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from pagoda.config import CacheConfig
 from pagoda.markers import hookimpl
-from pagoda.request import Request
+from pagoda.sequence import Sequence
 
 # what a cached block's hash stands for: (parent block's hash, the block's token ids, extra keys)
 BlockKey = tuple[Optional[int], tuple[int, ...], tuple]
@@ -36,7 +37,7 @@ class PrefixCacheStats:
     hits: int = 0  # of which found in the cache
 
 
-def hash_block(parent_hash: Optional[int], token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+def hash_block(parent_hash: Optional[int], token_ids: typing.Sequence[int], extra_keys: tuple = ()) -> int:
     """Chain hash of a full block: the parent's hash, the block's tokens, extra keys."""
     return hash((parent_hash, tuple(token_ids), extra_keys))
 
@@ -134,7 +135,7 @@ class PagedKVCacheManager:
                     filled[block.block_id] = n
         return sum(filled.values()), len(filled) * bs
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Sequence) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute, so a fully cached prompt
@@ -157,8 +158,8 @@ class PagedKVCacheManager:
             parent = block.block_hash
         return hits, len(hits) * bs
 
-    def num_blocks_to_take(self, request: Request, num_new_tokens: int,
-                           computed_blocks: Sequence[KVBlock] = ()) -> int:
+    def num_blocks_to_take(self, request: Sequence, num_new_tokens: int,
+                           computed_blocks: typing.Sequence[KVBlock] = ()) -> int:
         """Blocks :meth:`allocate_slots` would take from the free queue (fresh, revived or copies)."""
         table = self._tables.get(request.request_id, ())
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -167,13 +168,13 @@ class PagedKVCacheManager:
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         return max(needed, 0) + revived + int(self._needs_copy(table, num_computed))
 
-    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
+    def can_allocate(self, request: Sequence, num_new_tokens: int, computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
         return self.num_blocks_to_take(request, num_new_tokens, computed_blocks) <= self.num_free_blocks
 
-    def can_swap_out(self, request: Request) -> bool:
+    def can_swap_out(self, request: Sequence) -> bool:
         return 0 < len(self._tables.get(request.request_id, ())) <= len(self._free_swap)
 
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+    def can_swap_in(self, request: Sequence, num_new_tokens: int) -> bool:
         """Room to bring the request's blocks back and then give it ``num_new_tokens`` more slots."""
         slots = self._swapped.get(request.request_id)
         if slots is None:
@@ -186,7 +187,7 @@ class PagedKVCacheManager:
 
     # ---- actions -------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Sequence, num_new_tokens: int, computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
         """Give the request room for ``num_new_tokens`` more tokens; False (and nothing changed) if short.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, first allocation
@@ -216,7 +217,7 @@ class PagedKVCacheManager:
             self._cache_full_blocks(request, table, total)
         return True
 
-    def fork(self, source: Request, child: Request, num_tokens: int) -> None:
+    def fork(self, source: Sequence, child: Sequence, num_tokens: int) -> None:
         """Let ``child`` share the blocks holding ``source``'s first ``num_tokens`` tokens.
 
         The tokens must be identical in both (``n > 1`` sequences of one
@@ -235,7 +236,7 @@ class PagedKVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+    def swap_out(self, request: Sequence) -> list[tuple[int, int]]:
         """Release the request's blocks into swap slots; returns ``(block, swap slot)`` pairs to copy."""
         rid = request.request_id
         table = self._tables.pop(rid)
@@ -244,7 +245,7 @@ class PagedKVCacheManager:
         self._release(table)
         return [(b.block_id, s) for b, s in zip(table, slots)]
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+    def swap_in(self, request: Sequence) -> list[tuple[int, int]]:
         """Bring a swapped request back; returns ``(swap slot, block)`` pairs to copy.
 
         Full blocks still in the prefix cache are shared instead of copied.
@@ -265,7 +266,7 @@ class PagedKVCacheManager:
                     self._register(table[i], self._block_key(request, i, self._hashes[rid]))
         return [(s, b.block_id) for s, b, hit in zip(slots, table, hits) if hit is None]
 
-    def trim_slots(self, request: Request, num_tokens: int) -> None:
+    def trim_slots(self, request: Sequence, num_tokens: int) -> None:
         """Keep room for the request's first ``num_tokens`` tokens only; later blocks go back to the pool.
 
         Speculative decoding hands out slots for draft tokens and calls this
@@ -282,7 +283,7 @@ class PagedKVCacheManager:
             del table[keep:]
         self._num_slots[rid] = min(self._num_slots.get(rid, 0), num_tokens)
 
-    def free(self, request: Request | str) -> None:
+    def free(self, request: Sequence | str) -> None:
         """Return every block and swap slot the request holds; full hashed blocks stay cached."""
         request_id = request if isinstance(request, str) else request.request_id
         self._release(self._tables.pop(request_id, []))
@@ -298,7 +299,7 @@ class PagedKVCacheManager:
 
     # ---- helpers -------------------------------------------------------------
 
-    def _needs_copy(self, table: Sequence[KVBlock], num_computed: int) -> bool:
+    def _needs_copy(self, table: typing.Sequence[KVBlock], num_computed: int) -> bool:
         # only the block holding the first new token can be both shared and written:
         # earlier blocks are read-only, later ones are the request's own
         i = num_computed // self.block_size
@@ -343,11 +344,11 @@ class PagedKVCacheManager:
         block.key = key
         self._cached[block.block_hash] = block
 
-    def _block_key(self, request: Request, i: int, hashes: list[int]) -> BlockKey:
+    def _block_key(self, request: Sequence, i: int, hashes: list[int]) -> BlockKey:
         bs = self.block_size
         return (hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs:(i + 1) * bs]), ())
 
-    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Sequence, table: list[KVBlock], num_tokens: int) -> None:
         hashes = self._hashes.setdefault(request.request_id, [])
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         while len(hashes) < num_full:
@@ -358,7 +359,7 @@ class PagedKVCacheManager:
             if table[i].block_hash is None and h not in self._cached:
                 self._register(table[i], key)
 
-    def _swap_in_hits(self, request: Request, num_slots: int) -> list[Optional[KVBlock]]:
+    def _swap_in_hits(self, request: Sequence, num_slots: int) -> list[Optional[KVBlock]]:
         """Per swapped position: the cached block holding the same full block, else None."""
         hits: list[Optional[KVBlock]] = [None] * num_slots
         if not self.enable_prefix_caching:

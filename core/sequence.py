@@ -1,4 +1,11 @@
-"""Request state kept by the engine and the scheduler (plain Python, no tensors)."""
+"""A sequence being generated: the unit the scheduler, the KV allocator and the runner work on.
+
+A user request (``n`` completions of one prompt) is a
+:class:`pagoda.outputs.SequenceGroup` of ``n`` sequences; with ``n = 1`` the
+sequence carries the request's id. Plain Python, no tensors. The stop
+conditions (EOS, stop token ids, stop strings, ``max_tokens``,
+``min_tokens``, ``max_model_len``) are decided here and nowhere else.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from typing import Any, Optional
 from pagoda.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -26,20 +33,21 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_ERROR,
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
 }
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
     """One sequence being generated.
 
     ``all_token_ids`` is the prompt followed by the output so far;
     ``num_computed_tokens`` counts the leading tokens whose K/V are in the
-    cache. The scheduler advances it; the runner computes the rest.
+    cache. The scheduler is its one writer: it commits a step's progress in
+    ``update`` from the runner's result (and resets it on preemption).
     """
 
     request_id: str
@@ -52,7 +60,7 @@ class Request:
     parent_id: Optional[str] = None
     seed: Optional[int] = None
 
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -69,7 +77,7 @@ class Request:
     last_token_time: Optional[float] = None
     # opaque state a sampler may keep (e.g. a torch.Generator for seeded requests)
     sampler_state: Any = None
-    # turns output tokens into text and finds stop strings (pagoda.detokenizer.IncrementalDetokenizer);
+    # turns output tokens into text and finds stop strings (pagoda.outputs.IncrementalDetokenizer);
     # None when the request asked for no text
     detokenizer: Any = None
 
@@ -131,7 +139,7 @@ class Request:
         params = self.sampling_params
         return not (params.has_penalties or params.logprobs is not None or self.banned_token_ids())
 
-    def append_output_tokens(self, token_ids: list[int], max_model_len: int) -> Optional[RequestStatus]:
+    def append_output_tokens(self, token_ids: list[int], max_model_len: int) -> Optional[SequenceStatus]:
         """Append a step's tokens (one, or a verified speculative run) and apply every stop condition.
 
         Returns the finished status if the sequence ended; tokens after the one that ended it are
@@ -149,7 +157,7 @@ class Request:
                 stop = detok.add_tokens([token_id], self.may_stop_at(self.num_output_tokens))
                 if stop is not None:
                     self.stop_reason = stop
-                    status = RequestStatus.FINISHED_STOPPED
+                    status = SequenceStatus.FINISHED_STOPPED
             if status is not None:
                 break
         if detok is not None and not per_token_text:
@@ -158,23 +166,23 @@ class Request:
             detok.add_tokens(self.output_token_ids[detok.num_output_tokens:], False)
         return status
 
-    def _stop_after(self, token_id: int, max_model_len: int) -> Optional[RequestStatus]:
+    def _stop_after(self, token_id: int, max_model_len: int) -> Optional[SequenceStatus]:
         params = self.sampling_params
         if self.may_stop_at(self.num_output_tokens):
             if token_id == self.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
             if token_id in params.stop_token_ids:
                 self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         if self.num_tokens >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         return None
 
     @property
     def finish_reason(self) -> Optional[str]:
-        if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                           RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+        if self.status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                           SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR):
             return self.status.value
         return None
