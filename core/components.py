@@ -13,6 +13,7 @@ import torch
 
 from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.errors import BackendUnavailable, ConfigError
+from pagoda.host import apply_host_settings
 from pagoda.model_runner import ModelRunner
 from pagoda.plugin_manager import PluginManager
 
@@ -35,6 +36,8 @@ class Components:
 
 
 def build_components(config: EngineConfig, pm: PluginManager) -> Components:
+    # the engine's host settings hold before any kernel is chosen, built or loaded
+    apply_host_settings(config.host)
     mc, cc = config.model, config.cache
     # resolve every name first, so a typo fails before any weight is read
     arch = pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
