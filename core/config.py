@@ -329,7 +329,8 @@ class EngineArgs(BaseModel):
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
 
-        host = self.host_config()  # first: a malformed variable fails before the model is read
+        # first: a malformed variable fails before the model is read
+        host, cpu_threads = self.host_config(), resolve_cpu_threads(self.cpu_threads)
         model_dir = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir)
         text_config = hf_config.get("text_config", hf_config)
@@ -436,7 +437,7 @@ class EngineArgs(BaseModel):
             model=model_cfg,
             cache=cache_cfg,
             scheduler=sched_cfg,
-            parallel=ParallelConfig(self.tensor_parallel_size, resolve_cpu_threads(self.cpu_threads)),
+            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads),
             host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,

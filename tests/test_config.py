@@ -66,6 +66,10 @@ def test_a_malformed_variable_fails_when_the_config_is_built_before_the_model_is
     clean_environment.setenv("PAGODA_QUANT_KERNEL", "fast")
     with pytest.raises(ConfigError, match="PAGODA_QUANT_KERNEL='fast' is not one of auto, cpu, torch, triton"):
         EngineArgs(model=str(tmp_path / "missing")).create_engine_config()
+    clean_environment.delenv("PAGODA_QUANT_KERNEL")
+    clean_environment.setenv("PAGODA_CPU_THREADS", "all")
+    with pytest.raises(ConfigError, match="PAGODA_CPU_THREADS='all' is not a whole number >= 1"):
+        EngineArgs(model=str(tmp_path / "missing")).create_engine_config()
 
 
 def test_a_bad_option_value_is_refused_with_the_allowed_ones():
