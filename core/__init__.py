@@ -1,23 +1,29 @@
-"""pagoda: an LLM inference and serving engine whose every policy and backend is a plugin."""
+"""pagoda: an LLM inference and serving engine whose every policy and backend is a plugin.
 
-# OpenMP's wait policy must be set before torch loads its OpenMP runtime (see pagoda.openmp);
-# set OMP_WAIT_POLICY yourself if you import torch first.
-from pagoda.openmp import choose_wait_policy
+Importing pagoda changes nothing in the process and loads no torch: the engine
+classes below are imported on first use, and host settings (threads, allocator,
+huge pages, kernels) are applied when an engine is built. To choose how OpenMP
+threads wait, call ``pagoda.host.set_openmp_wait_policy()`` before importing
+torch (the ``pagoda`` command does).
+"""
 
-choose_wait_policy()
+import importlib
+from typing import Any
 
-from pagoda.malloc import keep_freed_memory
-
-keep_freed_memory()
-
+from pagoda.errors import BackendUnavailable, CheckpointError, ConfigError, InvalidRequestError, PagodaError
 from pagoda.markers import hookimpl
 from pagoda.version import __version__
-from pagoda.config import EngineArgs
-from pagoda.errors import BackendUnavailable, CheckpointError, ConfigError, InvalidRequestError, PagodaError
-from pagoda.sampling_params import SamplingParams
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.engine import LLMEngine
-from pagoda.llm import LLM
+
+# public name -> the module defining it, imported when the name is first used
+_LAZY = {
+    "LLM": "pagoda.llm",
+    "LLMEngine": "pagoda.engine",
+    "EngineArgs": "pagoda.config",
+    "SamplingParams": "pagoda.sampling_params",
+    "RequestOutput": "pagoda.outputs",
+    "CompletionOutput": "pagoda.outputs",
+    "Logprob": "pagoda.outputs",
+}
 
 __all__ = [
     "LLM",
@@ -35,3 +41,16 @@ __all__ = [
     "BackendUnavailable",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

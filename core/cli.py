@@ -1,4 +1,8 @@
-"""The ``pagoda`` command: sub-commands come from plugins through ``pagoda_cli_commands``."""
+"""The ``pagoda`` command: sub-commands come from plugins through ``pagoda_cli_commands``.
+
+Only light modules are imported here: ``main`` chooses the OpenMP wait policy
+before anything loads torch.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,13 @@ import argparse
 import json
 import sys
 import typing
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from pagoda.config import EngineArgs
+from pagoda.env import HOST_VARIABLES
 from pagoda.errors import PagodaError
-from pagoda.plugin_manager import get_plugin_manager
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineArgs
 
 # flags whose values are JSON objects on the command line
 _JSON_FLAGS = {"speculative_config"}
@@ -18,8 +24,13 @@ _JSON_FLAGS = {"speculative_config"}
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag-name`` per EngineArgs field (vLLM's spelling), defaulting to "not given"."""
-    group = parser.add_argument_group("engine options")
+    from pagoda.config import EngineArgs
+
+    engine_group = parser.add_argument_group("engine options")
+    host_group = parser.add_argument_group(
+        "host options", "how the engine uses this machine; each defaults to the environment variable named")
     for name, field in EngineArgs.model_fields.items():
+        group = host_group if name in HOST_VARIABLES else engine_group
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         args = typing.get_args(annotation)
@@ -34,12 +45,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             choices = typing.get_args(base) if typing.get_origin(base) is typing.Literal else None
             group.add_argument(flag, dest=name, default=None, choices=choices, help=help_text)
-    group.add_argument("--kv-cache-space", dest="kv_cache_space", type=float, default=None,
-                       help="GiB of memory for the KV cache on a CPU (sets --kv-cache-memory-bytes)")
+    engine_group.add_argument("--kv-cache-space", dest="kv_cache_space", type=float, default=None,
+                              help="GiB of memory for the KV cache on a CPU (sets --kv-cache-memory-bytes)")
 
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
     """EngineArgs from parsed flags: only the flags actually given, plus overrides."""
+    from pagoda.config import EngineArgs
+
     values = {name: getattr(ns, name) for name in EngineArgs.model_fields if getattr(ns, name, None) is not None}
     if getattr(ns, "kv_cache_space", None) is not None:
         values["kv_cache_memory_bytes"] = int(ns.kv_cache_space * (1 << 30))
@@ -48,6 +61,8 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pagoda.plugin_manager import get_plugin_manager
+
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference and serving")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -70,6 +85,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args == ["--version"]:  # answer without loading every plugin
         print(_version())
         return 0
+    try:
+        _choose_openmp_wait_policy(args)
+    except PagodaError as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     ns = parser.parse_args(args)
     if not getattr(ns, "func", None):
@@ -82,6 +102,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _choose_openmp_wait_policy(args: list[str]) -> None:
+    """OpenMP reads its wait policy when torch loads it, so ``--omp-wait-policy`` (else its environment
+    variable) is applied before the plugins, and torch with them, are imported."""
+    from pagoda.host import set_openmp_wait_policy
+    from pagoda.openmp import WAIT_POLICIES
+
+    early = argparse.ArgumentParser(prog="pagoda", add_help=False, allow_abbrev=False)
+    early.add_argument("--omp-wait-policy", default=None)
+    known, _ = early.parse_known_args(args)
+    if known.omp_wait_policy is None or known.omp_wait_policy in WAIT_POLICIES:
+        set_openmp_wait_policy(known.omp_wait_policy)
+    # else the command's own parser refuses the value, naming the choices
 
 
 if __name__ == "__main__":

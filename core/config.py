@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagoda.cpu_isa import cpu_isa
+from pagoda.env import HOST_VARIABLES, env_bool, env_choice, env_number
 from pagoda.errors import ConfigError
 
 GiB = 1 << 30
@@ -28,9 +30,10 @@ _DTYPES = {
 }
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU multiplies bf16 natively (AVX-512 BF16), unless ``PAGODA_CPU_ISA`` caps it lower."""
-    return cpu_isa() == "avx512_bf16"
+def cpu_has_bf16(isa_cap: Optional[str] = None) -> bool:
+    """True when this CPU multiplies bf16 natively (AVX-512 BF16), unless ``isa_cap`` (default: the
+    ``cpu_isa`` host setting) caps it lower."""
+    return cpu_isa(isa_cap) == "avx512_bf16"
 
 
 # fp8 KV cache formats: name -> storage dtype. e4m3 (range +-448, 3 mantissa bits) with a per-layer scale.
@@ -65,13 +68,14 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
     return model_dtype
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, isa_cap: Optional[str] = None) -> torch.dtype:
+    """The torch dtype of a dtype name; ``auto`` asks the CPU (capped to ``isa_cap``) or the GPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         # bf16 where the hardware multiplies it natively (GPUs, AMX / AVX-512 BF16 CPUs); the
         # checkpoint's own float32 or float16 is kept otherwise
-        if torch.cuda.is_available() or cpu_has_bf16():
+        if torch.cuda.is_available() or cpu_has_bf16(isa_cap):
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:
@@ -139,6 +143,65 @@ class ParallelConfig:
     cpu_threads: Optional[int]
 
 
+OmpWaitPolicy = Literal["auto", "spin", "sleep"]
+CpuIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16"]
+QuantKernel = Literal["auto", "cpu", "torch", "triton"]
+QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernel)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """How the engine uses this machine: OpenMP waiting, the allocator, huge pages, which CPU kernels run.
+
+    Each field is an engine option whose environment variable (``pagoda.env.HOST_VARIABLES``) is only its
+    default; the values here are the built-in defaults. Resolved once, by ``resolve_host_config`` when an
+    engine's config is built, and applied by ``pagoda.host.apply_host_settings`` when the engine is built.
+    (The thread count is ``ParallelConfig.cpu_threads``.)
+    """
+
+    thread_recheck_seconds: float = 5.0  # how often a measured thread count is measured again
+    omp_wait_policy: str = "auto"  # an OmpWaitPolicy; takes effect only if chosen before torch loads
+    malloc_tuning: bool = True  # keep freed heap memory for reuse (pagoda.malloc)
+    huge_pages: bool = True  # 2 MiB pages for the KV cache, the weights and the heap (pagoda.hugepages)
+    cpu_isa: str = "auto"  # a CpuIsa: the highest ISA level pagoda's CPU code may use (pagoda.cpu_isa)
+    cpu_native_build: bool = True  # C++ kernels for this CPU's level; off: the compiler's default target
+    fused_cpu_ops: bool = True  # fused RMSNorm / SiLU-and-mul / RoPE / GEMV kernels (pagoda.layers.fused_ops)
+    onednn_packed_weights: bool = True  # bf16 weights in oneDNN's blocked layout (pagoda.layers.onednn)
+    cpu_prefill_kernel: bool = True  # the cpu attention backend's kernel for fresh bf16 prompts
+    quant_kernel: str = "auto"  # a QuantKernel: the int-weight matmul of quantized layers
+
+
+# the choices of each enumerated host setting
+HOST_CHOICES: dict[str, tuple[str, ...]] = {
+    "omp_wait_policy": get_args(OmpWaitPolicy),
+    "cpu_isa": get_args(CpuIsa),
+    "quant_kernel": QUANT_KERNELS,
+}
+
+
+def resolve_host_config(**given: Any) -> HostConfig:
+    """The host settings: each option given (None: not given), else its environment variable, else the
+    built-in default. A malformed variable is a ConfigError naming it and the values it accepts."""
+    values = {}
+    for f in dataclasses.fields(HostConfig):
+        value = given.get(f.name)
+        if value is None:
+            variable = HOST_VARIABLES[f.name]
+            if isinstance(f.default, bool):
+                value = env_bool(variable, f.default)
+            elif f.name in HOST_CHOICES:
+                value = env_choice(variable, HOST_CHOICES[f.name], f.default)
+            else:
+                value = env_number(variable, float, 0.0, f.default)
+        values[f.name] = value
+    return HostConfig(**values)
+
+
+def resolve_cpu_threads(given: Optional[int]) -> Optional[int]:
+    """The ``cpu_threads`` option, else ``PAGODA_CPU_THREADS``, else None (measured at start-up)."""
+    return given or env_number(HOST_VARIABLES["cpu_threads"], int, 1, None)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
@@ -157,10 +220,22 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    host: HostConfig
     speculative: Optional[SpeculativeConfig]
     attention_backend: str
     sampler: str
     device: str
+
+
+def _host_option(name: str, what: str, **constraints: Any) -> Any:
+    """An EngineArgs field for a host setting: None (not given) by default; its help names its variable."""
+    builtin = "measured at start-up" if name == "cpu_threads" else HostConfig.__dataclass_fields__[name].default
+    if isinstance(builtin, bool):
+        builtin = "on" if builtin else "off"
+    elif isinstance(builtin, float):
+        builtin = f"{builtin:g}"
+    return Field(default=None, description=f"{what} (default: ${HOST_VARIABLES[name]}, else {builtin})",
+                 **constraints)
 
 
 class EngineArgs(BaseModel):
@@ -197,11 +272,34 @@ class EngineArgs(BaseModel):
         default=None, gt=0, description="prompt plus max_tokens, times n, of the requests not yet started, at most "
                                         "(the server answers 503 beyond it; default: no bound)")
     tensor_parallel_size: int = Field(default=1, gt=0)
-    cpu_threads: Optional[int] = Field(default=None, gt=0)
     speculative_config: Optional[dict[str, Any]] = None
     attention_backend: str = "auto"
     sampler: str = "default"
     device: str = "auto"
+    # host settings (HostConfig): None takes the environment variable, else the built-in default
+    cpu_threads: Optional[int] = _host_option("cpu_threads", "threads computing on a CPU", gt=0)
+    thread_recheck_seconds: Optional[float] = _host_option(
+        "thread_recheck_seconds", "seconds of stepping between re-measurements of a measured thread count", ge=0)
+    omp_wait_policy: Optional[OmpWaitPolicy] = _host_option(
+        "omp_wait_policy", "how idle OpenMP threads wait: spin briefly, sleep, or auto (spin on an idle machine); "
+                           "takes effect only if chosen before torch loads, as the pagoda command does")
+    malloc_tuning: Optional[bool] = _host_option(
+        "malloc_tuning", "keep freed heap memory for reuse instead of returning it to the kernel (glibc)")
+    huge_pages: Optional[bool] = _host_option(
+        "huge_pages", "back the KV cache, the weights and the heap with 2 MiB transparent huge pages")
+    cpu_isa: Optional[CpuIsa] = _host_option(
+        "cpu_isa", "the highest CPU ISA level pagoda's kernels and dtype auto may use")
+    cpu_native_build: Optional[bool] = _host_option(
+        "cpu_native_build", "build the C++ kernels for this CPU's ISA level (off: the compiler's default target)")
+    fused_cpu_ops: Optional[bool] = _host_option(
+        "fused_cpu_ops", "fused C++ kernels for RMSNorm, SiLU-and-mul, RoPE and small bf16 matmuls")
+    onednn_packed_weights: Optional[bool] = _host_option(
+        "onednn_packed_weights", "pack bf16 linear weights in oneDNN's layout at load time (AVX-512 CPUs)")
+    cpu_prefill_kernel: Optional[bool] = _host_option(
+        "cpu_prefill_kernel", "the cpu attention backend's C++ kernel for fresh bf16 prompts (off: SDPA)")
+    quant_kernel: Optional[QuantKernel] = _host_option(
+        "quant_kernel", "the matmul of int-quantized weights: cpu (C++), triton, torch (reference) or auto "
+                        "(triton on a GPU, else cpu)")
 
     @field_validator("block_size")
     @classmethod
@@ -226,6 +324,10 @@ class EngineArgs(BaseModel):
         except ValidationError as exc:
             raise ConfigError(_describe_validation_error(exc)) from None
 
+    def host_config(self) -> HostConfig:
+        """The host settings these options give, with environment variables for the ones not given."""
+        return resolve_host_config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HostConfig)})
+
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
 
@@ -234,6 +336,8 @@ class EngineArgs(BaseModel):
                 f"tensor_parallel_size={self.tensor_parallel_size}: this pagoda runs a model in one process; "
                 "leave --tensor-parallel-size at 1 (run replicas behind a load balancer to use more machines)"
             )
+        # first: a malformed variable fails before the model is read
+        host, cpu_threads = self.host_config(), resolve_cpu_threads(self.cpu_threads)
         model_dir = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir)
         text_config = hf_config.get("text_config", hf_config)
@@ -271,7 +375,7 @@ class EngineArgs(BaseModel):
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
             hf_config=hf_config,
             architecture=architectures[0],
-            dtype=resolve_dtype(self.dtype),
+            dtype=resolve_dtype(self.dtype, host.cpu_isa),
             max_model_len=max_model_len,
             seed=self.seed,
             load_format="safetensors" if self.load_format == "auto" else self.load_format,
@@ -346,7 +450,8 @@ class EngineArgs(BaseModel):
             model=model_cfg,
             cache=cache_cfg,
             scheduler=sched_cfg,
-            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads),
+            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads),
+            host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,
             sampler=self.sampler,

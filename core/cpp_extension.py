@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from pagoda import host
 from pagoda.cpu_isa import extension_build
 
 
@@ -13,14 +13,16 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
     """Compile ``source`` (once per machine and ISA level; torch's extension loader caches it) and import it.
 
     Built with ``-O3 -fopenmp`` for the CPU's ISA level (``-march=native``; the flags of a lower level
-    when ``PAGODA_CPU_ISA`` caps it, under a name of its own) unless ``PAGODA_CPU_NATIVE=0``, which builds
-    for the compiler's default target. Raises whatever the build raises (a missing compiler or ninja
-    surfaces as many exception types).
+    when the ``cpu_isa`` host setting caps it, under a name of its own) unless the ``cpu_native_build``
+    setting is off, which builds for the compiler's default target. Raises whatever the build raises (a
+    missing compiler or ninja surfaces as many exception types).
     """
     from torch.utils.cpp_extension import load
 
-    module_name, isa_flags = extension_build(name)
-    if os.environ.get("PAGODA_CPU_NATIVE", "1") == "0":
+    settings = host.current()
+    if settings.cpu_native_build:
+        module_name, isa_flags = extension_build(name, settings.cpu_isa)
+    else:
         module_name, isa_flags = f"{name}_generic", []
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
     return load(name=module_name, sources=[str(source)], extra_cflags=flags, verbose=False)

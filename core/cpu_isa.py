@@ -7,18 +7,20 @@ The levels, lowest first:
 - ``avx512``: AVX-512 F/BW/VL/DQ, no bf16 dot product.
 - ``avx512_bf16``: AVX-512 with the bf16 dot product (``vdpbf16ps``): bf16 matmuls run natively.
 
-``PAGODA_CPU_ISA=avx2`` (or any lower level) caps the level, so a machine with AVX-512 runs the
-code an AVX2-only machine runs: kernels are compiled for that level only, and ``dtype auto`` stops
-assuming native bf16 math. torch's own kernels are capped by ``ATEN_CPU_CAPABILITY=avx2`` and
+The ``cpu_isa`` option (``--cpu-isa avx2``, default ``PAGODA_CPU_ISA``) caps the level, so a machine
+with AVX-512 runs the code an AVX2-only machine runs: kernels are compiled for that level only, and
+``dtype auto`` stops assuming native bf16 math. A kernel is compiled once per process, at the level in
+effect when it is first used. torch's own kernels are capped by ``ATEN_CPU_CAPABILITY=avx2`` and
 ``ONEDNN_MAX_CPU_ISA=AVX2``, read when torch is imported (``make test-avx2`` sets all three).
 """
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
+from pagoda import host
 from pagoda.errors import ConfigError
 
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
@@ -61,43 +63,46 @@ def detected_level(flags: frozenset[str]) -> str:
     return level
 
 
-def requested_cap() -> str:
-    """``PAGODA_CPU_ISA`` (``auto`` or a level); an unknown value is an error naming the choices."""
-    value = os.environ.get("PAGODA_CPU_ISA", "auto").strip().lower() or "auto"
-    if value != "auto" and value not in LEVELS:
-        raise ConfigError(f"PAGODA_CPU_ISA={value!r} is not a CPU level; use auto or one of {', '.join(LEVELS)}")
-    return value
+def _checked_cap(cap: Optional[str]) -> str:
+    """``cap``, or the ``cpu_isa`` host setting when None; an unknown level is an error naming the choices."""
+    if cap is None:
+        cap = host.current().cpu_isa
+    if cap != "auto" and cap not in LEVELS:
+        raise ConfigError(f"cpu_isa {cap!r} is not a CPU level; use auto or one of {', '.join(LEVELS)}")
+    return cap
 
 
-def cpu_isa() -> str:
-    """The level pagoda's CPU code uses: the detected one, lowered to ``PAGODA_CPU_ISA`` if that is set."""
+def cpu_isa(cap: Optional[str] = None) -> str:
+    """The level pagoda's CPU code uses: the detected one, lowered to ``cap`` (default: the ``cpu_isa``
+    host setting) unless that is ``auto``."""
     detected = detected_level(cpu_flags())
-    cap = requested_cap()
+    cap = _checked_cap(cap)
     if cap == "auto":
         return detected
     return LEVELS[min(LEVELS.index(cap), LEVELS.index(detected))]
 
 
-def is_capped() -> bool:
-    """True when ``PAGODA_CPU_ISA`` lowers the level below what the CPU reports."""
-    return cpu_isa() != detected_level(cpu_flags())
+def is_capped(cap: Optional[str] = None) -> bool:
+    """True when the cap lowers the level below what the CPU reports."""
+    return cpu_isa(cap) != detected_level(cpu_flags())
 
 
-def describe() -> str:
+def describe(cap: Optional[str] = None) -> str:
     """The level in words, for logs, benchmarks and skip reasons: ``avx2`` or ``avx2 (avx512_bf16 capped
-    by PAGODA_CPU_ISA)``."""
-    level, detected = cpu_isa(), detected_level(cpu_flags())
-    return level if level == detected else f"{level} ({detected} capped by PAGODA_CPU_ISA)"
+    by --cpu-isa)``."""
+    level, detected = cpu_isa(cap), detected_level(cpu_flags())
+    return level if level == detected else f"{level} ({detected} capped by --cpu-isa)"
 
 
-def extension_build(name: str) -> tuple[str, list[str]]:
-    """The extension module name and the ISA flags for a C++ kernel built at the current level.
+def extension_build(name: str, cap: Optional[str] = None) -> tuple[str, list[str]]:
+    """The extension module name and the ISA flags for a C++ kernel built at the level ``cap`` allows
+    (default: the ``cpu_isa`` host setting).
 
     Uncapped, the kernel is built with ``-march=native`` under its own name; capped, with the flags of
     that level under ``name_<level>``, so both builds live side by side in torch's extension cache.
     """
-    if not is_capped():
+    if not is_capped(cap):
         return name, ["-march=native"]
-    level = cpu_isa()
+    level = cpu_isa(cap)
     return f"{name}_{level}", list(_CFLAGS[level])
 

@@ -7,9 +7,9 @@ import logging
 import time
 from typing import Any, Iterable, Optional, Union
 
-from pagoda import hugepages
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import InvalidRequestError, StepFailedError
+from pagoda.host import HostTuning, apply_host_settings
 from pagoda.metrics import EngineStats, SpecDecodeStats
 from pagoda.outputs import OutputProcessor
 from pagoda.outputs import RequestOutput
@@ -17,7 +17,6 @@ from pagoda.plugin_manager import PluginManager, get_plugin_manager
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import RunnerOutput, SchedulerOutput
-from pagoda.threads import ThreadGovernor, configure_threads
 
 logger = logging.getLogger("pagoda")
 
@@ -30,6 +29,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> None:
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
+        # the host settings hold before any kernel is chosen, built or loaded
+        apply_host_settings(config.host)
         self.host = HostTuning(config)
         from pagoda.components import build_components
 
@@ -268,29 +269,3 @@ class LLMEngine:
                 self.pm.notify_request_finished(req)
         return self.output_processor.make_outputs(progressed + finished)
 
-
-class HostTuning:
-    """Host tuning around the steps (a step observer): huge-page advice when the heap grows to hold a
-    larger step than before, and re-measuring the thread count now and then (see ThreadGovernor)."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.num_threads = configure_threads(config.parallel.cpu_threads)
-        # a measured count is measured again now and then; a set one stays
-        self.governor = ThreadGovernor.for_setting(config.parallel.cpu_threads, self.num_threads)
-        self._largest_step = 0  # tokens of the largest step so far
-
-    def hold_threads(self) -> None:
-        """Keep the current thread count for good (benchmarks hold one configuration for a whole run)."""
-        self.governor = None
-
-    def before_step(self, engine: Any, sched: Any) -> None:
-        pass
-
-    def after_step(self, engine: Any, sched: Any, result: Any, seconds: float) -> None:
-        if sched.num_batched_tokens > 1.25 * self._largest_step:
-            # the heap just grew to hold this step's activations: back it with huge pages (a few times
-            # in a process's life: each advice collapses what the heap gained since the last)
-            self._largest_step = sched.num_batched_tokens
-            hugepages.advise_heap()
-        if self.governor is not None and result is not None:
-            self.num_threads = self.governor.maybe_retune()

@@ -8,18 +8,21 @@ already populated (``MADV_COLLAPSE``, Linux 6.1+). On W1 at 2 threads, six
 interleaved pairs: median 14.11 s against 14.54 s without, mean 13.65 against
 14.52 (the same advice given by hand after warm-up: 11.7-12.4 s against
 13.8-14.1 in four pairs); the paged-attention kernel alone runs 8-10% faster.
-Set ``PAGODA_HUGE_PAGES=0`` to leave pages alone; failures (older kernels, THP
-disabled, non-Linux) are ignored.
+The ``huge_pages`` host setting off (``--no-huge-pages``, ``PAGODA_HUGE_PAGES=0``)
+leaves pages alone; failures (older kernels, THP disabled, non-Linux) are
+ignored.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-import torch
+from pagoda import host
+
+if TYPE_CHECKING:
+    import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -27,7 +30,8 @@ _MADV_COLLAPSE = 25
 
 
 def enabled() -> bool:
-    return os.environ.get("PAGODA_HUGE_PAGES", "1") != "0"
+    """The ``huge_pages`` setting of the engine built last (see ``pagoda.host.current``)."""
+    return host.current().huge_pages
 
 
 _libc: Optional[ctypes.CDLL] = None

@@ -3,15 +3,16 @@
 With glibc's defaults, the multi-megabyte activations of a step are returned to
 the kernel when freed and page-faulted back in by the next op: a bf16 RMSNorm
 over a 2048-token prefill took 4.4 ms that way against 0.6 ms with the memory
-kept. Raising the mmap and trim thresholds keeps it. Set
-``PAGODA_MALLOC_TUNING=0`` to leave the allocator alone.
+kept. Raising the mmap and trim thresholds keeps it. An engine applies it when
+it is built (``pagoda.host.apply_host_settings``) unless its ``malloc_tuning``
+option is off (``--no-malloc-tuning``, ``PAGODA_MALLOC_TUNING=0``); once tuned,
+the process stays tuned.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -24,8 +25,6 @@ TOP_PAD = 64 << 20
 
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc for large short-lived tensors. Returns whether it was applied."""
-    if os.environ.get("PAGODA_MALLOC_TUNING", "1") == "0":
-        return False
     name = ctypes.util.find_library("c")
     if name is None:
         return False

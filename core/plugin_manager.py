@@ -12,6 +12,7 @@ from typing import Any, Callable
 import pluggy
 
 from pagoda import hookspecs
+from pagoda.env import env_bool
 from pagoda.errors import ConfigError
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
@@ -90,7 +91,7 @@ class PluginManager:
         if disabled is None:
             disabled = _disabled_from_env()
         if autoload is None:
-            autoload = os.environ.get("PAGODA_PLUGIN_AUTOLOAD", "1") not in ("0", "false", "False")
+            autoload = env_bool("PAGODA_PLUGIN_AUTOLOAD", True)
         for name in disabled:
             self.pm.set_blocked(name)
         for name, module_name in BUILTIN_PLUGINS:

@@ -56,14 +56,9 @@ def measure_best_threads(rounds: int = 3, repeats: int = 12, margin: float = 0.9
 
 
 def configure_threads(requested: Optional[int]) -> int:
-    """Set torch's intra-op threads: ``requested``, else ``PAGODA_CPU_THREADS``, else measured. Returns it."""
-    env = os.environ.get("PAGODA_CPU_THREADS")
-    if requested:
-        n = requested
-    elif env:
-        n = max(1, int(env))
-    else:
-        n = measure_best_threads()
+    """Set torch's intra-op threads: ``requested`` (the resolved ``cpu_threads`` option), else measured.
+    Returns it."""
+    n = requested or measure_best_threads()
     torch.set_num_threads(n)
     return n
 
@@ -73,7 +68,8 @@ class ThreadGovernor:
     is followed: two threads that wait on each other under load can be several times slower than one.
 
     Only for a measured thread count (no ``--cpu-threads`` / ``PAGODA_CPU_THREADS``) on more than one
-    core. A check costs about 25 ms of matmuls; at most one every ``interval`` seconds. W1 with one
+    core. A check costs about 25 ms of matmuls; at most one every ``interval`` seconds (the
+    ``thread_recheck_seconds`` option). W1 with one
     busy process arriving once it had started (threads spinning, as chosen on the idle machine):
     44.3 and 43.5 s without re-checks, 25.1 and 26.7 s re-checking every 5 s and switching on one
     check. A switch now waits for two checks in a row: one noisy check on a quiet machine once
@@ -88,11 +84,12 @@ class ThreadGovernor:
         self._pending: Optional[int] = None  # a different count seen at the last check, not yet taken
 
     @classmethod
-    def for_setting(cls, requested: Optional[int], threads: int) -> Optional["ThreadGovernor"]:
-        """A governor when the count was measured, else None (the user's setting stays)."""
-        if requested or os.environ.get("PAGODA_CPU_THREADS") or available_cores() == 1:
+    def for_setting(cls, requested: Optional[int], threads: int,
+                    interval: float = 5.0) -> Optional["ThreadGovernor"]:
+        """A governor when the count was measured (``requested`` is None), else None (the user's setting stays)."""
+        if requested or available_cores() == 1:
             return None
-        return cls(threads, float(os.environ.get("PAGODA_THREAD_RECHECK_SECONDS", "5")))
+        return cls(threads, interval)
 
     def maybe_retune(self) -> int:
         """Measure again if the interval has passed; returns the thread count now in use."""

@@ -3,14 +3,25 @@
 import os
 import shutil
 
+import pytest
+
 # Triton decides at import time whether kernels are compiled or interpreted, and the plugin
 # manager imports the triton backend as soon as any test builds an engine. Without a GPU the
 # kernels can only run interpreted, so say so before anything imports triton; the tests of the
 # "no GPU, no interpreter" path unset it themselves.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# sleeping, not spinning, OpenMP threads (pagoda sets this too, but only if it is imported first)
+# sleeping, not spinning, OpenMP threads (the pagoda command chooses a policy itself; importing pagoda does not)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(autouse=True)
+def host_settings_of_this_test(monkeypatch):
+    """Each test starts with no engine's host settings in effect (kernels used without an engine follow the
+    environment as the test set it), and an engine a test builds does not leave its settings to the next."""
+    from pagoda import host
+
+    monkeypatch.setattr(host, "_current", None)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -87,3 +87,53 @@ def test_pagoda_version_prints_the_package_version():
     result = run_pagoda("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"pagoda {__version__}"
+
+
+HOST_FLAGS = ["--cpu-threads", "--thread-recheck-seconds", "--omp-wait-policy", "--malloc-tuning",
+              "--no-malloc-tuning", "--huge-pages", "--no-huge-pages", "--cpu-isa", "--cpu-native-build",
+              "--no-cpu-native-build", "--fused-cpu-ops", "--no-fused-cpu-ops", "--onednn-packed-weights",
+              "--no-onednn-packed-weights", "--cpu-prefill-kernel", "--no-cpu-prefill-kernel", "--quant-kernel"]
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["bench", "throughput"]])
+def test_help_lists_every_host_option_with_its_environment_variable(command):
+    result = run_pagoda(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())  # argparse wraps lines
+    assert "host options:" in help_text
+    for flag in HOST_FLAGS:
+        assert flag in help_text, flag
+    for variable in ("$PAGODA_CPU_THREADS", "$PAGODA_HUGE_PAGES", "$PAGODA_CPU_ISA", "$PAGODA_QUANT_KERNEL",
+                     "$PAGODA_OMP_WAIT_POLICY", "$PAGODA_CPU_NATIVE", "$PAGODA_ONEDNN_PACKED"):
+        assert variable in help_text, variable
+    assert "{auto,generic,avx2,avx512,avx512_bf16}" in help_text and "{auto,spin,sleep}" in help_text
+
+
+def test_a_flag_overrides_its_environment_variable(monkeypatch):
+    import argparse
+
+    from pagoda.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    monkeypatch.setenv("PAGODA_HUGE_PAGES", "1")
+    monkeypatch.setenv("PAGODA_QUANT_KERNEL", "cpu")
+    monkeypatch.setenv("PAGODA_FUSED_CPU_OPS", "off")
+    args = engine_args_from(parser.parse_args(["--no-huge-pages", "--quant-kernel", "torch"]))
+    settings = args.host_config()
+    assert settings.huge_pages is False and settings.quant_kernel == "torch"
+    assert settings.fused_cpu_ops is False  # no flag given: the variable
+    assert engine_args_from(parser.parse_args(["--fused-cpu-ops"])).host_config().fused_cpu_ops is True
+
+
+def test_a_malformed_host_variable_is_a_clear_error_not_a_traceback(tmp_path):
+    env = dict(os.environ, PAGODA_OMP_WAIT_POLICY="fast")
+    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "PAGODA_OMP_WAIT_POLICY='fast' is not one of auto, spin, sleep" in result.stderr
+    env = dict(os.environ, PAGODA_HUGE_PAGES="maybe")
+    result = subprocess.run([str(PAGODA_SCRIPT), "generate", "hi", "--model", str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "pagoda generate: error: PAGODA_HUGE_PAGES='maybe' is not a boolean" in result.stderr
+    assert "Traceback" not in result.stderr

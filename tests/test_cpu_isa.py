@@ -16,40 +16,60 @@ def test_the_level_is_the_highest_whose_flags_and_every_lower_levels_are_present
     assert cpu_isa.detected_level(flags) == level
 
 
-def test_a_cap_lowers_the_level_but_never_raises_it(monkeypatch):
+def test_a_cap_lowers_the_level_but_never_raises_it():
     detected = cpu_isa.detected_level(cpu_isa.cpu_flags())
-    monkeypatch.setenv("PAGODA_CPU_ISA", "auto")
-    assert cpu_isa.cpu_isa() == detected and not cpu_isa.is_capped()
-    monkeypatch.setenv("PAGODA_CPU_ISA", "generic")
+    assert cpu_isa.cpu_isa("auto") == detected and not cpu_isa.is_capped("auto")
+    assert cpu_isa.cpu_isa("generic") == "generic"
+    assert cpu_isa.cpu_isa("avx512_bf16") == detected
+
+
+def test_the_cap_defaults_to_the_host_setting():
+    from pagoda.config import HostConfig
+    from pagoda.host import apply_host_settings
+
+    apply_host_settings(HostConfig(cpu_isa="generic", malloc_tuning=False))
     assert cpu_isa.cpu_isa() == "generic"
-    monkeypatch.setenv("PAGODA_CPU_ISA", "avx512_bf16")
-    assert cpu_isa.cpu_isa() == detected
+    assert cpu_isa.describe() == "generic" or cpu_isa.describe().endswith("capped by --cpu-isa)")
 
 
 def test_an_unknown_cap_names_the_levels(monkeypatch):
+    from pagoda.config import resolve_host_config
+    from pagoda.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cpu_isa 'avx1024' is not a CPU level; use auto or one of generic, avx2"):
+        cpu_isa.cpu_isa("avx1024")
     monkeypatch.setenv("PAGODA_CPU_ISA", "avx1024")
-    with pytest.raises(ValueError, match="PAGODA_CPU_ISA='avx1024'.*auto or one of generic, avx2, avx512"):
-        cpu_isa.cpu_isa()
+    with pytest.raises(ConfigError, match="PAGODA_CPU_ISA='avx1024' is not one of auto, generic, avx2, avx512"):
+        resolve_host_config()
 
 
-def test_a_capped_kernel_build_has_its_own_name_and_only_its_levels_flags(monkeypatch):
-    monkeypatch.setenv("PAGODA_CPU_ISA", "auto")
-    assert cpu_isa.extension_build("pagoda_x") == ("pagoda_x", ["-march=native"])
+def test_a_capped_kernel_build_has_its_own_name_and_only_its_levels_flags():
+    assert cpu_isa.extension_build("pagoda_x", "auto") == ("pagoda_x", ["-march=native"])
     detected = cpu_isa.detected_level(cpu_isa.cpu_flags())
     # every level below the detected one builds under its own name with its own flags
     for level in cpu_isa.LEVELS[:cpu_isa.LEVELS.index(detected)]:
-        monkeypatch.setenv("PAGODA_CPU_ISA", level)
-        name, flags = cpu_isa.extension_build("pagoda_x")
+        name, flags = cpu_isa.extension_build("pagoda_x", level)
         assert name == f"pagoda_x_{level}" and "-march=native" not in flags
         assert ("-mavx2" in flags) == (level != "generic") and ("-mavx512f" in flags) == (level == "avx512")
 
 
-def test_auto_dtype_is_float32_when_the_cap_takes_bf16_math_away(monkeypatch):
+def test_auto_dtype_is_float32_when_the_cap_takes_bf16_math_away(monkeypatch, tmp_path):
     import torch
 
-    from pagoda.config import resolve_dtype
+    from pagoda.config import EngineArgs, resolve_dtype
+    from tiny_models import write_tiny_checkpoint
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU auto is bf16 whatever the CPU")
+    assert resolve_dtype("auto", "avx2") == torch.float32
+    # through the engine's options, and through their environment variable
+    model = str(write_tiny_checkpoint(tmp_path))
+    assert EngineArgs(model=model, cpu_isa="avx2").create_engine_config().model.dtype == torch.float32
     monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
-    assert resolve_dtype("auto") == torch.float32
+    assert EngineArgs(model=model).create_engine_config().model.dtype == torch.float32
+
+
+def test_the_levels_an_option_accepts_are_the_levels_there_are():
+    from pagoda.config import HOST_CHOICES
+
+    assert HOST_CHOICES["cpu_isa"] == ("auto", *cpu_isa.LEVELS)

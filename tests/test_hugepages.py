@@ -1,4 +1,4 @@
-"""Large CPU tensors and the heap get 2 MiB pages when asked; PAGODA_HUGE_PAGES=0 leaves them alone."""
+"""Large CPU tensors and the heap get 2 MiB pages when asked; the huge_pages setting off leaves them alone."""
 
 from pathlib import Path
 
@@ -42,10 +42,18 @@ def test_an_advised_tensor_is_backed_by_huge_pages_once_touched():
     assert _huge_kib_in(t.data_ptr(), t.data_ptr() + t.numel()) >= 2048
 
 
-def test_the_switch_turns_advice_off(monkeypatch):
-    monkeypatch.setenv("PAGODA_HUGE_PAGES", "0")
+def test_the_switch_turns_advice_off():
+    from pagoda.config import HostConfig
+    from pagoda.host import apply_host_settings
+
+    apply_host_settings(HostConfig(huge_pages=False, malloc_tuning=False))
     assert hugepages.advise_tensors([torch.empty(16 << 20, dtype=torch.uint8)]) == 0
     assert hugepages.advise_heap() == 0
+
+
+def test_the_environment_turns_advice_off_before_any_engine_is_built(monkeypatch):
+    monkeypatch.setenv("PAGODA_HUGE_PAGES", "off")
+    assert hugepages.advise_tensors([torch.empty(16 << 20, dtype=torch.uint8)]) == 0
 
 
 @needs_thp
@@ -59,3 +67,12 @@ def test_the_engine_backs_its_kv_cache_with_huge_pages(tmp_path):
     assert cache.abs().max().item() == 0  # zeroed after the advice
     start = cache.untyped_storage().data_ptr()
     assert _huge_kib_in(start, start + cache.untyped_storage().nbytes()) >= 2048
+
+
+def test_an_engine_built_without_huge_pages_advises_none(tmp_path, monkeypatch):
+    from pagoda.llm import LLM
+    from tiny_models import write_tiny_checkpoint
+
+    monkeypatch.setattr(hugepages, "_madvise", lambda: pytest.fail("advised with huge pages off"))
+    LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=64 << 20,
+        cpu_threads=1, huge_pages=False)

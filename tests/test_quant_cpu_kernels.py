@@ -120,8 +120,8 @@ def test_cpu_is_the_default_int_kernel_on_a_cpu(monkeypatch):
 
     monkeypatch.delenv("PAGODA_QUANT_KERNEL", raising=False)
     assert kernel_for_device() == "cpu"
-    monkeypatch.setenv("PAGODA_QUANT_KERNEL", "torch")
-    assert kernel_for_device() == "torch"
+    assert kernel_for_device("auto") == "cpu"
+    assert kernel_for_device("torch") == "torch"
 
 
 def test_act_order_checkpoint_generates_the_dequantized_models_tokens_with_the_cpu_kernel(tmp_path, monkeypatch):

@@ -6,33 +6,48 @@ import pytest
 import torch
 
 from pagoda import openmp
+from pagoda.config import resolve_cpu_threads
 from pagoda.threads import available_cores, configure_threads, measure_best_threads
 
 
 def test_explicit_thread_count_wins_over_the_environment(monkeypatch):
     monkeypatch.setenv("PAGODA_CPU_THREADS", "2")
-    assert configure_threads(1) == 1
+    assert configure_threads(resolve_cpu_threads(1)) == 1
     assert torch.get_num_threads() == 1
 
 
 def test_environment_sets_the_thread_count_when_no_option_is_given(monkeypatch):
     monkeypatch.setenv("PAGODA_CPU_THREADS", "1")
-    assert configure_threads(None) == 1
+    assert configure_threads(resolve_cpu_threads(None)) == 1
 
 
 def test_measured_default_is_one_thread_or_every_core(monkeypatch):
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    assert resolve_cpu_threads(None) is None
     assert measure_best_threads() in (1, available_cores())
     assert configure_threads(None) in (1, available_cores())
+
+
+@pytest.fixture
+def no_choice_made_yet(monkeypatch):
+    """This process's OpenMP choice as if none was made, restored after the test with the environment."""
+    names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    monkeypatch.setattr(openmp, "set_here", {})
+    monkeypatch.setattr(openmp, "requested_policy", None)
+    monkeypatch.setattr(openmp, "wait_policy", openmp.wait_policy)
+    yield
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("runnable,expected_env", [
     (0.0, {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}),
     (2.0, {"OMP_WAIT_POLICY": "PASSIVE"}),
 ])
-def test_openmp_threads_spin_on_an_idle_machine_and_sleep_on_a_busy_one(monkeypatch, runnable, expected_env):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+def test_openmp_threads_spin_on_an_idle_machine_and_sleep_on_a_busy_one(monkeypatch, no_choice_made_yet, runnable,
+                                                                        expected_env):
     monkeypatch.setattr(openmp, "runnable_processes", lambda: runnable)
     openmp.choose_wait_policy()
     for name, value in expected_env.items():
@@ -41,9 +56,25 @@ def test_openmp_threads_spin_on_an_idle_machine_and_sleep_on_a_busy_one(monkeypa
     assert not other & set(os.environ)
 
 
-def test_a_wait_policy_the_user_set_is_left_alone(monkeypatch):
+@pytest.mark.parametrize("policy,expected_env", [
+    ("spin", {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}),
+    ("sleep", {"OMP_WAIT_POLICY": "PASSIVE"}),
+])
+def test_a_wait_policy_asked_for_is_taken_whatever_the_load(monkeypatch, no_choice_made_yet, policy, expected_env):
+    monkeypatch.setattr(openmp, "runnable_processes", lambda: pytest.fail("measured a policy that was given"))
+    assert openmp.choose_wait_policy(policy).endswith(f"(omp_wait_policy {policy})")
+    assert {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ} == expected_env
+    assert openmp.requested_policy == policy
+
+
+def test_choosing_again_replaces_the_earlier_choice_not_adds_to_it(no_choice_made_yet):
+    openmp.choose_wait_policy("sleep")
+    openmp.choose_wait_policy("spin")
+    assert os.environ["GOMP_SPINCOUNT"] == openmp.SPIN_COUNT and "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_wait_policy_the_user_set_is_left_alone(monkeypatch, no_choice_made_yet):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(openmp, "runnable_processes", lambda: 5.0)
     assert openmp.choose_wait_policy() == "user"
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
@@ -85,10 +116,12 @@ def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeyp
     from pagoda.threads import ThreadGovernor
 
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
-    assert ThreadGovernor.for_setting(1, 1) is None  # --cpu-threads given
+    assert ThreadGovernor.for_setting(resolve_cpu_threads(1), 1) is None  # --cpu-threads given
     monkeypatch.setenv("PAGODA_CPU_THREADS", "1")
-    assert ThreadGovernor.for_setting(None, 1) is None
+    assert ThreadGovernor.for_setting(resolve_cpu_threads(None), 1) is None
     monkeypatch.delenv("PAGODA_CPU_THREADS")
+    if available_cores() > 1:
+        assert ThreadGovernor.for_setting(resolve_cpu_threads(None), 2, interval=7.0).interval == 7.0
     # the load changes between checks: every core, one hiccup, then one thread twice once others compete
     answers = iter([2, 1, 2, 1, 1])
     governor = ThreadGovernor(2, interval=0.0, measure=lambda: next(answers))

@@ -3,19 +3,20 @@
 ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
 extension loader). Where it cannot be built, or for tensors it does not cover
 (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
-compute the same values. ``PAGODA_FUSED_CPU_OPS=0`` turns the kernels off.
+compute the same values. The ``fused_cpu_ops`` host setting off
+(``--no-fused-cpu-ops``, ``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from pagoda import host
 from pagoda.cpp_extension import load_cpu_extension
 
 logger = logging.getLogger(__name__)
@@ -24,11 +25,15 @@ _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@lru_cache(maxsize=1)
 def cpu_ops() -> Optional[Any]:
-    """The compiled kernels, or None when they are turned off or cannot be built here."""
-    if os.environ.get("PAGODA_FUSED_CPU_OPS", "1") == "0":
+    """The compiled kernels, or None when the ``fused_cpu_ops`` host setting is off or they cannot be built."""
+    if not host.current().fused_cpu_ops:
         return None
+    return _compiled()
+
+
+@lru_cache(maxsize=1)
+def _compiled() -> Optional[Any]:
     try:  # no FMA contraction: products round as torch's do
         return load_cpu_extension("pagoda_cpu_ops", _SOURCE, ["-ffp-contract=off"])
     except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
@@ -58,9 +63,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GEMV_MAX_ROWS = 4
 
 
-@lru_cache(maxsize=1)
 def _has_gemv() -> bool:
-    ops = cpu_ops()
+    return host.current().fused_cpu_ops and _compiled_has_gemv()
+
+
+@lru_cache(maxsize=1)
+def _compiled_has_gemv() -> bool:
+    ops = _compiled()
     return ops is not None and bool(ops.has_bf16_gemv())
 
 

@@ -13,18 +13,19 @@ kernel in fused_ops: 11.0), 8 rows 17.9 -> 10.4, 16 rows 17.2 -> 12.2, 64 rows
 
 Only bf16: a packed float32 weight rounds differently from ``F.linear`` (which
 would break float32 parity with HF transformers), and packed fp16 needs
-AVX512-FP16. ``PAGODA_ONEDNN_PACKED=0`` keeps plain weights.
+AVX512-FP16. The ``onednn_packed_weights`` host setting off
+(``--no-onednn-packed-weights``, ``PAGODA_ONEDNN_PACKED=0``) keeps plain weights.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 from typing import Optional
 
 import torch
 
+from pagoda import host
 from pagoda.cpu_isa import cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -34,14 +35,20 @@ logger = logging.getLogger(__name__)
 _BATCH_HINT = 64
 
 
-@lru_cache(maxsize=1)
 def packing_available() -> bool:
-    """Whether bf16 weights can be packed here, checked once on a small product against ``F.linear``."""
-    if os.environ.get("PAGODA_ONEDNN_PACKED", "1") == "0":
+    """Whether bf16 weights are packed here: the ``onednn_packed_weights`` host setting is on, the ISA level
+    is AVX-512 and a small product reproduces ``F.linear`` (checked once)."""
+    settings = host.current()
+    if not settings.onednn_packed_weights:
         return False
     # torch routes bf16 matmuls to oneDNN only on AVX-512 CPUs; below that (or capped below it) F.linear
-    if cpu_isa() not in ("avx512", "avx512_bf16"):
+    if cpu_isa(settings.cpu_isa) not in ("avx512", "avx512_bf16"):
         return False
+    return _packing_reproduces_linear()
+
+
+@lru_cache(maxsize=1)
+def _packing_reproduces_linear() -> bool:
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
     try:

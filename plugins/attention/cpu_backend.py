@@ -5,7 +5,7 @@ Decodes and prefill chunks that follow cached context attend through
 copy), one (token, kv head) pair per work item, fp32 accumulation. Fresh
 prompts of a bf16 model go through ``cpu_prefill.cpp``, a flash-style causal
 kernel on AVX-512 BF16, all of a step's prompts in one call; other dtypes (and
-``PAGODA_CPU_PREFILL_KERNEL=0``) use SDPA. Steps with many decodes of a model
+the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) use SDPA. Steps with many decodes of a model
 without the bf16 decode path use the torch backend's batched path, which wins
 there. The kernels are compiled on first use (about a minute) and cached by
 torch's extension loader.
@@ -13,7 +13,6 @@ torch's extension loader.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from pagoda import host
 from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.cpp_extension import load_cpu_extension
@@ -90,7 +90,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                             and self.head_dim % 32 == 0 and self.block_size % 16 == 0 and self.group <= 8)
         # fresh prompts of a bf16 model: a flash-style AVX-512 BF16 kernel (3-4x SDPA's at W1's lengths)
         self.prefill_kernel = None
-        if model_config.dtype == torch.bfloat16 and os.environ.get("PAGODA_CPU_PREFILL_KERNEL", "1") != "0":
+        if model_config.dtype == torch.bfloat16 and host.current().cpu_prefill_kernel:
             kernel = load_prefill_kernel()
             if kernel is not None and kernel.supports_head_dim(self.head_dim):
                 self.prefill_kernel = kernel

@@ -43,7 +43,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--dtype", default="bfloat16", help="float32, float16 or bfloat16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on a CPU (default: measured)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on a CPU (default: $PAGODA_CPU_THREADS, else measured)")
     p.set_defaults(func=run)
 
 
@@ -177,9 +178,10 @@ def run(ns: argparse.Namespace) -> int:
     if device.type == "cuda":
         peak, peak_source = gpu_peak_gbps()
     else:
+        from pagoda.config import resolve_cpu_threads
         from pagoda.threads import configure_threads
 
-        print(f"cpu threads: {configure_threads(ns.cpu_threads)}")
+        print(f"cpu threads: {configure_threads(resolve_cpu_threads(ns.cpu_threads))}")
         peak, peak_source = cpu_copy_gbps(), "measured CPU copy bandwidth"
     print(f"device: {device.type}; reference bandwidth: "
           f"{'unknown' if peak is None else f'{peak:.0f} GB/s'} ({peak_source})")

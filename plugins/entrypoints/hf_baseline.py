@@ -1,9 +1,10 @@
 """The HF transformers baselines of ``pagoda bench``, run as their users run them: in a fresh process.
 
 This file is executed as a script by the benchmark (``python hf_baseline.py``),
-never imported as part of pagoda: importing pagoda tunes the process (glibc's
-malloc thresholds, the OpenMP wait policy), and a baseline inside that process
-would be measured with pagoda's settings instead of its own. The job comes as
+never imported as part of pagoda: the benchmark's process is tuned by pagoda
+(the OpenMP wait policy the ``pagoda`` command chose, glibc's malloc thresholds
+its engine set), and a baseline inside that process would be measured with
+pagoda's settings instead of its own. The job comes as
 JSON on stdin, the result goes as JSON to stdout (with ``pagoda_imported``,
 which stays false):
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
+from pagoda import host
+from pagoda.config import QUANT_KERNELS
 from pagoda.errors import CheckpointError, ConfigError
 
 # pagoda's fused layers and the checkpoint modules stacked into them, in shard order
@@ -44,17 +45,16 @@ def is_skipped(prefix: str, predicate: Callable[[str], bool], method: str) -> bo
     return all(flags)
 
 
-INT_KERNELS = ("auto", "cpu", "torch", "triton")
-
-
-def kernel_for_device() -> str:
-    """The int kernel from PAGODA_QUANT_KERNEL: ``auto`` is ``triton`` on a GPU and ``cpu`` (C++) otherwise.
+def kernel_for_device(choice: Optional[str] = None) -> str:
+    """The int kernel for ``choice`` (default: the ``quant_kernel`` host setting): ``auto`` is ``triton`` on a
+    GPU and ``cpu`` (C++) otherwise.
 
     ``torch`` (dequantize a layer per forward, then multiply) stays selectable as the reference.
     """
-    choice = os.environ.get("PAGODA_QUANT_KERNEL", "auto")
-    if choice not in INT_KERNELS:
-        raise ConfigError(f"PAGODA_QUANT_KERNEL={choice!r} is not one of {', '.join(INT_KERNELS)}")
+    if choice is None:
+        choice = host.current().quant_kernel
+    if choice not in QUANT_KERNELS:
+        raise ConfigError(f"quant_kernel {choice!r} is not one of {', '.join(QUANT_KERNELS)}")
     if choice == "auto":
         return "triton" if torch.cuda.is_available() else "cpu"
     return choice

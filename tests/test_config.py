@@ -1,0 +1,97 @@
+"""Host settings are engine options: an option given wins, else its environment variable, else the default;
+resolved once, when the engine's config is built."""
+
+import dataclasses
+
+import pytest
+
+from pagoda.config import HOST_CHOICES, EngineArgs, HostConfig, resolve_host_config
+from pagoda.env import HOST_VARIABLES
+from pagoda.errors import ConfigError
+from pagoda.openmp import WAIT_POLICIES
+
+# a value of each host setting other than its built-in default, as an option and as its variable's text
+NOT_DEFAULT = {
+    "thread_recheck_seconds": (0.5, "0.5"),
+    "omp_wait_policy": ("sleep", "SLEEP"),
+    "malloc_tuning": (False, "off"),
+    "huge_pages": (False, "0"),
+    "cpu_isa": ("avx2", "avx2"),
+    "cpu_native_build": (False, "no"),
+    "fused_cpu_ops": (False, "False"),
+    "onednn_packed_weights": (False, "0"),
+    "cpu_prefill_kernel": (False, "off"),
+    "quant_kernel": ("torch", "torch"),
+}
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    for variable in HOST_VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)
+    return monkeypatch
+
+
+def test_every_host_setting_is_an_engine_option_with_a_variable():
+    names = {f.name for f in dataclasses.fields(HostConfig)}
+    assert names == set(NOT_DEFAULT)
+    assert set(HOST_VARIABLES) == names | {"cpu_threads"}
+    assert set(HOST_VARIABLES) <= set(EngineArgs.model_fields)
+    assert all(EngineArgs.model_fields[name].default is None for name in HOST_VARIABLES)
+
+
+def test_without_options_or_variables_the_settings_are_the_built_in_defaults(clean_environment):
+    assert resolve_host_config() == HostConfig()
+    assert EngineArgs().host_config() == HostConfig()
+
+
+@pytest.mark.parametrize("name", sorted(NOT_DEFAULT))
+def test_a_variable_is_the_default_of_its_option_and_the_option_wins(clean_environment, name):
+    option_value, variable_text = NOT_DEFAULT[name]
+    clean_environment.setenv(HOST_VARIABLES[name], variable_text)
+    assert getattr(EngineArgs().host_config(), name) == option_value
+    builtin = getattr(HostConfig(), name)
+    assert getattr(EngineArgs(**{name: builtin}).host_config(), name) == builtin
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (value, _) in NOT_DEFAULT.items() if isinstance(value, bool)))
+def test_a_malformed_boolean_variable_is_an_error_naming_it(clean_environment, name):
+    clean_environment.setenv(HOST_VARIABLES[name], "maybe")
+    with pytest.raises(ConfigError, match=f"{HOST_VARIABLES[name]}='maybe' is not a boolean; set it to one of 1, "
+                                          "true, yes, on"):
+        EngineArgs().host_config()
+
+
+def test_a_malformed_variable_fails_when_the_config_is_built_before_the_model_is_read(clean_environment, tmp_path):
+    clean_environment.setenv("PAGODA_QUANT_KERNEL", "fast")
+    with pytest.raises(ConfigError, match="PAGODA_QUANT_KERNEL='fast' is not one of auto, cpu, torch, triton"):
+        EngineArgs(model=str(tmp_path / "missing")).create_engine_config()
+    clean_environment.delenv("PAGODA_QUANT_KERNEL")
+    clean_environment.setenv("PAGODA_CPU_THREADS", "all")
+    with pytest.raises(ConfigError, match="PAGODA_CPU_THREADS='all' is not a whole number >= 1"):
+        EngineArgs(model=str(tmp_path / "missing")).create_engine_config()
+
+
+def test_a_bad_option_value_is_refused_with_the_allowed_ones():
+    with pytest.raises(ConfigError, match="cpu_isa='avx3'.*'auto', 'generic', 'avx2', 'avx512' or 'avx512_bf16'"):
+        EngineArgs.build(cpu_isa="avx3")
+    with pytest.raises(ConfigError, match="thread_recheck_seconds=-1"):
+        EngineArgs.build(thread_recheck_seconds=-1)
+
+
+def test_the_engine_config_holds_the_resolved_settings_and_thread_count(clean_environment, tmp_path):
+    from tiny_models import write_tiny_checkpoint
+
+    model = str(write_tiny_checkpoint(tmp_path))
+    clean_environment.setenv("PAGODA_CPU_THREADS", "3")
+    clean_environment.setenv("PAGODA_FUSED_CPU_OPS", "off")
+    config = EngineArgs(model=model, huge_pages=False).create_engine_config()
+    assert config.parallel.cpu_threads == 3
+    assert config.host == HostConfig(huge_pages=False, fused_cpu_ops=False)
+    assert EngineArgs(model=model, cpu_threads=1).create_engine_config().parallel.cpu_threads == 1
+    clean_environment.delenv("PAGODA_CPU_THREADS")
+    assert EngineArgs(model=model).create_engine_config().parallel.cpu_threads is None  # measured
+
+
+def test_the_wait_policies_an_option_accepts_are_those_openmp_knows():
+    assert HOST_CHOICES["omp_wait_policy"] == WAIT_POLICIES

@@ -1,0 +1,208 @@
+"""Importing pagoda changes nothing; an engine applies its host settings when built and tunes threads and
+huge pages as it steps (HostTuning, tested here without an engine)."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagoda import host, malloc, openmp
+from pagoda.config import EngineArgs, HostConfig
+from pagoda.threads import available_cores
+
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter whose environment has no OpenMP wait variables (plus ``env``)."""
+    environment = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES} | env
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+IMPORT_AND_REPORT = """
+import json, os, sys
+env_before, modules_before = dict(os.environ), set(sys.modules)
+import {module}
+new = set(sys.modules) - modules_before
+print(json.dumps({{"env_changed": dict(os.environ) != env_before, "new_modules": sorted(new)}}))
+"""
+
+
+def _third_party(modules: list[str]) -> set[str]:
+    return {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - {"pagoda"}
+
+
+def test_importing_pagoda_changes_nothing_in_the_process():
+    report = json.loads(run_python(IMPORT_AND_REPORT.format(module="pagoda")).stdout)
+    assert report["env_changed"] is False
+    assert _third_party(report["new_modules"]) <= {"pluggy"}  # the hookimpl marker; no torch, no numpy
+    assert "pagoda.malloc" not in report["new_modules"] and "pagoda.openmp" not in report["new_modules"]
+
+
+def test_a_plugin_importing_the_marker_does_not_load_torch():
+    report = json.loads(run_python(IMPORT_AND_REPORT.format(module="pagoda.markers")).stdout)
+    assert report["env_changed"] is False and "torch" not in report["new_modules"]
+
+
+def test_the_public_names_load_on_first_use():
+    import pagoda
+
+    assert pagoda.LLM.__name__ == "LLM" and pagoda.EngineArgs is EngineArgs
+    assert set(pagoda.__all__) <= set(dir(pagoda))
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        pagoda.Engine  # noqa: B018
+
+
+def test_a_program_chooses_the_wait_policy_before_importing_torch():
+    out = run_python("import os, sys, pagoda.host\n"
+                     "assert 'torch' not in sys.modules\n"
+                     "print(pagoda.host.set_openmp_wait_policy('sleep'))\n"
+                     "import torch\n"
+                     "print(os.environ['OMP_WAIT_POLICY'], 'GOMP_SPINCOUNT' in os.environ)").stdout.splitlines()
+    assert out == ["sleep (omp_wait_policy sleep)", "PASSIVE False"]
+
+
+def test_the_wait_policy_defaults_to_its_variable():
+    out = run_python("import os, pagoda.host\npagoda.host.set_openmp_wait_policy()\n"
+                     "print(os.environ.get('GOMP_SPINCOUNT'))", PAGODA_OMP_WAIT_POLICY="spin").stdout
+    assert out.strip() == openmp.SPIN_COUNT
+
+
+def test_the_pagoda_command_chooses_the_wait_policy_before_torch_loads():
+    code = ("import sys\n"
+            "from pagoda import cli, openmp\n"
+            "choose = openmp.choose_wait_policy\n"
+            "def spy(policy):\n"
+            "    print('torch loaded:', 'torch' in sys.modules, 'policy:', policy, file=sys.stderr)\n"
+            "    return choose(policy)\n"
+            "openmp.choose_wait_policy = spy\n"
+            "cli.main(['plugins'])\n"
+            "print(openmp.set_here, file=sys.stderr)\n")
+    err = run_python(code, PAGODA_OMP_WAIT_POLICY="sleep").stderr.splitlines()
+    assert err == ["torch loaded: False policy: sleep", "{'OMP_WAIT_POLICY': 'PASSIVE'}"]
+
+
+def test_once_torch_is_loaded_the_wait_policy_is_left_alone_and_a_warning_says_so(caplog):
+    before = {name: os.environ.get(name) for name in WAIT_VARIABLES}
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        assert host.set_openmp_wait_policy("spin") == openmp.wait_policy
+    assert {name: os.environ.get(name) for name in WAIT_VARIABLES} == before
+    assert "before the first import of torch" in caplog.text
+
+
+def test_an_engine_tunes_malloc_unless_its_setting_is_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    host.apply_host_settings(HostConfig(malloc_tuning=False))
+    assert calls == []
+    host.apply_host_settings(HostConfig())
+    assert calls == [1]
+
+
+def test_layer_switches_follow_the_settings_of_the_engine_built_last(monkeypatch):
+    from pagoda.layers import fused_ops, onednn
+    from pagoda.plugins.quant.base import kernel_for_device
+
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
+    settings = HostConfig(fused_cpu_ops=False, onednn_packed_weights=False, quant_kernel="torch", cpu_isa="generic")
+    host.apply_host_settings(settings)
+    assert host.current() is settings
+    assert fused_ops.cpu_ops() is None and onednn.packing_available() is False
+    assert kernel_for_device() == "torch"
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    w = torch.randn(4, 8).to(torch.bfloat16)
+    assert torch.equal(fused_ops.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_before_any_engine_the_settings_are_the_environments_read_once(monkeypatch):
+    monkeypatch.setenv("PAGODA_FUSED_CPU_OPS", "off")
+    assert host.current().fused_cpu_ops is False
+    monkeypatch.setenv("PAGODA_FUSED_CPU_OPS", "on")
+    assert host.current().fused_cpu_ops is False
+
+
+def test_a_wait_policy_asked_for_too_late_is_warned_about(monkeypatch, caplog):
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
+    for name in WAIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(openmp, "set_here", {})
+    monkeypatch.setattr(openmp, "requested_policy", None)
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        host.apply_host_settings(HostConfig())  # auto: nothing was promised
+        assert caplog.text == ""
+        host.apply_host_settings(HostConfig(omp_wait_policy="sleep"))
+    assert "omp_wait_policy='sleep' cannot take effect" in caplog.text
+    assert "pagoda.host.set_openmp_wait_policy('sleep') before importing torch" in caplog.text
+
+
+# ---- HostTuning -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine_config(tmp_path):
+    from tiny_models import write_tiny_checkpoint
+
+    model = str(write_tiny_checkpoint(tmp_path))
+
+    def build(**options):
+        return EngineArgs(model=model, **options).create_engine_config()
+
+    return build
+
+
+def step(num_batched_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(num_batched_tokens=num_batched_tokens)
+
+
+def test_a_set_thread_count_is_used_and_never_re_measured(engine_config):
+    tuning = host.HostTuning(engine_config(cpu_threads=1, thread_recheck_seconds=0))
+    assert tuning.num_threads == 1 == torch.get_num_threads() and tuning.governor is None
+    tuning.after_step(None, step(8), object(), 0.01)
+    assert tuning.num_threads == 1
+
+
+@pytest.mark.skipif(available_cores() == 1, reason="one core: nothing to re-measure")
+def test_a_measured_thread_count_is_re_measured_after_steps_that_ran(monkeypatch, engine_config):
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "0")
+    tuning = host.HostTuning(engine_config())
+    assert tuning.governor is not None and tuning.governor.interval == 0
+    checks = []
+    tuning.governor._measure = lambda: checks.append(1) or 1
+    tuning.after_step(None, step(0), None, 0.0)  # nothing ran: nothing to learn
+    assert checks == []
+    tuning.after_step(None, step(8), object(), 0.01)
+    tuning.after_step(None, step(8), object(), 0.01)
+    assert len(checks) == 2 and tuning.num_threads == 1 == torch.get_num_threads()  # two checks agreed
+
+
+@pytest.mark.skipif(available_cores() == 1, reason="one core: nothing to re-measure")
+def test_held_threads_are_not_re_measured(engine_config):
+    tuning = host.HostTuning(engine_config(thread_recheck_seconds=0))
+    tuning.governor._measure = lambda: pytest.fail("re-measured held threads")
+    tuning.hold_threads()
+    tuning.after_step(None, step(8), object(), 0.01)
+    assert tuning.governor is None
+
+
+@pytest.mark.parametrize("huge_pages,expected", [(True, [10, 20, 30]), (False, [])])
+def test_the_heap_is_advised_after_each_step_a_quarter_larger_than_any_before(monkeypatch, engine_config,
+                                                                              huge_pages, expected):
+    from pagoda import hugepages
+
+    tuning = host.HostTuning(engine_config(cpu_threads=1, huge_pages=huge_pages))
+    advised = []
+    for tokens in [10, 12, 20, 5, 30]:
+        monkeypatch.setattr(hugepages, "advise_heap", lambda: advised.append(tokens) or 0)
+        sched = step(tokens)
+        tuning.before_step(None, sched)
+        tuning.after_step(None, sched, object(), 0.01)
+    assert advised == expected
