@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, runtime_che
 if TYPE_CHECKING:
     import torch
 
-    from pagoda.step import AttentionBatch
-    from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.sampler import SamplerOutput
-    from pagoda.step import SchedulerOutput
+    from pagoda.sequence import Sequence, SequenceStatus
+    from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
 
 
 @runtime_checkable
@@ -91,12 +90,15 @@ class Scheduler(Protocol):
     def schedule(self) -> "SchedulerOutput":
         """The next step's batch (prefill chunks and decodes), block moves and preemptions."""
 
-    def update(self, sched: "SchedulerOutput", sampled_token_ids: list[Optional[int]]) -> list["Sequence"]:
-        """Append sampled tokens, apply stop rules, free finished requests; return the requests that advanced.
+    def update(self, sched: "SchedulerOutput", result: "RunnerOutput") -> list["Sequence"]:
+        """Commit the step, the only place a sequence's progress moves: its computed tokens (the
+        step's known tokens plus accepted drafts), the tokens it appends (``result.sampled_token_ids[i]``,
+        through ``Sequence.append_output_tokens``, which applies the stop conditions), logprobs; finished
+        sequences are freed. Returns the sequences that gained tokens."""
 
-        With speculative decoding an entry may be a list: the verified run of a request that carried
-        draft tokens, appended token by token; its computed count then rolls back to the run.
-        """
+    def rollback(self, sched: "SchedulerOutput") -> None:
+        """Undo what a step whose execution failed may have left half done (block moves, prefix-cache
+        entries for uncomputed blocks); no sequence loses a token."""
 
     def finish(self, request: "Sequence", status: "SequenceStatus") -> None:
         """End a request in any state and free its blocks at once."""
@@ -137,16 +139,14 @@ class Sampler(Protocol):
 class Proposer(Protocol):
     """``pagoda_proposers``: draft tokens for speculative decoding."""
 
-    def propose(self, sched: "SchedulerOutput", rows: list[int], max_drafts: list[int]
-                ) -> tuple[list[list[int]], list[Optional["torch.Tensor"]]]:
-        """Called every step before the target's forward pass.
+    def propose(self, sched: "SchedulerOutput") -> tuple[list[list[int]], list[Optional["torch.Tensor"]]]:
+        """Called by the runner every step before the target's forward pass.
 
-        For each ``sched.requests[rows[j]]`` (a decoding request whose blocks
-        hold room for ``max_drafts[j]`` draft tokens after its last token):
-        at most ``max_drafts[j]`` draft token ids, and the ``[num_drafts,
-        vocab]`` probabilities they were drawn from (None: each draft is a
-        point mass, as for n-gram lookup). A proposer with its own KV cache
-        also computes the step's other scheduled tokens here.
+        For each ``sched.requests[i]``: at most ``sched.num_draft_slots[i]`` draft token ids (a
+        sequence with slots is decoding, and its blocks hold room for them after its last token), and
+        the ``[num_drafts, vocab]`` probabilities they were drawn from (None: each draft is a point
+        mass, as for n-gram lookup). A proposer with its own KV cache also computes the step's other
+        scheduled tokens here.
         """
 
 

@@ -95,3 +95,8 @@ def test_the_engine_config_holds_the_resolved_settings_and_thread_count(clean_en
 
 def test_the_wait_policies_an_option_accepts_are_those_openmp_knows():
     assert HOST_CHOICES["omp_wait_policy"] == WAIT_POLICIES
+
+
+def test_tensor_parallel_size_other_than_one_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*leave --tensor-parallel-size at 1"):
+        EngineArgs(tensor_parallel_size=2).create_engine_config()
