@@ -7,13 +7,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pagoda.cpu_isa import cpu_isa
-from pagoda.env import HOST_VARIABLES, env_bool, env_choice, env_number
+from pagoda.env import (HOST_VARIABLES, CpuIsa, HostConfig, OmpWaitPolicy, QuantKernel, resolve_cpu_threads,
+                        resolve_host_config)
 from pagoda.errors import ConfigError
 
 GiB = 1 << 30
@@ -141,65 +142,6 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int
     cpu_threads: Optional[int]
-
-
-OmpWaitPolicy = Literal["auto", "spin", "sleep"]
-CpuIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16"]
-QuantKernel = Literal["auto", "cpu", "torch", "triton"]
-QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernel)
-
-
-@dataclass(frozen=True)
-class HostConfig:
-    """How the engine uses this machine: OpenMP waiting, the allocator, huge pages, which CPU kernels run.
-
-    Each field is an engine option whose environment variable (``pagoda.env.HOST_VARIABLES``) is only its
-    default; the values here are the built-in defaults. Resolved once, by ``resolve_host_config`` when an
-    engine's config is built, and applied by ``pagoda.host.apply_host_settings`` when the engine is built.
-    (The thread count is ``ParallelConfig.cpu_threads``.)
-    """
-
-    thread_recheck_seconds: float = 5.0  # how often a measured thread count is measured again
-    omp_wait_policy: str = "auto"  # an OmpWaitPolicy; takes effect only if chosen before torch loads
-    malloc_tuning: bool = True  # keep freed heap memory for reuse (pagoda.malloc)
-    huge_pages: bool = True  # 2 MiB pages for the KV cache, the weights and the heap (pagoda.hugepages)
-    cpu_isa: str = "auto"  # a CpuIsa: the highest ISA level pagoda's CPU code may use (pagoda.cpu_isa)
-    cpu_native_build: bool = True  # C++ kernels for this CPU's level; off: the compiler's default target
-    fused_cpu_ops: bool = True  # fused RMSNorm / SiLU-and-mul / RoPE / GEMV kernels (pagoda.layers.fused_ops)
-    onednn_packed_weights: bool = True  # bf16 weights in oneDNN's blocked layout (pagoda.layers.onednn)
-    cpu_prefill_kernel: bool = True  # the cpu attention backend's kernel for fresh bf16 prompts
-    quant_kernel: str = "auto"  # a QuantKernel: the int-weight matmul of quantized layers
-
-
-# the choices of each enumerated host setting
-HOST_CHOICES: dict[str, tuple[str, ...]] = {
-    "omp_wait_policy": get_args(OmpWaitPolicy),
-    "cpu_isa": get_args(CpuIsa),
-    "quant_kernel": QUANT_KERNELS,
-}
-
-
-def resolve_host_config(**given: Any) -> HostConfig:
-    """The host settings: each option given (None: not given), else its environment variable, else the
-    built-in default. A malformed variable is a ConfigError naming it and the values it accepts."""
-    values = {}
-    for f in dataclasses.fields(HostConfig):
-        value = given.get(f.name)
-        if value is None:
-            variable = HOST_VARIABLES[f.name]
-            if isinstance(f.default, bool):
-                value = env_bool(variable, f.default)
-            elif f.name in HOST_CHOICES:
-                value = env_choice(variable, HOST_CHOICES[f.name], f.default)
-            else:
-                value = env_number(variable, float, 0.0, f.default)
-        values[f.name] = value
-    return HostConfig(**values)
-
-
-def resolve_cpu_threads(given: Optional[int]) -> Optional[int]:
-    """The ``cpu_threads`` option, else ``PAGODA_CPU_THREADS``, else None (measured at start-up)."""
-    return given or env_number(HOST_VARIABLES["cpu_threads"], int, 1, None)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
-"""pagoda's environment variables: parsed one way, read where an engine's config is built.
+"""The host settings (``HostConfig``) and pagoda's environment variables, parsed one way.
 
 The host settings (threads, the allocator, huge pages, which CPU kernels run)
 are engine options; the variable ``HOST_VARIABLES`` names for each is only its
-default, used when the option is not given. An empty variable counts as unset.
+default, used when the option is not given, and read once, where an engine's
+config is built (``resolve_host_config``). An empty variable counts as unset.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, TypeVar, get_args
 
 from pagoda.errors import ConfigError
 
@@ -86,3 +89,62 @@ def env_number(name: str, kind: type[Number], minimum: Number, default: Optional
     """Variable ``name`` as a number >= ``minimum``, ``default`` when unset."""
     value = _raw(name)
     return default if value is None else parse_number(value, name, kind, minimum)
+
+
+OmpWaitPolicy = Literal["auto", "spin", "sleep"]
+CpuIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16"]
+QuantKernel = Literal["auto", "cpu", "torch", "triton"]
+QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernel)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """How the engine uses this machine: OpenMP waiting, the allocator, huge pages, which CPU kernels run.
+
+    Each field is an engine option whose environment variable (``pagoda.env.HOST_VARIABLES``) is only its
+    default; the values here are the built-in defaults. Resolved once, by ``resolve_host_config`` when an
+    engine's config is built, and applied by ``pagoda.host.apply_host_settings`` when the engine is built.
+    (The thread count is ``ParallelConfig.cpu_threads``.)
+    """
+
+    thread_recheck_seconds: float = 5.0  # how often a measured thread count is measured again
+    omp_wait_policy: str = "auto"  # an OmpWaitPolicy; takes effect only if chosen before torch loads
+    malloc_tuning: bool = True  # keep freed heap memory for reuse (pagoda.malloc)
+    huge_pages: bool = True  # 2 MiB pages for the KV cache, the weights and the heap (pagoda.hugepages)
+    cpu_isa: str = "auto"  # a CpuIsa: the highest ISA level pagoda's CPU code may use (pagoda.cpu_isa)
+    cpu_native_build: bool = True  # C++ kernels for this CPU's level; off: the compiler's default target
+    fused_cpu_ops: bool = True  # fused RMSNorm / SiLU-and-mul / RoPE / GEMV kernels (pagoda.layers.fused_ops)
+    onednn_packed_weights: bool = True  # bf16 weights in oneDNN's blocked layout (pagoda.layers.onednn)
+    cpu_prefill_kernel: bool = True  # the cpu attention backend's kernel for fresh bf16 prompts
+    quant_kernel: str = "auto"  # a QuantKernel: the int-weight matmul of quantized layers
+
+
+# the choices of each enumerated host setting
+HOST_CHOICES: dict[str, tuple[str, ...]] = {
+    "omp_wait_policy": get_args(OmpWaitPolicy),
+    "cpu_isa": get_args(CpuIsa),
+    "quant_kernel": QUANT_KERNELS,
+}
+
+
+def resolve_host_config(**given: Any) -> HostConfig:
+    """The host settings: each option given (None: not given), else its environment variable, else the
+    built-in default. A malformed variable is a ConfigError naming it and the values it accepts."""
+    values = {}
+    for f in dataclasses.fields(HostConfig):
+        value = given.get(f.name)
+        if value is None:
+            variable = HOST_VARIABLES[f.name]
+            if isinstance(f.default, bool):
+                value = env_bool(variable, f.default)
+            elif f.name in HOST_CHOICES:
+                value = env_choice(variable, HOST_CHOICES[f.name], f.default)
+            else:
+                value = env_number(variable, float, 0.0, f.default)
+        values[f.name] = value
+    return HostConfig(**values)
+
+
+def resolve_cpu_threads(given: Optional[int]) -> Optional[int]:
+    """The ``cpu_threads`` option, else ``PAGODA_CPU_THREADS``, else None (measured at start-up)."""
+    return given or env_number(HOST_VARIABLES["cpu_threads"], int, 1, None)

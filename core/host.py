@@ -23,7 +23,8 @@ from pagoda import malloc, openmp
 from pagoda.env import HOST_VARIABLES, env_choice, parse_choice
 
 if TYPE_CHECKING:
-    from pagoda.config import EngineConfig, HostConfig
+    from pagoda.config import EngineConfig
+    from pagoda.env import HostConfig
     from pagoda.threads import ThreadGovernor
 
 logger = logging.getLogger("pagoda")
@@ -38,7 +39,7 @@ def current() -> HostConfig:
     variables' (read once), so kernels used without an engine follow them too."""
     global _current
     if _current is None:
-        from pagoda.config import resolve_host_config
+        from pagoda.env import resolve_host_config
 
         _current = resolve_host_config()
     return _current

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from pagoda.config import HOST_CHOICES, EngineArgs, HostConfig, resolve_host_config
+from pagoda.config import EngineArgs
+from pagoda.env import HOST_CHOICES, HostConfig, resolve_host_config
 from pagoda.env import HOST_VARIABLES
 from pagoda.errors import ConfigError
 from pagoda.openmp import WAIT_POLICIES

@@ -24,7 +24,7 @@ def test_a_cap_lowers_the_level_but_never_raises_it():
 
 
 def test_the_cap_defaults_to_the_host_setting():
-    from pagoda.config import HostConfig
+    from pagoda.env import HostConfig
     from pagoda.host import apply_host_settings
 
     apply_host_settings(HostConfig(cpu_isa="generic", malloc_tuning=False))
@@ -33,7 +33,7 @@ def test_the_cap_defaults_to_the_host_setting():
 
 
 def test_an_unknown_cap_names_the_levels(monkeypatch):
-    from pagoda.config import resolve_host_config
+    from pagoda.env import resolve_host_config
     from pagoda.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cpu_isa 'avx1024' is not a CPU level; use auto or one of generic, avx2"):
@@ -70,6 +70,6 @@ def test_auto_dtype_is_float32_when_the_cap_takes_bf16_math_away(monkeypatch, tm
 
 
 def test_the_levels_an_option_accepts_are_the_levels_there_are():
-    from pagoda.config import HOST_CHOICES
+    from pagoda.env import HOST_CHOICES
 
     assert HOST_CHOICES["cpu_isa"] == ("auto", *cpu_isa.LEVELS)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pagoda import host, malloc, openmp
-from pagoda.config import EngineArgs, HostConfig
+from pagoda.config import EngineArgs
+from pagoda.env import HostConfig
 from pagoda.threads import available_cores
 
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")

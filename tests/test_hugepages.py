@@ -43,7 +43,7 @@ def test_an_advised_tensor_is_backed_by_huge_pages_once_touched():
 
 
 def test_the_switch_turns_advice_off():
-    from pagoda.config import HostConfig
+    from pagoda.env import HostConfig
     from pagoda.host import apply_host_settings
 
     apply_host_settings(HostConfig(huge_pages=False, malloc_tuning=False))

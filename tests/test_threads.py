@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagoda import openmp
-from pagoda.config import resolve_cpu_threads
+from pagoda.env import resolve_cpu_threads
 from pagoda.threads import available_cores, configure_threads, measure_best_threads
 
 

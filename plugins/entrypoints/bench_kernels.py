@@ -178,7 +178,7 @@ def run(ns: argparse.Namespace) -> int:
     if device.type == "cuda":
         peak, peak_source = gpu_peak_gbps()
     else:
-        from pagoda.config import resolve_cpu_threads
+        from pagoda.env import resolve_cpu_threads
         from pagoda.threads import configure_threads
 
         print(f"cpu threads: {configure_threads(resolve_cpu_threads(ns.cpu_threads))}")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagoda import host
-from pagoda.config import QUANT_KERNELS
+from pagoda.env import QUANT_KERNELS
 from pagoda.errors import CheckpointError, ConfigError
 
 # pagoda's fused layers and the checkpoint modules stacked into them, in shard order
