@@ -7,6 +7,7 @@ import pytest
 from pagoda.kv_blocks import PagedKVCacheManager
 from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
+from scheduling_sim import assert_kv_consistent
 
 BS = 4
 
@@ -25,13 +26,8 @@ def admit(kv: PagedKVCacheManager, req: Sequence, num_new: int | None = None) ->
 
 
 def assert_consistent(kv: PagedKVCacheManager) -> None:
-    """Ref counts equal table references; free blocks are exactly the unreferenced ones."""
-    refs = [0] * kv.num_blocks
-    for table in kv._tables.values():
-        for block in table:
-            refs[block.block_id] += 1
-    assert [b.ref_cnt for b in kv.blocks] == refs
-    assert set(kv._free) == {b.block_id for b in kv.blocks if b.ref_cnt == 0}
+    """Ref counts, free blocks and swap slots add up; every cached block sits under its own hash."""
+    assert_kv_consistent(kv)
     for h, block in kv._cached.items():
         assert block.block_hash == h and hash(block.key) == h
 
