@@ -182,7 +182,7 @@ def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
         elif op[0] == "preempt" and s.running:
             # what the scheduler does when the pool runs dry, forced at an arbitrary moment
             out = SchedulerOutput()
-            s._preempt(s.running[op[1] % len(s.running)], out)
+            s.preempt(s.running[op[1] % len(s.running)], out)
             runner.execute(out)
         assert_kv_consistent(kv)
         runner.assert_prefix_cache_matches_contents(kv)

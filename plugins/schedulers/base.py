@@ -21,8 +21,9 @@ leaves every request where it was (see :meth:`TokenBudgetScheduler.rollback`).
 
 from __future__ import annotations
 
+import bisect
 import time
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.sequence import Sequence, SequenceStatus
@@ -52,37 +53,75 @@ class TokenBudgetScheduler:
         # request id -> tokens scheduled in the step being built
         self._scheduled_now: dict[str, int] = {}
 
-    # ---- policy points -------------------------------------------------------
+    # ---- policy: the public methods a scheduling policy overrides ----------------------------------
+
+    def waiting_key(self, request: Sequence) -> Optional[Any]:
+        """The waiting queue's order: requests with smaller keys are admitted first. None (the default)
+        keeps arrival order, with preempted requests resuming before anything new starts. A policy
+        that returns keys orders preempted requests too (``request.num_preemptions`` tells them apart)."""
+        return None
+
+    def running_key(self, request: Sequence) -> Optional[Any]:
+        """The order of the running and swapped queues, which is also the order running requests get
+        budget and blocks. None (the default): arrival order, and each step serves decodes (one token
+        each) before prefill chunks, so a long prompt never holds up the sequences already generating."""
+        return None
+
+    def choose_victim(self, candidates: list[Sequence]) -> Sequence:
+        """The request to preempt when blocks run out, among ``candidates`` (running requests not yet
+        scheduled this step, in running order): by default the newest one."""
+        return candidates[-1]
+
+    def may_admit(self, request: Sequence) -> bool:
+        """Whether a waiting request may start now, while others sit swapped out: by default not
+        (swapped requests come back first)."""
+        return not self.swapped
+
+    def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
+        """Called first in every step: preempt running work in favour of waiting requests, with
+        :meth:`preempt`. By default never (first come, first served)."""
+
+    # ---- actions a policy may take -------------------------------------------------------------
+
+    def preempt(self, request: Sequence, out: SchedulerOutput) -> None:
+        """Preempt a running request: its blocks are swapped out if configured and there is room, else
+        freed to recompute it later (it waits again). Recorded in ``out.preempted``."""
+        self.running.remove(request)
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(request):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(request))
+            request.status = SequenceStatus.SWAPPED
+            self._insert(self.swapped, request, self.running_key)
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = SequenceStatus.PREEMPTED
+            self._insert_waiting(request, front=True)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(request)
+
+    # ---- queue order ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _insert(queue: list[Sequence], request: Sequence, key: Callable[[Sequence], Any]) -> None:
+        if key(request) is None:
+            queue.append(request)
+        else:
+            bisect.insort(queue, request, key=key)
 
     def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
-        if front:
+        if self.waiting_key(request) is not None:
+            bisect.insort(self.waiting, request, key=self.waiting_key)
+        elif front:
             self.waiting.insert(0, request)
         else:
             self.waiting.append(request)
 
-    def _insert_running(self, request: Sequence) -> None:
-        self.running.append(request)
-
-    def _insert_swapped(self, request: Sequence) -> None:
-        self.swapped.append(request)
-
-    def _pick_victim(self, candidates: list[Sequence]) -> Sequence:
-        """The request to preempt when blocks run out, among ``candidates``
-        (running requests not yet scheduled this step, in running order): the newest one."""
-        return candidates[-1]
-
     def _running_order(self) -> list[Sequence]:
-        """The order running requests get budget and blocks: decodes (one token each) before
-        prefill chunks, so a long prompt never holds up the sequences already generating."""
+        if self.running and self.running_key(self.running[0]) is not None:
+            return list(self.running)
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         return decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-
-    def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
-        """Preempt running work in favour of waiting requests; first come, first served never does."""
-
-    def _may_admit_waiting(self, request: Sequence) -> bool:
-        """Whether a waiting request may start while others sit swapped out (they come back first)."""
-        return not self.swapped
 
     # ---- queries -------------------------------------------------------------
 
@@ -111,7 +150,7 @@ class TokenBudgetScheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled_now = {}
-        self._preempt_for_arrivals(out)
+        self.preempt_for_arrivals(out)
         num_preempted_before = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         pool_ran_dry = len(out.preempted) > num_preempted_before
@@ -141,8 +180,8 @@ class TokenBudgetScheduler:
                 continue
             while not self.kv.allocate_slots(req, num_new):
                 candidates = [r for r in self.running if r.request_id not in self._scheduled_now]
-                victim = self._pick_victim(candidates)
-                self._preempt(victim, out)
+                victim = self.choose_victim(candidates)
+                self.preempt(victim, out)
                 if victim is req:
                     break
             else:
@@ -177,7 +216,7 @@ class TokenBudgetScheduler:
             if not self.kv.allocate_slots(req, num_new):
                 raise RuntimeError(f"KV bookkeeping error: {req.request_id} swapped in without room to run")
             req.status = SequenceStatus.RUNNING
-            self._insert_running(req)
+            self._insert(self.running, req, self.running_key)
             self._add_to_output(out, req, num_new)
             budget -= num_new
         return budget
@@ -187,7 +226,7 @@ class TokenBudgetScheduler:
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[idx]
-            if not self._may_admit_waiting(req):
+            if not self.may_admit(req):
                 break
             leader = self._prompt_leader(req)
             if leader is not None and leader.num_computed_tokens < req.num_prompt_tokens - 1:
@@ -216,7 +255,7 @@ class TokenBudgetScheduler:
             req.status = SequenceStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = now
-            self._insert_running(req)
+            self._insert(self.running, req, self.running_key)
             self._add_to_output(out, req, num_new)
             budget -= num_new
 
@@ -269,22 +308,6 @@ class TokenBudgetScheduler:
     def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_drafts: int = 0) -> None:
         out.add(req, num_new, req.num_computed_tokens, self.kv.block_table(req.request_id), num_drafts)
         self._scheduled_now[req.request_id] = num_new
-
-    def _preempt(self, req: Sequence, out: SchedulerOutput) -> None:
-        """Swap the request's blocks out if configured and there is room, else free them to recompute later."""
-        self.running.remove(req)
-        if self.preemption_mode == "swap" and self.kv.can_swap_out(req):
-            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
-            req.status = SequenceStatus.SWAPPED
-            self._insert_swapped(req)
-        else:
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = SequenceStatus.PREEMPTED
-            self._insert_waiting(req, front=True)
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(req)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
         """Commit the step: advance each request's computed tokens, append what it sampled (logprobs

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
-
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
@@ -21,26 +19,20 @@ class PriorityScheduler(TokenBudgetScheduler):
     preempts the lowest-ranked running requests until it can.
     """
 
-    def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
-        bisect.insort(self.waiting, request, key=priority_key)
+    def waiting_key(self, request: Sequence) -> tuple:
+        return priority_key(request)
 
-    def _insert_running(self, request: Sequence) -> None:
-        bisect.insort(self.running, request, key=priority_key)
+    def running_key(self, request: Sequence) -> tuple:
+        # strictly by priority: decodes of low-priority work must not pin blocks a higher one needs
+        return priority_key(request)
 
-    def _insert_swapped(self, request: Sequence) -> None:
-        bisect.insort(self.swapped, request, key=priority_key)
-
-    def _pick_victim(self, candidates: list[Sequence]) -> Sequence:
+    def choose_victim(self, candidates: list[Sequence]) -> Sequence:
         return max(candidates, key=priority_key)
 
-    def _running_order(self) -> list[Sequence]:
-        # strictly by priority: decodes of low-priority work must not pin blocks a higher one needs
-        return list(self.running)
-
-    def _may_admit_waiting(self, request: Sequence) -> bool:
+    def may_admit(self, request: Sequence) -> bool:
         return not self.swapped or priority_key(request) < priority_key(self.swapped[0])
 
-    def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
+    def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         if not self.waiting or not self.running:
             return
         head = self.waiting[0]
@@ -55,7 +47,7 @@ class PriorityScheduler(TokenBudgetScheduler):
         if need > self.kv.num_free_blocks + reclaimable or seats < 1:
             return
         for victim in reversed(lower):  # lowest rank first
-            self._preempt(victim, out)
+            self.preempt(victim, out)
             if self._fits(head):
                 return
 

@@ -7,26 +7,14 @@ this policy trades tail latency of long requests for mean latency.
 
 from __future__ import annotations
 
-import bisect
-
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 from pagoda.sequence import Sequence
 
 
-def _job_size(request: Sequence) -> tuple[int, float]:
-    # ties keep arrival order
-    return (request.num_prompt_tokens, request.arrival_time)
-
-
 class ShortestJobFirstScheduler(TokenBudgetScheduler):
-    """The token-budget scheduler with its waiting queue kept sorted by prompt length."""
+    """The token-budget scheduler with its waiting queue ordered by prompt length."""
 
-    def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
-        if front:
-            # a preempted request already holds its place: it resumes before anything new starts
-            self.waiting.insert(0, request)
-            return
-        # preempted requests sit at the front; new arrivals are ordered among the rest
-        first_new = next((i for i, r in enumerate(self.waiting) if r.num_preemptions == 0), len(self.waiting))
-        index = bisect.bisect_right(self.waiting, _job_size(request), lo=first_new, key=_job_size)
-        self.waiting.insert(index, request)
+    def waiting_key(self, request: Sequence) -> tuple[bool, int, float]:
+        # a preempted request already holds its place: it resumes before anything new starts;
+        # new arrivals go by prompt length, ties in arrival order
+        return (request.num_preemptions == 0, request.num_prompt_tokens, request.arrival_time)
