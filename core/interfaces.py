@@ -65,9 +65,9 @@ class KVCacheManager(Protocol):
     def get_computed_blocks(self, request: "Sequence") -> tuple[list, int]:
         """Cached blocks covering the start of the request, and how many tokens they hold."""
 
-    def can_allocate(self, request: "Sequence", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool: ...
+    def can_allocate(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()) -> bool: ...
 
-    def allocate_slots(self, request: "Sequence", num_new_tokens: int, computed_blocks: Sequence = ()) -> bool:
+    def allocate_slots(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()) -> bool:
         """Room for ``num_new_tokens`` more tokens; False (allocating nothing) if the pool is short."""
 
     def free(self, request: "Sequence | str") -> None: ...

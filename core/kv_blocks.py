@@ -168,7 +168,8 @@ class PagedKVCacheManager:
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         return max(needed, 0) + revived + int(self._needs_copy(table, num_computed))
 
-    def can_allocate(self, request: Sequence, num_new_tokens: int, computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
+    def can_allocate(self, request: Sequence, num_new_tokens: int,
+                     computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
         return self.num_blocks_to_take(request, num_new_tokens, computed_blocks) <= self.num_free_blocks
 
     def can_swap_out(self, request: Sequence) -> bool:
@@ -187,7 +188,8 @@ class PagedKVCacheManager:
 
     # ---- actions -------------------------------------------------------------
 
-    def allocate_slots(self, request: Sequence, num_new_tokens: int, computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Sequence, num_new_tokens: int,
+                       computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
         """Give the request room for ``num_new_tokens`` more tokens; False (and nothing changed) if short.
 
         ``computed_blocks`` (from :meth:`get_computed_blocks`, first allocation

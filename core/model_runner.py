@@ -198,8 +198,8 @@ class FlatBatch:
     :meth:`last_row` map hidden-state rows back to the caller's order.
     """
 
-    def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int], block_tables: typing.Sequence[list[int]],
-                 block_size: int) -> None:
+    def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int],
+                 block_tables: typing.Sequence[list[int]], block_size: int) -> None:
         n = len(pieces)
         lengths = [len(p) for p in pieces]
         order = sorted(range(n), key=lambda i: lengths[i] != 1)

@@ -151,7 +151,8 @@ class OutputProcessor:
         self.parents: dict[str, SequenceGroup] = {}
         self.sequence_ids: set[str] = set()  # ids of every live sequence (the n children)
 
-    def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], children: list[Sequence]) -> None:
+    def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+            children: list[Sequence]) -> None:
         """Track a request; raises InvalidRequestError if its id or a sequence id is already in use."""
         taken = [i for i in [request_id] + [c.request_id for c in children] if self.has(i)]
         if taken:

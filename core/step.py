@@ -108,7 +108,8 @@ class RunnerOutput:
                    [0] * num_requests)
 
     @classmethod
-    def merge(cls, num_requests: int, parts: typing.Sequence[tuple[typing.Sequence[int], "RunnerOutput"]]) -> "RunnerOutput":
+    def merge(cls, num_requests: int, parts: typing.Sequence[tuple[typing.Sequence[int], "RunnerOutput"]]
+              ) -> "RunnerOutput":
         """One output from outputs of sub-steps (``SchedulerOutput.select``); requests in none stay empty."""
         out = cls.empty(num_requests)
         for indices, part in parts:
