@@ -44,38 +44,102 @@ class CausalLM(Protocol):
 
 @runtime_checkable
 class KVCacheManager(Protocol):
-    """``pagoda_kv_allocators``: block ids, ref counts and the prefix cache (never tensors)."""
+    """``pagoda_kv_allocators``: block ids, ref counts, the prefix cache and swap slots (never tensors).
+
+    Invariants: a block is never handed to two sequences unless they share it on purpose (a prefix hit,
+    a fork), and then it is read-only until copied (copy-on-write); every block a sequence holds comes
+    back to the pool when it is freed; a failed ``allocate_slots`` changes nothing. The block moves it
+    decides (swap out, swap in, copy) are returned to the scheduler, which passes them to the runner.
+    """
 
     num_blocks: int
     block_size: int
 
     @property
-    def num_free_blocks(self) -> int: ...
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached but unreferenced blocks count as free)."""
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by requests, in [0, 1]."""
+        """Fraction of blocks held by sequences, in [0, 1]."""
 
-    def blocks_needed(self, num_tokens: int) -> int: ...
+    @property
+    def stats(self) -> Any:
+        """Prefix-cache counters for ``/metrics``: ``queries`` and ``hits`` (prompt tokens looked up / found)."""
 
-    def block_table(self, request_id: str) -> list[int]: ...
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The sequence's block ids in position order (empty if it holds none)."""
 
     def num_blocks_held(self, request_id: str) -> int: ...
 
+    def num_exclusive_blocks(self, request_id: str) -> int:
+        """Blocks that freeing the sequence would give back (those no other sequence holds)."""
+
+    def token_occupancy(self) -> tuple[int, int]:
+        """``(tokens held, token slots allocated)`` over held blocks, for KV waste."""
+
     def get_computed_blocks(self, request: "Sequence") -> tuple[list, int]:
-        """Cached blocks covering the start of the request, and how many tokens they hold."""
+        """Cached blocks covering the start of a sequence not yet computed, and how many tokens they hold
+        (always leaving at least one token to compute)."""
 
-    def can_allocate(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()) -> bool: ...
+    def num_blocks_to_take(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()
+                           ) -> int:
+        """Free blocks :meth:`allocate_slots` would take for this call."""
 
-    def allocate_slots(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()) -> bool:
-        """Room for ``num_new_tokens`` more tokens; False (allocating nothing) if the pool is short."""
+    def can_allocate(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()
+                     ) -> bool: ...
 
-    def free(self, request: "Sequence | str") -> None: ...
+    def allocate_slots(self, request: "Sequence", num_new_tokens: int, computed_blocks: typing.Sequence = ()
+                       ) -> bool:
+        """Room for ``num_new_tokens`` tokens after the sequence's computed ones (sharing ``computed_blocks``
+        from :meth:`get_computed_blocks` on a first allocation); False, changing nothing, if short."""
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write moves ``(source block, private copy)`` decided since the last call."""
+
+    def fork(self, source: "Sequence", child: "Sequence", num_tokens: int) -> None:
+        """Let ``child`` share the blocks holding ``source``'s first ``num_tokens`` (identical) tokens."""
+
+    def trim_slots(self, request: "Sequence", num_tokens: int) -> None:
+        """Keep room for the first ``num_tokens`` tokens only (after rejected speculative drafts)."""
+
+    def free(self, request: "Sequence | str") -> None:
+        """Give back every block and swap slot the sequence holds; full blocks may stay cached."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a failed step, when cached contents cannot be trusted)."""
+
+    def init_swap_pool(self, num_swap_blocks: int) -> None:
+        """Size the CPU swap pool (the runner allocates matching tensors); 0 turns swapping off."""
+
+    def can_swap_out(self, request: "Sequence") -> bool: ...
+
+    def swap_out(self, request: "Sequence") -> list[tuple[int, int]]:
+        """Release the sequence's blocks into swap slots; returns ``(block, swap slot)`` copies to make."""
+
+    def can_swap_in(self, request: "Sequence", num_new_tokens: int) -> bool: ...
+
+    def swap_in(self, request: "Sequence") -> list[tuple[int, int]]:
+        """Bring a swapped sequence back; returns ``(swap slot, block)`` copies to make."""
 
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """``pagoda_schedulers``: which requests run each step, and how many tokens each."""
+    """``pagoda_schedulers``: which sequences run each step and how many tokens each, and the one writer
+    of their progress.
+
+    Invariants: a step's ``SchedulerOutput`` never exceeds ``max_num_batched_tokens`` tokens nor
+    ``max_num_seqs`` running sequences; a sequence appears in a step at most once; ``schedule`` moves no
+    sequence's ``num_computed_tokens`` (``update`` does, from the runner's result), so a step whose
+    execution fails can be rolled back; every finished sequence holds no KV block.
+    """
+
+    running: list["Sequence"]
+    waiting: list["Sequence"]
+    num_preemptions: int
 
     @property
     def num_waiting(self) -> int: ...
@@ -83,12 +147,15 @@ class Scheduler(Protocol):
     @property
     def num_running(self) -> int: ...
 
+    @property
+    def num_swapped(self) -> int: ...
+
     def add_request(self, request: "Sequence") -> None: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
     def schedule(self) -> "SchedulerOutput":
-        """The next step's batch (prefill chunks and decodes), block moves and preemptions."""
+        """The next step's batch (prefill chunks, decodes, draft slots), block moves and preemptions."""
 
     def update(self, sched: "SchedulerOutput", result: "RunnerOutput") -> list["Sequence"]:
         """Commit the step, the only place a sequence's progress moves: its computed tokens (the
@@ -101,17 +168,21 @@ class Scheduler(Protocol):
         entries for uncomputed blocks); no sequence loses a token."""
 
     def finish(self, request: "Sequence", status: "SequenceStatus") -> None:
-        """End a request in any state and free its blocks at once."""
+        """End a sequence in any state and free its blocks at once."""
 
     def abort_requests(self, request_ids: Iterable[str]) -> list["Sequence"]: ...
 
     def drain_finished(self) -> list["Sequence"]:
-        """Requests finished since the last call."""
+        """Sequences finished since the last call."""
 
 
 @runtime_checkable
 class AttentionBackend(Protocol):
     """``pagoda_attention_backends``: K/V layout, per-step metadata, the attention kernel."""
+
+    # the dtype the cache tensors hold (None: the model's); the engine refuses one that differs from
+    # what ``kv_cache_dtype`` asked for
+    kv_cache_dtype: Optional["torch.dtype"]
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's KV tensor; exactly one axis grows with ``num_blocks``."""

@@ -1,0 +1,170 @@
+"""Core touches a component only through its Protocol in pagoda.interfaces.
+
+A plugin registers the built-in components again under other names, each wrapped in a proxy that
+refuses any attribute its Protocol does not list. The engine then runs real workloads (batching,
+chunked prefill, preemption, swap, prefix hits, aborts, speculation) with those names selected:
+anything core, the scheduler or the runner reaches outside a contract fails the test, naming it.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from pagoda import LLM, SamplingParams, hookimpl, interfaces
+from pagoda.default_model import ensure_default_model
+from pagoda.plugin_manager import PluginManager
+
+_PROTOCOL_INTERNALS = set(dir(typing.Protocol)) | {"__protocol_attrs__", "__non_callable_proto_members__",
+                                                   "_is_protocol", "_is_runtime_protocol", "__abstractmethods__"}
+
+
+def contract_names(protocol: type) -> set[str]:
+    """The attributes and methods a Protocol lists (its own and its bases' up to Protocol)."""
+    names: set[str] = set()
+    for cls in protocol.__mro__:
+        if cls in (typing.Protocol, typing.Generic, object):
+            continue
+        names |= set(vars(cls)) | set(getattr(cls, "__annotations__", {}))
+    return {n for n in names if n not in _PROTOCOL_INTERNALS and not (n.startswith("__") and n != "__call__")}
+
+
+class Proxy:
+    """Forwards to ``target``; records in ``violations`` every attribute used that ``protocol`` does not
+    list (and every attribute set from outside), so one run names them all."""
+
+    def __init__(self, target, protocol: type, violations: set) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_protocol", protocol)
+        object.__setattr__(self, "_allowed", contract_names(protocol))
+        object.__setattr__(self, "_violations", violations)
+
+    def __getattr__(self, name: str):
+        if name not in self._allowed:
+            self._violations.add(f"{self._protocol.__name__}.{name} is used but not in the Protocol")
+        return getattr(self._target, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        self._violations.add(f"{self._protocol.__name__}.{name} is set from outside the component")
+        setattr(self._target, name, value)
+
+    def __call__(self, *args, **kwargs):
+        if "__call__" not in self._allowed:
+            self._violations.add(f"{self._protocol.__name__} is called but __call__ is not in the Protocol")
+        return self._target(*args, **kwargs)
+
+
+class ContractChecked:
+    """Registers ``checked-<name>`` for each built-in component, wrapped in its Protocol's proxy."""
+
+    def __init__(self, pm: PluginManager, seen: set) -> None:
+        self.pm, self.seen = pm, seen
+
+    def _wrap(self, hook: str, name: str, protocol: type):
+        factory = self.pm.get(hook, name, hook).factory
+
+        def make(*args):
+            return Proxy(factory(*args), protocol, self.seen)
+
+        return {f"checked-{name}": make}
+
+    @hookimpl
+    def pagoda_kv_allocators(self):
+        return self._wrap("pagoda_kv_allocators", "paged", interfaces.KVCacheManager)
+
+    @hookimpl
+    def pagoda_schedulers(self):
+        return {**self._wrap("pagoda_schedulers", "fcfs", interfaces.Scheduler),
+                **self._wrap("pagoda_schedulers", "priority", interfaces.Scheduler)}
+
+    @hookimpl
+    def pagoda_attention_backends(self):
+        return self._wrap("pagoda_attention_backends", "cpu", interfaces.AttentionBackend)
+
+    @hookimpl
+    def pagoda_samplers(self):
+        return self._wrap("pagoda_samplers", "default", interfaces.Sampler)
+
+    @hookimpl
+    def pagoda_proposers(self):
+        return {**self._wrap("pagoda_proposers", "ngram", interfaces.Proposer),
+                **self._wrap("pagoda_proposers", "draft_model", interfaces.Proposer)}
+
+
+@pytest.fixture
+def seen():
+    """The contract violations of one test, checked when it ends."""
+    violations: set[str] = set()
+    yield violations
+    assert not violations, "\n".join(sorted(violations))
+
+
+def checked_llm(seen: set, **kwargs) -> LLM:
+    ensure_default_model()
+    pm = PluginManager().load()
+    pm.register(ContractChecked(pm, seen), name="contract-checked")
+    options = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, cpu_threads=1,
+                   kv_allocator="checked-paged", scheduling_policy="checked-fcfs",
+                   attention_backend="checked-cpu", sampler="checked-default")
+    options.update(kwargs)
+    return LLM(plugin_manager=pm, **options)
+
+
+PROMPTS = ["The capital of France is", "import numpy as np\n\ndef softmax(x):",
+           " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 12)), "Hello"]
+
+
+def test_recompute_preemption_prefix_hits_n_and_logprobs_stay_inside_the_contracts(seen):
+    # a pool this small forces preemption; repeated prompts hit the prefix cache
+    llm = checked_llm(seen, kv_cache_memory_bytes=8 << 20)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=6, stop=["\n"]),
+              SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4, presence_penalty=0.5)]
+    outputs = llm.generate(PROMPTS * 2, params * 2, use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv_manager.stats.hits > 0
+    engine = llm.engine
+    engine.add_request("gone", PROMPTS[2], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.abort_request("gone")
+    assert not engine.has_unfinished_requests()
+
+
+def test_swap_and_priority_stay_inside_the_contracts(seen):
+    llm = checked_llm(seen, kv_cache_memory_bytes=8 << 20, preemption_mode="swap", swap_space=0.01,
+                      scheduling_policy="checked-priority")
+    swaps = []
+
+    class SwapCounter:
+        def before_step(self, engine, sched):
+            swaps.extend(sched.blocks_to_swap_out)
+
+        def after_step(self, engine, sched, result, seconds):
+            pass
+
+    llm.engine.observers.append(SwapCounter())
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(PROMPTS * 2, params, priority=[0, 1, 2, 3, 3, 2, 1, 0], use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    assert swaps
+
+
+@pytest.mark.parametrize("spec", [{"method": "checked-ngram", "num_speculative_tokens": 3},
+                                  {"method": "checked-draft_model", "model": "self:layers=8",
+                                   "num_speculative_tokens": 2}])
+def test_speculation_stays_inside_the_contracts(seen, spec):
+    llm = checked_llm(seen, speculative_config=spec)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert all(o.finished for o in outputs)
+
+
+def test_the_server_metrics_stay_inside_the_contracts(seen):
+    from pagoda.metrics import PrometheusExporter
+
+    llm = checked_llm(seen)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    text = PrometheusExporter.for_engine(llm.engine).render().decode()
+    assert "pagoda:num_requests_running" in text and "pagoda:kv_cache_usage_perc" in text
