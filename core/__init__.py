@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.errors import BackendUnavailable, CheckpointError, ConfigError, InvalidRequestError, PagodaError
 from pagoda.markers import hookimpl
-from pagoda.version import __version__
+from pagoda.version import PLUGIN_API_VERSION, __version__
 
 # public name -> the module defining it, imported when the name is first used
 _LAZY = {
@@ -40,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "BackendUnavailable",
     "__version__",
+    "PLUGIN_API_VERSION",
 ]
 
 

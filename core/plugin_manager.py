@@ -1,8 +1,8 @@
-"""The plugin manager: registers built-ins, loads entry points, resolves names."""
+"""The plugin manager: loads the ``pagoda.plugins`` entry points (pagoda's own first), checks each plugin's
+declared API range, resolves component names."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import os
 import traceback
@@ -14,25 +14,14 @@ import pluggy
 from pagoda import hookspecs
 from pagoda.env import env_bool
 from pagoda.errors import ConfigError
+from pagoda.version import PLUGIN_API_VERSION, __version__
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
-
-# Built-in plugins, registered before any third-party one. Each entry is
-# (plugin name, module); the same names are listed in pyproject.toml under
-# [project.entry-points."pagoda.plugins"], so loading entry points afterwards
-# skips them instead of registering them twice.
-BUILTIN_PLUGINS: tuple[tuple[str, str], ...] = (
-    ("loaders", "pagoda.loader"),
-    ("models", "pagoda.models"),
-    ("kv_paged", "pagoda.kv_blocks"),
-    ("sampler", "pagoda.sampler"),
-    ("schedulers", "pagoda.plugins.schedulers"),
-    ("attention", "pagoda.plugins.attention"),
-    ("quant", "pagoda.plugins.quant"),
-    ("spec_decode", "pagoda.plugins.spec_decode"),
-    ("entrypoints", "pagoda.plugins.entrypoints"),
-)
+# the distribution whose entry points are the built-in plugins (pyproject.toml declares them like any package)
+PAGODA_DIST = "pagoda"
+# the module attribute by which a plugin declares the plugin API versions it supports, e.g. ">=1.0,<2"
+API_ATTRIBUTE = "PAGODA_PLUGIN_API"
 
 # hook name -> human name of the component kind, used in messages and tables
 COMPONENT_HOOKS: dict[str, str] = {
@@ -61,11 +50,17 @@ class Component:
 
 @dataclass
 class PluginFailure:
-    """A plugin that could not be imported or registered."""
+    """A plugin that could not be imported or registered: ``error`` in full (a traceback, or the API
+    mismatch), ``reason`` in one line."""
 
     name: str
     dist: str
     error: str
+
+    @property
+    def reason(self) -> str:
+        lines = [line for line in self.error.strip().splitlines() if line.strip()]
+        return lines[-1].strip() if lines else "unknown error"
 
 
 @dataclass
@@ -78,6 +73,8 @@ class PluginManager:
 
     pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager("pagoda"))
     dists: dict[str, str] = field(default_factory=dict)
+    # plugin name -> the API range it declared (PAGODA_PLUGIN_API), where it declared one
+    api_ranges: dict[str, str] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
 
@@ -86,7 +83,12 @@ class PluginManager:
         return self.pm.hook
 
     def load(self, autoload: bool | None = None, disabled: set[str] | None = None) -> "PluginManager":
-        """Register built-ins, then entry points, then build the name registry."""
+        """Load the ``pagoda.plugins`` entry points, pagoda's own first (``autoload`` False: only those),
+        then build the name registry.
+
+        Built-ins come in the way a third-party plugin does. An entry point whose name is taken already
+        is registered as ``<distribution>:<name>``, never dropped.
+        """
         self.pm.add_hookspecs(hookspecs)
         if disabled is None:
             disabled = _disabled_from_env()
@@ -94,16 +96,21 @@ class PluginManager:
             autoload = env_bool("PAGODA_PLUGIN_AUTOLOAD", True)
         for name in disabled:
             self.pm.set_blocked(name)
-        for name, module_name in BUILTIN_PLUGINS:
+        own, others = _entry_points()
+        if not own:
+            raise ConfigError(
+                f"pagoda's own plugins are not installed: no {ENTRY_POINT_GROUP!r} entry points of the "
+                f"{PAGODA_DIST!r} distribution were found; install pagoda (`make install`, or "
+                "`pip install -e .` in its source folder) instead of running it from the folder"
+            )
+        for ep in own + (others if autoload else []):
+            dist_name = ep.dist.name if ep.dist else "unknown"
+            dist = BUILTIN_DIST if ep in own else f"{dist_name} {ep.dist.version if ep.dist else ''}".strip()
+            name = ep.name if self.pm.get_plugin(ep.name) is None and ep.name not in self.dists else \
+                f"{dist_name}:{ep.name}"
             if name in disabled:
                 continue
-            self._register(name, BUILTIN_DIST, lambda m=module_name: importlib.import_module(m))
-        if autoload:
-            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-                if ep.name in disabled or self.pm.get_plugin(ep.name) is not None:
-                    continue
-                dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown"
-                self._register(ep.name, dist, ep.load)
+            self._register(name, dist, ep.load)
         self._build_registry()
         return self
 
@@ -117,6 +124,21 @@ class PluginManager:
     def _register(self, name: str, dist: str, load: Callable[[], Any]) -> None:
         try:
             plugin = load()
+        except Exception:
+            self.failures.append(PluginFailure(name, dist, traceback.format_exc()))
+            return
+        declared = getattr(plugin, API_ATTRIBUTE, None)
+        if declared is not None:
+            problem = api_mismatch(str(declared))
+            if problem is not None:
+                self.failures.append(PluginFailure(
+                    name, dist, f"plugin {name!r} from {dist} supports the pagoda plugin API {declared} but "
+                                f"pagoda {__version__} has plugin API {PLUGIN_API_VERSION} ({problem}); install "
+                                f"a release of {dist.split()[0]} made for API {PLUGIN_API_VERSION}, or block it "
+                                f"with PAGODA_DISABLE_PLUGINS={name}"))
+                return
+            self.api_ranges[name] = str(declared)
+        try:
             self.pm.register(plugin, name=name)
         except Exception:
             self.failures.append(PluginFailure(name, dist, traceback.format_exc()))
@@ -166,8 +188,9 @@ class PluginManager:
         listing = ", ".join(f"{c.name!r} ({c.dist})" for c in sorted(available.values(), key=lambda c: c.name))
         msg = f"unknown {kind} {name!r} for {option}; available: {listing or 'none'}"
         if self.failures:
-            msg += "; plugins that failed to load: " + ", ".join(f"{f.name} ({f.dist})" for f in self.failures)
-            msg += " (run `pagoda plugins` for their tracebacks)"
+            msg += "; plugins that failed to load: " + ", ".join(f"{f.name} ({f.dist}: {f.reason})"
+                                                                  for f in self.failures)
+            msg += " (run `pagoda plugins` for the details)"
         raise ConfigError(msg)
 
     def table(self) -> list[Component]:
@@ -177,6 +200,31 @@ class PluginManager:
 
     def notify_request_finished(self, request: Any) -> None:
         self.pm.hook.pagoda_request_finished(request=request)
+
+
+def api_mismatch(declared: str) -> str | None:
+    """None if ``declared`` (a version specifier such as ``">=1.0,<2"``) admits this pagoda's plugin API
+    version, else what is wrong with it."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    try:
+        spec = SpecifierSet(declared)
+    except InvalidSpecifier:
+        return f"{declared!r} is not a version range such as '>=1.0,<2'"
+    return None if spec.contains(PLUGIN_API_VERSION) else f"{PLUGIN_API_VERSION} is outside {declared!r}"
+
+
+def _entry_points() -> tuple[list, list]:
+    """pagoda's own ``pagoda.plugins`` entry points and everyone else's, each once."""
+    own, others, seen = [], [], set()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist_name = ep.dist.name if ep.dist else None
+        key = (dist_name, ep.name, ep.value)
+        if key in seen:  # one distribution found twice on sys.path
+            continue
+        seen.add(key)
+        (own if dist_name == PAGODA_DIST else others).append(ep)
+    return own, others
 
 
 def _disabled_from_env() -> set[str]:

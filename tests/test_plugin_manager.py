@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, ConfigError, SamplingParams, hookimpl
-from pagoda.plugin_manager import BUILTIN_DIST, BUILTIN_PLUGINS, PluginManager
+from pagoda.plugin_manager import BUILTIN_DIST, PluginManager
 from tiny_models import write_tiny_checkpoint
 
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
@@ -103,17 +103,53 @@ def test_builtins_provide_every_documented_component(site):
     assert {c.dist for c in pm.table()} == {BUILTIN_DIST}
 
 
-def test_builtin_plugins_are_the_entry_points_pyproject_declares():
+def test_builtin_plugins_are_exactly_the_entry_points_pyproject_declares(site):
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    assert pyproject["project"]["entry-points"]["pagoda.plugins"] == dict(BUILTIN_PLUGINS)
+    pm = PluginManager().load(autoload=False)
+    builtin = {name for name, dist in pm.dists.items() if dist == BUILTIN_DIST}
+    assert builtin == set(pyproject["project"]["entry-points"]["pagoda.plugins"])
 
 
-def test_autoload_skips_pagodas_own_entry_points_instead_of_registering_them_twice(site):
+def test_pagodas_own_entry_points_load_once(site):
     pm = PluginManager().load()
     assert not pm.failures
     assert pm.get("pagoda_schedulers", "fcfs", "scheduling_policy").dist == BUILTIN_DIST
+    assert not [name for name in pm.dists if name.startswith("pagoda:")]
+
+
+def test_an_entry_point_named_like_a_builtin_plugin_still_loads(site):
+    install_fake_dist(site, "acme-quant", "0.2.0", {"quant": "acme_quant"},
+                      {"acme_quant": scheduler_module("AcmeScheduler", "acme-fair")})
+    pm = PluginManager().load()
+    component = pm.get("pagoda_schedulers", "acme-fair", "scheduling_policy")
+    assert (component.plugin, component.dist) == ("acme-quant:quant", "acme-quant 0.2.0")
+    assert pm.get("pagoda_quant_methods", "awq", "quantization").dist == BUILTIN_DIST  # the built-in is intact
+
+
+@pytest.mark.parametrize("declared", [">=2.0,<3", "not a range"])
+def test_a_plugin_for_another_api_version_is_refused_with_its_range_and_pagodas_version(site, declared):
+    from pagoda.version import PLUGIN_API_VERSION, __version__
+
+    module = scheduler_module("FutureScheduler", "future") + f"\nPAGODA_PLUGIN_API = {declared!r}\n"
+    install_fake_dist(site, "future-sched", "3.0", {"future": "future_sched"}, {"future_sched": module})
+    pm = PluginManager().load()
+    [failure] = pm.failures
+    for part in ("'future'", "future-sched 3.0", declared, f"pagoda {__version__}", f"plugin API {PLUGIN_API_VERSION}",
+                 "PAGODA_DISABLE_PLUGINS=future"):
+        assert part in failure.error
+    with pytest.raises(ConfigError, match=r"plugins that failed to load: future \(future-sched 3\.0: .*plugin API"):
+        pm.get("pagoda_schedulers", "future", "scheduling_policy")
+
+
+def test_a_plugin_declaring_a_range_that_admits_this_api_loads_and_shows_it(site):
+    module = scheduler_module("OkScheduler", "ok") + "\nPAGODA_PLUGIN_API = '>=1.0,<2'\n"
+    install_fake_dist(site, "ok-sched", "1.0", {"ok": "ok_sched"}, {"ok_sched": module})
+    pm = PluginManager().load()
+    assert not pm.failures
+    assert pm.get("pagoda_schedulers", "ok", "scheduling_policy").dist == "ok-sched 1.0"
+    assert pm.api_ranges["ok"] == ">=1.0,<2"
 
 
 # ---- third-party plugins ---------------------------------------------------------------------
@@ -243,7 +279,7 @@ def test_a_broken_plugin_only_stops_the_engine_when_a_missing_component_is_selec
     with pytest.raises(ConfigError) as info:
         tiny_llm(tiny_dir, scheduling_policy="frobnicate")
     msg = str(info.value)
-    assert "plugins that failed to load: broken (broken-plugin 0.0.1)" in msg
+    assert "plugins that failed to load: broken (broken-plugin 0.0.1: ImportError: needs libfrobnicate 2.0)" in msg
     assert "pagoda plugins" in msg
 
 

@@ -44,10 +44,14 @@ def register_plugins(sub) -> None:
 
 
 def run_plugins(ns: argparse.Namespace) -> int:
+    from pagoda.version import PLUGIN_API_VERSION, __version__
+
     pm = ns.plugin_manager
-    rows = [(c.kind, c.name, c.plugin, c.dist) for c in pm.table()]
-    header = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(4)]
+    print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")
+    rows = [(c.kind, c.name, c.plugin, c.dist, pm.api_ranges.get(c.plugin, "-")) for c in pm.table()]
+    rows += [("(failed)", "-", f.name, f.dist, f.reason) for f in pm.failures]
+    header = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "API")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
     for failure in pm.failures:

@@ -5,6 +5,9 @@ Select it with ``LLM(scheduling_policy="sjf")`` or ``pagoda serve --scheduling-p
 
 import pagoda
 
+# the pagoda plugin API versions this package is written for
+PAGODA_PLUGIN_API = ">=1.0,<2"
+
 
 @pagoda.hookimpl
 def pagoda_schedulers():
