@@ -18,8 +18,6 @@ from pagoda.plugin_manager import PluginManager
 
 logger = logging.getLogger("pagoda")
 
-# the order ``attention_backend="auto"`` tries; names not installed are skipped
-AUTO_BACKENDS = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpu", "torch")}
 
 
 @dataclass
@@ -92,16 +90,22 @@ def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:
         except BackendUnavailable as exc:
             raise ConfigError(f"attention backend {name!r} cannot run here: {exc}") from None
     device = "cuda" if config.device.startswith("cuda") else "cpu"
-    available = pm.components.get("pagoda_attention_backends", {})
     reasons = []
-    for candidate in AUTO_BACKENDS[device]:
-        if candidate not in available:
-            continue
+    for candidate in auto_backend_order(pm, device):
         try:
-            return available[candidate].factory(config.model, config.cache)
+            return candidate.factory(config.model, config.cache)
         except BackendUnavailable as exc:
-            reasons.append(f"{candidate}: {exc}")
+            reasons.append(f"{candidate.name}: {exc}")
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
+
+
+def auto_backend_order(pm: PluginManager, device: str) -> list:
+    """The attention backends ``auto`` tries on ``device`` ("cpu" or "cuda"), best first: each backend
+    declares its rank per device in ``auto_priority`` (higher first; ties by name) and its availability by
+    raising BackendUnavailable; one that declares no rank for the device is never picked by ``auto``."""
+    available = pm.components.get("pagoda_attention_backends", {}).values()
+    ranked = [c for c in available if device in (getattr(c.factory, "auto_priority", None) or {})]
+    return sorted(ranked, key=lambda c: (-c.factory.auto_priority[device], c.name))
 
 
 def check_kv_cache_dtype(config: EngineConfig, backend: Any) -> None:

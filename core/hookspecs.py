@@ -95,8 +95,10 @@ def pagoda_attention_backends() -> Mapping[str, Factory]:
     :class:`pagoda.interfaces.AttentionBackend`, or raises
     :class:`pagoda.errors.BackendUnavailable` when it cannot run on this
     machine (``auto`` then tries the next one). Selected by
-    ``attention_backend`` (built-ins: ``torch``; ``auto`` picks the best
-    available). Called once at start-up.
+    ``attention_backend`` (built-ins: ``torch``, ``cpu``, ``triton``, ``cuda``). ``auto`` tries the
+    backends that declare a rank for the device in a class attribute ``auto_priority``
+    (``{"cpu": 20, "cuda": 0}``: higher first), so a plugin's backend can outrank the built-ins.
+    Called once at start-up.
     """
 
 

@@ -337,3 +337,41 @@ def test_a_component_registered_at_run_time_is_selectable(site, tiny_dir):
     llm = tiny_llm(tiny_dir, plugin_manager=pm, sampler="counting")
     llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert CountingSampler.calls == 4
+
+
+# ---- attention backends chosen by auto ---------------------------------------------------------
+
+RANKED_BACKENDS = """
+import pagoda
+from pagoda.errors import BackendUnavailable
+from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+
+
+class FastBackend(TorchAttentionBackend):
+    name = "acme-fast"
+    auto_priority = {"cpu": 100}
+
+
+class MissingBackend(TorchAttentionBackend):
+    name = "acme-missing"
+    auto_priority = {"cpu": 200}
+
+    def __init__(self, model_config, cache_config):
+        raise BackendUnavailable("needs the acme accelerator")
+
+
+@pagoda.hookimpl
+def pagoda_attention_backends():
+    return {"acme-fast": FastBackend, "acme-missing": MissingBackend}
+"""
+
+
+def test_auto_picks_the_highest_ranked_backend_that_can_run_even_a_third_party_one(site, tiny_dir):
+    from pagoda.components import auto_backend_order
+
+    install_fake_dist(site, "acme-attn", "1.0", {"acme_attn": "acme_attn"}, {"acme_attn": RANKED_BACKENDS})
+    pm = PluginManager().load()
+    assert [c.name for c in auto_backend_order(pm, "cpu")] == ["acme-missing", "acme-fast", "cpu", "torch"]
+    assert [c.name for c in auto_backend_order(pm, "cuda")] == ["cuda", "triton", "torch"]
+    llm = tiny_llm(tiny_dir, attention_backend="auto", plugin_manager=pm)
+    assert type(llm.engine.backend).__name__ == "FastBackend"  # the unavailable one was skipped

@@ -73,6 +73,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Same KV layout as ``torch``; a C++ kernel instead of gathers for cached-context attention."""
 
     name = "cpu"
+    # rank for attention_backend="auto" per device (higher first; see pagoda.components.auto_backend_order)
+    auto_priority = {"cpu": 20}
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
         super().__init__(model_config, cache_config)

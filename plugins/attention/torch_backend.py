@@ -86,6 +86,8 @@ class TorchAttentionBackend:
     """Paged attention in plain torch: index_copy_ writes, block gathers, matmul/SDPA."""
 
     name = "torch"
+    # rank for attention_backend="auto" per device (higher first; see pagoda.components.auto_backend_order)
+    auto_priority = {"cuda": 0, "cpu": 0}  # the reference: last on every device
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
         self.block_size = cache_config.block_size
