@@ -1,11 +1,5 @@
-"""A model-free stand-in for the runner, for scheduler and KV manager tests.
-
-``SimRunner`` keeps, per KV block, the token id written into each slot (and
-the same for swap slots), performs the block moves of a schedule, writes the
-scheduled tokens into their slots and checks that every request's context in
-its block table is exactly its own tokens: the property the real attention
-relies on. Its "model" samples a token that is a pure function of that context.
-"""
+"""Scheduler and KV manager tests without a model: ``SimRunner`` (from the conformance kit, pagoda.testing)
+keeps the token id written into every KV slot and checks each sequence attends to its own tokens."""
 
 from __future__ import annotations
 
@@ -17,7 +11,8 @@ from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
-from pagoda.step import RunnerOutput, SchedulerOutput
+from pagoda.step import SchedulerOutput
+from pagoda.testing import SimRunner, expected_output, next_token  # noqa: F401 - used by the tests
 
 POLICIES = {"fcfs": FCFSScheduler, "priority": PriorityScheduler}
 
@@ -39,60 +34,11 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int
     return Sequence(rid, prompt, params, None, arrival, None, priority, parent_id=parent_id)
 
 
-def next_token(context: list[int]) -> int:
-    """The fake model: a deterministic token id from the whole context."""
-    h = len(context)
-    for t in context[-6:]:
-        h = (h * 1000003 + t) & 0xFFFFFFFF
-    return 100 + h % 5000
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
-
-
-class SimRunner:
-    """Executes schedules on simulated KV contents (token ids per slot)."""
-
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, check: bool = True) -> None:
-        self.block_size = block_size
-        self.cache: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_blocks)]
-        self.swap: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_swap_blocks)]
-        self.check = check
-
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        for block, slot in sched.blocks_to_swap_out:
-            self.swap[slot] = list(self.cache[block])
-        for slot, block in sched.blocks_to_swap_in:
-            self.cache[block] = list(self.swap[slot])
-        for src, dst in sched.blocks_to_copy:
-            self.cache[dst] = list(self.cache[src])
-        bs = self.block_size
-        # every layer writes the whole step's K/V before any request attends
-        for req, table, start, n in zip(sched.requests, sched.block_tables, sched.num_computed_before,
-                                        sched.num_new_tokens):
-            for pos in range(start, start + n):
-                self.cache[table[pos // bs]][pos % bs] = req.all_token_ids[pos]
-        sampled = []
-        for req, table, start, n in zip(sched.requests, sched.block_tables, sched.num_computed_before,
-                                        sched.num_new_tokens):
-            seq_len = start + n
-            if self.check:
-                context = [self.cache[table[p // bs]][p % bs] for p in range(seq_len)]
-                assert context == req.all_token_ids[:seq_len], f"{req.request_id} attends to wrong KV"
-            else:
-                context = req.all_token_ids[:seq_len]
-            sampled.append([next_token(context)] if seq_len == req.num_tokens else [])
-        n = len(sampled)
-        return RunnerOutput(sampled, [None] * n, [None] * n, [0] * n)
-
-    def assert_prefix_cache_matches_contents(self, kv: PagedKVCacheManager) -> None:
-        for h, block in kv._cached.items():
-            assert block.block_hash == h and hash(block.key) == h
-            assert tuple(self.cache[block.block_id]) == block.key[1], f"cached block {block.block_id} is stale"
+def assert_prefix_cache_matches_contents(runner: SimRunner, kv: PagedKVCacheManager) -> None:
+    """Every block in the prefix cache holds exactly the tokens its key says."""
+    for h, block in kv._cached.items():
+        assert block.block_hash == h and hash(block.key) == h
+        assert tuple(runner.cache[block.block_id]) == block.key[1], f"cached block {block.block_id} is stale"
 
 
 def step(scheduler, runner: SimRunner) -> SchedulerOutput:

@@ -103,3 +103,11 @@ def test_disabling_the_plugin_by_name_hides_sjf(sjf_site, monkeypatch):
     pm = PluginManager().load()
     assert "sjf" not in pm.names("pagoda_schedulers")
     assert "fcfs" in pm.names("pagoda_schedulers")
+
+
+def test_the_plugin_s_own_tests_run_pagoda_s_conformance_kit_and_pass(sjf_site):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(sjf_site), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(SJF_SOURCE / "tests")],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=sjf_site)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout

@@ -15,7 +15,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.default_model import ensure_default_model
 from pagoda.sequence import SequenceStatus
 from pagoda.step import SchedulerOutput
-from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
+from scheduling_sim import (SimRunner, assert_kv_consistent, assert_prefix_cache_matches_contents, expected_output,
+                            make_request, make_scheduler,
                             run_until_done, step)
 
 
@@ -185,7 +186,7 @@ def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
             s.preempt(s.running[op[1] % len(s.running)], out)
             runner.execute(out)
         assert_kv_consistent(kv)
-        runner.assert_prefix_cache_matches_contents(kv)
+        assert_prefix_cache_matches_contents(runner, kv)
         for req in s.running:
             assert kv.num_blocks_held(req.request_id) == kv.blocks_needed(req.num_computed_tokens)
         for req in s.waiting:

@@ -1,0 +1,276 @@
+"""The conformance kit: checks a scheduler or a KV allocator plugin against its contract, without a model.
+
+A plugin author calls these from their own tests::
+
+    from pagoda.testing import check_scheduler
+
+    def test_my_scheduler_meets_the_contract():
+        check_scheduler(MyScheduler)
+
+Each check drives randomised request streams (shared prefixes, ``n > 1``,
+aborts, a pool small enough to preempt, recompute and swap) through the
+component and :class:`SimRunner`, a model-free runner that keeps the token id
+written into every KV slot. It raises :class:`ContractError` saying what broke
+and at which step: a step over its token budget or ``max_num_seqs``, progress
+moved outside ``update``, a sequence attending to K/V that is not its own, a
+block handed out twice, blocks not given back, a sequence that never ends or
+ends with the wrong tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Optional
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.step import RunnerOutput, SchedulerOutput
+
+SchedulerFactory = Callable[[SchedulerConfig, CacheConfig, Any], Any]
+AllocatorFactory = Callable[[CacheConfig, int], Any]
+
+
+class ContractError(AssertionError):
+    """A component broke its contract; the message says what and where."""
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a deterministic token id from the whole context."""
+    h = len(context)
+    for t in context[-6:]:
+        h = (h * 1000003 + t) & 0xFFFFFFFF
+    return 100 + h % 5000
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class SimRunner:
+    """Executes schedules on simulated KV contents: the token id written into each slot (and swap slot).
+
+    It performs a schedule's block moves, writes the scheduled tokens into their slots and checks that
+    every sequence's context in its block table is exactly its own tokens (what real attention relies
+    on); its "model" samples ``next_token`` of that context.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0, check: bool = True) -> None:
+        self.block_size = block_size
+        self.cache: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_blocks)]
+        self.swap: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_swap_blocks)]
+        self.check = check
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for block, slot in sched.blocks_to_swap_out:
+            self.swap[slot] = list(self.cache[block])
+        for slot, block in sched.blocks_to_swap_in:
+            self.cache[block] = list(self.swap[slot])
+        for src, dst in sched.blocks_to_copy:
+            self.cache[dst] = list(self.cache[src])
+        bs = self.block_size
+        # every layer writes the whole step's K/V before any sequence attends
+        for req, table, start, n in zip(sched.requests, sched.block_tables, sched.num_computed_before,
+                                        sched.num_new_tokens):
+            if len(table) * bs < start + n:
+                raise ContractError(f"{req.request_id} computes positions up to {start + n} but its block table "
+                                    f"has room for {len(table) * bs}")
+            for pos in range(start, start + n):
+                self.cache[table[pos // bs]][pos % bs] = req.all_token_ids[pos]
+        sampled = []
+        for req, table, start, n in zip(sched.requests, sched.block_tables, sched.num_computed_before,
+                                        sched.num_new_tokens):
+            seq_len = start + n
+            context = req.all_token_ids[:seq_len]
+            if self.check:
+                seen = [self.cache[table[p // bs]][p % bs] for p in range(seq_len)]
+                if seen != context:
+                    first = next(p for p, (a, b) in enumerate(zip(seen, context)) if a != b)
+                    raise ContractError(f"{req.request_id} attends to K/V that is not its own: position {first} "
+                                        f"holds token {seen[first]}, not {context[first]}")
+            sampled.append([next_token(context)] if seq_len == req.num_tokens else [])
+        n = len(sampled)
+        return RunnerOutput(sampled, [None] * n, [None] * n, [0] * n)
+
+
+def _configs(block_size: int, num_blocks: int, budget: int, max_num_seqs: int, preemption_mode: str,
+             prefix_caching: bool, chunked: bool, swap_blocks: int) -> tuple[SchedulerConfig, CacheConfig]:
+    max_model_len = 200 if chunked else budget
+    sched_cfg = SchedulerConfig("checked", max_num_seqs, budget, max_model_len, chunked, 0, None)
+    cache_cfg = CacheConfig(block_size, 0, "auto", prefix_caching, num_blocks, 0, preemption_mode, "checked")
+    return sched_cfg, cache_cfg
+
+
+# the settings each check runs under: a pool small enough to preempt, with and without swap and chunking
+SETTINGS = [
+    dict(preemption_mode="recompute", prefix_caching=True, chunked=True),
+    dict(preemption_mode="swap", prefix_caching=True, chunked=True),
+    dict(preemption_mode="recompute", prefix_caching=False, chunked=False),
+]
+
+
+def check_scheduler(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
+                    num_requests: int = 24) -> None:
+    """Drive ``factory(scheduler_config, cache_config, kv_manager)`` (a ``pagoda_schedulers`` factory) through
+    randomised request streams; ``allocator`` (a ``pagoda_kv_allocators`` factory) defaults to ``paged``.
+    Raises :class:`ContractError` on the first broken rule."""
+    for settings in SETTINGS:
+        for seed in range(seeds):
+            _run_stream(factory, allocator, settings, seed, num_requests)
+
+
+def check_kv_allocator(factory: AllocatorFactory, seeds: int = 3) -> None:
+    """Check ``factory(cache_config, num_blocks)`` (a ``pagoda_kv_allocators`` factory): direct allocation
+    and freeing, then the built-in ``fcfs`` scheduler's request streams over it. Raises ContractError."""
+    from pagoda.plugins.schedulers.base import FCFSScheduler
+
+    for seed in range(seeds):
+        _check_allocation(factory, seed)
+    check_scheduler(FCFSScheduler, allocator=factory, seeds=seeds)
+
+
+def _make_kv(allocator: Optional[AllocatorFactory], cache_cfg: CacheConfig, num_blocks: int):
+    if allocator is None:
+        return PagedKVCacheManager(num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+    return allocator(cache_cfg, num_blocks)
+
+
+def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
+                num_requests: int) -> None:
+    rng = random.Random(seed)
+    block_size, num_blocks, budget, max_num_seqs = 4, 24, 16, 6
+    swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
+    sched_cfg, cache_cfg = _configs(block_size, num_blocks, budget, max_num_seqs, settings["preemption_mode"],
+                                    settings["prefix_caching"], settings["chunked"], swap_blocks)
+    kv = _make_kv(allocator, cache_cfg, num_blocks)
+    kv.init_swap_pool(swap_blocks)
+    scheduler = factory(sched_cfg, cache_cfg, kv)
+    runner = SimRunner(num_blocks, block_size, swap_blocks)
+    where = f"{getattr(factory, '__name__', factory)} ({settings}, seed {seed})"
+    prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
+    added: list[Sequence] = []
+    aborted: set[str] = set()
+    longest = sched_cfg.max_model_len if settings["chunked"] else budget
+    for step in range(5000):
+        if len({r.parent_id for r in added}) < num_requests and rng.random() < 0.5:
+            added += _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
+        if added and rng.random() < 0.03:
+            victim = rng.choice(added)
+            if not victim.is_finished:
+                scheduler.abort_requests([victim.request_id])
+                aborted.add(victim.request_id)
+        if not scheduler.has_unfinished_requests():
+            if len({r.parent_id for r in added}) >= num_requests:
+                break
+            continue
+        sched = scheduler.schedule()
+        _check_schedule(sched, scheduler, sched_cfg, f"{where}, step {step}")
+        scheduler.update(sched, runner.execute(sched))
+    else:
+        raise ContractError(f"{where}: requests still unfinished after 5000 steps")
+    for req in added:
+        if req.request_id in aborted or req.status == SequenceStatus.FINISHED_ERROR:
+            continue
+        want = expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
+        if req.status != SequenceStatus.FINISHED_LENGTH or req.output_token_ids != want:
+            raise ContractError(f"{where}: {req.request_id} ended {req.status.value} with {len(req.output_token_ids)} "
+                                f"tokens {req.output_token_ids[:6]}..., not the {len(want)} tokens {want[:6]}...")
+    if kv.num_free_blocks != num_blocks:
+        raise ContractError(f"{where}: every sequence ended but {num_blocks - kv.num_free_blocks} of {num_blocks} "
+                            "KV blocks were not given back")
+
+
+def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index: int, longest: int, kv,
+                 num_blocks: int) -> list[Sequence]:
+    base = rng.choice(prefixes)[:rng.randrange(0, 13)] if rng.random() < 0.5 else []
+    ids = (base + [rng.randrange(100, 5000) for _ in range(rng.randrange(1, 30))])[:longest - 8]
+    max_tokens = rng.randrange(1, 8)
+    if kv.blocks_needed(len(ids) + max_tokens) > num_blocks:
+        return []  # the engine refuses such a prompt before it reaches the scheduler
+    n = 2 if rng.random() < 0.2 else 1
+    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
+    parent = f"p{index}"
+    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, rng.randrange(3), parent_id=parent)
+                for i in range(n)]
+    for child in children:
+        scheduler.add_request(child)
+    return children
+
+
+def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: str) -> None:
+    if sched.num_batched_tokens > cfg.max_num_batched_tokens:
+        raise ContractError(f"{where}: the step batches {sched.num_batched_tokens} tokens, over "
+                            f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    if len(scheduler.running) > cfg.max_num_seqs:
+        raise ContractError(f"{where}: {len(scheduler.running)} sequences running, over "
+                            f"max_num_seqs={cfg.max_num_seqs}")
+    ids = [r.request_id for r in sched.requests]
+    if len(ids) != len(set(ids)):
+        raise ContractError(f"{where}: a sequence appears twice in one step: {sorted(ids)}")
+    for i, req in enumerate(sched.requests):
+        if req.num_computed_tokens != sched.num_computed_before[i]:
+            raise ContractError(f"{where}: schedule() moved {req.request_id}'s computed tokens from "
+                                f"{sched.num_computed_before[i]} to {req.num_computed_tokens}; progress moves "
+                                "only in update()")
+        if req.status != SequenceStatus.RUNNING:
+            raise ContractError(f"{where}: {req.request_id} is scheduled but {req.status.value}")
+        if sched.num_new_tokens[i] < 1:
+            raise ContractError(f"{where}: {req.request_id} is scheduled with {sched.num_new_tokens[i]} tokens")
+        if sched.num_computed_before[i] + sched.num_new_tokens[i] > req.num_tokens + sched.num_draft_slots[i]:
+            raise ContractError(f"{where}: {req.request_id} computes past its known tokens without draft slots")
+    # sequences may share blocks (a prefix hit, a fork), but two never write into one block in a step
+    bs = scheduler.kv.block_size
+    written: dict[int, str] = {}
+    for i, req in enumerate(sched.requests):
+        table, start = sched.block_tables[i], sched.num_computed_before[i]
+        for block in set(table[start // bs:]):
+            if block in written:
+                raise ContractError(f"{where}: block {block} is handed to both {written[block]} and "
+                                    f"{req.request_id}, and both write into it this step")
+            written[block] = req.request_id
+
+
+def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
+    rng = random.Random(seed)
+    block_size, num_blocks = 4, 32
+    cache_cfg = CacheConfig(block_size, 0, "auto", True, num_blocks, 0, "recompute", "checked")
+    kv = factory(cache_cfg, num_blocks)
+    where = f"{getattr(factory, '__name__', factory)} (seed {seed})"
+    live: dict[str, Sequence] = {}
+    freed: list[str] = []
+    for op in range(400):
+        if freed and rng.random() < 0.15:
+            kv.free(rng.choice(freed))  # freeing again, after others took blocks, must change nothing
+        elif live and rng.random() < 0.4:
+            rid = rng.choice(sorted(live))
+            kv.free(live.pop(rid))
+            freed.append(rid)
+        else:
+            # distinct tokens: no prefix can be shared, so no two sequences may hold one block
+            ids = [10_000 + op * 100 + i for i in range(rng.randrange(1, 20))]
+            seq = Sequence(f"s{op}", ids, SamplingParams(max_tokens=1))
+            blocks, cached = kv.get_computed_blocks(seq)
+            if cached:
+                raise ContractError(f"{where}: a prompt of never-seen tokens got {cached} tokens from the prefix cache")
+            if kv.allocate_slots(seq, len(ids), blocks):
+                live[seq.request_id] = seq
+                table = kv.block_table(seq.request_id)
+                if len(table) != kv.blocks_needed(len(ids)):
+                    raise ContractError(f"{where}: {len(ids)} tokens got {len(table)} blocks, not "
+                                        f"{kv.blocks_needed(len(ids))}")
+        held = [b for rid in live for b in kv.block_table(rid)]
+        if len(held) != len(set(held)):
+            dup = next(b for b in held if held.count(b) > 1)
+            raise ContractError(f"{where}, operation {op}: block {dup} is handed out twice")
+        if kv.num_free_blocks != num_blocks - len(held) or not 0 <= kv.num_free_blocks <= num_blocks:
+            raise ContractError(f"{where}, operation {op}: {kv.num_free_blocks} blocks reported free, not "
+                                f"{num_blocks - len(held)}: {len(held)} of {num_blocks} are held")
+    for seq in live.values():
+        kv.free(seq)
+    if kv.num_free_blocks != num_blocks:
+        raise ContractError(f"{where}: after freeing every sequence {kv.num_free_blocks} of {num_blocks} blocks "
+                            "are free")
