@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional
 from pagoda.engine import LLMEngine, PromptType
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
 from pagoda.outputs import RequestOutput
-from pagoda.sequence import SequenceStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import SequenceStatus
 
 logger = logging.getLogger("pagoda")
 

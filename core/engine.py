@@ -11,11 +11,10 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.host import HostTuning, apply_host_settings
 from pagoda.metrics import EngineStats, SpecDecodeStats
-from pagoda.outputs import OutputProcessor
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import OutputProcessor, RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
-from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagoda")

@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from pagoda.sequence import Sequence
 from pagoda.sampler import _apply_top_k_top_p, _generator_for
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
 
 
 def with_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -9,8 +9,8 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_blocks import PagedKVCacheManager
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 from pagoda.testing import SimRunner, expected_output, next_token  # noqa: F401 - used by the tests
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+from pagoda.step import AttentionBatch
 from tiny_models import write_tiny_llama
 
 HAS_CUDA = torch.cuda.is_available()

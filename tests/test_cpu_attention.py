@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pagoda import cpu_isa
-from pagoda.step import AttentionBatch
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+from pagoda.step import AttentionBatch
 
 
 def _batch(specs, block_size, num_blocks, gen):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagoda.kv_blocks import PagedKVCacheManager
-from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
 from scheduling_sim import assert_kv_consistent
 
 BS = 4

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from tiny_models import write_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
-from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, EngineArgs, ModelConfig
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.step import AttentionBatch
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}

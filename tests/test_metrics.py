@@ -9,8 +9,8 @@ from pagoda.kv_blocks import PagedKVCacheManager
 from pagoda.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineStats, Histogram,
                             PrometheusExporter)
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
-from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence, SequenceStatus
 
 
 def make_parts(num_blocks=8):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagoda.rejection_sampler import RejectionSampler, accept_greedy, accept_sampled
-from pagoda.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
 
 # chi-square critical values at p = 0.001 by degrees of freedom
 CHI2_CRIT_001 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32, 15: 37.70}

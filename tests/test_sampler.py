@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from pagoda.config import ModelConfig
-from pagoda.sequence import Sequence
 from pagoda.sampler import Sampler
 from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
 
 VOCAB = 6
 EOS = 5

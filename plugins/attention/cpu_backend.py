@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import host
-from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.cpp_extension import load_cpu_extension
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
 from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
                                                      split_padding, write_kv)
+from pagoda.step import AttentionBatch
 
 # On one thread, above this many decodes in a step, batched matmuls over gathered K/V beat the
 # kernel's generic loops (this model family's shapes: 9 heads / 3 KV heads, head_dim 64, 300-token

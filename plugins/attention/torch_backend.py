@@ -17,10 +17,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.plugins.attention.kv_fp8 import (dequantize_fp8, kv_cache_dtype_for, kv_scales, quantize_fp8, raw_bytes,
                                              uses_fp8, widen_fp8)
+from pagoda.step import AttentionBatch
 
 
 def split_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

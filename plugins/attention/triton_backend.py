@@ -21,10 +21,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.kv_fp8 import kv_cache_dtype_for, kv_scales, raw_bytes, uses_fp8
+from pagoda.step import AttentionBatch
 
 MAX_HEAD_DIM = 256
 

@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.step import AttentionBatch
 from pagoda.config import CacheConfig, ModelConfig, resolve_dtype
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
+from pagoda.step import AttentionBatch
 
 # GB/s of devices whose properties do not report their memory clock; matched by name substring
 KNOWN_PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,

@@ -33,10 +33,10 @@ import torch
 
 from pagoda.config import EngineArgs, EngineConfig, SpeculativeConfig
 from pagoda.errors import ConfigError
-from pagoda.rejection_sampler import target_probs, with_bias
-from pagoda.sequence import Sequence
-from pagoda.sampler import _generator_for
 from pagoda.model_runner import FlatBatch
+from pagoda.rejection_sampler import target_probs, with_bias
+from pagoda.sampler import _generator_for
+from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 
 
