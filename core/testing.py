@@ -19,6 +19,7 @@ ends with the wrong tokens.
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any, Callable, Optional
 
@@ -98,7 +99,7 @@ class SimRunner:
 
 
 def _configs(block_size: int, num_blocks: int, budget: int, max_num_seqs: int, preemption_mode: str,
-             prefix_caching: bool, chunked: bool, swap_blocks: int) -> tuple[SchedulerConfig, CacheConfig]:
+             prefix_caching: bool, chunked: bool) -> tuple[SchedulerConfig, CacheConfig]:
     max_model_len = 200 if chunked else budget
     sched_cfg = SchedulerConfig("checked", max_num_seqs, budget, max_model_len, chunked, 0, None)
     cache_cfg = CacheConfig(block_size, 0, "auto", prefix_caching, num_blocks, 0, preemption_mode, "checked")
@@ -145,7 +146,7 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
     block_size, num_blocks, budget, max_num_seqs = 4, 24, 16, 6
     swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
     sched_cfg, cache_cfg = _configs(block_size, num_blocks, budget, max_num_seqs, settings["preemption_mode"],
-                                    settings["prefix_caching"], settings["chunked"], swap_blocks)
+                                    settings["prefix_caching"], settings["chunked"])
     kv = _make_kv(allocator, cache_cfg, num_blocks)
     kv.init_swap_pool(swap_blocks)
     scheduler = factory(sched_cfg, cache_cfg, kv)
@@ -274,3 +275,109 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
     if kv.num_free_blocks != num_blocks:
         raise ContractError(f"{where}: after freeing every sequence {kv.num_free_blocks} of {num_blocks} blocks "
                             "are free")
+
+
+PROPOSER_PROMPTS = [
+    "The list: apple, banana, cherry, apple, banana, cherry, apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four one two three four one two",
+    "Hello",
+]
+
+
+def check_proposer(factory: Callable[..., Any], speculative_config: Optional[dict] = None,
+                   model: Optional[str] = None, num_speculative_tokens: int = 3) -> None:
+    """Check a ``pagoda_proposers`` factory: every step its drafts fit their slots (``num_draft_slots``), are
+    token ids of the vocabulary and come with ``[num_drafts, vocab]`` probabilities or None; and greedy
+    generation with it gives exactly the tokens of plain decoding (the rejection sampler is exact). Runs the
+    real engine on ``model`` (default: pagoda's default model), float32. ``speculative_config`` adds keys
+    (for example ``{"model": ...}``) to ``method`` and ``num_speculative_tokens``. Raises ContractError."""
+    from pagoda.default_model import ensure_default_model
+    from pagoda.llm import LLM
+    from pagoda.markers import hookimpl
+    from pagoda.plugin_manager import PluginManager
+
+    name = getattr(factory, "__name__", repr(factory))
+    checked: list[str] = []  # one entry per propose() call: "" or what was wrong
+
+    def checked_factory(spec_config, engine_config, runner, plugin_manager):
+        proposer = factory(spec_config, engine_config, runner, plugin_manager)
+        vocab = engine_config.model.vocab_size
+        return _CheckedProposer(proposer, vocab, name, checked)
+
+    class Kit:
+        @hookimpl
+        def pagoda_proposers(self):
+            return {"conformance-checked": checked_factory}
+
+    model = model or str(ensure_default_model())
+    plain = _plain_tokens(model)
+    pm = PluginManager().load()
+    pm.register(Kit(), name="conformance-kit")
+    spec = {"method": "conformance-checked", "num_speculative_tokens": num_speculative_tokens,
+            **(speculative_config or {})}
+    try:
+        llm = LLM(plugin_manager=pm, speculative_config=spec, **_proposer_engine_options(model))
+        speculated = llm.generate(PROPOSER_PROMPTS, _PROPOSER_PARAMS, use_tqdm=False)
+    except Exception:
+        problems = [c for c in checked if c]
+        if problems:  # the engine reports the broken step; say what broke in it
+            raise ContractError(problems[0]) from None
+        raise
+    if not checked:
+        raise ContractError(f"{name}: propose() was never called")
+    for prompt, a, b in zip(PROPOSER_PROMPTS, plain, speculated):
+        if b.error is not None:
+            raise ContractError(f"{name}: generating {prompt[:30]!r} failed: {b.error}")
+        if a != b.outputs[0].token_ids:
+            raise ContractError(f"{name}: greedy tokens with speculation differ from plain decoding for prompt "
+                                f"{prompt[:30]!r}: {b.outputs[0].token_ids[:8]}... instead of {a[:8]}...")
+
+
+_PROPOSER_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _proposer_engine_options(model: str) -> dict:
+    return dict(model=model, dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+
+
+@functools.lru_cache(maxsize=2)
+def _plain_tokens(model: str) -> tuple[list[int], ...]:
+    """Greedy tokens of the proposer prompts without speculation (computed once per model)."""
+    from pagoda.llm import LLM
+
+    outputs = LLM(**_proposer_engine_options(model)).generate(PROPOSER_PROMPTS, _PROPOSER_PARAMS, use_tqdm=False)
+    return tuple(o.outputs[0].token_ids for o in outputs)
+
+
+class _CheckedProposer:
+    """Checks each ``propose`` result against the step it was asked for."""
+
+    def __init__(self, proposer: Any, vocab: int, name: str, checked: list[int]) -> None:
+        self.proposer, self.vocab, self.name, self.checked = proposer, vocab, name, checked
+
+    def propose(self, sched: SchedulerOutput):
+        drafts, probs = self.proposer.propose(sched)
+        self.checked.append("")
+        try:
+            self._check(sched, drafts, probs)
+        except ContractError as exc:
+            self.checked[-1] = str(exc)
+            raise
+        return drafts, probs
+
+    def _check(self, sched: SchedulerOutput, drafts, probs) -> None:
+        n = len(sched.requests)
+        if len(drafts) != n or len(probs) != n:
+            raise ContractError(f"{self.name}: propose() returned {len(drafts)} draft lists and {len(probs)} "
+                                f"distributions for a step of {n} sequences")
+        for i, (ids, q) in enumerate(zip(drafts, probs)):
+            rid = sched.requests[i].request_id
+            if len(ids) > sched.num_draft_slots[i]:
+                raise ContractError(f"{self.name}: {len(ids)} drafts for {rid}, which has "
+                                    f"{sched.num_draft_slots[i]} draft slots")
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab for t in ids):
+                raise ContractError(f"{self.name}: drafts {ids} for {rid} are not token ids in [0, {self.vocab})")
+            if q is not None and tuple(q.shape) != (len(ids), self.vocab):
+                raise ContractError(f"{self.name}: draft probabilities of shape {tuple(q.shape)} for {rid}, not "
+                                    f"({len(ids)}, {self.vocab})")

@@ -8,7 +8,7 @@ import pytest
 from pagoda.kv_blocks import PagedKVCacheManager
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.testing import ContractError, check_kv_allocator, check_scheduler
+from pagoda.testing import ContractError, check_kv_allocator, check_proposer, check_scheduler
 
 
 def paged(cache_config, num_blocks):
@@ -88,3 +88,46 @@ def test_a_broken_scheduler_is_caught_with_what_broke(broken, message):
 def test_an_allocator_that_hands_out_a_block_twice_is_caught():
     with pytest.raises(ContractError, match=r"block \d+ is handed out twice|blocks reported free"):
         check_kv_allocator(double_free, seeds=1)
+
+
+# ---- proposers --------------------------------------------------------------------------------------
+
+
+def ngram(spec_config, engine_config, runner, plugin_manager):
+    from pagoda.plugins.spec_decode.ngram import NgramProposer
+
+    return NgramProposer(spec_config, engine_config, runner, plugin_manager)
+
+
+class OneTooMany:
+    """Proposes one draft more than the slots allow."""
+
+    def __init__(self, spec_config, engine_config, runner, plugin_manager):
+        self.inner = ngram(spec_config, engine_config, runner, plugin_manager)
+
+    def propose(self, sched):
+        drafts, probs = self.inner.propose(sched)
+        return [d + [d[-1]] if d else d for d in drafts], probs
+
+
+class WrongTokens:
+    """Drafts the right number of tokens, but ones the target would not pick: still exact, only slower."""
+
+    def __init__(self, spec_config, engine_config, runner, plugin_manager):
+        pass
+
+    def propose(self, sched):
+        return [[7] * k for k in sched.num_draft_slots], [None] * len(sched.requests)
+
+
+def test_the_ngram_proposer_meets_the_contract():
+    check_proposer(ngram, speculative_config={"prompt_lookup_max": 4, "prompt_lookup_min": 1})
+
+
+def test_drafts_that_are_merely_wrong_still_give_the_plain_tokens():
+    check_proposer(WrongTokens)
+
+
+def test_a_proposer_that_overfills_its_slots_is_caught():
+    with pytest.raises(ContractError, match=r"\d+ drafts for .*, which has \d+ draft slots"):
+        check_proposer(OneTooMany, speculative_config={"prompt_lookup_max": 4, "prompt_lookup_min": 1})
