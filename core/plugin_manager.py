@@ -75,6 +75,8 @@ class PluginManager:
     dists: dict[str, str] = field(default_factory=dict)
     # plugin name -> the API range it declared (PAGODA_PLUGIN_API), where it declared one
     api_ranges: dict[str, str] = field(default_factory=dict)
+    # plugin name -> distribution, for installed plugins not loaded because PAGODA_DISABLE_PLUGINS names them
+    blocked: dict[str, str] = field(default_factory=dict)
     failures: list[PluginFailure] = field(default_factory=list)
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
 
@@ -109,6 +111,7 @@ class PluginManager:
             name = ep.name if self.pm.get_plugin(ep.name) is None and ep.name not in self.dists else \
                 f"{dist_name}:{ep.name}"
             if name in disabled:
+                self.blocked[name] = dist
                 continue
             self._register(name, dist, ep.load)
         self._build_registry()

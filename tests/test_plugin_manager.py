@@ -209,6 +209,7 @@ def test_disable_plugins_env_blocks_third_party_and_builtin_plugins(acme, monkey
     pm = PluginManager().load()
     assert pm.names("pagoda_schedulers") == []
     assert "default" in pm.names("pagoda_samplers")  # other plugins are untouched
+    assert pm.blocked == {"acme": "acme-sched 1.2.0", "schedulers": BUILTIN_DIST}  # pagoda plugins lists them
     with pytest.raises(ConfigError, match="available: none"):
         pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
 

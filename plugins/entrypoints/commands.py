@@ -50,6 +50,7 @@ def run_plugins(ns: argparse.Namespace) -> int:
     print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")
     rows = [(c.kind, c.name, c.plugin, c.dist, pm.api_ranges.get(c.plugin, "-")) for c in pm.table()]
     rows += [("(failed)", "-", f.name, f.dist, f.reason) for f in pm.failures]
+    rows += [("(blocked)", "-", name, dist, "PAGODA_DISABLE_PLUGINS") for name, dist in sorted(pm.blocked.items())]
     header = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "API")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
