@@ -49,11 +49,11 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(p.is_greedy and not p.has_penalties and not p.logit_bias and not r.banned_token_ids()
-               for p, r in zip(params, requests)):
+        banned = [r.banned_token_ids() for r in requests]  # the min_tokens rule, once per row
+        if all(p.is_greedy and not p.has_penalties and not p.logit_bias and not b for p, b in zip(params, banned)):
             token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
         else:
-            token_ids = self._sample(logits.clone(), requests)
+            token_ids = self._sample(logits.clone(), requests, banned)
         token_list = token_ids.tolist()
         logprobs = None
         if want_logprobs:
@@ -63,10 +63,11 @@ class Sampler:
             ]
         return SamplerOutput(token_list, logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence], banned: list[list[int]]
+                ) -> torch.Tensor:
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
-        self._apply_bias_and_min_tokens(logits, requests)
+        self._apply_bias_and_min_tokens(logits, requests, banned)
         if any(p.has_penalties for p in params):
             self._apply_penalties(logits, requests)
         greedy = torch.tensor([p.is_greedy for p in params])
@@ -97,16 +98,16 @@ class Sampler:
         out[rows] = argmax_rows(probs / noise)
         return out
 
-    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
+    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, requests: typing.Sequence[Sequence],
+                                   banned: list[list[int]]) -> None:
         for i, r in enumerate(requests):
             p = r.sampling_params
             if p.logit_bias:
                 ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.int64)
                 vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
                 logits[i].index_add_(0, ids, vals)
-            banned = r.banned_token_ids()
-            if banned:
-                logits[i, torch.tensor(banned)] = float("-inf")
+            if banned[i]:
+                logits[i, torch.tensor(banned[i])] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
         n, vocab = logits.shape
