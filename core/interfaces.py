@@ -9,7 +9,7 @@ component is listed here; anything else is the component's own business.
 from __future__ import annotations
 
 import typing
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -29,17 +29,45 @@ class ModelLoader(Protocol):
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """``pagoda_model_architectures``: a decoder over flattened, unpadded token batches."""
+    """``pagoda_model_architectures``: a decoder over flattened, unpadded token batches.
+
+    A ``torch.nn.Module``; of the module API the engine uses only what is listed here. Invariant: a
+    token's hidden state depends on its own sequence's tokens only (the K/V it reads through
+    ``metadata``), never on the other sequences of the batch.
+    """
+
+    # True if ``forward`` accepts fewer ``kv_caches`` than the model has layers and then runs only the
+    # first ``len(kv_caches)`` layers (the self-draft proposer runs the model's first layers that way)
+    runs_first_layers_of_caches: bool
+
+    def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
+                 ) -> "torch.Tensor":
+        """Runs :meth:`forward` (``nn.Module.__call__``)."""
 
     def forward(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
                 ) -> "torch.Tensor":
-        """``[num_tokens]`` ids and positions -> ``[num_tokens, hidden]`` hidden states."""
+        """``[num_tokens]`` ids and positions -> ``[num_tokens, hidden]`` hidden states; ``kv_caches`` holds
+        one tensor per layer, shaped by the attention backend, and ``metadata`` is its ``build_metadata``."""
 
     def compute_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
         """``[n, hidden]`` -> ``[n, vocab]`` float32 logits."""
 
     def load_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]]) -> None:
-        """Take ``(checkpoint_name, tensor)`` pairs; every parameter must be set."""
+        """Take ``(checkpoint_name, tensor)`` pairs; every parameter must be set, and a missing or misshapen
+        tensor raises :class:`pagoda.errors.CheckpointError` naming it."""
+
+    def eval(self) -> Any:
+        """``nn.Module.eval``: called once after loading."""
+
+    def parameters(self) -> Iterator["torch.Tensor"]:
+        """``nn.Module.parameters`` (the runner advises huge pages for them)."""
+
+    def buffers(self) -> Iterator["torch.Tensor"]:
+        """``nn.Module.buffers`` (likewise)."""
+
+    def modules(self) -> Iterator[Any]:
+        """``nn.Module.modules``: ``--profile`` times the ``pagoda.layers`` linear and attention modules it
+        finds there (a model built of other modules is profiled by engine phase only)."""
 
 
 @runtime_checkable

@@ -8,7 +8,9 @@ anything core, the scheduler or the runner reaches outside a contract fails the 
 
 from __future__ import annotations
 
+import json
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -55,19 +57,40 @@ class Proxy:
         return self._target(*args, **kwargs)
 
 
+class QuantProxy(Proxy):
+    """A quant method whose per-layer linear methods are proxied too."""
+
+    def for_layer(self, prefix: str):
+        method = self._target.for_layer(prefix)
+        return None if method is None else Proxy(method, interfaces.LinearMethod, self._violations)
+
+
 class ContractChecked:
     """Registers ``checked-<name>`` for each built-in component, wrapped in its Protocol's proxy."""
 
     def __init__(self, pm: PluginManager, seen: set) -> None:
         self.pm, self.seen = pm, seen
 
-    def _wrap(self, hook: str, name: str, protocol: type):
+    def _wrap(self, hook: str, name: str, protocol: type, proxy: type = Proxy, new_name: str = ""):
         factory = self.pm.get(hook, name, hook).factory
 
         def make(*args):
-            return Proxy(factory(*args), protocol, self.seen)
+            return proxy(factory(*args), protocol, self.seen)
 
-        return {f"checked-{name}": make}
+        return {new_name or f"checked-{name}": make}
+
+    @hookimpl
+    def pagoda_model_architectures(self):
+        return self._wrap("pagoda_model_architectures", "LlamaForCausalLM", interfaces.CausalLM,
+                          new_name="CheckedLlamaForCausalLM")
+
+    @hookimpl
+    def pagoda_model_loaders(self):
+        return self._wrap("pagoda_model_loaders", "safetensors", interfaces.ModelLoader)
+
+    @hookimpl
+    def pagoda_quant_methods(self):
+        return self._wrap("pagoda_quant_methods", "fp8", interfaces.QuantMethod, QuantProxy)
 
     @hookimpl
     def pagoda_kv_allocators(self):
@@ -100,13 +123,26 @@ def seen():
     assert not violations, "\n".join(sorted(violations))
 
 
-def checked_llm(seen: set, **kwargs) -> LLM:
-    ensure_default_model()
+@pytest.fixture(scope="module")
+def checked_model_dir(tmp_path_factory) -> str:
+    """The default model, its config naming the proxied architecture (the files are links)."""
+    source = Path(ensure_default_model())
+    target = tmp_path_factory.mktemp("checked-model")
+    for path in source.iterdir():
+        if path.name != "config.json":
+            (target / path.name).symlink_to(path)
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["CheckedLlamaForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def checked_llm(seen: set, model: str, **kwargs) -> LLM:
     pm = PluginManager().load()
     pm.register(ContractChecked(pm, seen), name="contract-checked")
-    options = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, cpu_threads=1,
-                   kv_allocator="checked-paged", scheduling_policy="checked-fcfs",
-                   attention_backend="checked-cpu", sampler="checked-default")
+    options = dict(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
+                   cpu_threads=1, kv_allocator="checked-paged", scheduling_policy="checked-fcfs",
+                   attention_backend="checked-cpu", sampler="checked-default", load_format="checked-safetensors")
     options.update(kwargs)
     return LLM(plugin_manager=pm, **options)
 
@@ -115,9 +151,9 @@ PROMPTS = ["The capital of France is", "import numpy as np\n\ndef softmax(x):",
            " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 12)), "Hello"]
 
 
-def test_recompute_preemption_prefix_hits_n_and_logprobs_stay_inside_the_contracts(seen):
+def test_recompute_preemption_prefix_hits_n_and_logprobs_stay_inside_the_contracts(seen, checked_model_dir):
     # a pool this small forces preemption; repeated prompts hit the prefix cache
-    llm = checked_llm(seen, kv_cache_memory_bytes=8 << 20)
+    llm = checked_llm(seen, checked_model_dir, kv_cache_memory_bytes=8 << 20)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=8, n=2, logprobs=2, prompt_logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=6, stop=["\n"]),
@@ -133,8 +169,8 @@ def test_recompute_preemption_prefix_hits_n_and_logprobs_stay_inside_the_contrac
     assert not engine.has_unfinished_requests()
 
 
-def test_swap_and_priority_stay_inside_the_contracts(seen):
-    llm = checked_llm(seen, kv_cache_memory_bytes=8 << 20, preemption_mode="swap", swap_space=0.01,
+def test_swap_and_priority_stay_inside_the_contracts(seen, checked_model_dir):
+    llm = checked_llm(seen, checked_model_dir, kv_cache_memory_bytes=8 << 20, preemption_mode="swap", swap_space=0.01,
                       scheduling_policy="checked-priority")
     swaps = []
 
@@ -155,16 +191,22 @@ def test_swap_and_priority_stay_inside_the_contracts(seen):
 @pytest.mark.parametrize("spec", [{"method": "checked-ngram", "num_speculative_tokens": 3},
                                   {"method": "checked-draft_model", "model": "self:layers=8",
                                    "num_speculative_tokens": 2}])
-def test_speculation_stays_inside_the_contracts(seen, spec):
-    llm = checked_llm(seen, speculative_config=spec)
+def test_speculation_stays_inside_the_contracts(seen, checked_model_dir, spec):
+    llm = checked_llm(seen, checked_model_dir, speculative_config=spec)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert all(o.finished for o in outputs)
 
 
-def test_the_server_metrics_stay_inside_the_contracts(seen):
+def test_the_server_metrics_stay_inside_the_contracts(seen, checked_model_dir):
     from pagoda.metrics import PrometheusExporter
 
-    llm = checked_llm(seen)
+    llm = checked_llm(seen, checked_model_dir)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
     text = PrometheusExporter.for_engine(llm.engine).render().decode()
     assert "pagoda:num_requests_running" in text and "pagoda:kv_cache_usage_perc" in text
+
+
+def test_a_quantized_model_stays_inside_the_contracts(seen, checked_model_dir):
+    llm = checked_llm(seen, checked_model_dir, quantization="checked-fp8")
+    outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert all(o.finished for o in outputs)

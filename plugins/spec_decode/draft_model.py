@@ -25,12 +25,14 @@ min-p and hand those probabilities to the rejection sampler.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from pagoda.components import select_attention_backend
 from pagoda.config import EngineArgs, EngineConfig, SpeculativeConfig
 from pagoda.errors import ConfigError
 from pagoda.model_runner import FlatBatch
@@ -66,7 +68,7 @@ class DraftModelProposer:
     @staticmethod
     def _self_draft(name: str, runner: Any):
         match = re.fullmatch(r"self:layers=(\d+)", name)
-        total = len(getattr(runner.model, "layers", ()))
+        total = len(runner.kv_caches)
         if match is None or not 1 <= int(match.group(1)) < total:
             raise ConfigError(
                 f'speculative_config model {name!r} is not understood; use "self:layers=N" with '
@@ -91,7 +93,8 @@ class DraftModelProposer:
             )
         arch = pm.get("pagoda_model_architectures", mc.architecture, "the draft checkpoint's architectures")
         loader = pm.get("pagoda_model_loaders", mc.load_format, "load_format").factory
-        backend = type(runner.backend)(mc, engine_config.cache)
+        # the draft gets a backend of the kind the target got, built for the draft's own shapes
+        backend = select_attention_backend(dataclasses.replace(engine_config, model=mc), pm)
         with torch.device(engine_config.device):
             model = arch.factory(mc, backend, None)
         loader(mc).load_weights(model)
