@@ -6,22 +6,24 @@ picks the component named in its config. Nothing on the per-token path goes
 through pluggy. Observation hooks are called as events happen and return
 nothing.
 
-Factories receive the engine's frozen configs (see :mod:`pagoda.config`); the
-interfaces they must return are described in :mod:`pagoda.interfaces`.
+Factories receive the engine's frozen configs (see :mod:`pagoda.config`); their
+signatures (``SchedulerFactory`` and the like) and the interfaces they must
+return are typed in :mod:`pagoda.interfaces`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import pluggy
 
 if TYPE_CHECKING:
+    from pagoda.interfaces import (AttentionBackendFactory, CLICommand, KVAllocatorFactory, ModelArchitectureFactory,
+                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, SamplerFactory,
+                                   SchedulerFactory)
     from pagoda.sequence import Sequence
 
 hookspec = pluggy.HookspecMarker("pagoda")
-
-Factory = Callable[..., Any]
 
 
 # --------------------------------------------------------------------------
@@ -30,7 +32,7 @@ Factory = Callable[..., Any]
 
 
 @hookspec
-def pagoda_model_loaders() -> Mapping[str, Factory]:
+def pagoda_model_loaders() -> Mapping[str, "ModelLoaderFactory"]:
     """Return ``{name: factory}`` of weight loaders.
 
     ``factory(model_config)`` returns a :class:`pagoda.interfaces.ModelLoader`
@@ -41,7 +43,7 @@ def pagoda_model_loaders() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_model_architectures() -> Mapping[str, Factory]:
+def pagoda_model_architectures() -> Mapping[str, "ModelArchitectureFactory"]:
     """Return ``{architecture_name: model_class}``.
 
     The name is matched against ``architectures`` in the checkpoint's
@@ -57,7 +59,7 @@ def pagoda_model_architectures() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_kv_allocators() -> Mapping[str, Factory]:
+def pagoda_kv_allocators() -> Mapping[str, "KVAllocatorFactory"]:
     """Return ``{name: factory}`` of KV block allocators.
 
     ``factory(cache_config, num_blocks)`` returns a
@@ -73,7 +75,7 @@ def pagoda_kv_allocators() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_schedulers() -> Mapping[str, Factory]:
+def pagoda_schedulers() -> Mapping[str, "SchedulerFactory"]:
     """Return ``{name: factory}`` of scheduling policies.
 
     ``factory(scheduler_config, cache_config, kv_manager)`` returns a
@@ -88,7 +90,7 @@ def pagoda_schedulers() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_attention_backends() -> Mapping[str, Factory]:
+def pagoda_attention_backends() -> Mapping[str, "AttentionBackendFactory"]:
     """Return ``{name: factory}`` of attention backends.
 
     ``factory(model_config, cache_config)`` returns a
@@ -108,7 +110,7 @@ def pagoda_attention_backends() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_samplers() -> Mapping[str, Factory]:
+def pagoda_samplers() -> Mapping[str, "SamplerFactory"]:
     """Return ``{name: factory}`` of samplers.
 
     ``factory(model_config)`` returns a :class:`pagoda.interfaces.Sampler`
@@ -123,7 +125,7 @@ def pagoda_samplers() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_quant_methods() -> Mapping[str, Factory]:
+def pagoda_quant_methods() -> Mapping[str, "QuantMethodFactory"]:
     """Return ``{name: factory}`` of weight quantization methods.
 
     ``factory(model_config, quant_config_dict)`` returns a
@@ -140,7 +142,7 @@ def pagoda_quant_methods() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_proposers() -> Mapping[str, Factory]:
+def pagoda_proposers() -> Mapping[str, "ProposerFactory"]:
     """Return ``{name: factory}`` of speculative-decoding proposers.
 
     ``factory(speculative_config, engine_config, model_runner, plugin_manager)``
@@ -159,7 +161,7 @@ def pagoda_proposers() -> Mapping[str, Factory]:
 
 
 @hookspec
-def pagoda_cli_commands() -> Mapping[str, Factory]:
+def pagoda_cli_commands() -> Mapping[str, "CLICommand"]:
     """Return ``{command_name: register}`` for the ``pagoda`` command line.
 
     ``register(subparsers)`` adds an ``argparse`` sub-parser for the command

@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, r
 if TYPE_CHECKING:
     import torch
 
+    import argparse
+
+    from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from pagoda.plugin_manager import PluginManager
     from pagoda.sampler import SamplerOutput
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
@@ -267,3 +271,59 @@ class QuantMethod(Protocol):
 
     def for_layer(self, prefix: str) -> Optional[LinearMethod]:
         """The method for the layer named ``prefix`` (checkpoint naming), or None for dense weights."""
+
+
+# --------------------------------------------------------------------------
+# Factories: what each hook's ``{name: factory}`` mapping holds. A class whose ``__init__`` takes these
+# arguments is a factory; so is a function.
+# --------------------------------------------------------------------------
+
+
+class ModelLoaderFactory(Protocol):
+    def __call__(self, model_config: "ModelConfig") -> ModelLoader: ...
+
+
+class ModelArchitectureFactory(Protocol):
+    def __call__(self, model_config: "ModelConfig", attention_backend: AttentionBackend,
+                 quant_method: Optional[QuantMethod]) -> CausalLM: ...
+
+
+class KVAllocatorFactory(Protocol):
+    def __call__(self, cache_config: "CacheConfig", num_blocks: int) -> KVCacheManager: ...
+
+
+class SchedulerFactory(Protocol):
+    def __call__(self, scheduler_config: "SchedulerConfig", cache_config: "CacheConfig",
+                 kv_manager: KVCacheManager) -> Scheduler: ...
+
+
+class AttentionBackendFactory(Protocol):
+    """Raises :class:`pagoda.errors.BackendUnavailable` when it cannot run here. May carry
+    ``auto_priority: dict[str, int]`` (device -> rank) to be a candidate for ``attention_backend=auto``."""
+
+    def __call__(self, model_config: "ModelConfig", cache_config: "CacheConfig") -> AttentionBackend: ...
+
+
+class SamplerFactory(Protocol):
+    def __call__(self, model_config: "ModelConfig") -> Sampler: ...
+
+
+class QuantMethodFactory(Protocol):
+    """``quant_config`` is the checkpoint's ``quantization_config`` (empty for online quantization)."""
+
+    def __call__(self, model_config: "ModelConfig", quant_config: dict) -> QuantMethod: ...
+
+
+class ProposerFactory(Protocol):
+    """``runner`` is the :class:`pagoda.model_runner.ModelRunner` (a draft model shares its KV block ids and
+    may register its own caches with ``runner.add_draft_kv_caches``); ``plugin_manager`` resolves a draft
+    checkpoint's architecture and loader."""
+
+    def __call__(self, speculative_config: "SpeculativeConfig", engine_config: "EngineConfig", runner: Any,
+                 plugin_manager: "PluginManager") -> Proposer: ...
+
+
+class CLICommand(Protocol):
+    """Adds one sub-parser to ``subparsers`` and sets its ``func`` default to ``func(args) -> exit code``."""
+
+    def __call__(self, subparsers: "argparse._SubParsersAction") -> None: ...

@@ -4,11 +4,18 @@ with a message that says what broke."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.plugin_manager import PluginManager
+from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.testing import ContractError, check_kv_allocator, check_proposer, check_scheduler
+from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.testing import (AttentionCase, ContractError, check_attention_backend, check_kv_allocator, check_proposer,
+                            check_quant_method, check_sampler, check_scheduler)
+from quant_helpers import (dequantize_groups, group_of_columns, pack_along_cols, pack_along_rows, pack_awq,
+                           quantize_groups)
 
 
 def paged(cache_config, num_blocks):
@@ -131,3 +138,139 @@ def test_drafts_that_are_merely_wrong_still_give_the_plain_tokens():
 def test_a_proposer_that_overfills_its_slots_is_caught():
     with pytest.raises(ContractError, match=r"\d+ drafts for .*, which has \d+ draft slots"):
         check_proposer(OneTooMany, speculative_config={"prompt_lookup_max": 4, "prompt_lookup_min": 1})
+
+
+# ---- attention backends ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_cpu_attention_backends_meet_the_contract(backend):
+    check_attention_backend(PluginManager().load().get("pagoda_attention_backends", backend, "test").factory)
+
+
+def test_the_triton_backend_meets_the_contract_on_a_small_case(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # a CPU runs the Triton kernels interpreted: one small case
+    from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
+
+    small = AttentionCase(2, 1, 32, 16, context_lens=(5, 0), query_lens=(1, 3))
+    check_attention_backend(TritonAttentionBackend, dtypes=(torch.float32,), cases=(small,))
+
+
+class OffByAScale(CpuAttentionBackend):
+    """Uses 1/sqrt(head_dim) instead of the layer's softmax scale."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        class Unscaled:
+            scale = q.shape[-1] ** -0.5
+            k_scale = v_scale = 1.0
+
+        return super().forward(Unscaled(), q, k, v, kv_cache, metadata)
+
+
+class StraySlot(CpuAttentionBackend):
+    """Also writes each step's first key into block 0's first slot, whoever holds it."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        result = super().forward(layer, q, k, v, kv_cache, metadata)
+        kv_cache.view(-1)[0] = 1.0
+        return result
+
+
+@pytest.mark.parametrize("broken, message", [(OffByAScale, "differs from dense attention"),
+                                             (StraySlot, "which no sequence holds, was written")])
+def test_a_broken_attention_backend_is_caught_with_what_broke(broken, message):
+    with pytest.raises(ContractError, match=message):
+        check_attention_backend(broken, dtypes=(torch.float32,))
+
+
+# ---- samplers --------------------------------------------------------------------------------------
+
+
+def test_the_default_sampler_meets_the_contract():
+    check_sampler(Sampler)
+
+
+class IgnoresTemperature(Sampler):
+    def __call__(self, logits, requests):
+        return super().__call__(logits, [_with(r, temperature=1.0 if r.sampling_params.temperature else 0.0)
+                                         for r in requests])
+
+
+class IgnoresBans(Sampler):
+    def __call__(self, logits, requests):
+        return SamplerOutput(logits.argmax(dim=-1).tolist())
+
+
+class BatchDependentSeeds(Sampler):
+    def __call__(self, logits, requests):
+        for r in requests:
+            r.seed = None if len(requests) > 1 else r.seed
+        return super().__call__(logits, requests)
+
+
+def _with(seq, **changes):
+    import dataclasses
+
+    return dataclasses.replace(seq, sampling_params=dataclasses.replace(seq.sampling_params, **changes))
+
+
+@pytest.mark.parametrize("broken, message", [(IgnoresTemperature, "temperature=0.5.* from the distribution"),
+                                             (IgnoresBans, "EOS banned"),
+                                             (BatchDependentSeeds, "must not depend on its batch")])
+def test_a_broken_sampler_is_caught_with_what_broke(broken, message):
+    with pytest.raises(ContractError, match=message):
+        check_sampler(broken)
+
+
+# ---- quantization methods ----------------------------------------------------------------------------
+
+
+def awq_tensors(out_features, in_features, gen, group=32):
+    w = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    g_idx = group_of_columns(in_features, group)
+    q, scales, zeros = quantize_groups(w, 4, g_idx, sym=False)
+    tensors = {"qweight": pack_awq(q.t()), "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
+    return tensors, dequantize_groups(q, scales, zeros, g_idx)
+
+
+def gptq_tensors(out_features, in_features, gen, group=64):
+    w = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    perm = torch.randperm(in_features, generator=gen)
+    g_idx = group_of_columns(in_features, group, perm)
+    q, scales, zeros = quantize_groups(w, 4, g_idx, sym=True)
+    tensors = {"qweight": pack_along_rows(q.t(), 4), "qzeros": pack_along_cols((zeros - 1).t(), 4),
+               "scales": scales.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
+    return tensors, dequantize_groups(q, scales, zeros, g_idx)
+
+
+def test_awq_meets_the_contract():
+    from pagoda.plugins.quant.awq import AWQConfig
+
+    check_quant_method(AWQConfig, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
+                       awq_tensors)
+
+
+def test_gptq_with_act_order_meets_the_contract():
+    from pagoda.plugins.quant.gptq import GPTQConfig
+
+    check_quant_method(GPTQConfig, {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True,
+                                    "sym": True}, gptq_tensors)
+
+
+def test_online_fp8_meets_the_contract():
+    from pagoda.plugins.quant.fp8 import Fp8Config
+
+    check_quant_method(Fp8Config)
+
+
+def test_a_quant_method_that_drops_a_zero_point_is_caught():
+    from pagoda.plugins.quant.awq import AWQConfig
+
+    def no_zeros(out_features, in_features, gen):
+        tensors, _ = awq_tensors(out_features, in_features, gen)
+        w = torch.randn(out_features, in_features, generator=gen)
+        return tensors, w / in_features ** 0.5  # a reference the packed tensors do not hold
+
+    with pytest.raises(ContractError, match="from the reference"):
+        check_quant_method(AWQConfig, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
+                           no_zeros)

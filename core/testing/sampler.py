@@ -1,0 +1,170 @@
+"""Sampler checks: what every sampler must get right, whatever its method of drawing."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from pagoda.config import ModelConfig
+from pagoda.interfaces import SamplerFactory
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
+from pagoda.testing.contract import ContractError
+
+VOCAB = 96
+EOS = 2
+
+
+def check_sampler(factory: SamplerFactory, draws: int = 2000, seed: int = 0) -> None:
+    """Check a ``pagoda_samplers`` factory (``factory(model_config)`` -> ``sampler(logits, sequences)``):
+
+    - one token id in the vocabulary per row, with rows of different settings mixed in one batch;
+    - ``temperature=0`` takes the argmax, and so does ``top_k=1`` at any temperature;
+    - a sequence's ``banned_token_ids()`` (EOS and stop ids before ``min_tokens``) is never drawn, not even
+      when it is the argmax;
+    - at ``temperature`` T, over ``draws`` draws, token frequencies follow ``softmax(logits / T)`` (total
+      variation distance below a bound that a sampler ignoring T, top_p or min_p exceeds);
+    - a sequence with a seed draws the same tokens alone as in a batch with others;
+    - ``logprobs=k`` gives the drawn token's log-probability under the model's distribution, its rank, and
+      the k most likely tokens.
+
+    Raises ContractError.
+    """
+    name = getattr(factory, "__name__", repr(factory))
+    sampler = factory(_model_config())
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, VOCAB, generator=gen) * 3
+    logits[2, EOS] = 50.0  # the banned token is this row's argmax
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=1),
+            SamplingParams(temperature=0.0, min_tokens=3), SamplingParams(temperature=0.8, logprobs=3),
+            SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=1.0, top_p=0.9)]
+    seqs = [_sequence(f"row{i}", p) for i, p in enumerate(rows)]
+    out = sampler(logits.clone(), seqs)
+    ids = _token_ids(out, len(seqs), name, "a batch of 6 rows")
+    argmax = logits.argmax(dim=-1).tolist()
+    for i in (0, 1, 4):
+        if ids[i] != argmax[i]:
+            raise ContractError(f"{name}: row {i} ({_describe(rows[i])}) drew token {ids[i]}, not the argmax "
+                                f"{argmax[i]}")
+    banned = seqs[2].banned_token_ids()
+    if EOS not in banned:
+        raise ContractError(f"{name}: test setup: EOS should be banned before min_tokens, got {banned}")
+    second = int(logits[2].masked_fill(torch.tensor([t in banned for t in range(VOCAB)]), float("-inf")).argmax())
+    if ids[2] != second:
+        raise ContractError(f"{name}: row 2 (min_tokens=3, EOS banned) drew {ids[2]}, not {second}, the most likely "
+                            "token that is not banned")
+    _check_logprobs(out, logits, ids, rows, name)
+    for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_p=0.6),
+                   SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0, top_k=5)):
+        _check_distribution(sampler, params, draws, gen, name)
+    _check_seeds(sampler, gen, name)
+
+
+def _model_config() -> ModelConfig:
+    return ModelConfig(model="", tokenizer="", served_model_name="conformance", hf_config={},
+                       architecture="conformance", dtype=torch.float32, max_model_len=256, seed=0,
+                       load_format="dummy", quantization=None, quant_config=None, chat_template=None,
+                       vocab_size=VOCAB, hidden_size=64, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64)
+
+
+def _sequence(request_id: str, params: SamplingParams, seed: Optional[int] = None) -> Sequence:
+    seq = Sequence(request_id, [5, 6, 7], params, eos_token_id=EOS, seed=seed)
+    seq.all_token_ids = list(seq.prompt_token_ids)
+    return seq
+
+
+def _describe(params: SamplingParams) -> str:
+    fields = ("temperature", "top_k", "top_p", "min_p", "min_tokens", "logprobs")
+    defaults = SamplingParams()
+    return ", ".join(f"{f}={getattr(params, f)}" for f in fields
+                     if f == "temperature" or getattr(params, f) != getattr(defaults, f))
+
+
+def _token_ids(out, n: int, name: str, where: str) -> list[int]:
+    ids = list(getattr(out, "token_ids", None) or [])
+    if len(ids) != n:
+        raise ContractError(f"{name}: {where} gave {len(ids)} token ids, not one per row")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or not 0 <= t < VOCAB:
+            raise ContractError(f"{name}: {where}, row {i}: {t!r} is not a token id in [0, {VOCAB})")
+    return ids
+
+
+def _check_logprobs(out, logits: torch.Tensor, ids: list[int], rows: list[SamplingParams], name: str) -> None:
+    raw = torch.log_softmax(logits, dim=-1)
+    logprobs = getattr(out, "logprobs", None)
+    for i, params in enumerate(rows):
+        if params.logprobs is None:
+            continue
+        entry = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+        if not entry or ids[i] not in entry:
+            raise ContractError(f"{name}: row {i} asked for logprobs={params.logprobs} but has no entry for its "
+                                f"token {ids[i]}")
+        value, rank = entry[ids[i]]
+        want_rank = int((raw[i] > raw[i, ids[i]]).sum()) + 1
+        if not math.isclose(value, float(raw[i, ids[i]]), abs_tol=1e-4) or rank != want_rank:
+            raise ContractError(f"{name}: row {i}: token {ids[i]} has logprob {value:.5f} rank {rank}; the model's "
+                                f"distribution gives {float(raw[i, ids[i]]):.5f} rank {want_rank}")
+        top = raw[i].topk(params.logprobs).indices.tolist() if params.logprobs else []
+        missing = [t for t in top if t not in entry]
+        if missing:
+            raise ContractError(f"{name}: row {i} asked for the {params.logprobs} most likely tokens; {missing} "
+                                "are missing")
+
+
+def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution ``p`` asks for: temperature, then top-k, top-p (the token crossing it kept), min-p."""
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, t in enumerate(order.tolist()):
+        if (p.top_k and rank >= p.top_k) or mass >= p.top_p:
+            break
+        keep[t] = True
+        mass += float(probs[t])
+    keep &= probs >= probs.max() * p.min_p
+    probs = probs * keep
+    return probs / probs.sum()
+
+
+def _check_distribution(sampler, params: SamplingParams, draws: int, gen: torch.Generator, name: str) -> None:
+    # a few likely tokens and a long tail, so temperature and the filters all change the distribution
+    logits = torch.full((VOCAB,), -2.0)
+    logits[:8] = torch.linspace(2.0, 0.0, 8)
+    logits += torch.rand(VOCAB, generator=gen) * 0.1
+    counts = torch.zeros(VOCAB)
+    batch = 250
+    for _ in range(max(1, draws // batch)):
+        seqs = [_sequence(f"d{i}", params) for i in range(batch)]
+        out = sampler(logits.expand(batch, VOCAB).clone(), seqs)
+        for t in _token_ids(out, batch, name, f"a batch of {batch} rows ({_describe(params)})"):
+            counts[t] += 1
+    observed = counts / counts.sum()
+    expected = _expected(logits, params)
+    tv = 0.5 * float((observed - expected).abs().sum())
+    outside = int(counts[expected == 0].sum())
+    # an exact sampler's expected TV distance is about sqrt(2 / pi) / 2 * sum_i sqrt(p_i (1 - p_i) / draws)
+    n = float(counts.sum())
+    typical = (2 / math.pi) ** 0.5 / 2 * float((expected * (1 - expected) / n).sqrt().sum())
+    bound = 0.02 + 2.0 * typical
+    if outside or tv > bound:
+        raise ContractError(
+            f"{name}: with {_describe(params)}, {int(counts.sum())} draws are {tv:.3f} (total variation) from the "
+            f"distribution asked for (bound {bound:.3f}); {outside} draws fell outside it; most drawn "
+            f"{counts.topk(4).indices.tolist()}, expected {expected.topk(4).indices.tolist()}")
+
+
+def _check_seeds(sampler, gen: torch.Generator, name: str) -> None:
+    params = SamplingParams(temperature=1.0, seed=1234)
+    logits = torch.randn(4, VOCAB, generator=gen)
+    alone_seq = _sequence("alone", params, seed=1234)
+    alone = [sampler(logits[:1].clone(), [alone_seq]).token_ids[0] for _ in range(5)]
+    together_seq = _sequence("together", params, seed=1234)
+    others = [_sequence(f"other{i}", SamplingParams(temperature=1.0)) for i in range(3)]
+    together = [sampler(logits.clone(), [together_seq] + others).token_ids[0] for _ in range(5)]
+    if alone != together:
+        raise ContractError(f"{name}: a sequence with seed 1234 drew {alone} alone but {together} in a batch of 4; "
+                            "a seeded sequence's tokens must not depend on its batch")
