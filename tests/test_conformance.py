@@ -3,6 +3,9 @@ with a message that says what broke."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.version import PLUGIN_API_VERSION
 from pagoda.testing import (AttentionCase, ContractError, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler)
 from quant_helpers import (dequantize_groups, group_of_columns, pack_along_cols, pack_along_rows, pack_awq,
@@ -274,3 +278,38 @@ def test_a_quant_method_that_drops_a_zero_point_is_caught():
     with pytest.raises(ContractError, match="from the reference"):
         check_quant_method(AWQConfig, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
                            no_zeros)
+
+
+# ---- the pytest plugin -------------------------------------------------------------------------------
+
+PLUGIN_USER_TESTS = '''
+from pagoda.plugins.schedulers.base import FCFSScheduler
+
+
+class OverBudget(FCFSScheduler):
+    def __init__(self, scheduler_config, cache_config, kv_manager):
+        super().__init__(scheduler_config, cache_config, kv_manager)
+        self.max_num_batched_tokens += 5
+
+
+def test_fcfs(pagoda_conformance):
+    pagoda_conformance.check_scheduler(FCFSScheduler)
+
+
+def test_over_budget(pagoda_conformance):
+    pagoda_conformance.check_scheduler(OverBudget)
+'''
+
+
+def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
+    """A plugin package's tests use the kit's fixture with no conftest.py; the broken scheduler's failure
+    says what broke."""
+    (tmp_path / "test_plugin_user.py").write_text(PLUGIN_USER_TESTS)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pagoda-seeds", "1",
+                             str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = result.stdout + result.stderr
+    assert "1 failed, 1 passed" in out, out
+    assert "ContractError" in out and "max_num_batched_tokens" in out, out
+    header = subprocess.run([sys.executable, "-m", "pytest", "--co", "-p", "no:cacheprovider", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path).stdout
+    assert f"plugin API {PLUGIN_API_VERSION}" in header

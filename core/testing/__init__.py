@@ -20,13 +20,26 @@ Installed with pagoda, the kit is also a pytest plugin (see :mod:`pagoda.testing
 Importing it imports torch; the checks that need a model use pagoda's default model.
 """
 
-from pagoda.testing.attention import AttentionCase, check_attention_backend
-from pagoda.testing.contract import ContractError
-from pagoda.testing.proposer import check_proposer
-from pagoda.testing.quant import check_quant_method
-from pagoda.testing.sampler import check_sampler
-from pagoda.testing.scheduling import SimRunner, check_kv_allocator, check_scheduler, expected_output, next_token
+import importlib
+from typing import Any
 
-__all__ = ["AttentionCase", "ContractError", "SimRunner", "check_attention_backend", "check_kv_allocator",
-           "check_proposer", "check_quant_method", "check_sampler", "check_scheduler", "expected_output",
-           "next_token"]
+# name -> submodule: imported on first use, so that pagoda's pytest plugin (``pagoda.testing.pytest_plugin``,
+# active in every pytest run of the environment) does not import torch for test runs that never use the kit
+_EXPORTS = {
+    "AttentionCase": "attention", "check_attention_backend": "attention",
+    "ContractError": "contract",
+    "check_proposer": "proposer",
+    "check_quant_method": "quant",
+    "check_sampler": "sampler",
+    "SimRunner": "scheduling", "check_kv_allocator": "scheduling", "check_scheduler": "scheduling",
+    "expected_output": "scheduling", "next_token": "scheduling",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagoda.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pagoda.testing.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
