@@ -44,6 +44,18 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     if mc.quantization:
         quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
         quant = quant_factory(mc, mc.quant_config or {})
+    proposer = None
+    if config.speculative is not None:
+        proposer = pm.get("pagoda_proposers", config.speculative.method, "speculative_config method").factory
+    sampler = sampler_cls(mc)
+    if config.speculative is not None:
+        if not getattr(sampler, "samples_standard_distribution", False):
+            raise ConfigError(
+                f"sampler {config.sampler!r} does not sample the standard distribution of the sampling "
+                "parameters (samples_standard_distribution is not True), and speculative decoding would verify "
+                "drafts against that distribution instead of the sampler's; drop speculative_config or use "
+                "sampler='default'"
+            )
     backend = select_attention_backend(config, pm)
     check_kv_cache_dtype(config, backend)
 
@@ -62,11 +74,9 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
         )
     kv_manager = allocator(cc, num_blocks)
     scheduler = scheduler_cls(config.scheduler, cc, kv_manager)
-    sampler = sampler_cls(mc)
     runner = ModelRunner(config, model, backend, sampler, num_blocks)
     if config.speculative is not None:
         spec = config.speculative
-        proposer = pm.get("pagoda_proposers", spec.method, "speculative_config method").factory
         runner.set_proposer(proposer(spec, config, runner, pm))
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)

@@ -233,9 +233,22 @@ class AttentionBackend(Protocol):
 
 @runtime_checkable
 class Sampler(Protocol):
-    """``pagoda_samplers``: logits of the requests to sample -> token ids (and logprobs)."""
+    """``pagoda_samplers``: logits of the sequences to sample -> one token id each (and logprobs).
 
-    def __call__(self, logits: "torch.Tensor", requests: typing.Sequence["Sequence"]) -> "SamplerOutput": ...
+    Invariants: a token of ``Sequence.banned_token_ids()`` is never drawn; a greedy row takes its argmax
+    (after bias and penalties); a sequence with a seed draws the same tokens whatever else is in the batch;
+    logprobs are those of the model's raw distribution. ``pagoda.testing.check_sampler`` checks them.
+    """
+
+    # True if tokens follow exactly the distribution the sampling parameters describe (bias, bans,
+    # penalties, temperature, top-k, top-p, min-p). Speculative decoding verifies drafts with pagoda's
+    # rejection sampler, which reproduces that distribution, so the engine refuses speculation with a
+    # sampler that says False.
+    samples_standard_distribution: bool
+
+    def __call__(self, logits: "torch.Tensor", requests: typing.Sequence["Sequence"]) -> "SamplerOutput":
+        """``logits [n, vocab]`` float32, row ``i`` for ``requests[i]`` (the sampler may not change them) ->
+        ``SamplerOutput(token_ids, logprobs)``: ``logprobs[i]`` when ``requests[i]`` asked for them."""
 
 
 @runtime_checkable

@@ -38,7 +38,15 @@ class Sampler:
     (``argmax(p / E)`` with ``E ~ Exp(1)`` draws a token with probability
     ``p``); a request with a ``seed`` draws its noise from its own generator,
     so its tokens do not depend on what else is in the batch.
+
+    A sampler plugin may subclass it and override its public steps, in the order they run:
+    :meth:`apply_bias_and_bans`, :meth:`apply_penalties`, :meth:`process_logits` (a no-op here: the
+    place for a plugin's own logits processing, such as a grammar mask), and :meth:`draw` for the rows
+    that sample. A subclass that overrides any of them no longer samples the standard distribution
+    (:attr:`samples_standard_distribution`), so the engine refuses speculative decoding with it.
     """
+
+    _EXTENSION_POINTS = ("apply_bias_and_bans", "apply_penalties", "process_logits", "draw")
 
     def __init__(self, model_config: ModelConfig) -> None:
         self.vocab_size = model_config.vocab_size
@@ -50,7 +58,8 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         banned = [r.banned_token_ids() for r in requests]  # the min_tokens rule, once per row
-        if all(p.is_greedy and not p.has_penalties and not p.logit_bias and not b for p, b in zip(params, banned)):
+        if self._plain_argmax and all(p.is_greedy and not p.has_penalties and not p.logit_bias and not b
+                                      for p, b in zip(params, banned)):
             token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
         else:
             token_ids = self._sample(logits.clone(), requests, banned)
@@ -63,13 +72,26 @@ class Sampler:
             ]
         return SamplerOutput(token_list, logprobs)
 
+    @property
+    def samples_standard_distribution(self) -> bool:
+        """Whether tokens follow exactly the distribution the sampling parameters describe: true unless a
+        subclass overrides one of the extension points."""
+        return all(getattr(type(self), name) is getattr(Sampler, name) for name in self._EXTENSION_POINTS)
+
+    @property
+    def _plain_argmax(self) -> bool:
+        # greedy rows with nothing to apply may skip every step (and the copy of the logits)
+        return type(self).process_logits is Sampler.process_logits and \
+            type(self).apply_bias_and_bans is Sampler.apply_bias_and_bans
+
     def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence], banned: list[list[int]]
                 ) -> torch.Tensor:
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
-        self._apply_bias_and_min_tokens(logits, requests, banned)
+        self.apply_bias_and_bans(logits, requests, banned)
         if any(p.has_penalties for p in params):
-            self._apply_penalties(logits, requests)
+            self.apply_penalties(logits, requests)
+        self.process_logits(logits, requests)
         greedy = torch.tensor([p.is_greedy for p in params])
         out = argmax_rows(logits)
         random_rows = (~greedy).nonzero().flatten().tolist()
@@ -92,14 +114,26 @@ class Sampler:
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs.masked_fill_(probs < threshold, 0.0)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=_generator_for(requests[i], self.generator))
-        out[rows] = argmax_rows(probs / noise)
+        out[rows] = self.draw(probs, [requests[i] for i in random_rows])
         return out
 
-    def _apply_bias_and_min_tokens(self, logits: torch.Tensor, requests: typing.Sequence[Sequence],
-                                   banned: list[list[int]]) -> None:
+    def process_logits(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
+        """Change ``logits [n, vocab]`` in place, row ``i`` for ``requests[i]``, after bias, bans and
+        penalties and before temperature and the filters; a row set to -inf everywhere but one token takes
+        that token. Nothing here; a subclass's own processing goes here."""
+
+    def draw(self, probs: torch.Tensor, requests: typing.Sequence[Sequence]) -> torch.Tensor:
+        """One token id per row of ``probs [n, vocab]`` (filtered, normalised), drawn with probability
+        ``probs[i, t]``; a request with a seed uses its own generator, the others share the sampler's."""
+        noise = torch.empty_like(probs)
+        for j, request in enumerate(requests):
+            noise[j].exponential_(generator=_generator_for(request, self.generator))
+        return argmax_rows(probs / noise)
+
+    def apply_bias_and_bans(self, logits: torch.Tensor, requests: typing.Sequence[Sequence],
+                            banned: list[list[int]]) -> None:
+        """Add each request's ``logit_bias``; set its banned tokens (``Sequence.banned_token_ids``, given as
+        ``banned[i]``) to -inf."""
         for i, r in enumerate(requests):
             p = r.sampling_params
             if p.logit_bias:
@@ -109,7 +143,9 @@ class Sampler:
             if banned[i]:
                 logits[i, torch.tensor(banned[i])] = float("-inf")
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
+    def apply_penalties(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
+        """Repetition (prompt and output tokens), frequency and presence penalties, in place; called only
+        when some request has one."""
         n, vocab = logits.shape
         out_counts = torch.zeros(n, vocab, dtype=torch.float32)
         seen_prompt = torch.zeros(n, vocab, dtype=torch.bool)

@@ -1,0 +1,203 @@
+"""Every example of docs/plugins.md, run as printed: each is installed as its own distribution with a
+``pagoda.plugins`` entry point (a dist-info directory on sys.path, what pip would leave), loaded the way
+any plugin is, selected by name, and checked by the conformance call the guide names for it."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.errors import CheckpointError, ConfigError
+from pagoda.plugin_manager import PluginManager
+from pagoda.plugins.schedulers.base import FCFSScheduler
+from pagoda.testing import (check_attention_backend, check_kv_allocator, check_proposer, check_quant_method,
+                            check_sampler, check_scheduler)
+from tiny_models import write_tiny_llama
+
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
+KINDS = ["scheduler", "KV allocator", "attention backend", "sampler", "quantization method",
+         "speculative proposer", "model loader", "model architecture", "CLI command"]
+
+
+def guide_examples() -> dict[str, str]:
+    """``{kind: source}`` of the python blocks that start with ``# example: <kind>``."""
+    blocks = re.findall(r"```python\n(# example: ([^\n]+)\n.*?)```", GUIDE.read_text(), flags=re.S)
+    return {kind: source for source, kind in blocks}
+
+
+def module_name(kind: str) -> str:
+    return "guide_" + re.sub(r"\W+", "_", kind.lower())
+
+
+def test_the_guide_has_one_short_complete_example_per_component_kind():
+    examples = guide_examples()
+    assert sorted(examples) == sorted(KINDS)
+    for kind, source in examples.items():
+        assert len(source.splitlines()) <= 50, f"the {kind} example has {len(source.splitlines())} lines"
+        assert "@pagoda.hookimpl" in source and "PAGODA_PLUGIN_API" in source
+        assert not re.search(r"\._[a-z]", source), f"the {kind} example uses a private name"
+
+
+@pytest.fixture(scope="module")
+def guide(tmp_path_factory):
+    """Each example as an installed distribution; yields ``{kind: module}``."""
+    site = tmp_path_factory.mktemp("guide-site")
+    for kind, source in guide_examples().items():
+        name = module_name(kind)
+        (site / f"{name}.py").write_text(source)
+        dist = site / f"{name}-1.0.dist-info"  # the name before the first '-' is the distribution's
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 1.0\n")
+        (dist / "entry_points.txt").write_text(f"[pagoda.plugins]\n{name} = {name}\n")
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    try:
+        yield {kind: importlib.import_module(module_name(kind)) for kind in KINDS}
+    finally:
+        sys.path.remove(str(site))
+        for kind in KINDS:
+            sys.modules.pop(module_name(kind), None)
+        importlib.invalidate_caches()
+
+
+def test_every_example_loads_through_its_entry_point(guide):
+    pm = PluginManager().load()
+    assert not pm.failures, [f.error for f in pm.failures]
+    for name, hook in [("shortest-output-first", "pagoda_schedulers"), ("watermark", "pagoda_kv_allocators"),
+                       ("gather", "pagoda_attention_backends"), ("no-repeat-3gram", "pagoda_samplers"),
+                       ("int8-weight-only", "pagoda_quant_methods"), ("bigram", "pagoda_proposers"),
+                       ("verified-safetensors", "pagoda_model_loaders"),
+                       ("SoftcapLlamaForCausalLM", "pagoda_model_architectures"),
+                       ("count-tokens", "pagoda_cli_commands")]:
+        component = pm.get(hook, name, "test")
+        assert component.dist.endswith(" 1.0") and pm.api_ranges[component.plugin] == ">=1.0,<2"
+
+
+OPTIONS = dict(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=32 << 20)
+PROMPTS = ["The capital of France is", "one two three four one two three four one two", "def add(a, b):"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(guide):
+    return [o.outputs[0].token_ids for o in LLM(**OPTIONS).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def generate(**options):
+    return [o.outputs[0].token_ids for o in LLM(**{**OPTIONS, **options}).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_the_scheduler_example(guide):
+    policy = guide["scheduler"].ShortestOutputFirst
+    check_scheduler(policy)
+    llm = LLM(**{**OPTIONS, "max_num_seqs": 1}, scheduling_policy="shortest-output-first")
+    engine, finished = llm.engine, []
+    engine.add_request("long", PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("short", PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["short", "long"]
+
+
+def test_the_kv_allocator_example(guide, plain_tokens):
+    allocator = guide["KV allocator"].WatermarkAllocator
+    check_kv_allocator(allocator)
+    check_scheduler(FCFSScheduler, allocator=allocator)
+    llm = LLM(**OPTIONS, kv_allocator="watermark")
+    assert isinstance(llm.engine.kv_manager, allocator)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+
+
+def test_the_attention_backend_example(guide, plain_tokens):
+    check_attention_backend(guide["attention backend"].GatherAttention)
+    assert generate(attention_backend="gather") == plain_tokens
+
+
+def test_the_sampler_example(guide, plain_tokens):
+    sampler = guide["sampler"].NoRepeatNgramSampler
+    check_sampler(sampler)
+    llm = LLM(**OPTIONS, sampler="no-repeat-3gram")
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    prompt_ids = llm.engine.tokenize_prompt(PROMPTS[1])[1]
+    tokens = prompt_ids + outputs[1]
+    trigrams = [tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2)]
+    new = trigrams[len(prompt_ids) - 2:]  # the trigrams each output token completed
+    assert all(t not in trigrams[:len(prompt_ids) - 2 + j] for j, t in enumerate(new))
+    assert outputs[1] != plain_tokens[1]  # plain greedy decoding repeats the counting
+    with pytest.raises(ConfigError, match="does not sample the standard distribution"):
+        LLM(**OPTIONS, sampler="no-repeat-3gram", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_quantization_example(guide, plain_tokens):
+    config = guide["quantization method"].Int8WeightOnlyConfig
+    check_quant_method(config)
+    check_quant_method(config, {"skip_layers": ["model.layers.0.self_attn.o_proj"]})
+    llm = LLM(**OPTIONS, quantization="int8-weight-only")
+    layer = llm.engine.runner.model.layers[0].o_proj
+    assert layer.qweight.dtype == torch.int8 and not hasattr(layer, "weight")
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    # int8 weights round every product: the first tokens agree with float32
+    assert all(a[:3] == b[:3] for a, b in zip(outputs, plain_tokens))
+
+
+def test_the_proposer_example(guide):
+    check_proposer(guide["speculative proposer"].BigramLookup)
+
+
+def test_the_loader_example(guide, tmp_path):
+    import hashlib
+
+    write_tiny_llama(tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    (tmp_path / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
+                                                 for f in files))
+    options = dict(OPTIONS, model=str(tmp_path))
+    expected = [o.outputs[0].token_ids for o in LLM(**options).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    got = LLM(**options, load_format="verified-safetensors").generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{files[0].name} has SHA-256 .* download it again"):
+        LLM(**options, load_format="verified-safetensors")
+
+
+def test_the_architecture_example(guide, tmp_path):
+    import json
+    import math
+
+    from pagoda.models.llama import LlamaForCausalLM
+
+    write_tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["SoftcapLlamaForCausalLM"], final_logit_softcapping=2.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(**OPTIONS, model=str(tmp_path))
+    model = llm.engine.runner.model
+    assert type(model).__name__ == "SoftcapLlamaForCausalLM"
+    hidden = torch.randn(3, config["hidden_size"])
+    plain = LlamaForCausalLM.compute_logits(model, hidden)
+    torch.testing.assert_close(model.compute_logits(hidden), 2.0 * torch.tanh(plain / 2.0))
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, logprobs=1), use_tqdm=False)[0]
+    # capped logits lie in [-2, 2]: no token is likelier than e^4 times another, which bounds the top one
+    bound = math.log(math.exp(4) / (math.exp(4) + config["vocab_size"] - 1))
+    top = [max(entry.logprob for entry in lp.values()) for lp in out.outputs[0].logprobs]
+    assert all(v <= bound + 1e-4 for v in top) and len(top) == 3
+
+
+def test_the_cli_example(guide, capsys):
+    from pagoda.cli import main
+
+    assert main(["count-tokens", "Hello there"]) == 0
+    count = int(capsys.readouterr().out.strip())
+    from transformers import AutoTokenizer
+
+    from pagoda.default_model import ensure_default_model
+
+    assert count == len(AutoTokenizer.from_pretrained(str(ensure_default_model()))("Hello there")["input_ids"])
