@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
+from pagoda.deprecation import adapt_renamed_methods
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.model_runner import ModelRunner
 from pagoda.plugin_manager import PluginManager
@@ -40,14 +41,17 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
     scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
     sampler_cls = pm.get("pagoda_samplers", config.sampler, "sampler").factory
+    # every component is built through adapt_renamed_methods: one that has a renamed method only under its
+    # deprecated name is called through that name, with a warning
     quant = None
     if mc.quantization:
         quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
-        quant = quant_factory(mc, mc.quant_config or {})
+        quant = adapt_renamed_methods(quant_factory(mc, mc.quant_config or {}), "pagoda_quant_methods",
+                                      mc.quantization)
     proposer = None
     if config.speculative is not None:
         proposer = pm.get("pagoda_proposers", config.speculative.method, "speculative_config method").factory
-    sampler = sampler_cls(mc)
+    sampler = adapt_renamed_methods(sampler_cls(mc), "pagoda_samplers", config.sampler)
     if config.speculative is not None:
         if not getattr(sampler, "samples_standard_distribution", False):
             raise ConfigError(
@@ -56,13 +60,15 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
                 "drafts against that distribution instead of the sampler's; drop speculative_config or use "
                 "sampler='default'"
             )
-    backend = select_attention_backend(config, pm)
+    backend = adapt_renamed_methods(select_attention_backend(config, pm), "pagoda_attention_backends",
+                                    config.attention_backend)
     check_kv_cache_dtype(config, backend)
 
     tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
     with torch.device(config.device):
-        model = arch.factory(mc, backend, quant)
-    loader_cls(mc).load_weights(model)
+        model = adapt_renamed_methods(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
+    loader = adapt_renamed_methods(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
+    loader.load_weights(model)
     model.eval()
 
     bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * mc.num_layers
@@ -72,12 +78,14 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
             f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes} holds no KV block ({bytes_per_block} bytes each); "
             "raise it"
         )
-    kv_manager = allocator(cc, num_blocks)
-    scheduler = scheduler_cls(config.scheduler, cc, kv_manager)
+    kv_manager = adapt_renamed_methods(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
+    scheduler = adapt_renamed_methods(scheduler_cls(config.scheduler, cc, kv_manager), "pagoda_schedulers",
+                                      config.scheduler.policy)
     runner = ModelRunner(config, model, backend, sampler, num_blocks)
     if config.speculative is not None:
         spec = config.speculative
-        runner.set_proposer(proposer(spec, config, runner, pm))
+        runner.set_proposer(adapt_renamed_methods(proposer(spec, config, runner, pm), "pagoda_proposers",
+                                                  spec.method))
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
     if cc.preemption_mode == "swap":

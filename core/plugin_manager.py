@@ -12,6 +12,7 @@ from typing import Any, Callable
 import pluggy
 
 from pagoda import hookspecs
+from pagoda.deprecation import RenamingPluggy
 from pagoda.env import env_bool
 from pagoda.errors import ConfigError
 from pagoda.version import PLUGIN_API_VERSION, __version__
@@ -71,7 +72,8 @@ class PluginManager:
     :meth:`load`; after that, lookups are plain dictionary reads.
     """
 
-    pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager("pagoda"))
+    # pluggy's manager, taking a hook implemented under a deprecated name (pagoda.deprecation) as the new one
+    pm: pluggy.PluginManager = field(default_factory=lambda: RenamingPluggy("pagoda"))
     dists: dict[str, str] = field(default_factory=dict)
     # plugin name -> the API range it declared (PAGODA_PLUGIN_API), where it declared one
     api_ranges: dict[str, str] = field(default_factory=dict)

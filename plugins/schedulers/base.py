@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.deprecation import adopt_renamed_overrides, renamed_method
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
@@ -52,6 +53,11 @@ class TokenBudgetScheduler:
         self._prompt_leaders: dict[str, Sequence] = {}
         # request id -> tokens scheduled in the step being built
         self._scheduled_now: dict[str, int] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # a policy written before plugin API 1.0 overrides private names: honoured until 1.2, with a warning
+        super().__init_subclass__(**kwargs)
+        adopt_renamed_overrides(cls, TokenBudgetScheduler)
 
     # ---- policy: the public methods a scheduling policy overrides ----------------------------------
 
@@ -90,7 +96,7 @@ class TokenBudgetScheduler:
         if self.preemption_mode == "swap" and self.kv.can_swap_out(request):
             out.blocks_to_swap_out.extend(self.kv.swap_out(request))
             request.status = SequenceStatus.SWAPPED
-            self._insert(self.swapped, request, self.running_key)
+            self._insert_swapped(request)
         else:
             self.kv.free(request)
             request.num_computed_tokens = 0
@@ -100,7 +106,9 @@ class TokenBudgetScheduler:
         self.num_preemptions += 1
         out.preempted.append(request)
 
-    # ---- queue order ---------------------------------------------------------------------------
+    _preempt = renamed_method("TokenBudgetScheduler", "_preempt")
+
+    # ---- queue order (a pre-1.0 policy may still override these four, see pagoda.deprecation) ----
 
     @staticmethod
     def _insert(queue: list[Sequence], request: Sequence, key: Callable[[Sequence], Any]) -> None:
@@ -116,6 +124,12 @@ class TokenBudgetScheduler:
             self.waiting.insert(0, request)
         else:
             self.waiting.append(request)
+
+    def _insert_running(self, request: Sequence) -> None:
+        self._insert(self.running, request, self.running_key)
+
+    def _insert_swapped(self, request: Sequence) -> None:
+        self._insert(self.swapped, request, self.running_key)
 
     def _running_order(self) -> list[Sequence]:
         if self.running and self.running_key(self.running[0]) is not None:
@@ -216,7 +230,7 @@ class TokenBudgetScheduler:
             if not self.kv.allocate_slots(req, num_new):
                 raise RuntimeError(f"KV bookkeeping error: {req.request_id} swapped in without room to run")
             req.status = SequenceStatus.RUNNING
-            self._insert(self.running, req, self.running_key)
+            self._insert_running(req)
             self._add_to_output(out, req, num_new)
             budget -= num_new
         return budget
@@ -255,7 +269,7 @@ class TokenBudgetScheduler:
             req.status = SequenceStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = now
-            self._insert(self.running, req, self.running_key)
+            self._insert_running(req)
             self._add_to_output(out, req, num_new)
             budget -= num_new
 
