@@ -14,8 +14,10 @@ Kinds, and where each is honoured:
   :class:`pagoda.plugin_manager.PluginManager`).
 - ``METHOD``: a component built by a factory of hook ``owner`` that has only the old method name gets the
   new one bound to the old method (:func:`adapt_renamed_methods`, called where components are built).
-- ``OVERRIDE``: a method of base class ``owner`` that plugins subclass (:func:`adopt_renamed_overrides`,
-  called from the base class's ``__init_subclass__``; :func:`renamed_method` for old names plugins call).
+- ``OVERRIDE``: a method of base class ``owner`` that plugins subclass: a subclass's override under the old
+  name is honoured, or refused if ``refused`` says why it cannot be, when the subclass is created
+  (:func:`adopt_renamed_overrides`, called from the base class's ``__init_subclass__``); the base keeps the
+  old name of a plain rename for code that calls it (:func:`renamed_method`).
 - ``MODULE`` and ``ATTRIBUTE``: a module that moved, and a name that moved or was renamed with it
   (:func:`deprecated_module`, called by the stub module left under the old name).
 """
@@ -49,6 +51,9 @@ class Deprecation:
     removed_in: str
     # METHOD: the hook whose factories build the component; OVERRIDE: the base class's name
     owner: str = ""
+    # OVERRIDE: why an override under the old name cannot stand in for the new method (it is then refused
+    # when the subclass is created, rather than silently ignored)
+    refused: str = ""
 
     @property
     def old_name(self) -> str:
@@ -60,6 +65,7 @@ class Deprecation:
 
 
 _SCHEDULER_BASE = "TokenBudgetScheduler"
+_SAMPLER_BASE = "Sampler"
 
 # Every deprecated name. The renames made before the API was versioned count as deprecated in 1.0.
 # No hook and no component method has been renamed yet.
@@ -75,12 +81,17 @@ DEPRECATIONS: tuple[Deprecation, ...] = (
     Deprecation(OVERRIDE, "_insert_running", "running_key", "1.0", "1.2", _SCHEDULER_BASE),
     Deprecation(OVERRIDE, "_insert_swapped", "running_key", "1.0", "1.2", _SCHEDULER_BASE),
     Deprecation(OVERRIDE, "_running_order", "running_key", "1.0", "1.2", _SCHEDULER_BASE),
-    # plain renames: an override is installed under the new name
+    # plain renames: the base keeps the old name for callers (renamed_method), and an override of it is
+    # installed under the new name
     Deprecation(OVERRIDE, "_pick_victim", "choose_victim", "1.0", "1.2", _SCHEDULER_BASE),
     Deprecation(OVERRIDE, "_may_admit_waiting", "may_admit", "1.0", "1.2", _SCHEDULER_BASE),
     Deprecation(OVERRIDE, "_preempt_for_arrivals", "preempt_for_arrivals", "1.0", "1.2", _SCHEDULER_BASE),
-    # an action policies call: the old name forwards, an override of it is refused
     Deprecation(OVERRIDE, "_preempt", "preempt", "1.0", "1.2", _SCHEDULER_BASE),
+    # the sampler's private steps became public extension points in 1.1
+    Deprecation(OVERRIDE, "_apply_penalties", "apply_penalties", "1.1", "1.3", _SAMPLER_BASE),
+    Deprecation(OVERRIDE, "_apply_bias_and_min_tokens", "apply_bias_and_bans", "1.1", "1.3", _SAMPLER_BASE,
+                refused="its arguments changed: apply_bias_and_bans(logits, requests, banned) is given each "
+                        "row's banned tokens"),
 )
 
 
@@ -145,15 +156,15 @@ def adapt_renamed_methods(component: Any, hook_name: str, component_name: str) -
 
 
 def renamed_method(owner: str, old: str) -> Callable[..., Any]:
-    """A method for base class ``owner`` under the deprecated name ``old``: it warns and calls the new
-    name. Overriding it is refused by :func:`adopt_renamed_overrides`, since the base never calls it."""
+    """The method base class ``owner`` keeps under the deprecated name ``old`` of a plain rename: it warns
+    and calls what that name means now (see :func:`_implementation_for_old_name`)."""
     d = _find(OVERRIDE, old, owner)
-    if d is None:
-        raise LookupError(f"{owner}.{old} is not in pagoda.deprecation.DEPRECATIONS")
+    if d is None or d.refused:
+        raise LookupError(f"{owner}.{old} is not a plain rename in pagoda.deprecation.DEPRECATIONS")
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         warnings.warn(f"{d.old_name} is {d.describe()}: call {d.new}", DeprecationWarning, stacklevel=2)
-        return getattr(self, d.new)(*args, **kwargs)
+        return _implementation_for_old_name(type(self), d).__get__(self)(*args, **kwargs)
 
     forward.__name__ = old
     forward.__doc__ = f"Deprecated: calls :meth:`{d.new}`."
@@ -161,12 +172,23 @@ def renamed_method(owner: str, old: str) -> Callable[..., Any]:
     return forward
 
 
+def _implementation_for_old_name(cls: type, d: Deprecation) -> Any:
+    """A call of the old name that reaches the base class comes either from ``super()`` in the last class
+    of ``cls``'s MRO that overrides the old name, and means the new name's next implementation after it,
+    or (with no such class) from code calling ``self.<old>()``, and means the new name's first one."""
+    mro = cls.__mro__
+    overriding = [i for i, k in enumerate(mro) if d.old in vars(k) and not hasattr(vars(k)[d.old], "deprecation")]
+    start = overriding[-1] + 1 if overriding else 0
+    return next(vars(k)[d.new] for k in mro[start:] if d.new in vars(k))
+
+
 def adopt_renamed_overrides(cls: type, base: type) -> None:
     """Honour the methods subclass ``cls`` of ``base`` defines under deprecated names, with a warning.
 
-    An old name the base still calls needs nothing more; an old name the base no longer has is a plain
-    rename, so the override is installed under the new name. A class defining both names, or overriding
-    a name the base only keeps for callers (see :func:`renamed_method`), is refused: its override would
+    An old name the base still calls itself (a helper such as ``_insert_waiting``) needs nothing more. For a
+    plain rename (the base keeps the old name only through :func:`renamed_method`) the override is
+    installed under the new name, which is what the base calls. A class defining both names, or overriding
+    a name whose override cannot stand in for the new method (``refused``), is refused: its override would
     otherwise be silently ignored.
     """
     where = f"{cls.__module__}.{cls.__qualname__}"
@@ -176,13 +198,12 @@ def adopt_renamed_overrides(cls: type, base: type) -> None:
         if d.new in vars(cls):
             raise TypeError(f"{where} defines both {d.old_name}, {d.describe()}, and {d.new}, which "
                             f"replaces it; delete {d.old}")
-        inherited = getattr(base, d.old, None)
-        if hasattr(inherited, "deprecation"):
-            raise TypeError(f"{where} overrides {d.old_name}, {d.describe()}, which {base.__name__} no longer "
-                            f"calls: override {d.new} instead")
+        if d.refused:
+            raise TypeError(f"{where} overrides {d.old_name}, {d.describe()}, and {d.refused}: override "
+                            f"{d.new} instead")
         warnings.warn(f"{where} overrides {d.old_name}, {d.describe()}: override {d.new} instead",
                       DeprecationWarning, stacklevel=3)
-        if inherited is None:
+        if hasattr(getattr(base, d.old, None), "deprecation"):
             setattr(cls, d.new, vars(cls)[d.old])
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from pagoda.config import ModelConfig
+from pagoda.deprecation import adopt_renamed_overrides, renamed_method
 from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
@@ -51,6 +52,11 @@ class Sampler:
     def __init__(self, model_config: ModelConfig) -> None:
         self.vocab_size = model_config.vocab_size
         self.generator = torch.Generator().manual_seed(model_config.seed)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # a sampler written for plugin API 1.0 overrides the private steps: honoured until 1.3, with a warning
+        super().__init_subclass__(**kwargs)
+        adopt_renamed_overrides(cls, Sampler)
 
     def __call__(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> SamplerOutput:
         # logits: [num_reqs, vocab] float32, one row per request to sample
@@ -164,6 +170,9 @@ class Sampler:
         freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
         presence = torch.tensor([p.presence_penalty for p in params])[:, None]
         logits.sub_(freq * out_counts + presence * (out_counts > 0).float())
+
+    # the 1.0 name of apply_penalties, for samplers that call it (or super() it in an override)
+    _apply_penalties = renamed_method("Sampler", "_apply_penalties")
 
 
 def _generator_for(request: Sequence, default: torch.Generator) -> torch.Generator:

@@ -23,7 +23,9 @@ import scheduling_sim
 from pagoda import LLM, ConfigError, SamplingParams, deprecation, hookimpl, hookspecs
 from pagoda.deprecation import ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, Deprecation
 from pagoda.plugin_manager import COMPONENT_HOOKS, PluginManager
-from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+from pagoda.plugins.schedulers.base import FCFSScheduler, TokenBudgetScheduler
+from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.sampler import Sampler
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 from pagoda.testing import SimRunner, check_scheduler
@@ -31,6 +33,7 @@ from pagoda.version import PLUGIN_API_VERSION
 from tiny_models import write_tiny_checkpoint
 
 CHANGELOG = Path(__file__).resolve().parents[1] / "docs" / "plugin-api-changelog.md"
+BASE_CLASSES = {"TokenBudgetScheduler": TokenBudgetScheduler, "Sampler": Sampler}
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -55,7 +58,11 @@ def test_every_deprecated_name_points_at_a_name_that_exists(entry):
     elif entry.kind == METHOD:
         assert entry.owner in COMPONENT_HOOKS
     elif entry.kind == OVERRIDE:
-        assert entry.owner == TokenBudgetScheduler.__name__ and callable(getattr(TokenBudgetScheduler, entry.new))
+        base = BASE_CLASSES[entry.owner]
+        assert callable(getattr(base, entry.new))
+        # unless refused, the base either still calls the old name or keeps it for callers: an override of
+        # it is never silently ignored
+        assert entry.refused or callable(getattr(base, entry.old))
     elif entry.kind == MODULE:
         importlib.import_module(entry.new)
     else:
@@ -282,12 +289,45 @@ def test_a_pre_1_0_insert_waiting_override_still_orders_the_queue_and_passes_the
     check_scheduler(policy, seeds=1)
 
 
-def test_overriding_the_renamed_preempt_is_refused_when_the_class_is_created():
-    with pytest.raises(TypeError, match=r"overrides TokenBudgetScheduler\._preempt, .* which TokenBudgetScheduler "
-                                        r"no longer calls: override preempt instead"):
-        class CountingPreemptions(TokenBudgetScheduler):
+def test_an_override_of_the_renamed_preempt_is_called_and_may_call_super_by_the_old_name(monkeypatch):
+    with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\._preempt, .* override preempt"):
+        class LoggingPreemptions(FCFSScheduler):
             def _preempt(self, request, out):
+                self.preempted_ids = getattr(self, "preempted_ids", []) + [request.request_id]
                 super()._preempt(request, out)
+
+    monkeypatch.setitem(scheduling_sim.POLICIES, "logging", LoggingPreemptions)
+    scheduler = scheduling_sim.make_scheduler("logging", num_blocks=6, block_size=4)
+    for i in range(3):
+        scheduler.add_request(scheduling_sim.make_request(f"r{i}", [100 + i] * 6, max_tokens=8, arrival=float(i)))
+    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\._preempt is deprecated"):
+        scheduling_sim.run_until_done(scheduler, SimRunner(6, 4))
+    assert scheduler.num_preemptions > 0 and len(scheduler.preempted_ids) == scheduler.num_preemptions
+    assert all(r.num_output_tokens == 8 for r in scheduler.drain_finished())
+
+
+def test_super_by_the_old_name_reaches_a_parent_written_with_the_new_names(monkeypatch):
+    with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\._pick_victim"):
+        class PreReleaseSubclassOfPriority(PriorityScheduler):
+            def _pick_victim(self, candidates):
+                return super()._pick_victim(candidates)
+
+    monkeypatch.setitem(scheduling_sim.POLICIES, "subclass of priority", PreReleaseSubclassOfPriority)
+    scheduler = scheduling_sim.make_scheduler("subclass of priority")
+    candidates = [scheduling_sim.make_request(f"p{p}", [1, 2], priority=p) for p in (2, 5, 1)]
+    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\._pick_victim is deprecated .* call "
+                                                r"choose_victim"):
+        assert scheduler.choose_victim(candidates).request_id == "p5"  # PriorityScheduler's choice, not the last
+
+
+def test_overriding_a_method_whose_arguments_changed_is_refused_when_the_class_is_created():
+    with pytest.raises(TypeError, match=r"overrides Sampler\._apply_bias_and_min_tokens, deprecated in pagoda "
+                                        r"plugin API 1\.1 and removed in 1\.3, and its arguments changed: "
+                                        r"apply_bias_and_bans\(logits, requests, banned\) .* override "
+                                        r"apply_bias_and_bans instead"):
+        class PreReleaseBias(Sampler):
+            def _apply_bias_and_min_tokens(self, logits, requests):
+                pass
 
 
 def test_a_policy_defining_both_the_old_and_the_new_name_is_refused():
@@ -439,3 +479,40 @@ def test_a_component_that_has_the_new_name_is_left_alone(monkeypatch):
         warnings.simplefilter("error", DeprecationWarning)
         assert deprecation.adapt_renamed_methods(component, "pagoda_model_loaders", "both") is component
     assert component.load_weights.__func__ is Both.load_weights
+
+
+# ---- methods of the sampler base class -------------------------------------------------------------
+
+FAVOURITE_TOKEN = 7
+
+
+def pre_1_1_penalty_sampler() -> type:
+    """A sampler plugin as written for plugin API 1.0: it overrides the then-private ``_apply_penalties``
+    and calls the original through ``super()``."""
+
+    class FavouriteTokenSampler(Sampler):
+        def _apply_penalties(self, logits, requests):
+            super()._apply_penalties(logits, requests)
+            logits[:, FAVOURITE_TOKEN] += 1e4
+
+    return FavouriteTokenSampler
+
+
+def test_a_1_0_sampler_overriding_a_private_step_is_warned_about_and_still_used(tiny_dir):
+    with pytest.warns(DeprecationWarning, match=r"overrides Sampler\._apply_penalties, deprecated in pagoda plugin "
+                                                r"API 1\.1 and removed in 1\.3: override apply_penalties instead"):
+        sampler_cls = pre_1_1_penalty_sampler()
+
+    class Plugin:
+        @hookimpl
+        def pagoda_samplers(self):
+            return {"favourite": sampler_cls}
+
+    pm = PluginManager().load()
+    pm.register(Plugin(), name="favourite-sampler", dist="test")
+    llm = tiny_llm(tiny_dir, plugin_manager=pm, sampler="favourite")
+    assert llm.engine.runner.sampler.samples_standard_distribution is False  # it changes the distribution
+    params = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=0.5, ignore_eos=True)
+    with pytest.warns(DeprecationWarning, match=r"Sampler\._apply_penalties is deprecated .* call apply_penalties"):
+        outputs = llm.generate("hi", params, use_tqdm=False)
+    assert list(outputs[0].outputs[0].token_ids) == [FAVOURITE_TOKEN] * 4

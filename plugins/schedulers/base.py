@@ -106,6 +106,10 @@ class TokenBudgetScheduler:
         self.num_preemptions += 1
         out.preempted.append(request)
 
+    # the pre-1.0 names of the above, for policies that call them (or super() them in an override)
+    _pick_victim = renamed_method("TokenBudgetScheduler", "_pick_victim")
+    _may_admit_waiting = renamed_method("TokenBudgetScheduler", "_may_admit_waiting")
+    _preempt_for_arrivals = renamed_method("TokenBudgetScheduler", "_preempt_for_arrivals")
     _preempt = renamed_method("TokenBudgetScheduler", "_preempt")
 
     # ---- queue order (a pre-1.0 policy may still override these four, see pagoda.deprecation) ----
