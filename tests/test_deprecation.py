@@ -409,6 +409,32 @@ def test_a_hook_implemented_under_its_old_name_is_used_under_the_new_one(renamed
     assert llm.engine.runner.sampler.calls == 4
 
 
+def test_an_installed_plugin_with_an_old_hook_name_loads_with_a_warning_naming_it(renamed_sampler_hook, tmp_path,
+                                                                                  monkeypatch):
+    # an installed distribution as pip leaves it: the module, and a dist-info with its entry point
+    (tmp_path / "old_hook_sampler.py").write_text(
+        "import pagoda\n"
+        "from pagoda.sampler import Sampler\n\n"
+        "@pagoda.hookimpl\n"
+        "def pagoda_sampling_methods():\n"
+        "    return {'old-hook-default': Sampler}\n")
+    info = tmp_path / "old_hook_sampler-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: old-hook-sampler\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[pagoda.plugins]\noldhooks = old_hook_sampler\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "old_hook_sampler", raising=False)
+    monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"plugin 'oldhooks' implements the hook pagoda_sampling_methods, "
+                                                r".* rename it to pagoda_samplers"):
+        pm = PluginManager().load()
+    component = pm.get("pagoda_samplers", "old-hook-default", "sampler")
+    assert (component.plugin, component.dist) == ("oldhooks", "old-hook-sampler 0.1")
+    assert all(f.name != "oldhooks" for f in pm.failures)
+    sys.modules.pop("old_hook_sampler", None)  # imported by load(), from a folder that is gone after the test
+
+
 def test_without_the_rename_pluggy_would_ignore_the_old_hook_name():
     pm = pluggy.PluginManager("pagoda")
     pm.add_hookspecs(hookspecs)
