@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -11,9 +12,11 @@ from typing import Any, Optional
 
 import torch
 
+from pagoda import distributed
 from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.deprecation import adapt_renamed_methods
 from pagoda.errors import BackendUnavailable, ConfigError
+from pagoda.executor import select_executor
 from pagoda.model_runner import ModelRunner
 from pagoda.plugin_manager import PluginManager
 
@@ -29,6 +32,7 @@ class Components:
     kv_manager: Any
     scheduler: Any
     runner: ModelRunner
+    executor: Any
     num_blocks: int
     eos_token_id: Optional[int]
 
@@ -36,13 +40,38 @@ class Components:
 def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     mc, cc = config.model, config.cache
     # resolve every name first, so a typo fails before any weight is read
-    arch = pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
-    loader_cls = pm.get("pagoda_model_loaders", mc.load_format, "load_format").factory
+    pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
+    pm.get("pagoda_model_loaders", mc.load_format, "load_format")
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
     scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
-    sampler_cls = pm.get("pagoda_samplers", config.sampler, "sampler").factory
+    pm.get("pagoda_samplers", config.sampler, "sampler")
+    if mc.quantization:
+        pm.get("pagoda_quant_methods", mc.quantization, "quantization")
+    if config.speculative is not None:
+        pm.get("pagoda_proposers", config.speculative.method, "speculative_config method")
+    executor_name = select_executor(config)
+    executor_factory = pm.get("pagoda_executors", executor_name, "distributed_executor_backend").factory
+
+    tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
+    executor = executor_factory(config, pm)  # builds the model on every rank
+    runner = executor.runner
     # every component is built through adapt_renamed_methods: one that has a renamed method only under its
     # deprecated name is called through that name, with a warning
+    kv_manager = adapt_renamed_methods(allocator(cc, runner.num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
+    scheduler = adapt_renamed_methods(scheduler_cls(config.scheduler, cc, kv_manager), "pagoda_schedulers",
+                                      config.scheduler.policy)
+    if cc.preemption_mode == "swap":
+        kv_manager.init_swap_pool(runner.num_swap_blocks)
+    return Components(tokenizer, runner.model, runner.backend, kv_manager, scheduler, runner, executor,
+                      runner.num_blocks, eos_token_id(mc.model, tokenizer))
+
+
+def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
+    """This rank's model shard (the whole model alone), loaded, with its KV cache, sampler and proposer."""
+    mc, cc = config.model, config.cache
+    arch = pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
+    loader_cls = pm.get("pagoda_model_loaders", mc.load_format, "load_format").factory
+    sampler_cls = pm.get("pagoda_samplers", config.sampler, "sampler").factory
     quant = None
     if mc.quantization:
         quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
@@ -60,11 +89,15 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
                 "drafts against that distribution instead of the sampler's; drop speculative_config or use "
                 "sampler='default'"
             )
-    backend = adapt_renamed_methods(select_attention_backend(config, pm), "pagoda_attention_backends",
+    tp = distributed.current()
+    heads = distributed.head_shard(mc.num_heads, mc.num_kv_heads, tp)
+    # the backend sees this rank's heads
+    rank_config = config if tp.size == 1 else dataclasses.replace(
+        config, model=dataclasses.replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads))
+    backend = adapt_renamed_methods(select_attention_backend(rank_config, pm), "pagoda_attention_backends",
                                     config.attention_backend)
     check_kv_cache_dtype(config, backend)
 
-    tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
     with torch.device(config.device):
         model = adapt_renamed_methods(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
     loader = adapt_renamed_methods(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
@@ -72,31 +105,30 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     model.eval()
 
     bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * mc.num_layers
+    # every rank has the same block count: the one the rank with the most KV heads can hold
+    most = max(distributed.head_shard(mc.num_heads, mc.num_kv_heads, distributed.TensorParallel(r, tp.size))
+               .num_kv_heads for r in range(tp.size))
+    bytes_per_block = bytes_per_block * most // heads.num_kv_heads
     num_blocks = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
             f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes} holds no KV block ({bytes_per_block} bytes each); "
             "raise it"
         )
-    kv_manager = adapt_renamed_methods(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
-    scheduler = adapt_renamed_methods(scheduler_cls(config.scheduler, cc, kv_manager), "pagoda_schedulers",
-                                      config.scheduler.policy)
-    runner = ModelRunner(config, model, backend, sampler, num_blocks)
-    if config.speculative is not None:
+    runner = ModelRunner(rank_config, model, backend, sampler, num_blocks)
+    if proposer is not None:
         spec = config.speculative
         runner.set_proposer(adapt_renamed_methods(proposer(spec, config, runner, pm), "pagoda_proposers",
                                                   spec.method))
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
+    runner.num_swap_blocks = 0
     if cc.preemption_mode == "swap":
         # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
-        num_swap_blocks = cc.swap_space_bytes // bytes_per_block
-        kv_manager.init_swap_pool(num_swap_blocks)
-        runner.allocate_swap_space(num_swap_blocks)
+        runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                 num_blocks * bytes_per_block / 2**20)
-    return Components(tokenizer, model, backend, kv_manager, scheduler, runner, num_blocks,
-                      eos_token_id(mc.model, tokenizer))
+    return runner
 
 
 def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:

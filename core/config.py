@@ -141,7 +141,8 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
-    cpu_threads: Optional[int]
+    cpu_threads: Optional[int]  # per rank
+    distributed_executor_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,11 @@ class EngineArgs(BaseModel):
     max_waiting_tokens: Optional[int] = Field(
         default=None, gt=0, description="prompt plus max_tokens, times n, of the requests not yet started, at most "
                                         "(the server answers 503 beyond it; default: no bound)")
-    tensor_parallel_size: int = Field(default=1, gt=0)
+    tensor_parallel_size: int = Field(default=1, gt=0, description=(
+        "ranks the model is split over (its heads, MLP columns and vocabulary), each a process"))
+    distributed_executor_backend: str = Field(default="auto", description=(
+        "the processes a model runs in: uni (one), mp (tensor_parallel_size processes on this machine), or an "
+        "executor plugin; auto picks uni for one rank, mp for more"))
     speculative_config: Optional[dict[str, Any]] = None
     attention_backend: str = "auto"
     sampler: str = "default"
@@ -273,13 +278,11 @@ class EngineArgs(BaseModel):
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
 
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: this pagoda runs a model in one process; "
-                "leave --tensor-parallel-size at 1 (run replicas behind a load balancer to use more machines)"
-            )
         # first: a malformed variable fails before the model is read
         host, cpu_threads = self.host_config(), resolve_cpu_threads(self.cpu_threads)
+        if self.tensor_parallel_size > 1 and cpu_threads is None:
+            # ranks on one machine share its cores; no rank measures for itself
+            cpu_threads = max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
         model_dir = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir)
         text_config = hf_config.get("text_config", hf_config)
@@ -392,7 +395,7 @@ class EngineArgs(BaseModel):
             model=model_cfg,
             cache=cache_cfg,
             scheduler=sched_cfg,
-            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads),
+            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend),
             host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,

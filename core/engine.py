@@ -39,7 +39,9 @@ class LLMEngine:
         self.backend = parts.backend
         self.kv_manager = parts.kv_manager
         self.scheduler = parts.scheduler
-        self.runner = parts.runner
+        self.runner = parts.runner  # rank 0's (the only one without tensor parallelism)
+        # runs each step on every rank: the runner itself, or the ranks of a tensor-parallel model
+        self.executor = parts.executor
         self.num_blocks = parts.num_blocks
         self.eos_token_id = parts.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -171,13 +173,13 @@ class LLMEngine:
         if sched.is_empty:
             return None
         try:
-            self.runner.move_blocks(sched)
+            self.executor.move_blocks(sched)
         except Exception as exc:
             self.scheduler.rollback(sched)
             raise StepFailedError(f"moving KV blocks failed: {type(exc).__name__}: {exc}",
                                   self._user_request_ids(sched.requests)) from exc
         try:
-            return self.runner.execute(sched)
+            return self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
             return self._isolate_fault(sched, exc)
 
@@ -191,7 +193,7 @@ class LLMEngine:
         logger.warning("a step failed (%s: %s); running it again to isolate the fault",
                        type(first).__name__, first, exc_info=first)
         try:
-            return self.runner.execute(sched)
+            return self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001
             last = exc
         n = len(sched.requests)
@@ -201,7 +203,7 @@ class LLMEngine:
         def run(indices: list[int]) -> None:
             nonlocal last
             try:
-                parts.append((indices, self.runner.execute(sched.select(indices))))
+                parts.append((indices, self.executor.execute(sched.select(indices))))
             except Exception as exc:  # noqa: BLE001
                 last = exc
                 if len(indices) == 1:
@@ -236,7 +238,7 @@ class LLMEngine:
         try:
             sched = SchedulerOutput()
             sched.add(probe, 1, 0, self.kv_manager.block_table(probe.request_id))
-            self.runner.execute(sched)
+            self.executor.execute(sched)
             return None
         except Exception as exc:  # noqa: BLE001 - the answer is what failed
             return f"{type(exc).__name__}: {exc}"

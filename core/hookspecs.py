@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import pluggy
 
 if TYPE_CHECKING:
-    from pagoda.interfaces import (AttentionBackendFactory, CLICommand, KVAllocatorFactory, ModelArchitectureFactory,
-                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, SamplerFactory,
-                                   SchedulerFactory)
+    from pagoda.interfaces import (AttentionBackendFactory, CLICommand, ExecutorFactory, KVAllocatorFactory,
+                                   ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory, QuantMethodFactory,
+                                   SamplerFactory, SchedulerFactory)
     from pagoda.sequence import Sequence
 
 hookspec = pluggy.HookspecMarker("pagoda")
@@ -152,6 +152,24 @@ def pagoda_proposers() -> Mapping[str, "ProposerFactory"]:
     attention backend; the plugin manager resolves a draft checkpoint's
     architecture and loader). Selected by ``speculative_config["method"]``
     (built-ins: ``draft_model``, ``ngram``). Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Executors
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_executors() -> Mapping[str, "ExecutorFactory"]:
+    """Return ``{name: factory}`` of executors: the processes a model runs in.
+
+    ``factory(engine_config, plugin_manager)`` returns a
+    :class:`pagoda.interfaces.Executor`: it starts the ranks, has each build its
+    shard of the model (:func:`pagoda.components.build_runner` under
+    :mod:`pagoda.distributed`), and runs every step on all of them. Selected by
+    ``distributed_executor_backend`` (built-ins: ``uni``, ``mp``; ``auto`` is
+    ``uni`` for one rank, ``mp`` for more). Called once at start-up.
     """
 
 

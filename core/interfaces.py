@@ -267,6 +267,28 @@ class Proposer(Protocol):
 
 
 @runtime_checkable
+class Executor(Protocol):
+    """``pagoda_executors``: runs each step on every rank of the model; the driver alone schedules.
+
+    Invariants: every rank runs the same steps in the same order, with the same sequences' tokens; the
+    result is rank 0's; a step's block moves happen on every rank before its execution.
+    """
+
+    # rank 0's runner (the whole model without tensor parallelism), which the engine reads for the model,
+    # the backend, the KV block count and phase timings
+    runner: Any
+
+    def execute(self, sched: "SchedulerOutput") -> "RunnerOutput":
+        """Run the step on every rank (``ModelRunner.execute``); rank 0's result."""
+
+    def move_blocks(self, sched: "SchedulerOutput") -> None:
+        """Perform the step's swaps and copies on every rank."""
+
+    def shutdown(self) -> None:
+        """Stop the other ranks; the executor runs nothing after it."""
+
+
+@runtime_checkable
 class LinearMethod(Protocol):
     """What a linear layer asks of its quant method (see ``pagoda.layers.linear``)."""
 
@@ -334,6 +356,10 @@ class ProposerFactory(Protocol):
 
     def __call__(self, speculative_config: "SpeculativeConfig", engine_config: "EngineConfig", runner: Any,
                  plugin_manager: "PluginManager") -> Proposer: ...
+
+
+class ExecutorFactory(Protocol):
+    def __call__(self, engine_config: "EngineConfig", plugin_manager: "PluginManager") -> Executor: ...
 
 
 class CLICommand(Protocol):

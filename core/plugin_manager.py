@@ -34,6 +34,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_samplers": "sampler",
     "pagoda_quant_methods": "quantization method",
     "pagoda_proposers": "speculative proposer",
+    "pagoda_executors": "executor",
     "pagoda_cli_commands": "CLI command",
 }
 

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from pagoda import distributed
 from pagoda.errors import CheckpointError
 from pagoda.layers import onednn
 from pagoda.layers.fused_ops import linear
@@ -53,10 +54,18 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         quant_method=None,
         prefix: str = "",
+        tp_rows: Optional[Sequence[tuple[int, int]]] = None,
+        tp_cols: Optional[tuple[int, int]] = None,
     ) -> None:
+        """``tp_rows`` (column parallelism): per output shard, the ``(start, size)`` rows this rank holds;
+        ``tp_cols`` (row parallelism): the ``(start, size)`` input columns it holds, its partial outputs
+        summed over the ranks (see :mod:`pagoda.distributed`)."""
         super().__init__()
-        self.in_features = in_features
-        self.output_sizes = list(output_sizes)
+        self.tp_rows = list(tp_rows) if tp_rows is not None else None
+        self.tp_cols = tp_cols
+        self.tp = distributed.current() if tp_cols is not None else None
+        self.in_features = tp_cols[1] if tp_cols is not None else in_features
+        self.output_sizes = [size for _, size in self.tp_rows] if self.tp_rows is not None else list(output_sizes)
         self.out_features = sum(self.output_sizes)
         self.prefix = prefix
         self.packed = False  # weight in oneDNN's layout: forward calls it directly (see UnquantizedLinearMethod)
@@ -74,7 +83,12 @@ class Linear(nn.Module):
         return start, self.output_sizes[shard_id]
 
     def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
-        """Copy a checkpoint tensor into ``param`` (dim 0 holds the stacked output shards)."""
+        """Copy a checkpoint tensor into ``param`` (dim 0 holds the stacked output shards); under tensor
+        parallelism, only this rank's rows or columns of it."""
+        if self.tp_rows is not None:
+            loaded = loaded.narrow(0, *self.tp_rows[shard_id or 0])
+        if self.tp_cols is not None and loaded.dim() == 2:
+            loaded = loaded.narrow(1, *self.tp_cols)
         if shard_id is None:
             target = param.data
         else:
@@ -92,6 +106,10 @@ class Linear(nn.Module):
         self.quant_method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # row parallel: partial sums over this rank's columns, the bias added once
+            y = onednn.packed_linear(x, self.weight, None) if self.packed else self.quant_method.apply(self, x, None)
+            self.tp.all_reduce(y)
+            return y if self.bias is None else y + self.bias
         if self.packed:  # the hot path of a bf16 model on a CPU, 121 calls a decode step here: no detours
             return onednn.packed_linear(x, self.weight, self.bias)
         return self.quant_method.apply(self, x, self.bias)

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from pagoda import distributed
 from pagoda.config import ModelConfig
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.layers import onednn
@@ -40,16 +41,24 @@ class DecoderLayer(nn.Module):
         eps = float(text_cfg.get("rms_norm_eps", 1e-6))
         prefix = f"model.layers.{idx}"
         q = lambda name: quant.for_layer(f"{prefix}.{name}") if quant is not None else None  # noqa: E731
-        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, d
+        # tensor parallelism: this rank's heads and MLP columns (all of them in a process of its own)
+        tp = distributed.current()
+        heads = distributed.head_shard(h, hkv, tp)
+        sharded = tp.size > 1
+        qkv_rows = [(heads.q_start * d, heads.num_heads * d)] + [(heads.kv_start * d, heads.num_kv_heads * d)] * 2
+        mlp_part = distributed.split(inter, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
         self.qkv_proj = Linear(cfg.hidden_size, [h * d, hkv * d, hkv * d], qkv_bias, dtype, q("self_attn.qkv_proj"),
-                               f"{prefix}.self_attn.qkv_proj")
-        self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj")
+                               f"{prefix}.self_attn.qkv_proj", tp_rows=qkv_rows if sharded else None)
+        self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj",
+                             tp_cols=qkv_rows[0] if sharded else None)
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], mlp_bias, dtype, q("mlp.gate_up_proj"),
-                                   f"{prefix}.mlp.gate_up_proj")
-        self.down_proj = Linear(inter, [cfg.hidden_size], mlp_bias, dtype, q("mlp.down_proj"), f"{prefix}.mlp.down_proj")
+                                   f"{prefix}.mlp.gate_up_proj", tp_rows=[mlp_part] * 2 if sharded else None)
+        self.down_proj = Linear(inter, [cfg.hidden_size], mlp_bias, dtype, q("mlp.down_proj"), f"{prefix}.mlp.down_proj",
+                                tp_cols=mlp_part if sharded else None)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.attn = Attention(backend, idx, h, hkv, d, d ** -0.5)
+        self.attn = Attention(backend, idx, heads.num_heads, heads.num_kv_heads, d, d ** -0.5)
 
     def forward(self, x, residual, rope: StepRotary, kv_cache, metadata):
         if residual is None:
@@ -84,15 +93,22 @@ class LlamaForCausalLM(nn.Module):
                 f"pass --max-model-len {window} (or less) so the window never slides"
             )
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        # vocab parallelism: this rank's rows of the embedding and the LM head (all of them alone)
+        self.tp = tp = distributed.current()
+        self.vocab_parts = [distributed.split(cfg.vocab_size, tp.size, r)[1] for r in range(tp.size)]
+        self.vocab_start, vocab_rows = distributed.split(cfg.vocab_size, tp.size, tp.rank)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, dtype=cfg.dtype)
         self.embed_tokens.weight.requires_grad_(False)
+        if tp.size > 1:
+            self.embed_tokens.weight.weight_loader = self._load_vocab_rows
         self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype)
         self.tie_word_embeddings = bool(text_cfg.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head")
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head",
+                                  tp_rows=[(self.vocab_start, vocab_rows)] if tp.size > 1 else None)
         rope = text_cfg.get("rope_parameters") or {}
         theta = float(text_cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         scaling = text_cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -104,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
 
         Runs one decoder layer per entry of ``kv_caches`` (all of them normally; the first N for a
         self-speculation draft)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp.size == 1 else self._embed_parallel(input_ids)
         rope = self.rotary.at(positions)  # once per step, not per layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -117,9 +133,26 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             head = self._tied_head()
             if head is not None:
-                return onednn.packed_linear(hidden, head).float()
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+                logits = onednn.packed_linear(hidden, head).float()
+            else:
+                logits = linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return self.tp.all_gather_last(logits, self.vocab_parts)
+
+    def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the ids in its rows (zeros for the others); the sum over ranks is the embedding."""
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine[:, None].to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
+
+    def _load_vocab_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: Optional[int], name: str) -> None:
+        rows = loaded.narrow(0, self.vocab_start, param.shape[0])
+        if tuple(rows.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(loaded.shape)}; the model expects "
+                                  f"{self.cfg.vocab_size} rows of {param.shape[1]}")
+        param.data.copy_(rows.to(param.dtype))
 
     def _tied_head(self) -> Optional[torch.Tensor]:
         """The embedding packed for the LM head (see ``layers.onednn``), made on first use and again

@@ -1,0 +1,209 @@
+"""Executors: the processes a model runs in. The driver alone schedules; an executor runs each step on
+every rank and returns rank 0's result.
+
+- ``uni``: one process, the model whole (``tensor_parallel_size`` 1).
+- ``mp``: ``tensor_parallel_size`` processes on this machine. The driver is rank 0 and runs its shard
+  in-process; ranks 1.. are spawned workers, each building its shard of the same model. Every step the
+  driver sends the workers what they need to run it too (the step's layout and, for each sequence, the
+  tokens they have not seen yet), then all ranks run it in lockstep: the collectives inside the model
+  (one all-reduce per row-parallel projection, the vocab all-gather) join them. Every rank samples the
+  same tokens from the same logits and seeds; the workers' results are dropped.
+
+Workers build their components from their own plugin manager, loaded from the installed entry points
+(a plugin registered by hand in the driver process does not reach them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import traceback
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError, PagodaError
+from pagoda.markers import hookimpl
+from pagoda.sequence import Sequence
+from pagoda.step import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagoda")
+
+# seconds a rank waits in a collective for the others before giving up (a worker that died)
+COLLECTIVE_TIMEOUT_SECONDS = 300.0
+
+
+class UniExecutor:
+    """The model whole, in this process."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
+        from pagoda.components import build_runner
+
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError(f"the uni executor runs one process; tensor_parallel_size="
+                              f"{config.parallel.tensor_parallel_size} needs distributed_executor_backend='mp'")
+        self.runner = build_runner(config, plugin_manager)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        self.runner.move_blocks(sched)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class StepMessage:
+    """A step as the workers need it: the layout, and per sequence what they do not know yet."""
+
+    def __init__(self, sched: SchedulerOutput, sequences: list[tuple], finished: list[str] = ()) -> None:
+        self.sequences = sequences  # (request id, new tokens, (prompt length, params, eos, seed) or None)
+        self.finished = list(finished)  # request ids the workers may forget
+        self.layout = dataclasses.replace(sched, requests=[], preempted=[])
+
+
+class MultiprocExecutor:
+    """``tensor_parallel_size`` ranks on this machine: rank 0 here, the others in spawned processes."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
+        from pagoda import distributed
+        from pagoda.components import build_runner
+
+        size = config.parallel.tensor_parallel_size
+        if size > 1 and config.speculative is not None:
+            raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
+        if size > 1 and config.model.quantization:
+            raise ConfigError(f"{config.model.quantization} weights are not sharded for tensor parallelism yet; use "
+                              "a dense checkpoint or tensor_parallel_size=1")
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.pipes, self.workers = [], []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            worker = context.Process(target=_worker_main, args=(config, rank, size, address, theirs), daemon=True,
+                                     name=f"pagoda-tp-rank{rank}")
+            worker.start()
+            self.pipes.append(ours)
+            self.workers.append(worker)
+        try:
+            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS)
+            self.runner = build_runner(config, plugin_manager)
+            for pipe in self.pipes:  # each worker says it built its shard, or why it could not
+                status = pipe.recv()
+                if status != "ready":
+                    raise PagodaError(f"a tensor-parallel worker failed to start:\n{status}")
+        except BaseException:
+            self.shutdown()
+            raise
+        # request id -> (the sequence, how many of its tokens the workers hold)
+        self.sent: dict[str, tuple[Sequence, int]] = {}
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._send("execute", self._message(sched))
+        return self.runner.execute(sched)
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        self._send("move_blocks", StepMessage(sched, []))
+        self.runner.move_blocks(sched)
+
+    def shutdown(self) -> None:
+        from pagoda import distributed
+
+        for pipe in self.pipes:
+            try:
+                pipe.send(("shutdown", None))
+            except (OSError, BrokenPipeError):
+                pass
+        for worker in self.workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+        self.pipes, self.workers = [], []
+        distributed.shutdown()
+
+    def _send(self, kind: str, message: StepMessage) -> None:
+        for pipe in self.pipes:
+            pipe.send((kind, message))
+
+    def _message(self, sched: SchedulerOutput) -> StepMessage:
+        finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
+        for rid in finished:
+            del self.sent[rid]
+        sequences = []
+        for seq in sched.requests:
+            known = self.sent.get(seq.request_id)
+            if known is None:
+                header = (seq.num_prompt_tokens, seq.sampling_params, seq.eos_token_id, seq.seed)
+                sequences.append((seq.request_id, list(seq.all_token_ids), header))
+            else:
+                sequences.append((seq.request_id, seq.all_token_ids[known[1]:], None))
+            self.sent[seq.request_id] = (seq, seq.num_tokens)
+        return StepMessage(sched, sequences, finished)
+
+
+def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe: Any) -> None:
+    """A worker rank: build this rank's shard, then run every step the driver sends until told to stop."""
+    import torch
+
+    from pagoda import distributed
+    from pagoda.components import build_runner
+    from pagoda.plugin_manager import PluginManager
+
+    try:
+        torch.set_num_threads(_threads_per_rank(config, size))
+        distributed.init(rank, size, address, COLLECTIVE_TIMEOUT_SECONDS)
+        runner = build_runner(config, PluginManager().load())
+    except BaseException:
+        pipe.send(traceback.format_exc())
+        return
+    pipe.send("ready")
+    mirror: dict[str, Sequence] = {}
+    while True:
+        kind, message = pipe.recv()
+        if kind == "shutdown":
+            break
+        if kind == "move_blocks":
+            runner.move_blocks(message.layout)
+            continue
+        for rid in message.finished:
+            mirror.pop(rid, None)
+        sched = message.layout
+        for rid, tokens, header in message.sequences:
+            if header is not None:
+                num_prompt, params, eos, seed = header
+                seq = mirror[rid] = Sequence(rid, tokens[:num_prompt], params, eos, seed=seed)
+                seq.all_token_ids = list(tokens[:num_prompt])
+                tokens = tokens[num_prompt:]
+            seq = mirror[rid]
+            seq.all_token_ids.extend(tokens)
+            seq.output_token_ids.extend(tokens)
+            sched.requests.append(seq)
+        runner.execute(sched)
+    distributed.shutdown()
+
+
+def _threads_per_rank(config: EngineConfig, size: int) -> int:
+    """``cpu_threads`` per rank when given, else this machine's cores shared out."""
+    return config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def select_executor(config: EngineConfig) -> str:
+    """``auto``: ``uni`` for one rank, ``mp`` for more."""
+    name = config.parallel.distributed_executor_backend
+    if name == "auto":
+        return "uni" if config.parallel.tensor_parallel_size == 1 else "mp"
+    return name
+
+
+@hookimpl
+def pagoda_executors():
+    return {"uni": UniExecutor, "mp": MultiprocExecutor}
