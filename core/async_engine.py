@@ -202,6 +202,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self.engine.shutdown()
 
     # ---- requests ----------------------------------------------------------------
 

@@ -275,6 +275,22 @@ class EngineArgs(BaseModel):
         """The host settings these options give, with environment variables for the ones not given."""
         return resolve_host_config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HostConfig)})
 
+    def _check_tensor_parallel(self, model_cfg: "ModelConfig", spec_cfg: Optional[SpeculativeConfig]) -> None:
+        """What tensor parallelism cannot run, refused before any process starts."""
+        from pagoda import distributed
+
+        size = self.tensor_parallel_size
+        for rank in range(size):  # raises for a head count the ranks cannot share
+            distributed.head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, distributed.TensorParallel(rank, size))
+        if self.distributed_executor_backend == "uni":
+            raise ConfigError(f"the uni executor runs one process; tensor_parallel_size={size} needs "
+                              "distributed_executor_backend='mp' (or auto)")
+        if spec_cfg is not None:
+            raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
+        if model_cfg.quantization:
+            raise ConfigError(f"{model_cfg.quantization} weights are not sharded for tensor parallelism yet; use a "
+                              "dense checkpoint or tensor_parallel_size=1")
+
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
 
@@ -377,6 +393,8 @@ class EngineArgs(BaseModel):
                     f"speculative_config num_speculative_tokens={spec_cfg.num_speculative_tokens!r}; pass an "
                     "integer of at least 1 (or leave speculative_config out to decode one token per step)"
                 )
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(model_cfg, spec_cfg)
         sched_cfg = SchedulerConfig(
             policy=self.scheduling_policy,
             max_num_seqs=self.max_num_seqs,

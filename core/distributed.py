@@ -55,6 +55,9 @@ def init(rank: int, size: int, address: str, timeout_seconds: float = 600.0) -> 
     """Join the ``size`` processes at ``address`` (``tcp://host:port``) as ``rank``: gloo on CPUs (NCCL on
     GPUs), and make this the place models are built for."""
     global _current
+    if torch.distributed.is_initialized():
+        raise ConfigError("this process already runs a tensor-parallel engine; shut it down first "
+                          "(engine.shutdown()) or start the next one in another process")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, init_method=address, rank=rank, world_size=size,
                                          timeout=datetime.timedelta(seconds=timeout_seconds))

@@ -56,6 +56,10 @@ class LLMEngine:
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the executor's other processes (tensor parallelism); the engine runs nothing after it."""
+        self.executor.shutdown()
+
     @property
     def num_threads(self) -> int:
         """Threads compute runs on now (a measured count can change while the engine runs)."""

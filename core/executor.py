@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import socket
 import traceback
+import weakref
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -73,11 +74,6 @@ class MultiprocExecutor:
         from pagoda.components import build_runner
 
         size = config.parallel.tensor_parallel_size
-        if size > 1 and config.speculative is not None:
-            raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
-        if size > 1 and config.model.quantization:
-            raise ConfigError(f"{config.model.quantization} weights are not sharded for tensor parallelism yet; use "
-                              "a dense checkpoint or tensor_parallel_size=1")
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.pipes, self.workers = [], []
@@ -100,6 +96,8 @@ class MultiprocExecutor:
             raise
         # request id -> (the sequence, how many of its tokens the workers hold)
         self.sent: dict[str, tuple[Sequence, int]] = {}
+        # an engine dropped without shutdown() still stops its workers and leaves its process group
+        self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._send("execute", self._message(sched))
@@ -110,19 +108,11 @@ class MultiprocExecutor:
         self.runner.move_blocks(sched)
 
     def shutdown(self) -> None:
-        from pagoda import distributed
-
-        for pipe in self.pipes:
-            try:
-                pipe.send(("shutdown", None))
-            except (OSError, BrokenPipeError):
-                pass
-        for worker in self.workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.kill()
-        self.pipes, self.workers = [], []
-        distributed.shutdown()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:  # failed while starting
+            _stop(self.pipes, self.workers)
 
     def _send(self, kind: str, message: StepMessage) -> None:
         for pipe in self.pipes:
@@ -144,6 +134,24 @@ class MultiprocExecutor:
         return StepMessage(sched, sequences, finished)
 
 
+def _stop(pipes: list, workers: list) -> None:
+    """Tell the workers to stop, wait for them (killing one that hangs), and leave the process group."""
+    from pagoda import distributed
+
+    for pipe in pipes:
+        try:
+            pipe.send(("shutdown", None))
+        except (OSError, BrokenPipeError):
+            pass
+    for worker in workers:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+    pipes.clear()
+    workers.clear()
+    distributed.shutdown()
+
+
 def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe: Any) -> None:
     """A worker rank: build this rank's shard, then run every step the driver sends until told to stop."""
     import torch
@@ -162,7 +170,10 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
     pipe.send("ready")
     mirror: dict[str, Sequence] = {}
     while True:
-        kind, message = pipe.recv()
+        try:
+            kind, message = pipe.recv()
+        except EOFError:  # the driver is gone
+            break
         if kind == "shutdown":
             break
         if kind == "move_blocks":

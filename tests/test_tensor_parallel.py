@@ -1,0 +1,115 @@
+"""Tensor parallelism with the mp executor: 2 ranks over gloo on 127.0.0.1 give the tokens of 1 rank.
+
+The default model's 9 query heads and 3 KV heads split 3/6 and 1/2 over 2 ranks; the tiny model's single KV
+head is held by both ranks, its 3 query heads split 1/2, its MLP and vocabulary unevenly, and its LM head is
+not tied to the embedding. Each rank runs one thread.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagoda import LLM, SamplingParams
+from pagoda.default_model import ensure_default_model
+from pagoda.errors import ConfigError
+from pagoda.plugin_manager import PluginManager
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
+           " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 10)), "Hello"]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1),
+          SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=1)]
+
+
+def run(tp: int, model: str, preempts: bool = False, **options) -> list:
+    llm = LLM(model=model, dtype="float32", max_model_len=512, cpu_threads=1, tensor_parallel_size=tp, **options)
+    try:
+        outputs = llm.generate(PROMPTS * 2, PARAMS * 4, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0 or not preempts
+        return outputs
+    finally:
+        llm.engine.shutdown()
+
+
+def assert_same_tokens(one: list, two: list) -> float:
+    """Identical tokens; returns the largest difference of the sampled tokens' logprobs."""
+    worst = 0.0
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        for token, la, lb in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            worst = max(worst, abs(la[token].logprob - lb[token].logprob))
+    return worst
+
+
+# a pool this small preempts; the same block count on both sides keeps the schedules alike
+SMALL_POOL = dict(num_gpu_blocks_override=24, max_num_batched_tokens=48, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_two_ranks_give_the_default_model_s_tokens(preemption_mode):
+    model = str(ensure_default_model())
+    options = dict(SMALL_POOL, preemption_mode=preemption_mode, swap_space=0.05, preempts=True)
+    worst = assert_same_tokens(run(1, model, **options), run(2, model, **options))
+    print(f"default model, TP=2 vs TP=1, {preemption_mode}: largest logprob difference {worst:.2e}")
+    assert worst < 1e-3
+
+
+@pytest.fixture(scope="module")
+def uneven_model(tmp_path_factory):
+    """3 query heads sharing 1 KV head, MLP 99 wide, an odd vocabulary, untied LM head: random weights."""
+    directory = tmp_path_factory.mktemp("uneven")
+    default = ensure_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((default / name).read_bytes())
+    hidden, heads, head_dim, inter, vocab, layers = 96, 3, 32, 99, 49153, 2
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": 1, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    (directory / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+               "model.norm.weight": torch.ones(hidden), "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({p + "input_layernorm.weight": torch.ones(hidden),
+                        p + "post_attention_layernorm.weight": torch.ones(hidden),
+                        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                        p + "self_attn.k_proj.weight": w(head_dim, hidden),
+                        p + "self_attn.v_proj.weight": w(head_dim, hidden),
+                        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                        p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+                        p + "mlp.down_proj.weight": w(hidden, inter)})
+    save_file(tensors, str(directory / "model.safetensors"))
+    return str(directory)
+
+
+def test_two_ranks_give_the_tokens_of_one_when_heads_divide_unevenly(uneven_model):
+    worst = assert_same_tokens(run(1, uneven_model), run(2, uneven_model))
+    print(f"uneven tiny model, TP=2 vs TP=1: largest logprob difference {worst:.2e}")
+    assert worst < 1e-3
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(tensor_parallel_size=4), "more than the model's 3 KV heads and not a multiple"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative decoding does not run with tensor_parallel_size > 1"),
+    (dict(distributed_executor_backend="raft"), r"unknown executor 'raft'.*'mp'.*'uni'"),
+])
+def test_what_tensor_parallelism_cannot_run_is_refused_before_any_process_starts(options, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(dtype="float32", max_model_len=256, **options)
+
+
+def test_the_executors_are_plugins():
+    pm = PluginManager().load()
+    assert {"uni", "mp"} <= set(pm.names("pagoda_executors"))
+    assert pm.get("pagoda_executors", "mp", "test").dist == "pagoda (built-in)"
