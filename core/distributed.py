@@ -10,6 +10,8 @@ its query heads.
 from __future__ import annotations
 
 import datetime
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,21 +28,36 @@ class TensorParallel:
     size: int = 1
     group: Optional[object] = None
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, where: str = "linear") -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
         if self.size > 1:
+            start = time.perf_counter()
             torch.distributed.all_reduce(x, group=self.group)
+            _record(where, start)
         return x
 
-    def all_gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def all_gather_last(self, x: torch.Tensor, sizes: list[int], where: str = "logits") -> torch.Tensor:
         """Concatenate every rank's ``x [..., sizes[rank]]`` along the last axis (uneven sizes allowed)."""
         if self.size == 1:
             return x
+        start = time.perf_counter()
         width = max(sizes)
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         torch.distributed.all_gather(parts, padded, group=self.group)
-        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+        gathered = torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+        _record(where, start)
+        return gathered
+
+
+# calls and seconds of the collectives this process ran, by where in the model (``--profile`` reads them)
+collective_stats: dict[str, list] = defaultdict(lambda: [0, 0.0])
+
+
+def _record(where: str, start: float) -> None:
+    entry = collective_stats[where]
+    entry[0] += 1
+    entry[1] += time.perf_counter() - start
 
 
 _current = TensorParallel()

@@ -3,6 +3,8 @@ resolved once, when the engine's config is built."""
 
 import dataclasses
 
+import os
+
 import pytest
 
 from pagoda.config import EngineArgs
@@ -98,6 +100,10 @@ def test_the_wait_policies_an_option_accepts_are_those_openmp_knows():
     assert HOST_CHOICES["omp_wait_policy"] == WAIT_POLICIES
 
 
-def test_tensor_parallel_size_other_than_one_is_refused_not_ignored():
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2.*leave --tensor-parallel-size at 1"):
-        EngineArgs(tensor_parallel_size=2).create_engine_config()
+def test_tensor_parallel_ranks_share_the_cores_unless_told():
+    cfg = EngineArgs(tensor_parallel_size=2).create_engine_config()
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.parallel.distributed_executor_backend == "auto"
+    assert cfg.parallel.cpu_threads == max(1, (os.cpu_count() or 1) // 2)
+    assert EngineArgs(tensor_parallel_size=2, cpu_threads=3).create_engine_config().parallel.cpu_threads == 3
+
+

@@ -45,7 +45,7 @@ def assert_same_tokens(one: list, two: list) -> float:
 
 
 # a pool this small preempts; the same block count on both sides keeps the schedules alike
-SMALL_POOL = dict(num_gpu_blocks_override=24, max_num_batched_tokens=48, max_num_seqs=8)
+SMALL_POOL = dict(num_gpu_blocks_override=12, max_num_batched_tokens=48, max_num_seqs=8)
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])

@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
         x = self.embed_tokens(torch.where(mine, local, 0)) * mine[:, None].to(self.embed_tokens.weight.dtype)
-        return self.tp.all_reduce(x)
+        return self.tp.all_reduce(x, "embedding")
 
     def _load_vocab_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: Optional[int], name: str) -> None:
         rows = loaded.narrow(0, self.vocab_start, param.shape[0])

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import torch
 
+from pagoda import distributed
 from pagoda.layers.attention import Attention
 from pagoda.layers.linear import Linear
 from pagoda.plugins.entrypoints.workloads import BenchRequest
@@ -79,6 +80,7 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
     modules = _ModuleTimer(engine.model, {Linear: "matmul", Attention: "attention"})
     phases = _PhaseTotals()
     engine.observers.append(phases)
+    before = {k: list(v) for k, v in distributed.collective_stats.items()}
     try:
         for _ in range(num_steps):
             engine.step()
@@ -89,11 +91,18 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
         engine.step()
     s, m = phases.seconds, modules.seconds
     total = s["step"]
+    # rank 0's collectives (tensor parallelism): inside the linear layers, the LM head and the embedding
+    spent = {k: (v[0] - before.get(k, [0, 0.0])[0], v[1] - before.get(k, [0, 0.0])[1])
+             for k, v in distributed.collective_stats.items()}
+    collectives = sum(sec for _, sec in spent.values())
+    calls = sum(n for n, _ in spent.values())
+    in_matmuls = sum(sec for k, (_, sec) in spent.items() if k != "embedding")
     rows = {
-        "matmuls (linear layers + LM head)": m["matmul"] + s["runner logits"],
+        "matmuls (linear layers + LM head)": m["matmul"] + s["runner logits"] - in_matmuls,
+        f"collectives ({calls // num_steps} per step)": collectives,
         "attention (K/V write + kernel)": m["attention"],
         "other model ops + input building": s["execute"] - m["matmul"] - m["attention"] - s["runner metadata"]
-        - s["runner logits"] - s["runner sampling"] - s["runner draft"],
+        - s["runner logits"] - s["runner sampling"] - s["runner draft"] - (collectives - in_matmuls),
         "attention metadata": s["runner metadata"],
         "drafting (speculative decoding)": s["runner draft"],
         "sampling": s["runner sampling"],
@@ -101,6 +110,8 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
         "update (commit, stops, detokenization)": s["update"],
         "outputs": s["emit"],
     }
+    if not calls:  # one rank
+        del rows[f"collectives ({calls // num_steps} per step)"]
     rows["unaccounted (engine Python)"] = total - sum(rows.values())
     print(f"profile: {num_steps} decode steps at batch {batch}, {total / num_steps * 1e3:.1f} ms per step "
           f"({torch.get_num_threads()} threads)")
