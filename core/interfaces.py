@@ -319,6 +319,9 @@ class ModelLoaderFactory(Protocol):
 
 
 class ModelArchitectureFactory(Protocol):
+    """The model class. With ``supports_tensor_parallel = True`` it builds the rank's shard that
+    ``pagoda.distributed.current()`` describes; without it the engine refuses more than one rank."""
+
     def __call__(self, model_config: "ModelConfig", attention_backend: AttentionBackend,
                  quant_method: Optional[QuantMethod]) -> CausalLM: ...
 

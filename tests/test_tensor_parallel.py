@@ -7,15 +7,19 @@ not tied to the embedding. Each rank runs one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, hookimpl
+from pagoda.components import build_components
+from pagoda.config import EngineArgs
 from pagoda.default_model import ensure_default_model
 from pagoda.errors import ConfigError
+from pagoda.models.llama import LlamaForCausalLM
 from pagoda.plugin_manager import PluginManager
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
@@ -113,3 +117,20 @@ def test_the_executors_are_plugins():
     pm = PluginManager().load()
     assert {"uni", "mp"} <= set(pm.names("pagoda_executors"))
     assert pm.get("pagoda_executors", "mp", "test").dist == "pagoda (built-in)"
+
+
+def test_an_architecture_that_does_not_shard_itself_is_refused():
+    class Unsharded(LlamaForCausalLM):
+        supports_tensor_parallel = False
+
+    class Plugin:
+        @hookimpl
+        def pagoda_model_architectures(self):
+            return {"UnshardedLlama": Unsharded}
+
+    pm = PluginManager().load()
+    pm.register(Plugin(), name="unsharded")
+    config = EngineArgs(model=str(ensure_default_model()), tensor_parallel_size=2).create_engine_config()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, architecture="UnshardedLlama"))
+    with pytest.raises(ConfigError, match="UnshardedLlama architecture .* does not shard itself"):
+        build_components(config, pm)

@@ -81,6 +81,8 @@ class LlamaForCausalLM(nn.Module):
     # given the caches of its first N layers only, forward runs those N layers, then the final norm:
     # a self-speculation draft ("self:layers=N") is the target itself
     runs_first_layers_of_caches = True
+    # builds this rank's shard under tensor parallelism (pagoda.distributed.current())
+    supports_tensor_parallel = True
 
     def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
         super().__init__()
