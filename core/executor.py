@@ -2,6 +2,7 @@
 every rank and returns rank 0's result.
 
 - ``uni``: one process, the model whole (``tensor_parallel_size`` 1).
+- ``ray``: the same ranks as Ray actors (see :class:`RayExecutor`).
 - ``mp``: ``tensor_parallel_size`` processes on this machine. The driver is rank 0 and runs its shard
   in-process; ranks 1.. are spawned workers, each building its shard of the same model. Every step the
   driver sends the workers what they need to run it too (the step's layout and, for each sequence, the
@@ -66,13 +67,39 @@ class StepMessage:
         self.layout = dataclasses.replace(sched, requests=[], preempted=[])
 
 
-class MultiprocExecutor:
+class _Driver:
+    """Rank 0 in the driver process: sends each step to the other ranks, then runs it itself."""
+
+    runner: Any
+
+    def __init__(self) -> None:
+        # request id -> (the sequence, how many of its tokens the other ranks hold)
+        self.sent: dict[str, tuple[Sequence, int]] = {}
+
+    def _message(self, sched: SchedulerOutput) -> StepMessage:
+        finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
+        for rid in finished:
+            del self.sent[rid]
+        sequences = []
+        for seq in sched.requests:
+            known = self.sent.get(seq.request_id)
+            if known is None:
+                header = (seq.num_prompt_tokens, seq.sampling_params, seq.eos_token_id, seq.seed)
+                sequences.append((seq.request_id, list(seq.all_token_ids), header))
+            else:
+                sequences.append((seq.request_id, seq.all_token_ids[known[1]:], None))
+            self.sent[seq.request_id] = (seq, seq.num_tokens)
+        return StepMessage(sched, sequences, finished)
+
+
+class MultiprocExecutor(_Driver):
     """``tensor_parallel_size`` ranks on this machine: rank 0 here, the others in spawned processes."""
 
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
         from pagoda import distributed
         from pagoda.components import build_runner
 
+        super().__init__()
         size = config.parallel.tensor_parallel_size
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
@@ -92,10 +119,8 @@ class MultiprocExecutor:
                 if status != "ready":
                     raise PagodaError(f"a tensor-parallel worker failed to start:\n{status}")
         except BaseException:
-            self.shutdown()
+            _stop(self.pipes, self.workers)
             raise
-        # request id -> (the sequence, how many of its tokens the workers hold)
-        self.sent: dict[str, tuple[Sequence, int]] = {}
         # an engine dropped without shutdown() still stops its workers and leaves its process group
         self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers)
 
@@ -108,30 +133,93 @@ class MultiprocExecutor:
         self.runner.move_blocks(sched)
 
     def shutdown(self) -> None:
-        finalizer = getattr(self, "_finalizer", None)
-        if finalizer is not None:
-            finalizer()
-        else:  # failed while starting
-            _stop(self.pipes, self.workers)
+        self._finalizer()
 
     def _send(self, kind: str, message: StepMessage) -> None:
         for pipe in self.pipes:
             pipe.send((kind, message))
 
-    def _message(self, sched: SchedulerOutput) -> StepMessage:
-        finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
-        for rid in finished:
-            del self.sent[rid]
-        sequences = []
-        for seq in sched.requests:
-            known = self.sent.get(seq.request_id)
-            if known is None:
-                header = (seq.num_prompt_tokens, seq.sampling_params, seq.eos_token_id, seq.seed)
-                sequences.append((seq.request_id, list(seq.all_token_ids), header))
-            else:
-                sequences.append((seq.request_id, seq.all_token_ids[known[1]:], None))
-            self.sent[seq.request_id] = (seq, seq.num_tokens)
-        return StepMessage(sched, sequences, finished)
+
+class RayExecutor(_Driver):
+    """Ranks 1.. as Ray actors in a placement group (one bundle per rank), rank 0 in the driver process.
+
+    Joins the Ray cluster at ``RAY_ADDRESS`` if set, else the one this process already started with
+    ``ray.init``, else starts a local one. The ranks meet over torch.distributed at the driver's address
+    as Ray reports it, so the actors may run on other machines of the cluster."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("distributed_executor_backend='ray' needs Ray: pip install 'pagoda[ray]'") from None
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pagoda import distributed
+        from pagoda.components import build_runner
+
+        super().__init__()
+        size = config.parallel.tensor_parallel_size
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        threads = _threads_per_rank(config, size)
+        self.group = placement_group([{"CPU": threads}] * max(1, size - 1), strategy="PACK")
+        self.actors: list = []
+        try:
+            ray.get(self.group.ready(), timeout=120)
+            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            actor = ray.remote(num_cpus=threads)(RayWorker)
+            self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i))
+                           .remote(config, rank, size, address) for i, rank in enumerate(range(1, size))]
+            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS)
+            self.runner = build_runner(config, plugin_manager)
+            ray.get([a.ready.remote() for a in self.actors])  # a rank that failed to build raises here
+        except BaseException:
+            self._release(ray, remove_placement_group)
+            raise
+        self._ray, self._remove_group = ray, remove_placement_group
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        message = self._message(sched)  # once: it records what the ranks now hold
+        pending = [a.execute.remote(message) for a in self.actors]
+        result = self.runner.execute(sched)
+        self._ray.get(pending)  # a rank's failure surfaces with this step
+        return result
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        pending = [a.move_blocks.remote(StepMessage(sched, [])) for a in self.actors]
+        self.runner.move_blocks(sched)
+        self._ray.get(pending)
+
+    def shutdown(self) -> None:
+        if getattr(self, "_ray", None) is not None:
+            self._release(self._ray, self._remove_group)
+            self._ray = None
+
+    def _release(self, ray: Any, remove_placement_group: Any) -> None:
+        from pagoda import distributed
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        remove_placement_group(self.group)
+        distributed.shutdown()
+
+
+class RayWorker:
+    """A worker rank as a Ray actor."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int, address: str) -> None:
+        self.rank = WorkerRank(config, rank, size, address)
+
+    def ready(self) -> bool:
+        return True
+
+    def execute(self, message: StepMessage) -> None:
+        self.rank.execute(message)
+
+    def move_blocks(self, message: StepMessage) -> None:
+        self.rank.move_blocks(message)
 
 
 def _stop(pipes: list, workers: list) -> None:
@@ -152,23 +240,51 @@ def _stop(pipes: list, workers: list) -> None:
     distributed.shutdown()
 
 
-def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe: Any) -> None:
-    """A worker rank: build this rank's shard, then run every step the driver sends until told to stop."""
-    import torch
+class WorkerRank:
+    """One worker rank: its shard of the model, and a mirror of the sequences the driver has sent it."""
 
-    from pagoda import distributed
-    from pagoda.components import build_runner
-    from pagoda.plugin_manager import PluginManager
+    def __init__(self, config: EngineConfig, rank: int, size: int, address: str) -> None:
+        import torch
 
-    try:
+        from pagoda import distributed
+        from pagoda.components import build_runner
+        from pagoda.plugin_manager import PluginManager
+
         torch.set_num_threads(_threads_per_rank(config, size))
         distributed.init(rank, size, address, COLLECTIVE_TIMEOUT_SECONDS)
-        runner = build_runner(config, PluginManager().load())
+        self.runner = build_runner(config, PluginManager().load())
+        self.mirror: dict[str, Sequence] = {}
+
+    def execute(self, message: StepMessage) -> None:
+        for rid in message.finished:
+            self.mirror.pop(rid, None)
+        sched = message.layout
+        for rid, tokens, header in message.sequences:
+            if header is not None:
+                num_prompt, params, eos, seed = header
+                seq = self.mirror[rid] = Sequence(rid, tokens[:num_prompt], params, eos, seed=seed)
+                seq.all_token_ids = list(tokens[:num_prompt])
+                tokens = tokens[num_prompt:]
+            seq = self.mirror[rid]
+            seq.all_token_ids.extend(tokens)
+            seq.output_token_ids.extend(tokens)
+            sched.requests.append(seq)
+        self.runner.execute(sched)
+
+    def move_blocks(self, message: StepMessage) -> None:
+        self.runner.move_blocks(message.layout)
+
+
+def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe: Any) -> None:
+    """An mp worker process: build the rank, then run every step the driver sends until told to stop."""
+    from pagoda import distributed
+
+    try:
+        worker = WorkerRank(config, rank, size, address)
     except BaseException:
         pipe.send(traceback.format_exc())
         return
     pipe.send("ready")
-    mirror: dict[str, Sequence] = {}
     while True:
         try:
             kind, message = pipe.recv()
@@ -176,23 +292,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
             break
         if kind == "shutdown":
             break
-        if kind == "move_blocks":
-            runner.move_blocks(message.layout)
-            continue
-        for rid in message.finished:
-            mirror.pop(rid, None)
-        sched = message.layout
-        for rid, tokens, header in message.sequences:
-            if header is not None:
-                num_prompt, params, eos, seed = header
-                seq = mirror[rid] = Sequence(rid, tokens[:num_prompt], params, eos, seed=seed)
-                seq.all_token_ids = list(tokens[:num_prompt])
-                tokens = tokens[num_prompt:]
-            seq = mirror[rid]
-            seq.all_token_ids.extend(tokens)
-            seq.output_token_ids.extend(tokens)
-            sched.requests.append(seq)
-        runner.execute(sched)
+        getattr(worker, kind)(message)
     distributed.shutdown()
 
 
@@ -217,4 +317,4 @@ def select_executor(config: EngineConfig) -> str:
 
 @hookimpl
 def pagoda_executors():
-    return {"uni": UniExecutor, "mp": MultiprocExecutor}
+    return {"uni": UniExecutor, "mp": MultiprocExecutor, "ray": RayExecutor}

@@ -62,6 +62,24 @@ def test_two_ranks_give_the_default_model_s_tokens(preemption_mode):
 
 
 @pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs, shared by the tests that need one."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_actors_as_ranks_give_the_default_model_s_tokens(ray_cluster):
+    model = str(ensure_default_model())
+    worst = assert_same_tokens(run(1, model), run(2, model, distributed_executor_backend="ray"))
+    print(f"default model, TP=2 on Ray actors vs TP=1: largest logprob difference {worst:.2e}")
+    assert worst < 1e-3
+    assert ray_cluster.util.placement_group_table() and all(
+        g["state"] == "REMOVED" for g in ray_cluster.util.placement_group_table().values())
+
+
+@pytest.fixture(scope="module")
 def uneven_model(tmp_path_factory):
     """3 query heads sharing 1 KV head, MLP 99 wide, an odd vocabulary, untied LM head: random weights."""
     directory = tmp_path_factory.mktemp("uneven")
@@ -106,7 +124,7 @@ def test_two_ranks_give_the_tokens_of_one_when_heads_divide_unevenly(uneven_mode
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding does not run with tensor_parallel_size > 1"),
-    (dict(distributed_executor_backend="raft"), r"unknown executor 'raft'.*'mp'.*'uni'"),
+    (dict(distributed_executor_backend="raft"), r"unknown executor 'raft'.*'mp'.*'ray'.*'uni'"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_any_process_starts(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -115,7 +133,7 @@ def test_what_tensor_parallelism_cannot_run_is_refused_before_any_process_starts
 
 def test_the_executors_are_plugins():
     pm = PluginManager().load()
-    assert {"uni", "mp"} <= set(pm.names("pagoda_executors"))
+    assert {"uni", "mp", "ray"} <= set(pm.names("pagoda_executors"))
     assert pm.get("pagoda_executors", "mp", "test").dist == "pagoda (built-in)"
 
 
