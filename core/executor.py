@@ -37,6 +37,10 @@ logger = logging.getLogger("pagoda")
 COLLECTIVE_TIMEOUT_SECONDS = 300.0
 
 
+class WorkerLostError(PagodaError):
+    """A rank of a tensor-parallel model is gone; no step can run until the engine is restarted."""
+
+
 class UniExecutor:
     """The model whole, in this process."""
 
@@ -136,8 +140,16 @@ class MultiprocExecutor(_Driver):
         self._finalizer()
 
     def _send(self, kind: str, message: StepMessage) -> None:
-        for pipe in self.pipes:
-            pipe.send((kind, message))
+        for rank, (pipe, worker) in enumerate(zip(self.pipes, self.workers), start=1):
+            try:
+                if not worker.is_alive():
+                    raise BrokenPipeError
+                pipe.send((kind, message))
+            except (BrokenPipeError, OSError):
+                worker.join(timeout=1)
+                raise WorkerLostError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code "
+                                      f"{worker.exitcode}; the model cannot run without it: restart the engine "
+                                      "(a signal -9 is usually the kernel's out-of-memory killer)") from None
 
 
 class RayExecutor(_Driver):

@@ -154,3 +154,21 @@ def test_an_architecture_that_does_not_shard_itself_is_refused():
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, architecture="UnshardedLlama"))
     with pytest.raises(ConfigError, match="UnshardedLlama architecture .* does not shard itself"):
         build_components(config, pm)
+
+
+def test_a_lost_rank_fails_the_step_at_once_saying_which_and_why():
+    import os
+    import signal
+
+    from pagoda.errors import StepFailedError
+
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    try:
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        worker = llm.engine.executor.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        with pytest.raises(StepFailedError, match=r"rank 1 \(process \d+\) exited with code -9"):
+            llm.generate("Hello there", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
