@@ -172,3 +172,28 @@ def test_a_lost_rank_fails_the_step_at_once_saying_which_and_why():
             llm.generate("Hello there", SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp_path):
+    import signal
+    from pathlib import Path
+
+    import openai
+
+    from test_server_cli import start_server
+
+    offline = LLM(dtype="float32", max_model_len=512, cpu_threads=1).generate(
+        "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    proc, url = start_server(tmp_path / "serve.log", "--tensor-parallel-size", "2")
+    try:
+        children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert children, "the server should have spawned its second rank"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
+                                           max_tokens=8, temperature=0.0)
+        assert answer.choices[0].text == offline
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
