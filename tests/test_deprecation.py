@@ -20,7 +20,7 @@ import pytest
 from packaging.version import Version
 
 import scheduling_sim
-from pagoda import LLM, ConfigError, SamplingParams, deprecation, hookimpl, hookspecs
+from pagoda import ConfigError, SamplingParams, deprecation, hookimpl, hookspecs
 from pagoda.deprecation import ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, Deprecation
 from pagoda.plugin_manager import COMPONENT_HOOKS, PluginManager
 from pagoda.plugins.schedulers.base import FCFSScheduler, TokenBudgetScheduler
@@ -30,7 +30,7 @@ from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 from pagoda.testing import SimRunner, check_scheduler
 from pagoda.version import PLUGIN_API_VERSION
-from tiny_models import write_tiny_checkpoint
+from tiny_models import tiny_llm, write_tiny_checkpoint
 
 CHANGELOG = Path(__file__).resolve().parents[1] / "docs" / "plugin-api-changelog.md"
 BASE_CLASSES = {"TokenBudgetScheduler": TokenBudgetScheduler, "Sampler": Sampler}
@@ -355,13 +355,7 @@ def test_a_policy_using_only_public_names_is_not_warned_about():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A one-layer Llama config with the default model's tokenizer; weights from load_format='dummy'."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-def tiny_llm(tiny_dir: Path, **kwargs) -> LLM:
-    options = dict(load_format="dummy", kv_cache_memory_bytes=2 << 20, cpu_threads=1)
-    return LLM(model=str(tiny_dir), **{**options, **kwargs})
 
 
 def add_deprecation(monkeypatch, entry: Deprecation) -> None:

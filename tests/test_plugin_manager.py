@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pagoda import LLM, ConfigError, SamplingParams, hookimpl
+from pagoda import ConfigError, SamplingParams, hookimpl
 from pagoda.plugin_manager import BUILTIN_DIST, PluginManager
-from tiny_models import write_tiny_checkpoint
+from tiny_models import tiny_llm, write_tiny_checkpoint
 
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 
@@ -74,13 +74,7 @@ def acme(site):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A one-layer Llama config with the default model's tokenizer; weights from load_format='dummy'."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-def tiny_llm(tiny_dir: Path, **kwargs) -> LLM:
-    options = dict(load_format="dummy", kv_cache_memory_bytes=2 << 20, cpu_threads=1)
-    return LLM(model=str(tiny_dir), **{**options, **kwargs})
 
 
 # ---- built-ins -----------------------------------------------------------------------------------

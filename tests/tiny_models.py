@@ -33,6 +33,14 @@ def write_tiny_checkpoint(directory: Path, chat_template: bool = True) -> Path:
     return directory
 
 
+def tiny_llm(model_dir, **kwargs):
+    """An engine on a ``write_tiny_checkpoint`` directory with random weights and a small KV cache."""
+    from pagoda import LLM
+
+    options = dict(load_format="dummy", kv_cache_memory_bytes=2 << 20, cpu_threads=1)
+    return LLM(model=str(model_dir), **{**options, **kwargs})
+
+
 def write_tiny_llama(model_dir, seed: int = 0) -> None:
     """A 2-layer Llama (hidden 64, 4 heads / 2 KV heads of 64) with random weights, as real safetensors files.
 
