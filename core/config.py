@@ -285,8 +285,9 @@ class EngineArgs(BaseModel):
         if self.distributed_executor_backend == "uni":
             raise ConfigError(f"the uni executor runs one process; tensor_parallel_size={size} needs "
                               "distributed_executor_backend='mp' (or auto)")
-        if spec_cfg is not None:
-            raise ConfigError("speculative decoding does not run with tensor_parallel_size > 1 yet; drop one of them")
+        if spec_cfg is not None and spec_cfg.model and not spec_cfg.model.startswith("self:"):
+            raise ConfigError("a draft checkpoint is not sharded for tensor parallelism yet; with "
+                              "tensor_parallel_size > 1 use the ngram method or a self-draft (\"self:layers=N\")")
         if model_cfg.quantization:
             raise ConfigError(f"{model_cfg.quantization} weights are not sharded for tensor parallelism yet; use a "
                               "dense checkpoint or tensor_parallel_size=1")

@@ -124,8 +124,9 @@ def test_two_ranks_give_the_tokens_of_one_when_heads_divide_unevenly(uneven_mode
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=4), "more than the model's 3 KV heads and not a multiple"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
-    (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative decoding does not run with tensor_parallel_size > 1"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "/some/draft",
+                                                      "num_speculative_tokens": 2}),
+     "a draft checkpoint is not sharded for tensor parallelism yet"),
     (dict(distributed_executor_backend="raft"), r"unknown executor 'raft'.*'mp'.*'ray'.*'uni'"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_any_process_starts(options, message):
@@ -137,6 +138,30 @@ def test_the_executors_are_plugins():
     pm = PluginManager().load()
     assert {"uni", "mp", "ray"} <= set(pm.names("pagoda_executors"))
     assert pm.get("pagoda_executors", "mp", "test").dist == "pagoda (built-in)"
+
+
+SPEC_PROMPTS = ["The list: apple, banana, cherry, apple, banana, cherry, apple,",
+                "def add(a, b):\n    return a + b\n\ndef add(a, b):", "one two three four one two three four one"]
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 2}])
+def test_speculation_over_two_ranks_drafts_accepts_and_samples_as_one_rank(spec):
+    """Every rank drafts and verifies alike (same tokens, same seeds): the same tokens, greedy and seeded, and the
+    same acceptance counts as speculation on one rank."""
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)]
+    results = []
+    for tp in (1, 2):
+        llm = LLM(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=64 << 20,
+                  tensor_parallel_size=tp, speculative_config=spec)
+        try:
+            outputs = llm.generate(SPEC_PROMPTS * 2, params * 3, use_tqdm=False)
+            results.append(([o.outputs[0].token_ids for o in outputs], vars(llm.engine.spec_stats)))
+        finally:
+            llm.engine.shutdown()
+    assert results[0] == results[1]
+    assert results[1][1]["num_accepted_tokens"] > 0
 
 
 def test_an_architecture_that_does_not_shard_itself_is_refused():
