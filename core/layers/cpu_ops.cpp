@@ -196,6 +196,81 @@ void gemv_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, c
 constexpr bool kHasBf16Dot = false;
 #endif
 
+// ---- the same GEMV with fp32 math, for AVX2 CPUs (no bf16 dot product) ----------------------
+//
+// bf16 weights are widened in registers (a bf16 is the top half of an fp32: zero-extend, shift
+// left 16) and multiplied by the activation rows, converted to fp32 once per call; fp32 sums of
+// exact products, one bf16 rounding at the end: what F.linear of the fp32 values computes.
+
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#include <immintrin.h>
+#define PAGODA_AVX2_GEMV 1
+
+inline __m256 widen_bf16x8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// rows [n0, n0 + R) of W against fp32 activation rows [0, MB): sums[m * R + r]
+template <int R, int MB>
+inline void gemv_tile_f32(const float* x, int64_t k, const at::BFloat16* w, float* sums) {
+  __m256 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t k8 = k / 8 * 8;
+  for (int64_t i = 0; i < k8; i += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = widen_bf16x8(w + r * k + i);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * k + i);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float s = hsum8(acc[m][r]);
+      for (int64_t i = k8; i < k; ++i) s += to_f(w[r * k + i]) * x[m * k + i];
+      sums[m * R + r] = s;
+    }
+  }
+}
+
+// MB activation rows against weight rows [n_begin, n_end), 4 at a time (8 sums in registers at most)
+template <int MB>
+void gemv_rows_f32(const float* x, int64_t k, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+                   int64_t y_stride, int64_t n_begin, int64_t n_end) {
+  constexpr int R = MB <= 2 ? 4 : 2;
+  float sums[MB * R];
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) {
+    gemv_tile_f32<R, MB>(x, k, w + n * k, sums);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r)
+        y[m * y_stride + n + r] = from_f<at::BFloat16>(sums[m * R + r] + (bias ? to_f(bias[n + r]) : 0.f));
+  }
+  for (; n < n_end; ++n) {
+    gemv_tile_f32<1, MB>(x, k, w + n * k, sums);
+    for (int m = 0; m < MB; ++m) y[m * y_stride + n] = from_f<at::BFloat16>(sums[m] + (bias ? to_f(bias[n]) : 0.f));
+  }
+}
+#endif
+
+// which GEMV this build has: "avx512_bf16" (bf16 dot products), "avx2" (fp32 math), or "" (none)
+constexpr const char* kGemvPath = kHasBf16Dot ? "avx512_bf16" :
+#ifdef PAGODA_AVX2_GEMV
+                                                "avx2";
+#else
+                                                "";
+#endif
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -264,11 +339,13 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, cons
                                         rotated_heads, head_dim));
 }
 
-bool has_bf16_gemv() { return kHasBf16Dot; }
+bool has_bf16_gemv() { return kGemvPath[0] != '\0'; }
+
+std::string gemv_path() { return kGemvPath; }
 
 // x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kHasBf16Dot, "this build has no AVX-512 BF16 instructions");
+  TORCH_CHECK(has_bf16_gemv(), "this build has neither AVX-512 BF16 nor AVX2 + FMA");
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
                   x.size(1) == weight.size(1),
@@ -302,14 +379,68 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::o
       }
     }
   });
+#elif defined(PAGODA_AVX2_GEMV)
+  // [M, K] activations as fp32, once: every weight tile reads them again
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t grain_rows = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k)) / 4 * 4);
+  at::parallel_for(0, n, grain_rows, [&](int64_t begin, int64_t end) {
+    // rows of x two at a time: the chunk's weights (about 64 KiB) stay in L2 for the next pair
+    for (int64_t m0 = 0; m0 < m; m0 += 2) {
+      if (m - m0 >= 2) gemv_rows_f32<2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
+      else gemv_rows_f32<1>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
+    }
+  });
 #endif
   return y;
 }
 
+// y = x W^T (+ bias) for many bf16 rows on a CPU without bf16 math: each thread widens a tile of
+// `tile_rows` weight rows to fp32 into its own buffer (in L2) and multiplies it at once by the fp32
+// activations with a one-thread fp32 GEMM, so the weights stay bf16 in memory and are widened once per
+// call, never all at once. One bf16 rounding at the end.
+// x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
+at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          int64_t tile_rows) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
+                  x.size(1) == weight.size(1),
+              "x must be [M, K] with contiguous rows and weight a contiguous [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bf16");
+  TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  const auto xf = x.to(at::kFloat);
+  const auto xt = xf.t();  // [K, M]
+  auto yt = at::empty({n, m}, xf.options());  // [N, M] fp32: y transposed, so each tile's rows are contiguous
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const int64_t num_tiles = (n + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t first, int64_t last) {
+    auto tile = at::empty({std::min(tile_rows, n), k}, xf.options());
+    float* tp = tile.data_ptr<float>();
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t t0 = t * tile_rows, rows = std::min(tile_rows, n - t0);
+      const uint16_t* src = wp + t0 * k;
+      for (int64_t i = 0; i < rows * k; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(tp + i, &bits, sizeof(float));
+      }
+      auto y_rows = yt.narrow(0, t0, rows);  // [rows, M]
+      at::mm_out(y_rows, tile.narrow(0, 0, rows), xt);  // one thread here: inside a parallel region
+    }
+  });
+  if (bias.has_value()) yt.add_(bias->to(at::kFloat).unsqueeze(1));
+  return yt.t().to(at::kBFloat16).contiguous();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_bf16_fp32", &gemm_bf16_fp32, "y = x W^T (+ bias) for many bf16 rows, fp32 GEMM over widened tiles",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("tile_rows") = 128);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection");
-  m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16 present)");
+  m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16, or AVX2 + FMA)");
+  m.def("gemv_path", &gemv_path, "the ISA path of gemv_bf16: avx512_bf16, avx2, or empty (none)");
   m.def("gemv_bf16", &gemv_bf16, "y = x W^T (+ bias) for a few bf16 rows, streaming W once");
   m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row");
 }
