@@ -6,11 +6,13 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -521,12 +523,13 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bf16");
   TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
-  const auto xf = x.to(at::kFloat);
-  const auto xt = xf.t();  // [K, M]
+  const auto xf = x.to(at::kFloat).contiguous();
   auto yt = at::empty({n, m}, xf.options());  // [N, M] fp32: y transposed, so each tile's rows are contiguous
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const int64_t num_tiles = (n + tile_rows - 1) / tile_rows;
+  const at::ThreadLocalState caller_state;  // inference / grad mode, for the tensor ops of the worker threads
   at::parallel_for(0, num_tiles, 1, [&](int64_t first, int64_t last) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
     auto tile = at::empty({std::min(tile_rows, n), k}, xf.options());
     float* tp = tile.data_ptr<float>();
     for (int64_t t = first; t < last; ++t) {
@@ -537,7 +540,7 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
         std::memcpy(tp + i, &bits, sizeof(float));
       }
       auto y_rows = yt.narrow(0, t0, rows);  // [rows, M]
-      at::mm_out(y_rows, tile.narrow(0, 0, rows), xt);  // one thread here: inside a parallel region
+      at::mm_out(y_rows, tile.narrow(0, 0, rows), xf.t());  // one thread here: inside a parallel region
     }
   });
   if (bias.has_value()) yt.add_(bias->to(at::kFloat).unsqueeze(1));
