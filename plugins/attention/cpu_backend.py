@@ -90,11 +90,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.bf16_kernel = (model_config.dtype == torch.bfloat16 and self.kernels.has_bf16_kernel()
                             and (self.kv_cache_dtype == torch.bfloat16 or (self.fp8 and self.head_dim <= 256))
                             and self.head_dim % 32 == 0 and self.block_size % 16 == 0 and self.group <= 8)
-        # fresh prompts of a bf16 model: a flash-style AVX-512 BF16 kernel (3-4x SDPA's at W1's lengths)
+        # fresh prompts: a flash-style kernel, on AVX-512 BF16 for bf16 models (3-4x SDPA's at W1's lengths),
+        # on AVX2 in fp32 for bf16, fp16 and fp32 models
         self.prefill_kernel = None
-        if model_config.dtype == torch.bfloat16 and host.current().cpu_prefill_kernel:
+        if host.current().cpu_prefill_kernel:
             kernel = load_prefill_kernel()
-            if kernel is not None and kernel.supports_head_dim(self.head_dim):
+            if (kernel is not None and kernel.supports_head_dim(self.head_dim)
+                    and kernel.supports_dtype(str(model_config.dtype).removeprefix("torch."))):
                 self.prefill_kernel = kernel
 
     def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:
