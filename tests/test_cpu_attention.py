@@ -144,6 +144,18 @@ def test_bf16_decodes_take_the_kernel_at_every_batch_size_on_the_default_model_s
     assert cpu.build_metadata(batch).torch_decode is None
 
 
+def test_decodes_on_the_avx2_path_take_the_kernel_at_every_batch_size(monkeypatch):
+    torch.set_num_threads(1)
+    from pagoda.plugins.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "load_kernels", _avx2_kernels)
+    mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    cpu = CpuAttentionBackend(mc, SimpleNamespace(block_size=16))
+    assert cpu.isa_paths()["decode attention"] == "avx2"
+    batch = _batch([(30, 1)] * (cpu_backend.MAX_KERNEL_DECODES + 5), 16, 200, torch.Generator().manual_seed(0))
+    assert cpu.build_metadata(batch).torch_decode is None
+
+
 def test_large_decode_batches_take_the_batched_path_on_one_thread_and_still_match():
     torch.set_num_threads(1)
     from pagoda.plugins.attention.cpu_backend import MAX_KERNEL_DECODES
@@ -152,6 +164,7 @@ def test_large_decode_batches_take_the_batched_path_on_one_thread_and_still_matc
     mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
     cc = SimpleNamespace(block_size=16)
     ref, cpu = TorchAttentionBackend(mc, cc), CpuAttentionBackend(mc, cc)
+    cpu.decode_path = "generic"  # as on a CPU below AVX2 (the AVX2 path keeps every decode in the kernel)
     specs = [(int(n), 1) for n in torch.randint(0, 200, (MAX_KERNEL_DECODES + 3,), generator=gen)] + [(40, 9)]
     batch = _batch(specs, 16, 400, gen)
     md = cpu.build_metadata(batch)

@@ -455,6 +455,18 @@ bool has_bf16_gemv() { return kGemvPath[0] != '\0'; }
 
 std::string gemv_path() { return kGemvPath; }
 
+// the ISA path of RMSNorm / SiLU-and-mul / RoPE: avx2 (intrinsics), avx512 (the compiler's vectorised
+// loops), or generic
+std::string elementwise_path() {
+#if defined(PAGODA_AVX2_OPS)
+  return "avx2";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic";
+#endif
+}
+
 // x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(has_bf16_gemv(), "this build has neither AVX-512 BF16 nor AVX2 + FMA");
@@ -554,6 +566,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection");
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16, or AVX2 + FMA)");
   m.def("gemv_path", &gemv_path, "the ISA path of gemv_bf16: avx512_bf16, avx2, or empty (none)");
+  m.def("elementwise_path", &elementwise_path, "the ISA path of RMSNorm / SiLU-and-mul / RoPE");
   m.def("gemv_bf16", &gemv_bf16, "y = x W^T (+ bias) for a few bf16 rows, streaming W once");
   m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row");
 }

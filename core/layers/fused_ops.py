@@ -101,3 +101,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                     y = cpu_ops().gemv_bf16(x2, weight, bias)
                 return y.view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def isa_paths(dtype: torch.dtype) -> dict[str, str]:
+    """The ISA path the decoder layer's elementwise kernels and dense linear layers take for a CPU model of
+    ``dtype`` (for benchmarks and logs)."""
+    from pagoda.layers import onednn
+
+    ops = cpu_ops()
+    elementwise = str(ops.elementwise_path()) if ops is not None and dtype in _DTYPES else "torch"
+    if dtype != torch.bfloat16:
+        dense = "torch"
+    elif onednn.packing_available():
+        dense = "onednn packed bf16" + (f", gemv {_gemv_path()} up to {GEMV_MAX_ROWS} rows (LM head)"
+                                        if _gemv_path() == "avx512_bf16" else "")
+    elif _gemv_path() == "avx2":
+        dense = f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond)"
+    elif _gemv_path():
+        dense = f"gemv {_gemv_path()} up to {GEMV_MAX_ROWS} rows, torch beyond"
+    else:
+        dense = "torch"
+    return {"rmsnorm/silu/rope": elementwise, "dense linear": dense}
