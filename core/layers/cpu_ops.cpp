@@ -536,27 +536,47 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
   TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   const auto xf = x.to(at::kFloat).contiguous();
-  auto yt = at::empty({n, m}, xf.options());  // [N, M] fp32: y transposed, so each tile's rows are contiguous
+  const at::BFloat16* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.numel() == n && bias_c.scalar_type() == at::kBFloat16, "bias must be [N] bf16");
+    b = bias_c.data_ptr<at::BFloat16>();
+  }
+  auto y = at::empty({m, n}, x.options());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   const int64_t num_tiles = (n + tile_rows - 1) / tile_rows;
   const at::ThreadLocalState caller_state;  // inference / grad mode, for the tensor ops of the worker threads
   at::parallel_for(0, num_tiles, 1, [&](int64_t first, int64_t last) {
     at::ThreadLocalStateGuard state_guard(caller_state);
-    auto tile = at::empty({std::min(tile_rows, n), k}, xf.options());
+    const int64_t max_rows = std::min(tile_rows, n);
+    auto tile = at::empty({max_rows, k}, xf.options());  // widened weight rows
+    auto tile_y = at::empty({max_rows, m}, xf.options());  // their outputs, transposed
     float* tp = tile.data_ptr<float>();
+    const float* ty = tile_y.data_ptr<float>();
     for (int64_t t = first; t < last; ++t) {
       const int64_t t0 = t * tile_rows, rows = std::min(tile_rows, n - t0);
       const uint16_t* src = wp + t0 * k;
-      for (int64_t i = 0; i < rows * k; ++i) {
+      int64_t i = 0;
+#ifdef PAGODA_AVX2_GEMV
+      for (; i + 8 <= rows * k; i += 8)
+        _mm256_storeu_ps(tp + i, widen_bf16x8(reinterpret_cast<const at::BFloat16*>(src + i)));
+#endif
+      for (; i < rows * k; ++i) {
         const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
         std::memcpy(tp + i, &bits, sizeof(float));
       }
-      auto y_rows = yt.narrow(0, t0, rows);  // [rows, M]
-      at::mm_out(y_rows, tile.narrow(0, 0, rows), xf.t());  // one thread here: inside a parallel region
+      auto out_rows = tile_y.narrow(0, 0, rows);
+      at::mm_out(out_rows, tile.narrow(0, 0, rows), xf.t());  // one thread here: inside a parallel region
+      // [rows, M] -> columns t0 .. t0 + rows of y [M, N], while the tile is in cache
+      for (int64_t r0 = 0; r0 < m; ++r0) {
+        at::BFloat16* yr = yp + r0 * n + t0;
+        for (int64_t r = 0; r < rows; ++r) yr[r] = from_f<at::BFloat16>(ty[r * m + r0] + (b ? to_f(b[t0 + r]) : 0.f));
+      }
     }
   });
-  if (bias.has_value()) yt.add_(bias->to(at::kFloat).unsqueeze(1));
-  return yt.t().to(at::kBFloat16).contiguous();
+  return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
