@@ -2,12 +2,15 @@
 
 Decodes and prefill chunks that follow cached context attend through
 ``cpu_kernels.cpp``, which reads K/V in place from the block pool (no gathered
-copy), one (token, kv head) pair per work item, fp32 accumulation. Fresh
-prompts of a bf16 model go through ``cpu_prefill.cpp``, a flash-style causal
-kernel on AVX-512 BF16, all of a step's prompts in one call; other dtypes (and
-the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) use SDPA. Steps with many decodes of a model
-without the bf16 decode path use the torch backend's batched path, which wins
-there. The kernels are compiled on first use (about a minute) and cached by
+copy), one (token, kv head) pair per work item, fp32 accumulation: on AVX-512
+BF16 for bf16 models, on AVX2 for every dtype (fp32 math, 16-bit and fp8 values
+widened in registers). Fresh prompts go through ``cpu_prefill.cpp``, a
+flash-style causal kernel (AVX-512 BF16 for bf16 models; AVX2 in fp32 for bf16,
+fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
+the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
+Steps with many decodes on the generic loops (no AVX2) use the torch backend's
+batched path, which wins there. ``isa_paths()`` names the path each kernel
+takes. The kernels are compiled on first use (about a minute) and cached by
 torch's extension loader.
 """
 
