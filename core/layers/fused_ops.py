@@ -1,6 +1,8 @@
-"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU-and-mul, RoPE).
+"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU-and-mul, RoPE), and bf16 linears.
 
-``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
+The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
+linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
+fp32 GEMM over widened weight tiles for larger ones. ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
 extension loader). Where it cannot be built, or for tensors it does not cover
 (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
 compute the same values. The ``fused_cpu_ops`` host setting off
