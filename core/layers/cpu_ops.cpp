@@ -145,21 +145,9 @@ void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t
       const T* xr = x + r * hidden;
       T* res = residual ? residual + r * hidden : nullptr;
       float sum = 0.f;
-      int64_t i0 = 0;  // elements done 8 at a time
-#ifdef PAGODA_AVX2_OPS
-      {
-        __m256 sv = _mm256_setzero_ps();
-        for (; i0 + 8 <= hidden; i0 += 8) {
-          __m256 v = load8(xr + i0);
-          if (res) {
-            v = round8<T>(_mm256_add_ps(v, load8(res + i0)));
-            store8(res + i0, v);
-          }
-          sv = _mm256_add_ps(sv, _mm256_mul_ps(v, v));
-        }
-        sum = hsum8(sv);
-      }
-#endif
+      // the residual sum and the sum of squares stay in these loops on AVX2 too: with 8-lane partial sums, a
+      // tiny random model's greedy tokens flipped on a near-tie against HF transformers (the output loop is 8-lane)
+      const int64_t i0 = 0;
       if (res) {
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = i0; i < hidden; ++i) {

@@ -496,11 +496,12 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 
 bool supports_head_dim(int64_t d) { return has_prefill_kernel() && (d == 32 || d == 64 || d == 128); }
 
-// whether prompts of this dtype ("bfloat16", "float16", "float32") take the kernel
+// whether the backend sends prompts of this dtype ("bfloat16", "float16", "float32") to the kernel. fp32
+// prompts keep SDPA, which is as fast there and whose sums follow HF's fp32 attention more closely (a tiny
+// fp8-weight model's greedy tokens flipped on a near-tie with the kernel); prefill_attention still takes them.
 bool supports_dtype(const std::string& dtype) {
   const std::string path = prefill_path();
-  return path == "avx2" ? (dtype == "bfloat16" || dtype == "float16" || dtype == "float32")
-                        : (path == "avx512_bf16" && dtype == "bfloat16");
+  return path == "avx2" ? (dtype == "bfloat16" || dtype == "float16") : (path == "avx512_bf16" && dtype == "bfloat16");
 }
 
 std::string isa_path() { return prefill_path(); }
