@@ -243,7 +243,7 @@ class EngineArgs(BaseModel):
     onednn_packed_weights: Optional[bool] = _host_option(
         "onednn_packed_weights", "pack bf16 linear weights in oneDNN's layout at load time (AVX-512 CPUs)")
     cpu_prefill_kernel: Optional[bool] = _host_option(
-        "cpu_prefill_kernel", "the cpu attention backend's C++ kernel for fresh bf16 prompts (off: SDPA)")
+        "cpu_prefill_kernel", "the cpu attention backend's C++ kernel for fresh prompts (off: SDPA)")
     quant_kernel: Optional[QuantKernel] = _host_option(
         "quant_kernel", "the matmul of int-quantized weights: cpu (C++), triton, torch (reference) or auto "
                         "(triton on a GPU, else cpu)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,4 +26,14 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
     else:
         module_name, isa_flags = f"{name}_generic", []
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
-    return load(name=module_name, sources=[str(source)], extra_cflags=flags, verbose=False)
+    return load(name=f"{module_name}_{_source_digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
+                verbose=False)
+
+
+def _source_digest(source: Path, flags: Sequence[str]) -> str:
+    """A short hash of the kernel source and its flags, part of the module name: two checkouts (or versions) of
+    pagoda on one machine share torch's extension cache, and under one name a process that finds another
+    building it waits and then imports that build, whatever source it came from."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join(flags).encode())
+    return digest.hexdigest()[:12]

@@ -115,7 +115,7 @@ class HostConfig:
     cpu_native_build: bool = True  # C++ kernels for this CPU's level; off: the compiler's default target
     fused_cpu_ops: bool = True  # fused RMSNorm / SiLU-and-mul / RoPE / GEMV kernels (pagoda.layers.fused_ops)
     onednn_packed_weights: bool = True  # bf16 weights in oneDNN's blocked layout (pagoda.layers.onednn)
-    cpu_prefill_kernel: bool = True  # the cpu attention backend's kernel for fresh bf16 prompts
+    cpu_prefill_kernel: bool = True  # the cpu attention backend's kernel for fresh prompts
     quant_kernel: str = "auto"  # a QuantKernel: the int-weight matmul of quantized layers
 
 

@@ -78,3 +78,15 @@ def test_the_hf_baseline_runs_in_a_process_that_never_imports_pagoda():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["seconds"] > 0 and result["pagoda_imported"] is False
+
+
+def test_the_benchmark_header_names_each_kernels_isa_path(tmp_path):
+    from pagoda import LLM
+    from pagoda.plugins.entrypoints.bench_throughput import kernel_isa_paths
+    from tiny_models import write_tiny_checkpoint
+
+    llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", dtype="bfloat16", attention_backend="cpu",
+              kv_cache_memory_bytes=8 << 20, cpu_threads=1)
+    paths = kernel_isa_paths(llm)
+    assert set(paths) == {"decode attention", "prefill attention", "rmsnorm/silu/rope", "dense linear"}
+    assert all(paths.values())

@@ -71,6 +71,66 @@ def test_cpu_kernel_matches_torch_reference(dtype, heads, kv_heads, head_dim, bl
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
+def _avx2_kernels():
+    from isa_builds import build_at
+    from pagoda.plugins.attention import cpu_backend
+
+    return build_at("avx2", "pagoda_cpu_attention", cpu_backend._SOURCE)
+
+
+# odd sizes for the AVX2 path: head_dim 8 * odd, blocks of 8, groups of 1 to 7, contexts off the tile of 8
+AVX2_CASES = CASES[:5] + [
+    (torch.bfloat16, 7, 1, 40, 8, [(1, 1), (13, 1), (250, 1), (0, 9), (33, 3)]),
+    (torch.float16, 10, 2, 24, 24, [(7, 1), (47, 1), (0, 5), (19, 4)]),
+    (torch.float32, 3, 3, 136, 16, [(1, 1), (129, 1), (2, 3)]),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size,specs", AVX2_CASES)
+def test_the_avx2_path_matches_torch_reference(dtype, heads, kv_heads, head_dim, block_size, specs):
+    kernels = _avx2_kernels()
+    assert kernels.has_avx2_kernel() and not kernels.has_bf16_kernel()
+    gen = torch.Generator().manual_seed(hash((heads, head_dim, block_size, 2)) % 2**31)
+    mc = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    cc = SimpleNamespace(block_size=block_size)
+    ref = TorchAttentionBackend(mc, cc)
+    batch = _batch(specs, block_size, 160, gen)
+    cache = torch.randn(ref.kv_cache_shape(160), generator=gen).to(dtype)
+    t = batch.num_tokens
+    q = torch.randn(t, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    layer = SimpleNamespace(scale=head_dim ** -0.5)
+    ref_cache = cache.clone()  # the reference writes this step's K/V; the kernel then reads them in place
+    expected = ref.forward(layer, q, k, v, ref_cache, ref.build_metadata(batch))
+    # the kernel alone, on every token (decodes and prompts with cached context alike)
+    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    token_req = torch.repeat_interleave(torch.arange(batch.num_reqs, dtype=torch.int32), q_lens)
+    offset = torch.arange(t, dtype=torch.int32) - batch.query_start_loc[:-1][token_req.long()]
+    token_len = ((batch.seq_lens - q_lens)[token_req.long()] + offset + 1).to(torch.int32)
+    got = kernels.paged_attention(q, ref_cache, batch.block_tables, token_req, token_len, layer.scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.reshape(t, -1).float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_the_avx2_path_reads_fp8_caches_as_the_reference_widens_them():
+    from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
+
+    kernels = _avx2_kernels()
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, block_size = 6, 2, 72, 16
+    batch = _batch([(3, 1), (70, 1), (200, 1)], block_size, 40, gen)
+    cache = (torch.randn(2, kv_heads, 40, block_size, head_dim, generator=gen) * 50).to(torch.float8_e4m3fn)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen).bfloat16()
+    token_req = torch.arange(3, dtype=torch.int32)
+    token_len = batch.seq_lens.to(torch.int32)
+    got = kernels.paged_attention(q, cache, batch.block_tables, token_req, token_len, 0.1, 0.5, 2.0)
+    widened = dequantize_fp8(cache, 1.0, torch.float32)
+    expected = kernels.paged_attention(q.float(), widened, batch.block_tables, token_req, token_len, 0.1, 0.5, 2.0)
+    # the same widened values in fp32 (checked against the reference above), one bf16 rounding apart
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_bf16_decodes_take_the_kernel_at_every_batch_size_on_the_default_model_shapes():
     torch.set_num_threads(1)
     from pagoda.plugins.attention.cpu_backend import MAX_KERNEL_DECODES
@@ -84,6 +144,18 @@ def test_bf16_decodes_take_the_kernel_at_every_batch_size_on_the_default_model_s
     assert cpu.build_metadata(batch).torch_decode is None
 
 
+def test_decodes_on_the_avx2_path_take_the_kernel_at_every_batch_size(monkeypatch):
+    torch.set_num_threads(1)
+    from pagoda.plugins.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "load_kernels", _avx2_kernels)
+    mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    cpu = CpuAttentionBackend(mc, SimpleNamespace(block_size=16))
+    assert cpu.isa_paths()["decode attention"] == "avx2"
+    batch = _batch([(30, 1)] * (cpu_backend.MAX_KERNEL_DECODES + 5), 16, 200, torch.Generator().manual_seed(0))
+    assert cpu.build_metadata(batch).torch_decode is None
+
+
 def test_large_decode_batches_take_the_batched_path_on_one_thread_and_still_match():
     torch.set_num_threads(1)
     from pagoda.plugins.attention.cpu_backend import MAX_KERNEL_DECODES
@@ -92,6 +164,7 @@ def test_large_decode_batches_take_the_batched_path_on_one_thread_and_still_matc
     mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
     cc = SimpleNamespace(block_size=16)
     ref, cpu = TorchAttentionBackend(mc, cc), CpuAttentionBackend(mc, cc)
+    cpu.decode_path = "generic"  # as on a CPU below AVX2 (the AVX2 path keeps every decode in the kernel)
     specs = [(int(n), 1) for n in torch.randint(0, 200, (MAX_KERNEL_DECODES + 3,), generator=gen)] + [(40, 9)]
     batch = _batch(specs, 16, 400, gen)
     md = cpu.build_metadata(batch)

@@ -106,7 +106,7 @@ def test_kernels_refuse_tensors_they_cannot_read():
 
 
 gemv = pytest.mark.skipif(ops is None or not ops.has_bf16_gemv(),
-                          reason=f"the bf16 GEMV needs AVX-512 BF16; this CPU runs {cpu_isa.describe()}")
+                          reason=f"the bf16 GEMV needs AVX2 at least; this CPU runs {cpu_isa.describe()}")
 
 
 @gemv
@@ -124,7 +124,8 @@ def test_bf16_gemv_matches_an_fp32_matmul_of_the_same_values(rows, out_features,
         torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-@gemv
+@pytest.mark.skipif(ops is None or ops.gemv_path() != "avx512_bf16",
+                    reason=f"the AVX-512 BF16 GEMV; this CPU runs {cpu_isa.describe()} (AVX2: the test below)")
 def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
     from pagoda.layers import fused_ops
 
@@ -146,3 +147,92 @@ def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
     fused_ops.linear(torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 48).bfloat16(), w)
     fused_ops.linear(torch.randn(2, 48), w.float())  # fp32 stays on torch
     assert not calls
+
+
+def _avx2_ops():
+    from isa_builds import build_at
+    from pagoda.layers import fused_ops
+
+    return build_at("avx2", "pagoda_cpu_ops", fused_ops._SOURCE, ["-ffp-contract=off"])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 40])
+@pytest.mark.parametrize("out_features,in_features", [(7, 100), (13, 577), (96, 33), (1728, 576), (5, 3)])
+def test_avx2_gemv_and_tiled_gemm_match_an_fp32_matmul_of_the_same_values(rows, out_features, in_features):
+    avx2 = _avx2_ops()
+    assert avx2.gemv_path() == "avx2"
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float(), b.float())
+    for bias, expected in ((b, ref), (None, ref - b.float())):
+        for y in (avx2.gemv_bf16(x, w, bias), avx2.gemm_bf16_fp32(x, w, bias, 64)):
+            # fp32 sums of exact products in another order, then one bf16 rounding
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+            torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_avx2_build_of_the_elementwise_kernels_matches_torch(dtype):
+    avx2 = _avx2_ops()
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(7, 100, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(100, generator=g).to(dtype)
+    ref_res = x + res
+    out = torch.empty_like(x)
+    avx2.add_rms_norm(x, res, w, 1e-6, out)
+    assert torch.equal(res, ref_res)
+    _close(out, F.rms_norm(ref_res, (100,), w, 1e-6))
+    gate_up = (torch.randn(9, 2 * 50, generator=g) * 6).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(avx2.silu_and_mul(gate_up), F.silu(gate) * up)
+    extreme = torch.tensor([[-1e4, -100.0, -88.0, 0.0, 88.0, 100.0, 1e4, float("inf"), 3.0]]).to(dtype)
+    _close(avx2.silu_and_mul(torch.cat([extreme, torch.ones_like(extreme)], dim=-1)), F.silu(extreme))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 37), (3, 1, 40, 5), (2, 2, 22, 3)])
+def test_avx2_build_of_rotary_rotates_exactly_as_the_torch_formula_does(dtype, heads, kv_heads, head_dim, tokens):
+    avx2 = _avx2_ops()
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    cos, sin = rope.cos_sin(positions)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    ref_q = RotaryEmbedding.apply(q.reshape(tokens, heads, head_dim), cos, sin)
+    ref_k = RotaryEmbedding.apply(k.reshape(tokens, kv_heads, head_dim), cos, sin)
+    rows = qkv.clone()
+    avx2.rotary_(rows, rope.cos_cache, rope.sin_cache, positions, heads + kv_heads, head_dim)
+    got_q, got_k, _ = rows.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(got_q.reshape(tokens, heads, head_dim), ref_q)
+    assert torch.equal(got_k.reshape(tokens, kv_heads, head_dim), ref_k)
+
+
+def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm(monkeypatch):
+    from pagoda.layers import fused_ops
+
+    avx2 = _avx2_ops()
+    calls = []
+
+    class CountingOps:
+        def gemv_bf16(self, *args):
+            calls.append("gemv")
+            return avx2.gemv_bf16(*args)
+
+        def gemm_bf16_fp32(self, *args):
+            calls.append("gemm")
+            return avx2.gemm_bf16_fp32(*args)
+
+    monkeypatch.setattr(fused_ops, "cpu_ops", CountingOps)
+    monkeypatch.setattr(fused_ops, "_gemv_path", lambda: "avx2")
+    w = torch.randn(64, 48).bfloat16()
+    for rows in (1, fused_ops.AVX2_GEMV_MAX_ROWS, fused_ops.AVX2_GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, 48).bfloat16()
+        torch.testing.assert_close(fused_ops.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
+                                   atol=5e-2)
+    assert calls == ["gemv", "gemv", "gemm"]
+    with torch.inference_mode():  # as the engine runs it: the tiled GEMM's worker threads write inference tensors
+        x = torch.randn(40, 48).bfloat16()
+        torch.testing.assert_close(fused_ops.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
+                                   atol=5e-2)

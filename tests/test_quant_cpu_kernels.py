@@ -61,6 +61,43 @@ def assert_matches(y: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
 SHAPES = [(7, 100), (96, 576), (1728, 576), (96, 100)]
 
 
+def reference_like_torch(layer) -> torch.Tensor:
+    """The torch path's dequantized weight for a layer without a permutation."""
+    return dequantize_int_rows(layer, 0, layer.out_features)
+
+
+def _avx2_kernels():
+    from isa_builds import build_at
+    from pagoda.plugins.quant import cpu_int_kernel
+
+    return build_at("avx2", "pagoda_cpu_int_linear", cpu_int_kernel._SOURCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group,out_features,in_features", [(32, 7, 100), (64, 96, 576), (128, 13, 333),
+                                                            (64, 1728, 576)])
+def test_the_avx2_path_equals_the_dequantized_weight_for_every_batch_size(out_features, in_features, group, bits,
+                                                                         dtype):
+    avx2 = _avx2_kernels()
+    assert avx2.isa_path() == "avx2"
+    layer = packed_layer(out_features, in_features, bits, group, dtype, parts=2, seed=out_features + bits)
+    w = reference_weight(layer)
+    plain = packed_layer(out_features, in_features, bits, group, dtype, seed=out_features + bits)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in (1, 2, 3, 5, 17):
+        x = torch.randn(rows, in_features).to(dtype)
+        expected = x.float() @ w.t() + bias.float()
+        for gemm_min_rows in (DIRECT, GEMM):
+            y = cpu_int_linear(avx2, layer, x, bias, IMPL_AUTO, gemm_min_rows)
+            assert y.dtype == dtype and y.shape == (rows, out_features)
+            assert_matches(y, expected, dtype)
+    if dtype != torch.float32:  # the GEMM path's tile holds what the torch path dequantizes, bit for bit
+        x = torch.randn(9, in_features).to(dtype)
+        got = cpu_int_linear(avx2, plain, x, None, IMPL_AUTO, GEMM, 4096)
+        torch.testing.assert_close(got, F.linear(x, reference_like_torch(plain)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])

@@ -6,11 +6,13 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -62,6 +64,74 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ---- 8 lanes at a time on AVX2 (GCC leaves the loops below scalar there: the bf16 rounding and the
+// exponent bits defeat its vectoriser). Same arithmetic in the same order, so the same values. ----
+#include <immintrin.h>
+#define PAGODA_AVX2_OPS 1
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// fp32 -> 8 bf16 bits in the low 16 of each 32-bit lane, round to nearest even, NaN -> 0x7FC0 (as from_f)
+inline __m256i bf16_lanes(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i r = bf16_lanes(v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// the value an fp32 result takes once stored in T and read back
+template <typename T> inline __m256 round8(__m256 v);
+template <> inline __m256 round8<float>(__m256 v) { return v; }
+template <> inline __m256 round8<at::BFloat16>(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_lanes(v), 16));
+}
+template <> inline __m256 round8<at::Half>(__m256 v) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp_approx below, 8 lanes, each product and sum rounded separately (no FMA) as the scalar code does
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 shifter = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), shifter), shifter);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // rows per parallel chunk: about 32k elements each, so small batches stay on one thread
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
 
@@ -75,16 +145,19 @@ void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t
       const T* xr = x + r * hidden;
       T* res = residual ? residual + r * hidden : nullptr;
       float sum = 0.f;
+      // the residual sum and the sum of squares stay in these loops on AVX2 too: with 8-lane partial sums, a
+      // tiny random model's greedy tokens flipped on a near-tie against HF transformers (the output loop is 8-lane)
+      const int64_t i0 = 0;
       if (res) {
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < hidden; ++i) {
+        for (int64_t i = i0; i < hidden; ++i) {
           const float v = round_to<T>(to_f(xr[i]) + to_f(res[i]));
           res[i] = from_f<T>(v);
           sum += v * v;
         }
       } else {
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < hidden; ++i) {
+        for (int64_t i = i0; i < hidden; ++i) {
           const float v = to_f(xr[i]);
           sum += v * v;
         }
@@ -92,8 +165,13 @@ void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t
       const T* src = res ? res : xr;
       T* o = out + r * hidden;
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+      int64_t i1 = 0;
+#ifdef PAGODA_AVX2_OPS
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (; i1 + 8 <= hidden; i1 += 8) store8(o + i1, _mm256_mul_ps(_mm256_mul_ps(load8(src + i1), iv), load8(weight + i1)));
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(to_f(src[i]) * inv * to_f(weight[i]));
+      for (int64_t i = i1; i < hidden; ++i) o[i] = from_f<T>(to_f(src[i]) * inv * to_f(weight[i]));
     }
   });
 }
@@ -107,8 +185,17 @@ void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, in
       const T* g = gate_up + r * row_stride;
       const T* u = g + inter;
       T* o = out + r * inter;
+      int64_t i0 = 0;
+#ifdef PAGODA_AVX2_OPS
+      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+      for (; i0 + 8 <= inter; i0 += 8) {
+        const __m256 gv = load8(g + i0);
+        const __m256 sv = round8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign)))));
+        store8(o + i0, _mm256_mul_ps(sv, load8(u + i0)));
+      }
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
+      for (int64_t i = i0; i < inter; ++i) {
         const float gv = to_f(g[i]);
         const float s = round_to<T>(gv / (1.f + exp_approx(-gv)));  // F.silu stores in T
         o[i] = from_f<T>(s * to_f(u[i]));
@@ -130,8 +217,21 @@ void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, const i
       for (int64_t h = 0; h < rotated_heads; ++h) {
         T* x = qkv + t * row_stride + h * head_dim;
         // out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T as torch does
+        int64_t i0 = 0;
+#ifdef PAGODA_AVX2_OPS
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (; i0 + 8 <= half; i0 += 8) {
+          const __m256 x1 = load8(x + i0), x2 = load8(x + i0 + half);
+          const __m256 lo = _mm256_add_ps(round8<T>(_mm256_mul_ps(x1, load8(c + i0))),
+                                          round8<T>(_mm256_mul_ps(_mm256_xor_ps(x2, sign), load8(s + i0))));
+          const __m256 hi = _mm256_add_ps(round8<T>(_mm256_mul_ps(x2, load8(c + i0 + half))),
+                                          round8<T>(_mm256_mul_ps(x1, load8(s + i0 + half))));
+          store8(x + i0, lo);
+          store8(x + i0 + half, hi);
+        }
+#endif
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
+        for (int64_t i = i0; i < half; ++i) {
           const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
           const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
           const float hi = round_to<T>(x2 * to_f(c[i + half])) + round_to<T>(x1 * to_f(s[i + half]));
@@ -194,6 +294,81 @@ void gemv_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, c
 }
 #else
 constexpr bool kHasBf16Dot = false;
+#endif
+
+// ---- the same GEMV with fp32 math, for AVX2 CPUs (no bf16 dot product) ----------------------
+//
+// bf16 weights are widened in registers (a bf16 is the top half of an fp32: zero-extend, shift
+// left 16) and multiplied by the activation rows, converted to fp32 once per call; fp32 sums of
+// exact products, one bf16 rounding at the end: what F.linear of the fp32 values computes.
+
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#include <immintrin.h>
+#define PAGODA_AVX2_GEMV 1
+
+inline __m256 widen_bf16x8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// rows [n0, n0 + R) of W against fp32 activation rows [0, MB): sums[m * R + r]
+template <int R, int MB>
+inline void gemv_tile_f32(const float* x, int64_t k, const at::BFloat16* w, float* sums) {
+  __m256 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t k8 = k / 8 * 8;
+  for (int64_t i = 0; i < k8; i += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = widen_bf16x8(w + r * k + i);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * k + i);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float s = sum_lanes(acc[m][r]);
+      for (int64_t i = k8; i < k; ++i) s += to_f(w[r * k + i]) * x[m * k + i];
+      sums[m * R + r] = s;
+    }
+  }
+}
+
+// MB activation rows against weight rows [n_begin, n_end), 4 at a time (8 sums in registers at most)
+template <int MB>
+void gemv_rows_f32(const float* x, int64_t k, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
+                   int64_t y_stride, int64_t n_begin, int64_t n_end) {
+  constexpr int R = MB <= 2 ? 4 : 2;
+  float sums[MB * R];
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) {
+    gemv_tile_f32<R, MB>(x, k, w + n * k, sums);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r)
+        y[m * y_stride + n + r] = from_f<at::BFloat16>(sums[m * R + r] + (bias ? to_f(bias[n + r]) : 0.f));
+  }
+  for (; n < n_end; ++n) {
+    gemv_tile_f32<1, MB>(x, k, w + n * k, sums);
+    for (int m = 0; m < MB; ++m) y[m * y_stride + n] = from_f<at::BFloat16>(sums[m] + (bias ? to_f(bias[n]) : 0.f));
+  }
+}
+#endif
+
+// which GEMV this build has: "avx512_bf16" (bf16 dot products), "avx2" (fp32 math), or "" (none)
+constexpr const char* kGemvPath = kHasBf16Dot ? "avx512_bf16" :
+#ifdef PAGODA_AVX2_GEMV
+                                                "avx2";
+#else
+                                                "";
 #endif
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -264,11 +439,25 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, cons
                                         rotated_heads, head_dim));
 }
 
-bool has_bf16_gemv() { return kHasBf16Dot; }
+bool has_bf16_gemv() { return kGemvPath[0] != '\0'; }
+
+std::string gemv_path() { return kGemvPath; }
+
+// the ISA path of RMSNorm / SiLU-and-mul / RoPE: avx2 (intrinsics), avx512 (the compiler's vectorised
+// loops), or generic
+std::string elementwise_path() {
+#if defined(PAGODA_AVX2_OPS)
+  return "avx2";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic";
+#endif
+}
 
 // x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kHasBf16Dot, "this build has no AVX-512 BF16 instructions");
+  TORCH_CHECK(has_bf16_gemv(), "this build has neither AVX-512 BF16 nor AVX2 + FMA");
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
                   x.size(1) == weight.size(1),
@@ -302,14 +491,90 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::o
       }
     }
   });
+#elif defined(PAGODA_AVX2_GEMV)
+  // [M, K] activations as fp32, once: every weight tile reads them again
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t grain_rows = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k)) / 4 * 4);
+  at::parallel_for(0, n, grain_rows, [&](int64_t begin, int64_t end) {
+    // rows of x two at a time: the chunk's weights (about 64 KiB) stay in L2 for the next pair
+    for (int64_t m0 = 0; m0 < m; m0 += 2) {
+      if (m - m0 >= 2) gemv_rows_f32<2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
+      else gemv_rows_f32<1>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
+    }
+  });
 #endif
   return y;
 }
 
+// y = x W^T (+ bias) for many bf16 rows on a CPU without bf16 math: each thread widens a tile of
+// `tile_rows` weight rows to fp32 into its own buffer (in L2) and multiplies it at once by the fp32
+// activations with a one-thread fp32 GEMM, so the weights stay bf16 in memory and are widened once per
+// call, never all at once. One bf16 rounding at the end.
+// x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
+at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          int64_t tile_rows) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
+                  x.size(1) == weight.size(1),
+              "x must be [M, K] with contiguous rows and weight a contiguous [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bf16");
+  TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  const auto xf = x.to(at::kFloat).contiguous();
+  const at::BFloat16* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.numel() == n && bias_c.scalar_type() == at::kBFloat16, "bias must be [N] bf16");
+    b = bias_c.data_ptr<at::BFloat16>();
+  }
+  auto y = at::empty({m, n}, x.options());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const int64_t num_tiles = (n + tile_rows - 1) / tile_rows;
+  const at::ThreadLocalState caller_state;  // inference / grad mode, for the tensor ops of the worker threads
+  at::parallel_for(0, num_tiles, 1, [&](int64_t first, int64_t last) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    const int64_t max_rows = std::min(tile_rows, n);
+    auto tile = at::empty({max_rows, k}, xf.options());  // widened weight rows
+    auto tile_y = at::empty({max_rows, m}, xf.options());  // their outputs, transposed
+    float* tp = tile.data_ptr<float>();
+    const float* ty = tile_y.data_ptr<float>();
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t t0 = t * tile_rows, rows = std::min(tile_rows, n - t0);
+      const uint16_t* src = wp + t0 * k;
+      int64_t i = 0;
+#ifdef PAGODA_AVX2_GEMV
+      for (; i + 8 <= rows * k; i += 8)
+        _mm256_storeu_ps(tp + i, widen_bf16x8(reinterpret_cast<const at::BFloat16*>(src + i)));
+#endif
+      for (; i < rows * k; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(tp + i, &bits, sizeof(float));
+      }
+      auto out_rows = tile_y.narrow(0, 0, rows);
+      at::mm_out(out_rows, tile.narrow(0, 0, rows), xf.t());  // one thread here: inside a parallel region
+      // [rows, M] -> columns t0 .. t0 + rows of y [M, N], while the tile is in cache
+      for (int64_t r0 = 0; r0 < m; ++r0) {
+        at::BFloat16* yr = yp + r0 * n + t0;
+        for (int64_t r = 0; r < rows; ++r) yr[r] = from_f<at::BFloat16>(ty[r * m + r0] + (b ? to_f(b[t0 + r]) : 0.f));
+      }
+    }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_bf16_fp32", &gemm_bf16_fp32, "y = x W^T (+ bias) for many bf16 rows, fp32 GEMM over widened tiles",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("tile_rows") = 128);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection");
-  m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16 present)");
+  m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16, or AVX2 + FMA)");
+  m.def("gemv_path", &gemv_path, "the ISA path of gemv_bf16: avx512_bf16, avx2, or empty (none)");
+  m.def("elementwise_path", &elementwise_path, "the ISA path of RMSNorm / SiLU-and-mul / RoPE");
   m.def("gemv_bf16", &gemv_bf16, "y = x W^T (+ bias) for a few bf16 rows, streaming W once");
   m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row");
 }

@@ -1,6 +1,8 @@
-"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU-and-mul, RoPE).
+"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU-and-mul, RoPE), and bf16 linears.
 
-``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
+The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
+linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
+fp32 GEMM over widened weight tiles for larger ones. ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
 extension loader). Where it cannot be built, or for tensors it does not cover
 (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
 compute the same values. The ``fused_cpu_ops`` host setting off
@@ -62,23 +64,63 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # 44-61 against 35-43 at 8).
 GEMV_MAX_ROWS = 4
 
+# Without bf16 math (the AVX2 build), torch's bf16 matmul widens on the fly and falls far behind fp32 beyond a
+# few rows. There the GEMV (fp32 math in registers) takes up to AVX2_GEMV_MAX_ROWS rows and the widened-tile
+# fp32 GEMM the rest. The default model's 30 layers and LM head, 2 threads, capped to AVX2, per step:
+# 1 row 3.6 ms (fp32 weights: 10.9), 8 rows 16.7 (18.9), 16 rows: GEMV 32, tiled GEMM 25 (fp32: 22),
+# 64 rows: tiled GEMM 50-56 (fp32: 44; torch's bf16 matmul: 141).
+AVX2_GEMV_MAX_ROWS = 8
+
+
+def _gemv_path() -> str:
+    """The ISA path of the compiled bf16 GEMV: ``avx512_bf16``, ``avx2``, or ``""`` (none, or turned off)."""
+    return _compiled_gemv_path() if host.current().fused_cpu_ops else ""
+
 
 def _has_gemv() -> bool:
-    return host.current().fused_cpu_ops and _compiled_has_gemv()
+    return bool(_gemv_path())
 
 
 @lru_cache(maxsize=1)
-def _compiled_has_gemv() -> bool:
+def _compiled_gemv_path() -> str:
     ops = _compiled()
-    return ops is not None and bool(ops.has_bf16_gemv())
+    return str(ops.gemv_path()) if ops is not None else ""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``, through the bf16 GEMV kernel for decode-sized batches on a CPU."""
-    rows = x.numel() // max(1, x.shape[-1])
-    if (rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and x.device.type == "cpu" and weight.is_contiguous() and _has_gemv()):
-        x2 = x.reshape(rows, x.shape[-1])
-        if x2.stride(-1) == 1:
-            return cpu_ops().gemv_bf16(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16 math
+    (AVX2) through the widened-tile GEMM for larger ones."""
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and weight.is_contiguous()):
+        path = _gemv_path()
+        rows = x.numel() // max(1, x.shape[-1])
+        if path == "avx512_bf16" and rows <= GEMV_MAX_ROWS or path == "avx2":
+            x2 = x.reshape(rows, x.shape[-1])
+            if x2.stride(-1) == 1:
+                if path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
+                    y = cpu_ops().gemm_bf16_fp32(x2, weight, bias)
+                else:
+                    y = cpu_ops().gemv_bf16(x2, weight, bias)
+                return y.view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def isa_paths(dtype: torch.dtype) -> dict[str, str]:
+    """The ISA path the decoder layer's elementwise kernels and dense linear layers take for a CPU model of
+    ``dtype`` (for benchmarks and logs)."""
+    from pagoda.layers import onednn
+
+    ops = cpu_ops()
+    elementwise = str(ops.elementwise_path()) if ops is not None and dtype in _DTYPES else "torch"
+    if dtype != torch.bfloat16:
+        dense = "torch"
+    elif onednn.packing_available():
+        dense = "onednn packed bf16" + (f", gemv {_gemv_path()} up to {GEMV_MAX_ROWS} rows (LM head)"
+                                        if _gemv_path() == "avx512_bf16" else "")
+    elif _gemv_path() == "avx2":
+        dense = f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond)"
+    elif _gemv_path():
+        dense = f"gemv {_gemv_path()} up to {GEMV_MAX_ROWS} rows, torch beyond"
+    else:
+        dense = "torch"
+    return {"rmsnorm/silu/rope": elementwise, "dense linear": dense}

@@ -2,12 +2,15 @@
 
 Decodes and prefill chunks that follow cached context attend through
 ``cpu_kernels.cpp``, which reads K/V in place from the block pool (no gathered
-copy), one (token, kv head) pair per work item, fp32 accumulation. Fresh
-prompts of a bf16 model go through ``cpu_prefill.cpp``, a flash-style causal
-kernel on AVX-512 BF16, all of a step's prompts in one call; other dtypes (and
-the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) use SDPA. Steps with many decodes of a model
-without the bf16 decode path use the torch backend's batched path, which wins
-there. The kernels are compiled on first use (about a minute) and cached by
+copy), one (token, kv head) pair per work item, fp32 accumulation: on AVX-512
+BF16 for bf16 models, on AVX2 for every dtype (fp32 math, 16-bit and fp8 values
+widened in registers). Fresh prompts go through ``cpu_prefill.cpp``, a
+flash-style causal kernel (AVX-512 BF16 for bf16 models; AVX2 in fp32 for bf16,
+fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
+the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
+Steps with many decodes on the generic loops (no AVX2) use the torch backend's
+batched path, which wins there. ``isa_paths()`` names the path each kernel
+takes. The kernels are compiled on first use (about a minute) and cached by
 torch's extension loader.
 """
 
@@ -34,7 +37,8 @@ from pagoda.step import AttentionBatch
 # kernel's generic loops (this model family's shapes: 9 heads / 3 KV heads, head_dim 64, 300-token
 # contexts: 0.62 vs 0.61 ms at 16 decodes, 1.7 vs 1.9 at 32, 2.7 vs 4.5 at 64). The AVX-512 BF16
 # path for bf16 caches is faster than either at every size (64 decodes: 1.0 ms per layer against
-# 2.4 for the generic loops), so it is always used where it applies.
+# 2.4 for the generic loops), and so is the AVX2 path for every dtype (capped to AVX2, 64 decodes:
+# fp32 7.8 ms against 15.9 batched, bf16 6.4 against 33.8), so those are always used where they apply.
 MAX_KERNEL_DECODES = 16
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -90,12 +94,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.bf16_kernel = (model_config.dtype == torch.bfloat16 and self.kernels.has_bf16_kernel()
                             and (self.kv_cache_dtype == torch.bfloat16 or (self.fp8 and self.head_dim <= 256))
                             and self.head_dim % 32 == 0 and self.block_size % 16 == 0 and self.group <= 8)
-        # fresh prompts of a bf16 model: a flash-style AVX-512 BF16 kernel (3-4x SDPA's at W1's lengths)
+        # which ISA path decodes take: AVX-512 BF16 (bf16 and fp8 caches of a bf16 model), AVX2 (fp32 math, every
+        # dtype), or the generic loops (which hand large decode batches on one thread to torch's batched path)
+        if self.bf16_kernel:
+            self.decode_path = "avx512_bf16"
+        elif self.kernels.has_avx2_kernel() and self.head_dim % 8 == 0 and self.block_size % 8 == 0:
+            self.decode_path = "avx2"
+        else:
+            self.decode_path = "generic"
+        # fresh prompts: a flash-style kernel, on AVX-512 BF16 for bf16 models (3-4x SDPA's at W1's lengths),
+        # on AVX2 in fp32 for bf16, fp16 and fp32 models
         self.prefill_kernel = None
-        if model_config.dtype == torch.bfloat16 and host.current().cpu_prefill_kernel:
+        if host.current().cpu_prefill_kernel:
             kernel = load_prefill_kernel()
-            if kernel is not None and kernel.supports_head_dim(self.head_dim):
+            if (kernel is not None and kernel.supports_head_dim(self.head_dim)
+                    and kernel.supports_dtype(str(model_config.dtype).removeprefix("torch."))):
                 self.prefill_kernel = kernel
+
+    def isa_paths(self) -> dict[str, str]:
+        """The ISA path each of this backend's kernels takes for its model: ``decode attention`` and
+        ``prefill attention`` (``sdpa``: torch's, no kernel of ours)."""
+        prefill = self.prefill_kernel.isa_path() if self.prefill_kernel is not None else "sdpa"
+        return {"decode attention": self.decode_path, "prefill attention": prefill}
 
     def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:
         n = batch.num_reqs
@@ -109,7 +129,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         torch_decode = None
         # an fp8 cache always takes the kernel: torch widens gathered fp8 rows ~10x slower than the kernel reads them
         batched = batch.num_decodes > MAX_KERNEL_DECODES and torch.get_num_threads() == 1
-        if batched and not self.bf16_kernel and not self.fp8:
+        if batched and self.decode_path == "generic" and not self.fp8:
             torch_decode = super().build_metadata(batch)
             token_len[:batch.num_decodes] = 0
         qsl, seq_lens = batch.query_start_loc_list, batch.seq_lens_list

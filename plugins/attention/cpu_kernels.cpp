@@ -11,7 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -341,6 +341,188 @@ void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, 
 constexpr bool kHasBf16Kernel = false;
 #endif
 
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGODA_AVX2_DECODE 1
+constexpr bool kHasAvx2Kernel = true;
+
+// One (token, kv head) work item in fp32 on 8-lane registers, for every q dtype and cache (model dtype
+// or fp8), head_dim % 8 == 0 and block_size % 8 == 0: the AVX-512 BF16 item's structure at half width,
+// with the 16-bit and fp8 values widened in registers (bf16: zero-extend and shift left 16; fp16 and
+// fp8 through vcvtph2ps).
+
+inline __m256 load_x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_x8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load_x8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load_x8(const c10::Float8_e4m3fn* p) {
+  // the e4m3 magnitude shifted into an fp16 is the value times 2^-8 (see fp8x16_to_float)
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+                                    _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+  return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+}
+
+inline void store_x8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
+inline void store_x8(__m256 v, at::Half* p) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store_x8(__m256 v, at::BFloat16* p) {
+  // fp32 -> bf16, round to nearest even (the values are finite)
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  // 32-bit lanes holding 16-bit values: pack per 128-bit half, then gather the two halves' low quads
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// lane r = the sum of the 8 lanes of a[r]
+inline __m256 sum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [a0..a3 | a0..a3] half sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp(x) for x <= 0, 8 lanes: exp_approx's arithmetic, 2^n built in the exponent bits
+inline __m256 exp8_ps(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.540353e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// softmax_rows 8 scores at a time, the tail of each row scalar
+inline void softmax_rows_x8(float* scores, int64_t rows, int64_t len, float out_scale) {
+  const int64_t len8 = len / 8 * 8;
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < len8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + i));
+    float m = hmax8(mv);
+    for (int64_t i = len8; i < len; ++i) m = std::max(m, sg[i]);
+    const __m256 mx = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (int64_t i = 0; i < len8; i += 8) {
+      const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mx));
+      _mm256_storeu_ps(sg + i, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum8(sv);
+    for (int64_t i = len8; i < len; ++i) {
+      sg[i] = exp_approx(sg[i] - m);
+      sum += sg[i];
+    }
+    const float inv = out_scale / sum;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < len8; i += 8) _mm256_storeu_ps(sg + i, _mm256_mul_ps(_mm256_loadu_ps(sg + i), iv));
+    for (int64_t i = len8; i < len; ++i) sg[i] *= inv;
+  }
+}
+
+// out[g0 + g, d0 : d0 + 8 * NS] for GH heads = sum_j p[g, j] * V[j, same slice], the GH x NS sums in registers
+template <int NS, int GH, typename cache_t, typename scalar_t>
+void weighted_values_x8(const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                        int64_t head_dim, int64_t d0, int64_t g0, const float* probs, scalar_t* out) {
+  __m256 acc[GH][NS];
+  for (int g = 0; g < GH; ++g)
+    for (int s = 0; s < NS; ++s) acc[g][s] = _mm256_setzero_ps();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const cache_t* v_block = v_head + static_cast<int64_t>(table[start / block_size]) * block_size * head_dim + d0;
+    const int64_t n = std::min<int64_t>(block_size, len - start);
+    const float* p_row = probs + g0 * len + start;
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 v[NS];
+      for (int s = 0; s < NS; ++s) v[s] = load_x8(v_block + j * head_dim + 8 * s);
+      for (int g = 0; g < GH; ++g) {
+        const __m256 p = _mm256_broadcast_ss(p_row + g * len + j);
+        for (int s = 0; s < NS; ++s) acc[g][s] = _mm256_fmadd_ps(p, v[s], acc[g][s]);
+      }
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    for (int s = 0; s < NS; ++s) store_x8(acc[g][s], out + (g0 + g) * head_dim + d0 + 8 * s);
+}
+
+// every head of the group over one slice of head_dim, two heads at a time (8 sums + 4 values in registers)
+template <int NS, typename cache_t, typename scalar_t>
+void weighted_values_slice(const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
+                           int64_t head_dim, int64_t d0, int64_t group, const float* probs, scalar_t* out) {
+  int64_t g0 = 0;
+  for (; g0 + 2 <= group; g0 += 2)
+    weighted_values_x8<NS, 2>(v_head, table, len, block_size, head_dim, d0, g0, probs, out);
+  if (g0 < group) weighted_values_x8<NS, 1>(v_head, table, len, block_size, head_dim, d0, g0, probs, out);
+}
+
+template <typename scalar_t, typename cache_t>
+void decode_item_avx2(const scalar_t* q, int64_t q_stride_h, int64_t group, const cache_t* k_head,
+                      const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size, int64_t head_dim,
+                      float qk_scale, float v_scale, float* qf, float* scores, scalar_t* out) {
+  // the group's query rows in fp32, times the score scale: [group, head_dim]
+  const __m256 scale = _mm256_set1_ps(qk_scale);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; d += 8)
+      _mm256_storeu_ps(qf + g * head_dim + d, _mm256_mul_ps(load_x8(q + g * q_stride_h + d), scale));
+  // pass 1: scores [group, len], 8 key rows at a time (a tile of 8 never crosses a block)
+  alignas(32) float tile_scores[8];
+  for (int64_t start = 0; start < len; start += 8) {
+    const int64_t n = std::min<int64_t>(8, len - start);
+    const int64_t offset = (static_cast<int64_t>(table[start / block_size]) * block_size + start % block_size) * head_dim;
+    const cache_t* rows = k_head + offset;
+    if (start + 8 < len) {  // the next tile's key and value rows: blocks are scattered, the prefetcher cannot guess
+      const int64_t next = start + 8;
+      const int64_t ahead = (static_cast<int64_t>(table[next / block_size]) * block_size + next % block_size) * head_dim;
+      for (int64_t b = 0; b < 8 * head_dim * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_head + ahead) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(v_head + ahead) + b, _MM_HINT_T1);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      // all 8 rows, a compile-time count, so the sums stay in registers; lanes past `n` are not stored
+      __m256 acc[8];
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+      const float* qg = qf + g * head_dim;
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(load_x8(rows + r * head_dim + d), qv, acc[r]);
+      }
+      _mm256_store_ps(tile_scores, sum8x8(acc));
+      std::memcpy(scores + g * len + start, tile_scores, sizeof(float) * n);
+    }
+  }
+  softmax_rows_x8(scores, group, len, v_scale);
+  // pass 2: 32 dims at a time, then 8
+  int64_t d0 = 0;
+  for (; d0 + 32 <= head_dim; d0 += 32)
+    weighted_values_slice<4>(v_head, table, len, block_size, head_dim, d0, group, scores, out);
+  for (; d0 < head_dim; d0 += 8) weighted_values_slice<1>(v_head, table, len, block_size, head_dim, d0, group, scores, out);
+}
+#else
+constexpr bool kHasAvx2Kernel = false;
+#endif
+
 // scalar_t: q and out; cache_t: the stored K/V (scalar_t, or c10::Float8_e4m3fn)
 template <typename scalar_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -367,6 +549,9 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
   const bool bf16_fast = kHasBf16Kernel && head_dim % 32 == 0 && block_size % 16 == 0 && group <= 8 &&
                          q.stride(2) == 1;
 
+  // the AVX2 path's shapes (the generic loops take the rest)
+  const bool avx2_fast = kHasAvx2Kernel && head_dim % 8 == 0 && block_size % 8 == 0 && q.stride(2) == 1;
+
   at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -384,6 +569,15 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
                            out_ptr + (t * num_heads + h * group) * head_dim);
           continue;
         }
+      }
+#endif
+#ifdef PAGODA_AVX2_DECODE
+      if (avx2_fast) {
+        scores.resize(group * len);
+        decode_item_avx2(q_ptr + t * q_stride_t + h * group * q_stride_h, q_stride_h, group, k_ptr + h * head_stride,
+                         v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, qf.data(),
+                         scores.data(), out_ptr + (t * num_heads + h * group) * head_dim);
+        continue;
       }
 #endif
       for (int64_t g = 0; g < group; ++g) {
@@ -512,9 +706,13 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, co
 // whether bf16 caches take decode_item_bf16 (head_dim % 32 == 0, block_size % 16 == 0, group <= 8)
 bool has_bf16_kernel() { return kHasBf16Kernel; }
 
+// whether other decodes take decode_item_avx2 (head_dim % 8 == 0, block_size % 8 == 0)
+bool has_avx2_kernel() { return kHasAvx2Kernel; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store this step's K/V rows into their cache slots");
   m.def("has_bf16_kernel", &has_bf16_kernel, "whether the AVX-512 BF16 decode path was built");
+  m.def("has_avx2_kernel", &has_avx2_kernel, "whether the AVX2 decode path (fp32 math, every dtype) was built");
   m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", pybind11::arg("q"),
         pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
         pybind11::arg("token_len"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,

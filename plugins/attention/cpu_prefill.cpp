@@ -11,10 +11,15 @@
 //   kt[h][block][p][16 keys]   = (k[key][2p], k[key][2p + 1])       scores: lanes are keys
 //   vt[h][block][8][head_dim]  = (v[2i][d], v[2i + 1][d])           P.V: lanes are dims
 // Keys past a prompt's end are zero and masked.
+//
+// Without AVX-512 BF16, an AVX2 + FMA + F16C build runs the same flash-style items in fp32 on 8-lane
+// registers for bf16, fp16 and fp32 prompts: K and V are widened to fp32 once by the re-layout
+// (kt[h][block][d][16 keys], vt[h][block][16 keys][head_dim]), probabilities stay fp32, and the output is
+// rounded to the prompt dtype once.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -22,21 +27,32 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 16;  // keys per block, and query tokens per work item
 
-bool has_prefill_kernel() {
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGODA_AVX2_PREFILL 1
+#endif
+
+// the ISA path of this build's kernel: "avx512_bf16" (bf16 prompts), "avx2" (bf16, fp16, fp32), "" (none)
+const char* prefill_path() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return true;
+  return "avx512_bf16";
+#elif defined(PAGODA_AVX2_PREFILL)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }
+
+bool has_prefill_kernel() { return prefill_path()[0] != '\0'; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
@@ -223,14 +239,237 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 
 #endif
 
+#ifdef PAGODA_AVX2_PREFILL
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(at::BFloat16* p, __m256 v) {
+  // round to nearest even (finite values), 32-bit lanes packed to 16 bits
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// 2^x for x <= 0: 2^round(x) in the exponent bits times a degree-6 polynomial of the rest
+inline __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.540353e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One 16-key block of one kv head in fp32: kt [D][16 keys], vt [16 keys][D]; keys past `n` are zero.
+template <int D, typename T>
+void relayout_block_f32(const T* k, int64_t k_stride, const T* v, int64_t v_stride, int64_t n, float* kt,
+                        float* vt) {
+  alignas(32) float row[D];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    if (j < n) {
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(row + d, load8(k + j * k_stride + d));
+      for (int d = 0; d < D; ++d) kt[d * kBlock + j] = row[d];
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(vt + j * D + d, load8(v + j * v_stride + d));
+    } else {
+      for (int d = 0; d < D; ++d) kt[d * kBlock + j] = 0.f;
+      for (int d = 0; d < D; ++d) vt[j * D + d] = 0.f;
+    }
+  }
+}
+
+// R query rows (token-major: row = token * group + head) of one work item against key blocks 0..diag; rows
+// past `rows` repeat the last one and are not stored. Scores: 2 registers of 16 keys per row; the running
+// output rows live in an L1 buffer, 16 dims x R rows in registers while a block's values are added.
+template <int D, int R, typename T>
+void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_token_stride, const float* kt,
+                     const float* vt, int64_t diag, int64_t group, int64_t row0, int64_t rows, float scale_log2) {
+  alignas(32) float qf[R][D];  // query rows in fp32, times scale * log2(e): scores come out in base 2
+  alignas(32) float o[R][D];
+  alignas(32) float probs[R][kBlock];
+  int64_t token[R];
+  float m[R], l[R];
+  const __m256 scale = _mm256_set1_ps(scale_log2);
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + std::min<int64_t>(r, rows - 1);
+    token[r] = row / group;
+    const T* src = q + token[r] * q_token_stride + (row % group) * D;
+    for (int d = 0; d < D; d += 8) _mm256_store_ps(qf[r] + d, _mm256_mul_ps(load8(src + d), scale));
+    for (int d = 0; d < D; ++d) o[r][d] = 0.f;
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b = 0; b <= diag; ++b) {
+    const float* kb = kt + b * D * kBlock;
+    const float* vb = vt + b * kBlock * D;
+    __m256 s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_load_ps(kb + d * kBlock), k1 = _mm256_load_ps(kb + d * kBlock + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(&qf[r][d]);
+        s[r][0] = _mm256_fmadd_ps(qv, k0, s[r][0]);
+        s[r][1] = _mm256_fmadd_ps(qv, k1, s[r][1]);
+      }
+    }
+    float alpha[R];
+    for (int r = 0; r < R; ++r) {
+      // keys after the row's own token (diagonal block only) do not exist for it
+      const float last = b < diag ? static_cast<float>(kBlock) : static_cast<float>(token[r] % kBlock);
+      const __m256 valid0 = _mm256_cmp_ps(lane, _mm256_set1_ps(last), _CMP_LE_OQ);
+      const __m256 valid1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f)), _mm256_set1_ps(last), _CMP_LE_OQ);
+      const __m256 ninf = _mm256_set1_ps(-INFINITY);
+      const __m256 x0 = _mm256_blendv_ps(ninf, s[r][0], valid0), x1 = _mm256_blendv_ps(ninf, s[r][1], valid1);
+      const float m_new = std::max(m[r], max8(_mm256_max_ps(x0, x1)));
+      alpha[r] = m[r] == -INFINITY ? 0.f : std::exp2(m[r] - m_new);
+      m[r] = m_new;
+      const __m256 mv = _mm256_set1_ps(m_new);
+      const __m256 p0 = _mm256_and_ps(valid0, exp2_8(_mm256_sub_ps(x0, mv)));
+      const __m256 p1 = _mm256_and_ps(valid1, exp2_8(_mm256_sub_ps(x1, mv)));
+      l[r] = l[r] * alpha[r] + sum8(_mm256_add_ps(p0, p1));
+      _mm256_store_ps(probs[r], p0);
+      _mm256_store_ps(probs[r] + 8, p1);
+    }
+    for (int c = 0; c < D; c += 16) {
+      __m256 acc[R][2];
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_set1_ps(alpha[r]);
+        acc[r][0] = _mm256_mul_ps(_mm256_load_ps(o[r] + c), a);
+        acc[r][1] = _mm256_mul_ps(_mm256_load_ps(o[r] + c + 8), a);
+      }
+      for (int j = 0; j < kBlock; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(vb + j * D + c), v1 = _mm256_loadu_ps(vb + j * D + c + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 p = _mm256_broadcast_ss(&probs[r][j]);
+          acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(o[r] + c, acc[r][0]);
+        _mm256_store_ps(o[r] + c + 8, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R && r < rows; ++r) {
+    const int64_t row = row0 + r;
+    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    T* dst = out + token[r] * out_token_stride + (row % group) * D;
+    for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_load_ps(o[r] + d), inv));
+  }
+}
+
+template <int D, typename T>
+void prefill_impl_f32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+                      const std::vector<int64_t>& ranges, double scale) {
+  constexpr int R = 4;  // rows per sweep: 8 score registers, 8 output registers while values are added
+  const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;
+  const int64_t* begin = ranges.data();
+  const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k.data_ptr<T>();
+  const T* vd = v.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  std::vector<int64_t> first_block(num_prompts + 1, 0);
+  for (int64_t i = 0; i < num_prompts; ++i)
+    first_block[i + 1] = first_block[i] + (begin[2 * i + 1] - begin[2 * i] + kBlock - 1) / kBlock;
+  const int64_t blocks = first_block[num_prompts];
+  std::vector<std::pair<int64_t, int64_t>> items;
+  items.reserve(blocks);
+  for (int64_t i = 0; i < num_prompts; ++i)
+    for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
+  const int64_t block_floats = D * kBlock;  // per block, in each of kt and vt
+  std::unique_ptr<float[], decltype(&std::free)> kt(
+      static_cast<float*>(std::aligned_alloc(32, sizeof(float) * kv_heads * blocks * block_floats)), &std::free);
+  std::unique_ptr<float[], decltype(&std::free)> vt(
+      static_cast<float*>(std::aligned_alloc(32, sizeof(float) * kv_heads * blocks * block_floats)), &std::free);
+  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t w = first; w < last; ++w) {
+      const int64_t h = w / blocks, gb = w % blocks;
+      const auto [i, b] = items[gb];
+      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
+      relayout_block_f32<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * blocks + gb) * block_floats],
+                            &vt[(h * blocks + gb) * block_floats]);
+    }
+  });
+  std::vector<int64_t> order(kv_heads * blocks);
+  for (int64_t w = 0; w < kv_heads * blocks; ++w) order[w] = w;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return items[a % blocks].second > items[b % blocks].second;
+  });
+  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = kv_heads * blocks;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t w = next++; w < num_items; w = next++) {
+      const int64_t h = order[w] / blocks, gb = order[w] % blocks;
+      const auto [i, b] = items[gb];
+      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
+      const float* kh = &kt[(h * blocks + first_block[i]) * block_floats];
+      const float* vh = &vt[(h * blocks + first_block[i]) * block_floats];
+      for (int64_t r0 = 0; r0 < n * group; r0 += R)
+        attend_rows_f32<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group,
+                              r0, std::min<int64_t>(R, n * group - r0), scale_log2);
+    }
+  });
+}
+
+template <typename T>
+void prefill_avx2(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+                  const std::vector<int64_t>& ranges, double scale) {
+  const int64_t d = q.size(2);
+  if (d == 64) return prefill_impl_f32<64, T>(q, k, v, out, ranges, scale);
+  if (d == 128) return prefill_impl_f32<128, T>(q, k, v, out, ranges, scale);
+  if (d == 32) return prefill_impl_f32<32, T>(q, k, v, out, ranges, scale);
+  TORCH_CHECK(false, "prefill_attention: no kernel for head_dim ", d, " on this CPU");
+}
+
+#endif
+
 // q [T, H, D], k/v [T, Hkv, D] bf16 with unit dim stride and heads packed; out [T, H, D] likewise.
 // ranges: [begin_0, end_0, begin_1, end_1, ...], the tokens of each prompt, which attends causally to
 // itself only; tokens outside every range are left alone.
 void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor out,
                        const std::vector<int64_t>& ranges, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "prefill_attention takes bfloat16 tensors");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
+              "q, k, v and out must share one dtype");
+#ifdef PAGODA_AVX2_PREFILL
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
+              "prefill_attention takes bfloat16, float16 or float32 tensors");
+#else
+  TORCH_CHECK(dtype == at::kBFloat16, "prefill_attention takes bfloat16 tensors on this CPU");
+#endif
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [T, heads, D]");
   const int64_t d = q.size(2);
   for (const torch::Tensor* t : {&q, &k, &v, static_cast<const torch::Tensor*>(&out)})
@@ -242,6 +481,11 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
   TORCH_CHECK(ranges.size() % 2 == 0, "ranges must be begin/end pairs");
   for (size_t i = 0; i < ranges.size(); i += 2)
     TORCH_CHECK(0 <= ranges[i] && ranges[i] <= ranges[i + 1] && ranges[i + 1] <= q.size(0), "range out of bounds");
+#if defined(PAGODA_AVX2_PREFILL)
+  if (dtype == at::kFloat) return prefill_avx2<float>(q, k, v, out, ranges, scale);
+  if (dtype == at::kHalf) return prefill_avx2<at::Half>(q, k, v, out, ranges, scale);
+  return prefill_avx2<at::BFloat16>(q, k, v, out, ranges, scale);
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if (d == 64) return prefill_impl<64>(q, k, v, out, ranges, scale);
   if (d == 128) return prefill_impl<128>(q, k, v, out, ranges, scale);
@@ -252,9 +496,21 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 
 bool supports_head_dim(int64_t d) { return has_prefill_kernel() && (d == 32 || d == 64 || d == 128); }
 
+// whether the backend sends prompts of this dtype ("bfloat16", "float16", "float32") to the kernel. fp32
+// prompts keep SDPA, which is as fast there and whose sums follow HF's fp32 attention more closely (a tiny
+// fp8-weight model's greedy tokens flipped on a near-tie with the kernel); prefill_attention still takes them.
+bool supports_dtype(const std::string& dtype) {
+  const std::string path = prefill_path();
+  return path == "avx2" ? (dtype == "bfloat16" || dtype == "float16") : (path == "avx512_bf16" && dtype == "bfloat16");
+}
+
+std::string isa_path() { return prefill_path(); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_head_dim", &supports_head_dim, "whether this build has a prefill kernel for head_dim");
-  m.def("prefill_attention", &prefill_attention, "causal attention of fresh bf16 prompts (CPU, AVX-512 BF16)");
+  m.def("supports_dtype", &supports_dtype, "whether prompts of this dtype (bfloat16, float16, float32) take the kernel");
+  m.def("isa_path", &isa_path, "the ISA path of this build: avx512_bf16, avx2, or empty (none)");
+  m.def("prefill_attention", &prefill_attention, "causal attention of fresh prompts (CPU: AVX-512 BF16, or AVX2)");
 }

@@ -204,6 +204,8 @@ def run(ns: argparse.Namespace) -> int:
         if device.type == "cpu" and isinstance(backend, TritonAttentionBackend):
             print(f"{name:<10} skipped: runs in the Triton interpreter here, which says nothing about speed")
             continue
+        if hasattr(backend, "isa_paths"):
+            print(f"{name:<10} ISA paths: " + "; ".join(f"{k} {v}" for k, v in backend.isa_paths().items()))
         for batch_size in ns.batch_sizes:
             for seq_len in ns.seq_lens:
                 w = Workload(batch_size, seq_len, min(ns.query_len, seq_len))

@@ -149,6 +149,30 @@ def _print_header(llm) -> None:
     from pagoda import cpu_isa, openmp
 
     print(f"OpenMP waiting: {openmp.wait_policy}  CPU kernels built for: {cpu_isa.describe()}")
+    paths = kernel_isa_paths(llm)
+    if paths:
+        print("kernel ISA paths: " + "; ".join(f"{kernel} {path}" for kernel, path in paths.items()))
+
+
+def kernel_isa_paths(llm) -> dict[str, str]:
+    """Which ISA path each CPU kernel of this engine takes (empty off a CPU)."""
+    cfg = llm.engine.config
+    if cfg.device != "cpu":
+        return {}
+    from pagoda.layers.fused_ops import isa_paths
+
+    paths = {}
+    backend_paths = getattr(llm.engine.backend, "isa_paths", None)
+    if backend_paths is not None:
+        paths.update(backend_paths())
+    paths.update(isa_paths(cfg.model.dtype))
+    if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
+        from pagoda.plugins.quant.base import kernel_for_device
+        from pagoda.plugins.quant.cpu_int_kernel import isa_path
+
+        kernel = kernel_for_device()
+        paths["int linear"] = isa_path() if kernel == "cpu" else kernel
+    return paths
 
 
 def run_throughput(ns: argparse.Namespace) -> int:

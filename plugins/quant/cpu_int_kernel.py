@@ -57,6 +57,13 @@ def int_kernels_or_none() -> Optional[Any]:
         return None
 
 
+def isa_path() -> str:
+    """The ISA path of the int kernel's small-batch product (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``),
+    or ``torch`` where it cannot be built."""
+    kernels = int_kernels_or_none()
+    return str(kernels.isa_path()) if kernels is not None else "torch"
+
+
 def cpu_int_linear(kernels: Any, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
                    impl: int = IMPL_AUTO, gemm_min_rows: int = GEMM_MIN_ROWS,
                    tile_rows: int = TILE_ROWS) -> torch.Tensor:

@@ -26,11 +26,17 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PAGODA_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// no AVX-512: the direct path's fp32 FMAs and the dequantization on 8-lane registers (every activation
+// dtype computes in fp32 here; bf16 activations are widened once per call)
+#include <immintrin.h>
+#define PAGODA_AVX2 1
 #endif
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -165,6 +171,101 @@ void dot_tile_f32(const Problem& p, int64_t n0, int64_t m0, const float* scale, 
 }
 #endif
 
+#ifdef PAGODA_AVX2
+// 8 integers of a segment as fp32 (the caller keeps 8 columns inside the segment)
+template <int KIND>
+inline __m256 ints8_f32(const uint8_t* p) {
+  __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  if (KIND == kLow4) w = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
+  if (KIND == kHigh4) w = _mm256_srli_epi32(w, 4);
+  return _mm256_cvtepi32_ps(w);
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// fp32 FMAs over one segment for NT rows x MT activation rows: 8 columns at a time, the tail scalar
+template <int NT, int MT, int KIND>
+inline void segment_f32_x8(const Problem& p, const Segment& s, const uint8_t* rows, const float* x,
+                           __m256 (&acc)[NT][MT], float (&tail)[NT][MT]) {
+  const int64_t len8 = s.len / 8 * 8;
+  for (int64_t c = 0; c < len8; c += 8) {
+    __m256 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * p.in_features + s.col + c);
+    for (int r = 0; r < NT; ++r) {
+      const __m256 w = ints8_f32<KIND>(rows + r * p.row_bytes + s.byte + c);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < NT; ++r) {
+    const uint8_t* row = rows + r * p.row_bytes;
+    for (int m = 0; m < MT; ++m) {
+      float t = 0.f;
+      for (int64_t c = len8; c < s.len; ++c)
+        t += x[m * p.in_features + s.col + c] * static_cast<float>(int_at(row, s, c));
+      tail[r][m] = t;
+    }
+  }
+}
+
+template <int NT, int MT>
+void dot_tile_f32_x8(const Problem& p, int64_t n0, int64_t m0, const float* scale, float* out) {
+  __m256 acc[NT][MT], tot[NT][MT];
+  float tail[NT][MT], tail_tot[NT][MT] = {};
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) tot[r][m] = _mm256_setzero_ps();
+  const uint8_t* rows = p.w_q + n0 * p.row_bytes;
+  const float* x = p.xf + m0 * p.in_features;
+  for (const Segment& s : *p.segs) {
+    for (int r = 0; r < NT; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+    if (s.kind == kLow4) segment_f32_x8<NT, MT, kLow4>(p, s, rows, x, acc, tail);
+    else if (s.kind == kHigh4) segment_f32_x8<NT, MT, kHigh4>(p, s, rows, x, acc, tail);
+    else segment_f32_x8<NT, MT, kByte8>(p, s, rows, x, acc, tail);
+    for (int r = 0; r < NT; ++r) {
+      const float sc = scale[r * p.num_groups + s.group];
+      const __m256 scv = _mm256_set1_ps(sc);
+      for (int m = 0; m < MT; ++m) {
+        tot[r][m] = _mm256_fmadd_ps(acc[r][m], scv, tot[r][m]);
+        tail_tot[r][m] += tail[r][m] * sc;
+      }
+    }
+  }
+  for (int r = 0; r < NT; ++r)
+    for (int m = 0; m < MT; ++m) out[m * NT + r] = sum8(tot[r][m]) + tail_tot[r][m];
+}
+
+// 8 fp32 values stored as T, round to nearest even (what static_cast<T> of each does)
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// dequantize_row's (q - zero) * scale, 8 columns at a time; returns the columns done
+template <typename T>
+inline int64_t dequantize_segment_x8(const uint8_t* row, const Segment& s, float z, float sc, T* dst) {
+  const __m256 zv = _mm256_set1_ps(z), scv = _mm256_set1_ps(sc);
+  const int64_t len8 = s.len / 8 * 8;
+  for (int64_t i = 0; i < len8; i += 8) {
+    const uint8_t* src = row + s.byte + i;
+    const __m256 q = s.kind == kLow4 ? ints8_f32<kLow4>(src) : s.kind == kHigh4 ? ints8_f32<kHigh4>(src)
+                                                                                : ints8_f32<kByte8>(src);
+    store8(dst + i, _mm256_mul_ps(_mm256_sub_ps(q, zv), scv));
+  }
+  return len8;
+}
+#endif
+
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
 #define PAGODA_BF16_DOT 1
 // 32 integers of a segment as bf16 words: 4-bit ones as 128 + q (exact), 8-bit ones converted
@@ -266,6 +367,13 @@ void dequantize_row(const uint8_t* row, const std::vector<Segment>& segs, const 
   for (const Segment& s : segs) {
     const float sc = scale[s.group], z = zero[s.group];
     T* dst = out + s.col;
+#ifdef PAGODA_AVX2
+    if (vector) {
+      const int64_t done = dequantize_segment_x8<T>(row, s, z, sc, dst);
+      for (int64_t i = done; i < s.len; ++i) dst[i] = static_cast<T>((static_cast<float>(int_at(row, s, i)) - z) * sc);
+      continue;
+    }
+#endif
     if (s.kind == kByte8) {
       for (int64_t i = 0; i < s.len; ++i) dst[i] = static_cast<T>((static_cast<float>(row[s.byte + i]) - z) * sc);
       continue;
@@ -361,6 +469,12 @@ TileFn pick_tile(bool bf16, int nt, int mt) {
     if (nt == 1) { PAGODA_TILE(dot_tile_bf16, 1) }
     return nullptr;
   }
+#endif
+#ifdef PAGODA_AVX2
+  // at most 6 sums and 6 running totals in the 16 registers
+  if (nt == 4 && mt == 1) return &dot_tile_f32_x8<4, 1>;
+  if (nt == 2 && mt <= 3) { PAGODA_TILE(dot_tile_f32_x8, 2) }
+  if (nt == 1) { PAGODA_TILE(dot_tile_f32_x8, 1) }
 #endif
 #ifdef PAGODA_AVX512
   if (nt == 8 && mt == 1) return &dot_tile_f32<8, 1>;
@@ -471,8 +585,13 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
   Problem p{w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes, xf.data(), xb.data(), K, &segs, G};
 
   // rows x activation rows per tile: at most 16 accumulators plus 16 running sums in registers
+#ifdef PAGODA_AVX2
+  const int nt_main = M == 1 ? 4 : 2;
+  const int mt_main = M <= 3 ? static_cast<int>(M) : 3;
+#else
   const int nt_main = M == 1 ? 8 : M <= 3 ? 4 : 2;
   const int mt_main = M <= 3 ? static_cast<int>(M) : 4;
+#endif
   const bool scalar = impl == kScalar || pick_tile(use_bf16, nt_main, 1) == nullptr;
   const T* sp = w_scales.data_ptr<T>() + row_start * G;
   const T* zp = w_zeros.data_ptr<T>() + row_start * G;
@@ -569,6 +688,19 @@ void int_linear_rows(const at::Tensor& x, const at::Tensor& w_q, const at::Tenso
   }
 }
 
+// the ISA path of the direct (small-batch) kernel: avx512_bf16, avx512, avx2 or scalar
+std::string isa_path() {
+#if defined(PAGODA_BF16_DOT)
+  return "avx512_bf16";
+#elif defined(PAGODA_AVX512)
+  return "avx512";
+#elif defined(PAGODA_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 bool has_bf16_dot() {
 #ifdef PAGODA_BF16_DOT
   return true;
@@ -586,4 +718,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("row_end"), pybind11::arg("y"), pybind11::arg("bias"), pybind11::arg("impl"),
         pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));
   m.def("has_bf16_dot", &has_bf16_dot, "whether the AVX512-BF16 path was compiled in");
+  m.def("isa_path", &isa_path, "the ISA path of the direct kernel: avx512_bf16, avx512, avx2 or scalar");
 }

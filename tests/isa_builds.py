@@ -1,0 +1,25 @@
+"""Building a C++ kernel at a chosen ISA level, so one machine tests every path it can run."""
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+
+from pagoda import cpu_isa, host
+from pagoda.cpp_extension import load_cpu_extension
+
+_BUILDS: dict[tuple[str, str], Any] = {}
+
+
+def build_at(level: str, name: str, source: Path, extra_cflags: Sequence[str] = ()) -> Any:
+    """The kernel ``source`` compiled for ``level`` (cached per process, and by torch per machine); skips the
+    test where this CPU cannot run that level."""
+    if cpu_isa.LEVELS.index(cpu_isa.cpu_isa("auto")) < cpu_isa.LEVELS.index(level):
+        pytest.skip(f"the {level} path needs a {level} CPU; this one is {cpu_isa.describe('auto')}")
+    key = (level, name)
+    if key not in _BUILDS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(host, "_current", replace(host.current(), cpu_isa=level, cpu_native_build=True))
+            _BUILDS[key] = load_cpu_extension(name, source, extra_cflags)
+    return _BUILDS[key]
