@@ -125,7 +125,6 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
                                                   spec.method))
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
-    runner.num_swap_blocks = 0
     if cc.preemption_mode == "swap":
         # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
         runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)

@@ -42,6 +42,7 @@ class ModelRunner:
         one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
         self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
         self.swap_caches: Optional[list[torch.Tensor]] = None
+        self.num_swap_blocks = 0
         # a speculative draft model's own KV tensors, indexed by the same block ids (moved with the target's)
         self.draft_kv_caches: list[torch.Tensor] = []
         # speculative decoding: fills the schedule's draft slots (see set_proposer)

@@ -60,7 +60,7 @@ def check_attention_backend(factory: AttentionBackendFactory, dtypes: tuple = (t
     unavailable: Optional[BackendUnavailable] = None
     for case_index, case in enumerate(cases):
         for dtype in dtypes:
-            mc, cc = _configs(case, dtype)
+            mc, cc = component_configs(case, dtype)
             try:
                 backend = factory(mc, cc)
             except BackendUnavailable as exc:
@@ -74,7 +74,8 @@ def check_attention_backend(factory: AttentionBackendFactory, dtypes: tuple = (t
         raise unavailable or ContractError(f"{name}: no case to run")
 
 
-def _configs(case: AttentionCase, dtype: torch.dtype) -> tuple[ModelConfig, CacheConfig]:
+def component_configs(case: AttentionCase, dtype: torch.dtype) -> tuple[ModelConfig, CacheConfig]:
+    """Model and cache configs for one case's heads and blocks (no checkpoint behind them)."""
     longest = max(c + q for c, q in zip(case.context_lens, case.query_lens))
     mc = ModelConfig(model="", tokenizer="", served_model_name="conformance", hf_config={},
                      architecture="conformance", dtype=dtype, max_model_len=max(256, longest), seed=0,

@@ -8,7 +8,7 @@ import torch
 
 from pagoda.errors import CheckpointError
 from pagoda.interfaces import QuantMethodFactory
-from pagoda.testing.attention import _configs, AttentionCase
+from pagoda.testing.attention import AttentionCase, component_configs
 from pagoda.testing.contract import ContractError
 
 # make_tensors(out_features, in_features, generator) -> ({parameter name: checkpoint tensor}, dense reference
@@ -36,7 +36,7 @@ def check_quant_method(factory: QuantMethodFactory, quant_config: Optional[dict]
     from pagoda.layers.linear import Linear
 
     name = getattr(factory, "__name__", repr(factory))
-    mc, _ = _configs(AttentionCase(1, 1, 64, 16, (0,), (1,)), dtype)
+    mc, _ = component_configs(AttentionCase(1, 1, 64, 16, (0,), (1,)), dtype)
     method = factory(mc, dict(quant_config or {}))
     tolerance = tolerance if tolerance is not None else (1e-2 if make_tensors is not None else 0.08)
     gen = torch.Generator().manual_seed(seed)
