@@ -294,8 +294,7 @@ class Router(Protocol):
     """``pagoda_routers``: picks the engine replica for each request (plain bookkeeping, no I/O).
 
     Invariants: ``route`` returns one of the given replicas and changes nothing; ``on_routed`` is called
-    once for every request after it was sent, with the replica it went to (which may differ from the
-    router's choice when that replica was full).
+    once for every request as soon as its replica is known, before the next request is routed.
     """
 
     def route(self, request: "RoutingRequest", replicas: "typing.Sequence[ReplicaLoad]") -> "RoutingDecision":

@@ -95,13 +95,14 @@ class LeastLoadedRouter:
 
 
 class PowerOfTwoRouter(LeastLoadedRouter):
-    """The less loaded of two replicas drawn at random (the usual load balancer of serving systems)."""
+    """The less loaded of two replicas drawn at random (the usual load balancer of serving systems);
+    a tie goes to the first drawn."""
 
     def route(self, request: RoutingRequest, replicas: typing.Sequence[ReplicaLoad]) -> RoutingDecision:
         if not replicas:
             raise ValueError("no replica to route to: the replica list is empty")
         pair = self.rng.sample(list(replicas), min(2, len(replicas)))
-        return RoutingDecision(self._least_loaded(pair), 0, "least_loaded")
+        return RoutingDecision(min(pair, key=lambda r: r.num_requests).replica_id, 0, "least_loaded")
 
 
 class PrefixAwareRouter(LeastLoadedRouter):

@@ -46,6 +46,8 @@ def _json_object(text: str) -> dict:
 
 def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
     """The replica set's options from the flags, checked before anything starts."""
+    from pagoda.plugins.entrypoints.server import default_allowed_hosts
+
     if ns.replicas < 1:
         raise ConfigError(f"--replicas {ns.replicas}: pass 1 or more")
     if ns.max_replicas is not None and not 1 <= ns.min_replicas <= ns.replicas <= ns.max_replicas:
@@ -61,6 +63,7 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              cpus_per_replica=max(1, cpus // (ns.max_replicas or ns.replicas)),
                              max_replicas=ns.max_replicas, min_replicas=ns.min_replicas,
                              target_requests_per_replica=ns.target_requests_per_replica, api_key=ns.api_key,
+                             allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                              max_request_bytes=ns.max_request_bytes)
 
 

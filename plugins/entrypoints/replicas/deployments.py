@@ -38,6 +38,8 @@ class ReplicaSetOptions:
     min_replicas: int = 1
     target_requests_per_replica: float = 16.0
     api_key: Optional[str] = None
+    # Host header names to answer (None: any), as pagoda serve's --allowed-hosts
+    allowed_hosts: Optional[frozenset[str]] = None
     max_request_bytes: int = 1 << 20
     # requests Serve lets a replica have at once; the engine queues and refuses (503) beyond its own limits
     max_ongoing_requests: int = 1024
@@ -55,7 +57,8 @@ class EngineReplica:
         from pagoda.plugins.entrypoints.server import build_app
 
         self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args, get_plugin_manager()))
-        self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes)
+        self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
+                             allowed_hosts=options.allowed_hosts)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.started = False
 

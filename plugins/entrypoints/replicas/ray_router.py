@@ -40,6 +40,11 @@ class PagodaRequestRouter(RequestRouter):
         decision = self.router.route(routing, loads)
         if forwarded is not None:
             forwarded.decision = decision
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if request_id is not None and request_id not in self.in_flight:
+            # counted at once, so the requests routed before this one is sent see its load and its prefix
+            self.router.on_routed(routing, decision.replica_id)
+            self._count(request_id, decision.replica_id)
         chosen = [r for r in candidate_replicas if r.replica_id == decision.replica_id]
         others = sorted((r for r in candidate_replicas if r.replica_id != decision.replica_id),
                         key=lambda r: self.num_in_flight.get(r.replica_id, 0))
@@ -47,21 +52,33 @@ class PagodaRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        decided = self.in_flight.get(request_id)
+        if decided == replica_id:
+            return
         forwarded = _forwarded(pending_request)
-        self.router.on_routed(forwarded.routing if forwarded is not None else NO_PROMPT, replica_id)
-        if forwarded is not None and forwarded.decision is not None and forwarded.decision.replica_id != replica_id:
+        if forwarded is not None:
             forwarded.decision = None  # the chosen replica was full: the request went elsewhere
-        self.num_in_flight[replica_id] = self.num_in_flight.get(replica_id, 0) + 1
-        self.in_flight[pending_request.metadata.internal_request_id] = replica_id
+        if decided is not None:
+            self._uncount(request_id)
+        self._count(request_id, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.in_flight.pop(internal_request_id, None) is not None:
-            self.num_in_flight[replica_id] = max(0, self.num_in_flight.get(replica_id, 0) - 1)
+        self._uncount(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.router.on_replica_removed(replica_id)
         self.num_in_flight.pop(replica_id, None)
+
+    def _count(self, request_id: str, replica_id: ReplicaID) -> None:
+        self.in_flight[request_id] = replica_id
+        self.num_in_flight[replica_id] = self.num_in_flight.get(replica_id, 0) + 1
+
+    def _uncount(self, request_id: str) -> None:
+        replica_id = self.in_flight.pop(request_id, None)
+        if replica_id is not None and replica_id in self.num_in_flight:
+            self.num_in_flight[replica_id] = max(0, self.num_in_flight[replica_id] - 1)
 
 
 def _forwarded(pending_request: Optional[PendingRequest]) -> Optional[ForwardedRequest]:
