@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -209,3 +210,21 @@ def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> An
     ingress = serve.deployment(Ingress, name="pagoda-ingress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=options.max_ongoing_requests)
     return ingress.bind(engine.bind(engine_args, options), engine_args, options)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application for a Serve config (KubeRay's ``serveConfigV2``, ``serve run``):
+    ``import_path: pagoda.plugins.entrypoints.replicas.deployments:app_builder`` with
+    ``args: {engine: {<engine option>: value, ...}, replicas: {<ReplicaSetOptions field>: value, ...}}``."""
+    unknown = sorted(set(args) - {"engine", "replicas"})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} in the application's args; expected 'engine' and 'replicas'")
+    replicas = dict(args.get("replicas") or {})
+    fields = set(ReplicaSetOptions.__dataclass_fields__)
+    if set(replicas) - fields:
+        raise ValueError(f"unknown replica options {sorted(set(replicas) - fields)}; known: {sorted(fields)}")
+    if replicas.get("allowed_hosts") is not None:
+        replicas["allowed_hosts"] = frozenset(replicas["allowed_hosts"])
+    # the key comes from the pods' environment (a Kubernetes secret), not from the config
+    replicas.setdefault("api_key", os.environ.get("PAGODA_API_KEY"))
+    return build_application(EngineArgs.build(**(args.get("engine") or {})), ReplicaSetOptions(**replicas))
