@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from pagoda import distributed
+from pagoda.collectives import all_reduce_candidates
 from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.deprecation import adapt_renamed_methods
 from pagoda.errors import BackendUnavailable, ConfigError
@@ -54,6 +55,9 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
         pm.get("pagoda_proposers", config.speculative.method, "speculative_config method")
     executor_name = select_executor(config)
     executor_factory = pm.get("pagoda_executors", executor_name, "distributed_executor_backend").factory
+    if config.parallel.tensor_parallel_size > 1:
+        for name in all_reduce_candidates(config):
+            pm.get("pagoda_all_reduce_backends", name, "all_reduce_backend")
 
     tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
     executor = executor_factory(config, pm)  # builds the model on every rank

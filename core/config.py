@@ -143,6 +143,7 @@ class ParallelConfig:
     tensor_parallel_size: int
     cpu_threads: Optional[int]  # per rank
     distributed_executor_backend: str = "auto"
+    all_reduce_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,10 @@ class EngineArgs(BaseModel):
     distributed_executor_backend: str = Field(default="auto", description=(
         "the processes a model runs in: uni (one), mp (tensor_parallel_size processes on this machine), or an "
         "executor plugin; auto picks uni for one rank, mp for more"))
+    all_reduce_backend: str = Field(default="auto", description=(
+        "how tensor-parallel ranks sum their parts: gloo (torch.distributed; NCCL on GPUs), shm (shared memory, "
+        "ranks on one host, CPU), or an all-reduce plugin; auto picks shm when every rank is on this host and "
+        "the model runs on CPU, else gloo"))
     speculative_config: Optional[dict[str, Any]] = None
     attention_backend: str = "auto"
     sampler: str = "default"
@@ -414,7 +419,8 @@ class EngineArgs(BaseModel):
             model=model_cfg,
             cache=cache_cfg,
             scheduler=sched_cfg,
-            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend),
+            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend,
+                                    self.all_reduce_backend),
             host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,

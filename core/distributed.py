@@ -13,26 +13,33 @@ import datetime
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from pagoda.errors import ConfigError
 
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place: ``rank`` of ``size``; ``group`` is the torch.distributed group (None alone)."""
+    """This process's place: ``rank`` of ``size``; ``group`` is the torch.distributed group (None alone);
+    ``comm`` the all-reduce backend that joins the ranks (a :class:`pagoda.interfaces.AllReduce`, None alone)
+    and ``comm_name`` its name."""
 
     rank: int = 0
     size: int = 1
     group: Optional[object] = None
+    comm: Optional[Any] = None
+    comm_name: str = ""
 
     def all_reduce(self, x: torch.Tensor, where: str = "linear") -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
         if self.size > 1:
             start = time.perf_counter()
-            torch.distributed.all_reduce(x, group=self.group)
+            self.comm.all_reduce(x)
             _record(where, start)
         return x
 
@@ -42,9 +49,8 @@ class TensorParallel:
             return x
         start = time.perf_counter()
         width = max(sizes)
-        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, padded, group=self.group)
+        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()  # [..., width] on every rank
+        parts = self.comm.all_gather(padded)
         gathered = torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
         _record(where, start)
         return gathered
@@ -68,22 +74,38 @@ def current() -> TensorParallel:
     return _current
 
 
-def init(rank: int, size: int, address: str, timeout_seconds: float = 600.0) -> TensorParallel:
-    """Join the ``size`` processes at ``address`` (``tcp://host:port``) as ``rank``: gloo on CPUs (NCCL on
-    GPUs), and make this the place models are built for."""
+def init(rank: int, size: int, address: str, timeout_seconds: float = 600.0,
+         engine_config: Optional["EngineConfig"] = None, plugin_manager: Any = None) -> TensorParallel:
+    """Join the ``size`` processes at ``address`` (``tcp://host:port``) as ``rank`` over torch.distributed
+    (gloo on CPUs, NCCL on GPUs), build the all-reduce backend ``engine_config`` selects (torch.distributed's
+    own without one), and make this the place models are built for."""
     global _current
+    from pagoda.collectives import TorchAllReduce, build_all_reduce
+
     if torch.distributed.is_initialized():
         raise ConfigError("this process already runs a tensor-parallel engine; shut it down first "
                           "(engine.shutdown()) or start the next one in another process")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, init_method=address, rank=rank, world_size=size,
                                          timeout=datetime.timedelta(seconds=timeout_seconds))
-    _current = TensorParallel(rank, size, torch.distributed.group.WORLD)
+    group = torch.distributed.group.WORLD
+    try:
+        if engine_config is None:
+            name, comm = "gloo", TorchAllReduce(engine_config, rank, size, group, timeout_seconds)
+        else:
+            name, comm = build_all_reduce(engine_config, plugin_manager, rank, size, group, timeout_seconds)
+    except BaseException:
+        torch.distributed.destroy_process_group()
+        raise
+    _current = TensorParallel(rank, size, group, comm, name)
     return _current
 
 
 def shutdown() -> None:
+    """Close the all-reduce backend and leave the process group."""
     global _current
+    if _current.comm is not None:
+        _current.comm.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _current = TensorParallel()

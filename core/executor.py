@@ -116,7 +116,7 @@ class MultiprocExecutor(_Driver):
             self.pipes.append(ours)
             self.workers.append(worker)
         try:
-            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS)
+            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
             self.runner = build_runner(config, plugin_manager)
             for pipe in self.pipes:  # each worker says it built its shard, or why it could not
                 status = pipe.recv()
@@ -183,7 +183,7 @@ class RayExecutor(_Driver):
             actor = ray.remote(num_cpus=threads)(RayWorker)
             self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i))
                            .remote(config, rank, size, address) for i, rank in enumerate(range(1, size))]
-            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS)
+            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
             self.runner = build_runner(config, plugin_manager)
             ray.get([a.ready.remote() for a in self.actors])  # a rank that failed to build raises here
         except BaseException:
@@ -263,8 +263,9 @@ class WorkerRank:
         from pagoda.plugin_manager import PluginManager
 
         torch.set_num_threads(_threads_per_rank(config, size))
-        distributed.init(rank, size, address, COLLECTIVE_TIMEOUT_SECONDS)
-        self.runner = build_runner(config, PluginManager().load())
+        plugin_manager = PluginManager().load()
+        distributed.init(rank, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
+        self.runner = build_runner(config, plugin_manager)
         self.mirror: dict[str, Sequence] = {}
 
     def execute(self, message: StepMessage) -> None:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 import pluggy
 
 if TYPE_CHECKING:
-    from pagoda.interfaces import (AttentionBackendFactory, CLICommand, ExecutorFactory, KVAllocatorFactory,
-                                   ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory, QuantMethodFactory,
-                                   RouterFactory, SamplerFactory, SchedulerFactory)
+    from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
+                                   KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
+                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory)
     from pagoda.sequence import Sequence
 
 hookspec = pluggy.HookspecMarker("pagoda")
@@ -170,6 +170,19 @@ def pagoda_executors() -> Mapping[str, "ExecutorFactory"]:
     :mod:`pagoda.distributed`), and runs every step on all of them. Selected by
     ``distributed_executor_backend`` (built-ins: ``uni``, ``mp``; ``auto`` is
     ``uni`` for one rank, ``mp`` for more). Called once at start-up.
+    """
+
+
+@hookspec
+def pagoda_all_reduce_backends() -> Mapping[str, "AllReduceFactory"]:
+    """Return ``{name: factory}`` of all-reduce backends: how tensor-parallel ranks sum their parts.
+
+    ``factory(engine_config, rank, size, group, timeout_seconds)`` returns a
+    :class:`pagoda.interfaces.AllReduce` for this rank; ``group`` is the ranks'
+    torch.distributed group, already joined. Selected by ``all_reduce_backend``
+    (built-ins: ``gloo``, ``shm``; ``auto`` is ``shm`` for ranks on this host
+    with the model on CPU, else ``gloo``). Called once at start-up, on every
+    rank of a model with more than one.
     """
 
 

@@ -290,6 +290,24 @@ class Executor(Protocol):
 
 
 @runtime_checkable
+class AllReduce(Protocol):
+    """``pagoda_all_reduce_backends``: the collectives joining the ranks of a tensor-parallel model.
+
+    Invariants: every rank calls the same collectives in the same order with tensors of the same shape and
+    dtype; the results are identical on every rank (a sum adds the parts in the same order everywhere).
+    """
+
+    def all_reduce(self, x: "torch.Tensor") -> None:
+        """Replace ``x`` with the sum of every rank's ``x``, in place."""
+
+    def all_gather(self, x: "torch.Tensor") -> "list[torch.Tensor]":
+        """Every rank's ``x``, in rank order (new tensors; ``x`` is unchanged)."""
+
+    def close(self) -> None:
+        """Release what the backend holds; called once on every rank when the engine shuts down."""
+
+
+@runtime_checkable
 class Router(Protocol):
     """``pagoda_routers``: picks the engine replica for each request (plain bookkeeping, no I/O).
 
@@ -382,6 +400,15 @@ class ProposerFactory(Protocol):
 
 class ExecutorFactory(Protocol):
     def __call__(self, engine_config: "EngineConfig", plugin_manager: "PluginManager") -> Executor: ...
+
+
+class AllReduceFactory(Protocol):
+    """Called on every rank after torch.distributed joined them (``group``); raises
+    :class:`pagoda.errors.BackendUnavailable` on every rank alike when it cannot run (``auto`` then tries the
+    next backend)."""
+
+    def __call__(self, engine_config: "EngineConfig", rank: int, size: int, group: Any,
+                 timeout_seconds: float) -> AllReduce: ...
 
 
 class RouterFactory(Protocol):
