@@ -1,4 +1,5 @@
-"""Tensor parallelism with the mp executor: 2 ranks over gloo on 127.0.0.1 give the tokens of 1 rank.
+"""Tensor parallelism with the mp executor: 2 ranks (the default all-reduce: shared memory on this CPU host) give
+the tokens of 1 rank.
 
 The default model's 9 query heads and 3 KV heads split 3/6 and 1/2 over 2 ranks; the tiny model's single KV
 head is held by both ranks, its 3 query heads split 1/2, its MLP and vocabulary unevenly, and its LM head is
