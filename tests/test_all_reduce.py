@@ -73,6 +73,10 @@ def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
         result["listed"] = sorted(p.name for p in Path(shm_directory()).glob(NAME_PREFIX + "*"))
         result["path"] = comm.path
         if scenario == "sums":
+            from pagoda.collectives import TorchAllReduce
+            from pagoda.interfaces import AllReduce
+
+            result["protocol"] = [isinstance(c, AllReduce) for c in (comm, TorchAllReduce(None, rank, 2, group, 1.0))]
             result["sums"] = []
             for i, (shape, dtype) in enumerate(CASES):
                 x = _part(rank, i, shape, dtype)
@@ -124,7 +128,9 @@ def summed(tmp_path_factory):
 
 
 def test_shm_sums_and_gathers_like_torch_in_rank_order_on_both_ranks(summed):
+    """Both backends meet the AllReduce protocol; shm's sums equal torch's add of the parts in rank order."""
     results = summed
+    assert all(r["protocol"] == [True, True] for r in results)
     for i, (shape, dtype) in enumerate(CASES):
         parts = [_part(r, i, shape, dtype) for r in range(2)]
         expected = parts[0] + parts[1]  # rank order; bf16 rounds the sum once, as torch's bf16 add does

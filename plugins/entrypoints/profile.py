@@ -97,9 +97,10 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
     collectives = sum(sec for _, sec in spent.values())
     calls = sum(n for n, _ in spent.values())
     in_matmuls = sum(sec for k, (_, sec) in spent.items() if k != "embedding")
+    collectives_row = f"collectives ({calls // num_steps} per step, {distributed.current().comm_name})"
     rows = {
         "matmuls (linear layers + LM head)": m["matmul"] + s["runner logits"] - in_matmuls,
-        f"collectives ({calls // num_steps} per step)": collectives,
+        collectives_row: collectives,
         "attention (K/V write + kernel)": m["attention"],
         "other model ops + input building": s["execute"] - m["matmul"] - m["attention"] - s["runner metadata"]
         - s["runner logits"] - s["runner sampling"] - s["runner draft"] - (collectives - in_matmuls),
@@ -111,7 +112,7 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
         "outputs": s["emit"],
     }
     if not calls:  # one rank
-        del rows[f"collectives ({calls // num_steps} per step)"]
+        del rows[collectives_row]
     rows["unaccounted (engine Python)"] = total - sum(rows.values())
     print(f"profile: {num_steps} decode steps at batch {batch}, {total / num_steps * 1e3:.1f} ms per step "
           f"({torch.get_num_threads()} threads)")
