@@ -193,3 +193,10 @@ def test_two_ranks_over_shm_give_the_tokens_of_gloo_and_leave_nothing_mapped():
     worst = assert_same_tokens(gloo, shm)
     print(f"default model, TP=2 over shm vs over gloo: largest logprob difference {worst:.2e}")
     assert worst < 1e-3
+
+
+def test_bench_all_reduce_refuses_an_unknown_backend_before_starting_ranks(capsys):
+    from pagoda.cli import main
+
+    assert main(["bench", "all-reduce", "--backends", "gloo,mpi"]) == 2
+    assert "unknown all-reduce backend 'mpi' for --backends; available: 'gloo'" in capsys.readouterr().err

@@ -11,6 +11,7 @@ WORKLOADS = {
     "prefix": "pagoda.plugins.entrypoints.bench_prefix",
     "kernels": "pagoda.plugins.entrypoints.bench_kernels",
     "serve": "pagoda.plugins.entrypoints.bench_serve",
+    "all-reduce": "pagoda.plugins.entrypoints.bench_all_reduce",
 }
 
 
