@@ -69,6 +69,8 @@ class ShmAllReduce:
         self.header_bytes = _round_up(size * (FLAG_STRIDE + 8), ALIGN)
         total = self.header_bytes + 2 * size * self.slot_bytes
         self.round = 0
+        # the error of a collective that failed: the ranks' rounds no longer match, so every later call raises it
+        self.failure: Optional[CollectiveError] = None
         self.path: Optional[str] = None
         self._mm: Optional[mmap.mmap] = None
         path, error, fd = None, None, -1
@@ -144,6 +146,8 @@ class ShmAllReduce:
 
     def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
         """One round: post ``part`` (at most a slot), wait for every rank; views of every rank's slot."""
+        if self.failure is not None:
+            raise self.failure
         self.round += 1
         buffer = self._data[self.round % 2]
         nbytes = part.numel() * part.element_size()
@@ -167,7 +171,11 @@ class ShmAllReduce:
             if waited < YIELD_SECONDS:
                 os.sched_yield()
                 continue
-            self._check_peers(round_, waited)
+            try:
+                self._check_peers(round_, waited)
+            except CollectiveError as exc:
+                self.failure = exc
+                raise
             time.sleep(nap)
             nap = min(nap * 2, MAX_NAP_SECONDS)
 

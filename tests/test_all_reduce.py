@@ -90,13 +90,17 @@ def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
             if rank == 1:  # alive but never joins an all-reduce, then exits
                 torch.distributed.barrier(group=group)
                 os._exit(3)
-            for when in ("late", "exited"):
+            for when in ("late", "again"):
                 try:
                     comm.all_reduce(torch.ones(4))
                 except Exception as exc:
                     result[when] = f"{type(exc).__name__}: {exc}"
-                if when == "late":
-                    torch.distributed.barrier(group=group)
+            torch.distributed.barrier(group=group)
+            comm.failure = None  # to see the next wait find rank 1 gone
+            try:
+                comm.all_reduce(torch.ones(4))
+            except Exception as exc:
+                result["exited"] = f"{type(exc).__name__}: {exc}"
         comm.close()
         maps = Path("/proc/self/maps").read_text()
         result["mapped_after_close"] = NAME_PREFIX in maps
@@ -157,6 +161,7 @@ def test_a_rank_that_never_arrives_times_out_and_one_that_exits_fails_at_once_ea
     results = run_two_ranks("absent", tmp_path)
     late, exited = results[0]["late"], results[0]["exited"]
     assert late.startswith("CollectiveError") and "rank 1 (process" in late and "did not arrive" in late
+    assert results[0]["again"] == late, "after a failed collective the ranks' rounds differ: every call fails"
     assert exited.startswith("CollectiveError") and "rank 1 (process" in exited and "exited" in exited
     assert not Path(results[0]["path"]).exists()
 
