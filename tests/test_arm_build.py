@@ -5,6 +5,7 @@ pagoda.cpu_isa detects the ``generic`` level and the kernels build with the comp
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sysconfig
@@ -17,6 +18,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = sorted(p for d in ("core/layers", "plugins/attention", "plugins/quant") for p in (ROOT / d).glob("*.cpp"))
 CROSS = shutil.which("aarch64-linux-gnu-g++")
+
+# parsing torch's headers for ARM costs about a minute of CPU per kernel: run by `make check-arm`, not by
+# every test run
+pytestmark = pytest.mark.skipif(os.environ.get("PAGODA_CHECK_ARM") != "1", reason="make check-arm runs it")
 
 
 @pytest.mark.skipif(CROSS is None, reason="no aarch64 cross compiler (apt-get install g++-aarch64-linux-gnu)")
