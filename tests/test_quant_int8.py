@@ -31,6 +31,14 @@ def checkpoint_tensors(out_features: int, in_features: int, gen: torch.Generator
     return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
 
 
+def tensor_scale_tensors(out_features: int, in_features: int, gen: torch.Generator):
+    """The "tensor" strategy: one scale for the whole shard, stored as a scalar."""
+    w = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    scale = (w.abs().max() / 127.5).reshape(())
+    q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
 def w8a8_config(**edits) -> dict:
     cfg = converter.quantization_config()
     group = cfg["config_groups"]["group_0"]
@@ -48,10 +56,12 @@ def test_online_int8_passes_the_quant_method_conformance_kit(dtype):
     check_quant_method(Int8Config, None, dtype=dtype)
 
 
-@pytest.mark.parametrize("edits", [{}, {"input_activations": None}], ids=["w8a8", "w8a16"])
-def test_int_quantized_checkpoints_pass_the_conformance_kit_against_their_dequantized_weights(edits):
+@pytest.mark.parametrize("edits,tensors", [({}, checkpoint_tensors), ({"input_activations": None}, checkpoint_tensors),
+                                           ({"weights__strategy": "tensor"}, tensor_scale_tensors)],
+                         ids=["w8a8", "w8a16", "w8a8-tensor-scale"])
+def test_int_quantized_checkpoints_pass_the_conformance_kit_against_their_dequantized_weights(edits, tensors):
     # W8A8 is held to 1e-2 (relative): activations rounded to 1/127 of each token's largest value
-    check_quant_method(CompressedTensorsConfig, w8a8_config(**edits), checkpoint_tensors)
+    check_quant_method(CompressedTensorsConfig, w8a8_config(**edits), tensors)
 
 
 def converted_tiny(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -11,7 +11,8 @@ from tests.isa_builds import build_at
 
 NAME = "pagoda_cpu_int8_linear"
 # (activation rows, in_features, out_features): odd sizes leave partial 4-column groups and 16-row blocks
-SHAPES = [(1, 37, 23), (3, 64, 33), (5, 130, 50), (17, 259, 70)]
+# (decode tiles below 8 rows, prefill tiles from 8, K cut into 256-column chunks, M into 256-row chunks)
+SHAPES = [(1, 37, 23), (3, 64, 33), (5, 130, 50), (17, 259, 70), (260, 20, 18)]
 
 
 def native():

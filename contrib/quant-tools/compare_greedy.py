@@ -1,10 +1,11 @@
 """Greedy tokens and log-probabilities of a quantized pagoda model against float32, on the parity prompts.
 
     .venv/bin/python contrib/quant-tools/compare_greedy.py --quantization int8 [--model CKPT] [--tokens 32]
-    .venv/bin/python contrib/quant-tools/compare_greedy.py --model W8A8_CKPT --reference-model DENSE_CKPT
+    .venv/bin/python contrib/quant-tools/compare_greedy.py --model W8A8_CKPT [--reference-model DENSE_CKPT]
 
-The prompts are the HF-parity prompts of tests/test_models.py. Both runs use float32 activations and
-one engine each. Printed per prompt: how many of the first ``--tokens`` greedy tokens are identical and
+The prompts are the HF-parity prompts of tests/test_models.py. The reference is ``--reference-model``
+(default: pagoda's default model) in float32, the tested run ``--model`` with ``--quantization``, also
+with float32 activations. Printed per prompt: how many of the first ``--tokens`` greedy tokens are identical and
 where they first part; then, teacher-forced on the float32 greedy continuation, how often the quantized
 model's argmax is the same token and the largest / mean difference of the chosen tokens' log-probs.
 """
@@ -54,12 +55,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint to test (default: pagoda's default model)")
     parser.add_argument("--quantization", default=None, help="e.g. int8 for online W8A8")
-    parser.add_argument("--reference-model", default=None, help="float32 reference checkpoint (default: --model)")
+    parser.add_argument("--reference-model", default=None, help="float32 reference checkpoint (default: the default "
+                        "model)")
     parser.add_argument("--tokens", type=int, default=32)
     ns = parser.parse_args()
     from test_models import PROMPTS
 
-    ref = engine(ns.reference_model or ns.model, None)
+    ref = engine(ns.reference_model, None)
     ref_seqs = greedy(ref, PROMPTS, ns.tokens)
     ref_scores = scored(ref, ref_seqs, ns.tokens)
     del ref

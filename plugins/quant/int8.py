@@ -108,13 +108,6 @@ class Int8LinearMethod:
         layer.register_buffer("w8_scale", F.pad(scale.float(), (0, n_pad - scale.numel())).contiguous(),
                               persistent=False)  # float32 [N_pad]
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The float32 ``[out, in]`` weight the int8 codes stand for (built per call, never kept)."""
-        if self.activations is None:
-            raise NotImplementedError("W8A16 layers keep the group-wise int layout; see int_linear.dequantize_int_rows")
-        q = unpack_int8_weight(layer.w8_packed, layer.out_features, layer.in_features)
-        return q.float() * layer.w8_scale[: layer.out_features, None]
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.activations is None:
             return apply_int_linear(layer, x, bias)
