@@ -69,3 +69,27 @@ def test_splits_that_would_cut_a_group_or_need_every_group_are_refused(tmp_path)
     gptq_checkpoint(tmp_path / "act", group=32, desc_act=True)
     with pytest.raises(ConfigError, match="act-order \\(desc_act\\) is not split over input features"):
         run(tmp_path / "act", 2)
+
+
+def test_online_int8_on_two_ranks_moves_logprobs_no_more_than_int8_itself_does(tmp_path):
+    # W8A8: each token's activation scale is taken over the rank's own input features of a row-parallel
+    # layer (as GPU engines do), so the logprobs move from one rank's; by no more than quantizing moves them
+    dense = write_dense(tmp_path, tiny_linears())
+    first = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+
+    def top5(tp: int, **options) -> list[dict[int, float]]:
+        llm = LLM(str(dense), dtype="float32", cpu_threads=1, tensor_parallel_size=tp,
+                  kv_cache_memory_bytes=16 << 20, swap_space=0, **options)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], first, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
+    def largest_move(xs: list[dict], ys: list[dict]) -> float:
+        return max(abs(x[t] - y[t]) for x, y in zip(xs, ys) for t in x.keys() & y.keys())
+
+    int8_one, int8_two, dense_one = top5(1, quantization="int8"), top5(2, quantization="int8"), top5(1)
+    moved_by_ranks, moved_by_int8 = largest_move(int8_two, int8_one), largest_move(int8_one, dense_one)
+    print(f"int8 TP=2 vs TP=1: {moved_by_ranks:.3f}; int8 vs float32 on one rank: {moved_by_int8:.3f}")
+    assert 0 < moved_by_ranks <= 1.5 * moved_by_int8
