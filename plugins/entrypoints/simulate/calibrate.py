@@ -17,8 +17,8 @@ from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 
 # (prompt lengths alone), (decode batch sizes), (decode contexts), (mixed: arrivals every other step)
-FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048), batches=(1, 4, 16, 32, 64), contexts=(64, 384),
-                 mixed=((8, 128), (24, 384)), max_batch_tokens=12288, decode_steps=6)
+FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048), batches=(1, 4, 16, 32, 64), contexts=(64, 256),
+                 mixed=((8, 128), (16, 384)), max_batch_tokens=8192, decode_steps=6)
 QUICK_GRID = dict(prefill=(8, 32, 96), batches=(1, 4), contexts=(16, 48), mixed=((4, 24),), max_batch_tokens=512,
                   decode_steps=3)
 

@@ -39,7 +39,7 @@ class TraceRequest:
     prefix_len: int = 0
 
     def to_json(self) -> dict:
-        line = {"arrival": round(self.arrival, 6), "output_len": self.output_len}
+        line = {"arrival": self.arrival, "output_len": self.output_len}
         if self.priority:
             line["priority"] = self.priority
         if self.prompt_token_ids is not None:
