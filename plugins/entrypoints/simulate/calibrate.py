@@ -9,6 +9,7 @@ by the prefix cache; each step is timed whole (schedule, execute, update, emit) 
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Callable, Optional
 
@@ -16,10 +17,13 @@ from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, fit, step_
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 
-# (prompt lengths alone), (decode batch sizes), (decode contexts), (mixed: arrivals every other step)
-FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048), batches=(1, 4, 16, 32, 64), contexts=(64, 256),
-                 mixed=((8, 128), (16, 384)), max_batch_tokens=8192, decode_steps=6)
-QUICK_GRID = dict(prefill=(8, 32, 96), batches=(1, 4), contexts=(16, 48), mixed=((4, 24),), max_batch_tokens=512,
+# prompt lengths timed alone; (batch size, context) decode shapes, each decoding `decode_steps` steps after
+# its prefill; (requests, prompt length) arriving every other step while the earlier ones decode
+FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048),
+                 decodes=((1, 64), (4, 64), (16, 64), (32, 64), (64, 64), (1, 320), (8, 320), (24, 320),
+                          (1, 768), (6, 768)),
+                 mixed=((8, 128), (16, 384)), decode_steps=10)
+QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 48)), mixed=((4, 24),),
                   decode_steps=3)
 
 
@@ -41,7 +45,9 @@ class _Driver:
     def __init__(self, engine, prompts: PromptMaker) -> None:
         self.engine = engine
         self.prompts = prompts
-        self.next_index = 0
+        # synthetic prompts are unique per index: a random range keeps a second calibration on the same
+        # engine (or a trace replayed after it) from hitting this one's blocks in the prefix cache
+        self.next_index = random.randrange(10 ** 9, 2 * 10 ** 9)
 
     def add(self, prompt_len: int, output_len: int) -> None:
         i = self.next_index
@@ -72,10 +78,8 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
                 driver.add(n, 1)
                 driver.drain()
         log(f"calibrate: prefill timed ({len(timer.samples)} steps, {time.perf_counter() - started:.0f} s)")
-        for context in grid["contexts"]:
-            for batch in grid["batches"]:
-                if batch * context > grid["max_batch_tokens"] or context + grid["decode_steps"] >= max_len:
-                    continue
+        for batch, context in grid["decodes"]:
+            if context + grid["decode_steps"] < max_len:
                 for _ in range(batch):
                     driver.add(context, grid["decode_steps"])
                 driver.drain()

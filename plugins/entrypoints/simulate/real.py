@@ -48,7 +48,7 @@ class _StepObserver:
 def warm_up(engine, prompts: PromptMaker) -> None:
     """One request through the engine; its prompt shares no block with any trace request."""
     req = TraceRequest(0.0, 8, min(256, engine.config.model.max_model_len // 2))
-    engine.add_request("pagoda-warm-up", {"prompt_token_ids": prompts.tokens(10 ** 9, req)},
+    engine.add_request("pagoda-warm-up", {"prompt_token_ids": prompts.tokens(2 * 10 ** 9 + 7, req)},
                        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
     while engine.has_unfinished_requests():
         engine.step()

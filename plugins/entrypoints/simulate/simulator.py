@@ -106,25 +106,28 @@ class SimulatedEngine:
             self._drain_finished()
             return False
         seconds = self.cost_model.step_seconds(sched.num_new_tokens, sched.num_computed_before)
-        sampled = [[SIM_TOKEN] if start + n >= req.num_tokens else []
-                   for req, n, start in zip(requests, sched.num_new_tokens, sched.num_computed_before)]
+        start_time = self.clock
+        first_scheduled = rec.first_scheduled
+        index = self._index
+        sampled = []
+        for req, n, start in zip(requests, sched.num_new_tokens, sched.num_computed_before):
+            sampled.append([SIM_TOKEN] if start + n >= req.num_tokens else [])
+            if n > 1:  # a prefill chunk: maybe the request's first step (a one-token first chunk: see below)
+                i = index.get(req.request_id)
+                if i is not None and first_scheduled[i] != first_scheduled[i]:  # NaN: not scheduled before
+                    first_scheduled[i] = start_time
         num = len(requests)
         progressed = self.scheduler.update(sched, RunnerOutput(sampled, [None] * num, [None] * num, [0] * num))
-        start_time = self.clock
         self.clock = now = start_time + seconds
         self.num_steps += 1
-        index = self._index
-        first_scheduled = rec.first_scheduled
-        for req in requests:
-            i = index.get(req.request_id)
-            if i is not None and first_scheduled[i] != first_scheduled[i]:  # NaN: not scheduled before
-                first_scheduled[i] = start_time
         first_token, last_token, itl = rec.first_token, rec.last_token, rec.itl
         for req in progressed:
             i = index[req.request_id]
             last = last_token[i]
             if last != last:
                 first_token[i] = now
+                if first_scheduled[i] != first_scheduled[i]:
+                    first_scheduled[i] = start_time  # its whole prompt but one token was cached
             else:
                 itl.append(now - last)
             last_token[i] = now
