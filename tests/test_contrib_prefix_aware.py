@@ -26,7 +26,7 @@ from tiny_models import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "contrib" / "pagoda-prefix-aware"
-COST = CostModel({"step": 0.01, "prefill_tokens": 0.001, "decode_seqs": 0.002, "decode_context": 0.0,
+COST = CostModel({"step": 0.01, "decode_step": 0.0, "prefill_tokens": 0.001, "decode_seqs": 0.002, "decode_context": 0.0,
                   "prefill_attention": 0.0})
 
 

@@ -22,8 +22,8 @@ from pagoda.plugins.entrypoints.simulate.trace import (PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 
-# 10 ms a step, 1 ms a prompt token, 2 ms a decoding sequence: round numbers a reader can check
-COST = CostModel({"step": 0.01, "prefill_tokens": 0.001, "decode_seqs": 0.002, "decode_context": 0.0,
+# 10 ms a step, 5 ms more if it decodes, 1 ms a prompt token, 2 ms a decoding sequence: numbers a reader can check
+COST = CostModel({"step": 0.01, "decode_step": 0.005, "prefill_tokens": 0.001, "decode_seqs": 0.002, "decode_context": 0.0,
                   "prefill_attention": 0.0})
 
 
@@ -91,10 +91,10 @@ def test_the_request_log_records_finished_requests_and_converts_to_a_trace(tmp_p
 
 
 def test_the_fit_recovers_the_coefficients_that_made_the_step_times():
-    true = {"step": 0.02, "prefill_tokens": 0.0015, "decode_seqs": 0.003, "decode_context": 2e-6,
+    true = {"step": 0.02, "decode_step": 0.02, "prefill_tokens": 0.0015, "decode_seqs": 0.003, "decode_context": 2e-6,
             "prefill_attention": 1e-8}
     model = CostModel(true)
-    samples = [((p, d, d * c, p * p / 2), 0.0) for p in (0, 16, 256, 1024) for d in (0, 1, 8, 64) for c in (64, 512)
+    samples = [((int(d > 0), p, d, d * c, p * p / 2), 0.0) for p in (0, 16, 256, 1024) for d in (0, 1, 8, 64) for c in (64, 512)
                if p or d]
     samples = [(f, model.predict(f)) for f, _ in samples]
     fitted = fit(samples)
@@ -113,10 +113,10 @@ def test_a_missing_cost_model_says_how_to_calibrate(tmp_path):
 def test_one_request_alone_takes_its_prefill_and_decode_steps(pm):
     trace = [TraceRequest(0.0, output_len=3, prompt_len=100)]
     summary, _ = simulate(pm, trace)
-    # prefill step: 10 + 100 ms gives the first token; two decode steps of 10 + 2 ms each give the rest
+    # prefill step: 10 + 100 ms gives the first token; two decode steps of 10 + 5 + 2 ms each give the rest
     assert summary["ttft_ms"]["p50"] == pytest.approx(110)
-    assert summary["e2e_ms"]["p50"] == pytest.approx(134)
-    assert summary["itl_ms"]["p50"] == pytest.approx(12)
+    assert summary["e2e_ms"]["p50"] == pytest.approx(144)
+    assert summary["itl_ms"]["p50"] == pytest.approx(17)
     assert summary["completed"] == 1 and summary["output_tokens"] == 3
 
 

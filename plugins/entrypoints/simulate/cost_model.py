@@ -1,8 +1,10 @@
 """The step cost model: seconds one engine step takes, from the shape of its schedule.
 
-    seconds = step + prefill_tokens * a + decode_seqs * b + decode_context * c + prefill_attention * d
+    seconds = step + decode_step * e + prefill_tokens * a + decode_seqs * b + decode_context * c
+              + prefill_attention * d
 
-``prefill_tokens``: tokens of chunks longer than one token (prompt work, linear layers);
+``decode_step``: 1 if the step decodes at all (the decode path has a fixed cost of its own: one
+decoding sequence costs more than a 16-token prompt); ``prefill_tokens``: tokens of chunks longer than one token (prompt work, linear layers);
 ``decode_seqs``: one-token requests (decodes: per-sequence overhead, sampling, the LM head);
 ``decode_context``: the K/V positions those decodes attend to (decode attention reads them all);
 ``prefill_attention``: sum over prefill chunks of ``n * (start + n / 2)``, the query-key pairs
@@ -24,12 +26,12 @@ from typing import Any, Optional, Sequence
 
 from pagoda.errors import ConfigError
 
-FEATURES = ("step", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention")
+FEATURES = ("step", "decode_step", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention")
 FORMAT_VERSION = 1
 
 
 def step_features(num_new_tokens: Sequence[int], num_computed_before: Sequence[int]) -> tuple[float, ...]:
-    """The four work measures of one step (the constant term excluded), from its ``SchedulerOutput`` lists."""
+    """The five work measures of one step (the constant term excluded), from its ``SchedulerOutput`` lists."""
     prefill = decodes = context = attention = 0
     for n, start in zip(num_new_tokens, num_computed_before):
         if n == 1:
@@ -38,7 +40,7 @@ def step_features(num_new_tokens: Sequence[int], num_computed_before: Sequence[i
         else:
             prefill += n
             attention += n * (start + n * 0.5)
-    return (prefill, decodes, context, attention)
+    return (1 if decodes else 0, prefill, decodes, context, attention)
 
 
 @dataclass
@@ -63,9 +65,9 @@ class CostModel:
         return self.predict(step_features(num_new_tokens, num_computed_before))
 
     def predict(self, features: Sequence[float]) -> float:
-        step, a, b, c, d = self._c
-        prefill, decodes, context, attention = features
-        return step + a * prefill + b * decodes + c * context + d * attention
+        step, e, a, b, c, d = self._c
+        is_decode, prefill, decodes, context, attention = features
+        return step + e * is_decode + a * prefill + b * decodes + c * context + d * attention
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -109,7 +111,9 @@ def fit(samples: Sequence[tuple[Sequence[float], float]], meta: Optional[dict] =
         rel = np.abs(x @ coef - y) / y
     meta = dict(meta or {})
     meta.update(num_samples=len(samples), median_rel_error=float(np.median(rel)),
-                p90_rel_error=float(np.percentile(rel, 90)))
+                p90_rel_error=float(np.percentile(rel, 90)),
+                # the timed steps themselves: features then seconds, to refit or inspect later
+                samples=[[*map(float, f), float(s)] for f, s in samples])
     return CostModel({name: float(v) for name, v in zip(FEATURES, coef)}, meta)
 
 
