@@ -47,3 +47,30 @@ def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_rea
     assert set(errors) >= {"request_throughput", "ttft_p50", "output_token_throughput"}
     # a tiny model's steps are mostly Python overhead the fit captures in its constant: within a factor of 3
     assert abs(errors["output_token_throughput"]) < 2
+
+
+def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_dir, tmp_path, capsys):
+    from pagoda import LLM, SamplingParams
+    from pagoda.cli import build_parser
+    from pagoda.plugin_manager import PluginManager
+    from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter
+
+    assert build_parser().parse_args(["serve", "--request-log", "x.jsonl"]).request_log == "x.jsonl"
+    log = tmp_path / "requests.jsonl"
+    pm = PluginManager().load()
+    writer = RequestLogWriter(log)
+    pm.register(writer, "request-log")  # what `pagoda serve --request-log` does
+    llm = LLM(model=str(tiny_dir), load_format="dummy", cpu_threads=1, plugin_manager=pm)
+    prompts = [{"prompt_token_ids": [200 + i] * (10 + i)} for i in range(5)]
+    llm.generate(prompts, [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(5)], use_tqdm=False,
+                 priority=[i % 2 for i in range(5)])
+    writer.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(line["num_output_tokens"] for line in lines) == [3, 4, 5, 6, 7]
+    assert all(0 <= line["queue"] <= line["ttft"] <= line["e2e"] for line in lines)
+    CostModel({name: 0.001 for name in FEATURES}).save(tmp_path / "cm.json")
+    assert main(["simulate", "--from-request-log", str(log), "--model", str(tiny_dir), "--cost-model",
+                 str(tmp_path / "cm.json"), "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert run["completed"] == 5 and run["output_tokens"] == 25 and run["prompt_tokens"] == sum(range(10, 15))
+    assert set(run["ttft_ms_by_priority"]) == {"0", "1"}

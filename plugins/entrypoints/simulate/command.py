@@ -87,13 +87,13 @@ def load_trace_from(ns: argparse.Namespace):
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
-    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, default_cost_model_path
+    from pagoda.plugins.entrypoints.simulate.cost_model import default_cost_model_path
     from pagoda.plugins.entrypoints.simulate.trace import save_trace
 
     if ns.replicas < 1:
         raise ConfigError(f"--replicas {ns.replicas}: pass at least 1")
     has_source = any((ns.trace, ns.workload, ns.generate, ns.from_request_log))
-    trace = None
+    trace, source = None, ""
     if has_source or not ns.calibrate:
         trace, source = load_trace_from(ns)
         if ns.save_trace:
@@ -105,18 +105,27 @@ def run_simulate(ns: argparse.Namespace) -> int:
     cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(
         config.model.model, dtype, config.parallel.cpu_threads)
     log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
-    if ns.calibrate:
-        from pagoda.engine import LLMEngine
-        from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate
+    engine = None
+    try:
+        if ns.calibrate:
+            from pagoda.engine import LLMEngine
+            from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate
 
-        engine = LLMEngine(config, ns.plugin_manager)
-        try:
+            engine = LLMEngine(config, ns.plugin_manager)
             calibrate(engine, QUICK_GRID if ns.quick_calibration else FULL_GRID, log).save(cost_path)
-        finally:
+            log(f"cost model written to {cost_path}")
+            if trace is None:
+                return 0
+        # with --compare-real, the calibrated engine runs the real replay too: the least time between the two
+        return _simulate_and_report(ns, config, cost_path, trace, source, engine)
+    finally:
+        if engine is not None:
             engine.shutdown()
-        log(f"cost model written to {cost_path}")
-        if trace is None:
-            return 0
+
+
+def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace, source: str, engine) -> int:
+    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+
     cost_model = CostModel.load(cost_path)
     reports = []
     for policy in [config.scheduler.policy, *ns.compare_policy]:
@@ -126,7 +135,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
         reports.append(summary)
     errors = None
     if ns.compare_real:
-        reports.append(run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate))
+        reports.append(run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine))
         from pagoda.plugins.entrypoints.simulate.report import relative_errors
 
         errors = relative_errors(reports[0], reports[-1])
@@ -150,19 +159,22 @@ def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, see
     return summarize_run(record, math.inf if rate is None else rate, label), seconds
 
 
-def run_real(config, pm, trace, seed: int, rate) -> dict:
+def run_real(config, pm, trace, seed: int, rate, engine=None) -> dict:
+    """The trace through ``engine`` (an idle LLMEngine; one is built for the run if None) on the wall clock."""
     from pagoda.engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.real import replay_real, warm_up
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
     from pagoda.plugins.entrypoints.simulate.trace import PromptMaker
 
-    engine = LLMEngine(config, pm)
+    own = engine is None
+    engine = LLMEngine(config, pm) if own else engine
     try:
         prompts = PromptMaker(config.model.vocab_size, seed)
         warm_up(engine, prompts)
         record = replay_real(engine, trace, prompts)
     finally:
-        engine.shutdown()
+        if own:
+            engine.shutdown()
     return summarize_run(record, math.inf if rate is None else rate,
                          f"real engine: {config.scheduler.policy} (in process, wall clock)")
 
