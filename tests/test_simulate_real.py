@@ -18,7 +18,7 @@ def tiny_dir(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def small_trace(n: int = 12) -> list[TraceRequest]:
+def small_trace(n: int = 16) -> list[TraceRequest]:
     return [TraceRequest(i * 0.02, output_len=6 + i % 5, prompt_len=24 + 7 * i, priority=i % 2) for i in range(n)]
 
 
@@ -39,7 +39,7 @@ def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_rea
     assert model.coefficients["step"] > 0 or model.coefficients["prefill_tokens"] > 0
     simulated, real = result["runs"]
     assert simulated["label"] == "pagoda simulate: fcfs" and real["label"].startswith("real engine")
-    assert simulated["completed"] == real["completed"] == 12 and real["failed"] == 0
+    assert simulated["completed"] == real["completed"] == 16 and real["failed"] == 0
     assert real["output_tokens"] == simulated["output_tokens"] == sum(r.output_len for r in small_trace())
     assert 0 < real["ttft_ms"]["p50"] <= real["e2e_ms"]["p50"]
     assert real["num_steps"] > 0 and real["kv_usage"]["max"] > 0
@@ -47,6 +47,10 @@ def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_rea
     assert set(errors) >= {"request_throughput", "ttft_p50", "output_token_throughput"}
     # a tiny model's steps are mostly Python overhead the fit captures in its constant: within a factor of 3
     assert abs(errors["output_token_throughput"]) < 2
+    # the real run's own steps, against the cost model, and refitted: the simulation's error without calibration
+    check = result["step_time_check"]
+    assert check["real_over_predicted_step_seconds"] > 0
+    assert set(check["errors_with_model_fitted_to_real_steps"]) == set(errors)
 
 
 def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_dir, tmp_path, capsys):

@@ -9,6 +9,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from pagoda.cli import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
@@ -125,6 +126,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
 def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace, source: str, engine) -> int:
     from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+    from pagoda.plugins.entrypoints.simulate.report import relative_errors
 
     cost_model = CostModel.load(cost_path)
     reports = []
@@ -133,18 +135,36 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace,
                                          ns.trace_seed, ns.rate)
         summary["simulator_wall_seconds"] = round(seconds, 3)
         reports.append(summary)
-    errors = None
+    errors = check = None
     if ns.compare_real:
-        reports.append(run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine))
-        from pagoda.plugins.entrypoints.simulate.report import relative_errors
-
-        errors = relative_errors(reports[0], reports[-1])
+        real, samples = run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine)
+        reports.append(real)
+        errors = relative_errors(reports[0], real)
+        check = step_time_check(config, ns, cost_model, trace, samples, real)
     result = {"trace": source, "num_requests": len(trace), "cost_model": str(cost_path),
-              "cost_model_coefficients": cost_model.coefficients, "runs": reports, "simulated_vs_real": errors}
+              "cost_model_coefficients": cost_model.coefficients, "runs": reports, "simulated_vs_real": errors,
+              "step_time_check": check}
     print_result(result, ns.json)
     if ns.result_file:
         Path(ns.result_file).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def step_time_check(config, ns: argparse.Namespace, cost_model, trace, samples, real: dict) -> Optional[dict]:
+    """Split the simulator's error in two: how far the real run's own steps were from the cost model's
+    prediction for the same batches (the machine, or the calibration, differed), and the error left when
+    the trace is simulated with a model fitted to those very steps (what the simulation itself misses)."""
+    from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, fit
+    from pagoda.plugins.entrypoints.simulate.report import relative_errors
+
+    if len(samples) < 4 * len(FEATURES):
+        return None
+    predicted = sum(cost_model.predict(f) for f, _ in samples)
+    refitted = fit(samples, {"fitted_to": "the real run's steps"})
+    summary, _ = simulate_once(config, ns.plugin_manager, refitted, trace, config.scheduler.policy, ns.replicas,
+                               ns.trace_seed, ns.rate)
+    return {"real_over_predicted_step_seconds": sum(s for _, s in samples) / predicted,
+            "errors_with_model_fitted_to_real_steps": relative_errors(summary, real)}
 
 
 def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate):
@@ -159,8 +179,9 @@ def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, see
     return summarize_run(record, math.inf if rate is None else rate, label), seconds
 
 
-def run_real(config, pm, trace, seed: int, rate, engine=None) -> dict:
-    """The trace through ``engine`` (an idle LLMEngine; one is built for the run if None) on the wall clock."""
+def run_real(config, pm, trace, seed: int, rate, engine=None) -> tuple[dict, list]:
+    """The trace through ``engine`` (an idle LLMEngine; one is built for the run if None) on the wall clock:
+    its report and the (cost-model features, seconds) of each of its steps."""
     from pagoda.engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.real import replay_real, warm_up
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
@@ -171,12 +192,13 @@ def run_real(config, pm, trace, seed: int, rate, engine=None) -> dict:
     try:
         prompts = PromptMaker(config.model.vocab_size, seed)
         warm_up(engine, prompts)
-        record = replay_real(engine, trace, prompts)
+        record, samples = replay_real(engine, trace, prompts)
     finally:
         if own:
             engine.shutdown()
-    return summarize_run(record, math.inf if rate is None else rate,
-                         f"real engine: {config.scheduler.policy} (in process, wall clock)")
+    summary = summarize_run(record, math.inf if rate is None else rate,
+                            f"real engine: {config.scheduler.policy} (in process, wall clock)")
+    return summary, samples
 
 
 def print_result(result: dict, as_json: bool) -> None:
@@ -192,3 +214,8 @@ def print_result(result: dict, as_json: bool) -> None:
             print(f"{'simulator wall time (s)':<30}{run['simulator_wall_seconds']:.2f}")
     if result["simulated_vs_real"] is not None:
         print(format_errors(result["simulated_vs_real"]))
+    check = result.get("step_time_check")
+    if check:
+        print(f"the real run's steps took {check['real_over_predicted_step_seconds']:.2f}x the cost model's "
+              "prediction for the same batches; simulated with a model fitted to those steps instead:")
+        print(format_errors(check["errors_with_model_fitted_to_real_steps"]).split("\n", 1)[1])

@@ -12,6 +12,7 @@ import time
 from typing import Sequence as Seq
 
 from pagoda.errors import InvalidRequestError
+from pagoda.plugins.entrypoints.simulate.cost_model import step_features
 from pagoda.plugins.entrypoints.simulate.simulator import RunRecord
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
@@ -23,6 +24,8 @@ class _StepObserver:
     def __init__(self, record: RunRecord, start: float) -> None:
         self.record = record
         self.start = start
+        # (cost-model features, seconds) of every step that ran requests: how the machine really performed
+        self.samples: list[tuple[tuple[float, ...], float]] = []
 
     def before_step(self, engine, sched) -> None:
         now = time.perf_counter() - self.start
@@ -43,6 +46,8 @@ class _StepObserver:
         rec.step_end.append(time.perf_counter() - self.start)
         rec.step_seconds.append(seconds)
         rec.kv_usage.append(engine.kv_manager.usage)
+        if sched.requests:
+            self.samples.append((step_features(sched.num_new_tokens, sched.num_computed_before), seconds))
 
 
 def warm_up(engine, prompts: PromptMaker) -> None:
@@ -54,8 +59,10 @@ def warm_up(engine, prompts: PromptMaker) -> None:
         engine.step()
 
 
-def replay_real(engine, trace: Seq[TraceRequest], prompts: PromptMaker) -> RunRecord:
-    """Run ``trace`` (sorted by arrival) through ``engine`` (an idle LLMEngine) on the wall clock."""
+def replay_real(engine, trace: Seq[TraceRequest], prompts: PromptMaker
+                ) -> tuple[RunRecord, list[tuple[tuple[float, ...], float]]]:
+    """Run ``trace`` (sorted by arrival) through ``engine`` (an idle LLMEngine) on the wall clock; returns what
+    it measured and the (cost-model features, seconds) of each step."""
     record = RunRecord(trace)
     stats = getattr(engine.kv_manager, "stats", None)
     queries0, hits0 = (stats.queries, stats.hits) if stats is not None else (0, 0)
@@ -105,4 +112,4 @@ def replay_real(engine, trace: Seq[TraceRequest], prompts: PromptMaker) -> RunRe
         engine.observers.remove(observer)
     if stats is not None:
         record.prefix_queries, record.prefix_hits = stats.queries - queries0, stats.hits - hits0
-    return record
+    return record, observer.samples
