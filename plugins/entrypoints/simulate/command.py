@@ -97,6 +97,9 @@ def run_simulate(ns: argparse.Namespace) -> int:
     trace, source = None, ""
     if has_source or not ns.calibrate:
         trace, source = load_trace_from(ns)
+        if ns.rate is None and (ns.trace or ns.from_request_log):
+            span = trace[-1].arrival - trace[0].arrival  # the report's "request rate": the trace's mean
+            ns.rate = round((len(trace) - 1) / span, 3) if span > 0 else math.inf
         if ns.save_trace:
             print(f"{save_trace(trace, ns.save_trace)} requests written to {ns.save_trace}")
             return 0
