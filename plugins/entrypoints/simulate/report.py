@@ -40,7 +40,7 @@ def summarize_run(record: RunRecord, rate: float, label: str) -> dict:
     summary["swapped_out_requests"] = record.num_swapped_out
     summary["blocks_swapped"] = record.num_blocks_swapped
     summary["prefix_cache_hit_rate"] = (record.prefix_hits / record.prefix_queries if record.prefix_queries
-                                        else None)
+                                        else math.nan)  # nan: no prefix cache (or an allocator without stats)
     summary["num_steps"] = len(record.step_end)
     summary["kv_usage"] = _usage(record)
     # per priority level (when the trace has more than one): TTFT, the measure priorities exist for
@@ -81,13 +81,11 @@ def format_run(s: dict) -> str:
     for level, row in s.get("ttft_ms_by_priority", {}).items():
         lines.append(f"{'TTFT p=' + str(level):<10}" + "".join(f"{row[c]:>10.1f}" for c in ("mean", "p50", "p90",
                                                                                           "p99")))
-    hit = s["prefix_cache_hit_rate"]
     u = s["kv_usage"]
     lines += [
         f"{'steps':<30}{s['num_steps']}",
         f"{'preemptions':<30}{s['preemptions']} ({s['swapped_out_requests']} swapped out, "
         f"{s['blocks_swapped']} blocks moved)",
-        f"{'prefix cache hit rate':<30}{'n/a' if hit is None else f'{hit:.1%}'}",
         f"{'KV usage mean/p50/p90/max':<30}{u['mean']:.1%} / {u['p50']:.1%} / {u['p90']:.1%} / {u['max']:.1%}",
     ]
     if u["series"]:
