@@ -35,7 +35,7 @@ def pm():
 def simulate(pm, trace, policy="fcfs", replicas=1, **engine_options):
     config = EngineArgs.build(scheduling_policy=policy, **engine_options).create_engine_config()
     engines, record = build_engines(config, pm, COST, trace, replicas)
-    run_trace(trace, engines, least_loaded if replicas > 1 else None)
+    run_trace(trace, engines, least_loaded if replicas > 1 else None)  # the simulator's own simplest route
     return summarize_run(record, float("inf"), policy), engines
 
 
@@ -160,14 +160,33 @@ def test_two_replicas_share_the_load_and_finish_everything(pm):
     assert two["ttft_ms"]["mean"] < one["ttft_ms"]["mean"]
 
 
+def test_the_prefix_aware_router_keeps_each_group_on_one_replica_and_hits_more(pm):
+    from pagoda.plugins.entrypoints.simulate.simulator import router_route
+    from pagoda.routing import make_router
+
+    # 4 prefix groups arriving in turn, 2 replicas whose pools hold about two groups' prefixes each
+    trace = [TraceRequest(i * 0.05, 8, 272, prefix_group=i % 4, prefix_len=256) for i in range(64)]
+    config = EngineArgs.build(num_gpu_blocks_override=48, max_num_seqs=4).create_engine_config()
+    hit_rates = {}
+    for name in ("least-loaded", "prefix-aware"):
+        engines, record = build_engines(config, pm, COST, trace, 2)
+        run_trace(trace, engines, router_route(make_router(name, None, pm), config.cache.block_size))
+        summary = summarize_run(record, 20.0, name)
+        assert summary["completed"] == 64 and all(e.num_steps for e in engines)
+        hit_rates[name] = summary["prefix_cache_hit_rate"]
+    assert hit_rates["prefix-aware"] > hit_rates["least-loaded"] + 0.2
+
+
 def test_pagoda_simulate_prints_json_for_a_generated_trace(tmp_path, capsys):
     COST.save(tmp_path / "cost.json")
     rc = main(["simulate", "--generate", "--num-requests", "40", "--rate", "20", "--priority-levels", "2",
                "--cost-model", str(tmp_path / "cost.json"), "--compare-policy", "priority", "--json",
-               "--max-num-seqs", "8"])
+               "--max-num-seqs", "8", "--replicas", "2", "--router", "prefix-aware", "--router-options",
+               '{"imbalance_threshold": 4}'])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
-    assert [r["label"] for r in result["runs"]] == ["pagoda simulate: fcfs", "pagoda simulate: priority"]
+    assert [r["label"] for r in result["runs"]] == [f"pagoda simulate: {p} x2 replicas, prefix-aware router"
+                                                     for p in ("fcfs", "priority")]
     run = result["runs"][0]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "request_throughput", "preemptions",
                 "prefix_cache_hit_rate", "kv_usage"):

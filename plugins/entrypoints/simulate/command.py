@@ -54,7 +54,11 @@ def register(sub) -> None:
     run.add_argument("--compare-real", action="store_true",
                      help="also replay the trace through the real engine on the wall clock and print the "
                           "simulator's error")
-    run.add_argument("--replicas", type=int, default=1, help="simulated engines, arrivals to the least loaded")
+    run.add_argument("--replicas", type=int, default=1, help="simulated engines, each request routed by --router")
+    run.add_argument("--router", default="least-loaded", help="the request router between replicas (a "
+                                                              "pagoda_routers name, as for pagoda serve --replicas)")
+    run.add_argument("--router-options", type=json.loads, default=None, metavar="JSON",
+                     help='the router\'s options, e.g. \'{"imbalance_threshold": 4}\'')
     run.add_argument("--json", action="store_true", help="print the reports as one JSON object")
     run.add_argument("--result-file", default=None, help="also write the JSON reports to this file")
     add_engine_args(p)
@@ -135,7 +139,7 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace,
     reports = []
     for policy in [config.scheduler.policy, *ns.compare_policy]:
         summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
-                                         ns.trace_seed, ns.rate)
+                                         ns.trace_seed, ns.rate, ns.router, ns.router_options)
         summary["simulator_wall_seconds"] = round(seconds, 3)
         reports.append(summary)
     errors = check = None
@@ -165,20 +169,29 @@ def step_time_check(config, ns: argparse.Namespace, cost_model, trace, samples, 
     predicted = sum(cost_model.predict(f) for f, _ in samples)
     refitted = fit(samples, {"fitted_to": "the real run's steps"})
     summary, _ = simulate_once(config, ns.plugin_manager, refitted, trace, config.scheduler.policy, ns.replicas,
-                               ns.trace_seed, ns.rate)
+                               ns.trace_seed, ns.rate, ns.router, ns.router_options)
     return {"real_over_predicted_step_seconds": sum(s for _, s in samples) / predicted,
             "errors_with_model_fitted_to_real_steps": relative_errors(summary, real)}
 
 
-def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate):
+def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate,
+                  router_name: str = "least-loaded", router_options: Optional[dict] = None):
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
-    from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace, with_policy
+    from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route, run_trace, with_policy
+    from pagoda.routing import make_router
 
     started = time.perf_counter()
     engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed)
-    run_trace(trace, engines, least_loaded if replicas > 1 else None)
+    route = None
+    if replicas > 1:
+        try:
+            router = make_router(router_name, router_options, pm)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        route = router_route(router, config.cache.block_size)
+    run_trace(trace, engines, route)
     seconds = time.perf_counter() - started
-    label = f"pagoda simulate: {policy}" + (f" x{replicas} replicas" if replicas > 1 else "")
+    label = f"pagoda simulate: {policy}" + (f" x{replicas} replicas, {router_name} router" if replicas > 1 else "")
     return summarize_run(record, math.inf if rate is None else rate, label), seconds
 
 

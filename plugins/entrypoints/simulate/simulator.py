@@ -155,7 +155,8 @@ class SimulatedEngine:
             self.record.prefix_hits += stats.hits
 
 
-Route = Callable[[TraceRequest, list[SimulatedEngine]], int]
+# (trace index, request, replicas) -> the index of the replica that gets it
+Route = Callable[[int, TraceRequest, list[SimulatedEngine]], int]
 
 
 def run_trace(trace: Seq[TraceRequest], engines: list[SimulatedEngine], route: Optional[Route] = None) -> None:
@@ -167,7 +168,7 @@ def run_trace(trace: Seq[TraceRequest], engines: list[SimulatedEngine], route: O
     """
     if route is None:
         if len(engines) != 1:
-            raise ConfigError(f"{len(engines)} replicas need a route(request, replicas) -> index")
+            raise ConfigError(f"{len(engines)} replicas need a route(index, request, replicas) -> replica index")
         route = _only_one
     n, i = len(trace), 0
     while True:
@@ -181,7 +182,7 @@ def run_trace(trace: Seq[TraceRequest], engines: list[SimulatedEngine], route: O
             # every request already due joins at once: the engine adds arrivals between steps
             due = max(arrival, earliest.clock if earliest is not None else arrival)
             while i < n and trace[i].arrival <= due:
-                target = route(trace[i], engines)
+                target = route(i, trace[i], engines)
                 if not 0 <= target < len(engines):
                     raise ConfigError(f"route returned replica {target}; there are {len(engines)}")
                 engines[target].add_request(i, trace[i])
@@ -196,7 +197,7 @@ def run_trace(trace: Seq[TraceRequest], engines: list[SimulatedEngine], route: O
         e.collect_prefix_stats()
 
 
-def _only_one(request: TraceRequest, engines: list[SimulatedEngine]) -> int:
+def _only_one(index: int, request: TraceRequest, engines: list[SimulatedEngine]) -> int:
     return 0
 
 
@@ -205,9 +206,24 @@ def _stuck(engine: SimulatedEngine) -> float:
                        f"{engine.num_unfinished} requests unfinished and none arriving; they can never finish")
 
 
-def least_loaded(request: TraceRequest, engines: list[SimulatedEngine]) -> int:
+def least_loaded(index: int, request: TraceRequest, engines: list[SimulatedEngine]) -> int:
     """The replica with the fewest unfinished requests (ties: the lowest index)."""
     return min(range(len(engines)), key=lambda k: engines[k].num_unfinished)
+
+
+def router_route(router, block_size: int) -> Route:
+    """A ``pagoda_routers`` router (what ``pagoda serve --replicas`` routes with) as a simulator route: it sees
+    the prompt's chained block hashes and each replica's unfinished requests, as behind the server."""
+    from pagoda.routing import ReplicaLoad, RoutingRequest, prompt_block_hashes
+
+    def route(index: int, request: TraceRequest, engines: list[SimulatedEngine]) -> int:
+        tokens = engines[0].prompts.tokens(index, request)
+        routing_request = RoutingRequest(str(index), tuple(prompt_block_hashes(tokens, block_size)), len(tokens))
+        decision = router.route(routing_request, [ReplicaLoad(k, e.num_unfinished) for k, e in enumerate(engines)])
+        router.on_routed(routing_request, decision.replica_id)
+        return decision.replica_id
+
+    return route
 
 
 def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[TraceRequest],
