@@ -51,6 +51,11 @@ def register(sub) -> None:
 
 def run_serve(ns: argparse.Namespace) -> int:
     if ns.replicas != 1 or ns.max_replicas is not None:
+        if ns.request_log:
+            from pagoda.errors import ConfigError
+
+            raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
+                              "or --max-replicas yet (serve one replica to record a trace)")
         return run_replicas(ns)
     from pagoda.async_engine import AsyncLLMEngine
     from pagoda.engine import LLMEngine
