@@ -46,6 +46,8 @@ def test_a_generated_trace_survives_a_round_trip_through_its_file(tmp_path):
     assert all(a.arrival <= b.arrival for a, b in zip(trace, trace[1:]))
     assert {r.priority for r in trace} == {0, 1}
     assert 0 < sum(r.prefix_group is not None for r in trace) < 50
+    fixed = generate_trace(5, rate=1, prompt_len=7, output_len=3)
+    assert {(r.prompt_len, r.output_len) for r in fixed} == {(7, 3)}
 
 
 def test_a_bad_trace_line_is_named_with_its_field(tmp_path):

@@ -38,6 +38,10 @@ def register(sub) -> None:
     gen.add_argument("--num-groups", type=int, default=0, help="shared-prefix groups (0: no shared prefixes)")
     gen.add_argument("--prefix-len", type=int, default=512, help="tokens each group shares")
     gen.add_argument("--group-fraction", type=float, default=1.0, help="fraction of requests in a group")
+    gen.add_argument("--prompt-len", type=int, default=None, help="every request's own prompt tokens "
+                                                                   "(default: W1's log-normal draw)")
+    gen.add_argument("--output-len", type=int, default=None, help="every request's output tokens (default: W1's "
+                                                                   "log-normal draw)")
     gen.add_argument("--priority-levels", type=int, default=1, help="priorities drawn uniformly from 0..N-1")
     gen.add_argument("--trace-seed", type=int, default=0, help="seed of arrivals, lengths and synthetic tokens")
     gen.add_argument("--save-trace", default=None, metavar="PATH", help="write the trace to PATH and stop")
@@ -87,7 +91,7 @@ def load_trace_from(ns: argparse.Namespace):
                 f"workload {ns.workload} at {rate:g} req/s")
     rate = 4.0 if ns.rate is None else ns.rate
     return (generate_trace(ns.num_requests or 1000, rate, ns.burstiness, ns.num_groups, ns.prefix_len,
-                           ns.group_fraction, ns.priority_levels, ns.trace_seed),
+                           ns.group_fraction, ns.priority_levels, ns.trace_seed, ns.prompt_len, ns.output_len),
             f"generated: {rate:g} req/s, burstiness {ns.burstiness:g}, {ns.num_groups} prefix groups")
 
 

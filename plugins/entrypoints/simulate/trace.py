@@ -167,13 +167,16 @@ def poisson_arrivals(num_requests: int, rate: float, rng: random.Random, burstin
 
 def generate_trace(num_requests: int, rate: float = 4.0, burstiness: float = 1.0, num_groups: int = 0,
                    prefix_len: int = 512, group_fraction: float = 1.0, priority_levels: int = 1,
-                   seed: int = 0) -> list[TraceRequest]:
-    """A synthetic trace: W1's log-normal prompt and output lengths, gamma (Poisson) arrivals, and with
-    ``num_groups`` > 0, a ``group_fraction`` of requests whose prompt is one of ``num_groups`` shared
-    prefixes of ``prefix_len`` tokens followed by W1-length own tokens; priorities uniform over
-    ``priority_levels``."""
+                   seed: int = 0, prompt_len: Optional[int] = None, output_len: Optional[int] = None
+                   ) -> list[TraceRequest]:
+    """A synthetic trace: W1's log-normal prompt and output lengths (or the fixed ``prompt_len`` /
+    ``output_len``), gamma (Poisson) arrivals, and with ``num_groups`` > 0, a ``group_fraction`` of
+    requests whose prompt is one of ``num_groups`` shared prefixes of ``prefix_len`` tokens followed by
+    the request's own tokens; priorities uniform over ``priority_levels``."""
     if num_requests < 1:
         raise ConfigError(f"--num-requests {num_requests}: generate at least one request")
+    if (prompt_len is not None and prompt_len < 1) or (output_len is not None and output_len < 1):
+        raise ConfigError(f"--prompt-len ({prompt_len}) and --output-len ({output_len}) must be at least 1")
     if not 0 <= group_fraction <= 1 or priority_levels < 1 or num_groups < 0 or prefix_len < 0:
         raise ConfigError("group fraction must be in [0, 1], priority levels >= 1, groups and prefix length >= 0")
     rng = random.Random(seed)
@@ -181,12 +184,13 @@ def generate_trace(num_requests: int, rate: float = 4.0, burstiness: float = 1.0
     requests = []
     for arrival in arrivals:
         own = min(512, max(32, int(rng.lognormvariate(4.9, 0.6))))
-        output_len = min(256, max(16, int(rng.lognormvariate(4.3, 0.6))))
+        out = min(256, max(16, int(rng.lognormvariate(4.3, 0.6))))
+        own, out = prompt_len or own, output_len or out
         priority = rng.randrange(priority_levels)
         if num_groups and prefix_len and rng.random() < group_fraction:
             group = rng.randrange(num_groups)
-            requests.append(TraceRequest(arrival, output_len, prefix_len + own, priority, prefix_group=group,
+            requests.append(TraceRequest(arrival, out, prefix_len + own, priority, prefix_group=group,
                                          prefix_len=prefix_len))
         else:
-            requests.append(TraceRequest(arrival, output_len, own, priority))
+            requests.append(TraceRequest(arrival, out, own, priority))
     return requests
