@@ -193,7 +193,10 @@ class EngineArgs(BaseModel):
     max_model_len: Optional[int] = Field(default=None, gt=0)
     seed: int = 0
     load_format: str = "auto"
-    quantization: Optional[str] = None
+    quantization: Optional[str] = Field(default=None, description=(
+        "weight quantization: awq, gptq, compressed-tensors or fp8 checkpoints are detected from their "
+        "quantization_config; on a dense checkpoint fp8 (FP8 weights) or int8 (W8A8: int8 weights per channel, "
+        "int8 activations per token, integer dot products) quantize it while it loads"))
     chat_template: Optional[str] = None
     block_size: int = Field(default=16, gt=0)
     kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)

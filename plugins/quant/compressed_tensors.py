@@ -8,6 +8,8 @@ Two formats are read:
   ``actorder: group``. Symmetric only: ``W = (u - 2 ** (b - 1)) * scale``.
 - "float-quantized" and, for float weights, "naive-quantized" (FP8 W8A8 /
   W8A16): ``weight`` float8_e4m3fn with ``weight_scale``; see ``fp8.py``.
+- "int-quantized" (int8 W8A8 with dynamic per-token activations, or W8A16):
+  ``weight`` int8 ``[out, in]`` with ``weight_scale``; see ``int8.py``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pagoda.plugins.quant.base import (
     add_param, check_group_size, checkpoint_modules, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     name_matches, output_sharded_loader, per_shard_loader, shard_rows)
 from pagoda.plugins.quant.fp8 import Fp8LinearMethod
+from pagoda.plugins.quant.int8 import compressed_tensors_int8
 from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
 from pagoda.plugins.quant.packing import unpack_int32
 
 # "naive-quantized" stores FP8 weights exactly like "float-quantized" (llm-compressor writes it for FP8 W8A16)
-SUPPORTED_FORMATS = ("pack-quantized", "float-quantized", "naive-quantized")
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized", "naive-quantized", "int-quantized")
 
 
 class CompressedTensorsConfig:
@@ -61,6 +64,8 @@ class CompressedTensorsConfig:
         name, _, fmt, weights, acts = self.groups[index]
         if fmt == "pack-quantized":
             return PackedIntLinearMethod(name, weights, acts, self.kernel)
+        if fmt == "int-quantized" or (fmt == "naive-quantized" and weights.get("type") == "int"):
+            return compressed_tensors_int8(name, weights, acts, self.kernel)
         return _float_method(name, weights, acts, self.fp8_tables)
 
     def _group_of(self, module: str) -> Optional[int]:
