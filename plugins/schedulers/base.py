@@ -87,6 +87,14 @@ class TokenBudgetScheduler:
         """Called first in every step: preempt running work in favour of waiting requests, with
         :meth:`preempt`. By default never (first come, first served)."""
 
+    def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
+        """Called in every step before waiting requests are admitted, with the waiting queue in its
+        current order: returns the same requests in the order to try them this step (the queue keeps
+        that order). For orders that change as the KV cache changes (such as the longest cached
+        prefix first), which a key fixed on arrival (:meth:`waiting_key`) cannot express. By default
+        the queue as it is."""
+        return waiting
+
     # ---- actions a policy may take -------------------------------------------------------------
 
     def preempt(self, request: Sequence, out: SchedulerOutput) -> None:
@@ -169,10 +177,22 @@ class TokenBudgetScheduler:
         if not pool_ran_dry and not out.blocks_to_swap_out:
             # never swap in and out in one step: a freed swap slot could be overwritten before it is read
             budget = self._schedule_swapped(out, budget)
-        if not pool_ran_dry:
+        if not pool_ran_dry and self.waiting:
+            self._reorder_waiting()
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
         return out
+
+    def _reorder_waiting(self) -> None:
+        ordered = self.order_waiting(self.waiting)
+        if ordered is self.waiting:
+            return
+        ordered = list(ordered)
+        if len(ordered) != len(self.waiting) or set(map(id, ordered)) != set(map(id, self.waiting)):
+            raise RuntimeError(
+                f"{type(self).__name__}.order_waiting returned {len(ordered)} requests that are not a reordering "
+                f"of the {len(self.waiting)} waiting ones; return the same requests, reordered")
+        self.waiting = ordered
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for req in self._running_order():
