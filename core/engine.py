@@ -177,11 +177,14 @@ class LLMEngine:
         if sched.is_empty:
             return None
         try:
-            self.executor.move_blocks(sched)
+            failed_loads = self.executor.move_blocks(sched)
         except Exception as exc:
             self.scheduler.rollback(sched)
             raise StepFailedError(f"moving KV blocks failed: {type(exc).__name__}: {exc}",
                                   self._user_request_ids(sched.requests)) from exc
+        if failed_loads:
+            # offload-tier blocks that failed their check: the runner recomputes them; the books forget them
+            self.kv_manager.drop_failed_loads(failed_loads)
         try:
             return self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
@@ -242,6 +245,10 @@ class LLMEngine:
         try:
             sched = SchedulerOutput()
             sched.add(probe, 1, 0, self.kv_manager.block_table(probe.request_id))
+            if hasattr(self.kv_manager, "take_tier_moves"):
+                # the probe's block may have held a cached block: its offload copy goes before the probe writes
+                sched.kv_tier_moves = self.kv_manager.take_tier_moves()
+                self.executor.move_blocks(sched)
             self.executor.execute(sched)
             return None
         except Exception as exc:  # noqa: BLE001 - the answer is what failed

@@ -281,8 +281,9 @@ class Executor(Protocol):
     def execute(self, sched: "SchedulerOutput") -> "RunnerOutput":
         """Run the step on every rank (``ModelRunner.execute``); rank 0's result."""
 
-    def move_blocks(self, sched: "SchedulerOutput") -> None:
-        """Perform the step's swaps and copies on every rank."""
+    def move_blocks(self, sched: "SchedulerOutput") -> Optional[list[int]]:
+        """Perform the step's swaps, offload-tier moves and copies on every rank. Returns the block hashes of
+        tier loads that failed their check on any rank (``ModelRunner.move_blocks``), or None/empty."""
 
     def shutdown(self) -> None:
         """Stop the other ranks; the executor runs nothing after it."""

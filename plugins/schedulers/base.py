@@ -178,6 +178,8 @@ class TokenBudgetScheduler:
         if not pool_ran_dry:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
+        if hasattr(self.kv, "take_tier_moves"):  # an allocator with offload tiers (an optional method)
+            out.kv_tier_moves = self.kv.take_tier_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
