@@ -152,8 +152,8 @@ def init_offload_tiers(runner: ModelRunner, cc: Any, bytes_per_block: int, num_r
     for flag, size, num, each in (("--kv-offload-ram", cc.kv_offload_ram_bytes, num_ram, bytes_per_block),
                                   ("--kv-offload-disk-size", cc.kv_offload_disk_bytes, num_disk, file_bytes)):
         if size and not num:
-            raise ConfigError(f"{flag} {size / 2**30:g} GiB holds no KV block ({each * num_ranks} bytes each); "
-                              "raise it")
+            raise ConfigError(f"{flag} gives {size} bytes, less than one KV block ({each * num_ranks} bytes over "
+                              f"{num_ranks} rank(s)); raise it to at least {each * num_ranks / 2**30:.2g} GiB")
     try:
         runner.init_offload(num_ram, cc.kv_offload_disk_dir, num_disk)
     except OSError as exc:

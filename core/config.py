@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -318,9 +319,12 @@ class EngineArgs(BaseModel):
             if not os.path.isdir(disk):
                 raise ConfigError(f"--kv-offload-disk {disk} is not an existing directory; create it (mkdir -p "
                                   f"{disk}) or pass another")
-            if not os.access(disk, os.W_OK | os.X_OK):
-                raise ConfigError(f"--kv-offload-disk {disk} is not writable by this user; pass a directory "
-                                  "pagoda may create files in")
+            try:
+                with tempfile.NamedTemporaryFile(dir=disk, prefix=".pagoda-write-check-"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"--kv-offload-disk {disk} is not writable ({exc.strerror}); pass a directory "
+                                  "pagoda may create files in") from None
 
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
