@@ -58,6 +58,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's other processes (tensor parallelism); the engine runs nothing after it."""
+        if getattr(self.runner, "kv_tiers", None) is not None:
+            self.runner.kv_tiers.flush()  # block files still being written
         self.executor.shutdown()
 
     @property

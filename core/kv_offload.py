@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from pagoda.kv_tiers import BlockKey, KVTierMoves
+
+logger = logging.getLogger("pagoda")
 
 MAGIC = b"PGKV"
 FORMAT_VERSION = 1
@@ -75,6 +79,11 @@ class KVTierStore:
             self.dir.mkdir(exist_ok=True)
         # (block hash, key) of the files a previous engine left, oldest first
         self.found = self.scan()
+        # file writes and deletes run in order on one thread, off the step; reads in parallel, in the step.
+        # The threads start on first use (none without a disk tier).
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pagoda-kv-write")
+        self._readers = ThreadPoolExecutor(4, thread_name_prefix="pagoda-kv-read")
+        self._pending: dict[int, Future] = {}  # block hash -> its last queued write or delete
 
     # ---- a step's moves ------------------------------------------------------------------------------
 
@@ -82,23 +91,34 @@ class KVTierStore:
         """Perform the moves in :class:`KVTierMoves` order; returns the block hashes whose files failed
         their check (deleted, not loaded: their blocks hold nothing valid)."""
         for block_hash in moves.files_to_delete:
-            self._path(block_hash).unlink(missing_ok=True)
+            self._queue(block_hash, self._path(block_hash).unlink, True)
         for slot, block_hash, key in moves.ram_to_disk:
-            self._write(block_hash, key, [r.select(self.block_dim, slot) for r in self.ram])
+            self._queue_write(block_hash, key, [r.select(self.block_dim, slot) for r in self.ram])
         self._copy(moves.blocks_to_ram, self.caches, self.ram)
         for block, block_hash, key in moves.blocks_to_disk:
-            self._write(block_hash, key, [c.select(self.block_dim, block) for c in self.caches])
+            self._queue_write(block_hash, key, [c.select(self.block_dim, block) for c in self.caches])
         self._copy(moves.ram_to_blocks, self.ram, self.caches)
+        loads = moves.disk_to_blocks
+        for block_hash, _ in loads:
+            self._wait(block_hash)  # a file written a moment ago is read once it is whole
+        payloads = list(self._readers.map(self._read_verified, [h for h, _ in loads]))
         failed = []
-        for block_hash, block in moves.disk_to_blocks:
-            if not self._read(block_hash, block):
+        for (block_hash, block), payload in zip(loads, payloads):
+            if payload is None:
                 failed.append(block_hash)
+            else:
+                self._copy_in(payload, block)
         return failed
 
     def discard(self, block_hashes: list[int]) -> None:
         """Delete these blocks' files (another rank found its copy corrupt: every rank recomputes)."""
         for block_hash in block_hashes:
-            self._path(block_hash).unlink(missing_ok=True)
+            self._queue(block_hash, self._path(block_hash).unlink, True)
+
+    def flush(self) -> None:
+        """Wait for every queued file write and delete (an engine that stops leaves whole files)."""
+        for block_hash in list(self._pending):
+            self._wait(block_hash)
 
     def _copy(self, pairs: list[tuple[int, int]], sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         if not pairs:
@@ -114,9 +134,31 @@ class KVTierStore:
     def _path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash & 0xFFFFFFFFFFFFFFFF:016x}.kv"
 
-    def _write(self, block_hash: int, key: BlockKey, layers: list[torch.Tensor]) -> None:
-        parent, tokens, _ = key
+    def _queue(self, block_hash: int, fn: Any, *args: Any) -> None:
+        if len(self._pending) > 4096:  # forget the finished ones
+            self._pending = {h: f for h, f in self._pending.items() if not f.done()}
+        self._pending[block_hash] = self._writer.submit(fn, *args)
+
+    def _wait(self, block_hash: int) -> None:
+        future = self._pending.pop(block_hash, None)
+        if future is not None:
+            future.result()
+
+    def _queue_write(self, block_hash: int, key: BlockKey, layers: list[torch.Tensor]) -> None:
+        # the block's bytes are copied now (its slot or pool block may be overwritten this step); the file
+        # is written on the writer thread
         payload = torch.cat([t.contiguous().reshape(-1).view(torch.uint8).cpu() for t in layers]).numpy()
+        self._queue(block_hash, self._write, block_hash, key, payload)
+
+    def _write(self, block_hash: int, key: BlockKey, payload: Any) -> None:
+        try:
+            self._write_file(block_hash, key, payload)
+        except OSError as exc:  # a full disk loses this block only: a later load finds no file and recomputes
+            logger.warning("KV offload: cannot write block file %s: %s", self._path(block_hash), exc)
+            self._path(block_hash).with_suffix(".tmp").unlink(missing_ok=True)
+
+    def _write_file(self, block_hash: int, key: BlockKey, payload: Any) -> None:
+        parent, tokens, _ = key
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(tokens), parent is not None, self.identity, block_hash,
                               parent if parent is not None else 0, len(payload))
         body = header + struct.pack(f"<{len(tokens)}q", *tokens)
@@ -129,30 +171,33 @@ class KVTierStore:
             f.write(_CRC.pack(crc))
         os.replace(tmp, path)  # a crash mid-write never leaves a partial file under the block's name
 
-    def _read(self, block_hash: int, block: int) -> bool:
-        """Copy a block file into cache block ``block``; False (file deleted, cache untouched) if it is
-        missing, short, of another block or configuration, or fails its crc32."""
+    def _read_verified(self, block_hash: int) -> Optional[bytearray]:
+        """A block file's payload (on a reader thread); None, the file deleted, if it is missing, short, of
+        another block or configuration, or fails its crc32."""
         path = self._path(block_hash)
         try:
-            data = path.read_bytes()
+            data = bytearray(path.read_bytes())
         except FileNotFoundError:
-            return False
+            return None
         parsed = self._parse_header(data)
         ok = (parsed is not None and parsed[0] == block_hash and len(data) == self.file_bytes
               and zlib.crc32(memoryview(data)[:-_CRC.size]) == _CRC.unpack_from(data, len(data) - _CRC.size)[0])
         if not ok:
             path.unlink(missing_ok=True)
-            return False
+            return None
+        os.utime(path)  # the file's time is its place in the LRU order when an engine starts on the directory
         start = _HEADER.size + 8 * self.block_size
-        payload = torch.frombuffer(bytearray(data[start:start + self.payload_bytes]), dtype=torch.uint8)
+        return data[start:start + self.payload_bytes]
+
+    def _copy_in(self, data: bytearray, block: int) -> None:
+        """A verified payload into cache block ``block``, layer by layer."""
+        payload = torch.frombuffer(data, dtype=torch.uint8)
         offset = 0
         for cache in self.caches:
             target = cache.select(self.block_dim, block)
             n = target.numel() * cache.element_size()
             target.copy_(payload[offset:offset + n].view(cache.dtype).view(target.shape))
             offset += n
-        os.utime(path)  # the file's time is its place in the LRU order when an engine starts on the directory
-        return True
 
     def _parse_header(self, data: bytes) -> Optional[tuple[int, BlockKey]]:
         """``(block hash, key)`` from a file's start if it is a block file of this configuration."""

@@ -70,9 +70,9 @@ def test_default_model_greedy_tokens_are_identical_with_offload_and_hits_come_fr
 def test_a_restarted_engine_gets_hits_from_the_blocks_left_on_disk(tiny_model, tiny_reference, tmp_path):
     first = tiny(tiny_model, kv_offload_disk=str(tmp_path), kv_offload_disk_size=0.01)
     assert generate(first) == tiny_reference
+    first.engine.shutdown()  # its last block files are whole
     files = list(tmp_path.glob("pagoda-kv-*/*.kv"))
     assert len(files) == first.engine.kv_manager.tiers.stats.num_disk_blocks > 0
-    del first
     again = tiny(tiny_model, kv_offload_disk=str(tmp_path), kv_offload_disk_size=0.01)
     tiers = again.engine.kv_manager.tiers
     assert tiers.stats.num_disk_blocks == len(files)
@@ -100,7 +100,7 @@ def damage(files: list[Path]) -> None:
 def test_corrupt_and_truncated_block_files_are_detected_and_recomputed(tiny_model, tiny_reference, tmp_path):
     first = tiny(tiny_model, kv_offload_disk=str(tmp_path), kv_offload_disk_size=0.01)
     generate(first)
-    del first
+    first.engine.shutdown()
     files = list(tmp_path.glob("pagoda-kv-*/*.kv"))
     damage(files)
     damaged = {p.name: p.read_bytes() for p in files}
