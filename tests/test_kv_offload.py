@@ -113,16 +113,25 @@ def test_corrupt_and_truncated_block_files_are_detected_and_recomputed(tiny_mode
     assert sum(1 for name, data in damaged.items() if left.get(name) == data) <= len(damaged) - stats.disk.corrupt
 
 
-def test_tensor_parallel_ranks_keep_their_own_block_files_and_give_the_tokens_of_one_rank(
+def test_tensor_parallel_ranks_keep_their_own_block_files_and_recompute_what_one_rank_finds_corrupt(
         tiny_model, tiny_reference, tmp_path):
-    llm = tiny(tiny_model, tensor_parallel_size=2, kv_offload_ram=0.0001, kv_offload_disk=str(tmp_path),
-               kv_offload_disk_size=0.01)
+    options = dict(tensor_parallel_size=2, kv_offload_ram=0.0001, kv_offload_disk=str(tmp_path),
+                   kv_offload_disk_size=0.01)
+    llm = tiny(tiny_model, **options)
     try:
         assert generate(llm) == tiny_reference
         stats = llm.engine.kv_manager.tiers.stats
         assert stats.ram.hits + stats.disk.hits > 0, stats
-        rank_dirs = list(tmp_path.glob("pagoda-kv-*"))
-        assert len(rank_dirs) == 2 and all(list(d.glob("*.kv")) for d in rank_dirs)
+    finally:
+        llm.engine.shutdown()
+    rank_dirs = sorted(tmp_path.glob("pagoda-kv-*"))
+    assert len(rank_dirs) == 2 and all(list(d.glob("*.kv")) for d in rank_dirs)
+    # one rank's files damaged, the other's whole: both ranks must still recompute the same blocks
+    damage(list(rank_dirs[0].glob("*.kv")))
+    llm = tiny(tiny_model, **options)
+    try:
+        assert generate(llm) == tiny_reference
+        assert llm.engine.kv_manager.tiers.stats.disk.corrupt > 0
     finally:
         llm.engine.shutdown()
 
