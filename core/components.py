@@ -17,7 +17,7 @@ from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.deprecation import adapt_renamed_methods
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.executor import select_executor
-from pagoda.kv_tiers import KVTierIndex
+from pagoda.kv_tiers import KVTierIndex, has_offload_tiers
 from pagoda.model_runner import ModelRunner
 from pagoda.plugin_manager import PluginManager
 
@@ -67,8 +67,8 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     if cc.preemption_mode == "swap":
         kv_manager.init_swap_pool(runner.num_swap_blocks)
     if runner.kv_tiers is not None:
-        if not hasattr(kv_manager, "init_offload"):
-            raise ConfigError(f"the {cc.kv_allocator!r} KV allocator has no offload tiers (no init_offload method); "
+        if not has_offload_tiers(kv_manager):
+            raise ConfigError(f"the {cc.kv_allocator!r} KV allocator has no offload tiers (its class has no take_tier_moves); "
                               "drop the --kv-offload-* flags or use kv_allocator='paged'")
         store = runner.kv_tiers
         kv_manager.init_offload(KVTierIndex(store.num_ram_slots, store.num_disk_blocks, store.payload_bytes,

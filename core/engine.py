@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional, Union
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.host import HostTuning, apply_host_settings
+from pagoda.kv_tiers import has_offload_tiers
 from pagoda.metrics import EngineStats, SpecDecodeStats
 from pagoda.outputs import OutputProcessor, RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
@@ -247,7 +248,7 @@ class LLMEngine:
         try:
             sched = SchedulerOutput()
             sched.add(probe, 1, 0, self.kv_manager.block_table(probe.request_id))
-            if hasattr(self.kv_manager, "take_tier_moves"):
+            if has_offload_tiers(self.kv_manager):
                 # the probe's block may have held a cached block: its offload copy goes before the probe writes
                 sched.kv_tier_moves = self.kv_manager.take_tier_moves()
                 self.executor.move_blocks(sched)

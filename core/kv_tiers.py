@@ -229,6 +229,13 @@ class KVTierIndex:
         self.stats.num_disk_blocks = len(self._disk)
 
 
+def has_offload_tiers(kv_manager: Any) -> bool:
+    """Whether a KV allocator's class offers the optional offload methods (``init_offload``,
+    ``take_tier_moves``, ``drop_failed_loads``, ``tiers``; see :class:`TieredPrefixCache`). Asked of the
+    class, so an allocator that lacks them is never touched outside its Protocol."""
+    return callable(getattr(type(kv_manager), "take_tier_moves", None))
+
+
 class TieredPrefixCache:
     """The allocator's side of the tiers, mixed into :class:`~pagoda.kv_blocks.PagedKVCacheManager`: it
     sets ``self.tiers`` (None while off) and calls :meth:`_load_from_tiers` on its prefix hits; a tier hit

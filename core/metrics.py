@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from pagoda.kv_tiers import has_offload_tiers
 from pagoda.sequence import Sequence
 
 # vLLM's buckets (seconds)
@@ -192,7 +193,7 @@ class PrometheusExporter:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       getattr(prefix, "queries", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", getattr(prefix, "hits", 0))
-        yield from _kv_offload_metrics(getattr(kv, "tiers", None), labels, values)
+        yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
         yield counter("num_preemptions", "Preemptions of running requests.", getattr(sched, "num_preemptions", 0))
         yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
