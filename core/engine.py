@@ -59,8 +59,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's other processes (tensor parallelism); the engine runs nothing after it."""
-        if getattr(self.runner, "kv_tiers", None) is not None:
-            self.runner.kv_tiers.flush()  # block files still being written
+        if has_offload_tiers(self.kv_manager) and self.kv_manager.tiers is not None:
+            # the prefix blocks in the pool and in RAM go to the disk tier, for the next engine on the directory
+            sched = SchedulerOutput(kv_tier_moves=self.kv_manager.spill_to_disk())
+            if sched.kv_tier_moves:
+                self.executor.move_blocks(sched)
+            self.runner.kv_tiers.flush()  # every block file whole before the engine stops
         self.executor.shutdown()
 
     @property

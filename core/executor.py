@@ -306,6 +306,8 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
         if kind == "shutdown":
             break
         getattr(worker, kind)(message)
+    if worker.runner.kv_tiers is not None:
+        worker.runner.kv_tiers.flush()  # block files still being written
     distributed.shutdown()
 
 

@@ -161,6 +161,19 @@ class KVTierIndex:
         if block_hash in self._disk:
             self._pinned_files.add(block_hash)
 
+    def persist(self, block_hash: int, key: BlockKey, block_id: int) -> None:
+        """Write a pool block to disk if it is not there (an engine about to stop keeps it for the next)."""
+        if self._disk.get(block_hash) != key and self._admit_to_disk(block_hash, key):
+            self._moves.blocks_to_disk.append((block_id, block_hash, key))
+        self._update_gauges()
+
+    def persist_ram(self) -> None:
+        """Write every RAM entry that is not on disk yet to disk, least recently used first."""
+        for block_hash, (key, slot) in list(self._ram.items()):
+            if self._disk.get(block_hash) != key and self._admit_to_disk(block_hash, key):
+                self._moves.ram_to_disk.append((slot, block_hash, key))
+        self._update_gauges()
+
     def count_miss(self) -> None:
         """A prompt's next full block was in neither the pool nor any tier."""
         if self.num_ram_slots:
@@ -250,6 +263,16 @@ class TieredPrefixCache:
     def take_tier_moves(self) -> KVTierMoves:
         """Tier moves decided since the last call, for the scheduler to pass to the runner with the step."""
         return self.tiers.take_moves() if self.tiers is not None else KVTierMoves()
+
+    def spill_to_disk(self) -> KVTierMoves:
+        """The moves writing every prefix block held in RAM or in the pool to the disk tier (oldest first),
+        so an engine started on the same directory finds them all; empty without a disk tier."""
+        if self.tiers is None:
+            return KVTierMoves()
+        self.tiers.persist_ram()
+        for block in list(self._cached.values()):
+            self.tiers.persist(block.block_hash, block.key, block.block_id)
+        return self.tiers.take_moves()
 
     def drop_failed_loads(self, block_hashes: Iterable[int]) -> None:
         """Tier blocks the runner found corrupt when loading them (it recomputed their tokens instead)."""

@@ -70,15 +70,17 @@ def test_default_model_greedy_tokens_are_identical_with_offload_and_hits_come_fr
 def test_a_restarted_engine_gets_hits_from_the_blocks_left_on_disk(tiny_model, tiny_reference, tmp_path):
     first = tiny(tiny_model, kv_offload_disk=str(tmp_path), kv_offload_disk_size=0.01)
     assert generate(first) == tiny_reference
-    first.engine.shutdown()  # its last block files are whole
+    first.engine.shutdown()  # writes the prefix blocks still in the pool to disk
     files = list(tmp_path.glob("pagoda-kv-*/*.kv"))
-    assert len(files) == first.engine.kv_manager.tiers.stats.num_disk_blocks > 0
+    # every full block of the four prefixes (3 each) and of the prompts' tails (none: 5 tokens)
+    assert len(files) == first.engine.kv_manager.tiers.stats.num_disk_blocks == 12
     again = tiny(tiny_model, kv_offload_disk=str(tmp_path), kv_offload_disk_size=0.01)
     tiers = again.engine.kv_manager.tiers
     assert tiers.stats.num_disk_blocks == len(files)
-    assert generate(again) == tiny_reference
-    # the first pass already finds prefixes on disk: more hits than the first engine, which started empty
-    assert tiers.stats.disk.hits > len(PREFIXES)
+    # the first pass already finds every prefix on disk
+    outs = again.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tiny_reference[:4]
+    assert tiers.stats.disk.hits == 12 and [o.num_cached_tokens for o in outs] == [48] * 4
     # another configuration (block size) never reads these files: its own directory, no hits
     other = tiny(tiny_model, kv_offload_disk=str(tmp_path), kv_offload_disk_size=0.01, block_size=32)
     assert other.engine.kv_manager.tiers.stats.num_disk_blocks == 0
