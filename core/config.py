@@ -301,9 +301,6 @@ class EngineArgs(BaseModel):
         if spec_cfg is not None and spec_cfg.model and not spec_cfg.model.startswith("self:"):
             raise ConfigError("a draft checkpoint is not sharded for tensor parallelism yet; with "
                               "tensor_parallel_size > 1 use the ngram method or a self-draft (\"self:layers=N\")")
-        if model_cfg.quantization:
-            raise ConfigError(f"{model_cfg.quantization} weights are not sharded for tensor parallelism yet; use a "
-                              "dense checkpoint or tensor_parallel_size=1")
 
     def _check_kv_offload(self) -> None:
         """The offload flags go together, extend the prefix cache, and name a directory pagoda can write."""

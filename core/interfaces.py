@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.plugin_manager import PluginManager
+    from pagoda.routing import ReplicaLoad, RoutingDecision, RoutingRequest
     from pagoda.sampler import SamplerOutput
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
@@ -296,6 +297,24 @@ class Executor(Protocol):
 
 
 @runtime_checkable
+class Router(Protocol):
+    """``pagoda_routers``: picks the engine replica for each request (plain bookkeeping, no I/O).
+
+    Invariants: ``route`` returns one of the given replicas and changes nothing; ``on_routed`` is called
+    once for every request as soon as its replica is known, before the next request is routed.
+    """
+
+    def route(self, request: "RoutingRequest", replicas: "typing.Sequence[ReplicaLoad]") -> "RoutingDecision":
+        """The replica for ``request`` among ``replicas`` (never empty), and why."""
+
+    def on_routed(self, request: "RoutingRequest", replica_id: typing.Hashable) -> None:
+        """Record that ``request`` was sent to ``replica_id``."""
+
+    def on_replica_removed(self, replica_id: typing.Hashable) -> None:
+        """Forget a replica that stopped."""
+
+
+@runtime_checkable
 class LinearMethod(Protocol):
     """What a linear layer asks of its quant method (see ``pagoda.layers.linear``)."""
 
@@ -370,6 +389,10 @@ class ProposerFactory(Protocol):
 
 class ExecutorFactory(Protocol):
     def __call__(self, engine_config: "EngineConfig", plugin_manager: "PluginManager") -> Executor: ...
+
+
+class RouterFactory(Protocol):
+    def __call__(self, **options: Any) -> Router: ...
 
 
 class CLICommand(Protocol):

@@ -93,6 +93,21 @@ def test_completion_returns_the_offline_greedy_text_and_usage(client, offline):
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids) and resp.usage.completion_tokens == 12
 
 
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(client):
+    # 40 distinct words: more than two 16-token blocks, so a repeat finds whole blocks cached
+    prompt = " ".join(f"word{i}" for i in range(40))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    usage = list(again)[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens == first.usage.prompt_tokens
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, temperature=0)
+    resp = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, temperature=0)
+    assert 0 < resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
+
+
 def test_streamed_completion_text_equals_offline_generate(client, offline):
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
                                        stream_options={"include_usage": True})

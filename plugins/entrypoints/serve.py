@@ -7,6 +7,7 @@ import logging
 import os
 
 from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.replicas.command import add_replica_args, run_replicas
 
 logger = logging.getLogger("pagoda")
 
@@ -41,10 +42,13 @@ def register(sub) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)
+    add_replica_args(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
+    if ns.replicas != 1 or ns.max_replicas is not None:
+        return run_replicas(ns)
     from pagoda.async_engine import AsyncLLMEngine
     from pagoda.engine import LLMEngine
     from pagoda.plugins.entrypoints.server import build_app, default_allowed_hosts, make_uvicorn_server

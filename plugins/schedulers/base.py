@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.deprecation import adopt_renamed_overrides, renamed_method
+from pagoda.deprecation import adopt_renamed_overrides
 from pagoda.kv_tiers import has_offload_tiers
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
@@ -57,7 +57,7 @@ class TokenBudgetScheduler:
         self._scheduled_now: dict[str, int] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # a policy written before plugin API 1.0 overrides private names: honoured until 1.2, with a warning
+        # a policy overriding a renamed method is warned about (or, once the old name is removed, refused)
         super().__init_subclass__(**kwargs)
         adopt_renamed_overrides(cls, TokenBudgetScheduler)
 
@@ -108,13 +108,7 @@ class TokenBudgetScheduler:
         self.num_preemptions += 1
         out.preempted.append(request)
 
-    # the pre-1.0 names of the above, for policies that call them (or super() them in an override)
-    _pick_victim = renamed_method("TokenBudgetScheduler", "_pick_victim")
-    _may_admit_waiting = renamed_method("TokenBudgetScheduler", "_may_admit_waiting")
-    _preempt_for_arrivals = renamed_method("TokenBudgetScheduler", "_preempt_for_arrivals")
-    _preempt = renamed_method("TokenBudgetScheduler", "_preempt")
-
-    # ---- queue order (a pre-1.0 policy may still override these four, see pagoda.deprecation) ----
+    # ---- queue order, from waiting_key and running_key (private helpers, not extension points) --------
 
     @staticmethod
     def _insert(queue: list[Sequence], request: Sequence, key: Callable[[Sequence], Any]) -> None:

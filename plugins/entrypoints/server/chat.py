@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     num_completion = sum(len(c.token_ids) for c in out.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": now_s(),
                          "model": ctx.served_model_name, "choices": choices,
-                         "usage": usage(len(out.prompt_token_ids), num_completion)})
+                         "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)})
 
 
 async def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
@@ -78,13 +78,13 @@ async def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
-    num_prompt = 0
+    num_prompt = num_cached = 0
     try:
         async for _, out in gen.stream():
             err = output_error(out)
             if err is not None:
                 raise err
-            num_prompt = len(out.prompt_token_ids)
+            num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 first = c.index not in sent_text
@@ -104,7 +104,7 @@ async def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top
                     chunk["usage"] = None
                 yield sse(chunk)
         if include_usage:
-            yield sse(dict(head, choices=[], usage=usage(num_prompt, sum(sent_tokens.values()))))
+            yield sse(dict(head, choices=[], usage=usage(num_prompt, sum(sent_tokens.values()), num_cached)))
     except Exception as exc:  # the status line is gone: report the error as the last event
         yield sse_error(exc)
     yield SSE_DONE

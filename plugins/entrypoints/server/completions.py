@@ -56,12 +56,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage),
                                  media_type="text/event-stream")
     outputs = await unless_disconnected(request, gen.final())
-    choices, num_prompt, num_completion = [], 0, 0
+    choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for i, out in enumerate(outputs):
         err = output_error(out)
         if err is not None:
             raise err
         num_prompt += len(out.prompt_token_ids)
+        num_cached += out.num_cached_tokens
         for c in out.outputs:
             num_completion += len(c.token_ids)
             text = (echo[i] if echo else "") + c.text
@@ -70,7 +71,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
                             "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now_s(),
                          "model": ctx.served_model_name, "choices": choices,
-                         "usage": usage(num_prompt, num_completion)})
+                         "usage": usage(num_prompt, num_completion, num_cached)})
 
 
 async def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[str]],
@@ -79,13 +80,14 @@ async def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int,
     sent_text: dict[int, int] = {}  # choice index -> characters sent
     sent_tokens: dict[int, int] = {}
     num_prompt: dict[int, int] = {}
+    num_cached: dict[int, int] = {}
     head = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.served_model_name}
     try:
         async for i, out in gen.stream():
             err = output_error(out)
             if err is not None:
                 raise err
-            num_prompt[i] = len(out.prompt_token_ids)
+            num_prompt[i], num_cached[i] = len(out.prompt_token_ids), out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 idx = i * n + c.index
@@ -105,7 +107,8 @@ async def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int,
                     chunk["usage"] = None
                 yield sse(chunk)
         if include_usage:
-            yield sse(dict(head, choices=[], usage=usage(sum(num_prompt.values()), sum(sent_tokens.values()))))
+            yield sse(dict(head, choices=[], usage=usage(sum(num_prompt.values()), sum(sent_tokens.values()),
+                                                        sum(num_cached.values()))))
     except Exception as exc:  # the status line is gone: report the error as the last event
         yield sse_error(exc)
     yield SSE_DONE

@@ -136,9 +136,10 @@ def finish_reason(c) -> Optional[str]:
     return c.finish_reason if c.finish_reason in ("stop", "length") else None
 
 
-def usage(num_prompt: int, num_completion: int) -> dict:
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
+    """The OpenAI usage object; ``cached_tokens`` counts prompt tokens served from the prefix cache."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 def new_id(prefix: str) -> str:
