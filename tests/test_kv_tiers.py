@@ -14,7 +14,8 @@ from pagoda.kv_tiers import KVTierIndex
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
-from pagoda.testing.scheduling import SimRunner, check_kv_allocator, expected_output
+from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.testing.scheduling import SimRunner, check_kv_allocator, check_scheduler, expected_output
 
 BS = 4
 
@@ -92,6 +93,30 @@ def tiered(ram: int, disk: int):
 @pytest.mark.parametrize("ram,disk", [(3, 4), (0, 3), (2, 0)])
 def test_the_allocator_with_tiers_passes_the_conformance_kit(ram, disk):
     check_kv_allocator(tiered(ram, disk), seeds=2)
+
+
+def test_the_priority_scheduler_over_tiers_passes_the_conformance_kit():
+    check_scheduler(PriorityScheduler, allocator=tiered(2, 3), seeds=2)
+
+
+def test_a_stopping_engine_s_spill_writes_pool_and_ram_blocks_to_disk_once():
+    kv = PagedKVCacheManager(4, BS)
+    kv.init_offload(KVTierIndex(num_ram_slots=1, num_disk_blocks=8, bytes_per_block=1))
+    for i, tokens in enumerate(([1] * 9, [2] * 9, [3] * 9)):  # two full blocks each; 4 pool blocks in all
+        seq = Sequence(f"s{i}", tokens, SamplingParams(max_tokens=1))
+        blocks, _ = kv.get_computed_blocks(seq)
+        assert kv.allocate_slots(seq, len(tokens), blocks)
+        kv.free(seq)
+    kv.take_tier_moves()
+    on_disk = set(kv.tiers.holds("disk"))
+    moves = kv.spill_to_disk()
+    # the RAM entry and the cached pool blocks not on disk yet go there, each once
+    written = [h for _, h, _ in moves.ram_to_disk] + [h for _, h, _ in moves.blocks_to_disk]
+    assert len(written) == len(set(written)) and not on_disk & set(written)
+    assert set(kv.tiers.holds("disk")) == on_disk | set(written)
+    assert set(kv.tiers.holds("ram")) | set(kv._cached) <= set(kv.tiers.holds("disk"))
+    assert len(moves.blocks_to_disk) == len(set(kv._cached) - on_disk) > 0
+    assert not kv.spill_to_disk()  # a second spill finds everything on disk already
 
 
 def run_stream(kv: PagedKVCacheManager, seed: int, preemption_mode: str, num_blocks: int = 16) -> None:
