@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.deprecation import adopt_renamed_overrides
+from pagoda.kv_tiers import has_offload_tiers
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
@@ -43,6 +44,7 @@ class TokenBudgetScheduler:
         self.num_speculative_tokens = scheduler_config.num_speculative_tokens
         self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
+        self._has_offload_tiers = has_offload_tiers(kv_manager)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -181,6 +183,8 @@ class TokenBudgetScheduler:
             self._reorder_waiting()
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
+        if self._has_offload_tiers:
+            out.kv_tier_moves = self.kv.take_tier_moves()
         return out
 
     def _reorder_waiting(self) -> None:
