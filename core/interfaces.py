@@ -83,6 +83,12 @@ class KVCacheManager(Protocol):
     a fork), and then it is read-only until copied (copy-on-write); every block a sequence holds comes
     back to the pool when it is freed; a failed ``allocate_slots`` changes nothing. The block moves it
     decides (swap out, swap in, copy) are returned to the scheduler, which passes them to the runner.
+
+    Optional, for the prefix cache's offload tiers (``--kv-offload-*``): an allocator whose class also
+    defines ``init_offload``, ``take_tier_moves``, ``drop_failed_loads`` and ``tiers`` (as
+    :class:`pagoda.kv_tiers.TieredPrefixCache` does) can keep evicted prefix blocks in RAM and on disk;
+    core asks the class (``pagoda.kv_tiers.has_offload_tiers``) before using them, and refuses the flags
+    for an allocator without them.
     """
 
     num_blocks: int
@@ -282,8 +288,9 @@ class Executor(Protocol):
     def execute(self, sched: "SchedulerOutput") -> "RunnerOutput":
         """Run the step on every rank (``ModelRunner.execute``); rank 0's result."""
 
-    def move_blocks(self, sched: "SchedulerOutput") -> None:
-        """Perform the step's swaps and copies on every rank."""
+    def move_blocks(self, sched: "SchedulerOutput") -> Optional[list[int]]:
+        """Perform the step's swaps, offload-tier moves and copies on every rank. Returns the block hashes of
+        tier loads that failed their check on any rank (``ModelRunner.move_blocks``), or None/empty."""
 
     def shutdown(self) -> None:
         """Stop the other ranks; the executor runs nothing after it."""

@@ -14,7 +14,6 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -163,42 +162,49 @@ async def run_rate(base_url: str, model: str, api_key: Optional[str], requests: 
     return duration, list(timings)
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    """Mean and p50/p90/p99 in milliseconds (linear interpolation between ranks)."""
-    if not values:
+def percentiles(values) -> dict[str, float]:
+    """Mean and p50/p90/p99 in milliseconds of ``values`` in seconds (any sequence or array; linear
+    interpolation between ranks)."""
+    import numpy as np
+
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
         return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
-    ordered = sorted(values)
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99]) * 1e3
+    return {"mean": float(arr.mean()) * 1e3, "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
-    def q(p: float) -> float:
-        pos = (len(ordered) - 1) * p
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
-    return {"mean": statistics.fmean(ordered) * 1e3, "p50": q(0.5) * 1e3, "p90": q(0.9) * 1e3, "p99": q(0.99) * 1e3}
+def summary_from(rate: float, duration: float, completed: int, failed: int, prompt_tokens: int, output_tokens: int,
+                 ttft, tpot, itl, e2e, errors: list[str]) -> dict:
+    """The serving summary from per-request measures in seconds (``pagoda simulate`` reports the same)."""
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "completed": completed,
+        "failed": failed,
+        "duration_s": duration,
+        "request_throughput": completed / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles(e2e),
+        "errors": sorted(set(errors))[:5],
+    }
 
 
 def summarize(rate: float, duration: float, timings: list[RequestTiming]) -> dict:
     ok = [t for t in timings if t.ok]
-    out_tokens = sum(t.output_tokens for t in ok)
-    prompt_tokens = sum(t.prompt_len for t in ok)
-    return {
-        "request_rate": rate if math.isfinite(rate) else "inf",
-        "completed": len(ok),
-        "failed": len(timings) - len(ok),
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_token_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + prompt_tokens) / duration,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": out_tokens,
-        "ttft_ms": percentiles([t.ttft for t in ok]),
-        "tpot_ms": percentiles([t.tpot for t in ok if t.tpot is not None]),
-        "itl_ms": percentiles([gap for t in ok for gap in t.itl]),
-        "e2e_ms": percentiles([t.e2e for t in ok]),
-        "errors": sorted({t.error for t in timings if t.error})[:5],
-        "prefix_cache_hit_rate": sum(t.cached_tokens for t in ok) / prompt_tokens if prompt_tokens else math.nan,
-        **routing_locality(ok),
-    }
+    summary = summary_from(rate, duration, len(ok), len(timings) - len(ok), sum(t.prompt_len for t in ok),
+                           sum(t.output_tokens for t in ok), [t.ttft for t in ok],
+                           [t.tpot for t in ok if t.tpot is not None], [gap for t in ok for gap in t.itl],
+                           [t.e2e for t in ok], [t.error for t in timings if t.error])
+    prompt_tokens = summary["prompt_tokens"]
+    summary["prefix_cache_hit_rate"] = sum(t.cached_tokens for t in ok) / prompt_tokens if prompt_tokens else math.nan
+    summary.update(routing_locality(ok))
+    return summary
 
 
 def routing_locality(timings: list[RequestTiming]) -> dict:

@@ -172,6 +172,14 @@ def kernel_isa_paths(llm) -> dict[str, str]:
 
         kernel = kernel_for_device()
         paths["int linear"] = isa_path() if kernel == "cpu" else kernel
+    from pagoda.plugins.quant.int8 import uses_int8_kernel
+
+    if uses_int8_kernel(llm.engine.model):
+        from pagoda.plugins.quant.base import kernel_for_device
+        from pagoda.plugins.quant.cpu_int8_kernel import isa_path as int8_isa_path
+
+        kernel = kernel_for_device()
+        paths["int8 linear"] = int8_isa_path() if kernel == "cpu" else "torch"
     return paths
 
 

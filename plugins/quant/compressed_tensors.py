@@ -8,6 +8,8 @@ Two formats are read:
   ``actorder: group``. Symmetric only: ``W = (u - 2 ** (b - 1)) * scale``.
 - "float-quantized" and, for float weights, "naive-quantized" (FP8 W8A8 /
   W8A16): ``weight`` float8_e4m3fn with ``weight_scale``; see ``fp8.py``.
+- "int-quantized" (int8 W8A8 with dynamic per-token activations, or W8A16):
+  ``weight`` int8 ``[out, in]`` with ``weight_scale``; see ``int8.py``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pagoda.plugins.quant.base import (
     add_param, check_group_size, checkpoint_modules, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     name_matches, output_sharded_loader, per_shard_loader, shard_rows)
 from pagoda.plugins.quant.fp8 import Fp8LinearMethod
+from pagoda.plugins.quant.int8 import compressed_tensors_int8
 from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
 from pagoda.plugins.quant.packing import unpack_int32
 
 # "naive-quantized" stores FP8 weights exactly like "float-quantized" (llm-compressor writes it for FP8 W8A16)
-SUPPORTED_FORMATS = ("pack-quantized", "float-quantized", "naive-quantized")
+SUPPORTED_FORMATS = ("pack-quantized", "float-quantized", "naive-quantized", "int-quantized")
 
 
 class CompressedTensorsConfig:
@@ -61,6 +64,8 @@ class CompressedTensorsConfig:
         name, _, fmt, weights, acts = self.groups[index]
         if fmt == "pack-quantized":
             return PackedIntLinearMethod(name, weights, acts, self.kernel)
+        if fmt == "int-quantized" or (fmt == "naive-quantized" and weights.get("type") == "int"):
+            return compressed_tensors_int8(name, weights, acts, self.kernel)
         return _float_method(name, weights, acts, self.fp8_tables)
 
     def _group_of(self, module: str) -> Optional[int]:
@@ -114,25 +119,30 @@ class PackedIntLinearMethod:
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n_out, n_in = layer.out_features, layer.in_features
+        if self.has_g_idx and getattr(layer, "tp_cols", None) is not None:
+            raise ConfigError(f"{layer.prefix}: actorder 'group' weights are not split over input features for "
+                              "tensor parallelism (each rank's columns would need every group's scales); use "
+                              "tensor_parallel_size=1 or a checkpoint quantized without actorder")
         group = n_in if self.group_size == -1 else self.group_size
         layer.quant_dtype, layer.ct_group = dtype, group
         method, per_word = "compressed-tensors pack-quantized", 32 // self.bits
         add_param(layer, "weight_packed", (n_out, -(-n_in // per_word)), torch.int32,
-                  output_sharded_loader(layer, method, out_dim=0, expected_dtype=torch.int32))
+                  output_sharded_loader(layer, method, out_dim=0, expected_dtype=torch.int32, in_pack=per_word))
         add_param(layer, "weight_scale", (n_out, -(-n_in // group)), torch.float32,
-                  output_sharded_loader(layer, method, out_dim=0))
+                  output_sharded_loader(layer, method, out_dim=0,
+                                        in_pack=None if self.group_size == -1 else group))
         add_param(layer, "weight_shape", (len(layer.output_sizes), 2), torch.int64, per_shard_loader(layer, method))
         if self.has_g_idx:
             add_param(layer, "weight_g_idx", (len(layer.output_sizes), n_in), torch.int64,
-                      per_shard_loader(layer, method))
+                      per_shard_loader(layer, method, per_input=True))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         rows = shard_rows(layer)
-        for i, (start, end) in enumerate(rows):
+        for i, size in enumerate(layer.full_output_sizes):  # the checkpoint's shapes, before any rank's split
             shape = layer.weight_shape.data[i].tolist()
-            if shape != [end - start, layer.in_features]:
+            if shape != [size, layer.full_in_features]:
                 raise CheckpointError(f"{layer.prefix}: weight_shape of shard {i} is {shape} but the model expects "
-                                      f"{[end - start, layer.in_features]}")
+                                      f"{[size, layer.full_in_features]}")
         q = unpack_int32(layer.weight_packed.data, self.bits, dim=1)[:, : layer.in_features].contiguous()
         scales = layer.weight_scale.data  # [out, groups]
         zeros = torch.full_like(scales, float(1 << (self.bits - 1)))  # symmetric: offset of the stored values
