@@ -51,6 +51,9 @@ def shm_all_reduce(engine_config: EngineConfig, rank: int, size: int, group: Any
     if engine_config.device != "cpu":
         raise BackendUnavailable(f"all_reduce_backend 'shm' sums CPU tensors; the model runs on "
                                  f"{engine_config.device}: pass --all-reduce-backend gloo (or auto)")
+    if not _is_x86():  # its flags rely on x86's store ordering (pagoda.shm_all_reduce)
+        raise BackendUnavailable(f"all_reduce_backend 'shm' needs an x86-64 CPU (this one is "
+                                 f"{platform.machine()}): pass --all-reduce-backend gloo (or auto)")
     slot_bytes = engine_config.model.hidden_size * engine_config.scheduler.max_num_batched_tokens * 4
     return ShmAllReduce(rank, size, group, timeout_seconds, slot_bytes)
 
@@ -61,8 +64,11 @@ def all_reduce_candidates(engine_config: EngineConfig) -> list[str]:
     name = engine_config.parallel.all_reduce_backend
     if name != "auto":
         return [name]
-    on_x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return ["shm", "gloo"] if engine_config.device == "cpu" and on_x86 else ["gloo"]
+    return ["shm", "gloo"] if engine_config.device == "cpu" and _is_x86() else ["gloo"]
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def build_all_reduce(engine_config: EngineConfig, plugin_manager: Any, rank: int, size: int, group: Any,
