@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
-.PHONY: install demo test test-avx2 bench clean
+.PHONY: install demo test test-avx2 check-arm bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: $(STAMP)
 # pagoda's kernels are built for AVX2 and torch's own kernels are capped the same way
 test-avx2: $(STAMP)
 	PAGODA_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTEST)
+
+# the C++ kernels compile for 64-bit ARM (needs: apt-get install g++-aarch64-linux-gnu)
+check-arm: $(STAMP)
+	PAGODA_CHECK_ARM=1 $(PY) -m pytest -q tests/test_arm_build.py -n 2
 
 bench: $(STAMP)
 	$(VENV)/bin/pagoda bench throughput

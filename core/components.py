@@ -17,6 +17,7 @@ from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.deprecation import adapt_renamed_methods
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.executor import select_executor
+from pagoda.kv_tiers import KVTierIndex, has_offload_tiers
 from pagoda.model_runner import ModelRunner
 from pagoda.plugin_manager import PluginManager
 
@@ -65,6 +66,13 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
                                       config.scheduler.policy)
     if cc.preemption_mode == "swap":
         kv_manager.init_swap_pool(runner.num_swap_blocks)
+    if runner.kv_tiers is not None:
+        if not has_offload_tiers(kv_manager):
+            raise ConfigError(f"the {cc.kv_allocator!r} KV allocator has no offload tiers (its class has no take_tier_moves); "
+                              "drop the --kv-offload-* flags or use kv_allocator='paged'")
+        store = runner.kv_tiers
+        kv_manager.init_offload(KVTierIndex(store.num_ram_slots, store.num_disk_blocks, store.payload_bytes,
+                                            store.found))
     return Components(tokenizer, runner.model, runner.backend, kv_manager, scheduler, runner, executor,
                       runner.num_blocks, eos_token_id(mc.model, tokenizer))
 
@@ -128,9 +136,30 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     if cc.preemption_mode == "swap":
         # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
         runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)
+    if cc.kv_offload_ram_bytes or cc.kv_offload_disk_dir:
+        init_offload_tiers(runner, cc, bytes_per_block, tp.size)
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                 num_blocks * bytes_per_block / 2**20)
     return runner
+
+
+def init_offload_tiers(runner: ModelRunner, cc: Any, bytes_per_block: int, num_ranks: int) -> None:
+    """The runner's offload tiers, sized alike on every rank: the flags' sizes are for all ranks together,
+    each block file holding a header besides its K/V."""
+    num_ram = cc.kv_offload_ram_bytes // (bytes_per_block * num_ranks)
+    file_bytes = bytes_per_block + 8 * cc.block_size + 128
+    num_disk = cc.kv_offload_disk_bytes // (file_bytes * num_ranks) if cc.kv_offload_disk_dir else 0
+    for flag, size, num, each in (("--kv-offload-ram", cc.kv_offload_ram_bytes, num_ram, bytes_per_block),
+                                  ("--kv-offload-disk-size", cc.kv_offload_disk_bytes, num_disk, file_bytes)):
+        if size and not num:
+            raise ConfigError(f"{flag} gives {size} bytes, less than one KV block ({each * num_ranks} bytes over "
+                              f"{num_ranks} rank(s)); raise it to at least {each * num_ranks / 2**30:.2g} GiB")
+    try:
+        runner.init_offload(num_ram, cc.kv_offload_disk_dir, num_disk)
+    except OSError as exc:
+        raise ConfigError(f"--kv-offload-disk {cc.kv_offload_disk_dir}: cannot use it: {exc}") from None
+    logger.info("KV offload: %d blocks in RAM, %d on disk%s", num_ram, num_disk,
+                f" ({len(runner.kv_tiers.found)} found there)" if num_disk else "")
 
 
 def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -120,6 +121,10 @@ class CacheConfig:
     swap_space_bytes: int
     preemption_mode: str
     kv_allocator: str
+    # the prefix cache's offload tiers: CPU RAM, then block files under a directory (0 / None: off)
+    kv_offload_ram_bytes: int = 0
+    kv_offload_disk_dir: Optional[str] = None
+    kv_offload_disk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,14 @@ class EngineArgs(BaseModel):
     swap_space: float = Field(default=4.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     kv_allocator: str = "paged"
+    kv_offload_ram: float = Field(default=0.0, ge=0, description=(
+        "GiB of CPU RAM keeping prefix-cache blocks evicted from the KV cache, loaded back on a later hit "
+        "instead of recomputed (0: off)"))
+    kv_offload_disk: Optional[str] = Field(default=None, description=(
+        "an existing directory for prefix-cache blocks evicted from the RAM tier (or the KV cache), one "
+        "checksummed file per block; kept across restarts (needs --kv-offload-disk-size)"))
+    kv_offload_disk_size: float = Field(default=0.0, ge=0, description=(
+        "GiB the --kv-offload-disk files may take; the least recently used go first"))
     scheduling_policy: str = "fcfs"
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
@@ -291,9 +304,27 @@ class EngineArgs(BaseModel):
         if spec_cfg is not None and spec_cfg.model and not spec_cfg.model.startswith("self:"):
             raise ConfigError("a draft checkpoint is not sharded for tensor parallelism yet; with "
                               "tensor_parallel_size > 1 use the ngram method or a self-draft (\"self:layers=N\")")
-        if model_cfg.quantization:
-            raise ConfigError(f"{model_cfg.quantization} weights are not sharded for tensor parallelism yet; use a "
-                              "dense checkpoint or tensor_parallel_size=1")
+
+    def _check_kv_offload(self) -> None:
+        """The offload flags go together, extend the prefix cache, and name a directory pagoda can write."""
+        disk, size = self.kv_offload_disk, self.kv_offload_disk_size
+        if disk is not None and not size:
+            raise ConfigError(f"--kv-offload-disk {disk} needs a size limit: add --kv-offload-disk-size GiB")
+        if size and disk is None:
+            raise ConfigError(f"--kv-offload-disk-size {size:g} needs a directory: add --kv-offload-disk DIR")
+        if (disk is not None or self.kv_offload_ram) and not self.enable_prefix_caching:
+            raise ConfigError("the --kv-offload-* tiers keep prefix-cache blocks, so they need prefix caching: drop "
+                              "--no-enable-prefix-caching or the --kv-offload-* flags")
+        if disk is not None:
+            if not os.path.isdir(disk):
+                raise ConfigError(f"--kv-offload-disk {disk} is not an existing directory; create it (mkdir -p "
+                                  f"{disk}) or pass another")
+            try:
+                with tempfile.NamedTemporaryFile(dir=disk, prefix=".pagoda-write-check-"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"--kv-offload-disk {disk} is not writable ({exc.strerror}); pass a directory "
+                                  "pagoda may create files in") from None
 
     def create_engine_config(self) -> EngineConfig:
         from pagoda.default_model import resolve_model_path
@@ -369,6 +400,7 @@ class EngineArgs(BaseModel):
                 "every running sequence needs at least one token of the step budget"
             )
         resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)  # refuses a float dtype not the model's
+        self._check_kv_offload()
         cache_cfg = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or 2 * GiB,
@@ -378,6 +410,9 @@ class EngineArgs(BaseModel):
             swap_space_bytes=int(self.swap_space * GiB),
             preemption_mode=self.preemption_mode,
             kv_allocator=self.kv_allocator,
+            kv_offload_ram_bytes=int(self.kv_offload_ram * GiB),
+            kv_offload_disk_dir=str(Path(self.kv_offload_disk).resolve()) if self.kv_offload_disk else None,
+            kv_offload_disk_bytes=int(self.kv_offload_disk_size * GiB),
         )
         spec_cfg = None
         if self.speculative_config:

@@ -31,9 +31,14 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
 
 
 def _source_digest(source: Path, flags: Sequence[str]) -> str:
-    """A short hash of the kernel source and its flags, part of the module name: two checkouts (or versions) of
-    pagoda on one machine share torch's extension cache, and under one name a process that finds another
-    building it waits and then imports that build, whatever source it came from."""
+    """A short hash of the kernel source, its flags and the torch it builds against, part of the module name:
+    two checkouts (or versions) of pagoda, or two environments, on one machine share torch's extension cache.
+    Under one name a process that finds another building it waits and then imports that build, whatever source
+    it came from; and a build from another environment (its torch's include and library paths are in the build
+    file) would be rebuilt on every switch between the two."""
+    import torch
+
     digest = hashlib.sha256(source.read_bytes())
     digest.update(" ".join(flags).encode())
+    digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
     return digest.hexdigest()[:12]

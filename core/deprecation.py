@@ -17,7 +17,8 @@ Kinds, and where each is honoured:
 - ``OVERRIDE``: a method of base class ``owner`` that plugins subclass: a subclass's override under the old
   name is honoured, or refused if ``refused`` says why it cannot be, when the subclass is created
   (:func:`adopt_renamed_overrides`, called from the base class's ``__init_subclass__``); the base keeps the
-  old name of a plain rename for code that calls it (:func:`renamed_method`).
+  old name of a plain rename for code that calls it (:func:`renamed_method`). Once removed, an override
+  the base would no longer call is refused (:data:`REMOVED_OVERRIDES`).
 - ``MODULE`` and ``ATTRIBUTE``: a module that moved, and a name that moved or was renamed with it
   (:func:`deprecated_module`, called by the stub module left under the old name).
 """
@@ -57,7 +58,7 @@ class Deprecation:
 
     @property
     def old_name(self) -> str:
-        """The old name as a user wrote it (``TokenBudgetScheduler._insert_waiting``)."""
+        """The old name as a user wrote it (``Sampler._apply_penalties``)."""
         return f"{self.owner}.{self.old}" if self.kind == OVERRIDE else self.old
 
     def describe(self) -> str:
@@ -67,31 +68,24 @@ class Deprecation:
 _SCHEDULER_BASE = "TokenBudgetScheduler"
 _SAMPLER_BASE = "Sampler"
 
-# Every deprecated name. The renames made before the API was versioned count as deprecated in 1.0.
-# No hook and no component method has been renamed yet.
+# Every deprecated name. No hook and no component method has been renamed yet.
 DEPRECATIONS: tuple[Deprecation, ...] = (
-    Deprecation(MODULE, "pagoda.request", "pagoda.sequence", "1.0", "1.2"),
-    Deprecation(ATTRIBUTE, "pagoda.request.Request", "pagoda.sequence.Sequence", "1.0", "1.2"),
-    Deprecation(ATTRIBUTE, "pagoda.request.RequestStatus", "pagoda.sequence.SequenceStatus", "1.0", "1.2"),
-    Deprecation(MODULE, "pagoda.kv_cache", "pagoda.kv_blocks", "1.0", "1.2"),
-    Deprecation(MODULE, "pagoda.attention_batch", "pagoda.step", "1.0", "1.2"),
-    Deprecation(MODULE, "pagoda.plugins.schedulers.fcfs", "pagoda.plugins.schedulers.base", "1.0", "1.2"),
-    # queue helpers the base class still calls, so an override is honoured as it is
-    Deprecation(OVERRIDE, "_insert_waiting", "waiting_key", "1.0", "1.2", _SCHEDULER_BASE),
-    Deprecation(OVERRIDE, "_insert_running", "running_key", "1.0", "1.2", _SCHEDULER_BASE),
-    Deprecation(OVERRIDE, "_insert_swapped", "running_key", "1.0", "1.2", _SCHEDULER_BASE),
-    Deprecation(OVERRIDE, "_running_order", "running_key", "1.0", "1.2", _SCHEDULER_BASE),
-    # plain renames: the base keeps the old name for callers (renamed_method), and an override of it is
-    # installed under the new name
-    Deprecation(OVERRIDE, "_pick_victim", "choose_victim", "1.0", "1.2", _SCHEDULER_BASE),
-    Deprecation(OVERRIDE, "_may_admit_waiting", "may_admit", "1.0", "1.2", _SCHEDULER_BASE),
-    Deprecation(OVERRIDE, "_preempt_for_arrivals", "preempt_for_arrivals", "1.0", "1.2", _SCHEDULER_BASE),
-    Deprecation(OVERRIDE, "_preempt", "preempt", "1.0", "1.2", _SCHEDULER_BASE),
     # the sampler's private steps became public extension points in 1.1
     Deprecation(OVERRIDE, "_apply_penalties", "apply_penalties", "1.1", "1.3", _SAMPLER_BASE),
     Deprecation(OVERRIDE, "_apply_bias_and_min_tokens", "apply_bias_and_bans", "1.1", "1.3", _SAMPLER_BASE,
                 refused="its arguments changed: apply_bias_and_bans(logits, requests, banned) is given each "
                         "row's banned tokens"),
+)
+
+# Base-class methods removed from the API whose overrides the base no longer calls under any name: a
+# subclass that still defines one is refused when it is created, with what replaces it, instead of running
+# without it. (Removed modules need no entry: importing one is a ModuleNotFoundError.) An entry stays until
+# the next major version.
+REMOVED_OVERRIDES: tuple[Deprecation, ...] = (
+    Deprecation(OVERRIDE, "_pick_victim", "choose_victim", "1.0", "1.2", _SCHEDULER_BASE),
+    Deprecation(OVERRIDE, "_may_admit_waiting", "may_admit", "1.0", "1.2", _SCHEDULER_BASE),
+    Deprecation(OVERRIDE, "_preempt_for_arrivals", "preempt_for_arrivals", "1.0", "1.2", _SCHEDULER_BASE),
+    Deprecation(OVERRIDE, "_preempt", "preempt", "1.0", "1.2", _SCHEDULER_BASE),
 )
 
 
@@ -185,13 +179,17 @@ def _implementation_for_old_name(cls: type, d: Deprecation) -> Any:
 def adopt_renamed_overrides(cls: type, base: type) -> None:
     """Honour the methods subclass ``cls`` of ``base`` defines under deprecated names, with a warning.
 
-    An old name the base still calls itself (a helper such as ``_insert_waiting``) needs nothing more. For a
-    plain rename (the base keeps the old name only through :func:`renamed_method`) the override is
-    installed under the new name, which is what the base calls. A class defining both names, or overriding
-    a name whose override cannot stand in for the new method (``refused``), is refused: its override would
-    otherwise be silently ignored.
+    An old name the base still calls itself (a private helper) needs nothing more. For a plain rename (the
+    base keeps the old name only through :func:`renamed_method`) the override is installed under the new
+    name, which is what the base calls. A class defining both names, overriding a name whose override
+    cannot stand in for the new method (``refused``), or overriding a removed name
+    (:data:`REMOVED_OVERRIDES`) is refused: its override would otherwise be silently ignored.
     """
     where = f"{cls.__module__}.{cls.__qualname__}"
+    for d in REMOVED_OVERRIDES:
+        if d.owner == base.__name__ and d.old in vars(cls):
+            raise TypeError(f"{where} overrides {d.old_name}, which {base.__name__} no longer calls (it was "
+                            f"{d.describe()}): override {d.new} instead")
     for d in deprecations(OVERRIDE, base.__name__):
         if d.old not in vars(cls):
             continue

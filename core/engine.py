@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional, Union
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.host import HostTuning, apply_host_settings
+from pagoda.kv_tiers import has_offload_tiers
 from pagoda.metrics import EngineStats, SpecDecodeStats
 from pagoda.outputs import OutputProcessor, RequestOutput
 from pagoda.plugin_manager import PluginManager, get_plugin_manager
@@ -58,6 +59,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's other processes (tensor parallelism); the engine runs nothing after it."""
+        if has_offload_tiers(self.kv_manager) and self.kv_manager.tiers is not None:
+            # the prefix blocks in the pool and in RAM go to the disk tier, for the next engine on the directory
+            sched = SchedulerOutput(kv_tier_moves=self.kv_manager.spill_to_disk())
+            if sched.kv_tier_moves:
+                self.executor.move_blocks(sched)
+            self.runner.kv_tiers.flush()  # every block file whole before the engine stops
         self.executor.shutdown()
 
     @property
@@ -177,11 +184,14 @@ class LLMEngine:
         if sched.is_empty:
             return None
         try:
-            self.executor.move_blocks(sched)
+            failed_loads = self.executor.move_blocks(sched)
         except Exception as exc:
             self.scheduler.rollback(sched)
             raise StepFailedError(f"moving KV blocks failed: {type(exc).__name__}: {exc}",
                                   self._user_request_ids(sched.requests)) from exc
+        if failed_loads:
+            # offload-tier blocks that failed their check: the runner recomputes them; the books forget them
+            self.kv_manager.drop_failed_loads(failed_loads)
         try:
             return self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
@@ -242,6 +252,10 @@ class LLMEngine:
         try:
             sched = SchedulerOutput()
             sched.add(probe, 1, 0, self.kv_manager.block_table(probe.request_id))
+            if has_offload_tiers(self.kv_manager):
+                # the probe's block may have held a cached block: its offload copy goes before the probe writes
+                sched.kv_tier_moves = self.kv_manager.take_tier_moves()
+                self.executor.move_blocks(sched)
             self.executor.execute(sched)
             return None
         except Exception as exc:  # noqa: BLE001 - the answer is what failed

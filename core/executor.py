@@ -55,8 +55,8 @@ class UniExecutor:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)
 
-    def move_blocks(self, sched: SchedulerOutput) -> None:
-        self.runner.move_blocks(sched)
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
+        return self.runner.move_blocks(sched)
 
     def shutdown(self) -> None:
         pass
@@ -132,9 +132,9 @@ class MultiprocExecutor(_Driver):
         self._send("execute", self._message(sched))
         return self.runner.execute(sched)
 
-    def move_blocks(self, sched: SchedulerOutput) -> None:
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         self._send("move_blocks", StepMessage(sched, []))
-        self.runner.move_blocks(sched)
+        return self.runner.move_blocks(sched)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -198,10 +198,11 @@ class RayExecutor(_Driver):
         self._ray.get(pending)  # a rank's failure surfaces with this step
         return result
 
-    def move_blocks(self, sched: SchedulerOutput) -> None:
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         pending = [a.move_blocks.remote(StepMessage(sched, [])) for a in self.actors]
-        self.runner.move_blocks(sched)
+        failed = self.runner.move_blocks(sched)
         self._ray.get(pending)
+        return failed
 
     def shutdown(self) -> None:
         if getattr(self, "_ray", None) is not None:
@@ -305,6 +306,8 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
         if kind == "shutdown":
             break
         getattr(worker, kind)(message)
+    if worker.runner.kv_tiers is not None:
+        worker.runner.kv_tiers.flush()  # block files still being written
     distributed.shutdown()
 
 

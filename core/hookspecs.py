@@ -20,7 +20,7 @@ import pluggy
 if TYPE_CHECKING:
     from pagoda.interfaces import (AttentionBackendFactory, CLICommand, ExecutorFactory, KVAllocatorFactory,
                                    ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory, QuantMethodFactory,
-                                   SamplerFactory, SchedulerFactory)
+                                   RouterFactory, SamplerFactory, SchedulerFactory)
     from pagoda.sequence import Sequence
 
 hookspec = pluggy.HookspecMarker("pagoda")
@@ -170,6 +170,22 @@ def pagoda_executors() -> Mapping[str, "ExecutorFactory"]:
     :mod:`pagoda.distributed`), and runs every step on all of them. Selected by
     ``distributed_executor_backend`` (built-ins: ``uni``, ``mp``; ``auto`` is
     ``uni`` for one rank, ``mp`` for more). Called once at start-up.
+    """
+
+
+# --------------------------------------------------------------------------
+# Routers
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_routers() -> Mapping[str, "RouterFactory"]:
+    """Return ``{name: factory}`` of request routers: which engine replica serves a request.
+
+    ``factory(**options)`` returns a :class:`pagoda.interfaces.Router`. Selected by
+    ``pagoda serve --replicas N --router NAME`` (options from ``--router-options``; built-ins:
+    ``prefix-aware``, ``power-of-two``, ``least-loaded``). Called once when a replica set starts,
+    in the process that routes.
     """
 
 

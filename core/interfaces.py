@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.plugin_manager import PluginManager
+    from pagoda.routing import ReplicaLoad, RoutingDecision, RoutingRequest
     from pagoda.sampler import SamplerOutput
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
@@ -82,6 +83,12 @@ class KVCacheManager(Protocol):
     a fork), and then it is read-only until copied (copy-on-write); every block a sequence holds comes
     back to the pool when it is freed; a failed ``allocate_slots`` changes nothing. The block moves it
     decides (swap out, swap in, copy) are returned to the scheduler, which passes them to the runner.
+
+    Optional, for the prefix cache's offload tiers (``--kv-offload-*``): an allocator whose class also
+    defines ``init_offload``, ``take_tier_moves``, ``drop_failed_loads`` and ``tiers`` (as
+    :class:`pagoda.kv_tiers.TieredPrefixCache` does) can keep evicted prefix blocks in RAM and on disk;
+    core asks the class (``pagoda.kv_tiers.has_offload_tiers``) before using them, and refuses the flags
+    for an allocator without them.
     """
 
     num_blocks: int
@@ -281,11 +288,30 @@ class Executor(Protocol):
     def execute(self, sched: "SchedulerOutput") -> "RunnerOutput":
         """Run the step on every rank (``ModelRunner.execute``); rank 0's result."""
 
-    def move_blocks(self, sched: "SchedulerOutput") -> None:
-        """Perform the step's swaps and copies on every rank."""
+    def move_blocks(self, sched: "SchedulerOutput") -> Optional[list[int]]:
+        """Perform the step's swaps, offload-tier moves and copies on every rank. Returns the block hashes of
+        tier loads that failed their check on any rank (``ModelRunner.move_blocks``), or None/empty."""
 
     def shutdown(self) -> None:
         """Stop the other ranks; the executor runs nothing after it."""
+
+
+@runtime_checkable
+class Router(Protocol):
+    """``pagoda_routers``: picks the engine replica for each request (plain bookkeeping, no I/O).
+
+    Invariants: ``route`` returns one of the given replicas and changes nothing; ``on_routed`` is called
+    once for every request as soon as its replica is known, before the next request is routed.
+    """
+
+    def route(self, request: "RoutingRequest", replicas: "typing.Sequence[ReplicaLoad]") -> "RoutingDecision":
+        """The replica for ``request`` among ``replicas`` (never empty), and why."""
+
+    def on_routed(self, request: "RoutingRequest", replica_id: typing.Hashable) -> None:
+        """Record that ``request`` was sent to ``replica_id``."""
+
+    def on_replica_removed(self, replica_id: typing.Hashable) -> None:
+        """Forget a replica that stopped."""
 
 
 @runtime_checkable
@@ -363,6 +389,10 @@ class ProposerFactory(Protocol):
 
 class ExecutorFactory(Protocol):
     def __call__(self, engine_config: "EngineConfig", plugin_manager: "PluginManager") -> Executor: ...
+
+
+class RouterFactory(Protocol):
+    def __call__(self, **options: Any) -> Router: ...
 
 
 class CLICommand(Protocol):

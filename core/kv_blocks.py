@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagoda.config import CacheConfig
+from pagoda.kv_tiers import KVTierIndex, TieredPrefixCache
 from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 
@@ -38,11 +39,12 @@ class PrefixCacheStats:
 
 
 def hash_block(parent_hash: Optional[int], token_ids: typing.Sequence[int], extra_keys: tuple = ()) -> int:
-    """Chain hash of a full block: the parent's hash, the block's tokens, extra keys."""
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    """Chain hash of a full block: the parent's hash (-1 for the first block: None's hash differs between
+    processes before Python 3.12, so would the disk tier's file names), the block's tokens, extra keys."""
+    return hash((-1 if parent_hash is None else parent_hash, tuple(token_ids), extra_keys))
 
 
-class PagedKVCacheManager:
+class PagedKVCacheManager(TieredPrefixCache):
     """Hands out block ids to requests and reclaims them.
 
     Query/act pairs: :meth:`get_computed_blocks` then :meth:`can_allocate` /
@@ -58,6 +60,9 @@ class PagedKVCacheManager:
       :meth:`take_block_copies` for the scheduler to pass to the runner.
     - Swap: a request's blocks can move to a CPU pool of ``num_swap_blocks``
       slots (:meth:`init_swap_pool`) and back.
+    - Offload tiers (:meth:`init_offload`): a cached block the pool is about to
+      overwrite is kept in CPU RAM, then on disk; a later prefix hit on it takes
+      a fresh block and loads it back. The moves wait in :meth:`take_tier_moves`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -79,6 +84,7 @@ class PagedKVCacheManager:
         self._free_swap: list[int] = []
         self._swapped: dict[str, list[int]] = {}  # request id -> swap slot per table position
         self.stats = PrefixCacheStats()
+        self.tiers: Optional[KVTierIndex] = None  # the offload tiers' books, when on
         self.init_swap_pool(num_swap_blocks)
 
     def init_swap_pool(self, num_swap_blocks: int) -> None:
@@ -151,11 +157,13 @@ class PagedKVCacheManager:
         parent: Optional[int] = None
         for i in range((len(tokens) - 1) // bs):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]), ())
-            block = self._cached.get(hash_block(*key))
+            parent = hash_block(*key)
+            block = self._cached.get(parent)
             if block is None or block.key != key:
-                break
+                if self.tiers is None or self.tiers.lookup(parent, key) is None:
+                    break
+                block = KVBlock(-1, block_hash=parent, key=key)  # in a tier: loaded into a fresh block
             hits.append(block)
-            parent = block.block_hash
         return hits, len(hits) * bs
 
     def num_blocks_to_take(self, request: Sequence, num_new_tokens: int,
@@ -204,9 +212,12 @@ class PagedKVCacheManager:
         if request.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += len(computed_blocks) * self.block_size
+            if self.tiers is not None and len(computed_blocks) < (request.num_tokens - 1) // self.block_size:
+                self.tiers.count_miss()
         for block in computed_blocks:
-            self._take_hit(block)
-        table.extend(computed_blocks)
+            if block.block_id >= 0:
+                self._take_hit(block)
+        table.extend(self._load_from_tiers(computed_blocks))
         if computed_blocks:
             self._hashes[rid] = [b.block_hash for b in computed_blocks]
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -298,6 +309,8 @@ class PagedKVCacheManager:
             block.block_hash = None
             block.key = None
         self._cached.clear()
+        if self.tiers is not None:
+            self.tiers.reset_ram()
 
     # ---- helpers -------------------------------------------------------------
 
@@ -336,6 +349,8 @@ class PagedKVCacheManager:
             # its old contents are about to be overwritten: drop it from the prefix cache
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.tiers is not None:
+                    self.tiers.offload(block.block_hash, block.key, block.block_id)
             block.block_hash = None
             block.key = None
         block.ref_cnt = 1

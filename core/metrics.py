@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from pagoda.kv_tiers import has_offload_tiers
 from pagoda.sequence import Sequence
 
 # vLLM's buckets (seconds)
@@ -192,6 +193,7 @@ class PrometheusExporter:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       getattr(prefix, "queries", 0))
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", getattr(prefix, "hits", 0))
+        yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
         yield counter("num_preemptions", "Preemptions of running requests.", getattr(sched, "num_preemptions", 0))
         yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
@@ -221,3 +223,27 @@ class PrometheusExporter:
         yield histogram("e2e_request_latency_seconds", "Time from arrival to finish.", s.e2e_request_latency)
         yield histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.",
                         s.request_queue_time)
+
+
+def _kv_offload_metrics(tiers: Any, labels: list[str], values: list[str]) -> Iterator[Any]:
+    """``pagoda:kv_offload_*{tier="ram"|"disk"}``: the prefix cache's offload tiers, when on."""
+    if tiers is None:
+        return
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    counters = (("hits", "Prefix blocks loaded back from the tier instead of recomputed."),
+                ("misses", "Prompts whose next prefix block the tier did not have (or had corrupt)."),
+                ("stored_bytes", "Bytes of KV blocks written into the tier (one rank's shard)."),
+                ("loaded_bytes", "Bytes of KV blocks loaded back from the tier (one rank's shard)."),
+                ("corrupt_blocks", "Blocks whose stored copy failed its checksum or was short, recomputed."))
+    for name, doc in counters:
+        family = CounterMetricFamily(f"pagoda:kv_offload_{name}", doc, labels=labels + ["tier"])
+        for tier in ("ram", "disk"):
+            counts = getattr(tiers.stats, tier)
+            family.add_metric(values + [tier], getattr(counts, "corrupt" if name == "corrupt_blocks" else name))
+        yield family
+    usage = GaugeMetricFamily("pagoda:kv_offload_blocks", "Blocks each offload tier holds now.",
+                              labels=labels + ["tier"])
+    usage.add_metric(values + ["ram"], tiers.stats.num_ram_blocks)
+    usage.add_metric(values + ["disk"], tiers.stats.num_disk_blocks)
+    yield usage

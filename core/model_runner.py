@@ -10,8 +10,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pagoda import hugepages
+from pagoda import distributed, hugepages
 from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError
+from pagoda.kv_offload import KVTierStore, fingerprint
+from pagoda.kv_tiers import KVTierMoves
 from pagoda.rejection_sampler import RejectionSampler
 from pagoda.sampler import prompt_logprobs_for
 from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
@@ -48,6 +51,10 @@ class ModelRunner:
         # speculative decoding: fills the schedule's draft slots (see set_proposer)
         self.proposer: Any = None
         self.rejection_sampler: Optional[RejectionSampler] = None
+        # the prefix cache's offload tiers (RAM, disk), when on (see init_offload)
+        self.kv_tiers: Optional[KVTierStore] = None
+        # cache blocks a tier load of this step failed to fill: recomputed before the step's forward pass
+        self._failed_load_blocks: list[int] = []
         # seconds the last execute spent per part: draft, metadata, model, logits, sampling
         self.timings: dict[str, float] = {}
 
@@ -73,24 +80,77 @@ class ModelRunner:
         if self.swap_caches is not None:
             self.swap_caches.extend(self._swap_like(c) for c in caches)
 
-    def move_blocks(self, sched: SchedulerOutput) -> None:
-        """Swap out, swap in, then copy-on-write, for every layer."""
-        moves = ((sched.blocks_to_swap_out, "out"), (sched.blocks_to_swap_in, "in"), (sched.blocks_to_copy, "copy"))
-        for pairs, kind in moves:
-            if not pairs:
-                continue
-            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
-            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
-            for layer, cache in enumerate(self.kv_caches + self.draft_kv_caches):
-                if kind == "out":
-                    source, target = cache, self.swap_caches[layer]
-                elif kind == "in":
-                    source, target = self.swap_caches[layer], cache
+    def init_offload(self, num_ram_slots: int, disk_dir: Optional[str], num_disk_blocks: int) -> KVTierStore:
+        """Keep evicted prefix blocks in ``num_ram_slots`` CPU slots, then in block files under ``disk_dir``."""
+        if self.draft_kv_caches:
+            raise ConfigError("KV offload does not move a draft model's own KV cache; drop the --kv-offload-* "
+                              "flags or use a speculative method without a draft model (ngram)")
+        tp = distributed.current()
+        identity = fingerprint(self.config, self.backend, tp.rank, tp.size)
+        self.kv_tiers = KVTierStore(self.kv_caches, self.block_dim, self.block_size, num_ram_slots, disk_dir,
+                                    num_disk_blocks, identity)
+        return self.kv_tiers
+
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
+        """Swap out, offload-tier moves, swap in, then copy-on-write, for every layer. Returns the block
+        hashes of tier loads that failed their check on any rank (their tokens are recomputed)."""
+        self._move(sched.blocks_to_swap_out, "out")
+        failed = self._move_tiers(sched.kv_tier_moves)
+        self._move(sched.blocks_to_swap_in, "in")
+        self._move(sched.blocks_to_copy, "copy")
+        return failed
+
+    def _move_tiers(self, moves: KVTierMoves) -> list[int]:
+        self._failed_load_blocks = []
+        if not moves:
+            return []
+        failed = set(self.kv_tiers.apply(moves))
+        loads = moves.disk_to_blocks
+        tp = distributed.current()
+        if tp.size > 1 and loads:
+            # every rank recomputes the same blocks (the recompute pass joins the model's collectives)
+            flags = tp.all_reduce(torch.tensor([h in failed for h, _ in loads], dtype=torch.int32), "kv_offload")
+            failed = {h for (h, _), bad in zip(loads, flags.tolist()) if bad}
+            self.kv_tiers.discard(sorted(failed))
+        self._failed_load_blocks = [block for h, block in loads if h in failed]
+        return [h for h, _ in loads if h in failed]
+
+    def _recompute_failed_loads(self, sched: SchedulerOutput) -> None:
+        """Fill blocks a tier load left empty by running their tokens through the model (K/V written, the
+        hidden states dropped): one piece per run of such blocks in a request's table, each block once."""
+        bad, bs = set(self._failed_load_blocks), self.block_size
+        pieces, starts, tables = [], [], []
+        for req, table, start in zip(sched.requests, sched.block_tables, sched.num_computed_before):
+            for p in range(start // bs):
+                if table[p] not in bad:
+                    continue
+                bad.discard(table[p])
+                if starts and tables[-1] is table and starts[-1] + len(pieces[-1]) == p * bs:
+                    pieces[-1] = pieces[-1] + req.all_token_ids[p * bs:(p + 1) * bs]  # extends the run
                 else:
-                    source, target = cache, cache
-                source, target = _raw_bytes(source), _raw_bytes(target)  # index_copy_ has no fp8 kernel on a CPU
-                target.index_copy_(self.block_dim, dst.to(target.device),
-                                   source.index_select(self.block_dim, src.to(source.device)).to(target.device))
+                    pieces.append(req.all_token_ids[p * bs:(p + 1) * bs])
+                    starts.append(p * bs)
+                    tables.append(table)
+        if pieces:
+            self.forward(FlatBatch(pieces, starts, tables, bs))
+        self._failed_load_blocks = []
+
+    def _move(self, pairs: list[tuple[int, int]], kind: str) -> None:
+        """One kind of block move ("out": cache to swap, "in": swap to cache, "copy": within the cache)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+        for layer, cache in enumerate(self.kv_caches + self.draft_kv_caches):
+            if kind == "out":
+                source, target = cache, self.swap_caches[layer]
+            elif kind == "in":
+                source, target = self.swap_caches[layer], cache
+            else:
+                source, target = cache, cache
+            source, target = _raw_bytes(source), _raw_bytes(target)  # index_copy_ has no fp8 kernel on a CPU
+            target.index_copy_(self.block_dim, dst.to(target.device),
+                               source.index_select(self.block_dim, src.to(source.device)).to(target.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -105,6 +165,8 @@ class ModelRunner:
         self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "sampling"), 0.0)
         if n == 0:
             return out
+        if self._failed_load_blocks:
+            self._recompute_failed_loads(sched)
         reqs = sched.requests
         if self.proposer is not None:
             t = clock()

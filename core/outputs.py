@@ -101,7 +101,7 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string hit (text truncated at it), or None.
 
         ``may_stop``: whether a stop string may end the sequence now (the sequence decides, see
-        :meth:`pagoda.sequence.Request.may_stop_at`); the text grows either way.
+        :meth:`pagoda.sequence.Sequence.may_stop_at`); the text grows either way.
         """
         self.ids.extend(token_ids)
         self.num_output_tokens += len(token_ids)

@@ -35,6 +35,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_quant_methods": "quantization method",
     "pagoda_proposers": "speculative proposer",
     "pagoda_executors": "executor",
+    "pagoda_routers": "request router",
     "pagoda_cli_commands": "CLI command",
 }
 

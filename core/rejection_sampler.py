@@ -40,7 +40,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution the default sampler draws from: ``[n, vocab]`` float32 logits -> probabilities.
 
     Logit bias, temperature, top-k / top-p and min-p, as in :class:`pagoda.sampler.Sampler`
-    (penalties and min_tokens bans are excluded by :meth:`pagoda.sequence.Request.may_speculate`).
+    (penalties and min_tokens bans are excluded by :meth:`pagoda.sequence.Sequence.may_speculate`).
     """
     logits = with_bias(logits.float(), params) / params.temperature
     n, vocab = logits.shape

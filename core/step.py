@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from pagoda.kv_tiers import KVTierMoves
 from pagoda.sequence import Sequence
 
 # per sampled token: {token_id: (logprob, rank)} for the sampled token and the top-k alternatives
@@ -50,6 +51,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # offload tiers (RAM, disk) of the prefix cache: performed after the swap-outs, before the swap-ins
+    kv_tier_moves: KVTierMoves = field(default_factory=KVTierMoves)
 
     def add(self, request: Sequence, num_new_tokens: int, num_computed_before: int, block_table: list[int],
             num_draft_slots: int = 0) -> None:
@@ -77,7 +80,7 @@ class SchedulerOutput:
 
     @property
     def has_block_moves(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or self.kv_tier_moves)
 
     @property
     def is_empty(self) -> bool:

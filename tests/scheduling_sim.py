@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.kv_blocks import PagedKVCacheManager, hash_block
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int
 def assert_prefix_cache_matches_contents(runner: SimRunner, kv: PagedKVCacheManager) -> None:
     """Every block in the prefix cache holds exactly the tokens its key says."""
     for h, block in kv._cached.items():
-        assert block.block_hash == h and hash(block.key) == h
+        assert block.block_hash == h and hash_block(*block.key) == h
         assert tuple(runner.cache[block.block_id]) == block.key[1], f"cached block {block.block_id} is stale"
 
 

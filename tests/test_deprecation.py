@@ -1,28 +1,29 @@
 """Deprecated names of the plugin API keep working, with a DeprecationWarning naming the old name, the new
-one and the version that removes it, until that version; a shim that outlives it fails this suite.
+one and the version that removes it, until that version; a shim that outlives it fails this suite. Once
+removed, a name fails loudly: a removed module does not import, and a subclass overriding a removed method
+the base no longer calls is refused.
 
-No hook and no component method has been renamed yet, so those two mechanisms are shown on renames the
-tests add to the table; the modules and the scheduler base class's methods are the real pre-1.0 names.
+Only the sampler's 1.0 names are deprecated now, so the other mechanisms are shown on renames the tests
+add to the table (hooks and component methods in tests/test_deprecation_engine.py).
 """
 
 from __future__ import annotations
 
 import bisect
 import importlib
-import random
 import re
 import sys
 import warnings
 from pathlib import Path
 
-import pluggy
 import pytest
 from packaging.version import Version
 
 import scheduling_sim
-from pagoda import ConfigError, SamplingParams, deprecation, hookimpl, hookspecs
-from pagoda.deprecation import ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, Deprecation
-from pagoda.plugin_manager import COMPONENT_HOOKS, PluginManager
+from pagoda import deprecation, hookspecs
+from pagoda.deprecation import (ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, REMOVED_OVERRIDES,
+                                Deprecation, renamed_method)
+from pagoda.plugin_manager import COMPONENT_HOOKS
 from pagoda.plugins.schedulers.base import FCFSScheduler, TokenBudgetScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.sampler import Sampler
@@ -30,10 +31,17 @@ from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 from pagoda.testing import SimRunner, check_scheduler
 from pagoda.version import PLUGIN_API_VERSION
-from tiny_models import tiny_llm, write_tiny_checkpoint
 
 CHANGELOG = Path(__file__).resolve().parents[1] / "docs" / "plugin-api-changelog.md"
 BASE_CLASSES = {"TokenBudgetScheduler": TokenBudgetScheduler, "Sampler": Sampler}
+# the modules removed in 1.2, and where their names live now
+REMOVED_MODULES = {"pagoda.request": "pagoda.sequence", "pagoda.kv_cache": "pagoda.kv_blocks",
+                   "pagoda.attention_batch": "pagoda.step",
+                   "pagoda.plugins.schedulers.fcfs": "pagoda.plugins.schedulers.base"}
+
+
+def add_deprecation(monkeypatch, *entries: Deprecation) -> None:
+    monkeypatch.setattr(deprecation, "DEPRECATIONS", deprecation.DEPRECATIONS + entries)
 
 
 # ---- the table ------------------------------------------------------------------------------------
@@ -80,187 +88,156 @@ def test_the_changelog_lists_every_deprecated_name_with_its_versions():
         assert f"`{entry.new}`" in row and entry.since in row and entry.removed_in in row, row
 
 
+@pytest.mark.parametrize("entry", REMOVED_OVERRIDES, ids=lambda d: d.old_name)
+def test_every_removed_override_is_gone_from_its_base_and_named_with_its_replacement_in_the_changelog(entry):
+    assert Version(entry.removed_in) <= Version(PLUGIN_API_VERSION)
+    base = BASE_CLASSES[entry.owner]
+    assert not hasattr(base, entry.old) and callable(getattr(base, entry.new))
+    assert entry.old_name not in {d.old_name for d in DEPRECATIONS}
+    removals = changelog_section(entry.removed_in).split("Removed", 1)[1]
+    assert f"`{entry.old_name}`" in removals and f"`{entry.new}`" in removals
+
+
+def changelog_section(version: str) -> str:
+    text = CHANGELOG.read_text()
+    start = text.index(f"\n## {version}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
+
+
 # ---- modules --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("old_module, name, new_module, new_name", [
-    ("pagoda.request", "Request", "pagoda.sequence", "Sequence"),
-    ("pagoda.request", "RequestStatus", "pagoda.sequence", "SequenceStatus"),
-    ("pagoda.kv_cache", "PagedKVCacheManager", "pagoda.kv_blocks", "PagedKVCacheManager"),
-    ("pagoda.kv_cache", "hash_block", "pagoda.kv_blocks", "hash_block"),
-    ("pagoda.attention_batch", "AttentionBatch", "pagoda.step", "AttentionBatch"),
-    ("pagoda.plugins.schedulers.fcfs", "FCFSScheduler", "pagoda.plugins.schedulers.base", "FCFSScheduler"),
-])
-def test_a_moved_module_imports_with_a_warning_and_gives_the_new_objects(monkeypatch, old_module, name,
-                                                                          new_module, new_name):
-    monkeypatch.delitem(sys.modules, old_module, raising=False)  # import it afresh
+@pytest.mark.parametrize("module", sorted(REMOVED_MODULES))
+def test_a_removed_module_no_longer_imports_and_the_changelog_says_what_replaces_it(monkeypatch, module):
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ModuleNotFoundError, match=re.escape(f"No module named '{module}'")):
+        importlib.import_module(module)
+    removals = changelog_section("1.2").split("Removed", 1)[1]
+    assert f"`{module}`" in removals and f"`{REMOVED_MODULES[module]}`" in removals
+
+
+@pytest.fixture
+def moved_module(monkeypatch, tmp_path):
+    """``pagoda_test_requests``, a (test-only) module whose names moved to :mod:`pagoda.sequence`, where
+    ``Request`` is called ``Sequence``: the stub left under the old name, as pagoda's own were."""
+    (tmp_path / "pagoda_test_requests.py").write_text(
+        "from pagoda.deprecation import deprecated_module\n\n__getattr__ = deprecated_module(__name__)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "pagoda_test_requests", raising=False)
+    add_deprecation(monkeypatch, Deprecation(MODULE, "pagoda_test_requests", "pagoda.sequence", "1.1", "1.3"),
+                    Deprecation(ATTRIBUTE, "pagoda_test_requests.Request", "pagoda.sequence.Sequence", "1.1", "1.3"))
+    yield "pagoda_test_requests"
+    sys.modules.pop("pagoda_test_requests", None)  # imported from a folder that is gone after the test
+
+
+@pytest.mark.parametrize("name, new_name", [("Request", "Sequence"), ("SequenceStatus", "SequenceStatus")])
+def test_a_moved_module_imports_with_a_warning_and_gives_the_new_objects(moved_module, name, new_name):
     with pytest.warns(DeprecationWarning,
-                      match=rf"module {re.escape(old_module)} is deprecated in pagoda plugin API 1\.0 and removed in "
-                            rf"1\.2: import {re.escape(new_module)} instead"):
-        module = importlib.import_module(old_module)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old_module}.{name} is deprecated in pagoda plugin API "
-                                                          f"1.0 and removed in 1.2: use {new_module}.{new_name}")):
+                      match=r"module pagoda_test_requests is deprecated in pagoda plugin API 1\.1 and removed in "
+                            r"1\.3: import pagoda\.sequence instead"):
+        module = importlib.import_module(moved_module)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"pagoda_test_requests.{name} is deprecated in pagoda "
+                                                          f"plugin API 1.1 and removed in 1.3: use "
+                                                          f"pagoda.sequence.{new_name}")):
         value = getattr(module, name)
-    assert value is getattr(importlib.import_module(new_module), new_name)
+    assert value is getattr(importlib.import_module("pagoda.sequence"), new_name)
 
 
-def test_a_pre_1_0_request_is_a_sequence_that_runs():
-    with pytest.warns(DeprecationWarning, match="pagoda.request.Request"):
-        from pagoda.request import Request, RequestStatus
-    request = Request("r0", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), None, 0.0, None, 0)
-    scheduler = scheduling_sim.make_scheduler("fcfs")
-    scheduler.add_request(request)
-    scheduling_sim.run_until_done(scheduler, SimRunner(64, 4))
-    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_output_tokens == 2
-
-
-def test_a_name_the_moved_module_never_had_is_an_attribute_error_that_says_where_it_went():
+def test_a_name_the_moved_module_never_had_is_an_attribute_error_that_says_where_it_went(moved_module):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        import pagoda.kv_cache
-    with pytest.raises(AttributeError, match=r"no attribute 'no_such_thing' .* see pagoda\.kv_blocks"):
-        pagoda.kv_cache.no_such_thing  # noqa: B018
+        module = importlib.import_module(moved_module)
+    with pytest.raises(AttributeError, match=r"no attribute 'no_such_thing' .* see pagoda\.sequence"):
+        module.no_such_thing  # noqa: B018
 
 
 # ---- methods of the scheduler base class ----------------------------------------------------------
 
 
-def priority_key(req: Sequence) -> tuple:
-    return (req.priority, req.arrival_time, req.request_id)
+@pytest.mark.parametrize("entry", REMOVED_OVERRIDES, ids=lambda d: d.old_name)
+def test_a_policy_overriding_a_removed_method_is_refused_naming_its_replacement(entry):
+    with pytest.raises(TypeError, match=rf"overrides {re.escape(entry.old_name)}, which {entry.owner} no longer "
+                                        rf"calls \(it was deprecated in pagoda plugin API 1\.0 and removed in "
+                                        rf"1\.2\): override {entry.new} instead"):
+        type("PreReleasePolicy", (FCFSScheduler,), {entry.old: lambda self, *args: None})
 
 
-def pre_1_0_priority_policy() -> type:
-    """The built-in priority policy as it was written before plugin API 1.0."""
-
-    class PreReleasePriority(TokenBudgetScheduler):
-        def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
-            bisect.insort(self.waiting, request, key=priority_key)
-
-        def _insert_running(self, request: Sequence) -> None:
-            bisect.insort(self.running, request, key=priority_key)
-
-        def _insert_swapped(self, request: Sequence) -> None:
-            bisect.insort(self.swapped, request, key=priority_key)
-
-        def _pick_victim(self, candidates: list[Sequence]) -> Sequence:
-            return max(candidates, key=priority_key)
-
-        def _running_order(self) -> list[Sequence]:
-            return list(self.running)
-
-        def _may_admit_waiting(self, request: Sequence) -> bool:
-            return not self.swapped or priority_key(request) < priority_key(self.swapped[0])
-
-        def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
-            if not self.waiting or not self.running:
-                return
-            head = self.waiting[0]
-            lower = [r for r in self.running if priority_key(r) > priority_key(head)]
-            if not lower or self._fits(head):
-                return
-            reclaimable = sum(self.kv.num_exclusive_blocks(r.request_id) for r in lower)
-            need = self._blocks_for_first_chunk(head)
-            seats = self.max_num_seqs - len(self.running) + len(lower)
-            if need > self.kv.num_free_blocks + reclaimable or seats < 1:
-                return
-            for victim in reversed(lower):
-                self._preempt(victim, out)
-                if self._fits(head):
-                    return
-
-        def _fits(self, req: Sequence) -> bool:
-            return (len(self.running) < self.max_num_seqs
-                    and self._blocks_for_first_chunk(req) <= self.kv.num_free_blocks)
-
-        def _blocks_for_first_chunk(self, req: Sequence) -> int:
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-            num_new = self._num_new_tokens(req, self.max_num_batched_tokens, num_cached)
-            return self.kv.num_blocks_to_take(req, num_new, computed_blocks)
-
-    return PreReleasePriority
+@pytest.fixture
+def renamed_scheduler_methods(monkeypatch):
+    """Two (test-only) plain renames of the scheduler base's methods, ``evict`` to ``preempt`` and
+    ``select_victim`` to ``choose_victim``: the base keeps each old name for callers."""
+    add_deprecation(monkeypatch, Deprecation(OVERRIDE, "evict", "preempt", "1.1", "1.3", "TokenBudgetScheduler"),
+                    Deprecation(OVERRIDE, "select_victim", "choose_victim", "1.1", "1.3", "TokenBudgetScheduler"))
+    for old in ("evict", "select_victim"):
+        monkeypatch.setattr(TokenBudgetScheduler, old, renamed_method("TokenBudgetScheduler", old), raising=False)
 
 
-def test_a_pre_1_0_policy_is_warned_about_each_private_method_it_overrides_naming_the_public_one():
-    with pytest.warns(DeprecationWarning) as record:
-        pre_1_0_priority_policy()
-    messages = sorted(str(w.message) for w in record if "PreReleasePriority" in str(w.message))
-    replaced = [("_insert_running", "running_key"), ("_insert_swapped", "running_key"),
-                ("_insert_waiting", "waiting_key"), ("_may_admit_waiting", "may_admit"),
-                ("_pick_victim", "choose_victim"), ("_preempt_for_arrivals", "preempt_for_arrivals"),
-                ("_running_order", "running_key")]
-    assert len(messages) == len(replaced)
-    for message, (old, new) in zip(messages, replaced):
-        assert re.search(rf"overrides TokenBudgetScheduler\.{old}, deprecated in pagoda plugin API 1\.0 and "
-                         rf"removed in 1\.2: override {new} instead", message), message
-
-
-def schedule_trace(policy: str, preemption_mode: str, seed: int) -> tuple[list, int]:
-    """Every step's (requests, tokens, preempted) for a random stream of prioritised arrivals into a cache
-    too small for them all, and the number of preemptions."""
-    rng = random.Random(seed)
-    num_swap_blocks = 16 if preemption_mode == "swap" else 0
-    scheduler = scheduling_sim.make_scheduler(policy, num_blocks=16, block_size=4, budget=24, max_num_seqs=6,
-                                              preemption_mode=preemption_mode, num_swap_blocks=num_swap_blocks)
-    runner = SimRunner(16, 4, num_swap_blocks)
-    trace = []
-    for i in range(40):
-        if i < 30 and rng.random() < 0.5:
-            prompt = [rng.randrange(100, 5000) for _ in range(rng.randrange(3, 20))]
-            scheduler.add_request(scheduling_sim.make_request(f"r{i}", prompt, max_tokens=rng.randrange(2, 12),
-                                                              priority=rng.randrange(3), arrival=float(i)))
-        sched = scheduling_sim.step(scheduler, runner)
-        trace.append(([r.request_id for r in sched.requests], list(sched.num_new_tokens),
-                      [r.request_id for r in sched.preempted]))
-    scheduling_sim.run_until_done(scheduler, runner)
-    return trace, scheduler.num_preemptions
-
-
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_a_pre_1_0_priority_policy_schedules_exactly_like_the_built_in_one(monkeypatch, preemption_mode):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        policy = pre_1_0_priority_policy()
-    monkeypatch.setitem(scheduling_sim.POLICIES, "pre-1.0 priority", policy)
-    num_preemptions = num_preempt_calls = 0
-    for seed in range(4):
-        expected, _ = schedule_trace("priority", preemption_mode, seed)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always", DeprecationWarning)
-            trace, n = schedule_trace("pre-1.0 priority", preemption_mode, seed)
-        assert trace == expected
-        num_preemptions += n
-        num_preempt_calls += sum("TokenBudgetScheduler._preempt is deprecated" in str(w.message) for w in record)
-    assert num_preemptions > 0 and num_preempt_calls > 0  # arrivals preempted running work too
-
-
-def test_a_pre_1_0_priority_policy_passes_the_conformance_kit():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        check_scheduler(pre_1_0_priority_policy(), seeds=1)
-
-
-def test_calling_the_renamed_preempt_warns_and_preempts():
+def test_calling_a_renamed_method_warns_and_runs_the_new_one(renamed_scheduler_methods):
     scheduler = scheduling_sim.make_scheduler("fcfs")
     runner = SimRunner(64, 4)
     request = scheduling_sim.make_request("r0", [5, 6, 7], max_tokens=4)
     scheduler.add_request(request)
     scheduling_sim.step(scheduler, runner)
     out = SchedulerOutput()
-    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\._preempt is deprecated .* removed in "
-                                                r"1\.2: call preempt"):
-        scheduler._preempt(request, out)
+    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\.evict is deprecated in pagoda plugin API "
+                                                r"1\.1 and removed in 1\.3: call preempt"):
+        scheduler.evict(request, out)
     assert out.preempted == [request] and scheduler.waiting == [request]
     scheduling_sim.run_until_done(scheduler, runner)
     assert request.num_output_tokens == 4
 
 
-def pre_1_0_shortest_job_first() -> type:
-    """contrib/pagoda-sjf's policy as it was written before plugin API 1.0: only ``_insert_waiting``."""
+def test_an_override_under_a_renamed_name_is_called_and_may_call_super_by_the_old_name(renamed_scheduler_methods,
+                                                                                       monkeypatch):
+    with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\.evict, .* override preempt"):
+        class LoggingPreemptions(FCFSScheduler):
+            def evict(self, request, out):
+                self.preempted_ids = getattr(self, "preempted_ids", []) + [request.request_id]
+                super().evict(request, out)
+
+    monkeypatch.setitem(scheduling_sim.POLICIES, "logging", LoggingPreemptions)
+    scheduler = scheduling_sim.make_scheduler("logging", num_blocks=6, block_size=4)
+    for i in range(3):
+        scheduler.add_request(scheduling_sim.make_request(f"r{i}", [100 + i] * 6, max_tokens=8, arrival=float(i)))
+    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\.evict is deprecated"):
+        scheduling_sim.run_until_done(scheduler, SimRunner(6, 4))
+    assert scheduler.num_preemptions > 0 and len(scheduler.preempted_ids) == scheduler.num_preemptions
+    assert all(r.num_output_tokens == 8 for r in scheduler.drain_finished())
+
+
+def test_super_by_the_old_name_reaches_a_parent_written_with_the_new_names(renamed_scheduler_methods, monkeypatch):
+    with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\.select_victim"):
+        class OldNamedSubclassOfPriority(PriorityScheduler):
+            def select_victim(self, candidates):
+                return super().select_victim(candidates)
+
+    monkeypatch.setitem(scheduling_sim.POLICIES, "subclass of priority", OldNamedSubclassOfPriority)
+    scheduler = scheduling_sim.make_scheduler("subclass of priority")
+    candidates = [scheduling_sim.make_request(f"p{p}", [1, 2], priority=p) for p in (2, 5, 1)]
+    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\.select_victim is deprecated .* call "
+                                                r"choose_victim"):
+        assert scheduler.choose_victim(candidates).request_id == "p5"  # PriorityScheduler's choice, not the last
+
+
+def test_a_policy_defining_both_the_old_and_the_new_name_is_refused(renamed_scheduler_methods):
+    with pytest.raises(TypeError, match=r"defines both TokenBudgetScheduler\.select_victim, .* and choose_victim, "
+                                        r"which replaces it; delete select_victim"):
+        class Undecided(TokenBudgetScheduler):
+            def select_victim(self, candidates):
+                return candidates[0]
+
+            def choose_victim(self, candidates):
+                return candidates[-1]
+
+
+def shortest_job_first_by_insert_waiting() -> type:
+    """contrib/pagoda-sjf's policy written against the base's private ``_insert_waiting`` helper."""
 
     def job_size(request: Sequence) -> tuple[int, float]:
         return (request.num_prompt_tokens, request.arrival_time)
 
-    class PreReleaseShortestJobFirst(TokenBudgetScheduler):
+    class InsertWaitingShortestJobFirst(TokenBudgetScheduler):
         def _insert_waiting(self, request: Sequence, front: bool = False) -> None:
             if front:
                 self.waiting.insert(0, request)
@@ -269,15 +246,18 @@ def pre_1_0_shortest_job_first() -> type:
             index = bisect.bisect_right(self.waiting, job_size(request), lo=first_new, key=job_size)
             self.waiting.insert(index, request)
 
-    return PreReleaseShortestJobFirst
+    return InsertWaitingShortestJobFirst
 
 
-def test_a_pre_1_0_insert_waiting_override_still_orders_the_queue_and_passes_the_conformance_kit(monkeypatch):
+def test_an_override_of_a_deprecated_helper_the_base_still_calls_is_warned_about_and_still_used(monkeypatch):
+    # a (test-only) deprecation of the queue helper: the base calls it itself, so the override needs no adapting
+    add_deprecation(monkeypatch, Deprecation(OVERRIDE, "_insert_waiting", "waiting_key", "1.1", "1.3",
+                                             "TokenBudgetScheduler"))
     with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\._insert_waiting, .* removed in "
-                                                r"1\.2: override waiting_key instead"):
-        policy = pre_1_0_shortest_job_first()
-    monkeypatch.setitem(scheduling_sim.POLICIES, "pre-1.0 sjf", policy)
-    scheduler = scheduling_sim.make_scheduler("pre-1.0 sjf", max_num_seqs=1)
+                                                r"1\.3: override waiting_key instead"):
+        policy = shortest_job_first_by_insert_waiting()
+    monkeypatch.setitem(scheduling_sim.POLICIES, "sjf by helper", policy)
+    scheduler = scheduling_sim.make_scheduler("sjf by helper", max_num_seqs=1)
     for i, length in enumerate([30, 10, 20]):
         scheduler.add_request(scheduling_sim.make_request(f"len{length}", list(range(100, 100 + length)),
                                                           max_tokens=2, arrival=float(i)))
@@ -287,37 +267,6 @@ def test_a_pre_1_0_insert_waiting_override_still_orders_the_queue_and_passes_the
         finished += [r.request_id for r in scheduler.drain_finished()]
     assert finished == ["len10", "len20", "len30"]
     check_scheduler(policy, seeds=1)
-
-
-def test_an_override_of_the_renamed_preempt_is_called_and_may_call_super_by_the_old_name(monkeypatch):
-    with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\._preempt, .* override preempt"):
-        class LoggingPreemptions(FCFSScheduler):
-            def _preempt(self, request, out):
-                self.preempted_ids = getattr(self, "preempted_ids", []) + [request.request_id]
-                super()._preempt(request, out)
-
-    monkeypatch.setitem(scheduling_sim.POLICIES, "logging", LoggingPreemptions)
-    scheduler = scheduling_sim.make_scheduler("logging", num_blocks=6, block_size=4)
-    for i in range(3):
-        scheduler.add_request(scheduling_sim.make_request(f"r{i}", [100 + i] * 6, max_tokens=8, arrival=float(i)))
-    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\._preempt is deprecated"):
-        scheduling_sim.run_until_done(scheduler, SimRunner(6, 4))
-    assert scheduler.num_preemptions > 0 and len(scheduler.preempted_ids) == scheduler.num_preemptions
-    assert all(r.num_output_tokens == 8 for r in scheduler.drain_finished())
-
-
-def test_super_by_the_old_name_reaches_a_parent_written_with_the_new_names(monkeypatch):
-    with pytest.warns(DeprecationWarning, match=r"overrides TokenBudgetScheduler\._pick_victim"):
-        class PreReleaseSubclassOfPriority(PriorityScheduler):
-            def _pick_victim(self, candidates):
-                return super()._pick_victim(candidates)
-
-    monkeypatch.setitem(scheduling_sim.POLICIES, "subclass of priority", PreReleaseSubclassOfPriority)
-    scheduler = scheduling_sim.make_scheduler("subclass of priority")
-    candidates = [scheduling_sim.make_request(f"p{p}", [1, 2], priority=p) for p in (2, 5, 1)]
-    with pytest.warns(DeprecationWarning, match=r"TokenBudgetScheduler\._pick_victim is deprecated .* call "
-                                                r"choose_victim"):
-        assert scheduler.choose_victim(candidates).request_id == "p5"  # PriorityScheduler's choice, not the last
 
 
 def test_overriding_a_method_whose_arguments_changed_is_refused_when_the_class_is_created():
@@ -330,17 +279,6 @@ def test_overriding_a_method_whose_arguments_changed_is_refused_when_the_class_i
                 pass
 
 
-def test_a_policy_defining_both_the_old_and_the_new_name_is_refused():
-    with pytest.raises(TypeError, match=r"defines both TokenBudgetScheduler\._pick_victim, .* and choose_victim, "
-                                        r"which replaces it; delete _pick_victim"):
-        class Undecided(TokenBudgetScheduler):
-            def _pick_victim(self, candidates):
-                return candidates[0]
-
-            def choose_victim(self, candidates):
-                return candidates[-1]
-
-
 def test_a_policy_using_only_public_names_is_not_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
@@ -348,191 +286,3 @@ def test_a_policy_using_only_public_names_is_not_warned_about():
         class Oldest(TokenBudgetScheduler):
             def choose_victim(self, candidates):
                 return candidates[0]
-
-
-# ---- hooks and component methods (renames the tests add to the table) ------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-
-
-def add_deprecation(monkeypatch, entry: Deprecation) -> None:
-    monkeypatch.setattr(deprecation, "DEPRECATIONS", DEPRECATIONS + (entry,))
-
-
-class CountingSampler:
-    """The default sampler, counting its calls."""
-
-    def __init__(self, model_config) -> None:
-        from pagoda.sampler import Sampler
-
-        self.sampler = Sampler(model_config)
-        self.calls = 0
-
-    def __call__(self, logits, requests):
-        self.calls += 1
-        return self.sampler(logits, requests)
-
-
-class OldHookPlugin:
-    """A plugin implementing ``pagoda_samplers`` under the name it had before a (test-only) rename."""
-
-    @hookimpl
-    def pagoda_sampling_methods(self):
-        return {"counting": CountingSampler}
-
-
-@pytest.fixture
-def renamed_sampler_hook(monkeypatch):
-    add_deprecation(monkeypatch, Deprecation(HOOK, "pagoda_sampling_methods", "pagoda_samplers", "1.0", "1.2"))
-
-
-def test_a_hook_implemented_under_its_old_name_is_used_under_the_new_one(renamed_sampler_hook, tiny_dir):
-    pm = PluginManager().load()
-    with pytest.warns(DeprecationWarning, match=r"plugin 'old-hooks' implements the hook pagoda_sampling_methods, "
-                                                r"deprecated in pagoda plugin API 1\.0 and removed in 1\.2: rename "
-                                                r"it to pagoda_samplers"):
-        pm.register(OldHookPlugin(), name="old-hooks", dist="test")
-    assert pm.get("pagoda_samplers", "counting", "sampler").plugin == "old-hooks"
-    pm.pm.check_pending()  # no hook is left without a spec
-    llm = tiny_llm(tiny_dir, plugin_manager=pm, sampler="counting")
-    outputs = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert len(outputs[0].outputs[0].token_ids) == 4
-    assert llm.engine.runner.sampler.calls == 4
-
-
-def test_an_installed_plugin_with_an_old_hook_name_loads_with_a_warning_naming_it(renamed_sampler_hook, tmp_path,
-                                                                                  monkeypatch):
-    # an installed distribution as pip leaves it: the module, and a dist-info with its entry point
-    (tmp_path / "old_hook_sampler.py").write_text(
-        "import pagoda\n"
-        "from pagoda.sampler import Sampler\n\n"
-        "@pagoda.hookimpl\n"
-        "def pagoda_sampling_methods():\n"
-        "    return {'old-hook-default': Sampler}\n")
-    info = tmp_path / "old_hook_sampler-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: old-hook-sampler\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[pagoda.plugins]\noldhooks = old_hook_sampler\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "old_hook_sampler", raising=False)
-    monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
-    monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
-    with pytest.warns(DeprecationWarning, match=r"plugin 'oldhooks' implements the hook pagoda_sampling_methods, "
-                                                r".* rename it to pagoda_samplers"):
-        pm = PluginManager().load()
-    component = pm.get("pagoda_samplers", "old-hook-default", "sampler")
-    assert (component.plugin, component.dist) == ("oldhooks", "old-hook-sampler 0.1")
-    assert all(f.name != "oldhooks" for f in pm.failures)
-    sys.modules.pop("old_hook_sampler", None)  # imported by load(), from a folder that is gone after the test
-
-
-def test_without_the_rename_pluggy_would_ignore_the_old_hook_name():
-    pm = pluggy.PluginManager("pagoda")
-    pm.add_hookspecs(hookspecs)
-    pm.register(OldHookPlugin(), name="old-hooks")
-    assert pm.hook.pagoda_samplers() == []
-    with pytest.raises(pluggy.PluginValidationError, match="unknown hook 'pagoda_sampling_methods'"):
-        pm.check_pending()
-
-
-def test_a_plugin_implementing_both_the_old_and_the_new_hook_is_refused(renamed_sampler_hook):
-    class Both(OldHookPlugin):
-        @hookimpl
-        def pagoda_samplers(self):
-            return {"counting": CountingSampler}
-
-    pm = PluginManager().load()
-    with pytest.raises(ConfigError, match="plugin 'both' implements both pagoda_sampling_methods and "
-                                          "pagoda_samplers, which replaces it; delete pagoda_sampling_methods"):
-        pm.register(Both(), name="both")
-
-
-class OldNamedLoader:
-    """The dummy loader, with ``load_weights`` under the name it had before a (test-only) rename."""
-
-    def __init__(self, model_config, loads: list) -> None:
-        from pagoda.loader import DummyLoader
-
-        self.loader = DummyLoader(model_config)
-        self.loads = loads
-
-    def fill(self, model) -> None:
-        self.loads.append(model)
-        self.loader.load_weights(model)
-
-
-def test_a_component_with_a_method_under_its_old_name_is_called_through_it(monkeypatch, tiny_dir):
-    add_deprecation(monkeypatch, Deprecation(METHOD, "fill", "load_weights", "1.0", "1.2", "pagoda_model_loaders"))
-    loads = []
-
-    class OldLoaderPlugin:
-        @hookimpl
-        def pagoda_model_loaders(self):
-            return {"old-dummy": lambda model_config: OldNamedLoader(model_config, loads)}
-
-    pm = PluginManager().load()
-    pm.register(OldLoaderPlugin(), name="old-loader", dist="test")
-    with pytest.warns(DeprecationWarning, match=r"'old-dummy' \(OldNamedLoader, from pagoda_model_loaders\) has the "
-                                                r"method fill, deprecated in pagoda plugin API 1\.0 and removed in "
-                                                r"1\.2: rename it to load_weights"):
-        llm = tiny_llm(tiny_dir, plugin_manager=pm, load_format="old-dummy")
-    assert len(loads) == 1
-    outputs = llm.generate("hi", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert len(outputs[0].outputs[0].token_ids) == 3
-
-
-def test_a_component_that_has_the_new_name_is_left_alone(monkeypatch):
-    add_deprecation(monkeypatch, Deprecation(METHOD, "fill", "load_weights", "1.0", "1.2", "pagoda_model_loaders"))
-
-    class Both:
-        def fill(self, model):
-            raise AssertionError("the old name must not be used")
-
-        def load_weights(self, model):
-            pass
-
-    component = Both()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        assert deprecation.adapt_renamed_methods(component, "pagoda_model_loaders", "both") is component
-    assert component.load_weights.__func__ is Both.load_weights
-
-
-# ---- methods of the sampler base class -------------------------------------------------------------
-
-FAVOURITE_TOKEN = 7
-
-
-def pre_1_1_penalty_sampler() -> type:
-    """A sampler plugin as written for plugin API 1.0: it overrides the then-private ``_apply_penalties``
-    and calls the original through ``super()``."""
-
-    class FavouriteTokenSampler(Sampler):
-        def _apply_penalties(self, logits, requests):
-            super()._apply_penalties(logits, requests)
-            logits[:, FAVOURITE_TOKEN] += 1e4
-
-    return FavouriteTokenSampler
-
-
-def test_a_1_0_sampler_overriding_a_private_step_is_warned_about_and_still_used(tiny_dir):
-    with pytest.warns(DeprecationWarning, match=r"overrides Sampler\._apply_penalties, deprecated in pagoda plugin "
-                                                r"API 1\.1 and removed in 1\.3: override apply_penalties instead"):
-        sampler_cls = pre_1_1_penalty_sampler()
-
-    class Plugin:
-        @hookimpl
-        def pagoda_samplers(self):
-            return {"favourite": sampler_cls}
-
-    pm = PluginManager().load()
-    pm.register(Plugin(), name="favourite-sampler", dist="test")
-    llm = tiny_llm(tiny_dir, plugin_manager=pm, sampler="favourite")
-    assert llm.engine.runner.sampler.samples_standard_distribution is False  # it changes the distribution
-    params = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=0.5, ignore_eos=True)
-    with pytest.warns(DeprecationWarning, match=r"Sampler\._apply_penalties is deprecated .* call apply_penalties"):
-        outputs = llm.generate("hi", params, use_tqdm=False)
-    assert list(outputs[0].outputs[0].token_ids) == [FAVOURITE_TOKEN] * 4

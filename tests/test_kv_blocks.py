@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.kv_blocks import PagedKVCacheManager, hash_block
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 from scheduling_sim import assert_kv_consistent
@@ -29,7 +29,7 @@ def assert_consistent(kv: PagedKVCacheManager) -> None:
     """Ref counts, free blocks and swap slots add up; every cached block sits under its own hash."""
     assert_kv_consistent(kv)
     for h, block in kv._cached.items():
-        assert block.block_hash == h and hash(block.key) == h
+        assert block.block_hash == h and hash_block(*block.key) == h
 
 
 def test_allocation_takes_whole_blocks_and_free_returns_them():

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.default_model import ensure_default_model
 from pagoda.plugin_manager import get_plugin_manager
 from pagoda.plugins.schedulers.base import FCFSScheduler
@@ -41,6 +42,44 @@ def test_fcfs_admits_in_arrival_order():
         sched = step(s, runner)
         order += [r.request_id for r in sched.requests if r.request_id not in order]
     assert order == ["b", "a", "c"]
+
+
+class NewestFirst(FCFSScheduler):
+    def order_waiting(self, waiting):
+        return sorted(waiting, key=lambda r: -r.arrival_time)
+
+
+class DropsOne(FCFSScheduler):
+    def order_waiting(self, waiting):
+        return waiting[1:]
+
+
+def make_policy(cls, max_num_seqs: int = 8):
+    """A policy class over the same configuration and KV manager make_scheduler builds."""
+    fcfs = make_scheduler("fcfs", max_num_seqs=max_num_seqs)
+    sched_cfg = SchedulerConfig("custom", max_num_seqs, fcfs.max_num_batched_tokens, fcfs.max_model_len, True, 0, None)
+    cache_cfg = CacheConfig(fcfs.kv.block_size, 0, "auto", True, fcfs.kv.num_blocks, 0, "recompute", "paged")
+    return cls(sched_cfg, cache_cfg, fcfs.kv)
+
+
+def test_order_waiting_decides_each_step_which_waiting_request_starts_first():
+    s = make_policy(NewestFirst, max_num_seqs=1)
+    for i, rid in enumerate(["a", "b", "c"]):
+        s.add_request(make_request(rid, prompt(5, i), arrival=float(i)))
+    order = []
+    runner = SimRunner(64, 4)
+    while s.has_unfinished_requests():
+        sched = step(s, runner)
+        order += [r.request_id for r in sched.requests if r.request_id not in order]
+    assert order == ["c", "b", "a"]
+
+
+def test_an_order_waiting_that_loses_a_request_is_refused_with_the_policy_s_name():
+    s = make_policy(DropsOne)
+    s.add_request(make_request("a", prompt(5)))
+    s.add_request(make_request("b", prompt(5, 1)))
+    with pytest.raises(RuntimeError, match="DropsOne.order_waiting returned 1 requests that are not a reordering"):
+        s.schedule()
 
 
 def test_priority_admits_lower_values_first_then_earlier_arrivals_then_ids():

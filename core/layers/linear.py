@@ -61,6 +61,8 @@ class Linear(nn.Module):
         ``tp_cols`` (row parallelism): the ``(start, size)`` input columns it holds, its partial outputs
         summed over the ranks (see :mod:`pagoda.distributed`)."""
         super().__init__()
+        # the checkpoint's sizes, before this rank's split (quantized formats record them)
+        self.full_in_features, self.full_output_sizes = in_features, list(output_sizes)
         self.tp_rows = list(tp_rows) if tp_rows is not None else None
         self.tp_cols = tp_cols
         self.tp = distributed.current() if tp_cols is not None else None

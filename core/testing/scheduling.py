@@ -53,11 +53,15 @@ class SimRunner:
         self.block_size = block_size
         self.cache: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_blocks)]
         self.swap: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_swap_blocks)]
+        # the offload tiers' contents: RAM slot -> tokens, block hash -> tokens (a block file)
+        self.ram: dict[int, list[Optional[int]]] = {}
+        self.disk: dict[int, list[Optional[int]]] = {}
         self.check = check
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for block, slot in sched.blocks_to_swap_out:
             self.swap[slot] = list(self.cache[block])
+        self._move_tiers(sched.kv_tier_moves)
         for slot, block in sched.blocks_to_swap_in:
             self.cache[block] = list(self.swap[slot])
         for src, dst in sched.blocks_to_copy:
@@ -85,6 +89,24 @@ class SimRunner:
             sampled.append([next_token(context)] if seq_len == req.num_tokens else [])
         n = len(sampled)
         return RunnerOutput(sampled, [None] * n, [None] * n, [0] * n)
+
+    def _move_tiers(self, moves) -> None:
+        """Offload-tier moves, in the order the real runner performs them (see pagoda.kv_tiers.KVTierMoves)."""
+        for block_hash in moves.files_to_delete:
+            if self.disk.pop(block_hash, None) is None:
+                raise ContractError(f"the disk tier deletes block file {block_hash}, which was never written")
+        for slot, block_hash, _ in moves.ram_to_disk:
+            self.disk[block_hash] = list(self.ram[slot])
+        for block, slot in moves.blocks_to_ram:
+            self.ram[slot] = list(self.cache[block])
+        for block, block_hash, _ in moves.blocks_to_disk:
+            self.disk[block_hash] = list(self.cache[block])
+        for slot, block in moves.ram_to_blocks:
+            self.cache[block] = list(self.ram[slot])
+        for block_hash, block in moves.disk_to_blocks:
+            if block_hash not in self.disk:
+                raise ContractError(f"the disk tier loads block file {block_hash}, which is not there")
+            self.cache[block] = list(self.disk[block_hash])
 
 
 def _configs(block_size: int, num_blocks: int, budget: int, max_num_seqs: int, preemption_mode: str,

@@ -6,12 +6,14 @@ from pagoda.markers import hookimpl
 @hookimpl
 def pagoda_cli_commands():
     from pagoda.plugins.entrypoints import bench, commands, serve
+    from pagoda.plugins.entrypoints.simulate import command as simulate
 
     return {
         "generate": commands.register_generate,
         "plugins": commands.register_plugins,
         "bench": bench.register,
         "serve": serve.register,
+        "simulate": simulate.register,
     }
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 
 from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.replicas.command import add_replica_args, run_replicas
 
 logger = logging.getLogger("pagoda")
 
@@ -38,18 +39,33 @@ def register(sub) -> None:
                         "on a loopback address without --api-key, else any)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open requests may take to finish after SIGTERM before they are failed")
+    p.add_argument("--request-log", default=None, metavar="PATH",
+                   help="append one JSON line per finished request (arrival, prompt token ids, output tokens, "
+                        "priority, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)
+    add_replica_args(p)
     p.set_defaults(func=run_serve)
 
 
 def run_serve(ns: argparse.Namespace) -> int:
+    if ns.replicas != 1 or ns.max_replicas is not None:
+        if ns.request_log:
+            from pagoda.errors import ConfigError
+
+            raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
+                              "or --max-replicas yet (serve one replica to record a trace)")
+        return run_replicas(ns)
     from pagoda.async_engine import AsyncLLMEngine
     from pagoda.engine import LLMEngine
     from pagoda.plugins.entrypoints.server import build_app, default_allowed_hosts, make_uvicorn_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.request_log:
+        from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter
+
+        ns.plugin_manager.register(RequestLogWriter(ns.request_log), "request-log")
     engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,

@@ -59,12 +59,16 @@ class AWQLinearMethod:
                 f"({n_out}) divisible by 8; this model cannot be loaded with this AWQ config"
             )
         layer.quant_dtype, layer.awq_group = dtype, group
-        packed = output_sharded_loader(layer, "AWQ", out_dim=1, pack=8, expected_dtype=torch.int32)
-        add_param(layer, "qweight", (n_in, n_out // 8), torch.int32, packed)
-        add_param(layer, "qzeros", (n_in // group, n_out // 8), torch.int32, packed)
+        # input features per row of the group tensors (None: one group spans the whole input, every rank's)
+        per_group = None if self.config.group_size == -1 else group
+        add_param(layer, "qweight", (n_in, n_out // 8), torch.int32,
+                  output_sharded_loader(layer, "AWQ", out_dim=1, pack=8, expected_dtype=torch.int32, in_pack=1))
+        add_param(layer, "qzeros", (n_in // group, n_out // 8), torch.int32,
+                  output_sharded_loader(layer, "AWQ", out_dim=1, pack=8, expected_dtype=torch.int32,
+                                        in_pack=per_group))
         # float32 holds fp16 and bf16 scales exactly until they are converted to the model dtype
         add_param(layer, "scales", (n_in // group, n_out), torch.float32,
-                  output_sharded_loader(layer, "AWQ", out_dim=1))
+                  output_sharded_loader(layer, "AWQ", out_dim=1, in_pack=per_group))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_awq(layer.qweight.data).t()  # [out, in]

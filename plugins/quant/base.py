@@ -88,14 +88,19 @@ def add_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.
 
 
 def output_sharded_loader(layer: nn.Module, method: str, out_dim: int, pack: int = 1,
-                          expected_dtype: Optional[torch.dtype] = None) -> Callable[..., None]:
+                          expected_dtype: Optional[torch.dtype] = None,
+                          in_pack: Optional[int] = None) -> Callable[..., None]:
     """Loader for a tensor whose dim ``out_dim`` runs over output channels (divided by ``pack``).
 
     A fused layer's shard ``i`` lands at ``shard_offset(i) / pack`` along
-    that dim; any other shape mismatch is an error naming the tensor.
+    that dim; any other shape mismatch is an error naming the tensor. Under
+    tensor parallelism the rank keeps its part first (:func:`tp_part`; the other
+    dim of a 2-D tensor runs over input features, ``in_pack`` per entry, or over
+    nothing to split when ``in_pack`` is None).
     """
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
+        loaded = tp_part(layer, loaded, shard_id, out_dim, pack, in_pack, method)
         target = param.data
         if shard_id is not None:
             start, size = layer.shard_offset(shard_id)
@@ -110,11 +115,38 @@ def output_sharded_loader(layer: nn.Module, method: str, out_dim: int, pack: int
     return load
 
 
+def tp_part(layer: nn.Module, loaded: torch.Tensor, shard_id: Optional[int], out_dim: int, out_pack: int,
+            in_pack: Optional[int], method: str) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor: its output rows (column parallelism, ``layer.tp_rows``) along
+    ``out_dim``, ``out_pack`` channels per entry, or its input columns (row parallelism, ``layer.tp_cols``)
+    along the other dim, ``in_pack`` features per entry. A part that does not fall on whole entries (a
+    packed word or a scale group split between ranks) is refused."""
+    rows, cols = getattr(layer, "tp_rows", None), getattr(layer, "tp_cols", None)
+    if rows is not None:
+        start, size = rows[shard_id or 0]
+        if start % out_pack or size % out_pack:
+            raise ConfigError(f"{layer.prefix}: this rank's {size} output channels from {start} split the "
+                              f"{out_pack}-channel words {method} packs; use another tensor_parallel_size")
+        loaded = loaded.narrow(out_dim, start // out_pack, size // out_pack)
+    if cols is not None and in_pack is not None and loaded.dim() == 2:
+        start, size = cols
+        if start % in_pack or size % in_pack:
+            raise ConfigError(f"{layer.prefix}: this rank's {size} input features from {start} split {method}'s "
+                              f"groups or words of {in_pack}; use another tensor_parallel_size, or a checkpoint "
+                              f"whose group size divides {size}")
+        loaded = loaded.narrow(1 - out_dim, start // in_pack, size // in_pack)
+    return loaded
+
+
 def per_shard_loader(layer: nn.Module, method: str, expected_dtype: Optional[torch.dtype] = None,
-                     squeeze_scalar: bool = False) -> Callable[..., None]:
-    """Loader for a parameter stacked ``[num_shards, ...]``: one slot per checkpoint tensor (g_idx, scalars)."""
+                     squeeze_scalar: bool = False, per_input: bool = False) -> Callable[..., None]:
+    """Loader for a parameter stacked ``[num_shards, ...]``: one slot per checkpoint tensor (g_idx, scalars);
+    ``per_input``: the tensor runs over input features (g_idx), of which a row-parallel rank keeps its own."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
+        cols = getattr(layer, "tp_cols", None)
+        if per_input and cols is not None:
+            loaded = loaded.narrow(0, *cols)
         target = param.data[shard_id or 0]
         if squeeze_scalar and loaded.numel() == 1 and target.numel() == 1:
             loaded = loaded.reshape(target.shape)

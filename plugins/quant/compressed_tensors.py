@@ -119,25 +119,30 @@ class PackedIntLinearMethod:
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n_out, n_in = layer.out_features, layer.in_features
+        if self.has_g_idx and getattr(layer, "tp_cols", None) is not None:
+            raise ConfigError(f"{layer.prefix}: actorder 'group' weights are not split over input features for "
+                              "tensor parallelism (each rank's columns would need every group's scales); use "
+                              "tensor_parallel_size=1 or a checkpoint quantized without actorder")
         group = n_in if self.group_size == -1 else self.group_size
         layer.quant_dtype, layer.ct_group = dtype, group
         method, per_word = "compressed-tensors pack-quantized", 32 // self.bits
         add_param(layer, "weight_packed", (n_out, -(-n_in // per_word)), torch.int32,
-                  output_sharded_loader(layer, method, out_dim=0, expected_dtype=torch.int32))
+                  output_sharded_loader(layer, method, out_dim=0, expected_dtype=torch.int32, in_pack=per_word))
         add_param(layer, "weight_scale", (n_out, -(-n_in // group)), torch.float32,
-                  output_sharded_loader(layer, method, out_dim=0))
+                  output_sharded_loader(layer, method, out_dim=0,
+                                        in_pack=None if self.group_size == -1 else group))
         add_param(layer, "weight_shape", (len(layer.output_sizes), 2), torch.int64, per_shard_loader(layer, method))
         if self.has_g_idx:
             add_param(layer, "weight_g_idx", (len(layer.output_sizes), n_in), torch.int64,
-                      per_shard_loader(layer, method))
+                      per_shard_loader(layer, method, per_input=True))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         rows = shard_rows(layer)
-        for i, (start, end) in enumerate(rows):
+        for i, size in enumerate(layer.full_output_sizes):  # the checkpoint's shapes, before any rank's split
             shape = layer.weight_shape.data[i].tolist()
-            if shape != [end - start, layer.in_features]:
+            if shape != [size, layer.full_in_features]:
                 raise CheckpointError(f"{layer.prefix}: weight_shape of shard {i} is {shape} but the model expects "
-                                      f"{[end - start, layer.in_features]}")
+                                      f"{[size, layer.full_in_features]}")
         q = unpack_int32(layer.weight_packed.data, self.bits, dim=1)[:, : layer.in_features].contiguous()
         scales = layer.weight_scale.data  # [out, groups]
         zeros = torch.full_like(scales, float(1 << (self.bits - 1)))  # symmetric: offset of the stored values

@@ -27,7 +27,7 @@ from torch import nn
 from pagoda.errors import ConfigError
 from pagoda.plugins.quant.base import (
     add_param, check_tensor, drop_params, is_skipped, mark_loaded, name_matches, output_sharded_loader,
-    per_shard_loader, shard_rows)
+    per_shard_loader, shard_rows, tp_part)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -82,7 +82,7 @@ class Fp8LinearMethod:
             layer.register_buffer("weight_scale_rows", torch.ones(n_out), persistent=False)
             return
         add_param(layer, "weight", (n_out, n_in), FP8,
-                  output_sharded_loader(layer, self.method, out_dim=0, expected_dtype=FP8))
+                  output_sharded_loader(layer, self.method, out_dim=0, expected_dtype=FP8, in_pack=1))
         num_shards = len(layer.output_sizes)
         if self.strategy == "tensor":
             add_param(layer, self.scale_name, (num_shards,), torch.float32,
@@ -96,16 +96,20 @@ class Fp8LinearMethod:
                 raise ConfigError(f"{layer.prefix}: block-wise FP8 with blocks {list(self.block)} needs in_features "
                                   f"({n_in}) and every output shard {layer.output_sizes} divisible by them")
             add_param(layer, self.scale_name, (n_out // bo, n_in // bi), torch.float32,
-                      output_sharded_loader(layer, self.method, out_dim=0, pack=bo))
+                      output_sharded_loader(layer, self.method, out_dim=0, pack=bo, in_pack=bi))
         if self.activations == "static":
             add_param(layer, "input_scale", (num_shards,), torch.float32,
                       per_shard_loader(layer, self.method, squeeze_scalar=True), fill=1.0)
 
     def _online_loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
+            # this rank's rows of the dense weight; each row's scale from the whole row, as on one rank
+            loaded = tp_part(layer, loaded, shard_id, 0, 1, None, "online FP8")
+            scale = loaded.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [size, 1]
+            if getattr(layer, "tp_cols", None) is not None:
+                loaded = loaded.narrow(1, *layer.tp_cols)
             start, size = layer.shard_offset(shard_id) if shard_id is not None else (0, layer.out_features)
             check_tensor(loaded, (size, layer.in_features), None, name, "online FP8", layer)
-            scale = loaded.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [size, 1]
             param.data[start:start + size] = quantize_fp8(loaded, scale)
             layer.weight_scale_rows[start:start + size] = scale.squeeze(1)
             mark_loaded(layer, name)

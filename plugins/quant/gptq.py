@@ -65,13 +65,22 @@ class GPTQLinearMethod:
         if n_in % per_word or n_out % per_word:
             raise ConfigError(f"{layer.prefix}: {bits}-bit GPTQ needs in_features ({n_in}) and out_features "
                               f"({n_out}) divisible by {per_word}")
+        if self.config.desc_act and getattr(layer, "tp_cols", None) is not None:
+            raise ConfigError(f"{layer.prefix}: GPTQ with act-order (desc_act) is not split over input features "
+                              "for tensor parallelism (each rank's columns would need every group's scales); use "
+                              "tensor_parallel_size=1 or a checkpoint quantized without desc_act")
         layer.quant_dtype, layer.gptq_group = dtype, group
+        # input features per row of the group tensors (None: one group spans the whole input, every rank's)
+        per_group = None if self.config.group_size == -1 else group
         add_param(layer, "qweight", (n_in // per_word, n_out), torch.int32,
-                  output_sharded_loader(layer, "GPTQ", out_dim=1, expected_dtype=torch.int32))
+                  output_sharded_loader(layer, "GPTQ", out_dim=1, expected_dtype=torch.int32, in_pack=per_word))
         add_param(layer, "qzeros", (num_groups, n_out // per_word), torch.int32,
-                  output_sharded_loader(layer, "GPTQ", out_dim=1, pack=per_word, expected_dtype=torch.int32))
-        add_param(layer, "scales", (num_groups, n_out), torch.float32, output_sharded_loader(layer, "GPTQ", out_dim=1))
-        g_idx = add_param(layer, "g_idx", (len(layer.output_sizes), n_in), torch.int64, per_shard_loader(layer, "GPTQ"))
+                  output_sharded_loader(layer, "GPTQ", out_dim=1, pack=per_word, expected_dtype=torch.int32,
+                                        in_pack=per_group))
+        add_param(layer, "scales", (num_groups, n_out), torch.float32,
+                  output_sharded_loader(layer, "GPTQ", out_dim=1, in_pack=per_group))
+        g_idx = add_param(layer, "g_idx", (len(layer.output_sizes), n_in), torch.int64,
+                          per_shard_loader(layer, "GPTQ", per_input=True))
         g_idx.is_optional = not self.config.desc_act  # old checkpoints without act-order omit it
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -83,7 +92,11 @@ class GPTQLinearMethod:
         has_g_idx = loaded_suffix(layer, "g_idx")
         if self.config.desc_act and not has_g_idx:
             raise CheckpointError(f"{layer.prefix}: the config sets desc_act but the checkpoint has no g_idx tensor")
-        g_idx = [layer.g_idx.data[i] if has_g_idx else None for i in range(len(rows))]
+        # a row-parallel rank's g_idx counts groups from the first column of the whole layer
+        # (one group spanning the whole input is group 0 on every rank)
+        split = getattr(layer, "tp_cols", None) is not None and self.config.group_size != -1
+        first_group = layer.tp_cols[0] // group if split else 0
+        g_idx = [layer.g_idx.data[i] - first_group if has_g_idx else None for i in range(len(rows))]
         names = [f"{layer.prefix}.g_idx (shard {i})" for i in range(len(rows))]
         parts, perms = parts_from_g_idx(g_idx, rows, group, names)
         for (start, end), perm in zip(rows, perms):

@@ -24,7 +24,7 @@ from torch import nn
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.plugins.quant.base import (
     add_param, check_tensor, drop_params, is_skipped, kernel_for_device, loaded_suffix, mark_loaded, name_matches,
-    output_sharded_loader, per_shard_loader, shard_rows)
+    output_sharded_loader, per_shard_loader, shard_rows, tp_part)
 from pagoda.plugins.quant.cpu_int8_kernel import (
     BLOCK_ROWS, cpu_int8_linear, int8_kernels_or_none, int8_linear_reference, pack_int8_weight, unpack_int8_weight)
 from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, install_int_weight
@@ -54,7 +54,7 @@ class Int8LinearMethod:
             layer.register_buffer("weight_scale_rows", torch.ones(n_out), persistent=False)
             return
         add_param(layer, "weight", (n_out, n_in), torch.int8,
-                  output_sharded_loader(layer, self.method, out_dim=0, expected_dtype=torch.int8))
+                  output_sharded_loader(layer, self.method, out_dim=0, expected_dtype=torch.int8, in_pack=1))
         if self.source == "channel":
             add_param(layer, "weight_scale", (n_out, 1), torch.float32, output_sharded_loader(layer, self.method, 0))
             zero = add_param(layer, "weight_zero_point", (n_out, 1), torch.int32,
@@ -69,12 +69,17 @@ class Int8LinearMethod:
 
     def _online_loader(self, layer: nn.Module):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
-            start, size = layer.shard_offset(shard_id) if shard_id is not None else (0, layer.out_features)
-            check_tensor(loaded, (size, layer.in_features), None, name, "online int8", layer)
             if not loaded.is_floating_point():
                 raise CheckpointError(f"tensor {name!r} is {loaded.dtype}; --quantization int8 quantizes dense "
                                       "float checkpoints (a quantized checkpoint loads without --quantization)")
-            param.data[start:start + size], layer.weight_scale_rows[start:start + size] = quantize_rows(loaded)
+            # this rank's rows; each row's scale from the whole row, as on one rank, then its columns
+            loaded = tp_part(layer, loaded, shard_id, 0, 1, None, "online int8")
+            q, scale = quantize_rows(loaded)
+            if getattr(layer, "tp_cols", None) is not None:
+                q = q.narrow(1, *layer.tp_cols)
+            start, size = layer.shard_offset(shard_id) if shard_id is not None else (0, layer.out_features)
+            check_tensor(q, (size, layer.in_features), None, name, "online int8", layer)
+            param.data[start:start + size], layer.weight_scale_rows[start:start + size] = q, scale
             mark_loaded(layer, name)
 
         return load

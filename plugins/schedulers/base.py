@@ -26,7 +26,8 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.deprecation import adopt_renamed_overrides, renamed_method
+from pagoda.deprecation import adopt_renamed_overrides
+from pagoda.kv_tiers import has_offload_tiers
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
@@ -43,6 +44,7 @@ class TokenBudgetScheduler:
         self.num_speculative_tokens = scheduler_config.num_speculative_tokens
         self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
+        self._has_offload_tiers = has_offload_tiers(kv_manager)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -55,7 +57,7 @@ class TokenBudgetScheduler:
         self._scheduled_now: dict[str, int] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # a policy written before plugin API 1.0 overrides private names: honoured until 1.2, with a warning
+        # a policy overriding a renamed method is warned about (or, once the old name is removed, refused)
         super().__init_subclass__(**kwargs)
         adopt_renamed_overrides(cls, TokenBudgetScheduler)
 
@@ -87,6 +89,14 @@ class TokenBudgetScheduler:
         """Called first in every step: preempt running work in favour of waiting requests, with
         :meth:`preempt`. By default never (first come, first served)."""
 
+    def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
+        """Called in every step before waiting requests are admitted, with the waiting queue in its
+        current order: returns the same requests in the order to try them this step (the queue keeps
+        that order). For orders that change as the KV cache changes (such as the longest cached
+        prefix first), which a key fixed on arrival (:meth:`waiting_key`) cannot express. By default
+        the queue as it is."""
+        return waiting
+
     # ---- actions a policy may take -------------------------------------------------------------
 
     def preempt(self, request: Sequence, out: SchedulerOutput) -> None:
@@ -106,13 +116,7 @@ class TokenBudgetScheduler:
         self.num_preemptions += 1
         out.preempted.append(request)
 
-    # the pre-1.0 names of the above, for policies that call them (or super() them in an override)
-    _pick_victim = renamed_method("TokenBudgetScheduler", "_pick_victim")
-    _may_admit_waiting = renamed_method("TokenBudgetScheduler", "_may_admit_waiting")
-    _preempt_for_arrivals = renamed_method("TokenBudgetScheduler", "_preempt_for_arrivals")
-    _preempt = renamed_method("TokenBudgetScheduler", "_preempt")
-
-    # ---- queue order (a pre-1.0 policy may still override these four, see pagoda.deprecation) ----
+    # ---- queue order, from waiting_key and running_key (private helpers, not extension points) --------
 
     @staticmethod
     def _insert(queue: list[Sequence], request: Sequence, key: Callable[[Sequence], Any]) -> None:
@@ -175,10 +179,24 @@ class TokenBudgetScheduler:
         if not pool_ran_dry and not out.blocks_to_swap_out:
             # never swap in and out in one step: a freed swap slot could be overwritten before it is read
             budget = self._schedule_swapped(out, budget)
-        if not pool_ran_dry:
+        if not pool_ran_dry and self.waiting:
+            self._reorder_waiting()
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
+        if self._has_offload_tiers:
+            out.kv_tier_moves = self.kv.take_tier_moves()
         return out
+
+    def _reorder_waiting(self) -> None:
+        ordered = self.order_waiting(self.waiting)
+        if ordered is self.waiting:
+            return
+        ordered = list(ordered)
+        if len(ordered) != len(self.waiting) or set(map(id, ordered)) != set(map(id, self.waiting)):
+            raise RuntimeError(
+                f"{type(self).__name__}.order_waiting returned {len(ordered)} requests that are not a reordering "
+                f"of the {len(self.waiting)} waiting ones; return the same requests, reordered")
+        self.waiting = ordered
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for req in self._running_order():

@@ -1,0 +1,17 @@
+"""pagoda-prefix-aware: a cache-aware scheduling policy, as a third-party pagoda plugin.
+
+Select it with ``LLM(scheduling_policy="prefix-aware")`` or ``pagoda serve --scheduling-policy prefix-aware``.
+"""
+
+import pagoda
+
+# the pagoda plugin API versions this package is written for (it also needs the scheduler's
+# ``order_waiting``, an addition listed under 1.2 in pagoda's changelog: the module checks for it)
+PAGODA_PLUGIN_API = ">=1.1,<2"
+
+
+@pagoda.hookimpl
+def pagoda_schedulers():
+    from pagoda_prefix_aware.scheduler import PrefixAwareScheduler
+
+    return {"prefix-aware": PrefixAwareScheduler}

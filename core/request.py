@@ -1,6 +1,0 @@
-"""Deprecated since plugin API 1.0, removed in 1.2: import :mod:`pagoda.sequence` instead (``Request`` is
-``Sequence`` there, ``RequestStatus`` is ``SequenceStatus``)."""
-
-from pagoda.deprecation import deprecated_module
-
-__getattr__ = deprecated_module(__name__)

@@ -1,0 +1,97 @@
+"""``pagoda serve --replicas N``: start the replica set on Ray Serve and serve until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from pagoda.cli import engine_args_from
+from pagoda.errors import ConfigError
+from pagoda.plugins.entrypoints.replicas.deployments import ReplicaSetOptions
+from pagoda.routing import make_router
+
+logger = logging.getLogger("pagoda")
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (Ray Serve; pip install 'pagoda[ray]')")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas behind this endpoint; more than 1 runs them on Ray Serve")
+    g.add_argument("--router", default="prefix-aware",
+                   help="which replica serves a request (a pagoda_routers component: prefix-aware, power-of-two, "
+                        "least-loaded)")
+    g.add_argument("--router-options", type=_json_object, default=None,
+                   help='JSON options of the router, e.g. \'{"imbalance_threshold": 4}\'')
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale between --min-replicas and this many replicas on queue depth (waiting plus "
+                        "running requests per replica, target --target-requests-per-replica)")
+    g.add_argument("--min-replicas", type=int, default=1)
+    g.add_argument("--target-requests-per-replica", type=float, default=16.0)
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start one on this machine")
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
+    """The replica set's options from the flags, checked before anything starts."""
+    from pagoda.plugins.entrypoints.server import default_allowed_hosts
+
+    if ns.replicas < 1:
+        raise ConfigError(f"--replicas {ns.replicas}: pass 1 or more")
+    if ns.max_replicas is not None and not 1 <= ns.min_replicas <= ns.replicas <= ns.max_replicas:
+        raise ConfigError(f"autoscaling needs 1 <= --min-replicas ({ns.min_replicas}) <= --replicas ({ns.replicas}) "
+                          f"<= --max-replicas ({ns.max_replicas})")
+    if ns.target_requests_per_replica <= 0:
+        raise ConfigError("--target-requests-per-replica must be > 0")
+    try:
+        make_router(ns.router, ns.router_options, ns.plugin_manager)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return ReplicaSetOptions(num_replicas=ns.replicas, router=ns.router, router_options=ns.router_options,
+                             cpus_per_replica=max(1, cpus // (ns.max_replicas or ns.replicas)),
+                             max_replicas=ns.max_replicas, min_replicas=ns.min_replicas,
+                             target_requests_per_replica=ns.target_requests_per_replica, api_key=ns.api_key,
+                             allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
+                             max_request_bytes=ns.max_request_bytes)
+
+
+def run_replicas(ns: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ConfigError("--replicas needs Ray Serve: pip install 'pagoda[ray]'") from None
+    from pagoda.plugins.entrypoints.replicas.deployments import build_application
+
+    cpus = os.cpu_count() or 1
+    options = replica_options(ns, cpus)
+    overrides: dict[str, Any] = {}
+    if getattr(ns, "cpu_threads", None) is None:
+        overrides["cpu_threads"] = int(options.cpus_per_replica)
+    engine_args = engine_args_from(ns, **overrides)
+    engine_args.create_engine_config()  # a bad engine flag fails here, before any replica starts
+    ray.init(address=ns.ray_address, num_cpus=None if ns.ray_address else cpus, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        serve.run(build_application(engine_args, options), name="pagoda", route_prefix="/")
+        logger.info("serving on http://%s:%d with %d replicas (router %s)", ns.host, ns.port, ns.replicas, ns.router)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,230 @@
+"""The Serve application of ``pagoda serve --replicas N``: one ingress, N engine replicas.
+
+The ingress reads each request, turns its prompt into block hashes and forwards it through a handle
+whose request router (:class:`~.ray_router.PagodaRequestRouter`) picks the replica. Each replica runs
+the whole pagoda server app (:func:`pagoda.plugins.entrypoints.server.build_app`) in-process on the
+requests it gets, so every route, error and stream behaves as with one ``pagoda serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from starlette.responses import Response
+
+from pagoda.config import EngineArgs
+from pagoda.plugins.entrypoints.replicas.fleet_metrics import merge_replica_metrics
+from pagoda.plugins.entrypoints.replicas.forward import ForwardedRequest, ResponseStart, run_asgi
+from pagoda.routing import RoutingRequest, prompt_block_hashes
+
+# the paths whose body holds a prompt to route by
+_PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ReplicaSetOptions:
+    """How many replicas, how requests reach them, and the server options every replica shares."""
+
+    num_replicas: int = 2
+    router: str = "prefix-aware"
+    router_options: Optional[dict] = None
+    cpus_per_replica: float = 1.0
+    # autoscaling on queue depth: at most this many replicas (None: a fixed num_replicas)
+    max_replicas: Optional[int] = None
+    min_replicas: int = 1
+    target_requests_per_replica: float = 16.0
+    api_key: Optional[str] = None
+    # Host header names to answer (None: any), as pagoda serve's --allowed-hosts
+    allowed_hosts: Optional[frozenset[str]] = None
+    max_request_bytes: int = 1 << 20
+    # requests Serve lets a replica have at once; the engine queues and refuses (503) beyond its own limits
+    max_ongoing_requests: int = 1024
+
+
+class EngineReplica:
+    """One engine and its server app; requests arrive as :class:`ForwardedRequest`."""
+
+    def __init__(self, engine_args: EngineArgs, options: ReplicaSetOptions) -> None:
+        from ray import serve
+
+        from pagoda.async_engine import AsyncLLMEngine
+        from pagoda.engine import LLMEngine
+        from pagoda.plugin_manager import get_plugin_manager
+        from pagoda.plugins.entrypoints.server import build_app
+
+        self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args, get_plugin_manager()))
+        self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
+                             allowed_hosts=options.allowed_hosts)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.started = False
+
+    async def handle(self, request: ForwardedRequest):
+        if not self.started:  # the engine thread delivers outputs on the replica's event loop
+            self.engine.start(asyncio.get_running_loop())
+            self.started = True
+        async for item in run_asgi(self.app, request, self.name):
+            yield item
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by the autoscaling policy (:func:`~.autoscaling.queue_depth_policy`)."""
+        scheduler = self.engine.engine.scheduler
+        return {"num_requests_waiting": float(scheduler.num_waiting),
+                "num_requests_running": float(scheduler.num_running)}
+
+    def check_health(self) -> None:
+        if self.started and not self.engine.is_healthy:
+            raise RuntimeError(f"the engine of replica {self.name} stopped: {self.engine.dead_reason}")
+
+
+class Ingress:
+    """The one HTTP entry: forwards every request to an engine replica, counts where prompts went."""
+
+    def __init__(self, engine: Any, engine_args: EngineArgs, options: ReplicaSetOptions) -> None:
+        from pagoda.components import load_tokenizer
+
+        config = engine_args.create_engine_config()
+        self.engine = engine
+        self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.chat_template)
+        self.block_size = config.cache.block_size
+        self.max_request_bytes = options.max_request_bytes
+        self.router_name = options.router
+        self.num_routed: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> requests
+        self.num_matched_tokens = 0
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import PlainTextResponse
+
+        if request.url.path == "/metrics" and request.method == "GET":
+            return PlainTextResponse(await self.fleet_metrics(list(request.headers.raw)) + self.metrics_text(),
+                                     media_type="text/plain; version=0.0.4")
+        body = await request.body()
+        forwarded = ForwardedRequest(request.method, request.url.path, request.url.query.encode(),
+                                     list(request.headers.raw), body)
+        if request.method == "POST" and request.url.path in _PROMPT_PATHS and len(body) <= self.max_request_bytes:
+            forwarded.routing = await asyncio.to_thread(self.routing_request, request.url.path, body)
+        stream = self.engine.options(stream=True).handle.remote(forwarded)
+        start = await stream.__anext__()
+        self.count(forwarded, start)
+        return RelayedResponse(start, stream)
+
+    async def fleet_metrics(self, headers: list[tuple[bytes, bytes]]) -> str:
+        """Every replica's /metrics, each sample labelled with its replica."""
+        first = ForwardedRequest("GET", "/metrics", b"", headers, b"")
+        pages = dict([await self.fetch(first)])
+        for name in first.replica_names:
+            if name not in pages:
+                try:  # a replica stopping meanwhile is left out, not waited for
+                    pages.update([await asyncio.wait_for(
+                        self.fetch(ForwardedRequest("GET", "/metrics", b"", headers, b"", target=name)), 10.0)])
+                except asyncio.TimeoutError:
+                    continue
+        return merge_replica_metrics(pages)
+
+    async def fetch(self, forwarded: ForwardedRequest) -> tuple[str, str]:
+        """(replica name, response text) of a small request."""
+        stream = self.engine.options(stream=True).handle.remote(forwarded)
+        start = await stream.__anext__()
+        body = b"".join([chunk async for chunk in stream])
+        return dict(start.headers)[b"x-pagoda-replica"].decode(), body.decode()
+
+    def routing_request(self, path: str, body: bytes) -> RoutingRequest:
+        """The prompt's block hashes; a body that does not parse routes as no prompt (the replica
+        then answers with the error)."""
+        try:
+            token_ids = self.prompt_token_ids(path, json.loads(body))
+        except Exception:  # malformed JSON or messages: the replica's validation reports it
+            return RoutingRequest("", (), 0)
+        return RoutingRequest("", tuple(prompt_block_hashes(token_ids, self.block_size)), len(token_ids))
+
+    def prompt_token_ids(self, path: str, payload: dict) -> list[int]:
+        if path == "/v1/chat/completions":
+            messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                         else "".join(p.get("text", "") for p in m["content"])} for m in payload["messages"]]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = payload["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of prompts routes by its first
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def count(self, forwarded: ForwardedRequest, start: ResponseStart) -> None:
+        replica = dict(start.headers).get(b"x-pagoda-replica", b"?").decode()
+        decision = forwarded.decision
+        reason = decision.reason if decision is not None else "fallback"
+        self.num_routed[(replica, reason)] += 1
+        if decision is not None:
+            self.num_matched_tokens += decision.num_matched_blocks * self.block_size
+
+    def metrics_text(self) -> str:
+        lines = ["# HELP pagoda:router_requests_total Requests the ingress sent to each replica, by why it "
+                 "was chosen (prefix, least_loaded, imbalance, fallback).",
+                 "# TYPE pagoda:router_requests_total counter"]
+        for (replica, reason), n in sorted(self.num_routed.items()):
+            lines.append(f'pagoda:router_requests_total{{replica="{replica}",reason="{reason}",'
+                         f'router="{self.router_name}"}} {n}')
+        lines += ["# HELP pagoda:router_matched_prompt_tokens_total Prompt tokens routed to a replica that "
+                  "was sent the same prefix before.",
+                  "# TYPE pagoda:router_matched_prompt_tokens_total counter",
+                  f"pagoda:router_matched_prompt_tokens_total {self.num_matched_tokens}"]
+        return "\n".join(lines) + "\n"
+
+
+class RelayedResponse(Response):
+    """A replica's response streamed to the client as it arrives."""
+
+    def __init__(self, start: ResponseStart, stream: Any) -> None:  # no super(): nothing is rendered here
+        self.start, self.stream = start, stream
+        self.background = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.start.status, "headers": self.start.headers})
+        try:
+            async for chunk in self.stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            self.stream.cancel()  # a client that went away cancels the replica's request
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> Any:
+    """The Serve application: ``serve.run(build_application(...))`` starts it on a Ray cluster."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from pagoda.plugins.entrypoints.replicas.autoscaling import autoscaling_config
+    from pagoda.plugins.entrypoints.replicas.ray_router import PagodaRequestRouter
+
+    router_config = RequestRouterConfig(request_router_class=PagodaRequestRouter,
+                                        request_router_kwargs={"router": options.router,
+                                                               "router_options": options.router_options or {}})
+    scaling: dict[str, Any] = ({"autoscaling_config": autoscaling_config(options)} if options.max_replicas
+                               else {"num_replicas": options.num_replicas})
+    engine = serve.deployment(EngineReplica, name="pagoda-engine").options(
+        ray_actor_options={"num_cpus": options.cpus_per_replica}, max_ongoing_requests=options.max_ongoing_requests,
+        request_router_config=router_config, health_check_period_s=5, **scaling)
+    ingress = serve.deployment(Ingress, name="pagoda-ingress").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=options.max_ongoing_requests)
+    return ingress.bind(engine.bind(engine_args, options), engine_args, options)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The application for a Serve config (KubeRay's ``serveConfigV2``, ``serve run``):
+    ``import_path: pagoda.plugins.entrypoints.replicas.deployments:app_builder`` with
+    ``args: {engine: {<engine option>: value, ...}, replicas: {<ReplicaSetOptions field>: value, ...}}``."""
+    unknown = sorted(set(args) - {"engine", "replicas"})
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} in the application's args; expected 'engine' and 'replicas'")
+    replicas = dict(args.get("replicas") or {})
+    fields = set(ReplicaSetOptions.__dataclass_fields__)
+    if set(replicas) - fields:
+        raise ValueError(f"unknown replica options {sorted(set(replicas) - fields)}; known: {sorted(fields)}")
+    if replicas.get("allowed_hosts") is not None:
+        replicas["allowed_hosts"] = frozenset(replicas["allowed_hosts"])
+    # the key comes from the pods' environment (a Kubernetes secret), not from the config
+    replicas.setdefault("api_key", os.environ.get("PAGODA_API_KEY"))
+    return build_application(EngineArgs.build(**(args.get("engine") or {})), ReplicaSetOptions(**replicas))

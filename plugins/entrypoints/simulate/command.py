@@ -1,0 +1,241 @@
+"""``pagoda simulate``: replay a request trace through scheduler and KV allocator plugins with a cost
+model instead of a model, and report what ``pagoda bench serve`` reports (see docs/simulator.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.errors import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="replay a request trace through the scheduler and KV allocator with a "
+                                        "calibrated cost model instead of the model",
+                       description="Replay a request trace (JSON lines) through the configured scheduling policy "
+                                   "and KV allocator, timing each step with a cost model calibrated on this "
+                                   "machine (--calibrate), and print the serving report. See docs/simulator.md.")
+    src = p.add_argument_group("trace (exactly one)")
+    src.add_argument("--trace", default=None, help="a JSON-lines trace file")
+    src.add_argument("--workload", default=None, choices=["W1", "W2", "W4"],
+                     help="a benchmark workload of BENCHMARK.md (W4: W1 at --rate)")
+    src.add_argument("--generate", action="store_true", help="a synthetic trace: Poisson/bursty arrivals, W1 "
+                                                             "lengths, optional prefix groups and priorities")
+    src.add_argument("--from-request-log", default=None, metavar="LOG",
+                     help="the requests a `pagoda serve --request-log LOG` file recorded")
+    gen = p.add_argument_group("trace generation")
+    gen.add_argument("--num-requests", type=int, default=None, help="requests to generate (default 1000; "
+                                                                     "64 for a workload)")
+    gen.add_argument("--rate", type=float, default=None, help="arrivals per second (inf: all at once; default: "
+                                                              "4 for --generate, inf for W1/W2)")
+    gen.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; above 1: burstier gaps")
+    gen.add_argument("--num-groups", type=int, default=0, help="shared-prefix groups (0: no shared prefixes)")
+    gen.add_argument("--prefix-len", type=int, default=512, help="tokens each group shares")
+    gen.add_argument("--group-fraction", type=float, default=1.0, help="fraction of requests in a group")
+    gen.add_argument("--prompt-len", type=int, default=None, help="every request's own prompt tokens "
+                                                                   "(default: W1's log-normal draw)")
+    gen.add_argument("--output-len", type=int, default=None, help="every request's output tokens (default: W1's "
+                                                                   "log-normal draw)")
+    gen.add_argument("--priority-levels", type=int, default=1, help="priorities drawn uniformly from 0..N-1")
+    gen.add_argument("--trace-seed", type=int, default=0, help="seed of arrivals, lengths and synthetic tokens")
+    gen.add_argument("--save-trace", default=None, metavar="PATH", help="write the trace to PATH and stop")
+    run = p.add_argument_group("simulation")
+    run.add_argument("--cost-model", default=None, metavar="PATH",
+                     help="the calibrated cost model (default: one per model, dtype, CPU and thread count under "
+                          "~/.cache/pagoda/cost_models)")
+    run.add_argument("--calibrate", action="store_true", help="time the real engine over a grid of batch shapes "
+                                                              "(about a minute), fit and save the cost model first")
+    run.add_argument("--quick-calibration", action="store_true",
+                     help="calibrate over a small grid (seconds; rougher, for trying things out)")
+    run.add_argument("--compare-policy", nargs="+", default=[], metavar="POLICY",
+                     help="also simulate these scheduling policies on the same trace")
+    run.add_argument("--compare-real", action="store_true",
+                     help="also replay the trace through the real engine on the wall clock and print the "
+                          "simulator's error")
+    run.add_argument("--replicas", type=int, default=1, help="simulated engines, each request routed by --router")
+    run.add_argument("--router", default="least-loaded", help="the request router between replicas (a "
+                                                              "pagoda_routers name, as for pagoda serve --replicas)")
+    run.add_argument("--router-options", type=json.loads, default=None, metavar="JSON",
+                     help='the router\'s options, e.g. \'{"imbalance_threshold": 4}\'')
+    run.add_argument("--json", action="store_true", help="print the reports as one JSON object")
+    run.add_argument("--result-file", default=None, help="also write the JSON reports to this file")
+    add_engine_args(p)
+    p.set_defaults(func=run_simulate)
+
+
+def load_trace_from(ns: argparse.Namespace):
+    from pagoda.plugins.entrypoints.simulate.request_log import trace_from_request_log
+    from pagoda.plugins.entrypoints.simulate.trace import generate_trace, load_trace
+    from pagoda.plugins.entrypoints.simulate.workloads import workload_trace
+
+    given = [flag for flag, value in (("--trace", ns.trace), ("--workload", ns.workload),
+                                      ("--generate", ns.generate), ("--from-request-log", ns.from_request_log))
+             if value]
+    if len(given) != 1:
+        raise ConfigError(f"give exactly one trace source ({', '.join(given) or 'none given'}): --trace PATH, "
+                          "--workload W1|W2|W4, --generate or --from-request-log LOG")
+    if ns.trace:
+        return load_trace(ns.trace), f"trace {ns.trace}"
+    if ns.from_request_log:
+        trace, skipped = trace_from_request_log(ns.from_request_log)
+        return trace, f"request log {ns.from_request_log} ({skipped} requests without output skipped)"
+    if ns.workload:
+        rate = math.inf if ns.rate is None else ns.rate
+        return (workload_trace(ns.workload, ns.model, rate, ns.num_requests or 64, ns.trace_seed),
+                f"workload {ns.workload} at {rate:g} req/s")
+    rate = 4.0 if ns.rate is None else ns.rate
+    return (generate_trace(ns.num_requests or 1000, rate, ns.burstiness, ns.num_groups, ns.prefix_len,
+                           ns.group_fraction, ns.priority_levels, ns.trace_seed, ns.prompt_len, ns.output_len),
+            f"generated: {rate:g} req/s, burstiness {ns.burstiness:g}, {ns.num_groups} prefix groups")
+
+
+def run_simulate(ns: argparse.Namespace) -> int:
+    from pagoda.plugins.entrypoints.simulate.cost_model import default_cost_model_path
+    from pagoda.plugins.entrypoints.simulate.trace import save_trace
+
+    if ns.replicas < 1:
+        raise ConfigError(f"--replicas {ns.replicas}: pass at least 1")
+    has_source = any((ns.trace, ns.workload, ns.generate, ns.from_request_log))
+    trace, source = None, ""
+    if has_source or not ns.calibrate:
+        trace, source = load_trace_from(ns)
+        if ns.rate is None and (ns.trace or ns.from_request_log):
+            span = trace[-1].arrival - trace[0].arrival  # the report's "request rate": the trace's mean
+            ns.rate = round((len(trace) - 1) / span, 3) if span > 0 else math.inf
+        if ns.save_trace:
+            print(f"{save_trace(trace, ns.save_trace)} requests written to {ns.save_trace}")
+            return 0
+    args = engine_args_from(ns)
+    config = args.create_engine_config()
+    dtype = str(config.model.dtype).removeprefix("torch.")
+    cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(
+        config.model.model, dtype, config.parallel.cpu_threads)
+    log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
+    engine = None
+    try:
+        if ns.calibrate:
+            from pagoda.engine import LLMEngine
+            from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate
+
+            engine = LLMEngine(config, ns.plugin_manager)
+            calibrate(engine, QUICK_GRID if ns.quick_calibration else FULL_GRID, log).save(cost_path)
+            log(f"cost model written to {cost_path}")
+            if trace is None:
+                return 0
+        # with --compare-real, the calibrated engine runs the real replay too: the least time between the two
+        return _simulate_and_report(ns, config, cost_path, trace, source, engine)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
+def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace, source: str, engine) -> int:
+    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+    from pagoda.plugins.entrypoints.simulate.report import relative_errors
+
+    cost_model = CostModel.load(cost_path)
+    reports = []
+    for policy in [config.scheduler.policy, *ns.compare_policy]:
+        summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
+                                         ns.trace_seed, ns.rate, ns.router, ns.router_options)
+        summary["simulator_wall_seconds"] = round(seconds, 3)
+        reports.append(summary)
+    errors = check = None
+    if ns.compare_real:
+        real, samples = run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine)
+        reports.append(real)
+        errors = relative_errors(reports[0], real)
+        check = step_time_check(config, ns, cost_model, trace, samples, real)
+    result = {"trace": source, "num_requests": len(trace), "cost_model": str(cost_path),
+              "cost_model_coefficients": cost_model.coefficients, "runs": reports, "simulated_vs_real": errors,
+              "step_time_check": check}
+    print_result(result, ns.json)
+    if ns.result_file:
+        Path(ns.result_file).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def step_time_check(config, ns: argparse.Namespace, cost_model, trace, samples, real: dict) -> Optional[dict]:
+    """Split the simulator's error in two: how far the real run's own steps were from the cost model's
+    prediction for the same batches (the machine, or the calibration, differed), and the error left when
+    the trace is simulated with a model fitted to those very steps (what the simulation itself misses)."""
+    from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, fit
+    from pagoda.plugins.entrypoints.simulate.report import relative_errors
+
+    if len(samples) < 4 * len(FEATURES):
+        return None
+    predicted = sum(cost_model.predict(f) for f, _ in samples)
+    refitted = fit(samples, {"fitted_to": "the real run's steps"})
+    summary, _ = simulate_once(config, ns.plugin_manager, refitted, trace, config.scheduler.policy, ns.replicas,
+                               ns.trace_seed, ns.rate, ns.router, ns.router_options)
+    return {"real_over_predicted_step_seconds": sum(s for _, s in samples) / predicted,
+            "errors_with_model_fitted_to_real_steps": relative_errors(summary, real)}
+
+
+def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate,
+                  router_name: str = "least-loaded", router_options: Optional[dict] = None):
+    from pagoda.plugins.entrypoints.simulate.report import summarize_run
+    from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route, run_trace, with_policy
+    from pagoda.routing import make_router
+
+    started = time.perf_counter()
+    engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed)
+    route = None
+    if replicas > 1:
+        try:
+            router = make_router(router_name, router_options, pm)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        route = router_route(router, config.cache.block_size)
+    run_trace(trace, engines, route)
+    seconds = time.perf_counter() - started
+    label = f"pagoda simulate: {policy}" + (f" x{replicas} replicas, {router_name} router" if replicas > 1 else "")
+    return summarize_run(record, math.inf if rate is None else rate, label), seconds
+
+
+def run_real(config, pm, trace, seed: int, rate, engine=None) -> tuple[dict, list]:
+    """The trace through ``engine`` (an idle LLMEngine; one is built for the run if None) on the wall clock:
+    its report and the (cost-model features, seconds) of each of its steps."""
+    from pagoda.engine import LLMEngine
+    from pagoda.plugins.entrypoints.simulate.real import replay_real, warm_up
+    from pagoda.plugins.entrypoints.simulate.report import summarize_run
+    from pagoda.plugins.entrypoints.simulate.trace import PromptMaker
+
+    own = engine is None
+    engine = LLMEngine(config, pm) if own else engine
+    try:
+        prompts = PromptMaker(config.model.vocab_size, seed)
+        warm_up(engine, prompts)
+        record, samples = replay_real(engine, trace, prompts)
+    finally:
+        if own:
+            engine.shutdown()
+    summary = summarize_run(record, math.inf if rate is None else rate,
+                            f"real engine: {config.scheduler.policy} (in process, wall clock)")
+    return summary, samples
+
+
+def print_result(result: dict, as_json: bool) -> None:
+    from pagoda.plugins.entrypoints.simulate.report import format_errors, format_run
+
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{result['num_requests']} requests ({result['trace']}); cost model {result['cost_model']}")
+    for run in result["runs"]:
+        print(format_run(run))
+        if "simulator_wall_seconds" in run:
+            print(f"{'simulator wall time (s)':<30}{run['simulator_wall_seconds']:.2f}")
+    if result["simulated_vs_real"] is not None:
+        print(format_errors(result["simulated_vs_real"]))
+    check = result.get("step_time_check")
+    if check:
+        print(f"the real run's steps took {check['real_over_predicted_step_seconds']:.2f}x the cost model's "
+              "prediction for the same batches; simulated with a model fitted to those steps instead:")
+        print(format_errors(check["errors_with_model_fitted_to_real_steps"]).split("\n", 1)[1])

@@ -1,0 +1,185 @@
+"""``pagoda serve --replicas 2`` as users run it: two engine replicas on Ray Serve behind one endpoint,
+driven by the official ``openai`` client, with prefix-aware routing against power-of-two routing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagoda.plugins.entrypoints.server import free_port
+
+pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow
+
+PAGODA = str(Path(sys.executable).with_name("pagoda"))
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK = 16
+# 3 prompt prefixes of 8 blocks, interleaved; each replica's KV pool holds about 2 of them, so a
+# replica that is sent all 3 in turn keeps evicting them
+NUM_GROUPS, NUM_ROUNDS, PREFIX_LEN = 3, 5, 8 * BLOCK
+POOL_FLAGS = ("--num-gpu-blocks-override", "24", "--max-model-len", "256")
+
+
+def shared_prefix_prompts() -> list[tuple[int, list[int]]]:
+    """(group, prompt token ids): each prompt is its group's prefix and one block of its own."""
+    prompts = []
+    for r in range(NUM_ROUNDS):
+        for g in range(NUM_GROUPS):
+            prefix = [1000 + 500 * g + i for i in range(PREFIX_LEN)]
+            prompts.append((g, prefix + [5000 + 100 * r + 10 * g + i for i in range(BLOCK)]))
+    return prompts
+
+
+def start_replicas(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32", "--replicas", "2",
+                                 *POOL_FLAGS, *flags], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pagoda serve --replicas 2 did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def run_workload(url: str) -> dict:
+    """Send the shared-prefix prompts two at a time, streaming; where each went, what it found cached."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    prompts = shared_prefix_prompts()
+    results: list[dict] = [{} for _ in prompts]
+    queue = list(enumerate(prompts))
+
+    async def worker():
+        while queue:
+            i, (group, prompt) = queue.pop(0)
+            start = time.perf_counter()
+            raw = await client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+            ttft, usage = None, None
+            async for chunk in raw.parse():
+                if chunk.choices and ttft is None:
+                    ttft = time.perf_counter() - start
+                usage = chunk.usage or usage
+            results[i] = {"group": group, "replica": raw.headers["x-pagoda-replica"], "ttft": ttft,
+                          "prompt": usage.prompt_tokens, "cached": usage.prompt_tokens_details.cached_tokens}
+
+    await asyncio.gather(worker(), worker())
+    await client.close()
+    holder: dict[int, str] = {}
+    at_holder = later = 0
+    for r in results:
+        if r["group"] in holder:
+            later += 1
+            at_holder += r["replica"] == holder[r["group"]]
+        else:
+            holder[r["group"]] = r["replica"]
+    ttfts = sorted(r["ttft"] for r in results)
+    return {"to_holder": at_holder / later, "hit_rate": sum(r["cached"] for r in results) / sum(
+        r["prompt"] for r in results), "ttft_p50": ttfts[len(ttfts) // 2], "ttft_p99": ttfts[-1],
+        "replicas": {r["replica"] for r in results}}
+
+
+@pytest.fixture(scope="module")
+def routing_runs(tmp_path_factory):
+    """The workload through prefix-aware routing, then through power-of-two routing; and the fleet
+    metrics page after the prefix-aware run."""
+    runs, pages = {}, {}
+    for router in ("prefix-aware", "power-of-two"):
+        log = tmp_path_factory.mktemp("replicas") / f"{router}.log"
+        proc, url = start_replicas(log, "--router", router, "--router-options", '{"seed": 0}')
+        try:
+            runs[router] = asyncio.run(run_workload(url))
+            pages[router] = httpx.get(url + "/metrics", timeout=30).text
+        finally:
+            stop(proc)
+        assert proc.returncode == 0, log.read_text()[-4000:]
+    return runs, pages
+
+
+def test_prefix_aware_routing_keeps_prefixes_on_one_replica_and_hits_the_cache_far_more(routing_runs):
+    runs, _ = routing_runs
+    for router, r in runs.items():
+        print(f"{router}: {r['to_holder']:.0%} of repeat requests at their prefix's first replica, prefix-cache "
+              f"hit rate {r['hit_rate']:.0%}, TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms")
+    aware, p2c = runs["prefix-aware"], runs["power-of-two"]
+    assert len(aware["replicas"]) == 2 and len(p2c["replicas"]) == 2  # both replicas served
+    assert aware["to_holder"] == 1.0
+    assert aware["hit_rate"] > 0.6 and aware["hit_rate"] > p2c["hit_rate"] + 0.2
+
+
+def test_the_fleet_metrics_page_has_every_replica_s_engine_metrics_and_the_router_s(routing_runs):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, pages = routing_runs
+    families = {f.name: f for f in text_string_to_metric_families(pages["prefix-aware"])}
+    waiting = families["pagoda:num_requests_waiting"].samples
+    assert len({s.labels["replica"] for s in waiting}) == 2 and all(s.value == 0 for s in waiting)
+    hits = sum(s.value for s in families["pagoda:prefix_cache_hits"].samples if s.name.endswith("_total"))
+    routed: dict[str, float] = {}
+    for s in families["pagoda:router_requests"].samples:
+        routed[s.labels["reason"]] = routed.get(s.labels["reason"], 0) + s.value
+    assert hits >= (NUM_ROUNDS - 1) * NUM_GROUPS * PREFIX_LEN * 0.9
+    assert routed.get("prefix", 0) == (NUM_ROUNDS - 1) * NUM_GROUPS
+    usage = families["pagoda:kv_cache_usage_perc"].samples
+    assert all(s.value == 0 for s in usage)  # every finished request gave its blocks back
+
+
+def test_bad_replica_flags_fail_before_anything_starts():
+    for flags, message in ((["--router", "nearest"], "unknown request router 'nearest'"),
+                           (["--replicas", "0"], "--replicas 0: pass 1 or more"),
+                           (["--replicas", "2", "--max-replicas", "1"], "autoscaling needs"),
+                           (["--router-options", '{"imbalance": 1}'], "does not take the options")):
+        run = subprocess.run([PAGODA, "serve", "--replicas", "2", *flags], capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+        assert "Started a local Ray instance" not in run.stderr
+
+
+def test_the_autoscaling_policy_asks_for_replicas_by_waiting_plus_running_requests():
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    from pagoda.plugins.entrypoints.replicas.autoscaling import queue_depth_policy
+
+    dep = DeploymentID(name="pagoda-engine", app_name="pagoda")
+    r1, r2 = ReplicaID("r1", dep), ReplicaID("r2", dep)
+
+    def context(waiting: dict, running: dict) -> AutoscalingContext:
+        return AutoscalingContext(
+            deployment_id=dep, deployment_name=dep.name, app_name=dep.app_name, current_num_replicas=2,
+            target_num_replicas=2, running_replicas=[r1, r2], total_num_requests=0.0, total_queued_requests=0.0,
+            aggregated_metrics={"num_requests_waiting": waiting, "num_requests_running": running} if waiting
+            or running else {}, raw_metrics=None, capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=8, policy_state={}, last_scale_up_time=None, last_scale_down_time=None,
+            current_time=time.time(), config=AutoscalingConfig(min_replicas=1, max_replicas=8,
+                                                               target_ongoing_requests=16))
+
+    assert queue_depth_policy(context({r1: 30.0, r2: 10.0}, {r1: 16.0, r2: 16.0}))[0] == 5  # 72 / 16
+    assert queue_depth_policy(context({r1: 0.0, r2: 0.0}, {r1: 3.0, r2: 0.0}))[0] == 1
+    assert queue_depth_policy(context({}, {}))[0] == 2  # nothing reported yet: stay

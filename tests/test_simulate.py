@@ -1,0 +1,203 @@
+"""pagoda simulate: traces, the cost model, the simulated engine and the report, without a model.
+
+The scheduler and KV allocator are the real plugins; only the model is replaced by a cost model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagoda.cli import main
+from pagoda.config import EngineArgs
+from pagoda.errors import ConfigError
+from pagoda.plugin_manager import get_plugin_manager
+from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
+from pagoda.plugins.entrypoints.simulate.report import summarize_run
+from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
+from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace
+from pagoda.plugins.entrypoints.simulate.trace import (PromptMaker, TraceRequest, generate_trace, load_trace,
+                                                       save_trace)
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence, SequenceStatus
+
+# 10 ms a step, 5 ms more if it decodes, 1 ms a prompt token, 2 ms a decoding sequence: numbers a reader can check
+COST = CostModel({"step": 0.01, "decode_step": 0.005, "prefill_tokens": 0.001, "decode_seqs": 0.002, "decode_context": 0.0,
+                  "prefill_attention": 0.0})
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return get_plugin_manager()
+
+
+def simulate(pm, trace, policy="fcfs", replicas=1, **engine_options):
+    config = EngineArgs.build(scheduling_policy=policy, **engine_options).create_engine_config()
+    engines, record = build_engines(config, pm, COST, trace, replicas)
+    run_trace(trace, engines, least_loaded if replicas > 1 else None)  # the simulator's own simplest route
+    return summarize_run(record, float("inf"), policy), engines
+
+
+def test_a_generated_trace_survives_a_round_trip_through_its_file(tmp_path):
+    trace = generate_trace(50, rate=10, num_groups=3, prefix_len=64, group_fraction=0.5, priority_levels=2, seed=1)
+    assert save_trace(trace, tmp_path / "t.jsonl") == 50
+    assert load_trace(tmp_path / "t.jsonl") == trace
+    assert all(a.arrival <= b.arrival for a, b in zip(trace, trace[1:]))
+    assert {r.priority for r in trace} == {0, 1}
+    assert 0 < sum(r.prefix_group is not None for r in trace) < 50
+    fixed = generate_trace(5, rate=1, prompt_len=7, output_len=3)
+    assert {(r.prompt_len, r.output_len) for r in fixed} == {(7, 3)}
+
+
+def test_a_bad_trace_line_is_named_with_its_field(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"arrival": 0, "prompt_len": 8, "output_len": 4}\n{"arrival": 1, "prompt_len": 8, '
+                    '"output_len": 0}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: output_len=0; expected an integer >= 1"):
+        load_trace(path)
+    path.write_text('{"arrival": 0, "output_len": 4}\n')
+    with pytest.raises(ConfigError, match="prompt_token_ids or as prompt_len"):
+        load_trace(path)
+
+
+def test_synthetic_prompts_share_exactly_their_group_prefix():
+    maker = PromptMaker(vocab_size=49152)
+    a = maker.tokens(0, TraceRequest(0, 4, 100, prefix_group=7, prefix_len=60))
+    b = maker.tokens(1, TraceRequest(0, 4, 90, prefix_group=7, prefix_len=60))
+    c = maker.tokens(2, TraceRequest(0, 4, 100, prefix_group=8, prefix_len=60))
+    assert (len(a), len(b)) == (100, 90)
+    assert a[:60] == b[:60] and a[60] != b[60]
+    assert a[0] != c[0] or a[:60] != c[:60]
+    assert min(a + b + c) >= 100
+
+
+def test_the_request_log_records_finished_requests_and_converts_to_a_trace(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    writer = RequestLogWriter(log)
+    for i, (arrival, num_out) in enumerate(((100.0, 3), (100.5, 0), (101.25, 2))):
+        seq = Sequence(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=3), arrival_time=arrival, priority=i,
+                       parent_id=f"r{i}")
+        for _ in range(num_out):
+            seq.append_output_token(11)
+        seq.first_token_time = arrival + 0.2 if num_out else None
+        seq.status = SequenceStatus.FINISHED_LENGTH if num_out else SequenceStatus.FINISHED_ABORTED
+        writer.pagoda_request_finished(seq)
+    writer.close()
+    first = json.loads(log.read_text().splitlines()[0])
+    assert first["prompt_token_ids"] == [5, 6, 7] and first["num_output_tokens"] == 3 and first["ttft"] == 0.2
+    trace, skipped = trace_from_request_log(log)
+    assert skipped == 1  # aborted before its first token
+    assert [(r.arrival, r.output_len, r.priority, r.prompt_token_ids) for r in trace] == [
+        (0.0, 3, 0, [5, 6, 7]), (1.25, 2, 2, [5, 6, 9])]
+
+
+def test_the_fit_recovers_the_coefficients_that_made_the_step_times():
+    true = {"step": 0.02, "decode_step": 0.02, "prefill_tokens": 0.0015, "decode_seqs": 0.003, "decode_context": 2e-6,
+            "prefill_attention": 1e-8}
+    model = CostModel(true)
+    samples = [((int(d > 0), p, d, d * c, p * p / 2), 0.0) for p in (0, 16, 256, 1024) for d in (0, 1, 8, 64) for c in (64, 512)
+               if p or d]
+    samples = [(f, model.predict(f)) for f, _ in samples]
+    fitted = fit(samples)
+    for name in FEATURES:
+        assert fitted.coefficients[name] == pytest.approx(true[name], rel=1e-3, abs=1e-12)
+    assert fitted.meta["median_rel_error"] < 1e-6
+
+
+def test_a_missing_cost_model_says_how_to_calibrate(tmp_path):
+    with pytest.raises(ConfigError, match="pagoda simulate --calibrate"):
+        CostModel.load(tmp_path / "none.json")
+    with pytest.raises(ConfigError, match="lacks coefficients"):
+        CostModel({"step": 0.1})
+
+
+def test_one_request_alone_takes_its_prefill_and_decode_steps(pm):
+    trace = [TraceRequest(0.0, output_len=3, prompt_len=100)]
+    summary, _ = simulate(pm, trace)
+    # prefill step: 10 + 100 ms gives the first token; two decode steps of 10 + 5 + 2 ms each give the rest
+    assert summary["ttft_ms"]["p50"] == pytest.approx(110)
+    assert summary["e2e_ms"]["p50"] == pytest.approx(144)
+    assert summary["itl_ms"]["p50"] == pytest.approx(17)
+    assert summary["completed"] == 1 and summary["output_tokens"] == 3
+
+
+def test_priority_beats_fcfs_on_high_priority_ttft_when_overloaded(pm):
+    # a burst of 60 requests, every third one urgent (priority 0), arriving faster than the engine serves
+    trace = [TraceRequest(i * 0.01, output_len=20, prompt_len=200, priority=0 if i % 3 == 0 else 1)
+             for i in range(60)]
+    fcfs, _ = simulate(pm, trace, "fcfs", max_num_seqs=4)
+    prio, _ = simulate(pm, trace, "priority", max_num_seqs=4)
+    urgent_fcfs, urgent_prio = fcfs["ttft_ms_by_priority"][0], prio["ttft_ms_by_priority"][0]
+    assert urgent_prio["mean"] < 0.6 * urgent_fcfs["mean"]
+    assert urgent_prio["p99"] < urgent_fcfs["p99"]
+    # the others pay for it
+    assert prio["ttft_ms_by_priority"][1]["mean"] > fcfs["ttft_ms_by_priority"][1]["mean"]
+    assert fcfs["completed"] == prio["completed"] == 60
+
+
+def test_a_small_pool_preempts_and_swaps_and_the_report_counts_it(pm):
+    trace = [TraceRequest(0.0, output_len=120, prompt_len=60) for _ in range(12)]
+    summary, _ = simulate(pm, trace, num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.05)
+    assert summary["completed"] == 12
+    assert summary["preemptions"] > 0 and summary["swapped_out_requests"] > 0 and summary["blocks_swapped"] > 0
+    assert summary["kv_usage"]["max"] > 0.9
+    assert len(summary["kv_usage"]["series"]) == 20
+
+
+def test_shared_prefixes_show_in_the_prefix_cache_hit_rate(pm):
+    shared = [TraceRequest(i * 0.5, 4, 272, prefix_group=1, prefix_len=256) for i in range(10)]
+    alone = [TraceRequest(i * 0.5, 4, 272) for i in range(10)]
+    hit_shared = simulate(pm, shared)[0]["prefix_cache_hit_rate"]
+    assert hit_shared == pytest.approx(9 * 256 / (10 * 272))
+    assert simulate(pm, alone)[0]["prefix_cache_hit_rate"] == 0.0
+
+
+def test_two_replicas_share_the_load_and_finish_everything(pm):
+    trace = generate_trace(80, rate=50, seed=3)
+    one, _ = simulate(pm, trace, max_num_seqs=8)
+    two, engines = simulate(pm, trace, replicas=2, max_num_seqs=8)
+    assert two["completed"] == one["completed"] == 80
+    assert all(e.num_steps > 0 for e in engines)
+    assert two["ttft_ms"]["mean"] < one["ttft_ms"]["mean"]
+
+
+def test_the_prefix_aware_router_keeps_each_group_on_one_replica_and_hits_more(pm):
+    from pagoda.plugins.entrypoints.simulate.simulator import router_route
+    from pagoda.routing import make_router
+
+    # 4 prefix groups arriving in turn, 2 replicas whose pools hold about two groups' prefixes each
+    trace = [TraceRequest(i * 0.05, 8, 272, prefix_group=i % 4, prefix_len=256) for i in range(64)]
+    config = EngineArgs.build(num_gpu_blocks_override=48, max_num_seqs=4).create_engine_config()
+    hit_rates = {}
+    for name in ("least-loaded", "prefix-aware"):
+        engines, record = build_engines(config, pm, COST, trace, 2)
+        run_trace(trace, engines, router_route(make_router(name, None, pm), config.cache.block_size))
+        summary = summarize_run(record, 20.0, name)
+        assert summary["completed"] == 64 and all(e.num_steps for e in engines)
+        hit_rates[name] = summary["prefix_cache_hit_rate"]
+    assert hit_rates["prefix-aware"] > hit_rates["least-loaded"] + 0.2
+
+
+def test_pagoda_simulate_prints_json_for_a_generated_trace(tmp_path, capsys):
+    COST.save(tmp_path / "cost.json")
+    rc = main(["simulate", "--generate", "--num-requests", "40", "--rate", "20", "--priority-levels", "2",
+               "--cost-model", str(tmp_path / "cost.json"), "--compare-policy", "priority", "--json",
+               "--max-num-seqs", "8", "--replicas", "2", "--router", "prefix-aware", "--router-options",
+               '{"imbalance_threshold": 4}'])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in result["runs"]] == [f"pagoda simulate: {p} x2 replicas, prefix-aware router"
+                                                     for p in ("fcfs", "priority")]
+    run = result["runs"][0]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "request_throughput", "preemptions",
+                "prefix_cache_hit_rate", "kv_usage"):
+        assert key in run
+    assert run["completed"] == 40
+
+
+def test_pagoda_simulate_refuses_two_trace_sources_and_a_missing_cost_model(tmp_path, capsys):
+    assert main(["simulate", "--generate", "--workload", "W1"]) == 2
+    assert "exactly one trace source" in capsys.readouterr().err
+    assert main(["simulate", "--generate", "--cost-model", str(tmp_path / "none.json")]) == 2
+    assert "--calibrate" in capsys.readouterr().err
