@@ -176,3 +176,11 @@ def test_online_int8_on_a_quantized_checkpoint_is_refused(tmp_path):
     path, _ = converted_tiny(tmp_path)
     with pytest.raises(ConfigError, match="already quantized"):
         small_llm(path, dtype="float32", quantization="int8")
+
+
+def test_the_benchmark_header_names_the_int8_kernels_isa_path():
+    from pagoda.plugins.entrypoints.bench_throughput import kernel_isa_paths
+    from pagoda.plugins.quant.cpu_int8_kernel import isa_path
+
+    llm = small_llm(TINY, dtype="float32", quantization="int8")
+    assert kernel_isa_paths(llm)["int8 linear"] == isa_path() != "torch"
