@@ -223,3 +223,9 @@ def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp
         proc.wait(timeout=60)
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_the_torch_attention_backend_runs_sharded_with_the_tokens_of_one_rank():
+    model = str(ensure_default_model())
+    worst = assert_same_tokens(run(1, model, num_requests=2), run(2, model, num_requests=2, attention_backend="torch"))
+    assert worst < 1e-3
