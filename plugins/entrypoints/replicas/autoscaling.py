@@ -30,6 +30,6 @@ def autoscaling_config(options: Any) -> dict[str, Any]:
     """Serve's ``autoscaling_config`` for ``options`` (a ``ReplicaSetOptions``)."""
     return {"min_replicas": options.min_replicas, "initial_replicas": options.num_replicas,
             "max_replicas": options.max_replicas, "target_ongoing_requests": options.target_requests_per_replica,
-            "look_back_period_s": 10.0, "upscale_delay_s": 5.0,
+            "look_back_period_s": 30.0, "upscale_delay_s": 5.0,
             "downscale_delay_s": 60.0,
             "policy": {"policy_function": "pagoda.plugins.entrypoints.replicas.autoscaling:queue_depth_policy"}}
