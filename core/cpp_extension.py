@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from pagoda import host
 from pagoda.cpu_isa import extension_build
@@ -28,6 +29,19 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
     return load(name=f"{module_name}_{_source_digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
                 verbose=False)
+
+
+def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),
+                               fallback: str = "the torch path") -> Optional[Any]:
+    """:func:`load_cpu_extension`, or None with a RuntimeWarning saying why and that ``fallback`` runs
+    instead, where the kernel cannot be built here."""
+    try:
+        return load_cpu_extension(name, source, extra_cflags)
+    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
+        lines = str(exc).strip().splitlines()
+        warnings.warn(f"could not compile pagoda's C++ kernel {name} ({exc.__class__.__name__}: "
+                      f"{lines[-1] if lines else ''}); {fallback} runs instead", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _source_digest(source: Path, flags: Sequence[str]) -> str:

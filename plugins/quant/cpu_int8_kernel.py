@@ -12,7 +12,6 @@ and the tests' reference.
 
 from __future__ import annotations
 
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.cpp_extension import load_cpu_extension
+from pagoda.cpp_extension import load_cpu_extension_or_none
 
 _SOURCE = Path(__file__).with_name("cpu_int8_kernels.cpp")
 # exact float rounding in the epilogue ((sum * s_x) * s_w + bias, never fused into an FMA), as in the reference
@@ -30,22 +29,11 @@ IMPL_AUTO, IMPL_SCALAR = 0, 1
 
 
 @lru_cache(maxsize=1)
-def load_int8_kernels() -> Any:
-    """Compile (once per machine and ISA level) and import the C++ kernel; raises when it cannot be built."""
-    return load_cpu_extension("pagoda_cpu_int8_linear", _SOURCE, CFLAGS)
-
-
-@lru_cache(maxsize=1)
 def int8_kernels_or_none() -> Optional[Any]:
-    """The compiled kernel, or None (with one warning) when it cannot be built here."""
-    try:
-        return load_int8_kernels()
-    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
-        lines = str(exc).strip().splitlines()
-        warnings.warn(f"could not compile pagoda's C++ int8 kernel ({exc.__class__.__name__}: "
-                      f"{lines[-1] if lines else ''}); W8A8 layers use the slower torch path", RuntimeWarning,
-                      stacklevel=2)
-        return None
+    """The compiled kernel (once per machine and ISA level), or None (with one warning) when it cannot be
+    built here."""
+    return load_cpu_extension_or_none("pagoda_cpu_int8_linear", _SOURCE, CFLAGS,
+                                      fallback="the slower torch path of W8A8 layers")
 
 
 def isa_path() -> str:

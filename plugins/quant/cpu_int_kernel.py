@@ -12,7 +12,6 @@ layers fall back to the torch path.
 
 from __future__ import annotations
 
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagoda.cpp_extension import load_cpu_extension
+from pagoda.cpp_extension import load_cpu_extension_or_none
 
 _SOURCE = Path(__file__).with_name("cpu_int_kernels.cpp")
 
@@ -39,22 +38,10 @@ TILE_ROWS = 4096
 
 
 @lru_cache(maxsize=1)
-def load_int_kernels() -> Any:
-    """Compile (once per machine) and import the C++ kernel; raises when it cannot be built."""
-    return load_cpu_extension("pagoda_cpu_int_linear", _SOURCE)
-
-
-@lru_cache(maxsize=1)
 def int_kernels_or_none() -> Optional[Any]:
-    """The compiled kernel, or None (with one warning) when it cannot be built here."""
-    try:
-        return load_int_kernels()
-    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
-        lines = str(exc).strip().splitlines()
-        warnings.warn(f"could not compile pagoda's C++ int kernel ({exc.__class__.__name__}: "
-                      f"{lines[-1] if lines else ''}); quantized layers use the slower torch path",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    """The compiled kernel (once per machine), or None (with one warning) when it cannot be built here."""
+    return load_cpu_extension_or_none("pagoda_cpu_int_linear", _SOURCE,
+                                      fallback="the slower torch path of quantized layers")
 
 
 def isa_path() -> str:
