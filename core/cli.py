@@ -16,7 +16,7 @@ from pagoda.env import HOST_VARIABLES
 from pagoda.errors import PagodaError
 
 if TYPE_CHECKING:
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
 
 # flags whose values are JSON objects on the command line
 _JSON_FLAGS = {"speculative_config"}
@@ -24,7 +24,7 @@ _JSON_FLAGS = {"speculative_config"}
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag-name`` per EngineArgs field (vLLM's spelling), defaulting to "not given"."""
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
 
     engine_group = parser.add_argument_group("engine options")
     host_group = parser.add_argument_group(
@@ -51,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
     """EngineArgs from parsed flags: only the flags actually given, plus overrides."""
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
 
     values = {name: getattr(ns, name) for name in EngineArgs.model_fields if getattr(ns, name, None) is not None}
     if getattr(ns, "kv_cache_space", None) is not None:

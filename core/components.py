@@ -14,7 +14,8 @@ import torch
 
 from pagoda import distributed
 from pagoda.collectives import all_reduce_candidates
-from pagoda.config import EngineConfig, is_fp8_kv_cache, resolve_kv_cache_dtype
+from pagoda.config import EngineConfig
+from pagoda.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.deprecation import adapt_renamed_methods
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.executor import select_executor

@@ -7,7 +7,8 @@ import logging
 import time
 from typing import Any, Iterable, Optional, Union
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineConfig
+from pagoda.engine_args import EngineArgs
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.host import HostTuning, apply_host_settings
 from pagoda.kv_tiers import has_offload_tiers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.engine import LLMEngine, PromptType
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import RequestOutput

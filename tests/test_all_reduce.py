@@ -52,7 +52,7 @@ def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
     try:
         if scenario == "fallback":
             from pagoda.collectives import build_all_reduce
-            from pagoda.config import EngineArgs
+            from pagoda.engine_args import EngineArgs
             from pagoda.plugin_manager import PluginManager
 
             if rank == 1:  # as if rank 1 were on another host: rank 0's file is not there

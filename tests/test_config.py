@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.env import HOST_CHOICES, HostConfig, resolve_host_config
 from pagoda.env import HOST_VARIABLES
 from pagoda.errors import ConfigError

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.plugin_manager import PluginManager
 from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
 from pagoda.plugins.entrypoints.simulate.report import summarize_run

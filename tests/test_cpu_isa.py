@@ -53,20 +53,36 @@ def test_a_capped_kernel_build_has_its_own_name_and_only_its_levels_flags():
         assert ("-mavx2" in flags) == (level != "generic") and ("-mavx512f" in flags) == (level == "avx512")
 
 
-def test_auto_dtype_is_float32_when_the_cap_takes_bf16_math_away(monkeypatch, tmp_path):
+def test_auto_dtype_is_bf16_down_to_avx2_and_float32_below(monkeypatch, tmp_path):
     import torch
 
-    from pagoda.config import EngineArgs, resolve_dtype
+    from pagoda.dtypes import resolve_dtype
+    from pagoda.engine_args import EngineArgs
     from tiny_models import write_tiny_checkpoint
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU auto is bf16 whatever the CPU")
-    assert resolve_dtype("auto", "avx2") == torch.float32
-    # through the engine's options, and through their environment variable
+    detected = cpu_isa.detected_level(cpu_isa.cpu_flags())
+    if detected == "generic":
+        pytest.skip("this CPU has no AVX2")
+    # AVX2 without bf16 math: the fused kernels widen bf16 weights in registers, so auto keeps them bf16
+    assert resolve_dtype("auto", "avx2") == torch.bfloat16
+    # ... unless those kernels are off (torch's bf16 matmul is far slower than fp32 there), or below AVX2
+    assert resolve_dtype("auto", "avx2", fused_cpu_ops=False) == torch.float32
+    assert resolve_dtype("auto", "generic") == torch.float32
+    # native bf16 math does not need the fused kernels
+    if detected == "avx512_bf16":
+        assert resolve_dtype("auto", "avx512_bf16", fused_cpu_ops=False) == torch.bfloat16
+    # through the engine's options, and through their environment variables
     model = str(write_tiny_checkpoint(tmp_path))
-    assert EngineArgs(model=model, cpu_isa="avx2").create_engine_config().model.dtype == torch.float32
-    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+    assert EngineArgs(model=model, cpu_isa="avx2").create_engine_config().model.dtype == torch.bfloat16
+    assert EngineArgs(model=model, cpu_isa="generic").create_engine_config().model.dtype == torch.float32
+    assert EngineArgs(model=model, cpu_isa="avx2",
+                      fused_cpu_ops=False).create_engine_config().model.dtype == torch.float32
+    monkeypatch.setenv("PAGODA_CPU_ISA", "generic")
     assert EngineArgs(model=model).create_engine_config().model.dtype == torch.float32
+    monkeypatch.setenv("PAGODA_CPU_ISA", "avx2")
+    assert EngineArgs(model=model).create_engine_config().model.dtype == torch.bfloat16
 
 
 def test_the_levels_an_option_accepts_are_the_levels_there_are():

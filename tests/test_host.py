@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda import host, malloc, openmp
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.env import HostConfig
 from pagoda.threads import available_cores
 

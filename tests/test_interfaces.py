@@ -3,7 +3,7 @@
 import pytest
 
 from pagoda import interfaces
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.plugin_manager import get_plugin_manager
 
 

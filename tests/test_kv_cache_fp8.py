@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import write_tiny_checkpoint
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import CacheConfig, EngineArgs, ModelConfig
+from pagoda.config import CacheConfig, ModelConfig
+from pagoda.engine_args import EngineArgs
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.step import AttentionBatch
 

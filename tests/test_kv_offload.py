@@ -11,7 +11,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.cli import add_engine_args, engine_args_from
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.default_model import ensure_default_model
 from pagoda.errors import ConfigError
 from pagoda.metrics import PrometheusExporter

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.components import build_components
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.default_model import ensure_default_model
 from pagoda.errors import ConfigError
 from pagoda.models.llama import LlamaForCausalLM

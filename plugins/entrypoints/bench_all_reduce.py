@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from pagoda.config import resolve_dtype
+from pagoda.dtypes import resolve_dtype
 
 
 def add_parser(sub, name: str) -> None:
@@ -67,7 +67,7 @@ def run(ns: argparse.Namespace) -> int:
 
 def _rank_main(rank: int, size: int, name: str, address: str, shape: list[int], dtype: torch.dtype,
                iters: int, queue) -> None:
-    from pagoda.config import EngineArgs
+    from pagoda.engine_args import EngineArgs
     from pagoda.plugin_manager import get_plugin_manager
 
     torch.set_num_threads(1)

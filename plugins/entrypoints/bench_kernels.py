@@ -18,7 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.config import CacheConfig, ModelConfig, resolve_dtype
+from pagoda.config import CacheConfig, ModelConfig
+from pagoda.dtypes import resolve_dtype
 from pagoda.errors import BackendUnavailable
 from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
 from pagoda.step import AttentionBatch

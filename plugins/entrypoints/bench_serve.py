@@ -81,7 +81,7 @@ def bench_requests(ns: argparse.Namespace) -> list[BenchRequest]:
 def w1_requests(model: Optional[str], num_prompts: int) -> list[BenchRequest]:
     from transformers import AutoTokenizer
 
-    from pagoda.config import load_hf_config
+    from pagoda.engine_args import load_hf_config
     from pagoda.default_model import resolve_model_path
 
     model_dir = resolve_model_path(model)

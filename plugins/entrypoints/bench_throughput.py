@@ -257,6 +257,6 @@ def _where(ns: argparse.Namespace) -> str:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from pagoda.config import resolve_dtype
+    from pagoda.dtypes import resolve_dtype
 
     return resolve_dtype(name)

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from pagoda.components import select_attention_backend
-from pagoda.config import EngineArgs, EngineConfig, SpeculativeConfig
+from pagoda.config import EngineConfig, SpeculativeConfig
+from pagoda.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.model_runner import FlatBatch
 from pagoda.rejection_sampler import target_probs, with_bias

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from starlette.responses import Response
 
-from pagoda.config import EngineArgs
+from pagoda.engine_args import EngineArgs
 from pagoda.plugins.entrypoints.replicas.fleet_metrics import merge_replica_metrics
 from pagoda.plugins.entrypoints.replicas.forward import ForwardedRequest, ResponseStart, run_asgi
 from pagoda.routing import RoutingRequest, prompt_block_hashes
