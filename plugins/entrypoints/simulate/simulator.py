@@ -109,9 +109,11 @@ class SimulatedEngine:
         start_time = self.clock
         first_scheduled = rec.first_scheduled
         index = self._index
-        sampled = []
-        for req, n, start in zip(requests, sched.num_new_tokens, sched.num_computed_before):
-            sampled.append([SIM_TOKEN] if start + n >= req.num_tokens else [])
+        num_new_tokens = sched.num_new_tokens
+        # a sample for every sequence that reached the end of its known tokens (len(all_token_ids): num_tokens)
+        sampled = [[SIM_TOKEN] if start + n >= len(req.all_token_ids) else []
+                   for req, n, start in zip(requests, num_new_tokens, sched.num_computed_before)]
+        for req, n in zip(requests, num_new_tokens):
             if n > 1:  # a prefill chunk: maybe the request's first step (a one-token first chunk: see below)
                 i = index.get(req.request_id)
                 if i is not None and first_scheduled[i] != first_scheduled[i]:  # NaN: not scheduled before
