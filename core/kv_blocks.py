@@ -203,7 +203,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
                 block = self._take_fresh()
                 table.append(block)
                 ids.append(block.block_id)
-        if total > self._num_slots.get(rid, 0):
+        if total > self._num_slots[rid]:  # (set wherever a table is)
             self._num_slots[rid] = total
         if self.enable_prefix_caching:
             # (min(total, num_tokens) // bs: the full blocks whose tokens are known)

@@ -146,6 +146,8 @@ class TokenBudgetScheduler(WaitingAdmission):
             return list(running)
         # (len(all_token_ids) is num_tokens without the property call: this runs for every request every step)
         decodes = [r for r in running if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        if len(decodes) == len(running):
+            return decodes
         return decodes + [r for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1]
 
     # ---- queries -------------------------------------------------------------
@@ -193,7 +195,8 @@ class TokenBudgetScheduler(WaitingAdmission):
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # the hot loop (every running request, every step): helpers inlined, attributes read once
         kv, running_status, scheduled_now = self.kv, SequenceStatus.RUNNING, self._scheduled_now
-        num_cache_blocks = kv.num_blocks
+        allocate_slots, block_table, blocks_needed = kv.allocate_slots, kv.block_table, kv.blocks_needed
+        num_cache_blocks, add = kv.num_blocks, out.add
         for req in self._running_order():
             if budget <= 0:
                 break
@@ -209,17 +212,17 @@ class TokenBudgetScheduler(WaitingAdmission):
             if self.num_speculative_tokens and is_decode:
                 num_drafts = self._num_draft_slots(req, budget - 1)
                 num_new += num_drafts
-            if kv.blocks_needed(num_computed + num_new) > num_cache_blocks:  # _outgrows_cache
+            if blocks_needed(num_computed + num_new) > num_cache_blocks:  # _outgrows_cache
                 self._fail_unfittable(req)
                 continue
-            while not kv.allocate_slots(req, num_new):
+            while not allocate_slots(req, num_new):
                 candidates = [r for r in self.running if r.request_id not in scheduled_now]
                 victim = self.choose_victim(candidates)
                 self.preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.add(req, num_new, num_computed, kv.block_table(req.request_id), num_drafts)  # _add_to_output
+                add(req, num_new, num_computed, block_table(req.request_id), num_drafts)  # _add_to_output
                 scheduled_now[req.request_id] = num_new
                 budget -= num_new
         return budget

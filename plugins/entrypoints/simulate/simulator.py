@@ -24,6 +24,8 @@ from pagoda.step import RunnerOutput
 
 # the token every simulated sample produces: no stop condition looks at it (ignore_eos, no stop ids)
 SIM_TOKEN = 100
+# one step's sample, shared by every sequence that samples (the scheduler only reads it)
+_ONE_SAMPLE = (SIM_TOKEN,)
 
 
 class RunRecord:
@@ -111,7 +113,7 @@ class SimulatedEngine:
         index = self._index
         num_new_tokens = sched.num_new_tokens
         # a sample for every sequence that reached the end of its known tokens (len(all_token_ids): num_tokens)
-        sampled = [[SIM_TOKEN] if start + n >= len(req.all_token_ids) else []
+        sampled = [_ONE_SAMPLE if start + n >= len(req.all_token_ids) else ()
                    for req, n, start in zip(requests, num_new_tokens, sched.num_computed_before)]
         for req, n in zip(requests, num_new_tokens):
             if n > 1:  # a prefill chunk: maybe the request's first step (a one-token first chunk: see below)
