@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagoda.config import CacheConfig
+from pagoda.kv_swap import SwapPool
 from pagoda.kv_tiers import KVTierIndex, TieredPrefixCache
 from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
@@ -44,7 +45,7 @@ def hash_block(parent_hash: Optional[int], token_ids: typing.Sequence[int], extr
     return hash((-1 if parent_hash is None else parent_hash, tuple(token_ids), extra_keys))
 
 
-class PagedKVCacheManager(TieredPrefixCache):
+class PagedKVCacheManager(SwapPool, TieredPrefixCache):
     """Hands out block ids to requests and reclaims them.
 
     Query/act pairs: :meth:`get_computed_blocks` then :meth:`can_allocate` /
@@ -59,7 +60,7 @@ class PagedKVCacheManager(TieredPrefixCache):
       hold gets a private copy first; the (source, copy) pairs wait in
       :meth:`take_block_copies` for the scheduler to pass to the runner.
     - Swap: a request's blocks can move to a CPU pool of ``num_swap_blocks``
-      slots (:meth:`init_swap_pool`) and back.
+      slots (:meth:`init_swap_pool`) and back (:class:`~pagoda.kv_swap.SwapPool`).
     - Offload tiers (:meth:`init_offload`): a cached block the pool is about to
       overwrite is kept in CPU RAM, then on disk; a later prefix hit on it takes
       a fresh block and loads it back. The moves wait in :meth:`take_tier_moves`.
@@ -75,6 +76,8 @@ class PagedKVCacheManager(TieredPrefixCache):
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}
         self._tables: dict[str, list[KVBlock]] = {}
+        # per request: the same table as block ids, kept in step with ``_tables`` (block_table copies it)
+        self._block_ids: dict[str, list[int]] = {}
         # per request: chain hashes of its full blocks, so appends extend the chain
         self._hashes: dict[str, list[int]] = {}
         # per request: token slots handed out (computed + scheduled), for occupancy
@@ -87,13 +90,6 @@ class PagedKVCacheManager(TieredPrefixCache):
         self.tiers: Optional[KVTierIndex] = None  # the offload tiers' books, when on
         self.init_swap_pool(num_swap_blocks)
 
-    def init_swap_pool(self, num_swap_blocks: int) -> None:
-        """Size the CPU swap pool (the runner allocates the matching tensors)."""
-        if self._swapped:
-            raise RuntimeError("the swap pool cannot be resized while requests are swapped out")
-        self.num_swap_blocks = num_swap_blocks
-        self._free_swap = list(range(num_swap_blocks - 1, -1, -1))  # pop() hands out slot 0 first
-
     # ---- queries -----------------------------------------------------------
 
     @property
@@ -101,16 +97,13 @@ class PagedKVCacheManager(TieredPrefixCache):
         return len(self._free)
 
     @property
-    def num_free_swap_blocks(self) -> int:
-        return len(self._free_swap)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        ids = self._block_ids.get(request_id)
+        return [] if ids is None else ids.copy()
 
     def num_blocks_held(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
@@ -118,9 +111,6 @@ class PagedKVCacheManager(TieredPrefixCache):
     def num_exclusive_blocks(self, request_id: str) -> int:
         """Blocks that freeing the request would return to the pool (those no one else holds)."""
         return sum(1 for b in self._tables.get(request_id, ()) if b.ref_cnt == 1)
-
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._swapped
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -180,20 +170,6 @@ class PagedKVCacheManager(TieredPrefixCache):
                      computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
         return self.num_blocks_to_take(request, num_new_tokens, computed_blocks) <= self.num_free_blocks
 
-    def can_swap_out(self, request: Sequence) -> bool:
-        return 0 < len(self._tables.get(request.request_id, ())) <= len(self._free_swap)
-
-    def can_swap_in(self, request: Sequence, num_new_tokens: int) -> bool:
-        """Room to bring the request's blocks back and then give it ``num_new_tokens`` more slots."""
-        slots = self._swapped.get(request.request_id)
-        if slots is None:
-            return False
-        hits = self._swap_in_hits(request, len(slots))
-        # hits still held by someone cost nothing; every other position takes one block from the free queue
-        take = len(slots) - sum(1 for b in hits if b is not None and b.ref_cnt > 0)
-        grow = max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(slots))
-        return take + grow <= self.num_free_blocks
-
     # ---- actions -------------------------------------------------------------
 
     def allocate_slots(self, request: Sequence, num_new_tokens: int,
@@ -205,10 +181,45 @@ class PagedKVCacheManager(TieredPrefixCache):
         ``num_computed_tokens`` past them. A shared block about to be written is
         copied first (copy-on-write).
         """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        num_computed = request.num_computed_tokens
+        if table is None or num_computed == 0 or computed_blocks:
+            return self._allocate_first(request, num_new_tokens, computed_blocks)
+        # a request that holds blocks grows (a decode, its next prefill chunk): no prefix lookup, no stats.
+        # num_blocks_to_take and _needs_copy inlined: this runs for every token of every request
+        bs = self.block_size
+        total = num_computed + num_new_tokens
+        num_fresh = -(-total // bs) - len(table)
+        i = num_computed // bs
+        needs_copy = num_computed % bs != 0 and i < len(table) and table[i].ref_cnt > 1
+        if num_fresh > 0 or needs_copy:
+            if max(num_fresh, 0) + needs_copy > len(self._free):
+                return False
+            ids = self._block_ids[rid]
+            if needs_copy:
+                self._copy_on_write(table, ids, num_computed)
+            for _ in range(num_fresh):
+                block = self._take_fresh()
+                table.append(block)
+                ids.append(block.block_id)
+        if total > self._num_slots[rid]:  # (set wherever a table is)
+            self._num_slots[rid] = total
+        if self.enable_prefix_caching:
+            # (min(total, num_tokens) // bs: the full blocks whose tokens are known)
+            hashes = self._hashes.get(rid)
+            if hashes is None or (len(hashes) < total // bs and len(hashes) < len(request.all_token_ids) // bs):
+                self._cache_full_blocks(request, table, total)
+        return True
+
+    def _allocate_first(self, request: Sequence, num_new_tokens: int,
+                        computed_blocks: typing.Sequence[KVBlock]) -> bool:
+        """:meth:`allocate_slots` for a request not yet computed (prefix hits, stats) or holding no table."""
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
         rid = request.request_id
         table = self._tables.setdefault(rid, [])
+        ids = self._block_ids.setdefault(rid, [])
         if request.num_computed_tokens == 0 and self.enable_prefix_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += len(computed_blocks) * self.block_size
@@ -217,14 +228,19 @@ class PagedKVCacheManager(TieredPrefixCache):
         for block in computed_blocks:
             if block.block_id >= 0:
                 self._take_hit(block)
-        table.extend(self._load_from_tiers(computed_blocks))
         if computed_blocks:
+            loaded = self._load_from_tiers(computed_blocks)
+            table.extend(loaded)
+            ids.extend(b.block_id for b in loaded)
             self._hashes[rid] = [b.block_hash for b in computed_blocks]
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        self._copy_on_write(table, num_computed)
+        if self._needs_copy(table, num_computed):
+            self._copy_on_write(table, ids, num_computed)
         total = num_computed + num_new_tokens
         while len(table) < self.blocks_needed(total):
-            table.append(self._take_fresh())
+            block = self._take_fresh()
+            table.append(block)
+            ids.append(block.block_id)
         self._num_slots[rid] = max(self._num_slots.get(rid, 0), total)
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, table, total)
@@ -241,6 +257,7 @@ class PagedKVCacheManager(TieredPrefixCache):
         for block in shared:
             block.ref_cnt += 1
         self._tables[child.request_id] = list(shared)
+        self._block_ids[child.request_id] = [b.block_id for b in shared]
         self._hashes[child.request_id] = list(self._hashes.get(source.request_id, ())[:num_tokens // self.block_size])
         self._num_slots[child.request_id] = num_tokens
 
@@ -248,36 +265,6 @@ class PagedKVCacheManager(TieredPrefixCache):
         """Copy-on-write moves decided since the last call: ``(source block, private copy)``."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
-
-    def swap_out(self, request: Sequence) -> list[tuple[int, int]]:
-        """Release the request's blocks into swap slots; returns ``(block, swap slot)`` pairs to copy."""
-        rid = request.request_id
-        table = self._tables.pop(rid)
-        slots = [self._free_swap.pop() for _ in table]
-        self._swapped[rid] = slots
-        self._release(table)
-        return [(b.block_id, s) for b, s in zip(table, slots)]
-
-    def swap_in(self, request: Sequence) -> list[tuple[int, int]]:
-        """Bring a swapped request back; returns ``(swap slot, block)`` pairs to copy.
-
-        Full blocks still in the prefix cache are shared instead of copied.
-        """
-        rid = request.request_id
-        slots = self._swapped.pop(rid)
-        hits = self._swap_in_hits(request, len(slots))
-        for block in hits:
-            if block is not None:
-                self._take_hit(block)
-        table = [block if block is not None else self._take_fresh() for block in hits]
-        self._tables[rid] = table
-        self._free_swap.extend(reversed(slots))
-        if self.enable_prefix_caching:
-            for i, h in enumerate(self._hashes.get(rid, ())):
-                # a full block that came back by copy becomes reusable again
-                if table[i].block_hash is None and h not in self._cached:
-                    self._register(table[i], self._block_key(request, i, self._hashes[rid]))
-        return [(s, b.block_id) for s, b, hit in zip(slots, table, hits) if hit is None]
 
     def trim_slots(self, request: Sequence, num_tokens: int) -> None:
         """Keep room for the request's first ``num_tokens`` tokens only; later blocks go back to the pool.
@@ -294,12 +281,14 @@ class PagedKVCacheManager(TieredPrefixCache):
         if len(table) > keep:
             self._release(table[keep:])
             del table[keep:]
+            del self._block_ids[rid][keep:]
         self._num_slots[rid] = min(self._num_slots.get(rid, 0), num_tokens)
 
     def free(self, request: Sequence | str) -> None:
         """Return every block and swap slot the request holds; full hashed blocks stay cached."""
         request_id = request if isinstance(request, str) else request.request_id
         self._release(self._tables.pop(request_id, []))
+        self._block_ids.pop(request_id, None)
         self._free_swap.extend(reversed(self._swapped.pop(request_id, [])))
         self._hashes.pop(request_id, None)
         self._num_slots.pop(request_id, None)
@@ -320,13 +309,14 @@ class PagedKVCacheManager(TieredPrefixCache):
         i = num_computed // self.block_size
         return num_computed % self.block_size != 0 and i < len(table) and table[i].ref_cnt > 1
 
-    def _copy_on_write(self, table: list[KVBlock], num_computed: int) -> None:
-        if self._needs_copy(table, num_computed):
-            i = num_computed // self.block_size
-            source = table[i]
-            source.ref_cnt -= 1
-            table[i] = self._take_fresh()
-            self._pending_copies.append((source.block_id, table[i].block_id))
+    def _copy_on_write(self, table: list[KVBlock], ids: list[int], num_computed: int) -> None:
+        # the shared block holding the first new token (see _needs_copy) becomes the request's own copy
+        i = num_computed // self.block_size
+        source = table[i]
+        source.ref_cnt -= 1
+        table[i] = self._take_fresh()
+        ids[i] = table[i].block_id
+        self._pending_copies.append((source.block_id, ids[i]))
 
     def _release(self, table: list[KVBlock]) -> None:
         # the tail first so, under LRU, a prompt's last blocks go before its first
@@ -375,18 +365,6 @@ class PagedKVCacheManager(TieredPrefixCache):
             hashes.append(h)
             if table[i].block_hash is None and h not in self._cached:
                 self._register(table[i], key)
-
-    def _swap_in_hits(self, request: Sequence, num_slots: int) -> list[Optional[KVBlock]]:
-        """Per swapped position: the cached block holding the same full block, else None."""
-        hits: list[Optional[KVBlock]] = [None] * num_slots
-        if not self.enable_prefix_caching:
-            return hits
-        hashes = self._hashes.get(request.request_id, ())
-        for i, h in enumerate(hashes[:num_slots]):
-            block = self._cached.get(h)
-            if block is not None and block.key == self._block_key(request, i, hashes):
-                hits[i] = block
-        return hits
 
 
 @hookimpl

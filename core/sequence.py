@@ -29,15 +29,16 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self in FINISHED_STATUSES
 
 
-_FINISHED = {
+# a tuple, not a set: membership compares by identity, without Enum's Python-level __hash__
+FINISHED_STATUSES = (
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
     SequenceStatus.FINISHED_ERROR,
-}
+)
 
 
 @dataclass(eq=False)
@@ -102,7 +103,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED_STATUSES
 
     @property
     def is_prefill_done(self) -> bool:
@@ -145,13 +146,21 @@ class Sequence:
         Returns the finished status if the sequence ended; tokens after the one that ended it are
         dropped. The text (and stop strings) follow token by token only when stop strings are set.
         """
+        if self.detokenizer is None and len(token_ids) == 1:
+            # the common step, one token and no text: the loop below without its bookkeeping
+            token_id = token_ids[0]
+            self.output_token_ids.append(token_id)
+            self.all_token_ids.append(token_id)
+            return self._stop_after(token_id, max_model_len)
         params = self.sampling_params
         detok = self.detokenizer
         per_token_text = detok is not None and bool(params.stop_strings)
-        start = self.num_output_tokens
+        output_token_ids, all_token_ids = self.output_token_ids, self.all_token_ids
+        start = len(output_token_ids)
         status = None
         for token_id in token_ids:
-            self.append_output_token(token_id)
+            output_token_ids.append(token_id)  # append_output_token, inlined: this runs for every token
+            all_token_ids.append(token_id)
             status = self._stop_after(token_id, max_model_len)
             if per_token_text and status is None:
                 stop = detok.add_tokens([token_id], self.may_stop_at(self.num_output_tokens))
@@ -161,22 +170,23 @@ class Sequence:
             if status is not None:
                 break
         if detok is not None and not per_token_text:
-            detok.add_tokens(self.output_token_ids[start:], False)
-        elif per_token_text and status is not None and detok.num_output_tokens < self.num_output_tokens:
-            detok.add_tokens(self.output_token_ids[detok.num_output_tokens:], False)
+            detok.add_tokens(output_token_ids[start:], False)
+        elif per_token_text and status is not None and detok.num_output_tokens < len(output_token_ids):
+            detok.add_tokens(output_token_ids[detok.num_output_tokens:], False)
         return status
 
     def _stop_after(self, token_id: int, max_model_len: int) -> Optional[SequenceStatus]:
         params = self.sampling_params
-        if self.may_stop_at(self.num_output_tokens):
-            if token_id == self.eos_token_id and not params.ignore_eos:
-                return SequenceStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
+        num_output = len(self.output_token_ids)
+        is_eos = token_id == self.eos_token_id and not params.ignore_eos
+        # the token is asked about first: most are no stop token, and then min_tokens does not matter
+        if (is_eos or token_id in params.stop_token_ids) and self.may_stop_at(num_output):
+            if not is_eos:
                 self.stop_reason = token_id
-                return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if self.num_tokens >= max_model_len:
+        if len(self.all_token_ids) >= max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 

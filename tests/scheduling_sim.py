@@ -56,6 +56,10 @@ def assert_kv_consistent(kv: PagedKVCacheManager) -> None:
         for block in table:
             refs[block.block_id] += 1
     assert [b.ref_cnt for b in kv.blocks] == refs
+    # the block ids block_table hands out are the tables' own
+    assert {rid: kv.block_table(rid) for rid in kv._tables} == {
+        rid: [b.block_id for b in table] for rid, table in kv._tables.items()}
+    assert kv._block_ids.keys() == kv._tables.keys()
     assert set(kv._free) == {b.block_id for b in kv.blocks if b.ref_cnt == 0}
     used_swap = [s for slots in kv._swapped.values() for s in slots]
     assert len(used_swap) == len(set(used_swap))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagoda.kv_blocks import PagedKVCacheManager, hash_block
@@ -212,3 +214,69 @@ def test_token_occupancy_counts_a_shared_block_once():
     admit(kv, make_request("a", range(9)))
     admit(kv, make_request("b", range(9)))  # shares a's two full blocks
     assert kv.token_occupancy() == (8 + 1 + 1, 16)
+
+
+def test_allocation_takes_exactly_the_blocks_predicted_and_block_tables_follow_every_change():
+    # a seeded random mix of admissions (with prefix hits), growth, forks (copy-on-write), draft slots
+    # trimmed back, swaps and frees; after each one the pool adds up, block_table matches the table, and
+    # a growing request took as many blocks as num_blocks_to_take said (the allocator's fast path)
+    rng = random.Random(0)
+    kv = PagedKVCacheManager(24, BS, num_swap_blocks=8)
+    running: list[Sequence] = []
+    swapped: list[Sequence] = []
+    prompts = [list(range(i, i + 11)) for i in (0, 0, 3, 40)]  # repeats: prefix hits
+    for n in range(600):
+        op = rng.choice(["admit", "grow", "grow", "grow", "fork", "drafts", "swap", "free"])
+        if op == "admit" or not running:
+            req = make_request(f"r{n}", rng.choice(prompts)[:rng.randint(2, 11)])
+            blocks, num_cached = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            predicted, free_before = kv.num_blocks_to_take(req, num_new, blocks), kv.num_free_blocks
+            assert kv.allocate_slots(req, num_new, blocks) == (predicted <= free_before)
+            if predicted <= free_before:
+                assert free_before - kv.num_free_blocks == predicted
+                req.num_computed_tokens = req.num_tokens
+                running.append(req)
+        elif op == "grow":
+            req = rng.choice(running)
+            req.append_output_token(rng.randrange(50))
+            num_new = req.num_tokens - req.num_computed_tokens + rng.choice([0, 0, 3])
+            predicted, free_before = kv.num_blocks_to_take(req, num_new), kv.num_free_blocks
+            assert kv.allocate_slots(req, num_new) == (predicted <= free_before)
+            if predicted <= free_before:
+                assert free_before - kv.num_free_blocks == predicted
+                req.num_computed_tokens = req.num_tokens
+                kv.trim_slots(req, req.num_tokens)
+            else:
+                req.output_token_ids.pop()
+                req.all_token_ids.pop()
+        elif op == "fork":
+            leader = rng.choice(running)
+            child = make_request(f"r{n}", leader.all_token_ids)
+            kv.fork(leader, child, leader.num_tokens - 1)
+            child.num_computed_tokens = leader.num_tokens - 1
+            if kv.allocate_slots(child, 1):
+                child.num_computed_tokens = child.num_tokens
+                running.append(child)
+            else:
+                kv.free(child)
+        elif op == "drafts":
+            req = rng.choice(running)
+            if kv.allocate_slots(req, 1 + rng.randint(1, 6)):
+                kv.trim_slots(req, req.num_tokens)
+        elif op == "swap" and swapped and kv.can_swap_in(swapped[0], 0):
+            req = swapped.pop(0)
+            kv.swap_in(req)
+            running.append(req)
+        elif op == "swap" and kv.can_swap_out(running[-1]):
+            swapped.append(running.pop())
+            kv.swap_out(swapped[-1])
+        elif op == "free":
+            kv.free(running.pop(rng.randrange(len(running))))
+        assert_consistent(kv)
+        for req in running:
+            assert kv.block_table(req.request_id) == [b.block_id for b in kv._tables[req.request_id]]
+        assert all(not kv.block_table(req.request_id) for req in swapped)
+    for req in running + swapped:
+        kv.free(req)
+    assert kv.num_free_blocks == 24 and kv.num_free_swap_blocks == 8

@@ -28,11 +28,12 @@ from typing import Any, Callable, Iterable, Optional
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.deprecation import adopt_renamed_overrides
 from pagoda.kv_tiers import has_offload_tiers
-from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.plugins.schedulers.admission import WaitingAdmission
+from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 
-class TokenBudgetScheduler:
+class TokenBudgetScheduler(WaitingAdmission):
     """Continuous batching with chunked prefill, preemption (recompute or swap) and n > 1 forking."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_manager) -> None:
@@ -140,10 +141,14 @@ class TokenBudgetScheduler:
         self._insert(self.swapped, request, self.running_key)
 
     def _running_order(self) -> list[Sequence]:
-        if self.running and self.running_key(self.running[0]) is not None:
-            return list(self.running)
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        return decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = self.running
+        if running and self.running_key(running[0]) is not None:
+            return list(running)
+        # (len(all_token_ids) is num_tokens without the property call: this runs for every request every step)
+        decodes = [r for r in running if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        if len(decodes) == len(running):
+            return decodes
+        return decodes + [r for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1]
 
     # ---- queries -------------------------------------------------------------
 
@@ -187,41 +192,38 @@ class TokenBudgetScheduler:
             out.kv_tier_moves = self.kv.take_tier_moves()
         return out
 
-    def _reorder_waiting(self) -> None:
-        ordered = self.order_waiting(self.waiting)
-        if ordered is self.waiting:
-            return
-        ordered = list(ordered)
-        if len(ordered) != len(self.waiting) or set(map(id, ordered)) != set(map(id, self.waiting)):
-            raise RuntimeError(
-                f"{type(self).__name__}.order_waiting returned {len(ordered)} requests that are not a reordering "
-                f"of the {len(self.waiting)} waiting ones; return the same requests, reordered")
-        self.waiting = ordered
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # the hot loop (every running request, every step): helpers inlined, attributes read once
+        kv, running_status, scheduled_now = self.kv, SequenceStatus.RUNNING, self._scheduled_now
+        allocate_slots, block_table, blocks_needed = kv.allocate_slots, kv.block_table, kv.blocks_needed
+        num_cache_blocks, add = kv.num_blocks, out.add
         for req in self._running_order():
             if budget <= 0:
                 break
-            if req.status != SequenceStatus.RUNNING:
+            if req.status is not running_status:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(req, budget)
+            num_computed = req.num_computed_tokens
+            is_decode = len(req.all_token_ids) - num_computed == 1
+            # a decode computes its one token whatever the chunking settings (budget > 0 here)
+            num_new = 1 if is_decode else self._num_new_tokens(req, budget)
             if num_new == 0:
                 continue
             num_drafts = 0
-            if self.num_speculative_tokens and req.num_tokens - req.num_computed_tokens == 1:
+            if self.num_speculative_tokens and is_decode:
                 num_drafts = self._num_draft_slots(req, budget - 1)
                 num_new += num_drafts
-            if self._outgrows_cache(req, num_new):
+            if blocks_needed(num_computed + num_new) > num_cache_blocks:  # _outgrows_cache
                 self._fail_unfittable(req)
                 continue
-            while not self.kv.allocate_slots(req, num_new):
-                candidates = [r for r in self.running if r.request_id not in self._scheduled_now]
+            while not allocate_slots(req, num_new):
+                candidates = [r for r in self.running if r.request_id not in scheduled_now]
                 victim = self.choose_victim(candidates)
                 self.preempt(victim, out)
                 if victim is req:
                     break
             else:
-                self._add_to_output(out, req, num_new, num_drafts)
+                add(req, num_new, num_computed, block_table(req.request_id), num_drafts)  # _add_to_output
+                scheduled_now[req.request_id] = num_new
                 budget -= num_new
         return budget
 
@@ -256,67 +258,6 @@ class TokenBudgetScheduler:
             self._add_to_output(out, req, num_new)
             budget -= num_new
         return budget
-
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        now = time.monotonic()
-        idx = 0
-        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[idx]
-            if not self.may_admit(req):
-                break
-            leader = self._prompt_leader(req)
-            if leader is not None and leader.num_computed_tokens < req.num_prompt_tokens - 1:
-                idx += 1  # its sibling is still computing the shared prompt: join once that is done
-                continue
-            if leader is not None:
-                num_new = self._fork_from(leader, req)
-                if num_new == 0:
-                    break
-            else:
-                computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-                num_new = self._num_new_tokens(req, budget, num_cached)
-                if num_new == 0:
-                    break
-                if not self.kv.allocate_slots(req, num_new, computed_blocks):
-                    if not self.running:
-                        # the whole pool is free and still too small: waiting would never end
-                        self._fail_unfittable(req)
-                        continue
-                    break
-                req.num_computed_tokens = num_cached
-                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
-                if req.sampling_params.n > 1 and req.num_output_tokens == 0:
-                    self._prompt_leaders.setdefault(req.parent_id, req)
-            self.waiting.pop(idx)
-            req.status = SequenceStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = now
-            self._insert_running(req)
-            self._add_to_output(out, req, num_new)
-            budget -= num_new
-
-    def _prompt_leader(self, req: Sequence) -> Optional[Sequence]:
-        """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
-        params = req.sampling_params
-        if params.n <= 1 or params.prompt_logprobs is not None or req.num_output_tokens or req.num_prompt_tokens < 2:
-            return None  # (prompt logprobs need every prompt position computed)
-        leader = self._prompt_leaders.get(req.parent_id)
-        if leader is None or leader is req or leader.status != SequenceStatus.RUNNING:
-            self._prompt_leaders.pop(req.parent_id, None)
-            return None
-        return leader
-
-    def _fork_from(self, leader: Sequence, req: Sequence) -> int:
-        """Share the leader's prompt blocks; compute only the last prompt token (for this sequence's
-        own first sample). Returns the tokens scheduled, 0 if the pool is short."""
-        num_shared = req.num_prompt_tokens - 1
-        self.kv.fork(leader, req, num_shared)
-        req.num_computed_tokens = num_shared
-        if not self.kv.allocate_slots(req, 1):
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            return 0
-        return 1
 
     def _outgrows_cache(self, req: Sequence, num_new: int) -> bool:
         return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks
@@ -355,30 +296,30 @@ class TokenBudgetScheduler:
         """
         progressed = []
         now = time.monotonic()
-        for i, req in enumerate(sched.requests):
-            if req.is_finished:
+        max_model_len = self.max_model_len
+        for req, token_ids, start, num_new, num_drafts, logprobs, prompt_lp in zip(
+                sched.requests, result.sampled_token_ids, sched.num_computed_before, sched.num_new_tokens,
+                sched.num_draft_slots, result.logprobs, result.prompt_logprobs, strict=True):
+            if req.status in FINISHED_STATUSES:
                 continue  # aborted or failed during the step
-            token_ids = result.sampled_token_ids[i]
-            start = sched.num_computed_before[i]
-            prompt_lp = result.prompt_logprobs[i]
             # after a recompute preemption the prompt is computed again; record it once
             if prompt_lp is not None and req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1:
                 req.prompt_logprobs.extend(prompt_lp)
-            computed = start + sched.num_real_tokens(i)
+            computed = start + num_new - num_drafts  # SchedulerOutput.num_real_tokens
             if not token_ids:
                 req.num_computed_tokens = computed
                 continue
             req.num_computed_tokens = computed + len(token_ids) - 1
-            if result.logprobs[i] is not None and req.logprobs is not None:
-                req.logprobs.append(result.logprobs[i])
-            status = req.append_output_tokens(token_ids, self.max_model_len)
+            if logprobs is not None and req.logprobs is not None:
+                req.logprobs.append(logprobs)
+            status = req.append_output_tokens(token_ids, max_model_len)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             progressed.append(req)
             if status is not None:
                 self.finish(req, status)
-            elif sched.num_draft_slots[i]:
+            elif num_drafts:
                 # release the blocks that only held rejected or unused draft slots
                 self.kv.trim_slots(req, req.num_tokens)
         return progressed

@@ -24,6 +24,8 @@ from pagoda.step import RunnerOutput
 
 # the token every simulated sample produces: no stop condition looks at it (ignore_eos, no stop ids)
 SIM_TOKEN = 100
+# one step's sample, shared by every sequence that samples (the scheduler only reads it)
+_ONE_SAMPLE = (SIM_TOKEN,)
 
 
 class RunRecord:
@@ -109,9 +111,11 @@ class SimulatedEngine:
         start_time = self.clock
         first_scheduled = rec.first_scheduled
         index = self._index
-        sampled = []
-        for req, n, start in zip(requests, sched.num_new_tokens, sched.num_computed_before):
-            sampled.append([SIM_TOKEN] if start + n >= req.num_tokens else [])
+        num_new_tokens = sched.num_new_tokens
+        # a sample for every sequence that reached the end of its known tokens (len(all_token_ids): num_tokens)
+        sampled = [_ONE_SAMPLE if start + n >= len(req.all_token_ids) else ()
+                   for req, n, start in zip(requests, num_new_tokens, sched.num_computed_before)]
+        for req, n in zip(requests, num_new_tokens):
             if n > 1:  # a prefill chunk: maybe the request's first step (a one-token first chunk: see below)
                 i = index.get(req.request_id)
                 if i is not None and first_scheduled[i] != first_scheduled[i]:  # NaN: not scheduled before
