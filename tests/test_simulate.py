@@ -13,7 +13,9 @@ from pagoda.cli import main
 from pagoda.config import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.plugin_manager import get_plugin_manager
-from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
+from pagoda.plugins.entrypoints.simulate.calibrate import fit_block_moves
+from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, cpu_name, fit
+from pagoda.plugins.entrypoints.simulate.probe import measure_scale
 from pagoda.plugins.entrypoints.simulate.report import summarize_run
 from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
 from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace
@@ -32,9 +34,9 @@ def pm():
     return get_plugin_manager()
 
 
-def simulate(pm, trace, policy="fcfs", replicas=1, **engine_options):
+def simulate(pm, trace, policy="fcfs", replicas=1, cost=COST, **engine_options):
     config = EngineArgs.build(scheduling_policy=policy, **engine_options).create_engine_config()
-    engines, record = build_engines(config, pm, COST, trace, replicas)
+    engines, record = build_engines(config, pm, cost, trace, replicas)
     run_trace(trace, engines, least_loaded if replicas > 1 else None)  # the simulator's own simplest route
     return summarize_run(record, float("inf"), policy), engines
 
@@ -201,3 +203,66 @@ def test_pagoda_simulate_refuses_two_trace_sources_and_a_missing_cost_model(tmp_
     assert "exactly one trace source" in capsys.readouterr().err
     assert main(["simulate", "--generate", "--cost-model", str(tmp_path / "none.json")]) == 2
     assert "--calibrate" in capsys.readouterr().err
+
+
+def test_a_cost_model_saved_before_block_moves_were_calibrated_still_loads_and_moves_cost_nothing(tmp_path):
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({"format": 1, "coefficients": COST.coefficients, "meta": {"threads": 1}}))
+    old = CostModel.load(path)
+    assert not old.has_move_costs and old.move_seconds(50) == 0.0
+    assert old.step_seconds([1, 1], [10, 20], num_blocks_moved=50) == old.step_seconds([1, 1], [10, 20])
+    new = CostModel(dict(COST.coefficients, block_move_step=0.002, block_move=0.0001))
+    assert new.has_move_costs
+    assert new.step_seconds([100], [0], num_blocks_moved=50) == pytest.approx(0.11 + 0.002 + 0.005)
+    # what a v1 file lacks shows after a round trip through a v2 file
+    assert CostModel.load(new.save(tmp_path / "v2.json")).coefficients == new.coefficients
+
+
+def test_swapping_adds_the_block_move_time_to_the_simulated_steps(pm):
+    trace = [TraceRequest(0.0, output_len=120, prompt_len=60) for _ in range(12)]
+    options = dict(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.05)
+    free, _ = simulate(pm, trace, **options)
+    priced, _ = simulate(pm, trace, cost=CostModel(dict(COST.coefficients, block_move_step=0.0, block_move=0.001)),
+                         **options)
+    # all requests arrive at once, so the schedule is the same: the run is longer by 1 ms per block moved
+    assert priced["blocks_swapped"] == free["blocks_swapped"] > 0
+    assert priced["duration_s"] - free["duration_s"] == pytest.approx(0.001 * free["blocks_swapped"], rel=1e-6)
+
+
+def test_a_scaled_cost_model_stretches_every_step_by_the_factor(pm):
+    trace = [TraceRequest(0.0, output_len=3, prompt_len=100)]
+    summary, _ = simulate(pm, trace, cost=COST.scaled(2.0, "twice as slow"))
+    assert summary["ttft_ms"]["p50"] == pytest.approx(220)
+    assert summary["e2e_ms"]["p50"] == pytest.approx(288)
+    with pytest.raises(ConfigError, match="not a positive number"):
+        COST.scaled(0.0)
+
+
+def test_the_block_move_fit_recovers_a_fixed_and_a_per_block_cost():
+    samples = [(n, 0.0003 + 0.00002 * n) for n in (1, 4, 16, 64) for _ in range(3)] + [(16, 1.0)]  # one outlier
+    fixed, per_block = fit_block_moves(samples)
+    assert fixed == pytest.approx(0.0003, rel=1e-6) and per_block == pytest.approx(0.00002, rel=1e-6)
+
+
+def test_the_speed_probe_rescales_only_a_model_that_has_a_probe_from_this_cpu():
+    assert measure_scale(COST)["scale"] is None and "recalibrate" in measure_scale(COST)["note"]
+    elsewhere = CostModel(COST.coefficients, {"probe_seconds": [0.5], "cpu": "Some Other CPU", "threads": 1})
+    assert measure_scale(elsewhere)["scale"] is None and "Some Other CPU" in measure_scale(elsewhere)["note"]
+    here = CostModel(COST.coefficients, {"probe_seconds": [0.2, 0.4], "cpu": cpu_name(), "threads": 1})
+    speed = measure_scale(here)
+    assert 0.01 < speed["probe_seconds"] < 30
+    assert speed["reference_seconds"] == pytest.approx(0.3)
+    assert speed["scale"] == pytest.approx(speed["probe_seconds"] / 0.3)
+    assert f"{speed['scale']:.2f}x" in speed["note"]
+
+
+def test_pagoda_simulate_says_an_old_cost_model_is_not_rescaled_and_no_rescale_skips_the_probe(tmp_path, capsys):
+    COST.save(tmp_path / "cost.json")
+    args = ["simulate", "--generate", "--num-requests", "10", "--cost-model", str(tmp_path / "cost.json"), "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "not rescaled" in captured.err and result["speed_probe"]["scale"] is None
+    assert result["cost_model_scale"] == 1.0
+    assert main(args + ["--no-rescale"]) == 0
+    assert json.loads(capsys.readouterr().out)["speed_probe"] is None

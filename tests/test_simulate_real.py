@@ -19,7 +19,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def small_trace(n: int = 16) -> list[TraceRequest]:
-    return [TraceRequest(i * 0.02, output_len=6 + i % 5, prompt_len=24 + 7 * i, priority=i % 2) for i in range(n)]
+    return [TraceRequest(i * 0.05, output_len=6 + i % 5, prompt_len=24 + 7 * i, priority=i % 2) for i in range(n)]
 
 
 def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_real_run(tiny_dir, tmp_path, capsys):

@@ -5,6 +5,11 @@ The grid covers the shapes serving produces: single prompts of growing length (p
 batches of decoding requests at several context lengths (decode alone), and requests arriving while
 others decode (prefill chunks mixed with decodes). Every prompt is distinct, so no step is shortened
 by the prefix cache; each step is timed whole (schedule, execute, update, emit) by an engine observer.
+
+Two more measurements go into the cost model: the runner's KV block copies between the cache and a
+swap pool (what preemption by swapping does), fitted as seconds per step that moves blocks plus seconds
+per block; and the speed probe of :mod:`.probe`, run before, between and after the grid's parts, whose
+mean is the machine's speed while the grid was timed (``pagoda simulate`` rescales by it later).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import random
 import time
 from typing import Callable, Optional
 
-from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, fit, step_features
+from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, cpu_name, fit, step_features
+from pagoda.plugins.entrypoints.simulate.probe import run_probe
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 
@@ -25,6 +31,9 @@ FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048),
                  mixed=((8, 128), (16, 384)), decode_steps=10)
 QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 48)), mixed=((4, 24),),
                   decode_steps=3)
+# blocks moved at once when timing the runner's swap copies, each size out and back in this many times
+MOVE_SIZES = (1, 4, 16, 64)
+MOVE_REPEATS = 5
 
 
 class _StepTimer:
@@ -70,6 +79,8 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
     timer = _StepTimer()
     driver.add(64, 4)  # warm-up, not timed
     driver.drain()
+    dtype = str(engine.config.model.dtype).removeprefix("torch.")
+    probes = [run_probe(engine.num_threads, dtype)]
     engine.observers.append(timer)
     started = time.perf_counter()
     try:
@@ -78,12 +89,14 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
                 driver.add(n, 1)
                 driver.drain()
         log(f"calibrate: prefill timed ({len(timer.samples)} steps, {time.perf_counter() - started:.0f} s)")
+        probes.append(run_probe(engine.num_threads, dtype))
         for batch, context in grid["decodes"]:
             if context + grid["decode_steps"] < max_len:
                 for _ in range(batch):
                     driver.add(context, grid["decode_steps"])
                 driver.drain()
         log(f"calibrate: decode timed ({len(timer.samples)} steps, {time.perf_counter() - started:.0f} s)")
+        probes.append(run_probe(engine.num_threads, dtype))
         for num_requests, prompt_len in grid["mixed"]:
             for k in range(num_requests):
                 driver.add(prompt_len, 3 * num_requests)
@@ -92,13 +105,62 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
             driver.drain()
     finally:
         engine.observers.remove(timer)
+    moves = time_block_moves(engine.runner)
+    probes.append(run_probe(engine.num_threads, dtype))
     cfg = engine.config
-    meta = {"model": cfg.model.model, "dtype": str(cfg.model.dtype).removeprefix("torch."),
+    meta = {"model": cfg.model.model, "dtype": dtype, "cpu": cpu_name(),
             "threads": engine.num_threads, "block_size": cfg.cache.block_size,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "calibration_seconds": round(time.perf_counter() - started, 1)}
+            "calibration_seconds": round(time.perf_counter() - started, 1),
+            # the speed probe's seconds while the grid ran (their mean is the reference for rescaling)
+            "probe_seconds": [round(p, 5) for p in probes],
+            "block_moves": [[n, round(s, 7)] for n, s in moves]}
     model = fit(timer.samples, meta)
+    fixed, per_block = fit_block_moves(moves)
+    model = CostModel(dict(model.coefficients, block_move_step=fixed, block_move=per_block), model.meta)
     log(f"calibrate: {len(timer.samples)} steps in {meta['calibration_seconds']} s; fit median error "
-        f"{model.meta['median_rel_error']:.1%}, p90 {model.meta['p90_rel_error']:.1%}")
+        f"{model.meta['median_rel_error']:.1%}, p90 {model.meta['p90_rel_error']:.1%}; block moves "
+        f"{fixed * 1e3:.2f} ms + {per_block * 1e6:.1f} us a block; speed probe {sum(probes) / len(probes):.3f} s")
     return model
+
+
+def time_block_moves(runner) -> list[tuple[int, float]]:
+    """(blocks, seconds) of the runner's real swap copies: blocks 0..n-1 of the KV cache out to swap slots
+    0..n-1 and back, which leaves the cache as it was. A runner without a large enough swap pool (no
+    ``--preemption-mode swap``) gets one for the timing and has it shrunk back to its size afterwards."""
+    from pagoda.step import SchedulerOutput
+
+    sizes = [n for n in MOVE_SIZES if n <= runner.num_blocks]
+    had = runner.num_swap_blocks
+    if had < sizes[-1]:
+        runner.allocate_swap_space(sizes[-1])
+    samples = []
+    try:
+        for n in sizes:
+            pairs = [(b, b) for b in range(n)]  # (cache block, swap slot) out; (swap slot, cache block) in
+            for _ in range(MOVE_REPEATS):
+                for sched in (SchedulerOutput(blocks_to_swap_out=pairs), SchedulerOutput(blocks_to_swap_in=pairs)):
+                    t = time.perf_counter()
+                    runner.move_blocks(sched)
+                    samples.append((n, time.perf_counter() - t))
+    finally:
+        if had < sizes[-1]:
+            runner.allocate_swap_space(had)
+    return samples
+
+
+def fit_block_moves(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per move, seconds per block), both >= 0, by least squares over the median time of each size."""
+    import numpy as np
+
+    sizes = sorted({n for n, _ in samples})
+    medians = [float(np.median([s for m, s in samples if m == n])) for n in sizes]
+    if len(sizes) < 2:
+        return medians[0], 0.0
+    per_block, fixed = np.polyfit(sizes, medians, 1)
+    if fixed < 0:
+        return 0.0, float(np.dot(sizes, medians) / np.dot(sizes, sizes))
+    if per_block < 0:
+        return float(np.mean(medians)), 0.0
+    return float(fixed), float(per_block)
