@@ -13,9 +13,8 @@ from pagoda.cli import main
 from pagoda.config import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.plugin_manager import get_plugin_manager
-from pagoda.plugins.entrypoints.simulate.calibrate import fit_block_moves
-from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, cpu_name, fit
-from pagoda.plugins.entrypoints.simulate.probe import measure_scale
+from pagoda.plugins.entrypoints.simulate.calibrate import fit_block_moves, measure_speed
+from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
 from pagoda.plugins.entrypoints.simulate.report import summarize_run
 from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
 from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace
@@ -184,7 +183,7 @@ def test_the_prefix_aware_router_keeps_each_group_on_one_replica_and_hits_more(p
 def test_pagoda_simulate_prints_json_for_a_generated_trace(tmp_path, capsys):
     COST.save(tmp_path / "cost.json")
     rc = main(["simulate", "--generate", "--num-requests", "40", "--rate", "20", "--priority-levels", "2",
-               "--cost-model", str(tmp_path / "cost.json"), "--compare-policy", "priority", "--json",
+               "--cost-model", str(tmp_path / "cost.json"), "--compare-policy", "priority", "--json", "--no-rescale",
                "--max-num-seqs", "8", "--replicas", "2", "--router", "prefix-aware", "--router-options",
                '{"imbalance_threshold": 4}'])
     assert rc == 0
@@ -201,7 +200,7 @@ def test_pagoda_simulate_prints_json_for_a_generated_trace(tmp_path, capsys):
 def test_pagoda_simulate_refuses_two_trace_sources_and_a_missing_cost_model(tmp_path, capsys):
     assert main(["simulate", "--generate", "--workload", "W1"]) == 2
     assert "exactly one trace source" in capsys.readouterr().err
-    assert main(["simulate", "--generate", "--cost-model", str(tmp_path / "none.json")]) == 2
+    assert main(["simulate", "--generate", "--cost-model", str(tmp_path / "none.json")]) == 2  # before any engine
     assert "--calibrate" in capsys.readouterr().err
 
 
@@ -244,25 +243,14 @@ def test_the_block_move_fit_recovers_a_fixed_and_a_per_block_cost():
     assert fixed == pytest.approx(0.0003, rel=1e-6) and per_block == pytest.approx(0.00002, rel=1e-6)
 
 
-def test_the_speed_probe_rescales_only_a_model_that_has_a_probe_from_this_cpu():
-    assert measure_scale(COST)["scale"] is None and "recalibrate" in measure_scale(COST)["note"]
-    elsewhere = CostModel(COST.coefficients, {"probe_seconds": [0.5], "cpu": "Some Other CPU", "threads": 1})
-    assert measure_scale(elsewhere)["scale"] is None and "Some Other CPU" in measure_scale(elsewhere)["note"]
-    here = CostModel(COST.coefficients, {"probe_seconds": [0.2, 0.4], "cpu": cpu_name(), "threads": 1})
-    speed = measure_scale(here)
-    assert 0.01 < speed["probe_seconds"] < 30
-    assert speed["reference_seconds"] == pytest.approx(0.3)
-    assert speed["scale"] == pytest.approx(speed["probe_seconds"] / 0.3)
-    assert f"{speed['scale']:.2f}x" in speed["note"]
-
-
-def test_pagoda_simulate_says_an_old_cost_model_is_not_rescaled_and_no_rescale_skips_the_probe(tmp_path, capsys):
-    COST.save(tmp_path / "cost.json")
-    args = ["simulate", "--generate", "--num-requests", "10", "--cost-model", str(tmp_path / "cost.json"), "--json"]
-    assert main(args) == 0
+def test_a_cost_model_from_another_cpu_is_not_rescaled_to_this_one(tmp_path, capsys):
+    elsewhere = CostModel(COST.coefficients, {"cpu": "Some Other CPU"})
+    speed = measure_speed(None, elsewhere)  # refused before any engine is needed
+    assert speed["scale"] is None and "Some Other CPU" in speed["note"]
+    elsewhere.save(tmp_path / "cost.json")
+    assert main(["simulate", "--generate", "--num-requests", "10", "--cost-model", str(tmp_path / "cost.json"),
+                 "--json"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
-    assert "not rescaled" in captured.err and result["speed_probe"]["scale"] is None
-    assert result["cost_model_scale"] == 1.0
-    assert main(args + ["--no-rescale"]) == 0
-    assert json.loads(capsys.readouterr().out)["speed_probe"] is None
+    assert "calibrated on Some Other CPU" in captured.err and result["cost_model_scale"] == 1.0
+    assert result["runs"][0]["completed"] == 10

@@ -6,10 +6,12 @@ batches of decoding requests at several context lengths (decode alone), and requ
 others decode (prefill chunks mixed with decodes). Every prompt is distinct, so no step is shortened
 by the prefix cache; each step is timed whole (schedule, execute, update, emit) by an engine observer.
 
-Two more measurements go into the cost model: the runner's KV block copies between the cache and a
-swap pool (what preemption by swapping does), fitted as seconds per step that moves blocks plus seconds
-per block; and the speed probe of :mod:`.probe`, run before, between and after the grid's parts, whose
-mean is the machine's speed while the grid was timed (``pagoda simulate`` rescales by it later).
+Calibration also times the runner's KV block copies between the cache and a swap pool (what
+preemption by swapping does), fitted as seconds per step that moves blocks plus seconds per block.
+
+:func:`measure_speed` is the speed probe: a few fixed steps of the real engine, timed against the
+cost model's prediction for the same steps. Their ratio is how much slower (or faster) the machine
+runs now than during calibration; ``pagoda simulate`` scales the cost model by it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import time
 from typing import Callable, Optional
 
 from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, cpu_name, fit, step_features
-from pagoda.plugins.entrypoints.simulate.probe import run_probe
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 
@@ -34,6 +35,10 @@ QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 4
 # blocks moved at once when timing the runner's swap copies, each size out and back in this many times
 MOVE_SIZES = (1, 4, 16, 64)
 MOVE_REPEATS = 5
+# the speed probe: this many requests of this many prompt tokens arrive together and generate this many tokens
+# (one prefill step, then decodes of the whole batch), twice: about a second on the default model at one thread
+PROBE_SHAPE = (4, 48, 16)
+PROBE_ROUNDS = 2
 
 
 class _StepTimer:
@@ -79,8 +84,6 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
     timer = _StepTimer()
     driver.add(64, 4)  # warm-up, not timed
     driver.drain()
-    dtype = str(engine.config.model.dtype).removeprefix("torch.")
-    probes = [run_probe(engine.num_threads, dtype)]
     engine.observers.append(timer)
     started = time.perf_counter()
     try:
@@ -89,14 +92,12 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
                 driver.add(n, 1)
                 driver.drain()
         log(f"calibrate: prefill timed ({len(timer.samples)} steps, {time.perf_counter() - started:.0f} s)")
-        probes.append(run_probe(engine.num_threads, dtype))
         for batch, context in grid["decodes"]:
             if context + grid["decode_steps"] < max_len:
                 for _ in range(batch):
                     driver.add(context, grid["decode_steps"])
                 driver.drain()
         log(f"calibrate: decode timed ({len(timer.samples)} steps, {time.perf_counter() - started:.0f} s)")
-        probes.append(run_probe(engine.num_threads, dtype))
         for num_requests, prompt_len in grid["mixed"]:
             for k in range(num_requests):
                 driver.add(prompt_len, 3 * num_requests)
@@ -106,23 +107,54 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
     finally:
         engine.observers.remove(timer)
     moves = time_block_moves(engine.runner)
-    probes.append(run_probe(engine.num_threads, dtype))
     cfg = engine.config
-    meta = {"model": cfg.model.model, "dtype": dtype, "cpu": cpu_name(),
+    meta = {"model": cfg.model.model, "dtype": str(cfg.model.dtype).removeprefix("torch."), "cpu": cpu_name(),
             "threads": engine.num_threads, "block_size": cfg.cache.block_size,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "calibration_seconds": round(time.perf_counter() - started, 1),
-            # the speed probe's seconds while the grid ran (their mean is the reference for rescaling)
-            "probe_seconds": [round(p, 5) for p in probes],
             "block_moves": [[n, round(s, 7)] for n, s in moves]}
     model = fit(timer.samples, meta)
     fixed, per_block = fit_block_moves(moves)
     model = CostModel(dict(model.coefficients, block_move_step=fixed, block_move=per_block), model.meta)
     log(f"calibrate: {len(timer.samples)} steps in {meta['calibration_seconds']} s; fit median error "
         f"{model.meta['median_rel_error']:.1%}, p90 {model.meta['p90_rel_error']:.1%}; block moves "
-        f"{fixed * 1e3:.2f} ms + {per_block * 1e6:.1f} us a block; speed probe {sum(probes) / len(probes):.3f} s")
+        f"{fixed * 1e3:.2f} ms + {per_block * 1e6:.1f} us a block")
     return model
+
+
+def measure_speed(engine, cost_model: CostModel) -> dict:
+    """The speed probe: :data:`PROBE_SHAPE` through ``engine`` (idle) after one untimed warm-up request.
+
+    Returns ``scale`` (the probe steps' seconds over the cost model's prediction for the same steps; None
+    when the model should not be rescaled), ``probe_seconds``, ``predicted_seconds`` and a ``note``. A model
+    calibrated on another CPU is not rescaled: it describes that machine, and this one's speed says
+    nothing about it.
+    """
+    refusal = rescale_refusal(cost_model)
+    if refusal:
+        return {"scale": None, "probe_seconds": None, "predicted_seconds": None, "note": refusal}
+    driver = _Driver(engine, PromptMaker(engine.config.model.vocab_size, seed=54321))
+    timer = _StepTimer()
+    num_requests, prompt_len, output_len = PROBE_SHAPE
+    prompt_len = min(prompt_len, engine.config.model.max_model_len - output_len - 1)
+    driver.add(prompt_len, 4)  # warm-up, not timed
+    driver.drain()
+    engine.observers.append(timer)
+    try:
+        for _ in range(PROBE_ROUNDS):
+            for _ in range(num_requests):
+                driver.add(prompt_len, output_len)
+            driver.drain()
+    finally:
+        engine.observers.remove(timer)
+    measured = sum(s for _, s in timer.samples)
+    predicted = sum(cost_model.predict(f) for f, _ in timer.samples)
+    scale = measured / predicted if predicted > 0 else None
+    note = (f"speed probe: {len(timer.samples)} engine steps took {measured:.3f} s, the cost model predicts "
+            f"{predicted:.3f} s: cost model scaled by {scale:.2f}x" if scale else
+            "not rescaled: the cost model predicts no time for the probe's steps")
+    return {"scale": scale, "probe_seconds": measured, "predicted_seconds": predicted, "note": note}
 
 
 def time_block_moves(runner) -> list[tuple[int, float]]:
@@ -164,3 +196,12 @@ def fit_block_moves(samples: list[tuple[int, float]]) -> tuple[float, float]:
     if per_block < 0:
         return float(np.mean(medians)), 0.0
     return float(fixed), float(per_block)
+
+
+def rescale_refusal(cost_model: CostModel) -> Optional[str]:
+    """Why ``cost_model`` should not be rescaled to this machine's speed (it was calibrated on another
+    CPU), or None."""
+    calibrated_on = cost_model.meta.get("cpu")
+    if calibrated_on and calibrated_on != cpu_name():
+        return f"not rescaled: the cost model was calibrated on {calibrated_on}, this is {cpu_name()}"
+    return None

@@ -54,9 +54,10 @@ def register(sub) -> None:
     run.add_argument("--quick-calibration", action="store_true",
                      help="calibrate over a small grid (seconds; rougher, for trying things out)")
     run.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=True,
-                     help="run a speed probe (about a second) and scale the cost model by this machine's speed "
-                          "now against its speed during calibration (default; with --compare-real, right before "
-                          "the real run); --no-rescale uses the model as calibrated")
+                     help="build the real engine, time a few fixed steps (about a second, plus the engine's "
+                          "start-up) and scale the cost model by their time over its prediction: the machine's "
+                          "speed now against during calibration (default; with --compare-real, right before the "
+                          "real run); --no-rescale uses the model as calibrated")
     run.add_argument("--compare-policy", nargs="+", default=[], metavar="POLICY",
                      help="also simulate these scheduling policies on the same trace")
     run.add_argument("--compare-real", action="store_true",
@@ -121,36 +122,39 @@ def run_simulate(ns: argparse.Namespace) -> int:
     cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(
         config.model.model, dtype, config.parallel.cpu_threads)
     log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
+    from pagoda.engine import LLMEngine
+    from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate, rescale_refusal
+    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+
     engine = None
     try:
         if ns.calibrate:
-            from pagoda.engine import LLMEngine
-            from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate
-
             engine = LLMEngine(config, ns.plugin_manager)
             calibrate(engine, QUICK_GRID if ns.quick_calibration else FULL_GRID, log).save(cost_path)
             log(f"cost model written to {cost_path}")
             if trace is None:
                 return 0
-        # with --compare-real, the calibrated engine runs the real replay too: the least time between the two
-        return _simulate_and_report(ns, config, cost_path, trace, source, engine)
+        cost_model = CostModel.load(cost_path)
+        if engine is None and (ns.compare_real or (ns.rescale and rescale_refusal(cost_model) is None)):
+            engine = LLMEngine(config, ns.plugin_manager)  # for the speed probe and the real run
+        # with --calibrate and --compare-real, the calibrated engine runs the real replay too
+        return _simulate_and_report(ns, config, cost_path, cost_model, trace, source, engine)
     finally:
         if engine is not None:
             engine.shutdown()
 
 
-def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace, source: str, engine) -> int:
-    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
-    from pagoda.plugins.entrypoints.simulate.probe import measure_scale
+def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibrated, trace, source: str,
+                         engine) -> int:
+    from pagoda.plugins.entrypoints.simulate.calibrate import measure_speed
     from pagoda.plugins.entrypoints.simulate.report import relative_errors
 
     log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
-    calibrated = CostModel.load(cost_path)
     if config.cache.preemption_mode == "swap" and not calibrated.has_move_costs:
         log(f"{cost_path} was calibrated before block moves were: swapping costs nothing in this simulation; "
             f"recalibrate with `pagoda simulate --calibrate --cost-model {cost_path}`")
     # the probe runs right before the real run: the machine's speed then is what the simulation should assume
-    speed = measure_scale(calibrated) if ns.rescale else None
+    speed = measure_speed(engine, calibrated) if ns.rescale else None
     if speed is not None:
         log(speed["note"])
     cost_model = calibrated.scaled(speed["scale"], speed["note"]) if speed and speed["scale"] else calibrated
@@ -159,7 +163,7 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace,
         real, samples = run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine)
         if speed and speed["scale"]:
             # not used for anything: how far the machine's speed moved while the real run ran
-            speed["scale_after_real_run"] = measure_scale(calibrated)["scale"]
+            speed["scale_after_real_run"] = measure_speed(engine, calibrated)["scale"]
     reports = []
     for policy in [config.scheduler.policy, *ns.compare_policy]:
         summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
