@@ -54,8 +54,8 @@ def register(sub) -> None:
     run.add_argument("--quick-calibration", action="store_true",
                      help="calibrate over a small grid (seconds; rougher, for trying things out)")
     run.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=True,
-                     help="build the real engine, time a few fixed steps (about a second, plus the engine's "
-                          "start-up) and scale the cost model by their time over its prediction: the machine's "
+                     help="build the real engine, time a few fixed steps (seconds, plus the engine's start-up) "
+                          "and scale the cost model by their time over its prediction: the machine's "
                           "speed now against during calibration (default; with --compare-real, right before the "
                           "real run); --no-rescale uses the model as calibrated")
     run.add_argument("--compare-policy", nargs="+", default=[], metavar="POLICY",
@@ -255,7 +255,8 @@ def print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{result['num_requests']} requests ({result['trace']}); cost model {result['cost_model']}")
+    print(f"{result['num_requests']} requests ({result['trace']}); cost model {result['cost_model']}, scaled by "
+          f"{result['cost_model_scale']:.2f}x")
     for run in result["runs"]:
         print(format_run(run))
         if "simulator_wall_seconds" in run:
