@@ -15,7 +15,7 @@ execute, update, emit) on the machine and settings the simulator stands in for.
 A step that moves KV blocks (swapping preempted requests out to the CPU swap pool and back) costs
 ``block_move_step + block_move * num_blocks_moved`` more, from the runner's block copies timed by the
 same calibration. A model may be :meth:`CostModel.scaled` by the machine's speed now against its speed
-during calibration (see :mod:`.probe`).
+during calibration (the speed probe, :func:`.calibrate.measure_speed`).
 """
 
 from __future__ import annotations
@@ -49,15 +49,6 @@ def step_features(num_new_tokens: Sequence[int], num_computed_before: Sequence[i
             prefill += n
             attention += n * (start + n * 0.5)
     return (1 if decodes else 0, prefill, decodes, context, attention)
-
-
-def num_blocks_moved(sched) -> int:
-    """KV blocks a step's ``SchedulerOutput`` moves before its forward pass: swapped out and in, copied
-    (copy-on-write), and moved between the pool and the offload tiers (each priced as one block copy)."""
-    moves = sched.kv_tier_moves
-    return (len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in) + len(sched.blocks_to_copy)
-            + len(moves.ram_to_disk) + len(moves.blocks_to_ram) + len(moves.blocks_to_disk)
-            + len(moves.ram_to_blocks) + len(moves.disk_to_blocks))
 
 
 @dataclass
