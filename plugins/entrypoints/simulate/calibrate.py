@@ -36,7 +36,7 @@ QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 4
 MOVE_SIZES = (1, 4, 16, 64)
 MOVE_REPEATS = 5
 # the speed probe: this many requests of this many prompt tokens arrive together and generate this many tokens
-# (one prefill step, then decodes of the whole batch), twice: about a second on the default model at one thread
+# (one prefill step, then decodes of the whole batch), twice: 1 to 3 s on the default model at one thread
 PROBE_SHAPE = (4, 48, 16)
 PROBE_ROUNDS = 2
 
