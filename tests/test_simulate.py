@@ -13,6 +13,7 @@ from pagoda.cli import main
 from pagoda.config import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.plugin_manager import get_plugin_manager
+from pagoda.plugins.entrypoints.simulate.calibrate import fit_block_moves, measure_speed
 from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
 from pagoda.plugins.entrypoints.simulate.report import summarize_run
 from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
@@ -32,9 +33,9 @@ def pm():
     return get_plugin_manager()
 
 
-def simulate(pm, trace, policy="fcfs", replicas=1, **engine_options):
+def simulate(pm, trace, policy="fcfs", replicas=1, cost=COST, **engine_options):
     config = EngineArgs.build(scheduling_policy=policy, **engine_options).create_engine_config()
-    engines, record = build_engines(config, pm, COST, trace, replicas)
+    engines, record = build_engines(config, pm, cost, trace, replicas)
     run_trace(trace, engines, least_loaded if replicas > 1 else None)  # the simulator's own simplest route
     return summarize_run(record, float("inf"), policy), engines
 
@@ -182,7 +183,7 @@ def test_the_prefix_aware_router_keeps_each_group_on_one_replica_and_hits_more(p
 def test_pagoda_simulate_prints_json_for_a_generated_trace(tmp_path, capsys):
     COST.save(tmp_path / "cost.json")
     rc = main(["simulate", "--generate", "--num-requests", "40", "--rate", "20", "--priority-levels", "2",
-               "--cost-model", str(tmp_path / "cost.json"), "--compare-policy", "priority", "--json",
+               "--cost-model", str(tmp_path / "cost.json"), "--compare-policy", "priority", "--json", "--no-rescale",
                "--max-num-seqs", "8", "--replicas", "2", "--router", "prefix-aware", "--router-options",
                '{"imbalance_threshold": 4}'])
     assert rc == 0
@@ -199,5 +200,57 @@ def test_pagoda_simulate_prints_json_for_a_generated_trace(tmp_path, capsys):
 def test_pagoda_simulate_refuses_two_trace_sources_and_a_missing_cost_model(tmp_path, capsys):
     assert main(["simulate", "--generate", "--workload", "W1"]) == 2
     assert "exactly one trace source" in capsys.readouterr().err
-    assert main(["simulate", "--generate", "--cost-model", str(tmp_path / "none.json")]) == 2
+    assert main(["simulate", "--generate", "--cost-model", str(tmp_path / "none.json")]) == 2  # before any engine
     assert "--calibrate" in capsys.readouterr().err
+
+
+def test_a_cost_model_saved_before_block_moves_were_calibrated_still_loads_and_moves_cost_nothing(tmp_path):
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps({"format": 1, "coefficients": COST.coefficients, "meta": {"threads": 1}}))
+    old = CostModel.load(path)
+    assert not old.has_move_costs and old.move_seconds(50) == 0.0
+    assert old.step_seconds([1, 1], [10, 20], num_blocks_moved=50) == old.step_seconds([1, 1], [10, 20])
+    new = CostModel(dict(COST.coefficients, block_move_step=0.002, block_move=0.0001))
+    assert new.has_move_costs
+    assert new.step_seconds([100], [0], num_blocks_moved=50) == pytest.approx(0.11 + 0.002 + 0.005)
+    # what a v1 file lacks shows after a round trip through a v2 file
+    assert CostModel.load(new.save(tmp_path / "v2.json")).coefficients == new.coefficients
+
+
+def test_swapping_adds_the_block_move_time_to_the_simulated_steps(pm):
+    trace = [TraceRequest(0.0, output_len=120, prompt_len=60) for _ in range(12)]
+    options = dict(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.05)
+    free, _ = simulate(pm, trace, **options)
+    priced, _ = simulate(pm, trace, cost=CostModel(dict(COST.coefficients, block_move_step=0.0, block_move=0.001)),
+                         **options)
+    # all requests arrive at once, so the schedule is the same: the run is longer by 1 ms per block moved
+    assert priced["blocks_swapped"] == free["blocks_swapped"] > 0
+    assert priced["duration_s"] - free["duration_s"] == pytest.approx(0.001 * free["blocks_swapped"], rel=1e-6)
+
+
+def test_a_scaled_cost_model_stretches_every_step_by_the_factor(pm):
+    trace = [TraceRequest(0.0, output_len=3, prompt_len=100)]
+    summary, _ = simulate(pm, trace, cost=COST.scaled(2.0, "twice as slow"))
+    assert summary["ttft_ms"]["p50"] == pytest.approx(220)
+    assert summary["e2e_ms"]["p50"] == pytest.approx(288)
+    with pytest.raises(ConfigError, match="not a positive number"):
+        COST.scaled(0.0)
+
+
+def test_the_block_move_fit_recovers_a_fixed_and_a_per_block_cost():
+    samples = [(n, 0.0003 + 0.00002 * n) for n in (1, 4, 16, 64) for _ in range(3)] + [(16, 1.0)]  # one outlier
+    fixed, per_block = fit_block_moves(samples)
+    assert fixed == pytest.approx(0.0003, rel=1e-6) and per_block == pytest.approx(0.00002, rel=1e-6)
+
+
+def test_a_cost_model_from_another_cpu_is_not_rescaled_to_this_one(tmp_path, capsys):
+    elsewhere = CostModel(COST.coefficients, {"cpu": "Some Other CPU"})
+    speed = measure_speed(None, elsewhere)  # refused before any engine is needed
+    assert speed["scale"] is None and "Some Other CPU" in speed["note"]
+    elsewhere.save(tmp_path / "cost.json")
+    assert main(["simulate", "--generate", "--num-requests", "10", "--cost-model", str(tmp_path / "cost.json"),
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert "calibrated on Some Other CPU" in captured.err and result["cost_model_scale"] == 1.0
+    assert result["runs"][0]["completed"] == 10

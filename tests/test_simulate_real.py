@@ -19,7 +19,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def small_trace(n: int = 16) -> list[TraceRequest]:
-    return [TraceRequest(i * 0.02, output_len=6 + i % 5, prompt_len=24 + 7 * i, priority=i % 2) for i in range(n)]
+    return [TraceRequest(i * 0.05, output_len=6 + i % 5, prompt_len=24 + 7 * i, priority=i % 2) for i in range(n)]
 
 
 def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_real_run(tiny_dir, tmp_path, capsys):
@@ -37,6 +37,12 @@ def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_rea
     assert model.meta["num_samples"] >= 15 and model.meta["dtype"]
     assert all(model.coefficients[name] >= 0 for name in FEATURES)
     assert model.coefficients["step"] > 0 or model.coefficients["prefill_tokens"] > 0
+    # the runner's swap copies were timed; the speed probe timed engine steps against the model's prediction
+    assert model.has_move_costs and model.move_seconds(64) > 0
+    speed = result["speed_probe"]
+    assert speed["scale"] == pytest.approx(speed["probe_seconds"] / speed["predicted_seconds"])
+    assert result["cost_model_scale"] == pytest.approx(speed["scale"])
+    assert set(result["simulated_vs_real_unscaled"]) == set(result["simulated_vs_real"])
     simulated, real = result["runs"]
     assert simulated["label"] == "pagoda simulate: fcfs" and real["label"].startswith("real engine")
     assert simulated["completed"] == real["completed"] == 16 and real["failed"] == 0
@@ -74,7 +80,36 @@ def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_di
     assert all(0 <= line["queue"] <= line["ttft"] <= line["e2e"] for line in lines)
     CostModel({name: 0.001 for name in FEATURES}).save(tmp_path / "cm.json")
     assert main(["simulate", "--from-request-log", str(log), "--model", str(tiny_dir), "--cost-model",
-                 str(tmp_path / "cm.json"), "--json"]) == 0
-    run = json.loads(capsys.readouterr().out)["runs"][0]
+                 str(tmp_path / "cm.json"), "--load-format", "dummy", "--cpu-threads", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # the engine ran the speed probe's steps (eight requests: two rounds of four) and scaled the model by them
+    speed = result["speed_probe"]
+    assert speed["predicted_seconds"] > 0 and result["cost_model_scale"] == pytest.approx(speed["scale"])
+    run = result["runs"][0]
     assert run["completed"] == 5 and run["output_tokens"] == 25 and run["prompt_tokens"] == sum(range(10, 15))
     assert set(run["ttft_ms_by_priority"]) == {"0", "1"}
+
+
+def test_timing_the_swap_copies_leaves_the_kv_cache_and_the_swap_pool_size_as_they_were(tiny_dir):
+    import torch
+
+    from pagoda.config import EngineArgs
+    from pagoda.engine import LLMEngine
+    from pagoda.plugin_manager import get_plugin_manager
+    from pagoda.plugins.entrypoints.simulate.calibrate import MOVE_SIZES, time_block_moves
+
+    config = EngineArgs.build(model=str(tiny_dir), load_format="dummy", cpu_threads=1,
+                              num_gpu_blocks_override=80).create_engine_config()
+    engine = LLMEngine(config, get_plugin_manager())
+    try:
+        runner = engine.runner
+        gen = torch.Generator().manual_seed(0)
+        for cache in runner.kv_caches:
+            cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
+        before = [cache.clone() for cache in runner.kv_caches]
+        samples = time_block_moves(runner)
+        assert {n for n, _ in samples} == set(MOVE_SIZES) and all(s > 0 for _, s in samples)
+        assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
+        assert runner.num_swap_blocks == 0  # recompute mode: the pool borrowed for the timing is gone again
+    finally:
+        engine.shutdown()

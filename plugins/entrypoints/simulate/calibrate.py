@@ -5,6 +5,13 @@ The grid covers the shapes serving produces: single prompts of growing length (p
 batches of decoding requests at several context lengths (decode alone), and requests arriving while
 others decode (prefill chunks mixed with decodes). Every prompt is distinct, so no step is shortened
 by the prefix cache; each step is timed whole (schedule, execute, update, emit) by an engine observer.
+
+Calibration also times the runner's KV block copies between the cache and a swap pool (what
+preemption by swapping does), fitted as seconds per step that moves blocks plus seconds per block.
+
+:func:`measure_speed` is the speed probe: a few fixed steps of the real engine, timed against the
+cost model's prediction for the same steps. Their ratio is how much slower (or faster) the machine
+runs now than during calibration; ``pagoda simulate`` scales the cost model by it.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import random
 import time
 from typing import Callable, Optional
 
-from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, fit, step_features
+from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, cpu_name, fit, step_features
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 
@@ -25,6 +32,13 @@ FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048),
                  mixed=((8, 128), (16, 384)), decode_steps=10)
 QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 48)), mixed=((4, 24),),
                   decode_steps=3)
+# blocks moved at once when timing the runner's swap copies, each size out and back in this many times
+MOVE_SIZES = (1, 4, 16, 64)
+MOVE_REPEATS = 5
+# the speed probe: this many requests of this many prompt tokens arrive together and generate this many tokens
+# (one prefill step, then decodes of the whole batch), twice: 1 to 3 s on the default model at one thread
+PROBE_SHAPE = (4, 48, 16)
+PROBE_ROUNDS = 2
 
 
 class _StepTimer:
@@ -92,13 +106,102 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
             driver.drain()
     finally:
         engine.observers.remove(timer)
+    moves = time_block_moves(engine.runner)
     cfg = engine.config
-    meta = {"model": cfg.model.model, "dtype": str(cfg.model.dtype).removeprefix("torch."),
+    meta = {"model": cfg.model.model, "dtype": str(cfg.model.dtype).removeprefix("torch."), "cpu": cpu_name(),
             "threads": engine.num_threads, "block_size": cfg.cache.block_size,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "calibration_seconds": round(time.perf_counter() - started, 1)}
+            "calibration_seconds": round(time.perf_counter() - started, 1),
+            "block_moves": [[n, round(s, 7)] for n, s in moves]}
     model = fit(timer.samples, meta)
+    fixed, per_block = fit_block_moves(moves)
+    model = CostModel(dict(model.coefficients, block_move_step=fixed, block_move=per_block), model.meta)
     log(f"calibrate: {len(timer.samples)} steps in {meta['calibration_seconds']} s; fit median error "
-        f"{model.meta['median_rel_error']:.1%}, p90 {model.meta['p90_rel_error']:.1%}")
+        f"{model.meta['median_rel_error']:.1%}, p90 {model.meta['p90_rel_error']:.1%}; block moves "
+        f"{fixed * 1e3:.2f} ms + {per_block * 1e6:.1f} us a block")
     return model
+
+
+def measure_speed(engine, cost_model: CostModel) -> dict:
+    """The speed probe: :data:`PROBE_SHAPE` through ``engine`` (idle) after one untimed warm-up request.
+
+    Returns ``scale`` (the probe steps' seconds over the cost model's prediction for the same steps; None
+    when the model should not be rescaled), ``probe_seconds``, ``predicted_seconds`` and a ``note``. A model
+    calibrated on another CPU is not rescaled: it describes that machine, and this one's speed says
+    nothing about it.
+    """
+    refusal = rescale_refusal(cost_model)
+    if refusal:
+        return {"scale": None, "probe_seconds": None, "predicted_seconds": None, "note": refusal}
+    driver = _Driver(engine, PromptMaker(engine.config.model.vocab_size, seed=54321))
+    timer = _StepTimer()
+    num_requests, prompt_len, output_len = PROBE_SHAPE
+    prompt_len = min(prompt_len, engine.config.model.max_model_len - output_len - 1)
+    driver.add(prompt_len, 4)  # warm-up, not timed
+    driver.drain()
+    engine.observers.append(timer)
+    try:
+        for _ in range(PROBE_ROUNDS):
+            for _ in range(num_requests):
+                driver.add(prompt_len, output_len)
+            driver.drain()
+    finally:
+        engine.observers.remove(timer)
+    measured = sum(s for _, s in timer.samples)
+    predicted = sum(cost_model.predict(f) for f, _ in timer.samples)
+    scale = measured / predicted if predicted > 0 else None
+    note = (f"speed probe: {len(timer.samples)} engine steps took {measured:.3f} s, the cost model predicts "
+            f"{predicted:.3f} s: cost model scaled by {scale:.2f}x" if scale else
+            "not rescaled: the cost model predicts no time for the probe's steps")
+    return {"scale": scale, "probe_seconds": measured, "predicted_seconds": predicted, "note": note}
+
+
+def time_block_moves(runner) -> list[tuple[int, float]]:
+    """(blocks, seconds) of the runner's real swap copies: blocks 0..n-1 of the KV cache out to swap slots
+    0..n-1 and back, which leaves the cache as it was. A runner without a large enough swap pool (no
+    ``--preemption-mode swap``) gets one for the timing and has it shrunk back to its size afterwards."""
+    from pagoda.step import SchedulerOutput
+
+    sizes = [n for n in MOVE_SIZES if n <= runner.num_blocks]
+    had = runner.num_swap_blocks
+    if had < sizes[-1]:
+        runner.allocate_swap_space(sizes[-1])
+    samples = []
+    try:
+        for n in sizes:
+            pairs = [(b, b) for b in range(n)]  # (cache block, swap slot) out; (swap slot, cache block) in
+            for _ in range(MOVE_REPEATS):
+                for sched in (SchedulerOutput(blocks_to_swap_out=pairs), SchedulerOutput(blocks_to_swap_in=pairs)):
+                    t = time.perf_counter()
+                    runner.move_blocks(sched)
+                    samples.append((n, time.perf_counter() - t))
+    finally:
+        if had < sizes[-1]:
+            runner.allocate_swap_space(had)
+    return samples
+
+
+def fit_block_moves(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per move, seconds per block), both >= 0, by least squares over the median time of each size."""
+    import numpy as np
+
+    sizes = sorted({n for n, _ in samples})
+    medians = [float(np.median([s for m, s in samples if m == n])) for n in sizes]
+    if len(sizes) < 2:
+        return medians[0], 0.0
+    per_block, fixed = np.polyfit(sizes, medians, 1)
+    if fixed < 0:
+        return 0.0, float(np.dot(sizes, medians) / np.dot(sizes, sizes))
+    if per_block < 0:
+        return float(np.mean(medians)), 0.0
+    return float(fixed), float(per_block)
+
+
+def rescale_refusal(cost_model: CostModel) -> Optional[str]:
+    """Why ``cost_model`` should not be rescaled to this machine's speed (it was calibrated on another
+    CPU), or None."""
+    calibrated_on = cost_model.meta.get("cpu")
+    if calibrated_on and calibrated_on != cpu_name():
+        return f"not rescaled: the cost model was calibrated on {calibrated_on}, this is {cpu_name()}"
+    return None

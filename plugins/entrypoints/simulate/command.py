@@ -53,6 +53,11 @@ def register(sub) -> None:
                                                               "(about a minute), fit and save the cost model first")
     run.add_argument("--quick-calibration", action="store_true",
                      help="calibrate over a small grid (seconds; rougher, for trying things out)")
+    run.add_argument("--rescale", action=argparse.BooleanOptionalAction, default=True,
+                     help="build the real engine, time a few fixed steps (seconds, plus the engine's start-up) "
+                          "and scale the cost model by their time over its prediction: the machine's "
+                          "speed now against during calibration (default; with --compare-real, right before the "
+                          "real run); --no-rescale uses the model as calibrated")
     run.add_argument("--compare-policy", nargs="+", default=[], metavar="POLICY",
                      help="also simulate these scheduling policies on the same trace")
     run.add_argument("--compare-real", action="store_true",
@@ -117,44 +122,67 @@ def run_simulate(ns: argparse.Namespace) -> int:
     cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(
         config.model.model, dtype, config.parallel.cpu_threads)
     log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
+    from pagoda.engine import LLMEngine
+    from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate, rescale_refusal
+    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+
     engine = None
     try:
         if ns.calibrate:
-            from pagoda.engine import LLMEngine
-            from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate
-
             engine = LLMEngine(config, ns.plugin_manager)
             calibrate(engine, QUICK_GRID if ns.quick_calibration else FULL_GRID, log).save(cost_path)
             log(f"cost model written to {cost_path}")
             if trace is None:
                 return 0
-        # with --compare-real, the calibrated engine runs the real replay too: the least time between the two
-        return _simulate_and_report(ns, config, cost_path, trace, source, engine)
+        cost_model = CostModel.load(cost_path)
+        if engine is None and (ns.compare_real or (ns.rescale and rescale_refusal(cost_model) is None)):
+            engine = LLMEngine(config, ns.plugin_manager)  # for the speed probe and the real run
+        # with --calibrate and --compare-real, the calibrated engine runs the real replay too
+        return _simulate_and_report(ns, config, cost_path, cost_model, trace, source, engine)
     finally:
         if engine is not None:
             engine.shutdown()
 
 
-def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, trace, source: str, engine) -> int:
-    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibrated, trace, source: str,
+                         engine) -> int:
+    from pagoda.plugins.entrypoints.simulate.calibrate import measure_speed
     from pagoda.plugins.entrypoints.simulate.report import relative_errors
 
-    cost_model = CostModel.load(cost_path)
+    log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
+    if config.cache.preemption_mode == "swap" and not calibrated.has_move_costs:
+        log(f"{cost_path} was calibrated before block moves were: swapping costs nothing in this simulation; "
+            f"recalibrate with `pagoda simulate --calibrate --cost-model {cost_path}`")
+    # the probe runs right before the real run: the machine's speed then is what the simulation should assume
+    speed = measure_speed(engine, calibrated) if ns.rescale else None
+    if speed is not None:
+        log(speed["note"])
+    cost_model = calibrated.scaled(speed["scale"], speed["note"]) if speed and speed["scale"] else calibrated
+    real = samples = None
+    if ns.compare_real:
+        real, samples = run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine)
+        if speed and speed["scale"]:
+            # not used for anything: how far the machine's speed moved while the real run ran
+            speed["scale_after_real_run"] = measure_speed(engine, calibrated)["scale"]
     reports = []
     for policy in [config.scheduler.policy, *ns.compare_policy]:
         summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
                                          ns.trace_seed, ns.rate, ns.router, ns.router_options)
         summary["simulator_wall_seconds"] = round(seconds, 3)
         reports.append(summary)
-    errors = check = None
-    if ns.compare_real:
-        real, samples = run_real(config, ns.plugin_manager, trace, ns.trace_seed, ns.rate, engine)
+    errors = unscaled_errors = check = None
+    if real is not None:
         reports.append(real)
         errors = relative_errors(reports[0], real)
-        check = step_time_check(config, ns, cost_model, trace, samples, real)
+        if cost_model is not calibrated:
+            unscaled, _ = simulate_once(config, ns.plugin_manager, calibrated, trace, config.scheduler.policy,
+                                        ns.replicas, ns.trace_seed, ns.rate, ns.router, ns.router_options)
+            unscaled_errors = relative_errors(unscaled, real)
+        check = step_time_check(config, ns, calibrated, trace, samples, real)
     result = {"trace": source, "num_requests": len(trace), "cost_model": str(cost_path),
-              "cost_model_coefficients": cost_model.coefficients, "runs": reports, "simulated_vs_real": errors,
-              "step_time_check": check}
+              "cost_model_coefficients": calibrated.coefficients, "speed_probe": speed,
+              "cost_model_scale": cost_model.meta.get("scale", 1.0), "runs": reports, "simulated_vs_real": errors,
+              "simulated_vs_real_unscaled": unscaled_errors, "step_time_check": check}
     print_result(result, ns.json)
     if ns.result_file:
         Path(ns.result_file).write_text(json.dumps(result, indent=2) + "\n")
@@ -227,15 +255,21 @@ def print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{result['num_requests']} requests ({result['trace']}); cost model {result['cost_model']}")
+    print(f"{result['num_requests']} requests ({result['trace']}); cost model {result['cost_model']}, scaled by "
+          f"{result['cost_model_scale']:.2f}x")
     for run in result["runs"]:
         print(format_run(run))
         if "simulator_wall_seconds" in run:
             print(f"{'simulator wall time (s)':<30}{run['simulator_wall_seconds']:.2f}")
+    scale = result["cost_model_scale"]
     if result["simulated_vs_real"] is not None:
-        print(format_errors(result["simulated_vs_real"]))
+        print(format_errors(result["simulated_vs_real"]).replace(" ====", f", cost model x{scale:.2f} ====", 1))
+    if result["simulated_vs_real_unscaled"] is not None:
+        print("with the cost model as calibrated (--no-rescale):")
+        print(format_errors(result["simulated_vs_real_unscaled"]).split("\n", 1)[1])
     check = result.get("step_time_check")
     if check:
-        print(f"the real run's steps took {check['real_over_predicted_step_seconds']:.2f}x the cost model's "
-              "prediction for the same batches; simulated with a model fitted to those steps instead:")
+        print(f"the real run's steps took {check['real_over_predicted_step_seconds']:.2f}x the calibrated cost "
+              f"model's prediction for the same batches (the speed probe said {scale:.2f}x); simulated with a model "
+              "fitted to those steps instead:")
         print(format_errors(check["errors_with_model_fitted_to_real_steps"]).split("\n", 1)[1])

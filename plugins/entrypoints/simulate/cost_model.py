@@ -11,6 +11,11 @@ decoding sequence costs more than a 16-token prompt); ``prefill_tokens``: tokens
 causal attention computes. The coefficients are fitted (non-negative least squares on relative
 error) to steps of the real engine timed by ``pagoda simulate --calibrate``, whole steps (schedule,
 execute, update, emit) on the machine and settings the simulator stands in for.
+
+A step that moves KV blocks (swapping preempted requests out to the CPU swap pool and back) costs
+``block_move_step + block_move * num_blocks_moved`` more, from the runner's block copies timed by the
+same calibration. A model may be :meth:`CostModel.scaled` by the machine's speed now against its speed
+during calibration (the speed probe, :func:`.calibrate.measure_speed`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from typing import Any, Optional, Sequence
 from pagoda.errors import ConfigError
 
 FEATURES = ("step", "decode_step", "prefill_tokens", "decode_seqs", "decode_context", "prefill_attention")
-FORMAT_VERSION = 1
+# seconds of a step's block moves: a fixed part whenever it moves any (one copy per layer and kind) and a
+# part per block; cost models calibrated before these existed lack them (block moves then cost nothing)
+MOVE_COEFFICIENTS = ("block_move_step", "block_move")
+FORMAT_VERSION = 2
 
 
 def step_features(num_new_tokens: Sequence[int], num_computed_before: Sequence[int]) -> tuple[float, ...]:
@@ -59,10 +67,32 @@ class CostModel:
         if bad:
             raise ConfigError(f"cost model coefficients {bad} are not finite non-negative numbers")
         self._c = tuple(float(self.coefficients[f]) for f in FEATURES)
+        self._move = tuple(float(self.coefficients.get(f, 0.0)) for f in MOVE_COEFFICIENTS)
 
-    def step_seconds(self, num_new_tokens: Sequence[int], num_computed_before: Sequence[int]) -> float:
-        """Predicted wall time of a step that computes these chunks."""
-        return self.predict(step_features(num_new_tokens, num_computed_before))
+    @property
+    def has_move_costs(self) -> bool:
+        """Whether block moves were calibrated (False: a model from before they were, moves cost nothing)."""
+        return all(f in self.coefficients for f in MOVE_COEFFICIENTS)
+
+    def step_seconds(self, num_new_tokens: Sequence[int], num_computed_before: Sequence[int],
+                     num_blocks_moved: int = 0) -> float:
+        """Predicted wall time of a step that computes these chunks after moving ``num_blocks_moved`` KV blocks."""
+        seconds = self.predict(step_features(num_new_tokens, num_computed_before))
+        if num_blocks_moved:
+            seconds += self.move_seconds(num_blocks_moved)
+        return seconds
+
+    def move_seconds(self, num_blocks_moved: int) -> float:
+        """Predicted wall time of one step's block moves (swap out and in, offload-tier copies)."""
+        fixed, per_block = self._move
+        return fixed + per_block * num_blocks_moved if num_blocks_moved else 0.0
+
+    def scaled(self, factor: float, reason: str = "") -> "CostModel":
+        """Every coefficient times ``factor`` (a machine ``factor`` times slower than during calibration)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ConfigError(f"a cost model scale of {factor} is not a positive number")
+        meta = dict(self.meta, scale=factor, scale_reason=reason)
+        return CostModel({k: v * factor for k, v in self.coefficients.items()}, meta)
 
     def predict(self, features: Sequence[float]) -> float:
         step, e, a, b, c, d = self._c
@@ -136,15 +166,20 @@ def _nonnegative_fit(x, y):
     return coef
 
 
-def machine_key(model_dir: str, dtype: str, threads: Optional[int]) -> str:
-    """A file name for the cost model of this model, dtype, CPU and thread count."""
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor name."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1] for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    parts = [Path(model_dir).name, dtype, cpu.strip(), f"{threads or os.cpu_count()}t"]
+    return cpu.strip()
+
+
+def machine_key(model_dir: str, dtype: str, threads: Optional[int]) -> str:
+    """A file name for the cost model of this model, dtype, CPU and thread count."""
+    parts = [Path(model_dir).name, dtype, cpu_name(), f"{threads or os.cpu_count()}t"]
     return re.sub(r"[^A-Za-z0-9.]+", "-", "_".join(parts)).strip("-") + ".json"
 
 

@@ -103,11 +103,12 @@ class SimulatedEngine:
         if sched.preempted:
             rec.num_preemptions += len(sched.preempted)
             rec.num_swapped_out += sum(1 for r in sched.preempted if self.kv.is_swapped(r.request_id))
-        rec.num_blocks_swapped += len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in)
+        num_moved = len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in)
+        rec.num_blocks_swapped += num_moved
         if not requests:
             self._drain_finished()
             return False
-        seconds = self.cost_model.step_seconds(sched.num_new_tokens, sched.num_computed_before)
+        seconds = self.cost_model.step_seconds(sched.num_new_tokens, sched.num_computed_before, num_moved)
         start_time = self.clock
         first_scheduled = rec.first_scheduled
         index = self._index
