@@ -75,8 +75,10 @@ def _avx2_kernels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
+# batch 1, 4-bit reads both nibbles of a byte at once where the halves of a row are multiples of 8 columns:
+# halves 64 (aligned to the groups), 288 / 192 / 24 (a group cut by the halves' boundary), 20 (not: segments)
 @pytest.mark.parametrize("group,out_features,in_features", [(32, 7, 100), (64, 96, 576), (128, 13, 333),
-                                                            (64, 1728, 576)])
+                                                            (64, 1728, 576), (16, 5, 40), (8, 9, 40)])
 def test_the_avx2_path_equals_the_dequantized_weight_for_every_batch_size(out_features, in_features, group, bits,
                                                                          dtype):
     avx2 = _avx2_kernels()

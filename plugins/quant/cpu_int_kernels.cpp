@@ -12,8 +12,9 @@
 //   y[m, o] = sum_g scale[o, g] * (sum_{c in g} x[m, c] q[o, c] - zero[o, g] * xsum[m, g]).
 // With bf16 activations the integers become bf16 (0x4300 | q is exactly 128 + q, so a nibble needs
 // one ternary-logic op) and AVX512-BF16 dot products take 32 columns per instruction; fp32 and
-// fp16 activations use fp32 FMAs, so their results are exact up to summation order. Without
-// AVX-512 a portable scalar loop computes the same sums.
+// fp16 activations use fp32 FMAs, so their results are exact up to summation order. With AVX2 + FMA
+// (no AVX-512) every dtype computes in fp32 on 8 lanes, batch 1 at 4 bits reading both nibbles of
+// each byte in one pass; elsewhere a portable scalar loop computes the same sums.
 //
 // Larger batches (the GEMM path, chosen by the caller's gemm_min_rows): tiles of rows are
 // dequantized into one reused buffer in the model dtype, bit for bit what the torch path builds,
@@ -236,6 +237,48 @@ void dot_tile_f32_x8(const Problem& p, int64_t n0, int64_t m0, const float* scal
   }
   for (int r = 0; r < NT; ++r)
     for (int m = 0; m < MT; ++m) out[m * NT + r] = sum8(tot[r][m]) + tail_tot[r][m];
+}
+
+// Batch 1, 4-bit, fp32 math: one 8-byte load feeds both nibbles (columns c and c + row_bytes), so
+// each byte is loaded and widened once (the segment loop reads it twice). Needs row_bytes and the
+// group size to be multiples of 8 (no chunk straddles a group); x is [2 * row_bytes], zero past
+// in_features. A group cut by the halves' boundary is scaled once per half.
+template <int NT>
+void dot_rows_paired_x8(const uint8_t* rows, int64_t row_bytes, const float* x, int64_t group_size,
+                        int64_t num_groups, const float* scale, float* out) {
+  __m256 lo[NT], hi[NT], tot[NT];
+  for (int r = 0; r < NT; ++r) lo[r] = hi[r] = tot[r] = _mm256_setzero_ps();
+  const __m256i low_nibble = _mm256_set1_epi32(0xF);
+  for (int64_t c = 0; c < row_bytes;) {
+    // the next end of a group among the low nibbles (columns c...) and among the high ones (c + row_bytes...)
+    const int64_t lo_stop = std::min(row_bytes, (c / group_size + 1) * group_size);
+    const int64_t hi_stop = std::min(row_bytes, ((c + row_bytes) / group_size + 1) * group_size - row_bytes);
+    const int64_t stop = std::min(lo_stop, hi_stop);
+    for (; c < stop; c += 8) {
+      const __m256 xl = _mm256_loadu_ps(x + c), xh = _mm256_loadu_ps(x + row_bytes + c);
+      for (int r = 0; r < NT; ++r) {
+        const __m256i w =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + r * row_bytes + c)));
+        lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(w, low_nibble)), xl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)), xh, hi[r]);
+      }
+    }
+    if (c == lo_stop) {
+      const int64_t g = (c - 1) / group_size;
+      for (int r = 0; r < NT; ++r) {
+        tot[r] = _mm256_fmadd_ps(lo[r], _mm256_set1_ps(scale[r * num_groups + g]), tot[r]);
+        lo[r] = _mm256_setzero_ps();
+      }
+    }
+    if (c == hi_stop) {
+      const int64_t g = (c - 1 + row_bytes) / group_size;
+      for (int r = 0; r < NT; ++r) {
+        tot[r] = _mm256_fmadd_ps(hi[r], _mm256_set1_ps(scale[r * num_groups + g]), tot[r]);
+        hi[r] = _mm256_setzero_ps();
+      }
+    }
+  }
+  for (int r = 0; r < NT; ++r) out[r] = sum8(tot[r]);
 }
 
 // 8 fp32 values stored as T, round to nearest even (what static_cast<T> of each does)
@@ -573,6 +616,11 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
   // batch 1, 4-bit, bf16, aligned halves: the paired kernel, reading x from a zero-padded copy
   bool paired = false;
   std::vector<uint16_t> x_paired;
+#ifdef PAGODA_AVX2
+  // the same on fp32 math (every activation dtype): xf grows to both halves, zero past in_features
+  paired = impl != kScalar && M == 1 && bits == 4 && row_bytes % 8 == 0 && group_size % 8 == 0;
+  if (paired) xf.resize(std::max<int64_t>(K, 2 * row_bytes), 0.f);
+#endif
 #ifdef PAGODA_BF16_DOT
   paired = use_bf16 && M == 1 && bits == 4 && row_bytes % 32 == 0 && group_size % 32 == 0;
   if (paired) {
@@ -633,6 +681,15 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
             for (int r = 0; r < nt; ++r)
               dot_rows_paired<1>(tile + r * row_bytes, row_bytes, x_paired.data(), group_size, G, scale.data() + r * G,
                                  out.data() + r);
+          }
+#elif defined(PAGODA_AVX2)
+          const uint8_t* tile = p.w_q + n0 * row_bytes;
+          if (nt == 4) {
+            dot_rows_paired_x8<4>(tile, row_bytes, xf.data(), group_size, G, scale.data(), out.data());
+          } else {
+            for (int r = 0; r < nt; ++r)
+              dot_rows_paired_x8<1>(tile + r * row_bytes, row_bytes, xf.data(), group_size, G, scale.data() + r * G,
+                                    out.data() + r);
           }
 #endif
         } else if (nt == nt_main) {
