@@ -24,18 +24,23 @@ DIFFERS_IN_BF16 = {"Once upon a time, in a small village by the sea,"}
 
 _RUN = """
 import json, sys
-from pagoda import LLM, SamplingParams
 sys.path.insert(0, {tests!r})
-from test_models import CONVERSATIONS, MAX_TOKENS, PROMPTS
-llm = LLM(dtype={dtype!r}, max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1)
-plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-chats = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
-print(json.dumps([o.outputs[0].token_ids for o in plain + chats]))
+from pagoda import LLM
+from test_bf16_parity import parity_tokens
+print(json.dumps(parity_tokens(LLM(dtype={dtype!r}, max_model_len=1024, kv_cache_memory_bytes=96 << 20,
+                                   cpu_threads=1))))
 """
 
 
+def parity_tokens(llm: LLM) -> list[list[int]]:
+    """The greedy tokens of every parity prompt, then every chat."""
+    plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    chats = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in plain + chats]
+
+
 def greedy_tokens(dtype: str, **env: str) -> list[list[int]]:
-    """The greedy tokens of every parity prompt, then every chat, in a fresh process with ``env`` added."""
+    """:func:`parity_tokens` in a fresh process with ``env`` added."""
     code = _RUN.format(tests=os.path.dirname(__file__), dtype=dtype)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **env})
@@ -45,10 +50,7 @@ def greedy_tokens(dtype: str, **env: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def float32_tokens() -> list[list[int]]:
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1)
-    plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    chats = llm.chat(CONVERSATIONS, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in plain + chats]
+    return parity_tokens(LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1))
 
 
 def assert_float32_tokens_but_documented(bf16: list[list[int]], float32: list[list[int]], what: str) -> None:
