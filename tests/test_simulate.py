@@ -13,7 +13,8 @@ from pagoda.cli import main
 from pagoda.config import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.plugin_manager import get_plugin_manager
-from pagoda.plugins.entrypoints.simulate.calibrate import fit_block_moves, measure_speed
+from pagoda.plugins.entrypoints.simulate.calibrate import (PROBE_ROUNDS, PROBE_SHAPE, fit_block_moves,
+                                                            measure_speed, probe_reference)
 from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
 from pagoda.plugins.entrypoints.simulate.report import summarize_run
 from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
@@ -242,6 +243,16 @@ def test_the_block_move_fit_recovers_a_fixed_and_a_per_block_cost():
     samples = [(n, 0.0003 + 0.00002 * n) for n in (1, 4, 16, 64) for _ in range(3)] + [(16, 1.0)]  # one outlier
     fixed, per_block = fit_block_moves(samples)
     assert fixed == pytest.approx(0.0003, rel=1e-6) and per_block == pytest.approx(0.00002, rel=1e-6)
+
+
+def test_the_probe_reference_is_used_only_when_it_was_taken_with_the_probe_of_today():
+    probe = {"shape": list(PROBE_SHAPE), "rounds": PROBE_ROUNDS, "seconds": [1.2, 1.3, 1.5], "reference_seconds": 1.3}
+    assert probe_reference(CostModel(COST.coefficients, {"probe": probe})) == 1.3
+    assert probe_reference(COST) is None  # saved before calibration recorded a probe
+    other_shape = dict(probe, shape=[8, 48, 16])
+    assert probe_reference(CostModel(COST.coefficients, {"probe": other_shape})) is None
+    assert probe_reference(CostModel(COST.coefficients, {"probe": dict(probe, rounds=PROBE_ROUNDS + 1)})) is None
+    assert probe_reference(CostModel(COST.coefficients, {"probe": dict(probe, reference_seconds=0)})) is None
 
 
 def test_a_cost_model_from_another_cpu_is_not_rescaled_to_this_one(tmp_path, capsys):

@@ -37,10 +37,15 @@ def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_rea
     assert model.meta["num_samples"] >= 15 and model.meta["dtype"]
     assert all(model.coefficients[name] >= 0 for name in FEATURES)
     assert model.coefficients["step"] > 0 or model.coefficients["prefill_tokens"] > 0
-    # the runner's swap copies were timed; the speed probe timed engine steps against the model's prediction
+    # the runner's swap copies were timed, and the speed probe at the start, middle and end: the median is the
+    # reference
     assert model.has_move_costs and model.move_seconds(64) > 0
+    probe = model.meta["probe"]
+    assert len(probe["seconds"]) == 3 and probe["reference_seconds"] == sorted(probe["seconds"])[1] > 0
+    # the probe before the simulation is timed against that reference, not against the model's prediction
     speed = result["speed_probe"]
-    assert speed["scale"] == pytest.approx(speed["probe_seconds"] / speed["predicted_seconds"])
+    assert speed["reference_seconds"] == probe["reference_seconds"] and speed["predicted_seconds"] > 0
+    assert speed["scale"] == pytest.approx(speed["probe_seconds"] / speed["reference_seconds"])
     assert result["cost_model_scale"] == pytest.approx(speed["scale"])
     assert set(result["simulated_vs_real_unscaled"]) == set(result["simulated_vs_real"])
     simulated, real = result["runs"]
@@ -82,9 +87,12 @@ def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_di
     assert main(["simulate", "--from-request-log", str(log), "--model", str(tiny_dir), "--cost-model",
                  str(tmp_path / "cm.json"), "--load-format", "dummy", "--cpu-threads", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    # the engine ran the speed probe's steps (eight requests: two rounds of four) and scaled the model by them
+    # the engine ran the speed probe's steps (three rounds of four requests); a model calibrated without a
+    # probe reference is scaled by the probe's time over the model's prediction for its steps
     speed = result["speed_probe"]
-    assert speed["predicted_seconds"] > 0 and result["cost_model_scale"] == pytest.approx(speed["scale"])
+    assert speed["reference_seconds"] is None and speed["predicted_seconds"] > 0
+    assert speed["scale"] == pytest.approx(speed["probe_seconds"] / speed["predicted_seconds"])
+    assert result["cost_model_scale"] == pytest.approx(speed["scale"]) and "recalibrate" in speed["note"]
     run = result["runs"][0]
     assert run["completed"] == 5 and run["output_tokens"] == 25 and run["prompt_tokens"] == sum(range(10, 15))
     assert set(run["ttft_ms_by_priority"]) == {"0", "1"}

@@ -9,9 +9,11 @@ by the prefix cache; each step is timed whole (schedule, execute, update, emit) 
 Calibration also times the runner's KV block copies between the cache and a swap pool (what
 preemption by swapping does), fitted as seconds per step that moves blocks plus seconds per block.
 
-:func:`measure_speed` is the speed probe: a few fixed steps of the real engine, timed against the
-cost model's prediction for the same steps. Their ratio is how much slower (or faster) the machine
-runs now than during calibration; ``pagoda simulate`` scales the cost model by it.
+:func:`measure_speed` is the speed probe: a few fixed steps of the real engine. Calibration ends by
+running it and records how long it took; later, the probe's time over that reference is how much slower
+(or faster) the machine runs now than during calibration, and ``pagoda simulate`` scales the cost model
+by it. (For a model saved before the reference was recorded, the probe is timed against the model's own
+prediction for its steps instead, which carries the fit's error at the probe's shapes.)
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pagoda.sampling_params import SamplingParams
 # prompt lengths timed alone; (batch size, context) decode shapes, each decoding `decode_steps` steps after
 # its prefill; (requests, prompt length) arriving every other step while the earlier ones decode
 FULL_GRID = dict(prefill=(16, 64, 256, 512, 1024, 2048),
-                 decodes=((1, 64), (4, 64), (16, 64), (32, 64), (64, 64), (1, 320), (8, 320), (24, 320),
+                 decodes=((1, 64), (4, 64), (16, 64), (32, 64), (64, 256), (1, 320), (8, 320), (24, 320),
                           (1, 768), (6, 768)),
                  mixed=((8, 128), (16, 384)), decode_steps=10)
 QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 48)), mixed=((4, 24),),
@@ -36,9 +38,10 @@ QUICK_GRID = dict(prefill=(8, 32, 96), decodes=((1, 16), (4, 16), (1, 48), (4, 4
 MOVE_SIZES = (1, 4, 16, 64)
 MOVE_REPEATS = 5
 # the speed probe: this many requests of this many prompt tokens arrive together and generate this many tokens
-# (one prefill step, then decodes of the whole batch), twice: 1 to 3 s on the default model at one thread
+# (one prefill step, then decodes of the whole batch), PROBE_ROUNDS times: 1.5 to 4 s on the default model
+# at one thread; calibration runs it at its start, middle and end and records the median as the reference
 PROBE_SHAPE = (4, 48, 16)
-PROBE_ROUNDS = 2
+PROBE_ROUNDS = 3
 
 
 class _StepTimer:
@@ -84,6 +87,9 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
     timer = _StepTimer()
     driver.add(64, 4)  # warm-up, not timed
     driver.drain()
+    # the reference for later speed probes: the probe's time at the start, the middle and the end of the
+    # calibration, so that it stands for the machine's speed over the same minutes as the fitted steps
+    probes = [run_probe(engine)[0]]
     engine.observers.append(timer)
     started = time.perf_counter()
     try:
@@ -98,6 +104,9 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
                     driver.add(context, grid["decode_steps"])
                 driver.drain()
         log(f"calibrate: decode timed ({len(timer.samples)} steps, {time.perf_counter() - started:.0f} s)")
+        engine.observers.remove(timer)
+        probes.append(run_probe(engine)[0])
+        engine.observers.append(timer)
         for num_requests, prompt_len in grid["mixed"]:
             for k in range(num_requests):
                 driver.add(prompt_len, 3 * num_requests)
@@ -105,35 +114,31 @@ def calibrate(engine, grid: Optional[dict] = None, log: Callable[[str], None] = 
                 engine.step()
             driver.drain()
     finally:
-        engine.observers.remove(timer)
+        if timer in engine.observers:
+            engine.observers.remove(timer)
     moves = time_block_moves(engine.runner)
+    probes.append(run_probe(engine)[0])
     cfg = engine.config
     meta = {"model": cfg.model.model, "dtype": str(cfg.model.dtype).removeprefix("torch."), "cpu": cpu_name(),
             "threads": engine.num_threads, "block_size": cfg.cache.block_size,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "calibration_seconds": round(time.perf_counter() - started, 1),
-            "block_moves": [[n, round(s, 7)] for n, s in moves]}
+            "block_moves": [[n, round(s, 7)] for n, s in moves],
+            "probe": {"shape": list(PROBE_SHAPE), "rounds": PROBE_ROUNDS, "seconds": [round(s, 4) for s in probes],
+                      "reference_seconds": round(sorted(probes)[1], 4)}}
     model = fit(timer.samples, meta)
     fixed, per_block = fit_block_moves(moves)
     model = CostModel(dict(model.coefficients, block_move_step=fixed, block_move=per_block), model.meta)
     log(f"calibrate: {len(timer.samples)} steps in {meta['calibration_seconds']} s; fit median error "
         f"{model.meta['median_rel_error']:.1%}, p90 {model.meta['p90_rel_error']:.1%}; block moves "
-        f"{fixed * 1e3:.2f} ms + {per_block * 1e6:.1f} us a block")
+        f"{fixed * 1e3:.2f} ms + {per_block * 1e6:.1f} us a block; speed probe {sorted(probes)[1]:.3f} s")
     return model
 
 
-def measure_speed(engine, cost_model: CostModel) -> dict:
-    """The speed probe: :data:`PROBE_SHAPE` through ``engine`` (idle) after one untimed warm-up request.
-
-    Returns ``scale`` (the probe steps' seconds over the cost model's prediction for the same steps; None
-    when the model should not be rescaled), ``probe_seconds``, ``predicted_seconds`` and a ``note``. A model
-    calibrated on another CPU is not rescaled: it describes that machine, and this one's speed says
-    nothing about it.
-    """
-    refusal = rescale_refusal(cost_model)
-    if refusal:
-        return {"scale": None, "probe_seconds": None, "predicted_seconds": None, "note": refusal}
+def run_probe(engine) -> tuple[float, list[tuple[tuple[float, ...], float]]]:
+    """:data:`PROBE_SHAPE` through ``engine`` (idle) :data:`PROBE_ROUNDS` times after one untimed warm-up
+    request: the timed steps' total seconds and each step's (cost-model features, seconds)."""
     driver = _Driver(engine, PromptMaker(engine.config.model.vocab_size, seed=54321))
     timer = _StepTimer()
     num_requests, prompt_len, output_len = PROBE_SHAPE
@@ -148,13 +153,47 @@ def measure_speed(engine, cost_model: CostModel) -> dict:
             driver.drain()
     finally:
         engine.observers.remove(timer)
-    measured = sum(s for _, s in timer.samples)
-    predicted = sum(cost_model.predict(f) for f, _ in timer.samples)
-    scale = measured / predicted if predicted > 0 else None
-    note = (f"speed probe: {len(timer.samples)} engine steps took {measured:.3f} s, the cost model predicts "
-            f"{predicted:.3f} s: cost model scaled by {scale:.2f}x" if scale else
-            "not rescaled: the cost model predicts no time for the probe's steps")
-    return {"scale": scale, "probe_seconds": measured, "predicted_seconds": predicted, "note": note}
+    return sum(s for _, s in timer.samples), timer.samples
+
+
+def probe_reference(cost_model: CostModel) -> Optional[float]:
+    """The seconds the speed probe took right after ``cost_model`` was calibrated, or None (a model saved
+    before the reference was recorded, or one whose probe had another shape)."""
+    probe = cost_model.meta.get("probe")
+    if not isinstance(probe, dict) or probe.get("shape") != list(PROBE_SHAPE) or probe.get("rounds") != PROBE_ROUNDS:
+        return None
+    seconds = probe.get("reference_seconds")
+    return float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else None
+
+
+def measure_speed(engine, cost_model: CostModel) -> dict:
+    """The speed probe (:func:`run_probe`) against its reference time recorded at calibration, or, for a
+    model without one, against the cost model's prediction for the probe's steps.
+
+    Returns ``scale`` (how many times slower the machine runs now; None when the model should not be
+    rescaled), ``probe_seconds``, ``reference_seconds`` (the probe at calibration, or None),
+    ``predicted_seconds`` (the model's prediction for the probe's steps) and a ``note``. A model calibrated
+    on another CPU is not rescaled: it describes that machine, and this one's speed says nothing about it.
+    """
+    refusal = rescale_refusal(cost_model)
+    if refusal:
+        return {"scale": None, "probe_seconds": None, "reference_seconds": None, "predicted_seconds": None,
+                "note": refusal}
+    measured, samples = run_probe(engine)
+    predicted = sum(cost_model.predict(f) for f, _ in samples)
+    reference = probe_reference(cost_model)
+    if reference is not None:
+        scale = measured / reference
+        note = (f"speed probe: {len(samples)} engine steps took {measured:.3f} s, {reference:.3f} s during "
+                f"calibration: cost model scaled by {scale:.2f}x")
+    else:
+        scale = measured / predicted if predicted > 0 else None
+        note = (f"speed probe: {len(samples)} engine steps took {measured:.3f} s, the cost model predicts "
+                f"{predicted:.3f} s (it was saved before calibration recorded a probe of its own; recalibrate "
+                f"for a steadier scale): cost model scaled by {scale:.2f}x" if scale else
+                "not rescaled: the cost model predicts no time for the probe's steps")
+    return {"scale": scale, "probe_seconds": measured, "reference_seconds": reference,
+            "predicted_seconds": predicted, "note": note}
 
 
 def time_block_moves(runner) -> list[tuple[int, float]]:

@@ -8,9 +8,10 @@ decoding sequence costs more than a 16-token prompt); ``prefill_tokens``: tokens
 ``decode_seqs``: one-token requests (decodes: per-sequence overhead, sampling, the LM head);
 ``decode_context``: the K/V positions those decodes attend to (decode attention reads them all);
 ``prefill_attention``: sum over prefill chunks of ``n * (start + n / 2)``, the query-key pairs
-causal attention computes. The coefficients are fitted (non-negative least squares on relative
-error) to steps of the real engine timed by ``pagoda simulate --calibrate``, whole steps (schedule,
-execute, update, emit) on the machine and settings the simulator stands in for.
+causal attention computes. The coefficients are fitted (non-negative least squares, each step's
+error over the square root of its time) to steps of the real engine timed by ``pagoda simulate
+--calibrate``, whole steps (schedule, execute, update, emit) on the machine and settings the
+simulator stands in for.
 
 A step that moves KV blocks (swapping preempted requests out to the CPU swap pool and back) costs
 ``block_move_step + block_move * num_blocks_moved`` more, from the runner's block copies timed by the
@@ -122,8 +123,8 @@ class CostModel:
 
 
 def fit(samples: Sequence[tuple[Sequence[float], float]], meta: Optional[dict] = None) -> CostModel:
-    """Non-negative least squares on relative error: a feature whose coefficient comes out negative is
-    dropped and the rest refitted. ``meta`` gains the fit's median and p90 relative error."""
+    """Non-negative weighted least squares (see :func:`_nonnegative_fit`): a feature whose coefficient comes
+    out negative is dropped and the rest refitted. ``meta`` gains the fit's median and p90 relative error."""
     import numpy as np
 
     if len(samples) < len(FEATURES):
@@ -148,11 +149,13 @@ def fit(samples: Sequence[tuple[Sequence[float], float]], meta: Optional[dict] =
 
 
 def _nonnegative_fit(x, y):
-    """Least squares on relative error with every coefficient >= 0 (a negative one is dropped and the
-    rest refitted)."""
+    """Weighted least squares with every coefficient >= 0 (a negative one is dropped and the rest refitted)."""
     import numpy as np
 
-    weights = 1.0 / np.maximum(y, 1e-6)  # relative error: a 10 ms step matters as much as a 1 s one
+    # between absolute and relative error: a step's residual counts over the square root of its time, so the
+    # few long prefills of a calibration do not decide the fit alone, nor do the many short decodes (which
+    # left the large decode batches that serving spends its time in 5 to 10% short under relative error)
+    weights = 1.0 / np.sqrt(np.maximum(y, 1e-6))
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:
