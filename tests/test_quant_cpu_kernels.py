@@ -87,17 +87,21 @@ def test_the_avx2_path_equals_the_dequantized_weight_for_every_batch_size(out_fe
     w = reference_weight(layer)
     plain = packed_layer(out_features, in_features, bits, group, dtype, seed=out_features + bits)
     bias = torch.randn(out_features).to(dtype)
-    for rows in (1, 2, 3, 5, 17):
+    for rows in (1, 2, 3, 5, 17, 33):  # the widened GEMM pads 17 and 33 rows to multiples of 16
         x = torch.randn(rows, in_features).to(dtype)
         expected = x.float() @ w.t() + bias.float()
         for gemm_min_rows in (DIRECT, GEMM):
             y = cpu_int_linear(avx2, layer, x, bias, IMPL_AUTO, gemm_min_rows)
             assert y.dtype == dtype and y.shape == (rows, out_features)
             assert_matches(y, expected, dtype)
-    if dtype != torch.float32:  # the GEMM path's tile holds what the torch path dequantizes, bit for bit
-        x = torch.randn(9, in_features).to(dtype)
-        got = cpu_int_linear(avx2, plain, x, None, IMPL_AUTO, GEMM, 4096)
+    x = torch.randn(9, in_features).to(dtype)
+    got = cpu_int_linear(avx2, plain, x, None, IMPL_AUTO, GEMM, 4096)
+    if dtype == torch.float16:  # the GEMM path's tile holds what the torch path dequantizes, bit for bit
         torch.testing.assert_close(got, F.linear(x, reference_like_torch(plain)), rtol=0, atol=0)
+    elif dtype == torch.bfloat16:
+        # the widened tiles hold the torch path's bf16 weight: its exact fp32 product, rounded once to bf16
+        exact = x.float() @ reference_like_torch(plain).float().t()
+        assert ((got.float() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

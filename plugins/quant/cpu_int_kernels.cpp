@@ -19,10 +19,14 @@
 // Larger batches (the GEMM path, chosen by the caller's gemm_min_rows): tiles of rows are
 // dequantized into one reused buffer in the model dtype, bit for bit what the torch path builds,
 // and multiplied by torch's GEMM, whose blocking beats register tiles once the dequantization is
-// shared by enough activation rows.
+// shared by enough activation rows. With AVX2 and no AVX-512, torch has no fast bf16 GEMM: there
+// each thread dequantizes 128 rows at a time to the same bf16 values, widens them to fp32 in its
+// own buffer and multiplies them by the fp32 activations (run_gemm_widened; what the dense layers'
+// gemm_bf16_fp32 does with bf16 weights).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -570,6 +574,67 @@ void run_gemm(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const 
   }
 }
 
+#ifdef PAGODA_AVX2
+// weight rows per thread tile of run_gemm_widened: 128 x in_features fp32 stays in L2 for this
+// model's layers (288 KiB at 576 columns), as in the dense gemm_bf16_fp32
+constexpr int64_t kWideTileRows = 128;
+
+// The GEMM path for bf16 without bf16 math: y_rows [M, rows] (a column range of y, bias added, one
+// bf16 rounding) from fp32 products of the activations and the dequantized rows widened to fp32.
+// The weight values are dequantize_row's bf16 ones, so this computes what the torch path's
+// dequantized weight gives, up to summation order.
+void run_gemm_widened(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes, const at::BFloat16* sp,
+                      const at::BFloat16* zp, int64_t G, const std::vector<Segment>& segs,
+                      const c10::optional<at::Tensor>& perm, int64_t rows, at::Tensor& y_rows,
+                      const at::BFloat16* bp) {
+  const int64_t M = x.size(0), K = x.size(1), ldy = y_rows.stride(0);
+  // activations in the packed column order, widened once, zero rows up to a multiple of 16 (the fp32
+  // GEMM ran 1.5 to 2x slower on 13 to 15, 31 or 47 rows than on 16, 32 or 48): [Mp, K] fp32
+  const int64_t Mp = (M + 15) / 16 * 16;
+  at::Tensor xf = at::zeros({Mp, K}, x.options().dtype(at::kFloat));
+  xf.narrow(0, 0, M).copy_(perm.has_value() ? x.index_select(1, *perm) : x);
+  at::BFloat16* yp = y_rows.data_ptr<at::BFloat16>();
+  const int64_t num_tiles = (rows + kWideTileRows - 1) / kWideTileRows;
+  const at::ThreadLocalState caller_state;  // inference / grad mode, for the tensor ops of the worker threads
+  at::parallel_for(0, num_tiles, 1, [&](int64_t first, int64_t last) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    const int64_t max_rows = std::min(kWideTileRows, rows);
+    at::Tensor tile = at::empty({max_rows, K}, xf.options());    // dequantized rows, widened
+    at::Tensor tile_y = at::empty({max_rows, Mp}, xf.options());  // their outputs, transposed
+    float* tp = tile.data_ptr<float>();
+    const float* ty = tile_y.data_ptr<float>();
+    std::vector<at::BFloat16> row(K);
+    std::vector<float> scale(G), zero(G);
+    const uint16_t* rb = reinterpret_cast<const uint16_t*>(row.data());
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t t0 = t * kWideTileRows, n = std::min(kWideTileRows, rows - t0);
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t o = t0 + r;
+        for (int64_t g = 0; g < G; ++g) {
+          scale[g] = to_float(sp[o * G + g]);
+          zero[g] = to_float(zp[o * G + g]);
+        }
+        dequantize_row<at::BFloat16>(w_q + o * row_bytes, segs, scale.data(), zero.data(), row.data(), true);
+        float* dst = tp + r * K;
+        int64_t c = 0;
+        for (; c + 8 <= K; c += 8) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rb + c));
+          _mm256_storeu_ps(dst + c, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+        }
+        for (; c < K; ++c) dst[c] = static_cast<float>(row[c]);
+      }
+      at::Tensor out = tile_y.narrow(0, 0, n);
+      at::mm_out(out, tile.narrow(0, 0, n), xf.t());  // [n, M]; one thread here: inside a parallel region
+      // [n, M] -> columns t0 .. t0 + n of y_rows, while the tile is in cache
+      for (int64_t m = 0; m < M; ++m) {
+        at::BFloat16* yr = yp + m * ldy + t0;
+        for (int64_t r = 0; r < n; ++r) yr[r] = static_cast<at::BFloat16>(ty[r * Mp + m] + (bp ? to_float(bp[t0 + r]) : 0.f));
+      }
+    }
+  });
+}
+#endif
+
 // tiles of rows to prefetch ahead of the one being multiplied
 constexpr int64_t kPrefetchTiles = 2;
 
@@ -587,6 +652,16 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scales,
   const std::vector<Segment> segs = make_segments(K, row_bytes, bits, group_size);
   if (M >= gemm_min_rows) {
     at::Tensor y_rows = y.narrow(1, row_start, rows);
+#ifdef PAGODA_AVX2
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      if (impl != kScalar) {
+        run_gemm_widened(x, w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes,
+                         w_scales.data_ptr<T>() + row_start * G, w_zeros.data_ptr<T>() + row_start * G, G, segs, perm,
+                         rows, y_rows, bias.has_value() ? bias->data_ptr<T>() + row_start : nullptr);
+        return;
+      }
+    }
+#endif
     run_gemm<T>(x, w_q.data_ptr<uint8_t>() + row_start * row_bytes, row_bytes, w_scales.data_ptr<T>() + row_start * G,
                 w_zeros.data_ptr<T>() + row_start * G, G, segs, bits, group_size, perm, rows, tile_rows, y_rows,
                 impl != kScalar);
