@@ -9,10 +9,10 @@ by the prefix cache; each step is timed whole (schedule, execute, update, emit) 
 Calibration also times the runner's KV block copies between the cache and a swap pool (what
 preemption by swapping does), fitted as seconds per step that moves blocks plus seconds per block.
 
-:func:`measure_speed` is the speed probe: a few fixed steps of the real engine. Calibration ends by
-running it and records how long it took; later, the probe's time over that reference is how much slower
-(or faster) the machine runs now than during calibration, and ``pagoda simulate`` scales the cost model
-by it. (For a model saved before the reference was recorded, the probe is timed against the model's own
+:func:`measure_speed` is the speed probe: a few fixed steps of the real engine. Calibration runs it at
+its start, middle and end and records the median time; later, the probe's time over that reference is
+how much slower (or faster) the machine runs now than during calibration, and ``pagoda simulate``
+scales the cost model by it. (For a model saved before the reference was recorded, the probe is timed against the model's own
 prediction for its steps instead, which carries the fit's error at the probe's shapes.)
 """
 
@@ -157,8 +157,8 @@ def run_probe(engine) -> tuple[float, list[tuple[tuple[float, ...], float]]]:
 
 
 def probe_reference(cost_model: CostModel) -> Optional[float]:
-    """The seconds the speed probe took right after ``cost_model`` was calibrated, or None (a model saved
-    before the reference was recorded, or one whose probe had another shape)."""
+    """The seconds the speed probe took during ``cost_model``'s calibration (the median of three), or None
+    (a model saved before the reference was recorded, or one whose probe had another shape)."""
     probe = cost_model.meta.get("probe")
     if not isinstance(probe, dict) or probe.get("shape") != list(PROBE_SHAPE) or probe.get("rounds") != PROBE_ROUNDS:
         return None
