@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -210,10 +211,18 @@ def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp
 
     offline = LLM(dtype="float32", max_model_len=512, cpu_threads=1).generate(
         "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    def running(pid: int) -> bool:
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+        except FileNotFoundError:
+            return False
+
     proc, url = start_server(tmp_path / "serve.log", "--tensor-parallel-size", "2")
     try:
         children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-        assert children, "the server should have spawned its second rank"
+        # the rank, and multiprocessing's resource tracker beside it
+        ranks = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert ranks, "the server should have spawned its second rank"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
         answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
                                            max_tokens=8, temperature=0.0)
@@ -221,8 +230,12 @@ def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    for pid in children:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert not any(running(pid) for pid in ranks)  # the server waited for its rank before it exited
+    # the resource tracker ends on its own once the server has gone (it was seen running a moment after)
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(pid) for pid in children)
 
 
 def test_the_torch_attention_backend_runs_sharded_with_the_tokens_of_one_rank():
