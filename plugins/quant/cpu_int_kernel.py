@@ -7,9 +7,9 @@ full-precision weight is ever built (see the comment at the top of the C++ file
 for the arithmetic). From there on (prefill, large decode batches) it
 dequantizes at most ``TILE_ROWS`` rows at a time into one reused buffer for
 torch's GEMM; on the AVX2 path, where torch has no fast bf16 GEMM, each thread
-dequantizes 128 rows at a time and widens them to fp32 for an fp32 GEMM. It is compiled on first use (about half a
-minute) and cached by torch's extension loader; when that fails (no compiler),
-layers fall back to the torch path.
+dequantizes 128 rows at a time and widens them to fp32 for an fp32 GEMM. It is
+compiled on first use (about half a minute) and cached by torch's extension
+loader; when that fails (no compiler), layers fall back to the torch path.
 """
 
 from __future__ import annotations

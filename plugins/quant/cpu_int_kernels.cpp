@@ -628,7 +628,8 @@ void run_gemm_widened(const at::Tensor& x, const uint8_t* w_q, int64_t row_bytes
       // [n, M] -> columns t0 .. t0 + n of y_rows, while the tile is in cache
       for (int64_t m = 0; m < M; ++m) {
         at::BFloat16* yr = yp + m * ldy + t0;
-        for (int64_t r = 0; r < n; ++r) yr[r] = static_cast<at::BFloat16>(ty[r * Mp + m] + (bp ? to_float(bp[t0 + r]) : 0.f));
+        for (int64_t r = 0; r < n; ++r)
+          yr[r] = static_cast<at::BFloat16>(ty[r * Mp + m] + (bp ? to_float(bp[t0 + r]) : 0.f));
       }
     }
   });

@@ -12,8 +12,9 @@ preemption by swapping does), fitted as seconds per step that moves blocks plus 
 :func:`measure_speed` is the speed probe: a few fixed steps of the real engine. Calibration runs it at
 its start, middle and end and records the median time; later, the probe's time over that reference is
 how much slower (or faster) the machine runs now than during calibration, and ``pagoda simulate``
-scales the cost model by it. (For a model saved before the reference was recorded, the probe is timed against the model's own
-prediction for its steps instead, which carries the fit's error at the probe's shapes.)
+scales the cost model by it. (For a model saved before the reference was recorded, the probe is
+timed against the model's own prediction for its steps instead, which carries the fit's error at the
+probe's shapes.)
 """
 
 from __future__ import annotations
