@@ -372,34 +372,35 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Explain photosynthe
 NUM_TOKENS = 24
 
 
-def test_default_model_with_fp8_kv_picks_bf16_kv_greedy_tokens():
-    """Free-running greedy runs part at the first near-tie (bf16 logits tie often), so agreement is
-    judged teacher-forced: on bf16-KV's greedy sequence, fp8-KV's argmax at every generated position.
+# nats: where fp8-KV's top choice is not bf16-KV's token, the two lie at most this far apart in fp8-KV's own
+# logprobs (measured on an AVX2-only AMD EPYC: 0.875 at worst, 139 of 144 positions agreeing; a broken fp8
+# cache prefers other tokens by many nats)
+FP8_NEAR_TIE = 1.5
 
-    Measured here (bf16 model, cpu backend): teacher-forced 138 of 144 positions agree, each
-    disagreement where bf16's own top-2 margin is 0.375 nats or less; free-running, 73 of 144 tokens
-    match (first divergences 24, 13, 0, 6, 9, 0), against 121 of 144 between the torch and cpu
-    backends both on bf16 KV, and 89 of 144 between a float32 and a bfloat16 model.
+
+def test_default_model_with_fp8_kv_picks_bf16_kv_greedy_tokens():
+    """Free-running greedy runs part at the first near-tie (bf16 logits tie often, and where depends on the
+    CPU's rounding), so agreement is judged teacher-forced: on bf16-KV's greedy sequence, fp8-KV's argmax at
+    every generated position, which must be bf16-KV's token or lie within ``FP8_NEAR_TIE`` of it.
     """
     params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     common = dict(dtype="bfloat16", swap_space=0, kv_cache_memory_bytes=32 << 20)
     bf16_runs = LLM(**common).generate(PROMPTS, params, use_tqdm=False)
     bf16 = [list(o.outputs[0].token_ids) for o in bf16_runs]
-    fp8_llm = LLM(kv_cache_dtype="fp8", **common)
-    fp8 = [list(o.outputs[0].token_ids) for o in fp8_llm.generate(PROMPTS, params, use_tqdm=False)]
-    free_matches = sum(a == b for x, y in zip(bf16, fp8) for a, b in zip(x, y))
-
+    fp8_llm = LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, **common)
     forced = fp8_llm.generate([{"prompt_token_ids": list(o.prompt_token_ids) + t} for o, t in zip(bf16_runs, bf16)],
                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    agree = 0
+    agree, gaps = 0, []
     for o, tokens, out in zip(bf16_runs, bf16, forced):
         n = len(o.prompt_token_ids)
         for j, token in enumerate(tokens):
             ranked = out.prompt_logprobs[n + j]  # the token at position n + j and fp8's top-1 there
-            agree += max(ranked, key=lambda t: ranked[t].logprob) == token
+            top = max(ranked, key=lambda t: ranked[t].logprob)
+            agree += top == token
+            gaps.append(ranked[top].logprob - ranked[token].logprob)
     total = NUM_TOKENS * len(PROMPTS)
-    assert agree >= 0.9 * total, (agree, total, free_matches)
-    assert free_matches >= 0.25 * total, (agree, total, free_matches)
+    assert max(gaps) <= FP8_NEAR_TIE, (f"fp8 KV prefers another token by {max(gaps):.3f} nats "
+                                       f"(allowed {FP8_NEAR_TIE}); {agree} of {total} positions agree")
 
 
 def test_default_model_fp8_kv_values_fit_e4m3_without_a_scale():
