@@ -18,9 +18,9 @@ SHAPES = [(1, 576), (7, 100), (64, 576), (300, 33)]
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    else:  # one bf16 ulp where the fp32 sums differ in order
+    else:  # one bf16 ulp where the fp32 sums differ in order (torch's own order depends on the CPU's ISA)
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
-        assert (a != b).float().mean() < 1e-3
+        assert int((a != b).sum()) <= max(2, a.numel() // 1000)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
