@@ -3,7 +3,7 @@
 Importing pagoda changes nothing in the process and loads no torch: the engine
 classes below are imported on first use, and host settings (threads, allocator,
 huge pages, kernels) are applied when an engine is built. To choose how OpenMP
-threads wait, call ``pagoda.host.set_openmp_wait_policy()`` before importing
+threads wait, call ``pagoda.host.settings.set_openmp_wait_policy()`` before importing
 torch (the ``pagoda`` command does).
 """
 
@@ -16,8 +16,8 @@ from pagoda.version import PLUGIN_API_VERSION, __version__
 
 # public name -> the module defining it, imported when the name is first used
 _LAZY = {
-    "LLM": "pagoda.llm",
-    "LLMEngine": "pagoda.engine",
+    "LLM": "pagoda.engine.llm",
+    "LLMEngine": "pagoda.engine.llm_engine",
     "EngineArgs": "pagoda.config",
     "SamplingParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",

@@ -12,11 +12,11 @@ import sys
 import typing
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from pagoda.env import HOST_VARIABLES
 from pagoda.errors import PagodaError
+from pagoda.host.env import HOST_VARIABLES
 
 if TYPE_CHECKING:
-    from pagoda.engine_args import EngineArgs
+    from pagoda.engine.engine_args import EngineArgs
 
 # flags whose values are JSON objects on the command line
 _JSON_FLAGS = {"speculative_config"}
@@ -24,7 +24,7 @@ _JSON_FLAGS = {"speculative_config"}
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--flag-name`` per EngineArgs field (vLLM's spelling), defaulting to "not given"."""
-    from pagoda.engine_args import EngineArgs
+    from pagoda.engine.engine_args import EngineArgs
 
     engine_group = parser.add_argument_group("engine options")
     host_group = parser.add_argument_group(
@@ -51,7 +51,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
     """EngineArgs from parsed flags: only the flags actually given, plus overrides."""
-    from pagoda.engine_args import EngineArgs
+    from pagoda.engine.engine_args import EngineArgs
 
     values = {name: getattr(ns, name) for name in EngineArgs.model_fields if getattr(ns, name, None) is not None}
     if getattr(ns, "kv_cache_space", None) is not None:
@@ -61,7 +61,7 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagoda.plugin_manager import get_plugin_manager
+    from pagoda.registry.plugin_manager import get_plugin_manager
 
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference and serving")
     parser.add_argument("--version", action="version", version=_version())
@@ -107,8 +107,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _choose_openmp_wait_policy(args: list[str]) -> None:
     """OpenMP reads its wait policy when torch loads it, so ``--omp-wait-policy`` (else its environment
     variable) is applied before the plugins, and torch with them, are imported."""
-    from pagoda.host import set_openmp_wait_policy
-    from pagoda.openmp import WAIT_POLICIES
+    from pagoda.host.openmp import WAIT_POLICIES
+    from pagoda.host.settings import set_openmp_wait_policy
 
     early = argparse.ArgumentParser(prog="pagoda", add_help=False, allow_abbrev=False)
     early.add_argument("--omp-wait-policy", default=None)

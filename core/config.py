@@ -1,7 +1,7 @@
 """Engine configuration: the frozen configs the engine and its plugins read.
 
-They are built from the flat options of :class:`pagoda.engine_args.EngineArgs` (the CLI flags), which
-this module also exports, as it does the dtype helpers of :mod:`pagoda.dtypes`.
+They are built from the flat options of :class:`pagoda.engine.engine_args.EngineArgs` (the CLI flags), which
+this module also exports, as it does the dtype helpers of :mod:`pagoda.modeling.dtypes`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
+from pagoda.modeling.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
                            is_fp8_kv_cache, resolve_dtype, resolve_kv_cache_dtype)
-from pagoda.env import HostConfig
+from pagoda.host.env import HostConfig
 
 __all__ = [
     "GiB", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "EngineConfig",
@@ -118,7 +118,7 @@ class EngineConfig:
 def __getattr__(name: str) -> Any:
     # EngineArgs builds the configs above, so its module imports this one: exported lazily
     if name in ("EngineArgs", "load_hf_config"):
-        from pagoda import engine_args
+        from pagoda.engine import engine_args
 
         return getattr(engine_args, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     import argparse
 
     from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-    from pagoda.plugin_manager import PluginManager
-    from pagoda.routing import ReplicaLoad, RoutingDecision, RoutingRequest
-    from pagoda.sampler import SamplerOutput
+    from pagoda.execution.routing import ReplicaLoad, RoutingDecision, RoutingRequest
+    from pagoda.registry.plugin_manager import PluginManager
+    from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
 
@@ -71,7 +71,7 @@ class CausalLM(Protocol):
         """``nn.Module.buffers`` (likewise)."""
 
     def modules(self) -> Iterator[Any]:
-        """``nn.Module.modules``: ``--profile`` times the ``pagoda.layers`` linear and attention modules it
+        """``nn.Module.modules``: ``--profile`` times the ``pagoda.modeling.layers`` linear and attention modules it
         finds there (a model built of other modules is profiled by engine phase only)."""
 
 
@@ -86,8 +86,8 @@ class KVCacheManager(Protocol):
 
     Optional, for the prefix cache's offload tiers (``--kv-offload-*``): an allocator whose class also
     defines ``init_offload``, ``take_tier_moves``, ``drop_failed_loads`` and ``tiers`` (as
-    :class:`pagoda.kv_tiers.TieredPrefixCache` does) can keep evicted prefix blocks in RAM and on disk;
-    core asks the class (``pagoda.kv_tiers.has_offload_tiers``) before using them, and refuses the flags
+    :class:`pagoda.kv.tiers.TieredPrefixCache` does) can keep evicted prefix blocks in RAM and on disk;
+    core asks the class (``pagoda.kv.tiers.has_offload_tiers``) before using them, and refuses the flags
     for an allocator without them.
     """
 
@@ -334,7 +334,7 @@ class Router(Protocol):
 
 @runtime_checkable
 class LinearMethod(Protocol):
-    """What a linear layer asks of its quant method (see ``pagoda.layers.linear``)."""
+    """What a linear layer asks of its quant method (see ``pagoda.modeling.layers.linear``)."""
 
     def create_weights(self, layer: Any, dtype: "torch.dtype") -> None:
         """Register the layer's parameters (packed shapes), each with a ``weight_loader``."""
@@ -364,7 +364,7 @@ class ModelLoaderFactory(Protocol):
 
 class ModelArchitectureFactory(Protocol):
     """The model class. With ``supports_tensor_parallel = True`` it builds the rank's shard that
-    ``pagoda.distributed.current()`` describes; without it the engine refuses more than one rank."""
+    ``pagoda.execution.distributed.current()`` describes; without it the engine refuses more than one rank."""
 
     def __call__(self, model_config: "ModelConfig", attention_backend: AttentionBackend,
                  quant_method: Optional[QuantMethod]) -> CausalLM: ...
@@ -397,7 +397,7 @@ class QuantMethodFactory(Protocol):
 
 
 class ProposerFactory(Protocol):
-    """``runner`` is the :class:`pagoda.model_runner.ModelRunner` (a draft model shares its KV block ids and
+    """``runner`` is the :class:`pagoda.execution.model_runner.ModelRunner` (a draft model shares its KV block ids and
     may register its own caches with ``runner.add_draft_kv_caches``); ``plugin_manager`` resolves a draft
     checkpoint's architecture and loader."""
 

@@ -17,11 +17,35 @@ from typing import Optional
 
 import torch
 
-from pagoda.kv_tiers import KVTierMoves
 from pagoda.sequence import Sequence
 
 # per sampled token: {token_id: (logprob, rank)} for the sampled token and the top-k alternatives
 TokenLogprobs = dict[int, tuple[float, int]]
+
+
+# (parent block's hash, the block's token ids, extra keys), as in pagoda.kv.blocks
+BlockKey = tuple
+
+@dataclass
+class KVTierMoves:
+    """One step's tier moves, performed by the runner before the forward pass in this field order.
+
+    Deletes and writes come first (they read blocks and slots before anything this step overwrites
+    them), loads last (they may read what this step wrote).
+    """
+
+    files_to_delete: list[int] = field(default_factory=list)  # block hashes evicted from the disk tier
+    # (RAM slot, block hash, key): a RAM entry moving down to disk before its slot is reused
+    ram_to_disk: list[tuple[int, int, BlockKey]] = field(default_factory=list)
+    blocks_to_ram: list[tuple[int, int]] = field(default_factory=list)  # (cache block, RAM slot)
+    # (cache block, block hash, key): straight to disk when no RAM slot is free (or there is no RAM tier)
+    blocks_to_disk: list[tuple[int, int, BlockKey]] = field(default_factory=list)
+    ram_to_blocks: list[tuple[int, int]] = field(default_factory=list)  # (RAM slot, cache block)
+    disk_to_blocks: list[tuple[int, int]] = field(default_factory=list)  # (block hash, cache block)
+
+    def __bool__(self) -> bool:
+        return any((self.files_to_delete, self.ram_to_disk, self.blocks_to_ram, self.blocks_to_disk,
+                    self.ram_to_blocks, self.disk_to_blocks))
 
 
 @dataclass

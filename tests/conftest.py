@@ -19,14 +19,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def host_settings_of_this_test(monkeypatch):
     """Each test starts with no engine's host settings in effect (kernels used without an engine follow the
     environment as the test set it), and an engine a test builds does not leave its settings to the next."""
-    from pagoda import host
+    from pagoda.host import settings as host
 
     monkeypatch.setattr(host, "_current", None)
 
 
 def pytest_terminal_summary(terminalreporter):
     """Which CPU code paths this run covered: the ISA level pagoda's kernels were built for."""
-    from pagoda import cpu_isa
+    from pagoda.host import cpu_isa
 
     level = cpu_isa.cpu_isa()
     hint = "" if cpu_isa.is_capped() or level in ("generic", "avx2") else " (make test-avx2 runs the AVX2 path here)"

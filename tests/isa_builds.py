@@ -6,8 +6,9 @@ from typing import Any, Sequence
 
 import pytest
 
-from pagoda import cpu_isa, host
-from pagoda.cpp_extension import load_cpu_extension
+from pagoda.host import cpu_isa
+from pagoda.host import settings as host
+from pagoda.host.cpp_extension import load_cpu_extension
 
 _BUILDS: dict[tuple[str, str], Any] = {}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_blocks import PagedKVCacheManager, hash_block
+from pagoda.kv.blocks import PagedKVCacheManager, hash_block
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.sampling_params import SamplingParams

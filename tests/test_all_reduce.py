@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda import LLM, distributed
-from pagoda.default_model import ensure_default_model
+from pagoda import LLM
 from pagoda.errors import ConfigError
-from pagoda.shm_all_reduce import NAME_PREFIX, shm_directory
+from pagoda.execution import distributed
+from pagoda.execution.shm_all_reduce import NAME_PREFIX, shm_directory
+from pagoda.modeling.default_model import ensure_default_model
 
 from test_tensor_parallel import PARAMS, PROMPTS, assert_same_tokens, run
 
@@ -42,8 +43,8 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
     """One of 2 ranks: joins over gloo, builds the shm backend, runs ``scenario``, saves what it saw."""
-    from pagoda import shm_all_reduce
-    from pagoda.shm_all_reduce import ShmAllReduce
+    from pagoda.execution import shm_all_reduce
+    from pagoda.execution.shm_all_reduce import ShmAllReduce
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
@@ -51,9 +52,9 @@ def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
     result: dict = {}
     try:
         if scenario == "fallback":
-            from pagoda.collectives import build_all_reduce
-            from pagoda.engine_args import EngineArgs
-            from pagoda.plugin_manager import PluginManager
+            from pagoda.engine.engine_args import EngineArgs
+            from pagoda.execution.collectives import build_all_reduce
+            from pagoda.registry.plugin_manager import PluginManager
 
             if rank == 1:  # as if rank 1 were on another host: rank 0's file is not there
                 def cannot_map(path, total, fd):
@@ -73,7 +74,7 @@ def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
         result["listed"] = sorted(p.name for p in Path(shm_directory()).glob(NAME_PREFIX + "*"))
         result["path"] = comm.path
         if scenario == "sums":
-            from pagoda.collectives import TorchAllReduce
+            from pagoda.execution.collectives import TorchAllReduce
             from pagoda.interfaces import AllReduce
 
             result["protocol"] = [isinstance(c, AllReduce) for c in (comm, TorchAllReduce(None, rank, 2, group, 1.0))]

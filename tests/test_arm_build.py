@@ -1,7 +1,7 @@
 """pagoda's C++ kernels build for 64-bit ARM (their x86 intrinsics are behind ISA guards, the scalar paths
 stand alone), checked with a cross compiler where one is installed
 (``apt-get install g++-aarch64-linux-gnu``). On ARM, /proc/cpuinfo has no x86 ``flags`` line, so
-pagoda.cpu_isa detects the ``generic`` level and the kernels build with the compiler's -march=native."""
+pagoda.host.cpu_isa detects the ``generic`` level and the kernels build with the compiler's -march=native."""
 
 from __future__ import annotations
 

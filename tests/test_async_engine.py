@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineStepError
+from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineStepError
 from pagoda.errors import InvalidRequestError
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]

@@ -27,7 +27,7 @@ def test_bench_kernels_times_the_torch_backend_on_a_cpu_and_reports_its_bandwidt
 
 
 def test_bench_kernels_counts_prefill_chunks_as_context_plus_causal_keys():
-    from pagoda.plugins.entrypoints.bench_kernels import Workload
+    from pagoda.plugins.entrypoints.bench.kernels import Workload
 
     # 3 new tokens after 5 cached ones see 6, 7 and 8 keys
     assert Workload(batch_size=2, seq_len=8, query_len=3).flops(num_heads=1, head_dim=1) == 4 * 21 * 2

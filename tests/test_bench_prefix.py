@@ -7,7 +7,7 @@ import re
 import pytest
 
 from pagoda.cli import main
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from pagoda.plugins.entrypoints.workloads import latency_1, random_64, shared_prefix
+from pagoda.plugins.entrypoints.bench.workloads import latency_1, random_64, shared_prefix
 
 SMOLLM2_VOCAB = 49152
 SMOLLM2_SPECIAL = {0, 1, 2}
@@ -48,8 +48,8 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path):
 
 
 def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_path):
-    from pagoda.llm import LLM
-    from pagoda.plugins.entrypoints.roofline import measure_roofline
+    from pagoda.engine.llm import LLM
+    from pagoda.plugins.entrypoints.bench.roofline import measure_roofline
     from tiny_models import write_tiny_checkpoint
 
     llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", dtype="bfloat16", quantization="fp8",
@@ -67,8 +67,8 @@ def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_pa
 def test_the_hf_baseline_runs_in_a_process_that_never_imports_pagoda():
     import json
 
-    from pagoda.default_model import ensure_default_model
-    from pagoda.plugins.entrypoints import hf_baseline
+    from pagoda.modeling.default_model import ensure_default_model
+    from pagoda.plugins.entrypoints.bench import hf_baseline
 
     job = {"kind": "static", "model": str(ensure_default_model()), "dtype": "float32", "threads": 1, "batch_size": 2,
            "requests": [[[5, 6, 7], 3], [[8, 9], 4], [[10], 2]]}
@@ -82,7 +82,7 @@ def test_the_hf_baseline_runs_in_a_process_that_never_imports_pagoda():
 
 def test_the_benchmark_header_names_each_kernels_isa_path(tmp_path):
     from pagoda import LLM
-    from pagoda.plugins.entrypoints.bench_throughput import kernel_isa_paths
+    from pagoda.plugins.entrypoints.bench.throughput import kernel_isa_paths
     from tiny_models import write_tiny_checkpoint
 
     llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", dtype="bfloat16", attention_backend="cpu",

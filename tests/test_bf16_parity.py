@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.cpu_isa import cpu_isa
+from pagoda.host.cpu_isa import cpu_isa
 from test_models import CONVERSATIONS, MAX_TOKENS, PROMPTS
 
 # nats. bf16's error on a top-two logprob gap, measured on these prompts, reached 0.47 (AVX2 on an AMD

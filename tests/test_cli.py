@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from pagoda.kv_blocks import PagedKVCacheManager
-from pagoda.plugin_manager import PluginManager
+from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.registry.plugin_manager import PluginManager
+from pagoda.sampling.sampler import Sampler, SamplerOutput
 from pagoda.version import PLUGIN_API_VERSION
 from pagoda.testing import (AttentionCase, ContractError, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler)

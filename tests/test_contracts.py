@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams, hookimpl, interfaces
-from pagoda.default_model import ensure_default_model
-from pagoda.plugin_manager import PluginManager
+from pagoda.modeling.default_model import ensure_default_model
+from pagoda.registry.plugin_manager import PluginManager
 
 _PROTOCOL_INTERNALS = set(dir(typing.Protocol)) | {"__protocol_attrs__", "__non_callable_proto_members__",
                                                    "_is_protocol", "_is_runtime_protocol", "__abstractmethods__"}
@@ -198,7 +198,7 @@ def test_speculation_stays_inside_the_contracts(seen, checked_model_dir, spec):
 
 
 def test_the_server_metrics_stay_inside_the_contracts(seen, checked_model_dir):
-    from pagoda.metrics import PrometheusExporter
+    from pagoda.engine.metrics import PrometheusExporter
 
     llm = checked_llm(seen, checked_model_dir)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -11,8 +11,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_blocks import PagedKVCacheManager
-from pagoda.metrics import EngineStats, PrometheusExporter
+from pagoda.engine.metrics import EngineStats, PrometheusExporter
+from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
@@ -78,7 +78,7 @@ def test_the_hpa_scales_on_the_waiting_queue_through_the_adapter_rule():
 
 
 def test_the_deployment_runs_pagoda_serve_with_valid_flags_and_probes_health():
-    from pagoda.plugins.entrypoints import serve
+    from pagoda.plugins.entrypoints.cli import serve
 
     deployment = yaml.safe_load((CONTRIB / "k8s" / "deployment.yaml").read_text())
     service = yaml.safe_load((CONTRIB / "k8s" / "service.yaml").read_text())

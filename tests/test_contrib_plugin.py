@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.plugin_manager import PluginManager
+from pagoda.registry.plugin_manager import PluginManager
 from tiny_models import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

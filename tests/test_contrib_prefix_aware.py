@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine_args import EngineArgs
-from pagoda.plugin_manager import PluginManager
+from pagoda.engine.engine_args import EngineArgs
 from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
 from pagoda.plugins.entrypoints.simulate.report import summarize_run
 from pagoda.plugins.entrypoints.simulate.simulator import build_engines, run_trace
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
+from pagoda.registry.plugin_manager import PluginManager
 from tiny_models import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Kernel builds are named by their source and flags, so checkouts sharing torch's cache never swap builds."""
 
-from pagoda.cpp_extension import _source_digest
+from pagoda.host.cpp_extension import _source_digest
 
 
 def test_a_kernel_builds_name_changes_with_its_source_and_its_flags(tmp_path):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagoda import cpu_isa
+from pagoda.host import cpu_isa
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 from pagoda.step import AttentionBatch

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagoda import cpu_isa
+from pagoda.host import cpu_isa
 
 ZEN1 = frozenset("fpu sse4_2 avx avx2 fma f16c bmi2".split())
 SKYLAKE_SP = ZEN1 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -24,8 +24,8 @@ def test_a_cap_lowers_the_level_but_never_raises_it():
 
 
 def test_the_cap_defaults_to_the_host_setting():
-    from pagoda.env import HostConfig
-    from pagoda.host import apply_host_settings
+    from pagoda.host.env import HostConfig
+    from pagoda.host.settings import apply_host_settings
 
     apply_host_settings(HostConfig(cpu_isa="generic", malloc_tuning=False))
     assert cpu_isa.cpu_isa() == "generic"
@@ -33,8 +33,8 @@ def test_the_cap_defaults_to_the_host_setting():
 
 
 def test_an_unknown_cap_names_the_levels(monkeypatch):
-    from pagoda.env import resolve_host_config
     from pagoda.errors import ConfigError
+    from pagoda.host.env import resolve_host_config
 
     with pytest.raises(ConfigError, match="cpu_isa 'avx1024' is not a CPU level; use auto or one of generic, avx2"):
         cpu_isa.cpu_isa("avx1024")
@@ -56,8 +56,8 @@ def test_a_capped_kernel_build_has_its_own_name_and_only_its_levels_flags():
 def test_auto_dtype_is_bf16_down_to_avx2_and_float32_below(monkeypatch, tmp_path):
     import torch
 
-    from pagoda.dtypes import resolve_dtype
-    from pagoda.engine_args import EngineArgs
+    from pagoda.engine.engine_args import EngineArgs
+    from pagoda.modeling.dtypes import resolve_dtype
     from tiny_models import write_tiny_checkpoint
 
     if torch.cuda.is_available():
@@ -86,6 +86,6 @@ def test_auto_dtype_is_bf16_down_to_avx2_and_float32_below(monkeypatch, tmp_path
 
 
 def test_the_levels_an_option_accepts_are_the_levels_there_are():
-    from pagoda.env import HOST_CHOICES
+    from pagoda.host.env import HOST_CHOICES
 
     assert HOST_CHOICES["cpu_isa"] == ("auto", *cpu_isa.LEVELS)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda import cpu_isa
+from pagoda.host import cpu_isa
 from pagoda.plugins.attention.cpu_backend import load_prefill_kernel
 
 kernel = load_prefill_kernel()

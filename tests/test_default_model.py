@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.default_model import default_gguf_path, ensure_default_model, resolve_model_path
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.modeling.default_model import default_gguf_path, ensure_default_model, resolve_model_path
 
 
 def test_default_model_is_a_cached_hf_checkpoint_directory():

@@ -20,13 +20,14 @@ import pytest
 from packaging.version import Version
 
 import scheduling_sim
-from pagoda import deprecation, hookspecs
-from pagoda.deprecation import (ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, REMOVED_OVERRIDES,
+from pagoda import hookspecs
+from pagoda.registry import deprecation
+from pagoda.registry.deprecation import (ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, REMOVED_OVERRIDES,
                                 Deprecation, renamed_method)
-from pagoda.plugin_manager import COMPONENT_HOOKS
 from pagoda.plugins.schedulers.base import FCFSScheduler, TokenBudgetScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
-from pagoda.sampler import Sampler
+from pagoda.registry.plugin_manager import COMPONENT_HOOKS
+from pagoda.sampling.sampler import Sampler
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 from pagoda.testing import SimRunner, check_scheduler
@@ -35,7 +36,7 @@ from pagoda.version import PLUGIN_API_VERSION
 CHANGELOG = Path(__file__).resolve().parents[1] / "docs" / "plugin-api-changelog.md"
 BASE_CLASSES = {"TokenBudgetScheduler": TokenBudgetScheduler, "Sampler": Sampler}
 # the modules removed in 1.2, and where their names live now
-REMOVED_MODULES = {"pagoda.request": "pagoda.sequence", "pagoda.kv_cache": "pagoda.kv_blocks",
+REMOVED_MODULES = {"pagoda.request": "pagoda.sequence", "pagoda.kv_cache": "pagoda.kv.blocks",
                    "pagoda.attention_batch": "pagoda.step",
                    "pagoda.plugins.schedulers.fcfs": "pagoda.plugins.schedulers.base"}
 
@@ -52,7 +53,7 @@ def test_every_deprecated_name_is_removed_in_a_later_api_version_than_this_one(e
     since, removed_in, current = Version(entry.since), Version(entry.removed_in), Version(PLUGIN_API_VERSION)
     assert current < removed_in, (
         f"{entry.old_name} was due for removal in plugin API {entry.removed_in} and pagoda's is "
-        f"{PLUGIN_API_VERSION}: delete its entry in pagoda.deprecation.DEPRECATIONS, the code honouring it "
+        f"{PLUGIN_API_VERSION}: delete its entry in pagoda.registry.deprecation.DEPRECATIONS, the code honouring it "
         "and its row in docs/plugin-api-changelog.md")
     assert since <= current
     # it keeps working through at least one whole minor version after the one that deprecated it
@@ -122,7 +123,7 @@ def moved_module(monkeypatch, tmp_path):
     """``pagoda_test_requests``, a (test-only) module whose names moved to :mod:`pagoda.sequence`, where
     ``Request`` is called ``Sequence``: the stub left under the old name, as pagoda's own were."""
     (tmp_path / "pagoda_test_requests.py").write_text(
-        "from pagoda.deprecation import deprecated_module\n\n__getattr__ = deprecated_module(__name__)\n")
+        "from pagoda.registry.deprecation import deprecated_module\n\n__getattr__ = deprecated_module(__name__)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "pagoda_test_requests", raising=False)
     add_deprecation(monkeypatch, Deprecation(MODULE, "pagoda_test_requests", "pagoda.sequence", "1.1", "1.3"),

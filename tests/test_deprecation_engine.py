@@ -2,7 +2,7 @@
 under its old name, and a sampler overriding the 1.0 name of one of its steps are used, with a warning.
 
 No hook and no component method has been renamed yet, so those mechanisms are shown on renames the tests
-add to pagoda.deprecation's table (tests/test_deprecation.py covers the table itself).
+add to pagoda.registry.deprecation's table (tests/test_deprecation.py covers the table itself).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import warnings
 import pluggy
 import pytest
 
-from pagoda import ConfigError, SamplingParams, deprecation, hookimpl, hookspecs
-from pagoda.deprecation import HOOK, METHOD, Deprecation
-from pagoda.plugin_manager import PluginManager
-from pagoda.sampler import Sampler
+from pagoda import ConfigError, SamplingParams, hookimpl, hookspecs
+from pagoda.registry import deprecation
+from pagoda.registry.deprecation import HOOK, METHOD, Deprecation
+from pagoda.registry.plugin_manager import PluginManager
+from pagoda.sampling.sampler import Sampler
 from tiny_models import tiny_llm, write_tiny_checkpoint
 
 
@@ -36,7 +37,7 @@ class CountingSampler:
     """The default sampler, counting its calls."""
 
     def __init__(self, model_config) -> None:
-        from pagoda.sampler import Sampler
+        from pagoda.sampling.sampler import Sampler
 
         self.sampler = Sampler(model_config)
         self.calls = 0
@@ -78,7 +79,7 @@ def test_an_installed_plugin_with_an_old_hook_name_loads_with_a_warning_naming_i
     # an installed distribution as pip leaves it: the module, and a dist-info with its entry point
     (tmp_path / "old_hook_sampler.py").write_text(
         "import pagoda\n"
-        "from pagoda.sampler import Sampler\n\n"
+        "from pagoda.sampling.sampler import Sampler\n\n"
         "@pagoda.hookimpl\n"
         "def pagoda_sampling_methods():\n"
         "    return {'old-hook-default': Sampler}\n")
@@ -124,7 +125,7 @@ class OldNamedLoader:
     """The dummy loader, with ``load_weights`` under the name it had before a (test-only) rename."""
 
     def __init__(self, model_config, loads: list) -> None:
-        from pagoda.loader import DummyLoader
+        from pagoda.modeling.loader import DummyLoader
 
         self.loader = DummyLoader(model_config)
         self.loads = loads

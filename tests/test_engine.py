@@ -11,7 +11,7 @@ import random
 import pytest
 
 from pagoda import LLM, ConfigError, InvalidRequestError, SamplingParams
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 from tiny_models import write_tiny_checkpoint
 
 PROMPTS = [

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagoda.env import env_bool, env_choice, env_number, parse_bool, parse_choice, parse_number
 from pagoda.errors import ConfigError
+from pagoda.host.env import env_bool, env_choice, env_number, parse_bool, parse_choice, parse_number
 
 
 @pytest.mark.parametrize("word", ["1", "true", "True", "TRUE", "yes", "Yes", "on", "ON", " on "])

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda import cpu_isa
-from pagoda.layers.fused_ops import cpu_ops, silu_and_mul
-from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.host import cpu_isa
+from pagoda.modeling.layers.fused_ops import cpu_ops, silu_and_mul
+from pagoda.modeling.layers.norm import RMSNorm
+from pagoda.modeling.layers.rotary import RotaryEmbedding
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be compiled here")
@@ -44,7 +44,7 @@ def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype,
     x, res = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
     fused_y, fused_res = norm(x.clone(), res.clone())
     fused_plain = norm(x.clone())
-    monkeypatch.setattr("pagoda.layers.norm.fused_for", lambda t: None)
+    monkeypatch.setattr("pagoda.modeling.layers.norm.fused_for", lambda t: None)
     ref_y, ref_res = norm(x.clone(), res.clone())
     assert torch.equal(fused_res, ref_res)
     _close(fused_y, ref_y)
@@ -127,7 +127,7 @@ def test_bf16_gemv_matches_an_fp32_matmul_of_the_same_values(rows, out_features,
 @pytest.mark.skipif(ops is None or ops.gemv_path() != "avx512_bf16",
                     reason=f"the AVX-512 BF16 GEMV; this CPU runs {cpu_isa.describe()} (AVX2: the test below)")
 def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
-    from pagoda.layers import fused_ops
+    from pagoda.modeling.layers import fused_ops
 
     calls = []
 
@@ -151,7 +151,7 @@ def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
 
 def _avx2_ops():
     from isa_builds import build_at
-    from pagoda.layers import fused_ops
+    from pagoda.modeling.layers import fused_ops
 
     return build_at("avx2", "pagoda_cpu_ops", fused_ops._SOURCE, ["-ffp-contract=off"])
 
@@ -210,7 +210,7 @@ def test_avx2_build_of_rotary_rotates_exactly_as_the_torch_formula_does(dtype, h
 
 
 def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm(monkeypatch):
-    from pagoda.layers import fused_ops
+    from pagoda.modeling.layers import fused_ops
 
     avx2 = _avx2_ops()
     calls = []

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagoda import host, malloc, openmp
-from pagoda.engine_args import EngineArgs
-from pagoda.env import HostConfig
-from pagoda.threads import available_cores
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.host import settings as host
+from pagoda.host import malloc
+from pagoda.host import openmp
+from pagoda.host.env import HostConfig
+from pagoda.host.threads import available_cores
 
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -45,7 +47,7 @@ def test_importing_pagoda_changes_nothing_in_the_process():
     report = json.loads(run_python(IMPORT_AND_REPORT.format(module="pagoda")).stdout)
     assert report["env_changed"] is False
     assert _third_party(report["new_modules"]) <= {"pluggy"}  # the hookimpl marker; no torch, no numpy
-    assert "pagoda.malloc" not in report["new_modules"] and "pagoda.openmp" not in report["new_modules"]
+    assert "pagoda.host.malloc" not in report["new_modules"] and "pagoda.host.openmp" not in report["new_modules"]
 
 
 def test_a_plugin_importing_the_marker_does_not_load_torch():
@@ -63,23 +65,23 @@ def test_the_public_names_load_on_first_use():
 
 
 def test_a_program_chooses_the_wait_policy_before_importing_torch():
-    out = run_python("import os, sys, pagoda.host\n"
+    out = run_python("import os, sys, pagoda.host.settings\n"
                      "assert 'torch' not in sys.modules\n"
-                     "print(pagoda.host.set_openmp_wait_policy('sleep'))\n"
+                     "print(pagoda.host.settings.set_openmp_wait_policy('sleep'))\n"
                      "import torch\n"
                      "print(os.environ['OMP_WAIT_POLICY'], 'GOMP_SPINCOUNT' in os.environ)").stdout.splitlines()
     assert out == ["sleep (omp_wait_policy sleep)", "PASSIVE False"]
 
 
 def test_the_wait_policy_defaults_to_its_variable():
-    out = run_python("import os, pagoda.host\npagoda.host.set_openmp_wait_policy()\n"
+    out = run_python("import os, pagoda.host.settings\npagoda.host.settings.set_openmp_wait_policy()\n"
                      "print(os.environ.get('GOMP_SPINCOUNT'))", PAGODA_OMP_WAIT_POLICY="spin").stdout
     assert out.strip() == openmp.SPIN_COUNT
 
 
 def test_the_pagoda_command_chooses_the_wait_policy_before_torch_loads():
     code = ("import sys\n"
-            "from pagoda import cli, openmp\n"
+            "from pagoda import cli\nfrom pagoda.host import openmp\n"
             "choose = openmp.choose_wait_policy\n"
             "def spy(policy):\n"
             "    print('torch loaded:', 'torch' in sys.modules, 'policy:', policy, file=sys.stderr)\n"
@@ -109,7 +111,7 @@ def test_an_engine_tunes_malloc_unless_its_setting_is_off(monkeypatch):
 
 
 def test_layer_switches_follow_the_settings_of_the_engine_built_last(monkeypatch):
-    from pagoda.layers import fused_ops, onednn
+    from pagoda.modeling.layers import fused_ops, onednn
     from pagoda.plugins.quant.base import kernel_for_device
 
     monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
@@ -141,7 +143,7 @@ def test_a_wait_policy_asked_for_too_late_is_warned_about(monkeypatch, caplog):
         assert caplog.text == ""
         host.apply_host_settings(HostConfig(omp_wait_policy="sleep"))
     assert "omp_wait_policy='sleep' cannot take effect" in caplog.text
-    assert "pagoda.host.set_openmp_wait_policy('sleep') before importing torch" in caplog.text
+    assert "pagoda.host.settings.set_openmp_wait_policy('sleep') before importing torch" in caplog.text
 
 
 # ---- HostTuning -------------------------------------------------------------------------------------
@@ -197,7 +199,7 @@ def test_held_threads_are_not_re_measured(engine_config):
 @pytest.mark.parametrize("huge_pages,expected", [(True, [10, 20, 30]), (False, [])])
 def test_the_heap_is_advised_after_each_step_a_quarter_larger_than_any_before(monkeypatch, engine_config,
                                                                               huge_pages, expected):
-    from pagoda import hugepages
+    from pagoda.host import hugepages
 
     tuning = host.HostTuning(engine_config(cpu_threads=1, huge_pages=huge_pages))
     advised = []

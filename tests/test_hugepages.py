@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda import hugepages
+from pagoda.host import hugepages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
@@ -43,8 +43,8 @@ def test_an_advised_tensor_is_backed_by_huge_pages_once_touched():
 
 
 def test_the_switch_turns_advice_off():
-    from pagoda.env import HostConfig
-    from pagoda.host import apply_host_settings
+    from pagoda.host.env import HostConfig
+    from pagoda.host.settings import apply_host_settings
 
     apply_host_settings(HostConfig(huge_pages=False, malloc_tuning=False))
     assert hugepages.advise_tensors([torch.empty(16 << 20, dtype=torch.uint8)]) == 0
@@ -58,7 +58,7 @@ def test_the_environment_turns_advice_off_before_any_engine_is_built(monkeypatch
 
 @needs_thp
 def test_the_engine_backs_its_kv_cache_with_huge_pages(tmp_path):
-    from pagoda.llm import LLM
+    from pagoda.engine.llm import LLM
     from tiny_models import write_tiny_checkpoint
 
     llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=64 << 20,
@@ -70,7 +70,7 @@ def test_the_engine_backs_its_kv_cache_with_huge_pages(tmp_path):
 
 
 def test_an_engine_built_without_huge_pages_advises_none(tmp_path, monkeypatch):
-    from pagoda.llm import LLM
+    from pagoda.engine.llm import LLM
     from tiny_models import write_tiny_checkpoint
 
     monkeypatch.setattr(hugepages, "_madvise", lambda: pytest.fail("advised with huge pages off"))

@@ -3,13 +3,13 @@
 import pytest
 
 from pagoda import interfaces
-from pagoda.engine_args import EngineArgs
-from pagoda.plugin_manager import get_plugin_manager
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.registry.plugin_manager import get_plugin_manager
 
 
 @pytest.fixture(scope="module")
 def engine_parts():
-    from pagoda.components import build_components
+    from pagoda.engine.components import build_components
 
     config = EngineArgs.build(dtype="float32", load_format="dummy", kv_cache_memory_bytes=1 << 24,
                               attention_backend="torch").create_engine_config()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pagoda.kv_blocks import PagedKVCacheManager, hash_block
+from pagoda.kv.blocks import PagedKVCacheManager, hash_block
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 from scheduling_sim import assert_kv_consistent

@@ -11,10 +11,10 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.cli import add_engine_args, engine_args_from
-from pagoda.engine_args import EngineArgs
-from pagoda.default_model import ensure_default_model
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.engine.metrics import PrometheusExporter
 from pagoda.errors import ConfigError
-from pagoda.metrics import PrometheusExporter
+from pagoda.modeling.default_model import ensure_default_model
 from tiny_models import write_tiny_llama
 
 rng = random.Random(5)

@@ -1,4 +1,4 @@
-"""The offload tiers' books (pagoda.kv_tiers) with the paged allocator and the fcfs scheduler, no model: a
+"""The offload tiers' books (pagoda.kv.tiers) with the paged allocator and the fcfs scheduler, no model: a
 simulated runner that keeps the token id in every KV slot, RAM slot and block file checks that every
 sequence attends to its own tokens, whatever the tiers moved."""
 
@@ -9,12 +9,12 @@ import random
 import pytest
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_blocks import PagedKVCacheManager, hash_block
-from pagoda.kv_tiers import KVTierIndex
+from pagoda.kv.blocks import PagedKVCacheManager, hash_block
+from pagoda.kv.tiers import KVTierIndex
 from pagoda.plugins.schedulers.base import FCFSScheduler
+from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
-from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.testing.scheduling import SimRunner, check_kv_allocator, check_scheduler, expected_output
 
 BS = 4

@@ -4,7 +4,7 @@ import platform
 
 import pytest
 
-from pagoda.malloc import keep_freed_memory
+from pagoda.host.malloc import keep_freed_memory
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")

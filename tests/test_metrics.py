@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_blocks import PagedKVCacheManager
-from pagoda.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineStats, Histogram,
+from pagoda.kv.blocks import PagedKVCacheManager
+from pagoda.engine.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineStats, Histogram,
                             PrometheusExporter)
 from pagoda.plugins.schedulers.base import TokenBudgetScheduler
 from pagoda.sampling_params import SamplingParams

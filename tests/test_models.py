@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 
 MAX_TOKENS = 24
 NUM_TOP = 5

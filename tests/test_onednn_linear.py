@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda import cpu_isa
-from pagoda.layers import onednn
-from pagoda.layers.linear import Linear
-from pagoda.llm import LLM
+from pagoda.engine.llm import LLM
+from pagoda.host import cpu_isa
+from pagoda.modeling.layers import onednn
+from pagoda.modeling.layers.linear import Linear
 from pagoda.plugins.quant.memory import weight_memory
 from pagoda.sampling_params import SamplingParams
 

@@ -94,5 +94,5 @@ def test_the_kernel_sources_compiled_on_first_use_are_in_the_wheel(wheel):
             if path.suffix in (".cpp", ".cu", ".h"):
                 sources.append(f"{package}/{path.relative_to(tree).as_posix()}")
     assert any(s.startswith("pagoda/plugins/attention/") for s in sources)
-    assert "pagoda/layers/cpu_ops.cpp" in sources
+    assert "pagoda/modeling/layers/cpu_ops.cpp" in sources
     assert sorted(s for s in sources if s not in names) == []

@@ -14,8 +14,8 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import CheckpointError, ConfigError
-from pagoda.plugin_manager import PluginManager
 from pagoda.plugins.schedulers.base import FCFSScheduler
+from pagoda.registry.plugin_manager import PluginManager
 from pagoda.testing import (check_attention_backend, check_kv_allocator, check_proposer, check_quant_method,
                             check_sampler, check_scheduler)
 from tiny_models import write_tiny_llama
@@ -172,7 +172,7 @@ def test_the_architecture_example(guide, tmp_path):
     import json
     import math
 
-    from pagoda.models.llama import LlamaForCausalLM
+    from pagoda.modeling.models.llama import LlamaForCausalLM
 
     write_tiny_llama(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -198,6 +198,6 @@ def test_the_cli_example(guide, capsys):
     count = int(capsys.readouterr().out.strip())
     from transformers import AutoTokenizer
 
-    from pagoda.default_model import ensure_default_model
+    from pagoda.modeling.default_model import ensure_default_model
 
     assert count == len(AutoTokenizer.from_pretrained(str(ensure_default_model()))("Hello there")["input_ids"])

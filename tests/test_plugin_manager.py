@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pagoda import ConfigError, SamplingParams, hookimpl
-from pagoda.plugin_manager import BUILTIN_DIST, PluginManager
+from pagoda.registry.plugin_manager import BUILTIN_DIST, PluginManager
 from tiny_models import tiny_llm, write_tiny_checkpoint
 
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
@@ -250,7 +250,7 @@ def pagoda_schedulers():
 
 @pagoda.hookimpl
 def pagoda_samplers():
-    from pagoda.sampler import Sampler
+    from pagoda.sampling.sampler import Sampler
     return {"lazy-default": Sampler}
 """
 
@@ -312,7 +312,7 @@ def test_a_plugin_object_registered_at_run_time_observes_finished_requests(site,
 
 
 def test_a_component_registered_at_run_time_is_selectable(site, tiny_dir):
-    from pagoda.sampler import Sampler
+    from pagoda.sampling.sampler import Sampler
 
     class CountingSampler(Sampler):
         calls = 0
@@ -362,7 +362,7 @@ def pagoda_attention_backends():
 
 
 def test_auto_picks_the_highest_ranked_backend_that_can_run_even_a_third_party_one(site, tiny_dir):
-    from pagoda.components import auto_backend_order
+    from pagoda.engine.components import auto_backend_order
 
     install_fake_dist(site, "acme-attn", "1.0", {"acme_attn": "acme_attn"}, {"acme_attn": RANKED_BACKENDS})
     pm = PluginManager().load()

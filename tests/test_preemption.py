@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pagoda import LLM, SamplingParams
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 from pagoda.sequence import SequenceStatus
 from pagoda.step import SchedulerOutput
 from scheduling_sim import (SimRunner, assert_kv_consistent, assert_prefix_cache_matches_contents, expected_output,

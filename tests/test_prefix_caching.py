@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 
 pytestmark = pytest.mark.slow
 

@@ -179,7 +179,7 @@ def test_online_int8_on_a_quantized_checkpoint_is_refused(tmp_path):
 
 
 def test_the_benchmark_header_names_the_int8_kernels_isa_path():
-    from pagoda.plugins.entrypoints.bench_throughput import kernel_isa_paths
+    from pagoda.plugins.entrypoints.bench.throughput import kernel_isa_paths
     from pagoda.plugins.quant.cpu_int8_kernel import isa_path
 
     llm = small_llm(TINY, dtype="float32", quantization="int8")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pagoda import cpu_isa
+from pagoda.host import cpu_isa
 from pagoda.plugins.quant.cpu_int8_kernel import (
     _SOURCE, CFLAGS, IMPL_AUTO, IMPL_SCALAR, cpu_int8_linear, int8_linear_reference, pack_int8_weight,
     quantize_per_token, unpack_int8_weight)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.rejection_sampler import RejectionSampler, accept_greedy, accept_sampled
+from pagoda.sampling.rejection_sampler import RejectionSampler, accept_greedy, accept_sampled
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 

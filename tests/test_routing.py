@@ -1,4 +1,4 @@
-"""Request routers (pagoda.routing): the decisions behind ``pagoda serve --replicas``, without Ray."""
+"""Request routers (pagoda.execution.routing): the decisions behind ``pagoda serve --replicas``, without Ray."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from pagoda.errors import ConfigError
 from pagoda.interfaces import Router
-from pagoda.kv_blocks import PagedKVCacheManager
-from pagoda.plugin_manager import get_plugin_manager
+from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.entrypoints.replicas.fleet_metrics import merge_replica_metrics
-from pagoda.routing import (LeastLoadedRouter, PowerOfTwoRouter, PrefixAwareRouter, ReplicaLoad, RoutingRequest,
+from pagoda.registry.plugin_manager import get_plugin_manager
+from pagoda.execution.routing import (LeastLoadedRouter, PowerOfTwoRouter, PrefixAwareRouter, ReplicaLoad, RoutingRequest,
                             make_router, prompt_block_hashes)
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagoda.config import ModelConfig
-from pagoda.sampler import Sampler
+from pagoda.sampling.sampler import Sampler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 
@@ -269,7 +269,7 @@ def test_sampler_does_not_modify_the_callers_logits():
 
 
 def test_row_argmax_matches_torch_including_ties_nans_and_all_minus_inf():
-    from pagoda.sampler import argmax_rows
+    from pagoda.sampling.sampler import argmax_rows
 
     g = torch.Generator().manual_seed(3)
     for rows, vocab in [(1, 5), (3, 49152), (64, 49152), (7, 33)]:

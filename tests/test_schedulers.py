@@ -12,10 +12,10 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.default_model import ensure_default_model
-from pagoda.plugin_manager import get_plugin_manager
+from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.registry.plugin_manager import get_plugin_manager
 from pagoda.sequence import SequenceStatus
 from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
                             run_until_done, step)
@@ -281,8 +281,8 @@ def test_chunked_prefill_generates_the_same_tokens_as_whole_prompts(whole_prompt
 @pytest.mark.slow
 @pytest.mark.parametrize("block_size, bound", [(16, 0.05), (8, 0.025)])
 def test_kv_waste_at_the_peak_of_w1_is_only_each_request_s_last_block_tail(block_size, bound):
-    from pagoda.components import load_tokenizer
-    from pagoda.plugins.entrypoints.workloads import random_64
+    from pagoda.engine.components import load_tokenizer
+    from pagoda.plugins.entrypoints.bench.workloads import random_64
 
     tokenizer = load_tokenizer(str(ensure_default_model()), None)
     workload = random_64(49152, set(tokenizer.all_special_ids))

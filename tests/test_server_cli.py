@@ -85,7 +85,7 @@ def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
     assert summary["completed"] == 2 and summary["failed"] == 0
     assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
     # W1 requests produce exactly their drawn output lengths (ignore_eos, min_tokens = max_tokens)
-    from pagoda.plugins.entrypoints.bench_serve import w1_requests
+    from pagoda.plugins.entrypoints.bench.serve import w1_requests
 
     assert summary["output_tokens"] == sum(r.output_len for r in w1_requests(None, 2))
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagoda import LLM
-from pagoda.async_engine import AsyncLLMEngine
+from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
 MAX_MODEL_LEN = 64

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda import LLM, SamplingParams, hookimpl
-from pagoda.async_engine import AsyncLLMEngine
+from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
 API_KEY = "sk-pagoda-test"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pagoda import LLM
-from pagoda.async_engine import AsyncLLMEngine
+from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
 SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent))

@@ -12,7 +12,7 @@ import pytest
 from pagoda.cli import main
 from pagoda.config import EngineArgs
 from pagoda.errors import ConfigError
-from pagoda.plugin_manager import get_plugin_manager
+from pagoda.registry.plugin_manager import get_plugin_manager
 from pagoda.plugins.entrypoints.simulate.calibrate import (PROBE_ROUNDS, PROBE_SHAPE, fit_block_moves,
                                                             measure_speed, probe_reference)
 from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
@@ -165,8 +165,8 @@ def test_two_replicas_share_the_load_and_finish_everything(pm):
 
 
 def test_the_prefix_aware_router_keeps_each_group_on_one_replica_and_hits_more(pm):
+    from pagoda.execution.routing import make_router
     from pagoda.plugins.entrypoints.simulate.simulator import router_route
-    from pagoda.routing import make_router
 
     # 4 prefix groups arriving in turn, 2 replicas whose pools hold about two groups' prefixes each
     trace = [TraceRequest(i * 0.05, 8, 272, prefix_group=i % 4, prefix_len=256) for i in range(64)]

@@ -67,8 +67,8 @@ def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_rea
 def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_dir, tmp_path, capsys):
     from pagoda import LLM, SamplingParams
     from pagoda.cli import build_parser
-    from pagoda.plugin_manager import PluginManager
     from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter
+    from pagoda.registry.plugin_manager import PluginManager
 
     assert build_parser().parse_args(["serve", "--request-log", "x.jsonl"]).request_log == "x.jsonl"
     log = tmp_path / "requests.jsonl"
@@ -102,9 +102,9 @@ def test_timing_the_swap_copies_leaves_the_kv_cache_and_the_swap_pool_size_as_th
     import torch
 
     from pagoda.config import EngineArgs
-    from pagoda.engine import LLMEngine
-    from pagoda.plugin_manager import get_plugin_manager
+    from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.calibrate import MOVE_SIZES, time_block_moves
+    from pagoda.registry.plugin_manager import get_plugin_manager
 
     config = EngineArgs.build(model=str(tiny_dir), load_format="dummy", cpu_threads=1,
                               num_gpu_blocks_override=80).create_engine_config()

@@ -221,7 +221,7 @@ def test_an_unknown_proposer_is_a_config_error_listing_the_available_ones(tiny_m
 
 @pytest.mark.slow
 def test_acceptance_counters_are_exported_with_the_servers_metrics(tiny_models):
-    from pagoda.metrics import PrometheusExporter
+    from pagoda.engine.metrics import PrometheusExporter
 
     target, _ = tiny_models
     llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3})

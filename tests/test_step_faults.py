@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.default_model import ensure_default_model
 from pagoda.errors import StepFailedError
+from pagoda.modeling.default_model import ensure_default_model
 
 PROMPTS = [
     "The capital of France is",

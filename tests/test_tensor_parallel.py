@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import save_file
 
 from pagoda import LLM, SamplingParams, hookimpl
-from pagoda.components import build_components
-from pagoda.engine_args import EngineArgs
-from pagoda.default_model import ensure_default_model
+from pagoda.engine.components import build_components
+from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
-from pagoda.models.llama import LlamaForCausalLM
-from pagoda.plugin_manager import PluginManager
+from pagoda.modeling.default_model import ensure_default_model
+from pagoda.modeling.models.llama import LlamaForCausalLM
+from pagoda.registry.plugin_manager import PluginManager
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
            " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 10)), "Hello"]

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from pagoda import openmp
-from pagoda.env import resolve_cpu_threads
-from pagoda.threads import available_cores, configure_threads, measure_best_threads
+from pagoda.host import openmp
+from pagoda.host.env import resolve_cpu_threads
+from pagoda.host.threads import available_cores, configure_threads, measure_best_threads
 
 
 def test_explicit_thread_count_wins_over_the_environment(monkeypatch):
@@ -113,7 +113,7 @@ def test_kernel_threads_sleeping_tasks_and_this_process_are_not_counted(tmp_path
 
 
 def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeypatch):
-    from pagoda.threads import ThreadGovernor
+    from pagoda.host.threads import ThreadGovernor
 
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
     assert ThreadGovernor.for_setting(resolve_cpu_threads(1), 1) is None  # --cpu-threads given
@@ -135,7 +135,7 @@ def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeyp
 
 
 def test_the_engine_re_measures_its_threads_while_it_runs(monkeypatch, tmp_path):
-    from pagoda.llm import LLM
+    from pagoda.engine.llm import LLM
     from pagoda.sampling_params import SamplingParams
     from tiny_models import write_tiny_checkpoint
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pagoda.default_model import ensure_default_model
+from pagoda.modeling.default_model import ensure_default_model
 
 TINY_LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 32,

@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(__doc__)
     src = Path(argv[0])
     if argv[0] == "default":
-        from pagoda.default_model import resolve_model_path
+        from pagoda.modeling.default_model import resolve_model_path
 
         src = resolve_model_path(None)
     reference = convert(src, Path(argv[1]))

@@ -171,7 +171,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.group < 8 or args.group & (args.group - 1):
         parser.error(f"--group {args.group}: use a power of two >= 8 (32, 64, 128), as GPTQ and AWQ loaders expect")
     if args.src is None:
-        from pagoda.default_model import ensure_default_model
+        from pagoda.modeling.default_model import ensure_default_model
 
         args.src = ensure_default_model()
     sym = not args.asym and args.format != "awq"

@@ -39,7 +39,7 @@ CASES = (
 
 
 class _Layer:
-    """What a backend may read from the layer it serves (see ``pagoda.layers.attention.Attention``)."""
+    """What a backend may read from the layer it serves (see ``pagoda.modeling.layers.attention.Attention``)."""
 
     def __init__(self, case: AttentionCase, scale: float) -> None:
         self.layer_idx = 0

@@ -25,10 +25,10 @@ def check_proposer(factory: ProposerFactory, speculative_config: Optional[dict] 
     generation with it gives exactly the tokens of plain decoding (the rejection sampler is exact). Runs the
     real engine on ``model`` (default: pagoda's default model), float32. ``speculative_config`` adds keys
     (for example ``{"model": ...}``) to ``method`` and ``num_speculative_tokens``. Raises ContractError."""
-    from pagoda.default_model import ensure_default_model
-    from pagoda.llm import LLM
+    from pagoda.engine.llm import LLM
     from pagoda.markers import hookimpl
-    from pagoda.plugin_manager import PluginManager
+    from pagoda.modeling.default_model import ensure_default_model
+    from pagoda.registry.plugin_manager import PluginManager
 
     name = getattr(factory, "__name__", repr(factory))
     checked: list[str] = []  # one entry per propose() call: "" or what was wrong
@@ -77,7 +77,7 @@ def _proposer_engine_options(model: str) -> dict:
 @functools.lru_cache(maxsize=2)
 def _plain_tokens(model: str) -> tuple[list[int], ...]:
     """Greedy tokens of the proposer prompts without speculation (computed once per model)."""
-    from pagoda.llm import LLM
+    from pagoda.engine.llm import LLM
 
     outputs = LLM(**_proposer_engine_options(model)).generate(PROPOSER_PROMPTS, _PROPOSER_PARAMS, use_tqdm=False)
     return tuple(o.outputs[0].token_ids for o in outputs)

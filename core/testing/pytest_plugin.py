@@ -47,13 +47,13 @@ def pagoda_conformance(request: pytest.FixtureRequest) -> SimpleNamespace:
 
 @pytest.fixture(scope="session")
 def pagoda_model_dir() -> str:
-    from pagoda.default_model import ensure_default_model
+    from pagoda.modeling.default_model import ensure_default_model
 
     return str(ensure_default_model())
 
 
 @pytest.fixture
 def pagoda_plugin_manager():
-    from pagoda.plugin_manager import PluginManager
+    from pagoda.registry.plugin_manager import PluginManager
 
     return PluginManager().load()

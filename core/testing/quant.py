@@ -33,7 +33,7 @@ def check_quant_method(factory: QuantMethodFactory, quant_config: Optional[dict]
     their dequantized weights ``W`` (default tolerance 1e-2: only rounding of activations and sums). An
     online method (no ``make_tensors``) is given dense ``weight`` shards and held to the dense weights
     (default tolerance 0.08: the method's own quantization error). Raises ContractError."""
-    from pagoda.layers.linear import Linear
+    from pagoda.modeling.layers.linear import Linear
 
     name = getattr(factory, "__name__", repr(factory))
     mc, _ = component_configs(AttentionCase(1, 1, 64, 16, (0,), (1,)), dtype)

@@ -17,7 +17,7 @@ from typing import Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.interfaces import KVAllocatorFactory, SchedulerFactory
-from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
@@ -91,7 +91,7 @@ class SimRunner:
         return RunnerOutput(sampled, [None] * n, [None] * n, [0] * n)
 
     def _move_tiers(self, moves) -> None:
-        """Offload-tier moves, in the order the real runner performs them (see pagoda.kv_tiers.KVTierMoves)."""
+        """Offload-tier moves, in the order the real runner performs them (see pagoda.kv.tiers.KVTierMoves)."""
         for block_hash in moves.files_to_delete:
             if self.disk.pop(block_hash, None) is None:
                 raise ContractError(f"the disk tier deletes block file {block_hash}, which was never written")

@@ -24,10 +24,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda import host
 from pagoda.config import CacheConfig, ModelConfig
-from pagoda.cpp_extension import load_cpu_extension
 from pagoda.errors import BackendUnavailable
+from pagoda.host import settings as host
+from pagoda.host.cpp_extension import load_cpu_extension
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
 from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
                                                      split_padding, write_kv)
@@ -77,7 +77,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Same KV layout as ``torch``; a C++ kernel instead of gathers for cached-context attention."""
 
     name = "cpu"
-    # rank for attention_backend="auto" per device (higher first; see pagoda.components.auto_backend_order)
+    # rank for attention_backend="auto" per device (higher first; see pagoda.engine.components.auto_backend_order)
     auto_priority = {"cpu": 20}
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:

@@ -8,9 +8,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from pagoda import host
-from pagoda.env import QUANT_KERNELS
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.host import settings as host
+from pagoda.host.env import QUANT_KERNELS
 
 # pagoda's fused layers and the checkpoint modules stacked into them, in shard order
 FUSED_MODULES = {

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagoda.cpp_extension import load_cpu_extension_or_none
+from pagoda.host.cpp_extension import load_cpu_extension_or_none
 
 _SOURCE = Path(__file__).with_name("cpu_int8_kernels.cpp")
 # exact float rounding in the epilogue ((sum * s_x) * s_w + bias, never fused into an FMA), as in the reference

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagoda.cpp_extension import load_cpu_extension_or_none
+from pagoda.host.cpp_extension import load_cpu_extension_or_none
 
 _SOURCE = Path(__file__).with_name("cpu_int_kernels.cpp")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from pagoda.layers.linear import Linear
+from pagoda.modeling.layers.linear import Linear
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.deprecation import adopt_renamed_overrides
-from pagoda.kv_tiers import has_offload_tiers
+from pagoda.kv.tiers import has_offload_tiers
 from pagoda.plugins.schedulers.admission import WaitingAdmission
+from pagoda.registry.deprecation import adopt_renamed_overrides
 from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 

@@ -32,13 +32,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pagoda.components import select_attention_backend
 from pagoda.config import EngineConfig, SpeculativeConfig
-from pagoda.engine_args import EngineArgs
+from pagoda.engine.components import select_attention_backend
+from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
-from pagoda.model_runner import FlatBatch
-from pagoda.rejection_sampler import target_probs, with_bias
-from pagoda.sampler import _generator_for
+from pagoda.execution.model_runner import FlatBatch
+from pagoda.sampling.rejection_sampler import target_probs, with_bias
+from pagoda.sampling.sampler import _generator_for
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 

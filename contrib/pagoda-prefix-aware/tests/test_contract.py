@@ -6,7 +6,7 @@ randomised streams with shared prefixes, preemption, swap and aborts), and order
 import functools
 
 from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.kv_blocks import PagedKVCacheManager
+from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 

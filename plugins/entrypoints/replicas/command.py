@@ -11,8 +11,8 @@ from typing import Any
 
 from pagoda.cli import engine_args_from
 from pagoda.errors import ConfigError
+from pagoda.execution.routing import make_router
 from pagoda.plugins.entrypoints.replicas.deployments import ReplicaSetOptions
-from pagoda.routing import make_router
 
 logger = logging.getLogger("pagoda")
 

@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 from starlette.responses import Response
 
-from pagoda.engine_args import EngineArgs
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.execution.routing import RoutingRequest, prompt_block_hashes
 from pagoda.plugins.entrypoints.replicas.fleet_metrics import merge_replica_metrics
 from pagoda.plugins.entrypoints.replicas.forward import ForwardedRequest, ResponseStart, run_asgi
-from pagoda.routing import RoutingRequest, prompt_block_hashes
 
 # the paths whose body holds a prompt to route by
 _PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -52,10 +52,10 @@ class EngineReplica:
     def __init__(self, engine_args: EngineArgs, options: ReplicaSetOptions) -> None:
         from ray import serve
 
-        from pagoda.async_engine import AsyncLLMEngine
-        from pagoda.engine import LLMEngine
-        from pagoda.plugin_manager import get_plugin_manager
+        from pagoda.engine.async_engine import AsyncLLMEngine
+        from pagoda.engine.llm_engine import LLMEngine
         from pagoda.plugins.entrypoints.server import build_app
+        from pagoda.registry.plugin_manager import get_plugin_manager
 
         self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args, get_plugin_manager()))
         self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
@@ -85,7 +85,7 @@ class Ingress:
     """The one HTTP entry: forwards every request to an engine replica, counts where prompts went."""
 
     def __init__(self, engine: Any, engine_args: EngineArgs, options: ReplicaSetOptions) -> None:
-        from pagoda.components import load_tokenizer
+        from pagoda.engine.components import load_tokenizer
 
         config = engine_args.create_engine_config()
         self.engine = engine

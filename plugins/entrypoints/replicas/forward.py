@@ -7,7 +7,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pagoda.routing import RoutingDecision, RoutingRequest
+from pagoda.execution.routing import RoutingDecision, RoutingRequest
 
 NO_PROMPT = RoutingRequest("", (), 0)
 

@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from pagoda.plugin_manager import get_plugin_manager
+from pagoda.execution.routing import ReplicaLoad, make_router
 from pagoda.plugins.entrypoints.replicas.forward import NO_PROMPT, ForwardedRequest
-from pagoda.routing import ReplicaLoad, make_router
+from pagoda.registry.plugin_manager import get_plugin_manager
 
 
 class PagodaRequestRouter(RequestRouter):

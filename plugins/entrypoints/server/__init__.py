@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: a FastAPI app whose routes come from ``pagoda_add_routes``.
 
-``build_app`` wires an :class:`~pagoda.async_engine.AsyncLLMEngine` into an
+``build_app`` wires an :class:`~pagoda.engine.async_engine.AsyncLLMEngine` into an
 app: every plugin's ``pagoda_add_routes(app, engine)`` adds its routes (the
 built-in OpenAI routes arrive the same way), errors take OpenAI's shape, and a
 guard checks the Host, the API key and the body first. ``make_uvicorn_server`` runs it under uvicorn
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI
 
-from pagoda.async_engine import AsyncLLMEngine
+from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server.errors import document_errors, install_error_handlers
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
 from pagoda.version import __version__

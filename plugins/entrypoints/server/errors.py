@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
+from pagoda.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineStepError
 from pagoda.errors import InvalidRequestError, PagodaError
 
 logger = logging.getLogger("pagoda.server")

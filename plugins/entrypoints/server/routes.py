@@ -7,8 +7,8 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from pagoda.async_engine import AsyncLLMEngine
-from pagoda.metrics import PrometheusExporter
+from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.metrics import PrometheusExporter
 from pagoda.plugins.entrypoints.server.chat import create_chat_completion, plain_messages, render_chat
 from pagoda.plugins.entrypoints.server.completions import create_completion
 from pagoda.plugins.entrypoints.server.errors import APIError, error_response

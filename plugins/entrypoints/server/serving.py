@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 
-from pagoda.async_engine import AsyncLLMEngine, request_cost_tokens
+from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
 from pagoda.outputs import RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields

@@ -122,7 +122,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
     cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(
         config.model.model, dtype, config.parallel.cpu_threads)
     log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
-    from pagoda.engine import LLMEngine
+    from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate, rescale_refusal
     from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
 
@@ -208,9 +208,9 @@ def step_time_check(config, ns: argparse.Namespace, cost_model, trace, samples, 
 
 def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate,
                   router_name: str = "least-loaded", router_options: Optional[dict] = None):
+    from pagoda.execution.routing import make_router
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
     from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route, run_trace, with_policy
-    from pagoda.routing import make_router
 
     started = time.perf_counter()
     engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed)
@@ -230,7 +230,7 @@ def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, see
 def run_real(config, pm, trace, seed: int, rate, engine=None) -> tuple[dict, list]:
     """The trace through ``engine`` (an idle LLMEngine; one is built for the run if None) on the wall clock:
     its report and the (cost-model features, seconds) of each of its steps."""
-    from pagoda.engine import LLMEngine
+    from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.real import replay_real, warm_up
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
     from pagoda.plugins.entrypoints.simulate.trace import PromptMaker

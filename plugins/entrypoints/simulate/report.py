@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from pagoda.plugins.entrypoints.bench_serve import format_summary, percentiles, summary_from
+from pagoda.plugins.entrypoints.bench.serve import format_summary, percentiles, summary_from
 from pagoda.plugins.entrypoints.simulate.simulator import RunRecord
 
 # points of the KV usage time series in the report

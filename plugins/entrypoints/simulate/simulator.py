@@ -219,7 +219,7 @@ def least_loaded(index: int, request: TraceRequest, engines: list[SimulatedEngin
 def router_route(router, block_size: int) -> Route:
     """A ``pagoda_routers`` router (what ``pagoda serve --replicas`` routes with) as a simulator route: it sees
     the prompt's chained block hashes and each replica's unfinished requests, as behind the server."""
-    from pagoda.routing import ReplicaLoad, RoutingRequest, prompt_block_hashes
+    from pagoda.execution.routing import ReplicaLoad, RoutingRequest, prompt_block_hashes
 
     def route(index: int, request: TraceRequest, engines: list[SimulatedEngine]) -> int:
         tokens = engines[0].prompts.tokens(index, request)
@@ -235,7 +235,7 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
                   num_replicas: int = 1, seed: int = 0) -> tuple[list[SimulatedEngine], RunRecord]:
     """``num_replicas`` simulated engines with the configured scheduler and KV allocator plugins, sized as the
     real engine would size its KV cache from ``config``; one record they all write to."""
-    from pagoda.deprecation import adapt_renamed_methods
+    from pagoda.registry.deprecation import adapt_renamed_methods
 
     mc, cc = config.model, config.cache
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory

@@ -20,8 +20,8 @@ def workload_trace(name: str, model: Optional[str], rate: float = math.inf, num_
     from transformers import AutoTokenizer
 
     from pagoda.config import load_hf_config
-    from pagoda.default_model import resolve_model_path
-    from pagoda.plugins.entrypoints.workloads import random_64, shared_prefix
+    from pagoda.modeling.default_model import resolve_model_path
+    from pagoda.plugins.entrypoints.bench.workloads import random_64, shared_prefix
 
     name = name.upper()
     if name not in WORKLOADS:

@@ -1,0 +1,339 @@
+"""``EngineArgs``: the engine's options, flat (the CLI flags), validated and turned into an
+:class:`~pagoda.config.EngineConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pagoda.config import (GiB, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                           SpeculativeConfig)
+from pagoda.modeling.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.host.env import (HOST_VARIABLES, CpuIsa, HostConfig, OmpWaitPolicy, QuantKernel, resolve_cpu_threads,
+                        resolve_host_config)
+from pagoda.errors import ConfigError
+
+
+def _host_option(name: str, what: str, **constraints: Any) -> Any:
+    """An EngineArgs field for a host setting: None (not given) by default; its help names its variable."""
+    builtin = "measured at start-up" if name == "cpu_threads" else HostConfig.__dataclass_fields__[name].default
+    if isinstance(builtin, bool):
+        builtin = "on" if builtin else "off"
+    elif isinstance(builtin, float):
+        builtin = f"{builtin:g}"
+    return Field(default=None, description=f"{what} (default: ${HOST_VARIABLES[name]}, else {builtin})",
+                 **constraints)
+
+
+class EngineArgs(BaseModel):
+    """The engine's options, flat, named like vLLM's flags (``--max-model-len`` is ``max_model_len``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = Field(default=None, gt=0)
+    seed: int = 0
+    load_format: str = "auto"
+    quantization: Optional[str] = Field(default=None, description=(
+        "weight quantization: awq, gptq, compressed-tensors or fp8 checkpoints are detected from their "
+        "quantization_config; on a dense checkpoint fp8 (FP8 weights) or int8 (W8A8: int8 weights per channel, "
+        "int8 activations per token, integer dot products) quantize it while it loads"))
+    chat_template: Optional[str] = None
+    block_size: int = Field(default=16, gt=0)
+    kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)
+    kv_cache_dtype: str = Field(default="auto", description=(
+        "how K/V are stored: auto (the model dtype) or fp8 (alias fp8_e4m3: scaled float8 e4m3, twice the "
+        "tokens in the same memory)"))
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: Optional[int] = Field(default=None, gt=0)
+    swap_space: float = Field(default=4.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    kv_allocator: str = "paged"
+    kv_offload_ram: float = Field(default=0.0, ge=0, description=(
+        "GiB of CPU RAM keeping prefix-cache blocks evicted from the KV cache, loaded back on a later hit "
+        "instead of recomputed (0: off)"))
+    kv_offload_disk: Optional[str] = Field(default=None, description=(
+        "an existing directory for prefix-cache blocks evicted from the RAM tier (or the KV cache), one "
+        "checksummed file per block; kept across restarts (needs --kv-offload-disk-size)"))
+    kv_offload_disk_size: float = Field(default=0.0, ge=0, description=(
+        "GiB the --kv-offload-disk files may take; the least recently used go first"))
+    scheduling_policy: str = "fcfs"
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+    max_waiting_requests: Optional[int] = Field(default=None, gt=0)
+    max_waiting_tokens: Optional[int] = Field(
+        default=None, gt=0, description="prompt plus max_tokens, times n, of the requests not yet started, at most "
+                                        "(the server answers 503 beyond it; default: no bound)")
+    tensor_parallel_size: int = Field(default=1, gt=0, description=(
+        "ranks the model is split over (its heads, MLP columns and vocabulary), each a process"))
+    distributed_executor_backend: str = Field(default="auto", description=(
+        "the processes a model runs in: uni (one), mp (tensor_parallel_size processes on this machine), or an "
+        "executor plugin; auto picks uni for one rank, mp for more"))
+    all_reduce_backend: str = Field(default="auto", description=(
+        "how tensor-parallel ranks sum their parts: gloo (torch.distributed; NCCL on GPUs), shm (shared memory, "
+        "ranks on one host, CPU), or an all-reduce plugin; auto picks shm when every rank is on this host and "
+        "the model runs on CPU, else gloo"))
+    speculative_config: Optional[dict[str, Any]] = None
+    attention_backend: str = "auto"
+    sampler: str = "default"
+    device: str = "auto"
+    # host settings (HostConfig): None takes the environment variable, else the built-in default
+    cpu_threads: Optional[int] = _host_option("cpu_threads", "threads computing on a CPU", gt=0)
+    thread_recheck_seconds: Optional[float] = _host_option(
+        "thread_recheck_seconds", "seconds of stepping between re-measurements of a measured thread count", ge=0)
+    omp_wait_policy: Optional[OmpWaitPolicy] = _host_option(
+        "omp_wait_policy", "how idle OpenMP threads wait: spin briefly, sleep, or auto (spin on an idle machine); "
+                           "takes effect only if chosen before torch loads, as the pagoda command does")
+    malloc_tuning: Optional[bool] = _host_option(
+        "malloc_tuning", "keep freed heap memory for reuse instead of returning it to the kernel (glibc)")
+    huge_pages: Optional[bool] = _host_option(
+        "huge_pages", "back the KV cache, the weights and the heap with 2 MiB transparent huge pages")
+    cpu_isa: Optional[CpuIsa] = _host_option(
+        "cpu_isa", "the highest CPU ISA level pagoda's kernels and dtype auto may use")
+    cpu_native_build: Optional[bool] = _host_option(
+        "cpu_native_build", "build the C++ kernels for this CPU's ISA level (off: the compiler's default target)")
+    fused_cpu_ops: Optional[bool] = _host_option(
+        "fused_cpu_ops", "fused C++ kernels for RMSNorm, SiLU-and-mul, RoPE and small bf16 matmuls")
+    onednn_packed_weights: Optional[bool] = _host_option(
+        "onednn_packed_weights", "pack bf16 linear weights in oneDNN's layout at load time (AVX-512 CPUs)")
+    cpu_prefill_kernel: Optional[bool] = _host_option(
+        "cpu_prefill_kernel", "the cpu attention backend's C++ kernel for fresh prompts (off: SDPA)")
+    quant_kernel: Optional[QuantKernel] = _host_option(
+        "quant_kernel", "the matmul of int-quantized weights: cpu (C++), triton, torch (reference) or auto "
+                        "(triton on a GPU, else cpu)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_cache_dtype(cls, v: str) -> str:
+        if v not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)} "
+                             "(fp8 is float8 e4m3 with a per-layer scale)")
+        return v
+
+    @classmethod
+    def build(cls, **kwargs: Any) -> "EngineArgs":
+        """Validate keyword options; raise ConfigError naming each bad field."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise ConfigError(_describe_validation_error(exc)) from None
+
+    def host_config(self) -> HostConfig:
+        """The host settings these options give, with environment variables for the ones not given."""
+        return resolve_host_config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HostConfig)})
+
+    def _check_tensor_parallel(self, model_cfg: "ModelConfig", spec_cfg: Optional[SpeculativeConfig]) -> None:
+        """What tensor parallelism cannot run, refused before any process starts."""
+        from pagoda.execution import distributed
+
+        size = self.tensor_parallel_size
+        for rank in range(size):  # raises for a head count the ranks cannot share
+            distributed.head_shard(model_cfg.num_heads, model_cfg.num_kv_heads, distributed.TensorParallel(rank, size))
+        if self.distributed_executor_backend == "uni":
+            raise ConfigError(f"the uni executor runs one process; tensor_parallel_size={size} needs "
+                              "distributed_executor_backend='mp' (or auto)")
+        if spec_cfg is not None and spec_cfg.model and not spec_cfg.model.startswith("self:"):
+            raise ConfigError("a draft checkpoint is not sharded for tensor parallelism yet; with "
+                              "tensor_parallel_size > 1 use the ngram method or a self-draft (\"self:layers=N\")")
+
+    def _check_kv_offload(self) -> None:
+        """The offload flags go together, extend the prefix cache, and name a directory pagoda can write."""
+        disk, size = self.kv_offload_disk, self.kv_offload_disk_size
+        if disk is not None and not size:
+            raise ConfigError(f"--kv-offload-disk {disk} needs a size limit: add --kv-offload-disk-size GiB")
+        if size and disk is None:
+            raise ConfigError(f"--kv-offload-disk-size {size:g} needs a directory: add --kv-offload-disk DIR")
+        if (disk is not None or self.kv_offload_ram) and not self.enable_prefix_caching:
+            raise ConfigError("the --kv-offload-* tiers keep prefix-cache blocks, so they need prefix caching: drop "
+                              "--no-enable-prefix-caching or the --kv-offload-* flags")
+        if disk is not None:
+            if not os.path.isdir(disk):
+                raise ConfigError(f"--kv-offload-disk {disk} is not an existing directory; create it (mkdir -p "
+                                  f"{disk}) or pass another")
+            try:
+                with tempfile.NamedTemporaryFile(dir=disk, prefix=".pagoda-write-check-"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"--kv-offload-disk {disk} is not writable ({exc.strerror}); pass a directory "
+                                  "pagoda may create files in") from None
+
+    def create_engine_config(self) -> EngineConfig:
+        from pagoda.modeling.default_model import resolve_model_path
+
+        # first: a malformed variable fails before the model is read
+        host, cpu_threads = self.host_config(), resolve_cpu_threads(self.cpu_threads)
+        if self.tensor_parallel_size > 1 and cpu_threads is None:
+            # ranks on one machine share its cores; no rank measures for itself
+            cpu_threads = max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
+        model_dir = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_dir)
+        text_config = hf_config.get("text_config", hf_config)
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ConfigError(f"{model_dir}/config.json has no 'architectures' entry; cannot tell which model to build")
+        num_heads = int(text_config["num_attention_heads"])
+        hidden_size = int(text_config["hidden_size"])
+        head_dim = int(text_config.get("head_dim") or hidden_size // num_heads)
+        model_max_len = int(text_config.get("max_position_embeddings", 2048))
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's {model_max_len} positions "
+                f"(max_position_embeddings in {model_dir}/config.json); pass a value <= {model_max_len}"
+            )
+        quant_config = hf_config.get("quantization_config")
+        quant_cfg_file = Path(model_dir, "quant_config.json")
+        if quant_config is None and quant_cfg_file.exists():
+            quant_config = json.loads(quant_cfg_file.read_text())
+        quant_cfg_file = Path(model_dir, "quantize_config.json")
+        if quant_config is None and quant_cfg_file.exists():
+            quant_config = json.loads(quant_cfg_file.read_text())
+        quantization = self.quantization
+        if quantization in (None, "auto") and quant_config is not None:
+            quantization = quant_config.get("quant_method")
+        if quantization == "auto":
+            quantization = None
+        chat_template = self.chat_template
+        if chat_template and os.path.isfile(chat_template):
+            chat_template = Path(chat_template).read_text()
+        model_cfg = ModelConfig(
+            model=str(model_dir),
+            tokenizer=self.tokenizer or str(model_dir),
+            served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
+            hf_config=hf_config,
+            architecture=architectures[0],
+            dtype=resolve_dtype(self.dtype, host.cpu_isa, host.fused_cpu_ops),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            load_format="safetensors" if self.load_format == "auto" else self.load_format,
+            quantization=quantization,
+            quant_config=quant_config,
+            chat_template=chat_template,
+            vocab_size=int(text_config["vocab_size"]),
+            hidden_size=hidden_size,
+            num_layers=int(text_config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(text_config.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+        )
+        max_num_batched_tokens = self.max_num_batched_tokens or (
+            2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        )
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens {max_num_batched_tokens} is smaller than max_model_len {max_model_len} "
+                "with chunked prefill disabled, so the longest prompts could never be scheduled; raise "
+                "--max-num-batched-tokens or enable chunked prefill"
+            )
+        if self.max_num_seqs > max_num_batched_tokens:
+            raise ConfigError(
+                f"max_num_seqs {self.max_num_seqs} exceeds max_num_batched_tokens {max_num_batched_tokens}; "
+                "every running sequence needs at least one token of the step budget"
+            )
+        resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)  # refuses a float dtype not the model's
+        self._check_kv_offload()
+        cache_cfg = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes or 2 * GiB,
+            kv_cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            swap_space_bytes=int(self.swap_space * GiB),
+            preemption_mode=self.preemption_mode,
+            kv_allocator=self.kv_allocator,
+            kv_offload_ram_bytes=int(self.kv_offload_ram * GiB),
+            kv_offload_disk_dir=str(Path(self.kv_offload_disk).resolve()) if self.kv_offload_disk else None,
+            kv_offload_disk_bytes=int(self.kv_offload_disk_size * GiB),
+        )
+        spec_cfg = None
+        if self.speculative_config:
+            spec = dict(self.speculative_config)
+            if "method" not in spec or "num_speculative_tokens" not in spec:
+                raise ConfigError(
+                    "speculative_config needs 'method' and 'num_speculative_tokens', e.g. "
+                    '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+                )
+            known = {"method", "num_speculative_tokens", "model", "prompt_lookup_max", "prompt_lookup_min"}
+            spec_cfg = SpeculativeConfig(
+                **{k: v for k, v in spec.items() if k in known},
+                extra={k: v for k, v in spec.items() if k not in known},
+            )
+            if not isinstance(spec_cfg.num_speculative_tokens, int) or spec_cfg.num_speculative_tokens < 1:
+                raise ConfigError(
+                    f"speculative_config num_speculative_tokens={spec_cfg.num_speculative_tokens!r}; pass an "
+                    "integer of at least 1 (or leave speculative_config out to decode one token per step)"
+                )
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(model_cfg, spec_cfg)
+        sched_cfg = SchedulerConfig(
+            policy=self.scheduling_policy,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_waiting_requests=self.max_waiting_requests,
+            max_waiting_tokens=self.max_waiting_tokens,
+            num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+        )
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(
+            model=model_cfg,
+            cache=cache_cfg,
+            scheduler=sched_cfg,
+            parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend,
+                                    self.all_reduce_backend),
+            host=host,
+            speculative=spec_cfg,
+            attention_backend=self.attention_backend,
+            sampler=self.sampler,
+            device=device,
+        )
+
+
+def load_hf_config(model_dir: Path) -> dict[str, Any]:
+    config_path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ConfigError(f"model directory {model_dir} does not exist; pass a local Hugging Face checkpoint directory")
+    if not config_path.exists():
+        raise ConfigError(
+            f"{model_dir} has no config.json, so it is not a Hugging Face checkpoint directory; "
+            "pass a directory holding config.json and *.safetensors"
+        )
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{config_path} is not valid JSON: {exc}") from None
+
+
+def _describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "options"
+        given = err.get("input")
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown option {name!r}; see `pagoda serve --help` for the options")
+        else:
+            parts.append(f"{name}={given!r}: {err['msg']}")
+    return "invalid engine options: " + "; ".join(parts)

@@ -1,0 +1,107 @@
+"""``LLM``: the offline API (vLLM-compatible): generate and chat over a batch of prompts."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import RequestOutput
+from pagoda.registry.plugin_manager import PluginManager
+from pagoda.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    Keyword options are :class:`pagoda.EngineArgs` fields (``dtype``,
+    ``max_model_len``, ``block_size``, ``max_num_seqs``, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, plugin_manager: Optional[PluginManager] = None,
+                 **kwargs: Any) -> None:
+        args = EngineArgs.build(model=model, **kwargs)
+        self.engine = LLMEngine.from_engine_args(args, plugin_manager)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: Optional[bool] = None,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns finished outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt"
+                )
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                prio = priority[i] if priority is not None else None
+                ids.append(self.engine.add_request(rid, prompt, params, priority=prio))
+        except Exception:
+            self.engine.abort_request(ids)  # a bad prompt in the list must not leave the others queued
+            raise
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 1)
+
+    def chat(
+        self,
+        messages: Union[list[dict[str, str]], Sequence[list[dict[str, str]]]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: Optional[bool] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], chat_template: Optional[str] = None,
+                            add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if chat_template is None and not tok.chat_template:
+            raise InvalidRequestError("this tokenizer has no chat template; pass chat_template= (--chat-template)")
+        text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_special_tokens=False)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

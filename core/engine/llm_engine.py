@@ -1,0 +1,291 @@
+"""LLMEngine: builds the selected components once, then steps: schedule, execute, update, emit."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Iterable, Optional, Union
+
+from pagoda.config import EngineConfig
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.engine.metrics import EngineStats, SpecDecodeStats
+from pagoda.errors import InvalidRequestError, StepFailedError
+from pagoda.host.settings import HostTuning, apply_host_settings
+from pagoda.kv.tiers import has_offload_tiers
+from pagoda.outputs import OutputProcessor, RequestOutput
+from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.step import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagoda")
+
+PromptType = Union[str, dict[str, Any], list[int]]
+
+
+class LLMEngine:
+    """The offline engine. Not thread-safe: one caller steps it (the async engine wraps it for servers)."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> None:
+        self.config = config
+        self.pm = plugin_manager or get_plugin_manager()
+        # the host settings hold before any kernel is chosen, built or loaded
+        apply_host_settings(config.host)
+        self.host = HostTuning(config)
+        from pagoda.engine.components import build_components
+
+        parts = build_components(config, self.pm)
+        self.tokenizer = parts.tokenizer
+        self.model = parts.model
+        self.backend = parts.backend
+        self.kv_manager = parts.kv_manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner  # rank 0's (the only one without tensor parallelism)
+        # runs each step on every rank: the runner itself, or the ranks of a tensor-parallel model
+        self.executor = parts.executor
+        self.num_blocks = parts.num_blocks
+        self.eos_token_id = parts.eos_token_id
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        # speculative decoding's acceptance counters, None when off
+        self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens) if config.speculative else None
+        # step observers: ``before_step(engine, sched)`` once a step is scheduled and
+        # ``after_step(engine, sched, result, seconds)`` once it is emitted (host tuning, benchmarks, --profile)
+        self.observers: list[Any] = [self.host]
+        # seconds each phase of the last step took: schedule, execute, update, emit
+        self.last_step_timings: dict[str, float] = {}
+        self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
+        self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the executor's other processes (tensor parallelism); the engine runs nothing after it."""
+        if has_offload_tiers(self.kv_manager) and self.kv_manager.tiers is not None:
+            # the prefix blocks in the pool and in RAM go to the disk tier, for the next engine on the directory
+            sched = SchedulerOutput(kv_tier_moves=self.kv_manager.spill_to_disk())
+            if sched.kv_tier_moves:
+                self.executor.move_blocks(sched)
+            self.runner.kv_tiers.flush()  # every block file whole before the engine stops
+        self.executor.shutdown()
+
+    @property
+    def num_threads(self) -> int:
+        """Threads compute runs on now (a measured count can change while the engine runs)."""
+        return self.host.num_threads
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, plugin_manager: Optional[PluginManager] = None) -> "LLMEngine":
+        return cls(args.create_engine_config(), plugin_manager)
+
+    # ---- requests ------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints)")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None, priority: Optional[int] = None) -> str:
+        """Validate and queue a request. Raises InvalidRequestError, leaving the engine untouched."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.output_processor.has(request_id):
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate(token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        prio = params.priority if priority is None else priority
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
+                                    parent_id=request_id, seed=seed))
+        self.output_processor.add(request_id, text, token_ids, children)  # also gives each its detokenizer
+        for child in children:
+            self.scheduler.add_request(child)
+        self.stats.on_arrival(len(token_ids))
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.model.max_model_len
+        vocab = self.config.model.vocab_size
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token")
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {max_len}, which must leave room "
+                f"for at least one generated token; shorten the prompt to at most {max_len - 1} tokens"
+            )
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ()))):
+            out_of_vocab = [t for t in ids if t >= vocab]
+            if out_of_vocab:
+                raise InvalidRequestError(f"{name} has token ids {out_of_vocab[:5]} outside the vocabulary [0, {vocab})")
+        need = self.kv_manager.blocks_needed(len(token_ids) + 1)
+        if need > self.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {need} KV blocks but the cache holds {self.num_blocks}; raise "
+                "--kv-cache-memory-bytes or shorten the prompt"
+            )
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """Cancel requests (by the id given to add_request) in any state; their blocks are freed at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            parent = self.output_processor.parents.get(rid)
+            if parent is None:
+                continue
+            self.scheduler.abort_requests([c.request_id for c in parent.children if not c.is_finished])
+            self.output_processor.abort(rid)
+
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        """The sequences (``n`` of them) generated for a user request; empty once it is finished."""
+        parent = self.output_processor.parents.get(request_id)
+        return list(parent.children) if parent is not None else []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, execute, update, emit.
+
+        Raises :class:`StepFailedError` (after rolling the step back) only when the step's execution
+        fails for every request in it; a request whose execution fails alone ends with an error.
+        """
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        for observer in self.observers:
+            observer.before_step(self, sched)
+        t1 = time.perf_counter()
+        result = self._execute(sched)
+        t2 = time.perf_counter()
+        progressed = self._update(sched, result)
+        t3 = time.perf_counter()
+        outputs = self._emit(progressed)
+        t4 = time.perf_counter()
+        self.last_step_timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "emit": t4 - t3}
+        for observer in self.observers:
+            observer.after_step(self, sched, result, t4 - t0)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> Optional[RunnerOutput]:
+        if sched.is_empty:
+            return None
+        try:
+            failed_loads = self.executor.move_blocks(sched)
+        except Exception as exc:
+            self.scheduler.rollback(sched)
+            raise StepFailedError(f"moving KV blocks failed: {type(exc).__name__}: {exc}",
+                                  self._user_request_ids(sched.requests)) from exc
+        if failed_loads:
+            # offload-tier blocks that failed their check: the runner recomputes them; the books forget them
+            self.kv_manager.drop_failed_loads(failed_loads)
+        try:
+            return self.executor.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
+            return self._isolate_fault(sched, exc)
+
+    def _isolate_fault(self, sched: SchedulerOutput, first: Exception) -> RunnerOutput:
+        """The step's execution raised. Run it once more (a passing fault costs one retry), then in halves
+        down to single requests: a request that fails alone ends with an error and the others go on.
+        If every request fails even alone, the step is rolled back and :class:`StepFailedError` raised.
+
+        Running part of a step again is safe: execution writes K/V only at the step's new positions.
+        """
+        logger.warning("a step failed (%s: %s); running it again to isolate the fault",
+                       type(first).__name__, first, exc_info=first)
+        try:
+            return self.executor.execute(sched)
+        except Exception as exc:  # noqa: BLE001
+            last = exc
+        n = len(sched.requests)
+        parts: list[tuple[list[int], RunnerOutput]] = []
+        failed: dict[int, Exception] = {}
+
+        def run(indices: list[int]) -> None:
+            nonlocal last
+            try:
+                parts.append((indices, self.executor.execute(sched.select(indices))))
+            except Exception as exc:  # noqa: BLE001
+                last = exc
+                if len(indices) == 1:
+                    failed[indices[0]] = exc
+                else:
+                    run(indices[:len(indices) // 2])
+                    run(indices[len(indices) // 2:])
+
+        if n > 1:
+            run(list(range(n // 2)))
+            run(list(range(n // 2, n)))
+        else:
+            failed[0] = last
+        if len(failed) == n:
+            self.scheduler.rollback(sched)
+            raise StepFailedError(
+                f"the step failed for each of its {n} request(s), even run alone: {type(last).__name__}: {last}",
+                self._user_request_ids(sched.requests)) from last
+        for i, exc in failed.items():
+            req = sched.requests[i]
+            logger.error("request %s failed alone and is ended: %s: %s", req.request_id, type(exc).__name__, exc)
+            req.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+            self.scheduler.finish(req, SequenceStatus.FINISHED_ERROR)
+        return RunnerOutput.merge(n, parts)
+
+    def self_check(self) -> Optional[str]:
+        """Run one token of a one-token prompt through the runner, outside the scheduler (no request is
+        touched). Returns None if it works, else what failed; None too when no KV block is free to try."""
+        probe = Sequence("pagoda-self-check", [self.eos_token_id or 0], SamplingParams(temperature=0.0, max_tokens=1))
+        if not self.kv_manager.allocate_slots(probe, 1):
+            return None
+        try:
+            sched = SchedulerOutput()
+            sched.add(probe, 1, 0, self.kv_manager.block_table(probe.request_id))
+            if has_offload_tiers(self.kv_manager):
+                # the probe's block may have held a cached block: its offload copy goes before the probe writes
+                sched.kv_tier_moves = self.kv_manager.take_tier_moves()
+                self.executor.move_blocks(sched)
+            self.executor.execute(sched)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the answer is what failed
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            self.kv_manager.free(probe)
+
+    @staticmethod
+    def _user_request_ids(requests: Iterable[Sequence]) -> list[str]:
+        return sorted({r.parent_id or r.request_id for r in requests})
+
+    def _update(self, sched: SchedulerOutput, result: Optional[RunnerOutput]) -> list[Sequence]:
+        if result is None:
+            return []
+        before = [r.num_output_tokens for r in sched.requests]
+        progressed = self.scheduler.update(sched, result)
+        num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))
+        self.stats.on_step(sched, progressed, time.monotonic(), num_new)
+        if self.spec_stats is not None:
+            for k, tokens in zip(result.num_draft_tokens, result.sampled_token_ids):
+                if k:
+                    self.spec_stats.observe(k, len(tokens) - 1)
+        return progressed
+
+    def _emit(self, progressed: list[Sequence]) -> list[RequestOutput]:
+        finished = self.scheduler.drain_finished()
+        for req in finished:
+            self.stats.on_finished(req)
+            if self._has_finish_observers:
+                self.pm.notify_request_finished(req)
+        return self.output_processor.make_outputs(progressed + finished)
+

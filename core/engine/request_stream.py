@@ -1,0 +1,99 @@
+"""One request's side of the :class:`~pagoda.engine.async_engine.AsyncLLMEngine`: the mailbox the engine thread
+writes each step's output into, and the async iterator a caller reads it from."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from pagoda.engine.llm_engine import PromptType
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.engine.async_engine import AsyncLLMEngine
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One request's mailbox: the newest output, or the error that ended it."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: Optional[RequestOutput] = None
+    error: Optional[BaseException] = None
+    finished: bool = False
+    num_cost_tokens: int = 0  # prompt + max_tokens, times n: what admission counts until the first output
+
+
+def request_cost_tokens(prompt: PromptType, params: SamplingParams, max_model_len: int) -> int:
+    """What a request may cost in tokens: its prompt plus max_tokens (without one, the rest of the context),
+    for each of its n sequences. A text prompt counts its characters, a bound that needs no tokenizer."""
+    if isinstance(prompt, (str, list)):
+        num_prompt = len(prompt)
+    else:
+        ids = prompt.get("prompt_token_ids")
+        num_prompt = len(ids) if ids is not None else len(prompt.get("prompt") or "")
+    num_output = params.max_tokens if params.max_tokens is not None else max(0, max_model_len - num_prompt)
+    return (num_prompt + num_output) * params.n
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; ``aclose()`` (or cancelling a waiting
+    ``__anext__``) aborts the request if it has not finished, freeing its KV blocks."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, stream: _Stream,
+                 added: concurrent.futures.Future) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._added = added
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        stream = self._stream
+        try:
+            if self._added is not None:
+                try:
+                    # shielded: a cancelled caller must not cancel the add itself, or the queue count drifts
+                    await asyncio.shield(asyncio.wrap_future(self._added))
+                except asyncio.CancelledError:
+                    raise
+                except BaseException:
+                    self._finish(abort=False)  # never added: nothing to abort
+                    raise
+                self._added = None
+            while not stream.event.is_set():
+                await stream.event.wait()
+        except asyncio.CancelledError:
+            self._finish(abort=True)
+            raise
+        stream.event.clear()
+        if stream.error is not None:
+            self._finish(abort=False)
+            raise stream.error
+        out = stream.latest
+        if out.finished:
+            self._finish(abort=False)
+        return out
+
+    async def aclose(self) -> None:
+        self._finish(abort=True)
+
+    def _finish(self, abort: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._engine._streams.pop(self.request_id, None)
+        if abort and not self._stream.finished:
+            self._engine._abort_soon(self.request_id)
+
+    def __del__(self) -> None:  # a consumer that walked away without closing
+        if not self._done and not self._stream.finished:
+            self._engine._abort_soon(self.request_id)

@@ -1,0 +1,1 @@
+"""Running the model: the model runner, executors, tensor-parallel collectives, replica routers."""

@@ -1,0 +1,336 @@
+"""Executors: the processes a model runs in. The driver alone schedules; an executor runs each step on
+every rank and returns rank 0's result.
+
+- ``uni``: one process, the model whole (``tensor_parallel_size`` 1).
+- ``ray``: the same ranks as Ray actors (see :class:`RayExecutor`).
+- ``mp``: ``tensor_parallel_size`` processes on this machine. The driver is rank 0 and runs its shard
+  in-process; ranks 1.. are spawned workers, each building its shard of the same model. Every step the
+  driver sends the workers what they need to run it too (the step's layout and, for each sequence, the
+  tokens they have not seen yet), then all ranks run it in lockstep: the collectives inside the model
+  (one all-reduce per row-parallel projection, the vocab all-gather) join them. Every rank samples the
+  same tokens from the same logits and seeds; the workers' results are dropped.
+
+Workers build their components from their own plugin manager, loaded from the installed entry points
+(a plugin registered by hand in the driver process does not reach them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import traceback
+import weakref
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError, PagodaError
+from pagoda.markers import hookimpl
+from pagoda.sequence import Sequence
+from pagoda.step import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pagoda")
+
+# seconds a rank waits in a collective for the others before giving up (a worker that died)
+COLLECTIVE_TIMEOUT_SECONDS = 300.0
+
+
+class WorkerLostError(PagodaError):
+    """A rank of a tensor-parallel model is gone; no step can run until the engine is restarted."""
+
+
+class UniExecutor:
+    """The model whole, in this process."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
+        from pagoda.engine.components import build_runner
+
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError(f"the uni executor runs one process; tensor_parallel_size="
+                              f"{config.parallel.tensor_parallel_size} needs distributed_executor_backend='mp'")
+        self.runner = build_runner(config, plugin_manager)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(sched)
+
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
+        return self.runner.move_blocks(sched)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class StepMessage:
+    """A step as the workers need it: the layout, and per sequence what they do not know yet."""
+
+    def __init__(self, sched: SchedulerOutput, sequences: list[tuple], finished: list[str] = ()) -> None:
+        self.sequences = sequences  # (request id, new tokens, (prompt length, params, eos, seed) or None)
+        self.finished = list(finished)  # request ids the workers may forget
+        self.layout = dataclasses.replace(sched, requests=[], preempted=[])
+
+
+class _Driver:
+    """Rank 0 in the driver process: sends each step to the other ranks, then runs it itself."""
+
+    runner: Any
+
+    def __init__(self) -> None:
+        # request id -> (the sequence, how many of its tokens the other ranks hold)
+        self.sent: dict[str, tuple[Sequence, int]] = {}
+
+    def _message(self, sched: SchedulerOutput) -> StepMessage:
+        finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
+        for rid in finished:
+            del self.sent[rid]
+        sequences = []
+        for seq in sched.requests:
+            known = self.sent.get(seq.request_id)
+            if known is None:
+                header = (seq.num_prompt_tokens, seq.sampling_params, seq.eos_token_id, seq.seed)
+                sequences.append((seq.request_id, list(seq.all_token_ids), header))
+            else:
+                sequences.append((seq.request_id, seq.all_token_ids[known[1]:], None))
+            self.sent[seq.request_id] = (seq, seq.num_tokens)
+        return StepMessage(sched, sequences, finished)
+
+
+class MultiprocExecutor(_Driver):
+    """``tensor_parallel_size`` ranks on this machine: rank 0 here, the others in spawned processes."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
+        from pagoda.engine.components import build_runner
+        from pagoda.execution import distributed
+
+        super().__init__()
+        size = config.parallel.tensor_parallel_size
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.pipes, self.workers = [], []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            worker = context.Process(target=_worker_main, args=(config, rank, size, address, theirs), daemon=True,
+                                     name=f"pagoda-tp-rank{rank}")
+            worker.start()
+            self.pipes.append(ours)
+            self.workers.append(worker)
+        try:
+            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
+            self.runner = build_runner(config, plugin_manager)
+            for pipe in self.pipes:  # each worker says it built its shard, or why it could not
+                status = pipe.recv()
+                if status != "ready":
+                    raise PagodaError(f"a tensor-parallel worker failed to start:\n{status}")
+        except BaseException:
+            _stop(self.pipes, self.workers)
+            raise
+        # an engine dropped without shutdown() still stops its workers and leaves its process group
+        self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._send("execute", self._message(sched))
+        return self.runner.execute(sched)
+
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
+        self._send("move_blocks", StepMessage(sched, []))
+        return self.runner.move_blocks(sched)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _send(self, kind: str, message: StepMessage) -> None:
+        for rank, (pipe, worker) in enumerate(zip(self.pipes, self.workers), start=1):
+            try:
+                if not worker.is_alive():
+                    raise BrokenPipeError
+                pipe.send((kind, message))
+            except (BrokenPipeError, OSError):
+                worker.join(timeout=1)
+                raise WorkerLostError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code "
+                                      f"{worker.exitcode}; the model cannot run without it: restart the engine "
+                                      "(a signal -9 is usually the kernel's out-of-memory killer)") from None
+
+
+class RayExecutor(_Driver):
+    """Ranks 1.. as Ray actors in a placement group (one bundle per rank), rank 0 in the driver process.
+
+    Joins the Ray cluster at ``RAY_ADDRESS`` if set, else the one this process already started with
+    ``ray.init``, else starts a local one. The ranks meet over torch.distributed at the driver's address
+    as Ray reports it, so the actors may run on other machines of the cluster."""
+
+    def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("distributed_executor_backend='ray' needs Ray: pip install 'pagoda[ray]'") from None
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pagoda.engine.components import build_runner
+        from pagoda.execution import distributed
+
+        super().__init__()
+        size = config.parallel.tensor_parallel_size
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"))
+        threads = _threads_per_rank(config, size)
+        self.group = placement_group([{"CPU": threads}] * max(1, size - 1), strategy="PACK")
+        self.actors: list = []
+        try:
+            ray.get(self.group.ready(), timeout=120)
+            address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            actor = ray.remote(num_cpus=threads)(RayWorker)
+            self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i))
+                           .remote(config, rank, size, address) for i, rank in enumerate(range(1, size))]
+            distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
+            self.runner = build_runner(config, plugin_manager)
+            ray.get([a.ready.remote() for a in self.actors])  # a rank that failed to build raises here
+        except BaseException:
+            self._release(ray, remove_placement_group)
+            raise
+        self._ray, self._remove_group = ray, remove_placement_group
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        message = self._message(sched)  # once: it records what the ranks now hold
+        pending = [a.execute.remote(message) for a in self.actors]
+        result = self.runner.execute(sched)
+        self._ray.get(pending)  # a rank's failure surfaces with this step
+        return result
+
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
+        pending = [a.move_blocks.remote(StepMessage(sched, [])) for a in self.actors]
+        failed = self.runner.move_blocks(sched)
+        self._ray.get(pending)
+        return failed
+
+    def shutdown(self) -> None:
+        if getattr(self, "_ray", None) is not None:
+            self._release(self._ray, self._remove_group)
+            self._ray = None
+
+    def _release(self, ray: Any, remove_placement_group: Any) -> None:
+        from pagoda.execution import distributed
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        remove_placement_group(self.group)
+        distributed.shutdown()
+
+
+class RayWorker:
+    """A worker rank as a Ray actor."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int, address: str) -> None:
+        self.rank = WorkerRank(config, rank, size, address)
+
+    def ready(self) -> bool:
+        return True
+
+    def execute(self, message: StepMessage) -> None:
+        self.rank.execute(message)
+
+    def move_blocks(self, message: StepMessage) -> None:
+        self.rank.move_blocks(message)
+
+
+def _stop(pipes: list, workers: list) -> None:
+    """Tell the workers to stop, wait for them (killing one that hangs), and leave the process group."""
+    from pagoda.execution import distributed
+
+    for pipe in pipes:
+        try:
+            pipe.send(("shutdown", None))
+        except (OSError, BrokenPipeError):
+            pass
+    for worker in workers:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+    pipes.clear()
+    workers.clear()
+    distributed.shutdown()
+
+
+class WorkerRank:
+    """One worker rank: its shard of the model, and a mirror of the sequences the driver has sent it."""
+
+    def __init__(self, config: EngineConfig, rank: int, size: int, address: str) -> None:
+        import torch
+
+        from pagoda.engine.components import build_runner
+        from pagoda.execution import distributed
+        from pagoda.registry.plugin_manager import PluginManager
+
+        torch.set_num_threads(_threads_per_rank(config, size))
+        plugin_manager = PluginManager().load()
+        distributed.init(rank, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
+        self.runner = build_runner(config, plugin_manager)
+        self.mirror: dict[str, Sequence] = {}
+
+    def execute(self, message: StepMessage) -> None:
+        for rid in message.finished:
+            self.mirror.pop(rid, None)
+        sched = message.layout
+        for rid, tokens, header in message.sequences:
+            if header is not None:
+                num_prompt, params, eos, seed = header
+                seq = self.mirror[rid] = Sequence(rid, tokens[:num_prompt], params, eos, seed=seed)
+                seq.all_token_ids = list(tokens[:num_prompt])
+                tokens = tokens[num_prompt:]
+            seq = self.mirror[rid]
+            seq.all_token_ids.extend(tokens)
+            seq.output_token_ids.extend(tokens)
+            sched.requests.append(seq)
+        self.runner.execute(sched)
+
+    def move_blocks(self, message: StepMessage) -> None:
+        self.runner.move_blocks(message.layout)
+
+
+def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe: Any) -> None:
+    """An mp worker process: build the rank, then run every step the driver sends until told to stop."""
+    from pagoda.execution import distributed
+
+    try:
+        worker = WorkerRank(config, rank, size, address)
+    except BaseException:
+        pipe.send(traceback.format_exc())
+        return
+    pipe.send("ready")
+    while True:
+        try:
+            kind, message = pipe.recv()
+        except EOFError:  # the driver is gone
+            break
+        if kind == "shutdown":
+            break
+        getattr(worker, kind)(message)
+    if worker.runner.kv_tiers is not None:
+        worker.runner.kv_tiers.flush()  # block files still being written
+    distributed.shutdown()
+
+
+def _threads_per_rank(config: EngineConfig, size: int) -> int:
+    """``cpu_threads`` per rank when given, else this machine's cores shared out."""
+    return config.parallel.cpu_threads or max(1, (os.cpu_count() or 1) // size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def select_executor(config: EngineConfig) -> str:
+    """``auto``: ``uni`` for one rank, ``mp`` for more."""
+    name = config.parallel.distributed_executor_backend
+    if name == "auto":
+        return "uni" if config.parallel.tensor_parallel_size == 1 else "mp"
+    return name
+
+
+@hookimpl
+def pagoda_executors():
+    return {"uni": UniExecutor, "mp": MultiprocExecutor, "ray": RayExecutor}

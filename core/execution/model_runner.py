@@ -1,0 +1,316 @@
+"""Turns a schedule into tensors, runs the model, samples (and verifies drafts). Keeps no books of its own."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import typing
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.errors import ConfigError
+from pagoda.execution import distributed
+from pagoda.host import hugepages
+from pagoda.kv.offload import KVTierStore, fingerprint
+from pagoda.sampling.rejection_sampler import RejectionSampler
+from pagoda.sampling.sampler import prompt_logprobs_for
+from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
+
+
+class ModelRunner:
+    """Owns the model, the KV tensors and the sampler; executes one step at a time."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, backend: Any, sampler: Any,
+                 num_blocks: int) -> None:
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.sampler = sampler
+        self.block_size = config.cache.block_size
+        self.device = torch.device(config.device)
+        self.num_blocks = num_blocks
+        shape = backend.kv_cache_shape(num_blocks)
+        kv_dtype = getattr(backend, "kv_cache_dtype", None) or config.model.dtype
+        # zeroed (masked-out slots are multiplied by 0 and must not hold NaN), after asking for huge
+        # pages so the first touch already gets them
+        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
+                          for _ in range(config.model.num_layers)]
+        hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
+        for cache in self.kv_caches:
+            cache.zero_()
+        # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape
+        one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
+        self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+        self.swap_caches: Optional[list[torch.Tensor]] = None
+        self.num_swap_blocks = 0
+        # a speculative draft model's own KV tensors, indexed by the same block ids (moved with the target's)
+        self.draft_kv_caches: list[torch.Tensor] = []
+        # speculative decoding: fills the schedule's draft slots (see set_proposer)
+        self.proposer: Any = None
+        self.rejection_sampler: Optional[RejectionSampler] = None
+        # the prefix cache's offload tiers (RAM, disk), when on (see init_offload)
+        self.kv_tiers: Optional[KVTierStore] = None
+        # cache blocks a tier load of this step failed to fill: recomputed before the step's forward pass
+        self._failed_load_blocks: list[int] = []
+        # seconds the last execute spent per part: draft, metadata, model, logits, sampling
+        self.timings: dict[str, float] = {}
+
+    def set_proposer(self, proposer: Any) -> None:
+        """Turn speculative decoding on: ``proposer.propose(sched)`` fills each request's draft slots
+        (``SchedulerOutput.num_draft_slots``) and the runner verifies the drafts by rejection sampling."""
+        self.proposer = proposer
+        self.rejection_sampler = RejectionSampler(self.config.model.seed)
+
+    def allocate_swap_space(self, num_swap_blocks: int) -> None:
+        """CPU memory for swapped-out blocks, laid out like the cache itself."""
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_caches = [self._swap_like(c) for c in self.kv_caches + self.draft_kv_caches]
+
+    def _swap_like(self, cache: torch.Tensor) -> torch.Tensor:
+        shape = list(cache.shape)
+        shape[self.block_dim] = self.num_swap_blocks
+        return torch.zeros(shape, dtype=cache.dtype, device="cpu")
+
+    def add_draft_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Register a speculative draft's own KV tensors (same block ids): swaps and copies move them too."""
+        self.draft_kv_caches.extend(caches)
+        if self.swap_caches is not None:
+            self.swap_caches.extend(self._swap_like(c) for c in caches)
+
+    def init_offload(self, num_ram_slots: int, disk_dir: Optional[str], num_disk_blocks: int) -> KVTierStore:
+        """Keep evicted prefix blocks in ``num_ram_slots`` CPU slots, then in block files under ``disk_dir``."""
+        if self.draft_kv_caches:
+            raise ConfigError("KV offload does not move a draft model's own KV cache; drop the --kv-offload-* "
+                              "flags or use a speculative method without a draft model (ngram)")
+        tp = distributed.current()
+        identity = fingerprint(self.config, self.backend, tp.rank, tp.size)
+        self.kv_tiers = KVTierStore(self.kv_caches, self.block_dim, self.block_size, num_ram_slots, disk_dir,
+                                    num_disk_blocks, identity)
+        return self.kv_tiers
+
+    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
+        """Swap out, offload-tier moves, swap in, then copy-on-write, for every layer. Returns the block
+        hashes of tier loads that failed their check on any rank (their tokens are recomputed)."""
+        self._move(sched.blocks_to_swap_out, "out")
+        failed = self._move_tiers(sched.kv_tier_moves)
+        self._move(sched.blocks_to_swap_in, "in")
+        self._move(sched.blocks_to_copy, "copy")
+        return failed
+
+    def _move_tiers(self, moves: KVTierMoves) -> list[int]:
+        self._failed_load_blocks = []
+        if not moves:
+            return []
+        failed = set(self.kv_tiers.apply(moves))
+        loads = moves.disk_to_blocks
+        tp = distributed.current()
+        if tp.size > 1 and loads:
+            # every rank recomputes the same blocks (the recompute pass joins the model's collectives)
+            flags = tp.all_reduce(torch.tensor([h in failed for h, _ in loads], dtype=torch.int32), "kv_offload")
+            failed = {h for (h, _), bad in zip(loads, flags.tolist()) if bad}
+            self.kv_tiers.discard(sorted(failed))
+        self._failed_load_blocks = [block for h, block in loads if h in failed]
+        return [h for h, _ in loads if h in failed]
+
+    def _recompute_failed_loads(self, sched: SchedulerOutput) -> None:
+        """Fill blocks a tier load left empty by running their tokens through the model (K/V written, the
+        hidden states dropped): one piece per run of such blocks in a request's table, each block once."""
+        bad, bs = set(self._failed_load_blocks), self.block_size
+        pieces, starts, tables = [], [], []
+        for req, table, start in zip(sched.requests, sched.block_tables, sched.num_computed_before):
+            for p in range(start // bs):
+                if table[p] not in bad:
+                    continue
+                bad.discard(table[p])
+                if starts and tables[-1] is table and starts[-1] + len(pieces[-1]) == p * bs:
+                    pieces[-1] = pieces[-1] + req.all_token_ids[p * bs:(p + 1) * bs]  # extends the run
+                else:
+                    pieces.append(req.all_token_ids[p * bs:(p + 1) * bs])
+                    starts.append(p * bs)
+                    tables.append(table)
+        if pieces:
+            self.forward(FlatBatch(pieces, starts, tables, bs))
+        self._failed_load_blocks = []
+
+    def _move(self, pairs: list[tuple[int, int]], kind: str) -> None:
+        """One kind of block move ("out": cache to swap, "in": swap to cache, "copy": within the cache)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+        for layer, cache in enumerate(self.kv_caches + self.draft_kv_caches):
+            if kind == "out":
+                source, target = cache, self.swap_caches[layer]
+            elif kind == "in":
+                source, target = self.swap_caches[layer], cache
+            else:
+                source, target = cache, cache
+            source, target = _raw_bytes(source), _raw_bytes(target)  # index_copy_ has no fp8 kernel on a CPU
+            target.index_copy_(self.block_dim, dst.to(target.device),
+                               source.index_select(self.block_dim, src.to(source.device)).to(target.device))
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step's forward pass and sampling (block moves are :meth:`move_blocks`, done first).
+
+        Writes K/V only at the step's new positions, so running the same schedule again gives the
+        same result: the engine re-runs parts of a step whose execution raised.
+        """
+        n = len(sched.requests)
+        out = RunnerOutput.empty(n)
+        clock = time.perf_counter
+        self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "sampling"), 0.0)
+        if n == 0:
+            return out
+        if self._failed_load_blocks:
+            self._recompute_failed_loads(sched)
+        reqs = sched.requests
+        if self.proposer is not None:
+            t = clock()
+            # called every step: a draft model with its own KV cache also computes this step's other tokens
+            drafts, draft_probs = self.proposer.propose(sched)
+            timings["draft"] = clock() - t
+        else:
+            drafts, draft_probs = [[] for _ in range(n)], [None] * n
+        pieces = []
+        for i, r in enumerate(reqs):
+            start = sched.num_computed_before[i]
+            # the known tokens; a request with draft slots then its drafts (fewer than the slots if
+            # the proposer found fewer: the other slots stay unused)
+            pieces.append(r.all_token_ids[start:start + sched.num_real_tokens(i)] + drafts[i])
+        batch = FlatBatch(pieces, sched.num_computed_before, sched.block_tables, self.block_size)
+        t = clock()
+        metadata = self.backend.build_metadata(batch.attention)
+        t1 = clock()
+        hidden = self.forward(batch, metadata=metadata)
+        t2 = clock()
+        timings["metadata"], timings["model"] = t1 - t, t2 - t1
+
+        # one token for each request that reached its last known token and has no drafts
+        plain = [i for i in range(n) if not drafts[i]
+                 and sched.num_computed_before[i] + sched.num_real_tokens(i) == reqs[i].num_tokens]
+        if plain:
+            t = clock()
+            logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in plain])])
+            t1 = clock()
+            sampled = self.sampler(logits, [reqs[i] for i in plain])
+            timings["logits"] += t1 - t
+            timings["sampling"] += clock() - t1
+            for j, i in enumerate(plain):
+                out.sampled_token_ids[i] = [sampled.token_ids[j]]
+                out.logprobs[i] = sampled.logprobs[j] if sampled.logprobs else None
+        verify = [i for i in range(n) if drafts[i]]
+        if verify:
+            # every position of a verified run is scored: the last known token and each draft
+            idx = np.concatenate([np.arange(batch.rows(i).start, batch.rows(i).stop) for i in verify])
+            t = clock()
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx)])  # [sum(k_i + 1), vocab]
+            timings["logits"] += clock() - t
+            t = clock()
+            row_starts = np.concatenate([[0], np.cumsum([len(drafts[i]) + 1 for i in verify])[:-1]]).tolist()
+            verdicts = self.rejection_sampler(logits, row_starts, [reqs[i] for i in verify],
+                                              [drafts[i] for i in verify], [draft_probs[i] for i in verify])
+            for i, verdict in zip(verify, verdicts):
+                out.sampled_token_ids[i] = verdict.token_ids
+                out.num_draft_tokens[i] = len(drafts[i])
+            timings["sampling"] += clock() - t
+        self._prompt_logprobs(sched, batch, hidden, out)
+        return out
+
+    def forward(self, batch: FlatBatch, model: Optional[torch.nn.Module] = None,
+                kv_caches: Optional[list[torch.Tensor]] = None, backend: Any = None, metadata: Any = None
+                ) -> torch.Tensor:
+        """Run the model over one flattened batch; returns hidden states ``[num_tokens, hidden]`` in the
+        batch's row order (:meth:`FlatBatch.rows`). ``model``, ``kv_caches`` and ``backend`` default to
+        the target's (a speculative draft passes its own); ``metadata`` to the backend's for ``batch``."""
+        if metadata is None:
+            metadata = (self.backend if backend is None else backend).build_metadata(batch.attention)
+        return (self.model if model is None else model)(
+            torch.from_numpy(batch.input_ids).to(self.device),
+            torch.from_numpy(batch.positions).to(self.device),
+            self.kv_caches if kv_caches is None else kv_caches,
+            metadata,
+        )
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor,
+                         out: RunnerOutput) -> None:
+        for i, r in enumerate(sched.requests):
+            num_top = r.sampling_params.prompt_logprobs
+            start = sched.num_computed_before[i]
+            if num_top is None or start >= r.num_prompt_tokens - 1:
+                continue
+            # position p predicts prompt token p + 1; only prompt positions count
+            end = min(start + sched.num_real_tokens(i), r.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first = batch.rows(i).start
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + (end - start)]), dim=-1)
+            out.prompt_logprobs[i] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
+
+
+class FlatBatch:
+    """The one place a forward pass's batch is laid out: requests' tokens, decodes first, flattened.
+
+    Built from one piece of tokens per request, in the caller's order (a plain
+    step's new tokens, a verify pass's last token plus drafts, a draft pass's
+    one token each). The attention backends treat requests ``[0, num_decodes)``
+    as one-token queries, so one-token pieces go first; :meth:`rows` and
+    :meth:`last_row` map hidden-state rows back to the caller's order.
+    """
+
+    def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int],
+                 block_tables: typing.Sequence[list[int]], block_size: int) -> None:
+        n = len(pieces)
+        lengths = [len(p) for p in pieces]
+        order = sorted(range(n), key=lambda i: lengths[i] != 1)
+        num_new = np.array([lengths[i] for i in order], dtype=np.int64)
+        starts_sorted = np.array([starts[i] for i in order], dtype=np.int64)
+        num_decodes = int((num_new == 1).sum())
+        self.input_ids = np.fromiter((t for i in order for t in pieces[i]), dtype=np.int64, count=int(num_new.sum()))
+
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_of_token = np.repeat(np.arange(n), num_new)
+        self.positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts_sorted[req_of_token]
+        seq_lens = starts_sorted + num_new
+        max_blocks = max(len(block_tables[i]) for i in order)
+        tables = np.zeros((n, max_blocks), dtype=np.int64)
+        for row, i in enumerate(order):
+            tables[row, :len(block_tables[i])] = block_tables[i]
+        slot_mapping = tables[req_of_token, self.positions // block_size] * block_size + \
+            self.positions % block_size
+        self.attention = AttentionBatch(
+            num_reqs=n,
+            num_decodes=num_decodes,
+            num_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+            block_tables=torch.from_numpy(tables).to(torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc_list=query_start_loc.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+        )
+        # request i (caller's order) -> its first row and row count in the hidden states
+        self._first = [0] * n
+        for row, i in enumerate(order):
+            self._first[i] = int(query_start_loc[row])
+        self._lengths = lengths
+
+    def rows(self, i: int) -> range:
+        """Hidden-state rows of request ``i`` (the caller's order)."""
+        return range(self._first[i], self._first[i] + self._lengths[i])
+
+    def last_row(self, i: int) -> int:
+        return self._first[i] + self._lengths[i] - 1
+
+
+def _raw_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A one-byte (fp8) cache seen as uint8, so block copies work on every device; others unchanged."""
+    return cache.view(torch.uint8) if cache.element_size() == 1 and cache.is_floating_point() else cache

@@ -1,0 +1,1 @@
+"""The CPU host layer: ISA detection, threads, allocator, huge pages, OpenMP, C++ extension builds."""

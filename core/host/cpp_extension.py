@@ -1,0 +1,58 @@
+"""Building pagoda's C++ CPU kernels on first use, one way for every kernel file."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pagoda.host import settings as host
+from pagoda.host.cpu_isa import extension_build
+
+
+def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()) -> Any:
+    """Compile ``source`` (once per machine and ISA level; torch's extension loader caches it) and import it.
+
+    Built with ``-O3 -fopenmp`` for the CPU's ISA level (``-march=native``; the flags of a lower level
+    when the ``cpu_isa`` host setting caps it, under a name of its own) unless the ``cpu_native_build``
+    setting is off, which builds for the compiler's default target. Raises whatever the build raises (a
+    missing compiler or ninja surfaces as many exception types).
+    """
+    from torch.utils.cpp_extension import load
+
+    settings = host.current()
+    if settings.cpu_native_build:
+        module_name, isa_flags = extension_build(name, settings.cpu_isa)
+    else:
+        module_name, isa_flags = f"{name}_generic", []
+    flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
+    return load(name=f"{module_name}_{_source_digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
+                verbose=False)
+
+
+def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),
+                               fallback: str = "the torch path") -> Optional[Any]:
+    """:func:`load_cpu_extension`, or None with a RuntimeWarning saying why and that ``fallback`` runs
+    instead, where the kernel cannot be built here."""
+    try:
+        return load_cpu_extension(name, source, extra_cflags)
+    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
+        lines = str(exc).strip().splitlines()
+        warnings.warn(f"could not compile pagoda's C++ kernel {name} ({exc.__class__.__name__}: "
+                      f"{lines[-1] if lines else ''}); {fallback} runs instead", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _source_digest(source: Path, flags: Sequence[str]) -> str:
+    """A short hash of the kernel source, its flags and the torch it builds against, part of the module name:
+    two checkouts (or versions) of pagoda, or two environments, on one machine share torch's extension cache.
+    Under one name a process that finds another building it waits and then imports that build, whatever source
+    it came from; and a build from another environment (its torch's include and library paths are in the build
+    file) would be rebuilt on every switch between the two."""
+    import torch
+
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join(flags).encode())
+    digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
+    return digest.hexdigest()[:12]

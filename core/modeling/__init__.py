@@ -1,0 +1,1 @@
+"""The model: checkpoint loading, the default model, dtypes, architectures and layers."""

@@ -1,0 +1,117 @@
+"""Linear layers that ask a quant method to create, load, post-process and apply their weights."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pagoda.errors import CheckpointError
+from pagoda.execution import distributed
+from pagoda.modeling.layers import onednn
+from pagoda.modeling.layers.fused_ops import linear
+
+
+class UnquantizedLinearMethod:
+    """Plain dense weights: ``weight [out_features, in_features]`` in the model dtype.
+
+    Once loaded, a bf16 weight on a CPU is replaced by its oneDNN-packed form (see ``layers.onednn``):
+    same shape and values, an opaque layout, ``onednn.dense(layer.weight)`` gives the plain matrix back.
+    """
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
+        weight.weight_loader = layer.load_sharded
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        if layer.packed:
+            return
+        packed = onednn.pack_weight(layer.weight.data)
+        if packed is not None:  # the plain copy is dropped: one copy of the weights in memory
+            layer.weight = nn.Parameter(packed, requires_grad=False)
+            layer.packed = True
+
+    def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if layer.packed:  # Linear.forward takes this path itself; here for callers of apply
+            return onednn.packed_linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` whose output may be several checkpoint tensors stacked (fused QKV, gate/up).
+
+    ``output_sizes`` lists the stacked shards in order; a checkpoint tensor
+    for shard ``i`` is loaded into rows ``sum(output_sizes[:i])`` onward.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        dtype: torch.dtype,
+        quant_method=None,
+        prefix: str = "",
+        tp_rows: Optional[Sequence[tuple[int, int]]] = None,
+        tp_cols: Optional[tuple[int, int]] = None,
+    ) -> None:
+        """``tp_rows`` (column parallelism): per output shard, the ``(start, size)`` rows this rank holds;
+        ``tp_cols`` (row parallelism): the ``(start, size)`` input columns it holds, its partial outputs
+        summed over the ranks (see :mod:`pagoda.execution.distributed`)."""
+        super().__init__()
+        # the checkpoint's sizes, before this rank's split (quantized formats record them)
+        self.full_in_features, self.full_output_sizes = in_features, list(output_sizes)
+        self.tp_rows = list(tp_rows) if tp_rows is not None else None
+        self.tp_cols = tp_cols
+        self.tp = distributed.current() if tp_cols is not None else None
+        self.in_features = tp_cols[1] if tp_cols is not None else in_features
+        self.output_sizes = [size for _, size in self.tp_rows] if self.tp_rows is not None else list(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.prefix = prefix
+        self.packed = False  # weight in oneDNN's layout: forward calls it directly (see UnquantizedLinearMethod)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, dtype)
+        if bias:
+            b = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)
+            b.weight_loader = self.load_sharded
+            self.bias = b
+        else:
+            self.bias = None
+
+    def shard_offset(self, shard_id: int) -> tuple[int, int]:
+        start = sum(self.output_sizes[:shard_id])
+        return start, self.output_sizes[shard_id]
+
+    def load_sharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int], name: str) -> None:
+        """Copy a checkpoint tensor into ``param`` (dim 0 holds the stacked output shards); under tensor
+        parallelism, only this rank's rows or columns of it."""
+        if self.tp_rows is not None:
+            loaded = loaded.narrow(0, *self.tp_rows[shard_id or 0])
+        if self.tp_cols is not None and loaded.dim() == 2:
+            loaded = loaded.narrow(1, *self.tp_cols)
+        if shard_id is None:
+            target = param.data
+        else:
+            start, size = self.shard_offset(shard_id)
+            # a param whose first dim is not the output dim (packed layouts) must bring its own loader
+            target = param.data.narrow(0, start, size)
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(loaded.shape)} but the model expects {tuple(target.shape)} "
+                f"for {self.prefix}; the checkpoint does not match its config.json"
+            )
+        target.copy_(loaded.to(target.dtype))
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # row parallel: partial sums over this rank's columns, the bias added once
+            y = onednn.packed_linear(x, self.weight, None) if self.packed else self.quant_method.apply(self, x, None)
+            self.tp.all_reduce(y)
+            return y if self.bias is None else y + self.bias
+        if self.packed:  # the hot path of a bf16 model on a CPU, 121 calls a decode step here: no detours
+            return onednn.packed_linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)

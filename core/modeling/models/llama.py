@@ -1,0 +1,234 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flattened, unpadded token batches."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from pagoda.config import ModelConfig
+from pagoda.errors import CheckpointError, ConfigError
+from pagoda.execution import distributed
+from pagoda.modeling.layers import onednn
+from pagoda.modeling.layers.attention import Attention, kv_scale_target
+from pagoda.modeling.layers.fused_ops import linear, silu_and_mul
+from pagoda.modeling.layers.linear import Linear
+from pagoda.modeling.layers.norm import RMSNorm
+from pagoda.modeling.layers.rotary import RotaryEmbedding, StepRotary
+
+# checkpoint name fragment -> (fused module fragment, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, text_cfg: dict[str, Any], backend: Any, quant: Any, idx: int) -> None:
+        super().__init__()
+        dtype, d = cfg.dtype, cfg.head_dim
+        h, hkv = cfg.num_heads, cfg.num_kv_heads
+        is_qwen2 = text_cfg.get("model_type") == "qwen2"
+        # Llama's attention_bias covers q, k, v and o; Qwen2 always biases q, k, v and never o
+        qkv_bias = True if is_qwen2 else bool(text_cfg.get("attention_bias", False))
+        o_bias = False if is_qwen2 else bool(text_cfg.get("attention_bias", False))
+        mlp_bias = bool(text_cfg.get("mlp_bias", False))
+        inter = int(text_cfg["intermediate_size"])
+        eps = float(text_cfg.get("rms_norm_eps", 1e-6))
+        prefix = f"model.layers.{idx}"
+        q = lambda name: quant.for_layer(f"{prefix}.{name}") if quant is not None else None  # noqa: E731
+        # tensor parallelism: this rank's heads and MLP columns (all of them in a process of its own)
+        tp = distributed.current()
+        heads = distributed.head_shard(h, hkv, tp)
+        sharded = tp.size > 1
+        qkv_rows = [(heads.q_start * d, heads.num_heads * d)] + [(heads.kv_start * d, heads.num_kv_heads * d)] * 2
+        mlp_part = distributed.split(inter, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
+        self.qkv_proj = Linear(cfg.hidden_size, [h * d, hkv * d, hkv * d], qkv_bias, dtype, q("self_attn.qkv_proj"),
+                               f"{prefix}.self_attn.qkv_proj", tp_rows=qkv_rows if sharded else None)
+        self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj",
+                             tp_cols=qkv_rows[0] if sharded else None)
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], mlp_bias, dtype, q("mlp.gate_up_proj"),
+                                   f"{prefix}.mlp.gate_up_proj", tp_rows=[mlp_part] * 2 if sharded else None)
+        self.down_proj = Linear(inter, [cfg.hidden_size], mlp_bias, dtype, q("mlp.down_proj"), f"{prefix}.mlp.down_proj",
+                                tp_cols=mlp_part if sharded else None)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+        self.attn = Attention(backend, idx, heads.num_heads, heads.num_kv_heads, d, d ** -0.5)
+
+    def forward(self, x, residual, rope: StepRotary, kv_cache, metadata):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(x)  # [num_tokens, (h + 2 hkv) * d]
+        q, k, v = rope.split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        attn_out = self.attn(q, k, v, kv_cache, metadata)  # [num_tokens, h * d]
+        x = self.o_proj(attn_out)
+        x, residual = self.post_attention_layernorm(x, residual)
+        x = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return x, residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM. ``forward`` takes one step's flattened tokens."""
+
+    # given the caches of its first N layers only, forward runs those N layers, then the final norm:
+    # a self-speculation draft ("self:layers=N") is the target itself
+    runs_first_layers_of_caches = True
+    # builds this rank's shard under tensor parallelism (pagoda.execution.distributed.current())
+    supports_tensor_parallel = True
+
+    def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
+        super().__init__()
+        text_cfg = cfg.hf_config.get("text_config", cfg.hf_config)
+        window = text_cfg.get("sliding_window")
+        uses_window = window and text_cfg.get("use_sliding_window", text_cfg.get("model_type") != "qwen2")
+        if uses_window and cfg.max_model_len > int(window):
+            raise ConfigError(
+                f"this model attends over a sliding window of {window} tokens, which pagoda does not implement; "
+                f"pass --max-model-len {window} (or less) so the window never slides"
+            )
+        self.cfg = cfg
+        # vocab parallelism: this rank's rows of the embedding and the LM head (all of them alone)
+        self.tp = tp = distributed.current()
+        self.vocab_parts = [distributed.split(cfg.vocab_size, tp.size, r)[1] for r in range(tp.size)]
+        self.vocab_start, vocab_rows = distributed.split(cfg.vocab_size, tp.size, tp.rank)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, dtype=cfg.dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        if tp.size > 1:
+            self.embed_tokens.weight.weight_loader = self._load_vocab_rows
+        self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype)
+        self.tie_word_embeddings = bool(text_cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head",
+                                  tp_rows=[(self.vocab_start, vocab_rows)] if tp.size > 1 else None)
+        rope = text_cfg.get("rope_parameters") or {}
+        theta = float(text_cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        scaling = text_cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, int(text_cfg.get(
+            "max_position_embeddings", cfg.max_model_len))), theta, scaling, cfg.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``.
+
+        Runs one decoder layer per entry of ``kv_caches`` (all of them normally; the first N for a
+        self-speculation draft)."""
+        x = self.embed_tokens(input_ids) if self.tp.size == 1 else self._embed_parallel(input_ids)
+        rope = self.rotary.at(positions)  # once per step, not per layer
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, rope, kv_cache, metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden] -> [n, vocab]`` in float32."""
+        if self.lm_head is None:
+            head = self._tied_head()
+            if head is not None:
+                logits = onednn.packed_linear(hidden, head).float()
+            else:
+                logits = linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return self.tp.all_gather_last(logits, self.vocab_parts)
+
+    def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each rank looks up the ids in its rows (zeros for the others); the sum over ranks is the embedding."""
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine[:, None].to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x, "embedding")
+
+    def _load_vocab_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: Optional[int], name: str) -> None:
+        rows = loaded.narrow(0, self.vocab_start, param.shape[0])
+        if tuple(rows.shape) != tuple(param.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(loaded.shape)}; the model expects "
+                                  f"{self.cfg.vocab_size} rows of {param.shape[1]}")
+        param.data.copy_(rows.to(param.dtype))
+
+    def _tied_head(self) -> Optional[torch.Tensor]:
+        """The embedding packed for the LM head (see ``layers.onednn``), made on first use and again
+        whenever the embedding changes; None where packing does not apply. The embedding itself stays
+        plain for the token lookup."""
+        w = self.embed_tokens.weight
+        key = (w.data_ptr(), w.dtype, None if w.is_inference() else w._version)
+        if getattr(self, "_packed_head_key", None) != key:
+            self._packed_head = onednn.pack_weight(w.data)
+            self._packed_head_key = key
+        return self._packed_head
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from ``(checkpoint_name, tensor)`` pairs; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            if (kv_scale := kv_scale_target(name)) is not None:
+                self._load_kv_scale(name, tensor, *kv_scale)
+                continue
+            target, shard = _map_name(name)
+            param = params.get(target)
+            if param is None:
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
+                    "the checkpoint does not match its config.json"
+                )
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard, name)
+            else:
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)} but the model expects {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor.to(param.dtype))
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        expected = set()
+        for pname, param in params.items():
+            if getattr(param, "is_optional", False):
+                continue  # a quant method's optional tensor (GPTQ g_idx without act-order)
+            module = self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self
+            shards = len(module.output_sizes) if isinstance(module, Linear) and len(module.output_sizes) > 1 else 0
+            expected.update({f"{pname}#{i}" for i in range(shards)} if shards else {pname})
+        missing = sorted(expected - loaded)
+        if missing:
+            raise CheckpointError(
+                f"checkpoint is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}"
+            )
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        if self.lm_head is None:
+            self._tied_head()  # packed now, not in the first request's step
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor, layer_idx: int, which: str) -> None:
+        """A per-layer fp8 KV cache scale (used only with kv_cache_dtype fp8)."""
+        if layer_idx >= len(self.layers):
+            raise CheckpointError(f"checkpoint tensor {name!r} names layer {layer_idx}, but the model has "
+                                  f"{len(self.layers)} layers; the checkpoint does not match its config.json")
+        self.layers[layer_idx].attn.load_kv_scale(which, tensor, name)
+
+
+def _map_name(name: str) -> tuple[str, Optional[int]]:
+    """Checkpoint name -> (parameter name, shard index in a fused layer or None)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    for frag, (fused, shard) in _STACKED.items():
+        if frag in name:
+            return name.replace(frag, fused).replace(".self_attn.qkv_proj.", ".qkv_proj.").replace(
+                ".mlp.gate_up_proj.", ".gate_up_proj."), shard
+    name = name.replace(".self_attn.o_proj.", ".o_proj.").replace(".mlp.down_proj.", ".down_proj.")
+    return name, None

@@ -1,0 +1,1 @@
+"""The plugin machinery: loading plugins, resolving component names, deprecated names."""

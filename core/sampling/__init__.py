@@ -1,0 +1,1 @@
+"""Choosing tokens: the sampler and the rejection sampler of speculative decoding."""

@@ -1,0 +1,223 @@
+"""The ``default`` sampler: logits processing and token choice, vectorised over the batch."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagoda.config import ModelConfig
+from pagoda.markers import hookimpl
+from pagoda.registry.deprecation import adopt_renamed_overrides, renamed_method
+from pagoda.sequence import Sequence
+from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (the first maximum of each row; a NaN counts as the maximum, as in torch).
+
+    A float32 CPU matrix goes through numpy, whose vectorised argmax is several times torch's here: batch
+    64 over the 49,152-token vocabulary, 0.28 ms against 2.1 ms, every decode step.
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per request
+    logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # per request, when asked for
+
+
+class Sampler:
+    """Applies logit bias, min_tokens, penalties, temperature, top-k, top-p and min-p, then samples.
+
+    Greedy rows take the argmax. Random rows race exponential noise
+    (``argmax(p / E)`` with ``E ~ Exp(1)`` draws a token with probability
+    ``p``); a request with a ``seed`` draws its noise from its own generator,
+    so its tokens do not depend on what else is in the batch.
+
+    A sampler plugin may subclass it and override its public steps, in the order they run:
+    :meth:`apply_bias_and_bans`, :meth:`apply_penalties`, :meth:`process_logits` (a no-op here: the
+    place for a plugin's own logits processing, such as a grammar mask), and :meth:`draw` for the rows
+    that sample. A subclass that overrides any of them no longer samples the standard distribution
+    (:attr:`samples_standard_distribution`), so the engine refuses speculative decoding with it.
+    """
+
+    _EXTENSION_POINTS = ("apply_bias_and_bans", "apply_penalties", "process_logits", "draw")
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self.vocab_size = model_config.vocab_size
+        self.generator = torch.Generator().manual_seed(model_config.seed)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # a sampler written for plugin API 1.0 overrides the private steps: honoured until 1.3, with a warning
+        super().__init_subclass__(**kwargs)
+        adopt_renamed_overrides(cls, Sampler)
+
+    def __call__(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> SamplerOutput:
+        # logits: [num_reqs, vocab] float32, one row per request to sample
+        params = [r.sampling_params for r in requests]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        banned = [r.banned_token_ids() for r in requests]  # the min_tokens rule, once per row
+        if self._plain_argmax and all(p.is_greedy and not p.has_penalties and not p.logit_bias and not b
+                                      for p, b in zip(params, banned)):
+            token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
+        else:
+            token_ids = self._sample(logits.clone(), requests, banned)
+        token_list = token_ids.tolist()
+        logprobs = None
+        if want_logprobs:
+            logprobs = [
+                _token_logprobs(raw_logprobs[i], token_list[i], p.logprobs) if p.logprobs is not None else None
+                for i, p in enumerate(params)
+            ]
+        return SamplerOutput(token_list, logprobs)
+
+    @property
+    def samples_standard_distribution(self) -> bool:
+        """Whether tokens follow exactly the distribution the sampling parameters describe: true unless a
+        subclass overrides one of the extension points."""
+        return all(getattr(type(self), name) is getattr(Sampler, name) for name in self._EXTENSION_POINTS)
+
+    @property
+    def _plain_argmax(self) -> bool:
+        # greedy rows with nothing to apply may skip every step (and the copy of the logits)
+        return type(self).process_logits is Sampler.process_logits and \
+            type(self).apply_bias_and_bans is Sampler.apply_bias_and_bans
+
+    def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence], banned: list[list[int]]
+                ) -> torch.Tensor:
+        n, vocab = logits.shape
+        params = [r.sampling_params for r in requests]
+        self.apply_bias_and_bans(logits, requests, banned)
+        if any(p.has_penalties for p in params):
+            self.apply_penalties(logits, requests)
+        self.process_logits(logits, requests)
+        greedy = torch.tensor([p.is_greedy for p in params])
+        out = argmax_rows(logits)
+        random_rows = (~greedy).nonzero().flatten().tolist()
+        if not random_rows:
+            return out
+        rows = torch.tensor(random_rows)
+        sub = logits[rows]
+        sub_params = [params[i] for i in random_rows]
+        temperature = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32)
+        sub.div_(temperature[:, None])
+        # extreme penalties can push logits to +inf, and softmax over an inf is NaN: the largest finite
+        # value keeps those tokens on top, tied with each other
+        torch.nan_to_num_(sub, nan=float("-inf"), posinf=torch.finfo(sub.dtype).max)
+        top_k = [p.top_k for p in sub_params]
+        top_p = [p.top_p for p in sub_params]
+        if any(k for k in top_k) or any(p < 1.0 for p in top_p):
+            sub = _apply_top_k_top_p(sub, top_k, top_p)
+        probs = torch.softmax(sub, dim=-1)
+        min_p = torch.tensor([p.min_p for p in sub_params], dtype=torch.float32)
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs.masked_fill_(probs < threshold, 0.0)
+        out[rows] = self.draw(probs, [requests[i] for i in random_rows])
+        return out
+
+    def process_logits(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
+        """Change ``logits [n, vocab]`` in place, row ``i`` for ``requests[i]``, after bias, bans and
+        penalties and before temperature and the filters; a row set to -inf everywhere but one token takes
+        that token. Nothing here; a subclass's own processing goes here."""
+
+    def draw(self, probs: torch.Tensor, requests: typing.Sequence[Sequence]) -> torch.Tensor:
+        """One token id per row of ``probs [n, vocab]`` (filtered, normalised), drawn with probability
+        ``probs[i, t]``; a request with a seed uses its own generator, the others share the sampler's."""
+        noise = torch.empty_like(probs)
+        for j, request in enumerate(requests):
+            noise[j].exponential_(generator=_generator_for(request, self.generator))
+        return argmax_rows(probs / noise)
+
+    def apply_bias_and_bans(self, logits: torch.Tensor, requests: typing.Sequence[Sequence],
+                            banned: list[list[int]]) -> None:
+        """Add each request's ``logit_bias``; set its banned tokens (``Sequence.banned_token_ids``, given as
+        ``banned[i]``) to -inf."""
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if p.logit_bias:
+                ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.int64)
+                vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])
+                logits[i].index_add_(0, ids, vals)
+            if banned[i]:
+                logits[i, torch.tensor(banned[i])] = float("-inf")
+
+    def apply_penalties(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
+        """Repetition (prompt and output tokens), frequency and presence penalties, in place; called only
+        when some request has one."""
+        n, vocab = logits.shape
+        out_counts = torch.zeros(n, vocab, dtype=torch.float32)
+        seen_prompt = torch.zeros(n, vocab, dtype=torch.bool)
+        for i, r in enumerate(requests):
+            if r.output_token_ids:
+                ids = torch.tensor(r.output_token_ids, dtype=torch.int64)
+                out_counts[i].index_add_(0, ids, torch.ones(len(ids)))
+            if r.sampling_params.repetition_penalty != 1.0:
+                seen_prompt[i, torch.tensor(r.prompt_token_ids, dtype=torch.int64)] = True
+        params = [r.sampling_params for r in requests]
+        rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+        seen = seen_prompt | (out_counts > 0)
+        # repetition penalty (prompt and output): shrink positive logits, grow negative ones
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+        freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+        presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+        logits.sub_(freq * out_counts + presence * (out_counts > 0).float())
+
+    # the 1.0 name of apply_penalties, for samplers that call it (or super() it in an override)
+    _apply_penalties = renamed_method("Sampler", "_apply_penalties")
+
+
+def _generator_for(request: Sequence, default: torch.Generator) -> torch.Generator:
+    if request.seed is None:
+        return default
+    if request.sampler_state is None:
+        request.sampler_state = torch.Generator().manual_seed(request.seed)
+    return request.sampler_state
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    # logits: [n, vocab]; tokens outside each row's top-k / nucleus become -inf
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.tensor([t if t > 0 else vocab for t in top_k])
+    ranks = torch.arange(vocab)[None, :]
+    remove = ranks >= k[:, None]
+    p = torch.tensor(top_p, dtype=torch.float32)
+    if bool((p < 1.0).any()):
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= p[:, None]
+        remove[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    # row: [vocab] log-probabilities of the raw model distribution
+    chosen = float(row[token_id])
+    rank = int((row > chosen).sum()) + 1
+    result: TokenLogprobs = {token_id: (chosen, rank)}
+    if num_top:
+        values, ids = row.topk(num_top)
+        for r, (tid, lp) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+            result.setdefault(tid, (lp, r))
+    return result
+
+
+def prompt_logprobs_for(logprobs: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """Log-probabilities of each actual next prompt token. ``logprobs``: ``[n, vocab]``."""
+    return [_token_logprobs(logprobs[i], t, num_top) for i, t in enumerate(next_token_ids)]
+
+
+@hookimpl
+def pagoda_samplers():
+    return {"default": Sampler}

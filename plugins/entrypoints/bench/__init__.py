@@ -1,0 +1,1 @@
+"""The ``pagoda bench`` command: workloads, benchmarks, the HF baseline, roofline and profile."""

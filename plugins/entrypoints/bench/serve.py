@@ -1,0 +1,281 @@
+"""``pagoda bench serve``: W4 of BENCHMARK.md against a running ``pagoda serve`` (or any OpenAI-compatible server).
+
+The W1 requests go to ``/v1/completions`` with streaming, their arrivals a
+Poisson process at each ``--request-rate`` (``inf``: all at once). Per request
+the client times the first token (TTFT), the gaps between streamed chunks
+(ITL), the time per output token after the first (TPOT) and the whole request
+(E2E); the summary gives their mean and p50/p90/p99 and the throughputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from pagoda.plugins.entrypoints.bench.workloads import BenchRequest, prefix_groups, random_64
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="W4: the W1 requests streamed to a running server at Poisson arrival rates")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    p.add_argument("--served-model-name", default=None, help="the 'model' field to send (default: the server's first "
+                                                             "model from /v1/models)")
+    p.add_argument("--model", default=None, help="checkpoint directory whose tokenizer draws the W1 prompts "
+                                                 "(default: the default model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, math.inf],
+                   help="arrival rates in requests/s, one run each; 'inf' sends everything at once")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--workload", choices=["w1", "prefix-groups"], default="w1",
+                   help="w1: the W1 requests (W4); prefix-groups: --prefix-groups prompt prefixes of --prefix-len "
+                        "tokens, interleaved, each request adding 32 tokens of its own and asking for 32 (the "
+                        "summary then gives the prefix-cache hit rate and, behind pagoda serve --replicas, how "
+                        "often a request reached the replica that served its prefix first)")
+    p.add_argument("--prefix-groups", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
+    p.add_argument("--result-file", default=None, help="write every run's summary and per-request timings as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_bench_serve)
+
+
+@dataclass
+class RequestTiming:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: Optional[str] = None
+    cached_tokens: int = 0
+    replica: Optional[str] = None  # pagoda serve --replicas: the replica that served it
+    prefix_group: Optional[int] = None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def bench_requests(ns: argparse.Namespace) -> list[BenchRequest]:
+    """The requests of ``--workload`` for the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from pagoda.modeling.default_model import resolve_model_path
+
+    if ns.workload == "w1":
+        return w1_requests(ns.model, ns.num_prompts)
+    model_dir = resolve_model_path(ns.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return prefix_groups(len(tokenizer), set(tokenizer.all_special_ids), ns.num_prompts, ns.prefix_groups,
+                         ns.prefix_len)
+
+
+def w1_requests(model: Optional[str], num_prompts: int) -> list[BenchRequest]:
+    from transformers import AutoTokenizer
+
+    from pagoda.engine.engine_args import load_hf_config
+    from pagoda.modeling.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(model)
+    config = load_hf_config(model_dir)
+    vocab = int(config.get("text_config", config)["vocab_size"])
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return random_64(vocab, set(tokenizer.all_special_ids), num_prompts)
+
+
+async def send_one(client, url: str, model: str, req: BenchRequest) -> RequestTiming:
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
+            "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    timing = RequestTiming(ok=False, prompt_len=len(req.prompt_token_ids), prefix_group=req.prefix_group)
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                timing.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return timing
+            timing.replica = resp.headers.get("x-pagoda-replica")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    timing.error = chunk["error"]["message"]
+                    return timing
+                if chunk.get("usage"):
+                    timing.output_tokens = chunk["usage"]["completion_tokens"]
+                    timing.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    timing.ttft = now - start
+                else:
+                    timing.itl.append(now - last)
+                last = now
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        timing.error = f"{type(exc).__name__}: {exc}"
+        return timing
+    timing.e2e = time.perf_counter() - start
+    timing.ok = timing.output_tokens > 0 and last is not None
+    return timing
+
+
+async def run_rate(base_url: str, model: str, api_key: Optional[str], requests: list[BenchRequest], rate: float,
+                   seed: int, progress: bool) -> tuple[float, list[RequestTiming]]:
+    import httpx
+
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(requests), desc=f"rate {rate:g} req/s", dynamic_ncols=True, file=sys.stderr)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits, headers=headers) as client:
+        async def timed(req: BenchRequest) -> RequestTiming:
+            result = await send_one(client, base_url + "/v1/completions", model, req)
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(timed(req)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals: exponential gaps
+        timings = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return duration, list(timings)
+
+
+def percentiles(values) -> dict[str, float]:
+    """Mean and p50/p90/p99 in milliseconds of ``values`` in seconds (any sequence or array; linear
+    interpolation between ranks)."""
+    import numpy as np
+
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99]) * 1e3
+    return {"mean": float(arr.mean()) * 1e3, "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summary_from(rate: float, duration: float, completed: int, failed: int, prompt_tokens: int, output_tokens: int,
+                 ttft, tpot, itl, e2e, errors: list[str]) -> dict:
+    """The serving summary from per-request measures in seconds (``pagoda simulate`` reports the same)."""
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf",
+        "completed": completed,
+        "failed": failed,
+        "duration_s": duration,
+        "request_throughput": completed / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + prompt_tokens) / duration,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles(e2e),
+        "errors": sorted(set(errors))[:5],
+    }
+
+
+def summarize(rate: float, duration: float, timings: list[RequestTiming]) -> dict:
+    ok = [t for t in timings if t.ok]
+    summary = summary_from(rate, duration, len(ok), len(timings) - len(ok), sum(t.prompt_len for t in ok),
+                           sum(t.output_tokens for t in ok), [t.ttft for t in ok],
+                           [t.tpot for t in ok if t.tpot is not None], [gap for t in ok for gap in t.itl],
+                           [t.e2e for t in ok], [t.error for t in timings if t.error])
+    prompt_tokens = summary["prompt_tokens"]
+    summary["prefix_cache_hit_rate"] = sum(t.cached_tokens for t in ok) / prompt_tokens if prompt_tokens else math.nan
+    summary.update(routing_locality(ok))
+    return summary
+
+
+def routing_locality(timings: list[RequestTiming]) -> dict:
+    """Behind replicas: how many served, and the fraction of a prefix group's later requests that reached the
+    replica that served the group first."""
+    replicas = {t.replica for t in timings if t.replica}
+    if not replicas:
+        return {}
+    first: dict[int, str] = {}
+    later = at_first = 0
+    for t in timings:  # in submission order
+        if t.prefix_group is None or t.replica is None:
+            continue
+        if t.prefix_group in first:
+            later += 1
+            at_first += t.replica == first[t.prefix_group]
+        else:
+            first[t.prefix_group] = t.replica
+    return {"replicas": len(replicas), "to_prefix_replica": at_first / later if later else math.nan}
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"==== pagoda bench serve (W4): request rate {s['request_rate']} req/s ====",
+        f"{'completed / failed requests':<30}{s['completed']} / {s['failed']}",
+        f"{'duration (s)':<30}{s['duration_s']:.2f}",
+        f"{'request throughput (req/s)':<30}{s['request_throughput']:.3f}",
+        f"{'output tokens/s':<30}{s['output_token_throughput']:.1f}",
+        f"{'total tokens/s':<30}{s['total_token_throughput']:.1f}",
+        f"{'prompt / output tokens':<30}{s['prompt_tokens']} / {s['output_tokens']}",
+        f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        row = s[key]
+        lines.append(f"{label:<10}" + "".join(f"{row[c]:>10.1f}" for c in ("mean", "p50", "p90", "p99")))
+    lines.append(f"{'prefix-cache hit rate':<30}{s['prefix_cache_hit_rate']:.1%}")
+    if "replicas" in s:
+        lines.append(f"{'replicas that served':<30}{s['replicas']}")
+        lines.append(f"{'at their prefix group replica':<30}{s['to_prefix_replica']:.1%}")
+    for err in s["errors"]:
+        lines.append(f"error: {err}")
+    return "\n".join(lines)
+
+
+def run_bench_serve(ns: argparse.Namespace) -> int:
+    import httpx
+
+    base_url = ns.base_url.rstrip("/")
+    model = ns.served_model_name
+    if model is None:
+        headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+        try:
+            model = httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            print(f"pagoda bench serve: error: cannot list the models of {base_url} ({exc}); is `pagoda serve` "
+                  "running there? pass --base-url", file=sys.stderr)
+            return 2
+    requests = bench_requests(ns)
+    title = "W4: W1" if ns.workload == "w1" else f"{ns.prefix_groups} prefix groups:"
+    print(f"{title} {len(requests)} requests ({sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens) to {base_url} as model {model!r}")
+    results = []
+    for rate in ns.request_rate:
+        duration, timings = asyncio.run(run_rate(base_url, model, ns.api_key, requests, rate, ns.seed,
+                                                 not ns.no_progress))
+        summary = summarize(rate, duration, timings)
+        print(format_summary(summary), flush=True)
+        results.append({"summary": summary, "requests": [asdict(t) for t in timings]})
+    if ns.result_file:
+        with open(ns.result_file, "w") as f:
+            json.dump({"base_url": base_url, "model": model, "num_prompts": len(requests), "runs": results}, f,
+                      indent=2)
+        print(f"results written to {ns.result_file}")
+    return 0 if all(r["summary"]["failed"] == 0 for r in results) else 1

@@ -1,0 +1,263 @@
+"""``pagoda bench throughput`` (W1) and ``pagoda bench latency`` (W3), each against HF transformers in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.bench.workloads import BenchRequest, latency_1, random_64
+
+
+def add_parser(sub, name: str) -> None:
+    if name == "throughput":
+        p = sub.add_parser("throughput", help="W1: 64 random requests at once; pagoda vs HF static batches of 16")
+        p.add_argument("--num-requests", type=int, default=64)
+        p.add_argument("--hf-batch-size", type=int, default=16)
+        p.add_argument("--hf-batches", type=int, default=None,
+                       help="run only the first N HF batches (the ratio uses tokens/s, so a subset still compares)")
+        p.set_defaults(func=run_throughput)
+    else:
+        p = sub.add_parser("latency", help="W3: one request, 128 prompt + 128 output tokens; pagoda vs HF batch 1")
+        p.add_argument("--prompt-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--repeats", type=int, default=3)
+        p.set_defaults(func=run_latency)
+    p.add_argument("--hf-dtype", default="float32", help="dtype of the HF baseline (float32 or bfloat16)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--hf-same-process", action="store_true",
+                   help="run the HF baseline inside the benchmark process, with pagoda's malloc and OpenMP "
+                        "settings (default: a fresh process, as HF users run it)")
+    p.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
+    add_engine_args(p)
+
+
+@dataclass
+class Result:
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+
+def _make_llm(ns: argparse.Namespace):
+    from pagoda.engine.llm import LLM
+
+    args = engine_args_from(ns)
+    llm = LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
+    # one configuration for the whole run: pagoda, the roofline, the profile and the baseline all get the
+    # thread count measured at start-up
+    llm.engine.host.hold_threads()
+    return llm
+
+
+def _params(n_out: int):
+    from pagoda.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
+
+
+def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
+    """Submit every request at once and step to completion; tracks KV use at its peak."""
+    engine = llm.engine
+    for i, r in enumerate(requests):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len))
+    kv, sched = engine.kv_manager, engine.scheduler
+    peak = {"blocks": 0, "tokens": 0, "steps": []}
+
+    class StepRecorder:
+        """Per step: linear-layer tokens and LM-head rows (for the roofline), and KV use at its peak."""
+
+        def before_step(self, engine, sched) -> None:
+            self.outputs_before = engine.stats.num_generation_tokens
+
+        def after_step(self, engine, sched_out, result, seconds) -> None:
+            peak["steps"].append((sched_out.num_batched_tokens,
+                                  engine.stats.num_generation_tokens - self.outputs_before))
+            held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
+            if held_blocks > peak["blocks"]:
+                peak.update(blocks=held_blocks, tokens=sum(r.num_computed_tokens for r in sched.running))
+
+    recorder = StepRecorder()
+    engine.observers.append(recorder)
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.observers.remove(recorder)
+    seconds = time.perf_counter() - start
+    return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)), peak
+
+
+def run_hf(llm, ns: argparse.Namespace, kind: str, requests: list[BenchRequest], **extra) -> dict:
+    """The HF transformers baseline on the same requests, in a fresh process unless ``--hf-same-process``."""
+    job = {"kind": kind, "model": llm.engine.config.model.model, "dtype": str(_dtype(ns.hf_dtype)).removeprefix("torch."),
+           "threads": llm.engine.num_threads, "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
+           **extra}
+    if ns.hf_same_process:
+        from pagoda.plugins.entrypoints.bench import hf_baseline
+
+        return hf_baseline.run(job)
+    from pagoda.host import openmp
+    from pagoda.plugins.entrypoints.bench import hf_baseline
+
+    # the child gets the user's environment, not the OpenMP settings pagoda chose for itself
+    env = {k: v for k, v in os.environ.items() if k not in openmp.set_here}
+    proc = subprocess.run([sys.executable, hf_baseline.__file__], input=json.dumps(job), capture_output=True,
+                          text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the HF transformers baseline failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    return set(tokenizer.all_special_ids)
+
+
+def _print_speculation(llm) -> None:
+    stats = llm.engine.spec_stats
+    if stats is not None:
+        print(f"speculation: {stats.num_drafts} verify runs, {stats.num_draft_tokens} draft tokens, acceptance "
+              f"{stats.acceptance_rate:.1%}, {stats.mean_acceptance_length:.2f} tokens per verify run")
+
+
+def _print_header(llm) -> None:
+    cfg = llm.engine.config
+    print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
+          f"threads: {llm.engine.num_threads}  attention: {type(llm.engine.backend).__name__}  "
+          f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size} "
+          f"({str(getattr(llm.engine.backend, 'kv_cache_dtype', None) or cfg.model.dtype).replace('torch.', '')})")
+    from pagoda.plugins.quant.memory import weight_memory
+
+    print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
+    from pagoda.host import cpu_isa
+    from pagoda.host import openmp
+
+    print(f"OpenMP waiting: {openmp.wait_policy}  CPU kernels built for: {cpu_isa.describe()}")
+    paths = kernel_isa_paths(llm)
+    if paths:
+        print("kernel ISA paths: " + "; ".join(f"{kernel} {path}" for kernel, path in paths.items()))
+
+
+def kernel_isa_paths(llm) -> dict[str, str]:
+    """Which ISA path each CPU kernel of this engine takes (empty off a CPU)."""
+    cfg = llm.engine.config
+    if cfg.device != "cpu":
+        return {}
+    from pagoda.modeling.layers.fused_ops import isa_paths
+
+    paths = {}
+    backend_paths = getattr(llm.engine.backend, "isa_paths", None)
+    if backend_paths is not None:
+        paths.update(backend_paths())
+    paths.update(isa_paths(cfg.model.dtype))
+    if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
+        from pagoda.plugins.quant.base import kernel_for_device
+        from pagoda.plugins.quant.cpu_int_kernel import isa_path
+
+        kernel = kernel_for_device()
+        paths["int linear"] = isa_path() if kernel == "cpu" else kernel
+    from pagoda.plugins.quant.int8 import uses_int8_kernel
+
+    if uses_int8_kernel(llm.engine.model):
+        from pagoda.plugins.quant.base import kernel_for_device
+        from pagoda.plugins.quant.cpu_int8_kernel import isa_path as int8_isa_path
+
+        kernel = kernel_for_device()
+        paths["int8 linear"] = int8_isa_path() if kernel == "cpu" else "torch"
+    return paths
+
+
+def run_throughput(ns: argparse.Namespace) -> int:
+    llm = _make_llm(ns)
+    tok = llm.get_tokenizer()
+    requests = random_64(llm.engine.config.model.vocab_size, _special_ids(tok), ns.num_requests)
+    _print_header(llm)
+    print(f"W1: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens")
+    run_pagoda(llm, requests[:4])  # warm-up
+    mine, peak = run_pagoda(llm, requests)
+    waste = 1 - peak["tokens"] / max(1, peak["blocks"] * llm.engine.config.cache.block_size)
+    print(f"pagoda: {mine.seconds:8.2f} s  {mine.output_tps:8.1f} output tok/s  {mine.total_tps:8.1f} total tok/s")
+    print(f"KV cache at peak: {peak['blocks']} blocks hold {peak['tokens']} tokens -> waste {waste:.1%}")
+    _print_speculation(llm)
+    from pagoda.plugins.entrypoints.bench.roofline import measure_roofline, report
+
+    roofline = measure_roofline(llm.engine.model, llm.engine.config.model.num_layers)
+    print(report(roofline, peak["steps"], mine.seconds))
+    if ns.profile:
+        from pagoda.plugins.entrypoints.bench.profile import profile_decode
+
+        profile_decode(llm, requests)
+    if not ns.no_baseline:
+        subset = requests if ns.hf_batches is None else requests[:ns.hf_batches * ns.hf_batch_size]
+        seconds = run_hf(llm, ns, "static", subset, batch_size=ns.hf_batch_size)["seconds"]
+        hf = Result(seconds, sum(len(r.prompt_token_ids) for r in subset), sum(r.output_len for r in subset))
+        print(f"HF transformers ({ns.hf_dtype}, static batches of {ns.hf_batch_size}, {len(subset)} requests, "
+              f"{_where(ns)}): "
+              f"{hf.seconds:8.2f} s  {hf.output_tps:8.1f} output tok/s  {hf.total_tps:8.1f} total tok/s")
+        print(f"ratio (output tok/s): pagoda / HF = {mine.output_tps / hf.output_tps:.1f}x")
+    return 0
+
+
+def run_latency(ns: argparse.Namespace) -> int:
+    llm = _make_llm(ns)
+    tok = llm.get_tokenizer()
+    req = latency_1(llm.engine.config.model.vocab_size, _special_ids(tok), ns.prompt_len, ns.output_len)
+    _print_header(llm)
+    print(f"W3: 1 request, {ns.prompt_len} prompt tokens, {ns.output_len} output tokens, median of {ns.repeats}")
+    _pagoda_latency(llm, req)  # warm-up
+    runs = [_pagoda_latency(llm, req) for _ in range(ns.repeats)]
+    ttft = statistics.median(r[0] for r in runs)
+    tpot = statistics.median(r[1] for r in runs)
+    print(f"pagoda: TTFT {ttft * 1e3:8.1f} ms  TPOT {tpot * 1e3:8.2f} ms/token")
+    _print_speculation(llm)
+    if ns.profile:
+        from pagoda.plugins.entrypoints.bench.profile import profile_decode
+
+        profile_decode(llm, [req])
+    if not ns.no_baseline:
+        hf = run_hf(llm, ns, "latency", [req], repeats=ns.repeats)
+        hf_ttft, hf_tpot = hf["ttft"], hf["tpot"]
+        print(f"HF transformers ({ns.hf_dtype}, batch 1, {_where(ns)}): TTFT {hf_ttft * 1e3:8.1f} ms  TPOT {hf_tpot * 1e3:8.2f} ms/token")
+        print(f"ratio (TPOT): HF / pagoda = {hf_tpot / tpot:.1f}x")
+    return 0
+
+
+def _pagoda_latency(llm, req: BenchRequest) -> tuple[float, float]:
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request(f"lat-{time.monotonic_ns()}", {"prompt_token_ids": req.prompt_token_ids}, _params(req.output_len))
+    first = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and outs:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - start, (end - first) / max(1, req.output_len - 1)
+
+
+def _where(ns: argparse.Namespace) -> str:
+    return "in this process" if ns.hf_same_process else "in a fresh process"
+
+
+def _dtype(name: str) -> torch.dtype:
+    from pagoda.modeling.dtypes import resolve_dtype
+
+    return resolve_dtype(name)

@@ -1,0 +1,1 @@
+"""The ``pagoda generate``, ``plugins`` and ``serve`` commands."""

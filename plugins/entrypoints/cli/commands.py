@@ -1,0 +1,60 @@
+"""``pagoda generate`` and ``pagoda plugins``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagoda.cli import add_engine_args, engine_args_from
+
+
+def register_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion (or a chat answer with --chat) for a prompt")
+    p.add_argument("prompt", nargs="?", default="What is the capital of France?", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="treat the prompt as a user message and apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_engine_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from pagoda.engine.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                            stop=ns.stop)
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
+        print(out.outputs[0].text.strip())
+    else:
+        out = llm.generate(ns.prompt, params, use_tqdm=False)[0]
+        print(ns.prompt + out.outputs[0].text)
+    return 0
+
+
+def register_plugins(sub) -> None:
+    p = sub.add_parser("plugins", help="list every component name, its kind and the distribution providing it")
+    p.set_defaults(func=run_plugins)
+
+
+def run_plugins(ns: argparse.Namespace) -> int:
+    from pagoda.version import PLUGIN_API_VERSION, __version__
+
+    pm = ns.plugin_manager
+    print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")
+    rows = [(c.kind, c.name, c.plugin, c.dist, pm.api_ranges.get(c.plugin, "-")) for c in pm.table()]
+    rows += [("(failed)", "-", f.name, f.dist, f.reason) for f in pm.failures]
+    rows += [("(blocked)", "-", name, dist, "PAGODA_DISABLE_PLUGINS") for name, dist in sorted(pm.blocked.items())]
+    header = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "API")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+    for failure in pm.failures:
+        print(f"\nplugin {failure.name!r} from {failure.dist} failed to load:\n{failure.error}", file=sys.stderr)
+    return 0

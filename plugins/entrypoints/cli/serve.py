@@ -1,0 +1,79 @@
+"""``pagoda serve``: the OpenAI-compatible server under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.replicas.command import add_replica_args, run_replicas
+
+logger = logging.getLogger("pagoda")
+
+
+def register(sub) -> None:
+    from pagoda.plugins.entrypoints.server import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
+                                                   DEFAULT_MAX_REQUEST_BYTES)
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, "
+                                   "/version). SIGTERM stops accepting requests and lets open ones finish.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
+                        "(default: $PAGODA_API_KEY, else no key)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a new connection may take to send its request line and headers; slower ones "
+                        "are closed with 408")
+    p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a request body may take to arrive in full; slower ones get 408")
+    p.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections and requests at most; beyond it new connections get 503")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names to answer (default: the loopback names when serving "
+                        "on a loopback address without --api-key, else any)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds open requests may take to finish after SIGTERM before they are failed")
+    p.add_argument("--request-log", default=None, metavar="PATH",
+                   help="append one JSON line per finished request (arrival, prompt token ids, output tokens, "
+                        "priority, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    add_replica_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    if ns.replicas != 1 or ns.max_replicas is not None:
+        if ns.request_log:
+            from pagoda.errors import ConfigError
+
+            raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
+                              "or --max-replicas yet (serve one replica to record a trace)")
+        return run_replicas(ns)
+    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.plugins.entrypoints.server import build_app, default_allowed_hosts, make_uvicorn_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.request_log:
+        from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter
+
+        ns.plugin_manager.register(RequestLogWriter(ns.request_log), "request-log")
+    engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
+    async_engine = AsyncLLMEngine(engine)
+    app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
+                    shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
+                    allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts))
+    logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
+                engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
+                engine.config.model.max_model_len)
+    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
+                        log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency).run()
+    return 0
