@@ -1,7 +1,8 @@
 """pagoda: an LLM inference and serving engine whose every policy and backend is a plugin.
 
-Importing pagoda changes nothing in the process and loads no torch: the engine
-classes below are imported on first use, and host settings (threads, allocator,
+Importing pagoda loads no torch and changes nothing in the process but one finder on ``sys.meta_path``
+that answers for the old names of the modules moved in plugin API 1.3: the engine classes below are
+imported on first use, and host settings (threads, allocator,
 huge pages, kernels) are applied when an engine is built. To choose how OpenMP
 threads wait, call ``pagoda.host.settings.set_openmp_wait_policy()`` before importing
 torch (the ``pagoda`` command does).
@@ -12,13 +13,16 @@ from typing import Any
 
 from pagoda.errors import BackendUnavailable, CheckpointError, ConfigError, InvalidRequestError, PagodaError
 from pagoda.markers import hookimpl
+from pagoda.registry.deprecation import install_moved_modules
 from pagoda.version import PLUGIN_API_VERSION, __version__
+
+install_moved_modules()  # the modules moved in plugin API 1.3 still import under their old names, with a warning
 
 # public name -> the module defining it, imported when the name is first used
 _LAZY = {
     "LLM": "pagoda.engine.llm",
     "LLMEngine": "pagoda.engine.llm_engine",
-    "EngineArgs": "pagoda.config",
+    "EngineArgs": "pagoda.engine.engine_args",
     "SamplingParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",

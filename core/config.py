@@ -1,7 +1,7 @@
 """Engine configuration: the frozen configs the engine and its plugins read.
 
-They are built from the flat options of :class:`pagoda.engine.engine_args.EngineArgs` (the CLI flags), which
-this module also exports, as it does the dtype helpers of :mod:`pagoda.modeling.dtypes`.
+They are built from the flat options of :class:`pagoda.engine.engine_args.EngineArgs` (the CLI flags,
+``pagoda.EngineArgs``). This module also exports the dtype helpers of :mod:`pagoda.dtypes`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.modeling.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
+from pagoda.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
                            is_fp8_kv_cache, resolve_dtype, resolve_kv_cache_dtype)
 from pagoda.host.env import HostConfig
 
 __all__ = [
     "GiB", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "EngineConfig",
-    "EngineArgs", "load_hf_config",
     "FP8_KV_CACHE_DTYPES", "KV_CACHE_DTYPE_CHOICES", "cpu_has_bf16", "cpu_runs_bf16_fast", "is_fp8_kv_cache",
     "resolve_dtype", "resolve_kv_cache_dtype",
 ]
@@ -113,12 +112,3 @@ class EngineConfig:
     attention_backend: str
     sampler: str
     device: str
-
-
-def __getattr__(name: str) -> Any:
-    # EngineArgs builds the configs above, so its module imports this one: exported lazily
-    if name in ("EngineArgs", "load_hf_config"):
-        from pagoda.engine import engine_args
-
-        return getattr(engine_args, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

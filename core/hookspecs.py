@@ -166,7 +166,7 @@ def pagoda_executors() -> Mapping[str, "ExecutorFactory"]:
 
     ``factory(engine_config, plugin_manager)`` returns a
     :class:`pagoda.interfaces.Executor`: it starts the ranks, has each build its
-    shard of the model (:func:`pagoda.engine.components.build_runner` under
+    shard of the model (:func:`pagoda.execution.build.build_runner` under
     :mod:`pagoda.execution.distributed`), and runs every step on all of them. Selected by
     ``distributed_executor_backend`` (built-ins: ``uni``, ``mp``; ``auto`` is
     ``uni`` for one rank, ``mp`` for more). Called once at start-up.

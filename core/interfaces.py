@@ -233,8 +233,8 @@ class AttentionBackend(Protocol):
                 kv_cache: "torch.Tensor", metadata: Any) -> "torch.Tensor":
         """Write this step's K/V into their slots and attend: ``[T, H, D]`` q -> ``[T, H * D]``.
 
-        ``layer.scale`` is the softmax scale. An optional ``kv_cache_dtype``
-        attribute overrides the model dtype for the cache tensors.
+        ``layer.scale`` is the softmax scale; the cache tensors hold ``kv_cache_dtype`` (the model's dtype
+        when it is None).
         """
 
 

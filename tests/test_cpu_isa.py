@@ -57,7 +57,7 @@ def test_auto_dtype_is_bf16_down_to_avx2_and_float32_below(monkeypatch, tmp_path
     import torch
 
     from pagoda.engine.engine_args import EngineArgs
-    from pagoda.modeling.dtypes import resolve_dtype
+    from pagoda.dtypes import resolve_dtype
     from tiny_models import write_tiny_checkpoint
 
     if torch.cuda.is_available():

@@ -270,11 +270,10 @@ def test_an_override_of_a_deprecated_helper_the_base_still_calls_is_warned_about
     check_scheduler(policy, seeds=1)
 
 
-def test_overriding_a_method_whose_arguments_changed_is_refused_when_the_class_is_created():
-    with pytest.raises(TypeError, match=r"overrides Sampler\._apply_bias_and_min_tokens, deprecated in pagoda "
-                                        r"plugin API 1\.1 and removed in 1\.3, and its arguments changed: "
-                                        r"apply_bias_and_bans\(logits, requests, banned\) .* override "
-                                        r"apply_bias_and_bans instead"):
+def test_overriding_a_sampler_step_removed_in_1_3_is_refused_when_the_class_is_created():
+    with pytest.raises(TypeError, match=r"overrides Sampler\._apply_bias_and_min_tokens, which Sampler no longer "
+                                        r"calls \(it was deprecated in pagoda plugin API 1\.1 and removed in "
+                                        r"1\.3\): override apply_bias_and_bans instead"):
         class PreReleaseBias(Sampler):
             def _apply_bias_and_min_tokens(self, logits, requests):
                 pass
@@ -287,3 +286,26 @@ def test_a_policy_using_only_public_names_is_not_warned_about():
         class Oldest(TokenBudgetScheduler):
             def choose_victim(self, candidates):
                 return candidates[0]
+
+
+@pytest.mark.parametrize("old, new", [("pagoda.kv_blocks", "pagoda.kv.blocks"),
+                                      ("pagoda.layers.linear", "pagoda.modeling.layers.linear"),
+                                      ("pagoda.plugin_manager", "pagoda.registry.plugin_manager")])
+def test_a_module_moved_in_1_3_imports_under_its_old_name_as_the_new_module_with_a_warning(monkeypatch, old, new):
+    for name in (old, old.rpartition(".")[0]):
+        if name != "pagoda":
+            monkeypatch.delitem(sys.modules, name, raising=False)
+    moved = old if old != "pagoda.layers.linear" else "pagoda.layers"
+    with pytest.warns(DeprecationWarning, match=rf"module {re.escape(old)} is deprecated in pagoda plugin API 1\.3 "
+                                                rf"and removed in 1\.5: import {re.escape(new)} instead"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)  # the same objects, not a second copy
+    assert any(d.old == moved for d in DEPRECATIONS)
+    for name in (old, old.rpartition(".")[0]):
+        if name != "pagoda":
+            sys.modules.pop(name, None)
+
+
+def test_a_name_that_never_existed_is_still_a_module_not_found_error():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("pagoda.kv_blocks_and_more")

@@ -174,36 +174,13 @@ def test_a_component_that_has_the_new_name_is_left_alone(monkeypatch):
 
 # ---- methods of the sampler base class -------------------------------------------------------------
 
-FAVOURITE_TOKEN = 7
-
-
-def pre_1_1_penalty_sampler() -> type:
-    """A sampler plugin as written for plugin API 1.0: it overrides the then-private ``_apply_penalties``
-    and calls the original through ``super()``."""
-
-    class FavouriteTokenSampler(Sampler):
-        def _apply_penalties(self, logits, requests):
-            super()._apply_penalties(logits, requests)
-            logits[:, FAVOURITE_TOKEN] += 1e4
-
-    return FavouriteTokenSampler
-
-
-def test_a_1_0_sampler_overriding_a_private_step_is_warned_about_and_still_used(tiny_dir):
-    with pytest.warns(DeprecationWarning, match=r"overrides Sampler\._apply_penalties, deprecated in pagoda plugin "
-                                                r"API 1\.1 and removed in 1\.3: override apply_penalties instead"):
-        sampler_cls = pre_1_1_penalty_sampler()
-
-    class Plugin:
-        @hookimpl
-        def pagoda_samplers(self):
-            return {"favourite": sampler_cls}
-
-    pm = PluginManager().load()
-    pm.register(Plugin(), name="favourite-sampler", dist="test")
-    llm = tiny_llm(tiny_dir, plugin_manager=pm, sampler="favourite")
-    assert llm.engine.runner.sampler.samples_standard_distribution is False  # it changes the distribution
-    params = SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=0.5, ignore_eos=True)
-    with pytest.warns(DeprecationWarning, match=r"Sampler\._apply_penalties is deprecated .* call apply_penalties"):
-        outputs = llm.generate("hi", params, use_tqdm=False)
-    assert list(outputs[0].outputs[0].token_ids) == [FAVOURITE_TOKEN] * 4
+def test_a_1_0_sampler_overriding_a_private_step_removed_in_1_3_is_refused_with_its_replacement():
+    """A sampler plugin as written for plugin API 1.0 overrode the then-private ``_apply_penalties``; the name
+    was deprecated in 1.1 and removed in 1.3, so the class is refused when it is created instead of running
+    without its override."""
+    with pytest.raises(TypeError, match=r"overrides Sampler\._apply_penalties, which Sampler no longer calls "
+                                        r"\(it was deprecated in pagoda plugin API 1\.1 and removed in 1\.3\): "
+                                        r"override apply_penalties instead"):
+        class FavouriteTokenSampler(Sampler):
+            def _apply_penalties(self, logits, requests):
+                logits[:, 7] += 1e4

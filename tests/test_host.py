@@ -173,11 +173,11 @@ def test_a_set_thread_count_is_used_and_never_re_measured(engine_config):
 
 
 @pytest.mark.skipif(available_cores() == 1, reason="one core: nothing to re-measure")
-def test_a_measured_thread_count_is_re_measured_after_steps_that_ran(monkeypatch, engine_config):
+def test_a_measured_thread_count_is_re_measured_after_steps_that_ran_when_re_checks_are_on(monkeypatch, engine_config):
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
-    monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "0")
+    monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "1e-9")
     tuning = host.HostTuning(engine_config())
-    assert tuning.governor is not None and tuning.governor.interval == 0
+    assert tuning.governor is not None and tuning.governor.interval == 1e-9
     checks = []
     tuning.governor._measure = lambda: checks.append(1) or 1
     tuning.after_step(None, step(0), None, 0.0)  # nothing ran: nothing to learn
@@ -189,7 +189,7 @@ def test_a_measured_thread_count_is_re_measured_after_steps_that_ran(monkeypatch
 
 @pytest.mark.skipif(available_cores() == 1, reason="one core: nothing to re-measure")
 def test_held_threads_are_not_re_measured(engine_config):
-    tuning = host.HostTuning(engine_config(thread_recheck_seconds=0))
+    tuning = host.HostTuning(engine_config(thread_recheck_seconds=1e-9))
     tuning.governor._measure = lambda: pytest.fail("re-measured held threads")
     tuning.hold_threads()
     tuning.after_step(None, step(8), object(), 0.01)

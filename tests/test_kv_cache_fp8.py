@@ -68,7 +68,7 @@ def test_cuda_backend_refuses_an_fp8_cache_naming_a_backend_that_reads_it(tmp_pa
 
 
 def test_a_backend_that_ignores_fp8_is_refused_instead_of_storing_model_dtype_kv(tmp_path):
-    from pagoda.engine.components import check_kv_cache_dtype
+    from pagoda.execution.build import check_kv_cache_dtype
 
     config = EngineArgs.build(model=str(write_tiny_checkpoint(tmp_path / "tiny")), dtype="bfloat16",
                               kv_cache_dtype="fp8").create_engine_config()

@@ -362,7 +362,7 @@ def pagoda_attention_backends():
 
 
 def test_auto_picks_the_highest_ranked_backend_that_can_run_even_a_third_party_one(site, tiny_dir):
-    from pagoda.engine.components import auto_backend_order
+    from pagoda.execution.build import auto_backend_order
 
     install_fake_dist(site, "acme-attn", "1.0", {"acme_attn": "acme_attn"}, {"acme_attn": RANKED_BACKENDS})
     pm = PluginManager().load()

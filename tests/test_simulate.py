@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pagoda.cli import main
-from pagoda.config import EngineArgs
+from pagoda import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.registry.plugin_manager import get_plugin_manager
 from pagoda.plugins.entrypoints.simulate.calibrate import (PROBE_ROUNDS, PROBE_SHAPE, fit_block_moves,

@@ -101,7 +101,7 @@ def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_di
 def test_timing_the_swap_copies_leaves_the_kv_cache_and_the_swap_pool_size_as_they_were(tiny_dir):
     import torch
 
-    from pagoda.config import EngineArgs
+    from pagoda import EngineArgs
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.calibrate import MOVE_SIZES, time_block_moves
     from pagoda.registry.plugin_manager import get_plugin_manager

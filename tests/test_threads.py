@@ -122,6 +122,7 @@ def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeyp
     monkeypatch.delenv("PAGODA_CPU_THREADS")
     if available_cores() > 1:
         assert ThreadGovernor.for_setting(resolve_cpu_threads(None), 2, interval=7.0).interval == 7.0
+        assert ThreadGovernor.for_setting(resolve_cpu_threads(None), 2, interval=0.0) is None  # re-checks off
     # the load changes between checks: every core, one hiccup, then one thread twice once others compete
     answers = iter([2, 1, 2, 1, 1])
     governor = ThreadGovernor(2, interval=0.0, measure=lambda: next(answers))

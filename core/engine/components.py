@@ -1,11 +1,10 @@
-"""Resolves every component by its configured name, once, at engine start-up."""
+"""Resolves every component by its configured name, once, at engine start-up, and builds the engine's
+side of them (tokenizer, KV allocator, scheduler); each rank's runner is built by
+:func:`pagoda.execution.build.build_runner`, through the executor."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -13,18 +12,13 @@ from typing import Any, Optional
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.errors import BackendUnavailable, ConfigError
-from pagoda.execution import distributed
+from pagoda.errors import ConfigError
 from pagoda.execution.collectives import all_reduce_candidates
 from pagoda.execution.executor import select_executor
 from pagoda.execution.model_runner import ModelRunner
 from pagoda.kv.tiers import KVTierIndex, has_offload_tiers
-from pagoda.modeling.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype
 from pagoda.registry.deprecation import adapt_renamed_methods
 from pagoda.registry.plugin_manager import PluginManager
-
-logger = logging.getLogger("pagoda")
-
 
 
 @dataclass
@@ -80,141 +74,6 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
                                             store.found))
     return Components(tokenizer, runner.model, runner.backend, kv_manager, scheduler, runner, executor,
                       runner.num_blocks, eos_token_id(mc.model, tokenizer))
-
-
-def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
-    """This rank's model shard (the whole model alone), loaded, with its KV cache, sampler and proposer."""
-    mc, cc = config.model, config.cache
-    arch = pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
-    loader_cls = pm.get("pagoda_model_loaders", mc.load_format, "load_format").factory
-    sampler_cls = pm.get("pagoda_samplers", config.sampler, "sampler").factory
-    quant = None
-    if mc.quantization:
-        quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
-        quant = adapt_renamed_methods(quant_factory(mc, mc.quant_config or {}), "pagoda_quant_methods",
-                                      mc.quantization)
-    proposer = None
-    if config.speculative is not None:
-        proposer = pm.get("pagoda_proposers", config.speculative.method, "speculative_config method").factory
-    sampler = adapt_renamed_methods(sampler_cls(mc), "pagoda_samplers", config.sampler)
-    if config.speculative is not None:
-        if not getattr(sampler, "samples_standard_distribution", False):
-            raise ConfigError(
-                f"sampler {config.sampler!r} does not sample the standard distribution of the sampling "
-                "parameters (samples_standard_distribution is not True), and speculative decoding would verify "
-                "drafts against that distribution instead of the sampler's; drop speculative_config or use "
-                "sampler='default'"
-            )
-    tp = distributed.current()
-    heads = distributed.head_shard(mc.num_heads, mc.num_kv_heads, tp)
-    # the backend sees this rank's heads
-    rank_config = config if tp.size == 1 else dataclasses.replace(
-        config, model=dataclasses.replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads))
-    backend = adapt_renamed_methods(select_attention_backend(rank_config, pm), "pagoda_attention_backends",
-                                    config.attention_backend)
-    check_kv_cache_dtype(config, backend)
-
-    with torch.device(config.device):
-        model = adapt_renamed_methods(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
-    loader = adapt_renamed_methods(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
-    loader.load_weights(model)
-    model.eval()
-
-    bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * mc.num_layers
-    # every rank has the same block count: the one the rank with the most KV heads can hold
-    most = max(distributed.head_shard(mc.num_heads, mc.num_kv_heads, distributed.TensorParallel(r, tp.size))
-               .num_kv_heads for r in range(tp.size))
-    bytes_per_block = bytes_per_block * most // heads.num_kv_heads
-    num_blocks = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // bytes_per_block
-    if num_blocks < 1:
-        raise ConfigError(
-            f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes} holds no KV block ({bytes_per_block} bytes each); "
-            "raise it"
-        )
-    runner = ModelRunner(rank_config, model, backend, sampler, num_blocks)
-    if proposer is not None:
-        spec = config.speculative
-        runner.set_proposer(adapt_renamed_methods(proposer(spec, config, runner, pm), "pagoda_proposers",
-                                                  spec.method))
-        logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
-                    spec.num_speculative_tokens)
-    if cc.preemption_mode == "swap":
-        # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
-        runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)
-    if cc.kv_offload_ram_bytes or cc.kv_offload_disk_dir:
-        init_offload_tiers(runner, cc, bytes_per_block, tp.size)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
-                num_blocks * bytes_per_block / 2**20)
-    return runner
-
-
-def init_offload_tiers(runner: ModelRunner, cc: Any, bytes_per_block: int, num_ranks: int) -> None:
-    """The runner's offload tiers, sized alike on every rank: the flags' sizes are for all ranks together,
-    each block file holding a header besides its K/V."""
-    num_ram = cc.kv_offload_ram_bytes // (bytes_per_block * num_ranks)
-    file_bytes = bytes_per_block + 8 * cc.block_size + 128
-    num_disk = cc.kv_offload_disk_bytes // (file_bytes * num_ranks) if cc.kv_offload_disk_dir else 0
-    for flag, size, num, each in (("--kv-offload-ram", cc.kv_offload_ram_bytes, num_ram, bytes_per_block),
-                                  ("--kv-offload-disk-size", cc.kv_offload_disk_bytes, num_disk, file_bytes)):
-        if size and not num:
-            raise ConfigError(f"{flag} gives {size} bytes, less than one KV block ({each * num_ranks} bytes over "
-                              f"{num_ranks} rank(s)); raise it to at least {each * num_ranks / 2**30:.2g} GiB")
-    try:
-        runner.init_offload(num_ram, cc.kv_offload_disk_dir, num_disk)
-    except OSError as exc:
-        raise ConfigError(f"--kv-offload-disk {cc.kv_offload_disk_dir}: cannot use it: {exc}") from None
-    logger.info("KV offload: %d blocks in RAM, %d on disk%s", num_ram, num_disk,
-                f" ({len(runner.kv_tiers.found)} found there)" if num_disk else "")
-
-
-def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:
-    name = config.attention_backend
-    if name != "auto":
-        factory = pm.get("pagoda_attention_backends", name, "attention_backend").factory
-        try:
-            return factory(config.model, config.cache)
-        except BackendUnavailable as exc:
-            raise ConfigError(f"attention backend {name!r} cannot run here: {exc}") from None
-    device = "cuda" if config.device.startswith("cuda") else "cpu"
-    reasons = []
-    for candidate in auto_backend_order(pm, device):
-        try:
-            return candidate.factory(config.model, config.cache)
-        except BackendUnavailable as exc:
-            reasons.append(f"{candidate.name}: {exc}")
-    raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
-
-
-def auto_backend_order(pm: PluginManager, device: str) -> list:
-    """The attention backends ``auto`` tries on ``device`` ("cpu" or "cuda"), best first: each backend
-    declares its rank per device in ``auto_priority`` (higher first; ties by name) and its availability by
-    raising BackendUnavailable; one that declares no rank for the device is never picked by ``auto``."""
-    available = pm.components.get("pagoda_attention_backends", {}).values()
-    ranked = [c for c in available if device in (getattr(c.factory, "auto_priority", None) or {})]
-    return sorted(ranked, key=lambda c: (-c.factory.auto_priority[device], c.name))
-
-
-def check_kv_cache_dtype(config: EngineConfig, backend: Any) -> None:
-    """Refuse a backend that would store K/V in another dtype than kv_cache_dtype asks for.
-
-    A backend declares its storage in ``kv_cache_dtype`` (the model dtype when it has none); one
-    that ignores ``--kv-cache-dtype fp8`` would otherwise give bf16 KV memory silently.
-    """
-    wanted = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
-    stored = getattr(backend, "kv_cache_dtype", None) or config.model.dtype
-    if stored != wanted:
-        name = getattr(backend, "name", type(backend).__name__)
-        hint = ("use attention_backend='cpu' or 'torch' on a CPU, 'triton' on a GPU"
-                if is_fp8_kv_cache(config.cache.kv_cache_dtype) else "use kv_cache_dtype='auto'")
-        raise ConfigError(
-            f"the {name!r} attention backend stores K/V as {str(stored).removeprefix('torch.')}, not "
-            f"kv_cache_dtype={config.cache.kv_cache_dtype!r} ({str(wanted).removeprefix('torch.')}); {hint}"
-        )
-
-
-def _kv_element_size(backend: Any, model_dtype: torch.dtype) -> int:
-    dtype = getattr(backend, "kv_cache_dtype", None) or model_dtype
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def load_tokenizer(path: str, chat_template: Optional[str]) -> Any:

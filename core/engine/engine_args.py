@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagoda.config import (GiB, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                            SpeculativeConfig)
-from pagoda.modeling.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.host.env import (HOST_VARIABLES, CpuIsa, HostConfig, OmpWaitPolicy, QuantKernel, resolve_cpu_threads,
                         resolve_host_config)
 from pagoda.errors import ConfigError
@@ -92,7 +92,7 @@ class EngineArgs(BaseModel):
     # host settings (HostConfig): None takes the environment variable, else the built-in default
     cpu_threads: Optional[int] = _host_option("cpu_threads", "threads computing on a CPU", gt=0)
     thread_recheck_seconds: Optional[float] = _host_option(
-        "thread_recheck_seconds", "seconds of stepping between re-measurements of a measured thread count", ge=0)
+        "thread_recheck_seconds", "seconds of stepping between re-measurements of a measured thread count (0: never, the default; 5 follows a machine whose load changes)", ge=0)
     omp_wait_policy: Optional[OmpWaitPolicy] = _host_option(
         "omp_wait_policy", "how idle OpenMP threads wait: spin briefly, sleep, or auto (spin on an idle machine); "
                            "takes effect only if chosen before torch loads, as the pagoda command does")

@@ -51,8 +51,9 @@ class LLMEngine:
         # speculative decoding's acceptance counters, None when off
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens) if config.speculative else None
         # step observers: ``before_step(engine, sched)`` once a step is scheduled and
-        # ``after_step(engine, sched, result, seconds)`` once it is emitted (host tuning, benchmarks, --profile)
-        self.observers: list[Any] = [self.host]
+        # ``after_step(engine, sched, result, seconds)`` once it is emitted (benchmarks, --profile, and the host
+        # tuning when it has per-step work: thread re-checks, if asked for; huge pages for a growing heap)
+        self.observers: list[Any] = [self.host] if self.host.observes_steps else []
         # seconds each phase of the last step took: schedule, execute, update, emit
         self.last_step_timings: dict[str, float] = {}
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
@@ -185,7 +186,7 @@ class LLMEngine:
         if sched.is_empty:
             return None
         try:
-            failed_loads = self.executor.move_blocks(sched)
+            failed_loads = self.executor.move_blocks(sched) if sched.has_block_moves else []
         except Exception as exc:
             self.scheduler.rollback(sched)
             raise StepFailedError(f"moving KV blocks failed: {type(exc).__name__}: {exc}",

@@ -1,1 +1,8 @@
-"""Running the model: the model runner, executors, tensor-parallel collectives, replica routers."""
+"""Running the model.
+
+- ``build``: one rank's runner: its model shard, attention backend, KV cache size, sampler, proposer.
+- ``model_runner``: lays a step's batch out, runs the model and samples.
+- ``executor``: the ``uni``, ``mp`` and ``ray`` executors, which hold one runner per rank.
+- ``distributed``, ``collectives``, ``shm_all_reduce``: tensor-parallel state and all-reduce backends.
+- ``routing``: the routers that pick a replica for a request.
+"""

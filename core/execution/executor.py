@@ -45,7 +45,7 @@ class UniExecutor:
     """The model whole, in this process."""
 
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
-        from pagoda.engine.components import build_runner
+        from pagoda.execution.build import build_runner
 
         if config.parallel.tensor_parallel_size != 1:
             raise ConfigError(f"the uni executor runs one process; tensor_parallel_size="
@@ -100,7 +100,7 @@ class MultiprocExecutor(_Driver):
     """``tensor_parallel_size`` ranks on this machine: rank 0 here, the others in spawned processes."""
 
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
-        from pagoda.engine.components import build_runner
+        from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
         super().__init__()
@@ -167,7 +167,7 @@ class RayExecutor(_Driver):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pagoda.engine.components import build_runner
+        from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
         super().__init__()
@@ -259,7 +259,7 @@ class WorkerRank:
     def __init__(self, config: EngineConfig, rank: int, size: int, address: str) -> None:
         import torch
 
-        from pagoda.engine.components import build_runner
+        from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
         from pagoda.registry.plugin_manager import PluginManager
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import ConfigError
 from pagoda.execution import distributed
 from pagoda.host import hugepages
@@ -33,7 +34,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.num_blocks = num_blocks
         shape = backend.kv_cache_shape(num_blocks)
-        kv_dtype = getattr(backend, "kv_cache_dtype", None) or config.model.dtype
+        kv_dtype = stored_kv_dtype(backend, config.model.dtype)
         # zeroed (masked-out slots are multiplied by 0 and must not hold NaN), after asking for huge
         # pages so the first touch already gets them
         self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)

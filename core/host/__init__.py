@@ -1,1 +1,6 @@
-"""The CPU host layer: ISA detection, threads, allocator, huge pages, OpenMP, C++ extension builds."""
+"""The CPU host layer: what pagoda sets up on the machine for an engine.
+
+- ``cpu_isa``: the ISA level the kernels are built for; ``cpp_extension``: builds them.
+- ``env``: the host options and their environment variables; ``settings``: applies an engine's.
+- ``threads``, ``openmp``, ``malloc``, ``hugepages``: compute threads, OpenMP waiting, allocator, huge pages.
+"""

@@ -107,7 +107,7 @@ class HostConfig:
     (The thread count is ``ParallelConfig.cpu_threads``.)
     """
 
-    thread_recheck_seconds: float = 5.0  # how often a measured thread count is measured again
+    thread_recheck_seconds: float = 0.0  # how often a measured thread count is measured again (0: never)
     omp_wait_policy: str = "auto"  # an OmpWaitPolicy; takes effect only if chosen before torch loads
     malloc_tuning: bool = True  # keep freed heap memory for reuse (pagoda.host.malloc)
     huge_pages: bool = True  # 2 MiB pages for the KV cache, the weights and the heap (pagoda.host.hugepages)

@@ -99,6 +99,11 @@ class HostTuning:
         self.huge_pages = config.host.huge_pages
         self._largest_step = 0  # tokens of the largest step so far
 
+    @property
+    def observes_steps(self) -> bool:
+        """Whether it has anything to do per step; the engine calls it only then."""
+        return self.governor is not None or self.huge_pages
+
     def hold_threads(self) -> None:
         """Keep the current thread count for the rest of the run (benchmarks compare one configuration)."""
         self.governor = None

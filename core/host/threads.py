@@ -86,8 +86,9 @@ class ThreadGovernor:
     @classmethod
     def for_setting(cls, requested: Optional[int], threads: int,
                     interval: float = 5.0) -> Optional["ThreadGovernor"]:
-        """A governor when the count was measured (``requested`` is None), else None (the user's setting stays)."""
-        if requested or available_cores() == 1:
+        """A governor when the count was measured (``requested`` is None) and re-checks are on (``interval``
+        above 0), else None (the user's setting, or the start-up measurement, stays)."""
+        if requested or available_cores() == 1 or interval <= 0:
             return None
         return cls(threads, interval)
 

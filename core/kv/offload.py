@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagoda.dtypes import stored_kv_dtype
 from pagoda.step import BlockKey, KVTierMoves
 
 logger = logging.getLogger("pagoda")
@@ -44,7 +45,7 @@ _CRC = struct.Struct("<I")
 def fingerprint(config: Any, backend: Any, rank: int, size: int) -> bytes:
     """16 bytes naming everything a block's K/V depends on besides its tokens."""
     mc, cc = config.model, config.cache
-    kv_dtype = getattr(backend, "kv_cache_dtype", None) or mc.dtype
+    kv_dtype = stored_kv_dtype(backend, mc.dtype)
     weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(mc.model).glob("*.safetensors"))
     identity = {
         "format": FORMAT_VERSION, "model": str(Path(mc.model).resolve()), "weights": weights,

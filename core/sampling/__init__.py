@@ -1,1 +1,5 @@
-"""Choosing tokens: the sampler and the rejection sampler of speculative decoding."""
+"""Choosing tokens.
+
+- ``sampler``: the ``default`` sampler: penalties, bias, temperature, top-k/p, min-p, logprobs.
+- ``rejection_sampler``: accepts or rejects speculative drafts against the target's distribution.
+"""

@@ -10,7 +10,7 @@ import torch
 
 from pagoda.config import ModelConfig
 from pagoda.markers import hookimpl
-from pagoda.registry.deprecation import adopt_renamed_overrides, renamed_method
+from pagoda.registry.deprecation import adopt_renamed_overrides
 from pagoda.sequence import Sequence
 from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
 
@@ -170,9 +170,6 @@ class Sampler:
         freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
         presence = torch.tensor([p.presence_penalty for p in params])[:, None]
         logits.sub_(freq * out_counts + presence * (out_counts > 0).float())
-
-    # the 1.0 name of apply_penalties, for samplers that call it (or super() it in an override)
-    _apply_penalties = renamed_method("Sampler", "_apply_penalties")
 
 
 def _generator_for(request: Sequence, default: torch.Generator) -> torch.Generator:

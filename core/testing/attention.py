@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig
+from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import BackendUnavailable
 from pagoda.interfaces import AttentionBackendFactory
 from pagoda.step import AttentionBatch
@@ -110,7 +111,7 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
     q_all = [torch.randn(s, case.num_heads, case.head_dim, generator=gen).to(dtype) for s in seq_lens]
     k_all = [torch.randn(s, case.num_kv_heads, case.head_dim, generator=gen).to(dtype) for s in seq_lens]
     v_all = [torch.randn(s, case.num_kv_heads, case.head_dim, generator=gen).to(dtype) for s in seq_lens]
-    kv_dtype = getattr(backend, "kv_cache_dtype", None) or dtype
+    kv_dtype = stored_kv_dtype(backend, dtype)
     cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=kv_dtype, device=device)
     # a softmax scale other than 1/sqrt(head_dim): a backend must take the layer's
     layer = _Layer(case, 0.75 * case.head_dim ** -0.5)

@@ -137,12 +137,13 @@ def check_scheduler(factory: SchedulerFactory, allocator: Optional[AllocatorFact
 
 def check_kv_allocator(factory: AllocatorFactory, seeds: int = 3) -> None:
     """Check ``factory(cache_config, num_blocks)`` (a ``pagoda_kv_allocators`` factory): direct allocation
-    and freeing, then the built-in ``fcfs`` scheduler's request streams over it. Raises ContractError."""
-    from pagoda.plugins.schedulers.base import FCFSScheduler
+    and freeing, then the ``fcfs`` scheduler's request streams over it. Raises ContractError."""
+    from pagoda.registry.plugin_manager import get_plugin_manager
 
+    fcfs = get_plugin_manager().get("pagoda_schedulers", "fcfs", "scheduling_policy").factory
     for seed in range(seeds):
         _check_allocation(factory, seed)
-    check_scheduler(FCFSScheduler, allocator=factory, seeds=seeds)
+    check_scheduler(fcfs, allocator=factory, seeds=seeds)
 
 
 def _make_kv(allocator: Optional[AllocatorFactory], cache_cfg: CacheConfig, num_blocks: int):

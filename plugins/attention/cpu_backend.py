@@ -77,7 +77,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Same KV layout as ``torch``; a C++ kernel instead of gathers for cached-context attention."""
 
     name = "cpu"
-    # rank for attention_backend="auto" per device (higher first; see pagoda.engine.components.auto_backend_order)
+    # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cpu": 20}
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:

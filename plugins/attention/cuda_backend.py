@@ -63,7 +63,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
     """CUDA kernels for the KV write and the split-K paged decode; Triton for prefill."""
 
     name = "cuda"
-    # rank for attention_backend="auto" per device (higher first; see pagoda.engine.components.auto_backend_order)
+    # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cuda": 30}
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, partition_size: int = 512) -> None:

@@ -86,7 +86,7 @@ class TorchAttentionBackend:
     """Paged attention in plain torch: index_copy_ writes, block gathers, matmul/SDPA."""
 
     name = "torch"
-    # rank for attention_backend="auto" per device (higher first; see pagoda.engine.components.auto_backend_order)
+    # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cuda": 0, "cpu": 0}  # the reference: last on every device
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:

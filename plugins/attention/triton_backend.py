@@ -95,7 +95,7 @@ class TritonAttentionBackend:
     """Triton kernels for the KV write, split-K paged decode and varlen paged prefill."""
 
     name = "triton"
-    # rank for attention_backend="auto" per device (higher first; see pagoda.engine.components.auto_backend_order)
+    # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cuda": 20}
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *,

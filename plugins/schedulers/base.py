@@ -188,7 +188,7 @@ class TokenBudgetScheduler(WaitingAdmission):
             self._reorder_waiting()
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
-        if self._has_offload_tiers:
+        if self._has_offload_tiers and self.kv.tiers is not None:
             out.kv_tier_moves = self.kv.take_tier_moves()
         return out
 

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig, SpeculativeConfig
-from pagoda.engine.components import select_attention_backend
+from pagoda.dtypes import stored_kv_dtype
+from pagoda.execution.build import select_attention_backend
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.execution.model_runner import FlatBatch
@@ -100,7 +101,7 @@ class DraftModelProposer:
             model = arch.factory(mc, backend, None)
         loader(mc).load_weights(model)
         model.eval()
-        kv_dtype = getattr(backend, "kv_cache_dtype", None) or mc.dtype
+        kv_dtype = stored_kv_dtype(backend, mc.dtype)
         shape = backend.kv_cache_shape(runner.num_blocks)
         caches = [torch.zeros(shape, dtype=kv_dtype, device=engine_config.device) for _ in range(mc.num_layers)]
         return model, caches, backend

@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
                 logits = linear(hidden, self.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
-        return self.tp.all_gather_last(logits, self.vocab_parts)
+        return logits if self.tp.size == 1 else self.tp.all_gather_last(logits, self.vocab_parts)
 
     def _embed_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Each rank looks up the ids in its rows (zeros for the others); the sum over ranks is the embedding."""

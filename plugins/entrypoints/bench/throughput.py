@@ -138,11 +138,13 @@ def _print_speculation(llm) -> None:
 
 
 def _print_header(llm) -> None:
+    from pagoda.dtypes import stored_kv_dtype
+
     cfg = llm.engine.config
     print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
           f"threads: {llm.engine.num_threads}  attention: {type(llm.engine.backend).__name__}  "
           f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size} "
-          f"({str(getattr(llm.engine.backend, 'kv_cache_dtype', None) or cfg.model.dtype).replace('torch.', '')})")
+          f"({str(stored_kv_dtype(llm.engine.backend, cfg.model.dtype)).replace('torch.', '')})")
     from pagoda.plugins.quant.memory import weight_memory
 
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
@@ -258,6 +260,6 @@ def _where(ns: argparse.Namespace) -> str:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from pagoda.modeling.dtypes import resolve_dtype
+    from pagoda.dtypes import resolve_dtype
 
     return resolve_dtype(name)

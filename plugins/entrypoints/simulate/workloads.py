@@ -19,7 +19,7 @@ def workload_trace(name: str, model: Optional[str], rate: float = math.inf, num_
     Poisson arrivals at ``rate`` req/s, seeded like ``pagoda bench serve``)."""
     from transformers import AutoTokenizer
 
-    from pagoda.config import load_hf_config
+    from pagoda.engine.engine_args import load_hf_config
     from pagoda.modeling.default_model import resolve_model_path
     from pagoda.plugins.entrypoints.bench.workloads import random_64, shared_prefix
 

@@ -3,7 +3,7 @@ the KV cache is stored."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -82,3 +82,8 @@ def resolve_dtype(dtype: str | torch.dtype, isa_cap: Optional[str] = None, fused
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, float32, bfloat16, float16")
     return _DTYPES[dtype]
+
+
+def stored_kv_dtype(backend: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an attention backend's cache tensors hold: its ``kv_cache_dtype``, None meaning the model's."""
+    return backend.kv_cache_dtype or model_dtype
