@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import pagoda
+
 REPO = Path(__file__).resolve().parent.parent
 TREES = ((REPO / "core", "pagoda"), (REPO / "plugins", "pagoda.plugins"))
 
@@ -84,10 +86,22 @@ def imported_modules(source: str, importer: str) -> list[tuple[int, str]]:
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "pagoda"]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
                 and node.module.split(".")[0] == "pagoda":
-            # "from pagoda.host import openmp" imports a module; "from pagoda import LLM" a name
-            found += [(node.lineno, f"{node.module}.{a.name}") if _is_package(node.module) else
-                      (node.lineno, node.module) for a in node.names]
+            # "from pagoda.host import openmp" imports a module; "from pagoda import hookimpl" a name, from
+            # the module that defines it
+            found += [(node.lineno, _defining_module(node.module, a.name)) for a in node.names]
     return sorted(set(found))
+
+
+def _defining_module(module: str, name: str) -> str:
+    if module == "pagoda":
+        return pagoda._LAZY.get(name) or PACKAGE_NAMES.get(name) or f"pagoda.{name}"
+    return f"{module}.{name}" if _is_package(module) else module
+
+
+# names the pagoda package itself defines or re-exports from its base modules
+PACKAGE_NAMES = {name: "pagoda.errors" for name in ("PagodaError", "ConfigError", "InvalidRequestError",
+                                                    "CheckpointError", "BackendUnavailable")}
+PACKAGE_NAMES.update(hookimpl="pagoda.markers", __version__="pagoda.version", PLUGIN_API_VERSION="pagoda.version")
 
 
 def _is_package(module: str) -> bool:

@@ -157,11 +157,12 @@ def test_a_name_the_moved_module_never_had_is_an_attribute_error_that_says_where
 
 
 @pytest.mark.parametrize("entry", REMOVED_OVERRIDES, ids=lambda d: d.old_name)
-def test_a_policy_overriding_a_removed_method_is_refused_naming_its_replacement(entry):
+def test_a_subclass_overriding_a_removed_method_is_refused_naming_its_replacement(entry):
     with pytest.raises(TypeError, match=rf"overrides {re.escape(entry.old_name)}, which {entry.owner} no longer "
-                                        rf"calls \(it was deprecated in pagoda plugin API 1\.0 and removed in "
-                                        rf"1\.2\): override {entry.new} instead"):
-        type("PreReleasePolicy", (FCFSScheduler,), {entry.old: lambda self, *args: None})
+                                        rf"calls \(it was deprecated in pagoda plugin API {re.escape(entry.since)} and "
+                                        rf"removed in {re.escape(entry.removed_in)}\): override {entry.new} instead"):
+        base = FCFSScheduler if entry.owner == "TokenBudgetScheduler" else BASE_CLASSES[entry.owner]
+        type("PreReleaseSubclass", (base,), {entry.old: lambda self, *args: None})
 
 
 @pytest.fixture

@@ -135,13 +135,25 @@ def test_a_measured_thread_count_follows_the_machine_and_a_set_one_stays(monkeyp
     assert waiting.maybe_retune() == 1
 
 
-def test_the_engine_re_measures_its_threads_while_it_runs(monkeypatch, tmp_path):
+def test_by_default_the_engine_keeps_its_measured_threads_and_observes_no_step_for_them(monkeypatch, tmp_path):
+    from pagoda.engine.llm import LLM
+    from tiny_models import write_tiny_checkpoint
+
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    monkeypatch.delenv("PAGODA_THREAD_RECHECK_SECONDS", raising=False)
+    llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=1 << 22,
+              huge_pages=False)
+    assert llm.engine.host.governor is None
+    assert llm.engine.host not in llm.engine.observers  # nothing of the host layer runs per step
+
+
+def test_the_engine_re_measures_its_threads_while_it_runs_when_asked_to(monkeypatch, tmp_path):
     from pagoda.engine.llm import LLM
     from pagoda.sampling_params import SamplingParams
     from tiny_models import write_tiny_checkpoint
 
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
-    monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "0")
+    monkeypatch.setenv("PAGODA_THREAD_RECHECK_SECONDS", "1e-9")
     llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=1 << 22)
     governor = llm.engine.host.governor
     if available_cores() == 1:
@@ -151,5 +163,5 @@ def test_the_engine_re_measures_its_threads_while_it_runs(monkeypatch, tmp_path)
     measure = governor._measure
     governor._measure = lambda: checks.append(1) or measure()
     llm.generate(["a b c"], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(checks) >= 3  # every step, with a zero interval
+    assert len(checks) >= 3  # every step, with an interval shorter than any step
     assert llm.engine.num_threads == torch.get_num_threads() in (1, available_cores())
