@@ -1,11 +1,10 @@
 """pagoda: an LLM inference and serving engine whose every policy and backend is a plugin.
 
-Importing pagoda loads no torch and changes nothing in the process but one finder on ``sys.meta_path``
-that answers for the old names of the modules moved in plugin API 1.3: the engine classes below are
-imported on first use, and host settings (threads, allocator,
-huge pages, kernels) are applied when an engine is built. To choose how OpenMP
-threads wait, call ``pagoda.host.settings.set_openmp_wait_policy()`` before importing
-torch (the ``pagoda`` command does).
+Importing pagoda loads no torch and changes nothing in the process but one finder on ``sys.meta_path``,
+which answers only for the old names of the modules moved in plugin API 1.3. The engine classes below
+are imported on first use, and host settings (threads, allocator, huge pages, kernels) are applied when
+an engine is built. To choose how OpenMP threads wait, call
+``pagoda.host.settings.set_openmp_wait_policy()`` before importing torch (the ``pagoda`` command does).
 """
 
 import importlib
