@@ -85,5 +85,9 @@ def resolve_dtype(dtype: str | torch.dtype, isa_cap: Optional[str] = None, fused
 
 
 def stored_kv_dtype(backend: Any, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an attention backend's cache tensors hold: its ``kv_cache_dtype``, None meaning the model's."""
-    return backend.kv_cache_dtype or model_dtype
+    """The dtype an attention backend's cache tensors hold: its ``kv_cache_dtype``, None meaning the model's.
+
+    The one place it is read: a backend written against the plugin API before ``kv_cache_dtype`` was
+    declared (``pagoda.interfaces.AttentionBackend``) may lack the attribute, which means the model's dtype.
+    """
+    return getattr(backend, "kv_cache_dtype", None) or model_dtype
