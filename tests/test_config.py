@@ -9,8 +9,7 @@ import pytest
 
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
-from pagoda.host.env import HOST_CHOICES, HostConfig, resolve_host_config
-from pagoda.host.env import HOST_VARIABLES
+from pagoda.host.env import HOST_CHOICES, HOST_VARIABLES, HostConfig, resolve_host_config
 from pagoda.host.openmp import WAIT_POLICIES
 
 # a value of each host setting other than its built-in default, as an option and as its variable's text

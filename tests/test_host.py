@@ -13,8 +13,7 @@ import torch
 
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.host import settings as host
-from pagoda.host import malloc
-from pagoda.host import openmp
+from pagoda.host import malloc, openmp
 from pagoda.host.env import HostConfig
 from pagoda.host.threads import available_cores
 

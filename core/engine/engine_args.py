@@ -92,7 +92,9 @@ class EngineArgs(BaseModel):
     # host settings (HostConfig): None takes the environment variable, else the built-in default
     cpu_threads: Optional[int] = _host_option("cpu_threads", "threads computing on a CPU", gt=0)
     thread_recheck_seconds: Optional[float] = _host_option(
-        "thread_recheck_seconds", "seconds of stepping between re-measurements of a measured thread count (0: never, the default; 5 follows a machine whose load changes)", ge=0)
+        "thread_recheck_seconds",
+        "seconds of stepping between re-measurements of a measured thread count (0: never, the default; 5 follows "
+        "a machine whose load changes)", ge=0)
     omp_wait_policy: Optional[OmpWaitPolicy] = _host_option(
         "omp_wait_policy", "how idle OpenMP threads wait: spin briefly, sleep, or auto (spin on an idle machine); "
                            "takes effect only if chosen before torch loads, as the pagoda command does")

@@ -19,8 +19,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
-from pagoda.host import malloc
-from pagoda.host import openmp
+from pagoda.host import malloc, openmp
 from pagoda.host.env import HOST_VARIABLES, env_choice, parse_choice
 
 if TYPE_CHECKING:

@@ -83,7 +83,8 @@ MOVED_IN_1_3 = {
     "collectives": "execution.collectives", "shm_all_reduce": "execution.shm_all_reduce",
     "routing": "execution.routing", "loader": "modeling.loader", "default_model": "modeling.default_model",
     "models": "modeling.models", "layers": "modeling.layers",
-    "sampler": "sampling.sampler", "rejection_sampler": "sampling.rejection_sampler", "env": "host.env", "malloc": "host.malloc", "openmp": "host.openmp", "hugepages": "host.hugepages",
+    "sampler": "sampling.sampler", "rejection_sampler": "sampling.rejection_sampler", "env": "host.env",
+    "malloc": "host.malloc", "openmp": "host.openmp", "hugepages": "host.hugepages",
     "threads": "host.threads", "cpu_isa": "host.cpu_isa", "cpp_extension": "host.cpp_extension",
 }
 

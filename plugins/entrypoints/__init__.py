@@ -6,8 +6,7 @@ from pagoda.markers import hookimpl
 @hookimpl
 def pagoda_cli_commands():
     from pagoda.plugins.entrypoints.bench import command as bench
-    from pagoda.plugins.entrypoints.cli import commands
-    from pagoda.plugins.entrypoints.cli import serve
+    from pagoda.plugins.entrypoints.cli import commands, serve
     from pagoda.plugins.entrypoints.simulate import command as simulate
 
     return {

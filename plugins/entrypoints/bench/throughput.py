@@ -148,8 +148,7 @@ def _print_header(llm) -> None:
     from pagoda.plugins.quant.memory import weight_memory
 
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
-    from pagoda.host import cpu_isa
-    from pagoda.host import openmp
+    from pagoda.host import cpu_isa, openmp
 
     print(f"OpenMP waiting: {openmp.wait_policy}  CPU kernels built for: {cpu_isa.describe()}")
     paths = kernel_isa_paths(llm)
