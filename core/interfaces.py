@@ -140,7 +140,9 @@ class KVCacheManager(Protocol):
         """Copy-on-write moves ``(source block, private copy)`` decided since the last call."""
 
     def fork(self, source: "Sequence", child: "Sequence", num_tokens: int) -> None:
-        """Let ``child`` share the blocks holding ``source``'s first ``num_tokens`` (identical) tokens."""
+        """Let ``child`` share the blocks holding ``source``'s first ``num_tokens`` (identical) tokens; the
+        child's next ``allocate_slots`` makes room after them (its ``num_computed_tokens`` is still 0 then:
+        the scheduler commits progress only in ``update``)."""
 
     def trim_slots(self, request: "Sequence", num_tokens: int) -> None:
         """Keep room for the first ``num_tokens`` tokens only (after rejected speculative drafts)."""
@@ -171,9 +173,11 @@ class Scheduler(Protocol):
     of their progress.
 
     Invariants: a step's ``SchedulerOutput`` never exceeds ``max_num_batched_tokens`` tokens nor
-    ``max_num_seqs`` running sequences; a sequence appears in a step at most once; ``schedule`` moves no
-    sequence's ``num_computed_tokens`` (``update`` does, from the runner's result), so a step whose
-    execution fails can be rolled back; every finished sequence holds no KV block.
+    ``max_num_seqs`` running sequences; a sequence appears in a step at most once; ``schedule`` decides
+    and records its decisions in the ``SchedulerOutput`` (each request's start position, preemptions,
+    swaps, failures) and writes no sequence's progress (``num_computed_tokens``, tokens, logprobs, an
+    end); ``update`` commits the step, so a step whose execution fails can be rolled back; every
+    finished sequence holds no KV block.
     """
 
     running: list["Sequence"]
@@ -198,16 +202,22 @@ class Scheduler(Protocol):
 
     def update(self, sched: "SchedulerOutput", result: "RunnerOutput") -> list["Sequence"]:
         """Commit the step, the only place a sequence's progress moves: its computed tokens (the
-        step's known tokens plus accepted drafts), the tokens it appends (``result.sampled_token_ids[i]``,
-        through ``Sequence.append_output_tokens``, which applies the stop conditions), logprobs; finished
+        step's known tokens plus accepted drafts, from ``sched.num_computed_before``), the tokens it
+        appends (``result.sampled_token_ids[i]``, through ``Sequence.append_output_tokens``, which
+        applies the stop conditions), logprobs; a sequence preempted by recompute computes again from
+        0; ``sched.failed`` and ``result.failed`` end with their errors (:meth:`fail`); finished
         sequences are freed. Returns the sequences that gained tokens."""
 
     def rollback(self, sched: "SchedulerOutput") -> None:
         """Undo what a step whose execution failed may have left half done (block moves, prefix-cache
-        entries for uncomputed blocks); no sequence loses a token."""
+        entries for uncomputed blocks); no sequence loses a token. ``sched.failed`` still ends."""
 
     def finish(self, request: "Sequence", status: "SequenceStatus") -> None:
         """End a sequence in any state and free its blocks at once."""
+
+    def fail(self, request: "Sequence", error: str) -> None:
+        """End a sequence for an error (``request.error``: what was wrong and how to fix it) through
+        :meth:`finish` with ``FINISHED_ERROR``; the engine ends failed sequences only through this."""
 
     def abort_requests(self, request_ids: Iterable[str]) -> list["Sequence"]: ...
 

@@ -6,7 +6,11 @@ One engine step is ``schedule -> execute -> update -> emit``. The scheduler's
 computes; the runner executes it and returns a :class:`RunnerOutput` aligned
 with it; the scheduler then commits each request's progress from that result
 in ``update``. Nothing before ``update`` moves a request's progress, so a step
-whose execution raises leaves every request as it was.
+whose execution raises leaves every request as it was (``rollback`` then
+undoes the step's block work instead). A request ended for an error takes the
+same path: ``schedule`` records it in ``SchedulerOutput.failed`` (a request
+that can never fit the cache), the runner in ``RunnerOutput.failed`` (a request
+whose execution failed alone), and ``update`` (or ``rollback``) ends it.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ class SchedulerOutput:
       speculative draft slots (0 unless speculative decoding is on and the
       request is decoding): the proposer fills up to that many drafts after
       the request's last token and the target verifies them in the same pass.
+
+    The scheduler's other decisions, committed by ``update`` (or ``rollback``):
+    ``preempted`` (a request preempted by recompute loses its progress there),
+    and ``failed``, requests taken out of the queues to end with an error.
     """
 
     requests: list[Sequence] = field(default_factory=list)
@@ -70,6 +78,8 @@ class SchedulerOutput:
     num_draft_slots: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # (request, what is wrong and how to fix it): taken out of the queues, ended with the error by update()
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
     # block moves the runner performs before the forward pass, in this order:
     # (cache block -> swap slot), (swap slot -> cache block), (source block -> copy-on-write target)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -121,13 +131,16 @@ class RunnerOutput:
     corrected or bonus token when it verified ``num_draft_tokens[i]`` drafts.
     ``logprobs[i]`` belongs to the last sampled token (requests asking for
     logprobs never speculate); ``prompt_logprobs[i]`` covers the prompt
-    positions computed this step.
+    positions computed this step. ``failed[i]`` says why request ``i``'s
+    execution failed (the engine ran it alone and it failed again): ``update``
+    ends it with that error.
     """
 
     sampled_token_ids: list[list[int]]
     logprobs: list[Optional[TokenLogprobs]]
     prompt_logprobs: list[Optional[list[TokenLogprobs]]]
     num_draft_tokens: list[int]
+    failed: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, num_requests: int) -> "RunnerOutput":

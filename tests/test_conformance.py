@@ -56,6 +56,18 @@ class EagerScheduler(FCFSScheduler):
         return out
 
 
+class AdmitsWithProgressScheduler(FCFSScheduler):
+    """Moves each admitted request's computed tokens to its prefix-cache hit inside schedule(), as the
+    built-in scheduler once did: the step's start position is right, so only a check made around
+    schedule() itself (not one against the SchedulerOutput it returns) sees the write."""
+
+    def schedule(self):
+        out = super().schedule()
+        for req, start in zip(out.requests, out.num_computed_before):
+            req.num_computed_tokens = start
+        return out
+
+
 class ForgetfulScheduler(FCFSScheduler):
     """Never frees the blocks of a finished sequence."""
 
@@ -88,7 +100,8 @@ def double_free(cache_config, num_blocks):
 
 @pytest.mark.parametrize("broken, message", [
     (OverBudgetScheduler, r"batches \d+ tokens, over max_num_batched_tokens=16"),
-    (EagerScheduler, r"schedule\(\) moved .* computed tokens .* progress moves only in update\(\)"),
+    (EagerScheduler, r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens 0 -> \d+.*only update\(\)"),
+    (AdmitsWithProgressScheduler, r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens 0 -> \d+"),
     (ForgetfulScheduler, r"KV blocks were not given back|reported free"),
 ])
 def test_a_broken_scheduler_is_caught_with_what_broke(broken, message):

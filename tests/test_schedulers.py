@@ -302,3 +302,38 @@ def test_kv_waste_at_the_peak_of_w1_is_only_each_request_s_last_block_tail(block
     waste = 1 - peak_held / peak_slots
     print(f"W1 peak, block size {block_size}: {peak_held} tokens in {peak_slots} slots, waste {waste:.2%}")
     assert waste < bound
+
+
+def test_schedule_records_a_failure_and_update_commits_it():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    big = make_request("big", prompt(40), max_tokens=2)
+    s.add_request(big)
+    sched = s.schedule()
+    # decided, not done: the request left the queues, but only update() ends it
+    assert [r for r, _ in sched.failed] == [big] and "raise --kv-cache-memory-bytes" in sched.failed[0][1]
+    assert not big.is_finished and big.error is None and not s.has_unfinished_requests()
+    s.update(sched, SimRunner(4, 4).execute(sched))
+    assert big.status == SequenceStatus.FINISHED_ERROR and big.error == sched.failed[0][1]
+    assert s.drain_finished() == [big] and s.kv.num_free_blocks == 4
+
+
+def test_a_request_preempted_by_recompute_keeps_its_progress_until_update():
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    runner = SimRunner(6, 4)
+    a, b = make_request("a", prompt(10, 1), max_tokens=8), make_request("b", prompt(10, 2), max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    while True:
+        before = {r.request_id: r.num_computed_tokens for r in (a, b)}
+        sched = s.schedule()
+        assert {r.request_id: r.num_computed_tokens for r in (a, b)} == before  # schedule() writes no progress
+        if sched.preempted:
+            break
+        s.update(sched, runner.execute(sched))
+    [victim] = sched.preempted
+    assert victim.num_computed_tokens > 0 and victim not in sched.requests  # not started again in this step
+    s.update(sched, runner.execute(sched))
+    assert victim.num_computed_tokens == 0 and victim.status == SequenceStatus.PREEMPTED
+    run_until_done(s, runner)
+    for r in (a, b):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, 8)

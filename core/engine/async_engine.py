@@ -36,7 +36,6 @@ from pagoda.engine.request_stream import RequestStream, _Stream, request_cost_to
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import SequenceStatus
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineOverloadedError", "EngineStepError", "RequestStream",
            "request_cost_tokens"]
@@ -283,9 +282,7 @@ class AsyncLLMEngine:
                 parent_ids = sorted({r.parent_id or r.request_id for r in sequences})
             self._consecutive_failures += 1
             for req in sequences:
-                if not req.is_finished:
-                    req.error = str(error)
-                    self.engine.scheduler.finish(req, SequenceStatus.FINISHED_ERROR)  # counted as "error" in metrics
+                self.engine.scheduler.fail(req, str(error))  # counted as "error" in metrics
             self.engine.abort_request(parent_ids)  # their sibling sequences (n > 1) and output state
         except Exception as cleanup_exc:  # noqa: BLE001
             self._die(f"clean-up after a failed step raised {type(cleanup_exc).__name__}: {cleanup_exc}")

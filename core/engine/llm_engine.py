@@ -16,7 +16,7 @@ from pagoda.kv.tiers import has_offload_tiers
 from pagoda.outputs import OutputProcessor, RequestOutput
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagoda")
@@ -238,12 +238,12 @@ class LLMEngine:
             raise StepFailedError(
                 f"the step failed for each of its {n} request(s), even run alone: {type(last).__name__}: {last}",
                 self._user_request_ids(sched.requests)) from last
+        result = RunnerOutput.merge(n, parts)
         for i, exc in failed.items():
-            req = sched.requests[i]
-            logger.error("request %s failed alone and is ended: %s: %s", req.request_id, type(exc).__name__, exc)
-            req.error = f"the engine failed on this request: {type(exc).__name__}: {exc}"
-            self.scheduler.finish(req, SequenceStatus.FINISHED_ERROR)
-        return RunnerOutput.merge(n, parts)
+            logger.error("request %s failed alone and is ended: %s: %s", sched.requests[i].request_id,
+                         type(exc).__name__, exc)
+            result.failed[i] = f"the engine failed on this request: {type(exc).__name__}: {exc}"
+        return result
 
     def self_check(self) -> Optional[str]:
         """Run one token of a one-token prompt through the runner, outside the scheduler (no request is
@@ -271,7 +271,9 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, result: Optional[RunnerOutput]) -> list[Sequence]:
         if result is None:
-            return []
+            if not sched.failed:
+                return []
+            result = RunnerOutput.empty(0)  # nothing ran, but requests that can never run end
         before = [r.num_output_tokens for r in sched.requests]
         progressed = self.scheduler.update(sched, result)
         num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))

@@ -82,6 +82,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         self._hashes: dict[str, list[int]] = {}
         # per request: token slots handed out (computed + scheduled), for occupancy
         self._num_slots: dict[str, int] = {}
+        # forked sequences not yet allocated: the tokens they share, the position their first slot follows
+        self._forked_at: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self.num_swap_blocks = 0
         self._free_swap: list[int] = []
@@ -160,7 +162,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
                            computed_blocks: typing.Sequence[KVBlock] = ()) -> int:
         """Blocks :meth:`allocate_slots` would take from the free queue (fresh, revived or copies)."""
         table = self._tables.get(request.request_id, ())
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_computed = self._position(request) + len(computed_blocks) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
         # cached blocks reused from the free queue leave it too
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -220,7 +222,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         rid = request.request_id
         table = self._tables.setdefault(rid, [])
         ids = self._block_ids.setdefault(rid, [])
-        if request.num_computed_tokens == 0 and self.enable_prefix_caching:
+        position = self._position(request)
+        if position == 0 and self.enable_prefix_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += len(computed_blocks) * self.block_size
             if self.tiers is not None and len(computed_blocks) < (request.num_tokens - 1) // self.block_size:
@@ -233,7 +236,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             table.extend(loaded)
             ids.extend(b.block_id for b in loaded)
             self._hashes[rid] = [b.block_hash for b in computed_blocks]
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_computed = position + len(computed_blocks) * self.block_size
+        self._forked_at.pop(rid, None)
         if self._needs_copy(table, num_computed):
             self._copy_on_write(table, ids, num_computed)
         total = num_computed + num_new_tokens
@@ -251,7 +255,9 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
 
         The tokens must be identical in both (``n > 1`` sequences of one
         prompt). Nothing is copied now: a partially filled last block is copied
-        when either request first writes into it.
+        when either request first writes into it. The child's next
+        :meth:`allocate_slots` makes room after those ``num_tokens`` tokens
+        (its ``num_computed_tokens`` moves only when the scheduler commits the step).
         """
         shared = self._tables[source.request_id][:self.blocks_needed(num_tokens)]
         for block in shared:
@@ -260,6 +266,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         self._block_ids[child.request_id] = [b.block_id for b in shared]
         self._hashes[child.request_id] = list(self._hashes.get(source.request_id, ())[:num_tokens // self.block_size])
         self._num_slots[child.request_id] = num_tokens
+        self._forked_at[child.request_id] = num_tokens
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write moves decided since the last call: ``(source block, private copy)``."""
@@ -292,6 +299,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         self._free_swap.extend(reversed(self._swapped.pop(request_id, [])))
         self._hashes.pop(request_id, None)
         self._num_slots.pop(request_id, None)
+        self._forked_at.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
@@ -302,6 +310,10 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             self.tiers.reset_ram()
 
     # ---- helpers -------------------------------------------------------------
+
+    def _position(self, request: Sequence) -> int:
+        """Where the request's next slot goes: its computed tokens, or the tokens a fork gave it."""
+        return request.num_computed_tokens or self._forked_at.get(request.request_id, 0)
 
     def _needs_copy(self, table: typing.Sequence[KVBlock], num_computed: int) -> bool:
         # only the block holding the first new token can be both shared and written:

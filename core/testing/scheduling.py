@@ -8,6 +8,10 @@ and at which step: a step over its token budget or ``max_num_seqs``, progress
 moved outside ``update``, a sequence attending to K/V that is not its own, a
 block handed out twice, blocks not given back, a sequence that never ends or
 ends with the wrong tokens.
+
+Progress is checked around each ``schedule()`` call: every sequence's computed
+tokens, output tokens and end are recorded before it and must be unchanged
+after it, since only ``update()`` commits a step.
 """
 
 from __future__ import annotations
@@ -180,8 +184,11 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             if len({r.parent_id for r in added}) >= num_requests:
                 break
             continue
+        progress = _progress(added)
+        was_running = {r.request_id for r in scheduler.running}
         sched = scheduler.schedule()
-        _check_schedule(sched, scheduler, sched_cfg, f"{where}, step {step}")
+        _check_no_progress_written(progress, added, f"{where}, step {step}")
+        _check_schedule(sched, scheduler, sched_cfg, f"{where}, step {step}", was_running)
         scheduler.update(sched, runner.execute(sched))
     else:
         raise ContractError(f"{where}: requests still unfinished after 5000 steps")
@@ -214,7 +221,32 @@ def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index
     return children
 
 
-def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: str) -> None:
+def _progress(requests: list[Sequence]) -> dict[str, tuple[int, int, bool]]:
+    """What only ``update`` may move: computed tokens, output tokens, whether the sequence ended."""
+    return {r.request_id: (r.num_computed_tokens, len(r.output_token_ids), r.is_finished) for r in requests}
+
+
+def _check_no_progress_written(before: dict[str, tuple[int, int, bool]], requests: list[Sequence],
+                               where: str) -> None:
+    """``schedule()`` decides and records; a write to progress inside it is a step that cannot be rolled back."""
+    for req in requests:
+        computed, num_output, ended = before[req.request_id]
+        if req.num_computed_tokens != computed:
+            raise ContractError(
+                f"{where}: schedule() wrote {req.request_id}'s progress: num_computed_tokens {computed} -> "
+                f"{req.num_computed_tokens}. schedule() records where a sequence computes from in the "
+                "SchedulerOutput (num_computed_before); only update() moves num_computed_tokens")
+        if len(req.output_token_ids) != num_output:
+            raise ContractError(f"{where}: schedule() appended tokens to {req.request_id} ({num_output} -> "
+                                f"{len(req.output_token_ids)}); only update() appends sampled tokens")
+        if req.is_finished and not ended:
+            raise ContractError(
+                f"{where}: schedule() ended {req.request_id} ({req.status.value}); a sequence that cannot run is "
+                "recorded in SchedulerOutput.failed with its error, and update() ends it")
+
+
+def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: str,
+                    was_running: set[str]) -> None:
     if sched.num_batched_tokens > cfg.max_num_batched_tokens:
         raise ContractError(f"{where}: the step batches {sched.num_batched_tokens} tokens, over "
                             f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
@@ -224,11 +256,13 @@ def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, whe
     ids = [r.request_id for r in sched.requests]
     if len(ids) != len(set(ids)):
         raise ContractError(f"{where}: a sequence appears twice in one step: {sorted(ids)}")
+    failed = {r.request_id for r, _ in sched.failed}
     for i, req in enumerate(sched.requests):
-        if req.num_computed_tokens != sched.num_computed_before[i]:
-            raise ContractError(f"{where}: schedule() moved {req.request_id}'s computed tokens from "
-                                f"{sched.num_computed_before[i]} to {req.num_computed_tokens}; progress moves "
-                                "only in update()")
+        if req.request_id in was_running and req.num_computed_tokens != sched.num_computed_before[i]:
+            raise ContractError(f"{where}: {req.request_id} was running with {req.num_computed_tokens} tokens "
+                                f"computed, but the step computes it from position {sched.num_computed_before[i]}")
+        if req.request_id in failed:
+            raise ContractError(f"{where}: {req.request_id} is both scheduled and failed in one step")
         if req.status != SequenceStatus.RUNNING:
             raise ContractError(f"{where}: {req.request_id} is scheduled but {req.status.value}")
         if sched.num_new_tokens[i] < 1:

@@ -13,10 +13,13 @@ prefix cache) or by ``swap`` (its blocks move to the CPU swap pool). Policies
 differ in the order requests queue in, which running request is preempted,
 and whether an arrival may preempt running work.
 
-Progress is committed in :meth:`TokenBudgetScheduler.update`, from the
-runner's result: ``schedule`` hands out blocks and picks the step's requests
-but moves no request's computed-token count, so a step whose execution raises
-leaves every request where it was (see :meth:`TokenBudgetScheduler.rollback`).
+``schedule`` decides and :meth:`TokenBudgetScheduler.update` commits. ``schedule``
+hands out blocks, moves requests between its queues and records every decision
+in the ``SchedulerOutput`` (the position each request computes from, its
+preemption, its failure); it writes no request's progress. ``update`` commits
+the step from the runner's result: computed tokens, sampled tokens, the reset
+of a request preempted by recompute, the end of a failed one. A step whose
+execution raises is undone by :meth:`TokenBudgetScheduler.rollback` instead.
 """
 
 from __future__ import annotations
@@ -27,13 +30,12 @@ from typing import Any, Callable, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv.tiers import has_offload_tiers
-from pagoda.plugins.schedulers.admission import WaitingAdmission
 from pagoda.registry.deprecation import adopt_renamed_overrides
 from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 
-class TokenBudgetScheduler(WaitingAdmission):
+class TokenBudgetScheduler:
     """Continuous batching with chunked prefill, preemption (recompute or swap) and n > 1 forking."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_manager) -> None:
@@ -56,6 +58,8 @@ class TokenBudgetScheduler(WaitingAdmission):
         self._prompt_leaders: dict[str, Sequence] = {}
         # request id -> tokens scheduled in the step being built
         self._scheduled_now: dict[str, int] = {}
+        # requests preempted in the step being built: none starts again before update() commits that
+        self._preempted_now: set[str] = set()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # a policy overriding a renamed method is warned about (or, once the old name is removed, refused)
@@ -102,7 +106,8 @@ class TokenBudgetScheduler(WaitingAdmission):
 
     def preempt(self, request: Sequence, out: SchedulerOutput) -> None:
         """Preempt a running request: its blocks are swapped out if configured and there is room, else
-        freed to recompute it later (it waits again). Recorded in ``out.preempted``."""
+        freed to recompute it later (it waits again; :meth:`update` resets its computed tokens).
+        Recorded in ``out.preempted``; it starts again in a later step, not this one."""
         self.running.remove(request)
         if self.preemption_mode == "swap" and self.kv.can_swap_out(request):
             out.blocks_to_swap_out.extend(self.kv.swap_out(request))
@@ -110,11 +115,11 @@ class TokenBudgetScheduler(WaitingAdmission):
             self._insert_swapped(request)
         else:
             self.kv.free(request)
-            request.num_computed_tokens = 0
             request.status = SequenceStatus.PREEMPTED
             self._insert_waiting(request, front=True)
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted_now.add(request.request_id)
         out.preempted.append(request)
 
     # ---- queue order, from waiting_key and running_key (private helpers, not extension points) --------
@@ -150,6 +155,84 @@ class TokenBudgetScheduler(WaitingAdmission):
             return decodes
         return decodes + [r for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1]
 
+    def _reorder_waiting(self) -> None:
+        ordered = self.order_waiting(self.waiting)
+        if ordered is self.waiting:
+            return
+        ordered = list(ordered)
+        if len(ordered) != len(self.waiting) or set(map(id, ordered)) != set(map(id, self.waiting)):
+            raise RuntimeError(
+                f"{type(self).__name__}.order_waiting returned {len(ordered)} requests that are not a reordering "
+                f"of the {len(self.waiting)} waiting ones; return the same requests, reordered")
+        self.waiting = ordered
+
+    # ---- admitting waiting requests (private helpers, not extension points) ---------------------
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Start waiting requests in the order :meth:`order_waiting` gives, while the budget,
+        ``max_num_seqs`` and the KV pool allow: a prefix-cache hit is shared, not recomputed, and a
+        sequence of an ``n > 1`` request shares the prompt blocks its sibling (the prompt leader)
+        computed. A request preempted in this step ends the admissions (its reset is not committed)."""
+        now = time.monotonic()
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[idx]
+            if req.request_id in self._preempted_now or not self.may_admit(req):
+                break
+            leader = self._prompt_leader(req)
+            if leader is not None and leader.num_computed_tokens < req.num_prompt_tokens - 1:
+                idx += 1  # its sibling is still computing the shared prompt: join once that is done
+                continue
+            if leader is not None:
+                start = num_new = self._fork_from(leader, req)
+                if num_new == 0:
+                    break
+                num_new = 1
+            else:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+                num_new = self._num_new_tokens(req, budget, num_cached)
+                if num_new == 0:
+                    break
+                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                    if not self.running:
+                        # the whole pool is free and still too small: waiting would never end
+                        self._fail_unfittable(req, out)
+                        continue
+                    break
+                start = num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+                if req.sampling_params.n > 1 and req.num_output_tokens == 0:
+                    self._prompt_leaders.setdefault(req.parent_id, req)
+            self.waiting.pop(idx)
+            req.status = SequenceStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+            self._insert_running(req)
+            self._add_to_output(out, req, num_new, start)
+            budget -= num_new
+
+    def _prompt_leader(self, req: Sequence) -> Optional[Sequence]:
+        """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
+        params = req.sampling_params
+        if params.n <= 1 or params.prompt_logprobs is not None or req.num_output_tokens or req.num_prompt_tokens < 2:
+            return None  # (prompt logprobs need every prompt position computed)
+        leader = self._prompt_leaders.get(req.parent_id)
+        if leader is None or leader is req or leader.status != SequenceStatus.RUNNING:
+            self._prompt_leaders.pop(req.parent_id, None)
+            return None
+        return leader
+
+    def _fork_from(self, leader: Sequence, req: Sequence) -> int:
+        """Share the leader's prompt blocks and make room for the last prompt token, which this sequence
+        computes for its own first sample. Returns the tokens shared (the position it computes from),
+        0 if the pool is short."""
+        num_shared = req.num_prompt_tokens - 1
+        self.kv.fork(leader, req, num_shared)
+        if not self.kv.allocate_slots(req, 1):
+            self.kv.free(req)
+            return 0
+        return num_shared
+
     # ---- queries -------------------------------------------------------------
 
     @property
@@ -177,6 +260,7 @@ class TokenBudgetScheduler(WaitingAdmission):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled_now = {}
+        self._preempted_now = set()
         self.preempt_for_arrivals(out)
         num_preempted_before = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -213,7 +297,7 @@ class TokenBudgetScheduler(WaitingAdmission):
                 num_drafts = self._num_draft_slots(req, budget - 1)
                 num_new += num_drafts
             if blocks_needed(num_computed + num_new) > num_cache_blocks:  # _outgrows_cache
-                self._fail_unfittable(req)
+                self._fail_unfittable(req, out)
                 continue
             while not allocate_slots(req, num_new):
                 candidates = [r for r in self.running if r.request_id not in scheduled_now]
@@ -245,7 +329,7 @@ class TokenBudgetScheduler(WaitingAdmission):
             req = self.swapped[0]
             num_new = self._num_new_tokens(req, budget)
             if num_new and self._outgrows_cache(req, num_new):
-                self._fail_unfittable(req)
+                self._fail_unfittable(req, out)
                 continue
             if num_new == 0 or not self.kv.can_swap_in(req, num_new):
                 break
@@ -255,21 +339,24 @@ class TokenBudgetScheduler(WaitingAdmission):
                 raise RuntimeError(f"KV bookkeeping error: {req.request_id} swapped in without room to run")
             req.status = SequenceStatus.RUNNING
             self._insert_running(req)
-            self._add_to_output(out, req, num_new)
+            self._add_to_output(out, req, num_new, req.num_computed_tokens)
             budget -= num_new
         return budget
 
     def _outgrows_cache(self, req: Sequence, num_new: int) -> bool:
         return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks
 
-    def _fail_unfittable(self, req: Sequence) -> None:
+    def _fail_unfittable(self, req: Sequence, out: SchedulerOutput) -> None:
+        """Take a request the whole cache cannot hold out of its queue; :meth:`update` ends it with the error."""
         need = self.kv.blocks_needed(max(req.num_tokens, req.num_computed_tokens + 1))
-        req.error = (
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
+        out.failed.append((req, (
             f"request {req.request_id} needs {need} KV blocks for its {req.num_tokens} tokens but the whole cache "
             f"has {self.kv.num_blocks}; raise --kv-cache-memory-bytes (or --num-gpu-blocks-override) or shorten "
-            "the prompt / max_tokens"
-        )
-        self.finish(req, SequenceStatus.FINISHED_ERROR)
+            "the prompt / max_tokens")))
 
     def _num_new_tokens(self, req: Sequence, budget: int, num_computed: Optional[int] = None) -> int:
         """Tokens to compute this step: all that remain, or a chunk of them with chunked prefill
@@ -282,8 +369,8 @@ class TokenBudgetScheduler(WaitingAdmission):
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_drafts: int = 0) -> None:
-        out.add(req, num_new, req.num_computed_tokens, self.kv.block_table(req.request_id), num_drafts)
+    def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int) -> None:
+        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id))
         self._scheduled_now[req.request_id] = num_new
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
@@ -291,17 +378,25 @@ class TokenBudgetScheduler(WaitingAdmission):
         included), apply the stop conditions, free finished requests.
 
         A request computed its known tokens this step plus the drafts it had accepted; its newest
-        token (sampled now) is computed next step. Returns the requests that gained a token
-        (finished ones included).
+        token (sampled now) is computed next step. The step's other decisions are committed here
+        too: a request preempted by recompute computes again from its first token, and requests
+        that failed (in ``sched.failed`` or ``result.failed``) end with their error. Returns the
+        requests that gained a token (finished ones included).
         """
+        self._commit_preemptions(sched)
+        self._commit_failures(sched)
         progressed = []
         now = time.monotonic()
         max_model_len = self.max_model_len
-        for req, token_ids, start, num_new, num_drafts, logprobs, prompt_lp in zip(
+        failed = result.failed
+        for i, (req, token_ids, start, num_new, num_drafts, logprobs, prompt_lp) in enumerate(zip(
                 sched.requests, result.sampled_token_ids, sched.num_computed_before, sched.num_new_tokens,
-                sched.num_draft_slots, result.logprobs, result.prompt_logprobs, strict=True):
+                sched.num_draft_slots, result.logprobs, result.prompt_logprobs, strict=True)):
             if req.status in FINISHED_STATUSES:
-                continue  # aborted or failed during the step
+                continue  # aborted during the step
+            if failed and i in failed:
+                self.fail(req, failed[i])
+                continue
             # after a recompute preemption the prompt is computed again; record it once
             if prompt_lp is not None and req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1:
                 req.prompt_logprobs.extend(prompt_lp)
@@ -324,6 +419,15 @@ class TokenBudgetScheduler(WaitingAdmission):
                 self.kv.trim_slots(req, req.num_tokens)
         return progressed
 
+    def _commit_preemptions(self, sched: SchedulerOutput) -> None:
+        for req in sched.preempted:
+            if req.status == SequenceStatus.PREEMPTED:  # by recompute (not swapped, not ended since)
+                req.num_computed_tokens = 0
+
+    def _commit_failures(self, sched: SchedulerOutput) -> None:
+        for req, error in sched.failed:
+            self.fail(req, error)
+
     def rollback(self, sched: SchedulerOutput) -> None:
         """Undo what a step that failed to execute may have left half done.
 
@@ -332,7 +436,9 @@ class TokenBudgetScheduler(WaitingAdmission):
         cache for this step's tokens hold nothing valid. So the prefix cache is dropped, and the
         step's requests (and those it swapped out) lose their KV blocks and wait at the front of the
         queue to be computed again from their tokens: their outputs continue exactly as before.
+        Requests the step failed (``sched.failed``) end with their error, as in :meth:`update`.
         """
+        self._commit_failures(sched)
         self.kv.reset_prefix_cache()
         for req in list(sched.requests) + list(sched.preempted):
             if req.is_finished or req.status == SequenceStatus.PREEMPTED:
@@ -361,6 +467,13 @@ class TokenBudgetScheduler(WaitingAdmission):
             del self._prompt_leaders[req.parent_id]
         self.requests.pop(req.request_id, None)
         self.finished.append(req)
+
+    def fail(self, req: Sequence, error: str) -> None:
+        """End a request for an error (what was wrong and how to fix it), in any state; its blocks are freed."""
+        if req.is_finished:
+            return
+        req.error = error
+        self.finish(req, SequenceStatus.FINISHED_ERROR)
 
     def drain_finished(self) -> list[Sequence]:
         """Requests finished since the last call (stopped, length, aborted or failed)."""

@@ -106,6 +106,8 @@ class SimulatedEngine:
         num_moved = len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in)
         rec.num_blocks_swapped += num_moved
         if not requests:
+            if sched.failed:  # requests that can never fit the cache end now
+                self.scheduler.update(sched, RunnerOutput.empty(0))
             self._drain_finished()
             return False
         seconds = self.cost_model.step_seconds(sched.num_new_tokens, sched.num_computed_before, num_moved)
