@@ -181,3 +181,13 @@ class AttentionBatch:
     max_query_len: int
     max_seq_len: int
     block_size: int
+
+    def slots_to_write(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The cache slots this step writes (int64) and, only when some tokens are padding (slot -1),
+        the indices of the tokens that are written. Backends call it once per step."""
+        slot_mapping = self.slot_mapping.to(torch.int64)
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            return slot_mapping, None
+        tokens = valid.nonzero().flatten()
+        return slot_mapping[tokens], tokens

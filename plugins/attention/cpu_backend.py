@@ -30,7 +30,7 @@ from pagoda.host import settings as host
 from pagoda.host.cpp_extension import load_cpu_extension
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
 from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
-                                                     split_padding, write_kv)
+                                                     write_kv)
 from pagoda.step import AttentionBatch
 
 # On one thread, above this many decodes in a step, batched matmuls over gathered K/V beat the
@@ -138,14 +138,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if seq_lens[i] == end - start and end - start > 1:
                 fresh.append((start, end))
                 token_len[start:end] = 0
-        slots, written = split_padding(batch.slot_mapping)
+        slots, written = batch.slots_to_write()
         token_len[batch.slot_mapping < 0] = 0  # padding tokens attend to nothing
         return CpuAttentionMetadata(slots, written, batch.block_tables, token_req, token_len.to(torch.int32), fresh,
                                     torch_decode)
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
-        k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
+        k_scale = v_scale = 1.0
+        if self.fp8:
+            k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
         if md.written_tokens is None and k.stride(2) == 1 and v.stride(2) == 1:
             self.kernels.write_kv(kv_cache, k, v, md.slot_mapping)  # torch's index_copy_ is serial and slower
         else:

@@ -23,16 +23,6 @@ from pagoda.plugins.attention.kv_fp8 import (dequantize_fp8, kv_cache_dtype_for,
 from pagoda.step import AttentionBatch
 
 
-def split_padding(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Once per step: the slots to write and, only when some tokens are padding (-1), which tokens."""
-    slot_mapping = slot_mapping.to(torch.int64)
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        return slot_mapping, None
-    tokens = valid.nonzero().flatten()
-    return slot_mapping[tokens], tokens
-
-
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              tokens: Optional[torch.Tensor]) -> None:
     """Store this step's K/V ([T, Hkv, D], already in the cache's dtype) into their slots of a
@@ -129,7 +119,7 @@ class TorchAttentionBackend:
                 masks.append(torch.arange(seq_len)[None, :] <= q_pos)
             else:
                 masks.append(None)
-        slots, written = split_padding(batch.slot_mapping)
+        slots, written = batch.slots_to_write()
         return TorchAttentionMetadata(
             slot_mapping=slots,
             written_tokens=written,
