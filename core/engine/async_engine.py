@@ -305,7 +305,7 @@ class AsyncLLMEngine:
         logger.critical("the engine is dead: %s", reason)
         self.dead_reason = reason
         try:  # best effort: give every block back, so the LLMEngine itself is left clean
-            self.engine.abort_request(list(self.engine.output_processor.parents))
+            self.engine.abort_request(list(self.engine.requests.parents))
         except Exception:  # noqa: BLE001
             logger.exception("could not abort the remaining requests of the dead engine")
         self._stop = True
