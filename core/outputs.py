@@ -114,10 +114,6 @@ class EngineOutput:
     prompt_logprobs: Optional[list[Optional[RawLogprobs]]] = None  # in the first output that has them all
     error: Optional[str] = None
 
-    @property
-    def num_new_tokens(self) -> int:
-        return sum(len(s.new_token_ids) for s in self.sequences)
-
 
 @dataclass
 class SequenceGroup:

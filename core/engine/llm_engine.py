@@ -200,6 +200,8 @@ class LLMEngine:
         outputs = self._emit(progressed)
         t4 = time.perf_counter()
         self.last_step_timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "emit": t4 - t3}
+        if result is not None:
+            self.stats.on_step_time(t4 - t0)
         for observer in self.observers:
             observer.after_step(self, sched, result, t4 - t0)
         return outputs

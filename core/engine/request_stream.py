@@ -85,9 +85,13 @@ class RequestStream:
                 self._finish(abort=False)
                 raise stream.error
             pending, stream.pending = stream.pending, []
-            for engine_output in pending:
-                self._state.apply(engine_output)
-            out = self._state.make_output()
+            try:
+                for engine_output in pending:
+                    self._state.apply(engine_output)
+                out = self._state.make_output()
+            except BaseException:  # the reader cannot go on: the engine must not run on for it
+                self._finish(abort=True)
+                raise
             if out is None:  # nothing new to show yet (e.g. text held back)
                 continue
             if out.finished:
