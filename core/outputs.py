@@ -144,7 +144,7 @@ class SequenceGroup:
         prompt_logprobs = None
         if (first.prompt_logprobs is not None and not self.has_emitted_prompt_logprobs
                 and len(first.prompt_logprobs) >= len(self.prompt_token_ids)):
-            prompt_logprobs = first.prompt_logprobs
+            prompt_logprobs = list(first.prompt_logprobs)  # once per request; the reader may be on another thread
             self.has_emitted_prompt_logprobs = True
         errors = [c.error for c in self.children if c.error]
         first_token_times = [c.first_token_time for c in self.children if c.first_token_time is not None]
