@@ -78,8 +78,8 @@ class Sequence:
     last_token_time: Optional[float] = None
     # opaque state a sampler may keep (e.g. a torch.Generator for seeded requests)
     sampler_state: Any = None
-    # turns output tokens into text and finds stop strings (pagoda.outputs.IncrementalDetokenizer);
-    # None when the request asked for no text
+    # follows the text to find stop strings (pagoda.outputs.IncrementalDetokenizer); None without stop
+    # strings (the text users see is made on the output side, from the tokens)
     detokenizer: Any = None
 
     def __post_init__(self) -> None:
@@ -144,35 +144,29 @@ class Sequence:
         """Append a step's tokens (one, or a verified speculative run) and apply every stop condition.
 
         Returns the finished status if the sequence ended; tokens after the one that ended it are
-        dropped. The text (and stop strings) follow token by token only when stop strings are set.
+        dropped. Only a sequence with stop strings has a detokenizer here: it follows the text token by
+        token to find them.
         """
-        if self.detokenizer is None and len(token_ids) == 1:
-            # the common step, one token and no text: the loop below without its bookkeeping
+        detok = self.detokenizer
+        if detok is None and len(token_ids) == 1:
+            # the common step, one token and no stop strings: the loop below without its bookkeeping
             token_id = token_ids[0]
             self.output_token_ids.append(token_id)
             self.all_token_ids.append(token_id)
             return self._stop_after(token_id, max_model_len)
-        params = self.sampling_params
-        detok = self.detokenizer
-        per_token_text = detok is not None and bool(params.stop_strings)
         output_token_ids, all_token_ids = self.output_token_ids, self.all_token_ids
-        start = len(output_token_ids)
         status = None
         for token_id in token_ids:
             output_token_ids.append(token_id)  # append_output_token, inlined: this runs for every token
             all_token_ids.append(token_id)
             status = self._stop_after(token_id, max_model_len)
-            if per_token_text and status is None:
+            if detok is not None and status is None:
                 stop = detok.add_tokens([token_id], self.may_stop_at(self.num_output_tokens))
                 if stop is not None:
                     self.stop_reason = stop
                     status = SequenceStatus.FINISHED_STOPPED
             if status is not None:
                 break
-        if detok is not None and not per_token_text:
-            detok.add_tokens(output_token_ids[start:], False)
-        elif per_token_text and status is not None and detok.num_output_tokens < len(output_token_ids):
-            detok.add_tokens(output_token_ids[detok.num_output_tokens:], False)
         return status
 
     def _stop_after(self, token_id: int, max_model_len: int) -> Optional[SequenceStatus]:

@@ -76,13 +76,17 @@ def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
     _, url, _ = server
     result_file = tmp_path / "w4.json"
     run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--request-rate", "inf",
-                          "--no-progress", "--result-file", str(result_file)],
+                          "--no-progress", "--result-file", str(result_file), "--offline-output-tok-s", "1000"],
                          capture_output=True, text=True, env=ENV, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    for label in ("request throughput", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E", "p99"):
+    for label in ("request throughput", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E", "p99",
+                  "engine mean step (ms)", "served mean TPOT / step", "served / offline tokens/s"):
         assert label in run.stdout
     summary = json.loads(result_file.read_text())["runs"][0]["summary"]
     assert summary["completed"] == 2 and summary["failed"] == 0
+    # the engine's steps during the run, from the server's /metrics, beside the served TPOT
+    assert summary["engine_mean_step_ms"] > 0 and summary["tpot_over_step"] > 0
+    assert summary["served_over_offline"] == summary["output_token_throughput"] / 1000.0
     assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
     # W1 requests produce exactly their drawn output lengths (ignore_eos, min_tokens = max_tokens)
     from pagoda.plugins.entrypoints.bench.serve import w1_requests

@@ -1,10 +1,12 @@
 """AsyncLLMEngine: drives an LLMEngine from a background thread and streams outputs to asyncio code.
 
 The engine thread owns the LLMEngine (which is not thread-safe): requests,
-aborts and tokenizer calls reach it as commands run between two steps. Each
-step's outputs are handed to the event loop in one call; every request keeps
-only its newest (cumulative) output, so a slow client never makes the engine
-queue up memory.
+aborts and tokenizer calls reach it as commands run between two steps. The
+engine thread only schedules, runs the model and commits: each step's new
+tokens (:class:`~pagoda.outputs.EngineOutput`, no text) are handed to the event
+loop in one call, and each request's reader makes its outputs from them (text,
+decoded logprobs) with the async engine's own tokenizer. A slow reader gets the
+tokens of several steps in one output.
 
 Failure model: the engine isolates a fault in a step's execution itself (a
 request that fails alone ends with an error, the others go on). When a step
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import math
 import threading
@@ -34,7 +37,7 @@ from typing import Any, Callable, Optional
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.request_stream import RequestStream, _Stream, request_cost_tokens
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineOverloadedError", "EngineStepError", "RequestStream",
@@ -72,6 +75,8 @@ class AsyncLLMEngine:
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # the output side of every request (text, logprobs): on the event loop, with a tokenizer of its own
+        self.output_processor = OutputProcessor(copy.deepcopy(engine.tokenizer))
         # sequences queued as commands but not yet in the scheduler: submitted - added (one writer each)
         self._num_submitted_seqs = 0
         self._num_added_seqs = 0
@@ -131,8 +136,10 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self._submit(fn))
 
     def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                 priority: Optional[int] = None, check_capacity: bool = True) -> RequestStream:
-        """Queue a request now; iterate the result for its cumulative outputs until it finishes.
+                 priority: Optional[int] = None, check_capacity: bool = True,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestStream:
+        """Queue a request now; iterate the result for its outputs (cumulative ones unless ``output_kind``
+        says otherwise) until it finishes.
 
         Raises EngineOverloadedError at once when the queue is full (admission
         and queueing happen in one synchronous call, so concurrent callers
@@ -146,17 +153,19 @@ class AsyncLLMEngine:
         num_cost_tokens = request_cost_tokens(prompt, params, self.engine.config.model.max_model_len)
         if check_capacity:
             self.check_capacity(params.n, num_cost_tokens)
-        stream = _Stream(num_cost_tokens=num_cost_tokens)
+        stream = _Stream(kind=output_kind, num_cost_tokens=num_cost_tokens)
         self._streams[request_id] = stream
         self._num_submitted_seqs += params.n
 
-        def add() -> None:
+        def add() -> tuple[Optional[str], list[int]]:
             try:
-                self.engine.add_request(request_id, prompt, params, priority=priority)
+                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=None)
+                group = self.engine.requests.parents[request_id]
+                return group.prompt, group.prompt_token_ids
             finally:
                 self._num_added_seqs += params.n  # engine thread only; the loop only writes the other counter
 
-        return RequestStream(self, request_id, stream, self._submit(add))
+        return RequestStream(self, request_id, stream, params, self._submit(add))
 
     def _abort_soon(self, request_id: str) -> None:
         if self.dead_reason is None and not self._stop:
@@ -196,7 +205,7 @@ class AsyncLLMEngine:
                 f"this request may take {num_tokens} tokens (prompt plus max_tokens, times n) but the server queues "
                 f"at most {limit} (--max-waiting-tokens); lower max_tokens, n or the number of prompts")
         # requests with no output yet: queued, or in their first prefill
-        unstarted = [s for s in self._streams.values() if s.latest is None and not s.finished]
+        unstarted = [s for s in self._streams.values() if not s.has_output and not s.finished]
         num_queued = sum(s.num_cost_tokens for s in unstarted)
         if num_queued and num_queued + num_tokens > limit:
             raise EngineOverloadedError(
@@ -252,7 +261,7 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                 continue
             try:
-                outputs = engine.step()
+                outputs = engine.step_engine_outputs()
             except Exception as exc:  # noqa: BLE001 - any fault in a step must not kill the loop silently
                 self._on_step_failure(exc)
                 continue
@@ -302,7 +311,7 @@ class AsyncLLMEngine:
         logger.critical("the engine is dead: %s", reason)
         self.dead_reason = reason
         try:  # best effort: give every block back, so the LLMEngine itself is left clean
-            self.engine.abort_request(list(self.engine.output_processor.parents))
+            self.engine.abort_request(list(self.engine.requests.parents))
         except Exception:  # noqa: BLE001
             logger.exception("could not abort the remaining requests of the dead engine")
         self._stop = True
@@ -317,16 +326,14 @@ class AsyncLLMEngine:
 
     # ---- on the event loop ---------------------------------------------------------
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.latest = out
+            stream.put(out)
             if out.finished:
-                stream.finished = True
                 del self._streams[out.request_id]  # its consumer holds the stream; the table keeps live ones
-            stream.event.set()
 
     def _fail_streams(self, request_ids: Optional[list[str]], error: BaseException) -> None:
         """Fail the given requests' streams (all of them when ``request_ids`` is None)."""

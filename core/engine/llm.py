@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.errors import InvalidRequestError
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling_params import SamplingParams
 
@@ -53,7 +53,9 @@ class LLM:
                 rid = f"llm-{self._counter}"
                 self._counter += 1
                 prio = priority[i] if priority is not None else None
-                ids.append(self.engine.add_request(rid, prompt, params, priority=prio))
+                # only the finished outputs are returned: none is built before its request finishes
+                ids.append(self.engine.add_request(rid, prompt, params, priority=prio,
+                                                   output_kind=RequestOutputKind.FINAL_ONLY))
         except Exception:
             self.engine.abort_request(ids)  # a bad prompt in the list must not leave the others queued
             raise

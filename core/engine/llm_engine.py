@@ -13,7 +13,7 @@ from pagoda.engine.metrics import EngineStats, SpecDecodeStats
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.host.settings import HostTuning, apply_host_settings
 from pagoda.kv.tiers import has_offload_tiers
-from pagoda.outputs import OutputProcessor, RequestOutput
+from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutput, RequestOutputKind, RequestTracker
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
@@ -46,6 +46,9 @@ class LLMEngine:
         self.executor = parts.executor
         self.num_blocks = parts.num_blocks
         self.eos_token_id = parts.eos_token_id
+        # the engine's side of the requests (their sequences, each step's new tokens) and the output side
+        # that step() turns those into RequestOutputs with (an async engine keeps its own output side)
+        self.requests = RequestTracker(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         # speculative decoding's acceptance counters, None when off
@@ -94,11 +97,16 @@ class LLMEngine:
         raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, priority: Optional[int] = None) -> str:
-        """Validate and queue a request. Raises InvalidRequestError, leaving the engine untouched."""
+                    arrival_time: Optional[float] = None, priority: Optional[int] = None,
+                    output_kind: Optional[RequestOutputKind] = RequestOutputKind.CUMULATIVE) -> str:
+        """Validate and queue a request. Raises InvalidRequestError, leaving the engine untouched.
+
+        ``output_kind``: what :meth:`step` returns for the request (cumulative outputs by default); None when
+        the caller makes its outputs itself from :meth:`step_engine_outputs`.
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if self.output_processor.has(request_id):
+        if self.requests.has(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate(token_ids, params)
@@ -110,7 +118,9 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
                                     parent_id=request_id, seed=seed))
-        self.output_processor.add(request_id, text, token_ids, children)  # also gives each its detokenizer
+        self.requests.add(request_id, text, token_ids, children)  # also gives stop strings their detokenizer
+        if output_kind is not None:
+            self.output_processor.add(request_id, text, token_ids, params, output_kind)
         for child in children:
             self.scheduler.add_request(child)
         self.stats.on_arrival(len(token_ids))
@@ -144,15 +154,16 @@ class LLMEngine:
         """Cancel requests (by the id given to add_request) in any state; their blocks are freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            parent = self.output_processor.parents.get(rid)
+            self.output_processor.abort(rid)
+            parent = self.requests.parents.get(rid)
             if parent is None:
                 continue
             self.scheduler.abort_requests([c.request_id for c in parent.children if not c.is_finished])
-            self.output_processor.abort(rid)
+            self.requests.forget(rid)
 
     def sequences_of(self, request_id: str) -> list[Sequence]:
         """The sequences (``n`` of them) generated for a user request; empty once it is finished."""
-        parent = self.output_processor.parents.get(request_id)
+        parent = self.requests.parents.get(request_id)
         return list(parent.children) if parent is not None else []
 
     def has_unfinished_requests(self) -> bool:
@@ -161,7 +172,18 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute, update, emit.
+        """One iteration (:meth:`step_engine_outputs`), its new tokens turned into the requests' outputs.
+
+        Raises :class:`StepFailedError` as :meth:`step_engine_outputs` does.
+        """
+        engine_outputs = self.step_engine_outputs()
+        t0 = time.perf_counter()
+        outputs = self.output_processor.process(engine_outputs)
+        self.last_step_timings["output"] = time.perf_counter() - t0
+        return outputs
+
+    def step_engine_outputs(self) -> list[EngineOutput]:
+        """One iteration: schedule, execute, update, emit; each touched request's new tokens, no text.
 
         Raises :class:`StepFailedError` (after rolling the step back) only when the step's execution
         fails for every request in it; a request whose execution fails alone ends with an error.
@@ -178,6 +200,8 @@ class LLMEngine:
         outputs = self._emit(progressed)
         t4 = time.perf_counter()
         self.last_step_timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "emit": t4 - t3}
+        if result is not None:
+            self.stats.on_step_time(t4 - t0)
         for observer in self.observers:
             observer.after_step(self, sched, result, t4 - t0)
         return outputs
@@ -284,11 +308,11 @@ class LLMEngine:
                     self.spec_stats.observe(k, len(tokens) - 1)
         return progressed
 
-    def _emit(self, progressed: list[Sequence]) -> list[RequestOutput]:
+    def _emit(self, progressed: list[Sequence]) -> list[EngineOutput]:
         finished = self.scheduler.drain_finished()
         for req in finished:
             self.stats.on_finished(req)
             if self._has_finish_observers:
                 self.pm.notify_request_finished(req)
-        return self.output_processor.make_outputs(progressed + finished)
+        return self.requests.make_outputs(progressed + finished)
 

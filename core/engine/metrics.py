@@ -98,6 +98,7 @@ class EngineStats:
     num_requests_arrived: int = 0
     finished_by_reason: Counter = field(default_factory=Counter)
     num_steps: int = 0
+    step_seconds: float = 0.0  # wall time of the steps counted by num_steps: schedule, execute, update, emit
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e_request_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_LATENCY_BUCKETS))
@@ -122,6 +123,10 @@ class EngineStats:
             else:
                 self.inter_token_latency.observe(now - prev)
             last[req.request_id] = now
+
+    def on_step_time(self, seconds: float) -> None:
+        """A step that ran the model (one counted by ``num_steps``) took ``seconds``."""
+        self.step_seconds += seconds
 
     def on_finished(self, request: Sequence, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
@@ -197,6 +202,9 @@ class PrometheusExporter:
         yield counter("num_preemptions", "Preemptions of running requests.", getattr(sched, "num_preemptions", 0))
         yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
+        yield counter("engine_steps", "Engine steps that ran the model.", s.num_steps)
+        yield counter("engine_step_seconds", "Wall time of those steps (schedule, execute, update, emit), the "
+                      "engine loop's own time without output processing.", s.step_seconds)
         success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
                                       labels=labels + ["finished_reason"])
         reasons = dict.fromkeys(FINISH_REASONS, 0)

@@ -1,5 +1,6 @@
 """One request's side of the :class:`~pagoda.engine.async_engine.AsyncLLMEngine`: the mailbox the engine thread
-writes each step's output into, and the async iterator a caller reads it from."""
+drops each step's new tokens into, and the async iterator a caller reads outputs from. The reader makes the
+outputs (text, decoded logprobs) from the tokens, on its own task: the engine thread never does."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from pagoda.engine.llm_engine import PromptType
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import EngineOutput, RequestOutput, RequestOutputKind, RequestState
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -18,13 +19,23 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class _Stream:
-    """One request's mailbox: the newest output, or the error that ended it."""
+    """One request's mailbox: the engine outputs not read yet, or the error that ended it."""
 
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     event: asyncio.Event = field(default_factory=asyncio.Event)
-    latest: Optional[RequestOutput] = None
+    pending: list[EngineOutput] = field(default_factory=list)
     error: Optional[BaseException] = None
+    has_output: bool = False  # an output arrived: the request started
     finished: bool = False
     num_cost_tokens: int = 0  # prompt + max_tokens, times n: what admission counts until the first output
+
+    def put(self, output: EngineOutput) -> None:
+        """On the event loop: keep a step's output; wake the reader unless it only wants the final one."""
+        self.pending.append(output)
+        self.has_output = True
+        self.finished = output.finished
+        if output.finished or self.kind is not RequestOutputKind.FINAL_ONLY:
+            self.event.set()
 
 
 def request_cost_tokens(prompt: PromptType, params: SamplingParams, max_model_len: int) -> int:
@@ -40,15 +51,17 @@ def request_cost_tokens(prompt: PromptType, params: SamplingParams, max_model_le
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative outputs; ``aclose()`` (or cancelling a waiting
-    ``__anext__``) aborts the request if it has not finished, freeing its KV blocks."""
+    """Async iterator over one request's outputs (of the kind it was added with); ``aclose()`` (or cancelling a
+    waiting ``__anext__``) aborts the request if it has not finished, freeing its KV blocks."""
 
-    def __init__(self, engine: "AsyncLLMEngine", request_id: str, stream: _Stream,
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, stream: _Stream, params: SamplingParams,
                  added: concurrent.futures.Future) -> None:
         self._engine = engine
         self.request_id = request_id
         self._stream = stream
+        self._params = params
         self._added = added
+        self._state: Optional[RequestState] = None
         self._done = False
 
     def __aiter__(self) -> "RequestStream":
@@ -58,30 +71,45 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         stream = self._stream
+        while True:
+            try:
+                if self._added is not None:
+                    await self._wait_added()
+                while not stream.event.is_set():
+                    await stream.event.wait()
+            except asyncio.CancelledError:
+                self._finish(abort=True)
+                raise
+            stream.event.clear()
+            if stream.error is not None:
+                self._finish(abort=False)
+                raise stream.error
+            pending, stream.pending = stream.pending, []
+            try:
+                for engine_output in pending:
+                    self._state.apply(engine_output)
+                out = self._state.make_output()
+            except BaseException:  # the reader cannot go on: the engine must not run on for it
+                self._finish(abort=True)
+                raise
+            if out is None:  # nothing new to show yet (e.g. text held back)
+                continue
+            if out.finished:
+                self._finish(abort=False)
+            return out
+
+    async def _wait_added(self) -> None:
         try:
-            if self._added is not None:
-                try:
-                    # shielded: a cancelled caller must not cancel the add itself, or the queue count drifts
-                    await asyncio.shield(asyncio.wrap_future(self._added))
-                except asyncio.CancelledError:
-                    raise
-                except BaseException:
-                    self._finish(abort=False)  # never added: nothing to abort
-                    raise
-                self._added = None
-            while not stream.event.is_set():
-                await stream.event.wait()
+            # shielded: a cancelled caller must not cancel the add itself, or the queue count drifts
+            prompt, prompt_token_ids = await asyncio.shield(asyncio.wrap_future(self._added))
         except asyncio.CancelledError:
-            self._finish(abort=True)
             raise
-        stream.event.clear()
-        if stream.error is not None:
-            self._finish(abort=False)
-            raise stream.error
-        out = stream.latest
-        if out.finished:
-            self._finish(abort=False)
-        return out
+        except BaseException:
+            self._finish(abort=False)  # never added: nothing to abort
+            raise
+        self._added = None
+        self._state = self._engine.output_processor.new_state(self.request_id, prompt, prompt_token_ids,
+                                                              self._params, self._stream.kind)
 
     async def aclose(self) -> None:
         self._finish(abort=True)

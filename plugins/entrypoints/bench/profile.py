@@ -4,7 +4,8 @@ For a few steady-state decode steps (after every prefill has finished), a
 step observer adds up the engine's phase timings (``engine.last_step_timings``)
 and the runner's (``runner.timings``), and forward hooks time the model's
 linear layers and attention layers. Matmuls are the linear layers and the LM
-head; attention includes the K/V write.
+head; attention includes the K/V write. Output processing (text and logprobs
+from the step's new tokens) follows the step, outside it: it is timed apart.
 """
 
 from __future__ import annotations
@@ -81,16 +82,18 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
     phases = _PhaseTotals()
     engine.observers.append(phases)
     before = {k: list(v) for k, v in distributed.collective_stats.items()}
+    output_seconds = 0.0
     try:
         for _ in range(num_steps):
             engine.step()
+            output_seconds += engine.last_step_timings.get("output", 0.0)
     finally:
         engine.observers.remove(phases)
         modules.close()
         engine.abort_request([f"profile-{i}" for i in range(len(requests))])
         engine.step()
     s, m = phases.seconds, modules.seconds
-    total = s["step"]
+    total = s["step"] + output_seconds
     # rank 0's collectives (tensor parallelism): inside the linear layers, the LM head and the embedding
     spent = {k: (v[0] - before.get(k, [0, 0.0])[0], v[1] - before.get(k, [0, 0.0])[1])
              for k, v in distributed.collective_stats.items()}
@@ -108,8 +111,9 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
         "drafting (speculative decoding)": s["runner draft"],
         "sampling": s["runner sampling"],
         "scheduling": s["schedule"],
-        "update (commit, stops, detokenization)": s["update"],
-        "outputs": s["emit"],
+        "update (commit, stops)": s["update"],
+        "outputs (new tokens per request)": s["emit"],
+        "output processing (text, logprobs)": output_seconds,
     }
     if not calls:  # one rank
         del rows[collectives_row]

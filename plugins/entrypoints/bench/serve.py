@@ -5,6 +5,12 @@ Poisson process at each ``--request-rate`` (``inf``: all at once). Per request
 the client times the first token (TTFT), the gaps between streamed chunks
 (ITL), the time per output token after the first (TPOT) and the whole request
 (E2E); the summary gives their mean and p50/p90/p99 and the throughputs.
+
+What the server costs: from the server's ``/metrics`` before and after each run,
+the engine's mean step time during the run, printed beside the served mean TPOT
+with their ratio (1.0: the server adds nothing to a token's time); with
+``--offline-output-tok-s`` (the output tok/s ``pagoda bench throughput`` gets
+offline), the served output tok/s as a fraction of it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
     p.add_argument("--result-file", default=None, help="write every run's summary and per-request timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--offline-output-tok-s", type=float, default=None,
+                   help="the engine's offline output tok/s on the same requests (from pagoda bench throughput); "
+                        "each run then prints the served output tok/s as a fraction of it")
     p.set_defaults(func=run_bench_serve)
 
 
@@ -226,6 +235,40 @@ def routing_locality(timings: list[RequestTiming]) -> dict:
     return {"replicas": len(replicas), "to_prefix_replica": at_first / later if later else math.nan}
 
 
+def engine_step_counters(base_url: str, api_key: Optional[str]) -> Optional[tuple[float, float]]:
+    """``(steps, seconds)`` the server's engine has stepped so far, from its ``/metrics``; None when the server
+    does not export them (not pagoda, or metrics unreachable)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(base_url + "/metrics", headers=headers, timeout=30).text
+        totals = {"pagoda:engine_steps_total": 0.0, "pagoda:engine_step_seconds_total": 0.0}
+        found = False
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:  # behind --replicas: every replica's engine
+                    totals[sample.name] += sample.value
+                    found = True
+    except (httpx.HTTPError, ValueError):
+        return None
+    return (totals["pagoda:engine_steps_total"], totals["pagoda:engine_step_seconds_total"]) if found else None
+
+
+def add_server_cost(summary: dict, before: Optional[tuple[float, float]], after: Optional[tuple[float, float]],
+                    offline_output_tps: Optional[float]) -> None:
+    """The engine's mean step time during the run against the served mean TPOT, and the served output tok/s
+    against the offline figure."""
+    if before is not None and after is not None and after[0] > before[0]:
+        step_ms = (after[1] - before[1]) / (after[0] - before[0]) * 1e3
+        summary["engine_mean_step_ms"] = step_ms
+        summary["tpot_over_step"] = summary["tpot_ms"]["mean"] / step_ms
+    if offline_output_tps:
+        summary["offline_output_token_throughput"] = offline_output_tps
+        summary["served_over_offline"] = summary["output_token_throughput"] / offline_output_tps
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"==== pagoda bench serve (W4): request rate {s['request_rate']} req/s ====",
@@ -241,6 +284,12 @@ def format_summary(s: dict) -> str:
         row = s[key]
         lines.append(f"{label:<10}" + "".join(f"{row[c]:>10.1f}" for c in ("mean", "p50", "p90", "p99")))
     lines.append(f"{'prefix-cache hit rate':<30}{s['prefix_cache_hit_rate']:.1%}")
+    if "engine_mean_step_ms" in s:
+        lines.append(f"{'engine mean step (ms)':<30}{s['engine_mean_step_ms']:.1f}")
+        lines.append(f"{'served mean TPOT / step':<30}{s['tpot_over_step']:.2f}x")
+    if "served_over_offline" in s:
+        lines.append(f"{'offline output tokens/s':<30}{s['offline_output_token_throughput']:.1f}")
+        lines.append(f"{'served / offline tokens/s':<30}{s['served_over_offline']:.1%}")
     if "replicas" in s:
         lines.append(f"{'replicas that served':<30}{s['replicas']}")
         lines.append(f"{'at their prefix group replica':<30}{s['to_prefix_replica']:.1%}")
@@ -268,9 +317,11 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
           f"{sum(r.output_len for r in requests)} output tokens) to {base_url} as model {model!r}")
     results = []
     for rate in ns.request_rate:
+        before = engine_step_counters(base_url, ns.api_key)
         duration, timings = asyncio.run(run_rate(base_url, model, ns.api_key, requests, rate, ns.seed,
                                                  not ns.no_progress))
         summary = summarize(rate, duration, timings)
+        add_server_cost(summary, before, engine_step_counters(base_url, ns.api_key), ns.offline_output_tok_s)
         print(format_summary(summary), flush=True)
         results.append({"summary": summary, "requests": [asdict(t) for t in timings]})
     if ns.result_file:

@@ -7,13 +7,12 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.outputs import CompletionOutput
+from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
-from pagoda.plugins.entrypoints.server.serving import (SSE_DONE, Generation, ServingContext, make_sampling_params,
-                                                       finish_reason, new_id, now_s, output_error, sse, sse_error,
-                                                       usage,
-                                                       unless_disconnected)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
+                                                       now_s, output_error, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -55,7 +54,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     params = make_sampling_params(body, max_tokens, num_top)
     request_id = new_id("chatcmpl")
-    gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, body.priority)
+    gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, body.priority,
+                     stream=body.stream)
     await unless_disconnected(request, gen.start())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -73,41 +73,27 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                          "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)})
 
 
-async def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-                  include_usage: bool) -> AsyncIterator[str]:
+def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
+            include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: each choice's new content as a delta, the role with its first one."""
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    num_prompt = num_cached = 0
-    try:
-        async for _, out in gen.stream():
-            err = output_error(out)
-            if err is not None:
-                raise err
-            num_prompt, num_cached = len(out.prompt_token_ids), out.num_cached_tokens
-            choices = []
-            for c in out.outputs:
-                first = c.index not in sent_text
-                start_chars, start_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta_text = c.text[start_chars:]
-                has_new_tokens = num_top is not None and len(c.token_ids) > start_tokens
-                if not first and not delta_text and not has_new_tokens and c.finish_reason is None:
-                    continue
-                delta = {"role": "assistant", "content": delta_text} if first else {"content": delta_text}
-                choices.append({"index": c.index, "delta": delta,
-                                "logprobs": _logprobs(c, start_tokens, num_top) if num_top is not None else None,
-                                "finish_reason": finish_reason(c)})
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-            if choices:
-                chunk = dict(head, choices=choices)
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-        if include_usage:
-            yield sse(dict(head, choices=[], usage=usage(num_prompt, sum(sent_tokens.values()), num_cached)))
-    except Exception as exc:  # the status line is gone: report the error as the last event
-        yield sse_error(exc)
-    yield SSE_DONE
+    started: set[int] = set()
+
+    def choices(_: int, out: RequestOutput) -> list[dict]:
+        result = []
+        for c in out.outputs:
+            first = c.index not in started
+            has_new_tokens = num_top is not None and bool(c.token_ids)
+            if not first and not c.text and not has_new_tokens and c.finish_reason is None:
+                continue
+            started.add(c.index)
+            delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+            result.append({"index": c.index, "delta": delta,
+                           "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
+                           "finish_reason": finish_reason(c)})
+        return result
+
+    return stream_sse(gen, head, choices, include_usage)
 
 
 def _logprobs(c: CompletionOutput, start: int, num_top: int) -> dict:

@@ -7,13 +7,12 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.outputs import CompletionOutput, Logprob
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import CompletionRequest
-from pagoda.plugins.entrypoints.server.serving import (SSE_DONE, Generation, ServingContext, make_sampling_params,
-                                                       finish_reason, new_id, now_s, output_error, sse, sse_error,
-                                                       usage,
-                                                       unless_disconnected)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
+                                                       now_s, output_error, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
@@ -48,7 +47,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     params = make_sampling_params(body, max_tokens, body.logprobs)
     request_id = new_id("cmpl")
-    gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority)
+    gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream)
     await unless_disconnected(request, gen.start())
     echo = [p["prompt"] or "" for p in engine_prompts] if body.echo else None
     if body.stream:
@@ -74,44 +73,29 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
                          "usage": usage(num_prompt, num_completion, num_cached)})
 
 
-async def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[str]],
-                  include_usage: bool) -> AsyncIterator[str]:
-    created = now_s()
-    sent_text: dict[int, int] = {}  # choice index -> characters sent
-    sent_tokens: dict[int, int] = {}
-    num_prompt: dict[int, int] = {}
-    num_cached: dict[int, int] = {}
-    head = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.served_model_name}
-    try:
-        async for i, out in gen.stream():
-            err = output_error(out)
-            if err is not None:
-                raise err
-            num_prompt[i], num_cached[i] = len(out.prompt_token_ids), out.num_cached_tokens
-            choices = []
-            for c in out.outputs:
-                idx = i * n + c.index
-                prefix = echo[i] if echo and idx not in sent_text else ""
-                start_chars, start_tokens = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                delta = prefix + c.text[start_chars:]
-                has_new_tokens = c.logprobs is not None and len(c.token_ids) > start_tokens
-                if not delta and not has_new_tokens and c.finish_reason is None and idx in sent_text:
-                    continue
-                choices.append({"index": idx, "text": delta,
-                                "logprobs": _logprobs(c, start_tokens, start_chars) if c.logprobs is not None else None,
-                                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
-                sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-            if choices:
-                chunk = dict(head, choices=choices)
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-        if include_usage:
-            yield sse(dict(head, choices=[], usage=usage(sum(num_prompt.values()), sum(sent_tokens.values()),
-                                                        sum(num_cached.values()))))
-    except Exception as exc:  # the status line is gone: report the error as the last event
-        yield sse_error(exc)
-    yield SSE_DONE
+def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[str]],
+            include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body: each choice's new text (after the echoed prompt, with its first one)."""
+    head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.served_model_name}
+    sent_chars: dict[int, int] = {}  # choice index -> characters of completion text sent
+
+    def choices(i: int, out: RequestOutput) -> list[dict]:
+        result = []
+        for c in out.outputs:
+            idx = i * n + c.index
+            first = idx not in sent_chars
+            text = (echo[i] if echo and first else "") + c.text
+            has_new_tokens = c.logprobs is not None and bool(c.token_ids)
+            if not first and not text and not has_new_tokens and c.finish_reason is None:
+                continue
+            start_chars = sent_chars.get(idx, 0)
+            result.append({"index": idx, "text": text,
+                           "logprobs": _logprobs(c, 0, start_chars) if c.logprobs is not None else None,
+                           "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
+            sent_chars[idx] = start_chars + len(c.text)
+        return result
+
+    return stream_sse(gen, head, choices, include_usage)
 
 
 def _logprobs(c: CompletionOutput, start: int, text_offset: int) -> dict:

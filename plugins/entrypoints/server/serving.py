@@ -1,4 +1,4 @@
-"""What completions and chat share: model and length checks, sampling params, running and streaming."""
+"""What completions and chat share: model and length checks, sampling params, SSE frames, disconnects."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import Request
 
-from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
+from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.outputs import RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
@@ -160,65 +160,6 @@ def sse_error(exc: BaseException) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-class Generation:
-    """The engine requests behind one HTTP request (one per prompt), started together, closed together."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
-                 priority: int) -> None:
-        # the prompts of one request are admitted together
-        max_model_len = engine.engine.config.model.max_model_len
-        engine.check_capacity(params.n * len(prompts),
-                              sum(request_cost_tokens(p, params, max_model_len) for p in prompts))
-        self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False)
-                     for i, p in enumerate(prompts)]
-        self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
-
-    async def start(self) -> None:
-        """Wait for every request's first output; any error (400, 503, ...) aborts all of them."""
-        try:
-            results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
-        except BaseException:  # cancelled: the client went away before the first token
-            await self.close()
-            raise
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.close()
-            raise errors[0]
-        self.first = list(results)
-
-    async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """``(prompt index, cumulative output)`` as they come; the primed first outputs first."""
-        pending: dict[asyncio.Future, int] = {}
-        try:
-            for i, out in enumerate(self.first):
-                yield i, out
-                if not out.finished:
-                    pending[asyncio.ensure_future(self.gens[i].__anext__())] = i
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = pending.pop(task)
-                    out = task.result()  # StopAsyncIteration cannot happen: we stop at the finished output
-                    yield i, out
-                    if not out.finished:
-                        pending[asyncio.ensure_future(self.gens[i].__anext__())] = i
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await self.close()
-
-    async def final(self) -> list[RequestOutput]:
-        last = list(self.first)
-        async for i, out in self.stream():
-            last[i] = out
-        return last
-
-    async def close(self) -> None:
-        for gen in self.gens:
-            await gen.aclose()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
