@@ -149,11 +149,10 @@ class TokenBudgetScheduler:
         running = self.running
         if running and self.running_key(running[0]) is not None:
             return list(running)
-        # (len(all_token_ids) is num_tokens without the property call: this runs for every request every step)
-        decodes = [r for r in running if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         if len(decodes) == len(running):
             return decodes
-        return decodes + [r for r in running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        return decodes + [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
 
     def _reorder_waiting(self) -> None:
         ordered = self.order_waiting(self.waiting)
@@ -277,17 +276,12 @@ class TokenBudgetScheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # the hot loop (every running request, every step): helpers inlined, attributes read once
-        kv, running_status, scheduled_now = self.kv, SequenceStatus.RUNNING, self._scheduled_now
-        allocate_slots, block_table, blocks_needed = kv.allocate_slots, kv.block_table, kv.blocks_needed
-        num_cache_blocks, add = kv.num_blocks, out.add
         for req in self._running_order():
             if budget <= 0:
                 break
-            if req.status is not running_status:
+            if req.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_computed = req.num_computed_tokens
-            is_decode = len(req.all_token_ids) - num_computed == 1
+            is_decode = req.num_tokens - req.num_computed_tokens == 1
             # a decode computes its one token whatever the chunking settings (budget > 0 here)
             num_new = 1 if is_decode else self._num_new_tokens(req, budget)
             if num_new == 0:
@@ -296,18 +290,17 @@ class TokenBudgetScheduler:
             if self.num_speculative_tokens and is_decode:
                 num_drafts = self._num_draft_slots(req, budget - 1)
                 num_new += num_drafts
-            if blocks_needed(num_computed + num_new) > num_cache_blocks:  # _outgrows_cache
+            if self._outgrows_cache(req, num_new):
                 self._fail_unfittable(req, out)
                 continue
-            while not allocate_slots(req, num_new):
-                candidates = [r for r in self.running if r.request_id not in scheduled_now]
+            while not self.kv.allocate_slots(req, num_new):
+                candidates = [r for r in self.running if r.request_id not in self._scheduled_now]
                 victim = self.choose_victim(candidates)
                 self.preempt(victim, out)
                 if victim is req:
                     break
             else:
-                add(req, num_new, num_computed, block_table(req.request_id), num_drafts)  # _add_to_output
-                scheduled_now[req.request_id] = num_new
+                self._add_to_output(out, req, num_new, req.num_computed_tokens, num_drafts)
                 budget -= num_new
         return budget
 
@@ -369,8 +362,9 @@ class TokenBudgetScheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int) -> None:
-        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id))
+    def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int,
+                       num_drafts: int = 0) -> None:
+        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts)
         self._scheduled_now[req.request_id] = num_new
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
