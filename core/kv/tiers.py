@@ -218,9 +218,9 @@ class KVTierIndex:
 
 
 def has_offload_tiers(kv_manager: Any) -> bool:
-    """Whether a KV allocator's class offers the optional offload methods (``init_offload``,
-    ``take_tier_moves``, ``drop_failed_loads``, ``tiers``; see :class:`TieredPrefixCache`). Asked of the
-    class, so an allocator that lacks them is never touched outside its Protocol."""
+    """Whether a KV allocator's class offers the optional offload members (``pagoda.interfaces.KVOffloadTiers``;
+    see :class:`TieredPrefixCache`). Asked of the class, so an allocator that lacks them is never touched
+    outside its Protocol."""
     return callable(getattr(type(kv_manager), "take_tier_moves", None))
 
 

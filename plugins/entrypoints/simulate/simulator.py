@@ -153,10 +153,9 @@ class SimulatedEngine:
                 rec.errors[i] = req.error
 
     def collect_prefix_stats(self) -> None:
-        stats = getattr(self.kv, "stats", None)  # the paged allocator's counters; other allocators may lack them
-        if stats is not None:
-            self.record.prefix_queries += stats.queries
-            self.record.prefix_hits += stats.hits
+        stats = self.kv.stats
+        self.record.prefix_queries += stats.queries
+        self.record.prefix_hits += stats.hits
 
 
 # (trace index, request, replicas) -> the index of the replica that gets it
@@ -234,7 +233,7 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
                   num_replicas: int = 1, seed: int = 0) -> tuple[list[SimulatedEngine], RunRecord]:
     """``num_replicas`` simulated engines with the configured scheduler and KV allocator plugins, sized as the
     real engine would size its KV cache from ``config``; one record they all write to."""
-    from pagoda.registry.deprecation import adapt_renamed_methods
+    from pagoda.registry.adapt import adapt_component
 
     mc, cc = config.model, config.cache
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
@@ -246,9 +245,9 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
     prompts = PromptMaker(mc.vocab_size, seed)
     engines = []
     for _ in range(num_replicas):
-        kv = adapt_renamed_methods(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
-        scheduler = adapt_renamed_methods(scheduler_cls(config.scheduler, cc, kv), "pagoda_schedulers",
-                                          config.scheduler.policy)
+        kv = adapt_component(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
+        scheduler = adapt_component(scheduler_cls(config.scheduler, cc, kv), "pagoda_schedulers",
+                                    config.scheduler.policy)
         if cc.preemption_mode == "swap":
             kv.init_swap_pool(num_swap_blocks)
         limits = RequestLimits(mc.max_model_len, mc.vocab_size, num_blocks, kv.blocks_needed)
