@@ -95,8 +95,8 @@ class KVCacheManager(Protocol):
 
     Optional, for the prefix cache's offload tiers (``--kv-offload-*``): an allocator whose class also
     has the members of :class:`KVOffloadTiers` (as :class:`pagoda.kv.tiers.TieredPrefixCache` does) can
-    keep evicted prefix blocks in RAM and on disk; core asks the class (``pagoda.kv.tiers.has_offload_tiers``)
-    before using them, and refuses the flags for an allocator without them.
+    keep evicted prefix blocks in RAM and on disk; core asks the class (:func:`has_offload_tiers`) before
+    using them, and refuses the flags for an allocator without them.
     """
 
     num_blocks: int
@@ -181,7 +181,7 @@ class KVCacheManager(Protocol):
 class KVOffloadTiers(Protocol):
     """The optional offload-tier members of a KV allocator (``--kv-offload-*``, docs/kv_offload.md), as
     :class:`pagoda.kv.tiers.TieredPrefixCache` has them. Core uses them only on an allocator whose class
-    defines ``take_tier_moves`` (``pagoda.kv.tiers.has_offload_tiers``)."""
+    defines ``take_tier_moves`` (:func:`has_offload_tiers`)."""
 
     tiers: Optional["KVTierIndex"]  # the tiers' books; None while off
 
@@ -198,6 +198,12 @@ class KVOffloadTiers(Protocol):
         """The moves writing every prefix block held in RAM or in the pool to the disk tier, called when the
         engine shuts down so that the next engine on the directory finds them. Optional: no moves (the disk
         tier keeps what it already holds)."""
+
+
+def has_offload_tiers(kv_manager: Any) -> bool:
+    """Whether a KV allocator offers the optional :class:`KVOffloadTiers` members. Asked of its class (does it
+    define ``take_tier_moves``), so an allocator that lacks them is never touched outside its Protocol."""
+    return callable(getattr(type(kv_manager), "take_tier_moves", None))
 
 
 @runtime_checkable

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from pagoda.interfaces import has_offload_tiers
 from pagoda.registry.deprecation import adapt_renamed_methods
 from pagoda.step import KVTierMoves
 
@@ -35,13 +36,15 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[str], Any]]] = {
         "kv_cache_dtype": lambda name: None,  # the model's dtype
         "isa_paths": lambda name: _no_isa_paths,
     },
-    "pagoda_kv_allocators": {
-        "is_swapped": lambda name: _never_swapped,
-        "spill_to_disk": lambda name: _nothing_to_spill,
-    },
+    "pagoda_kv_allocators": {"is_swapped": lambda name: _never_swapped},
     "pagoda_samplers": {"samples_standard_distribution": lambda name: False},
     "pagoda_model_architectures": {"runs_first_layers_of_caches": lambda name: False},
 }
+
+
+# the optional members of the offload-tier group (pagoda.interfaces.KVOffloadTiers), which is optional as a
+# whole: only a KV allocator that has the group gets these defaults
+OPTIONAL_OFFLOAD_MEMBERS: dict[str, Callable[[str], Any]] = {"spill_to_disk": lambda name: _nothing_to_spill}
 
 
 def adapt_component(component: Any, hook_name: str, component_name: str) -> Any:
@@ -49,7 +52,10 @@ def adapt_component(component: Any, hook_name: str, component_name: str) -> Any:
     renamed methods bound under their new names and the defaults of the optional members it lacks.
     Returns ``component``."""
     adapt_renamed_methods(component, hook_name, component_name)
-    for member, default in OPTIONAL_MEMBERS.get(hook_name, {}).items():
+    optional = dict(OPTIONAL_MEMBERS.get(hook_name, {}))
+    if hook_name == "pagoda_kv_allocators" and has_offload_tiers(component):
+        optional.update(OPTIONAL_OFFLOAD_MEMBERS)
+    for member, default in optional.items():
         if not hasattr(component, member):
             setattr(component, member, default(component_name))
     return component
