@@ -154,6 +154,20 @@ def checked_model_dir(tmp_path_factory) -> str:
     return str(target)
 
 
+@pytest.fixture(scope="module")
+def tiny_checked_model_dir(tmp_path_factory) -> str:
+    """A 2-layer random Llama as real safetensors files, its config naming the proxied architecture: for the
+    commands' paths, where the model's size does not matter."""
+    from tiny_models import write_tiny_llama
+
+    target = tmp_path_factory.mktemp("tiny-checked-model")
+    write_tiny_llama(target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["CheckedLlamaForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
 def checked_plugin_manager(seen: set) -> PluginManager:
     pm = PluginManager().load()
     pm.register(ContractChecked(pm, seen), name="contract-checked")
@@ -260,29 +274,29 @@ def test_the_simulator_stays_inside_the_contracts(seen):
     assert summary["preemptions"] > 0 and summary["swapped_out_requests"] > 0 and record.prefix_hits > 0
 
 
-def test_the_real_replay_and_the_calibration_stay_inside_the_contracts(seen, checked_model_dir):
+def test_the_real_replay_and_the_calibration_stay_inside_the_contracts(seen, tiny_checked_model_dir):
     from pagoda.plugins.entrypoints.simulate.calibrate import time_block_moves
     from pagoda.plugins.entrypoints.simulate.real import replay_real
     from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 
-    llm = checked_llm(seen, checked_model_dir, kv_cache_memory_bytes=8 << 20, preemption_mode="swap",
+    llm = checked_llm(seen, tiny_checked_model_dir, kv_cache_memory_bytes=2 << 20, preemption_mode="swap",
                       swap_space=0.01)
     trace = [TraceRequest(0.0, output_len=8, prompt_len=40, prefix_group=0, prefix_len=32) for _ in range(3)]
     record, samples = replay_real(llm.engine, trace, PromptMaker(llm.engine.config.model.vocab_size))
     assert list(record.num_output) == [8, 8, 8] and samples and record.prefix_hits > 0
-    assert time_block_moves(llm.engine.runner)  # (blocks, seconds) of real swap copies
+    assert {n for n, _ in time_block_moves(llm.engine.runner)} == {1, 4, 16, 64}  # (blocks, seconds) of copies
 
 
 # ---- the benchmarks (pagoda bench) ---------------------------------------------------------------------
 
 
-def test_the_benchmarks_stay_inside_the_contracts(seen, checked_model_dir, capsys):
+def test_the_benchmarks_stay_inside_the_contracts(seen, tiny_checked_model_dir, capsys):
     from pagoda.plugins.entrypoints.bench.prefix import run_workload
     from pagoda.plugins.entrypoints.bench.profile import profile_decode
     from pagoda.plugins.entrypoints.bench.throughput import _print_header, kernel_isa_paths, run_pagoda
     from pagoda.plugins.entrypoints.bench.workloads import BenchRequest
 
-    llm = checked_llm(seen, checked_model_dir, kv_cache_memory_bytes=8 << 20)
+    llm = checked_llm(seen, tiny_checked_model_dir, kv_cache_memory_bytes=2 << 20)
     requests = [BenchRequest(list(range(100 + i, 140 + i)), 6) for i in range(4)]
     _print_header(llm)
     assert "attention: cpu" in capsys.readouterr().out  # the backend's own name
