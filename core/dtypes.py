@@ -3,12 +3,15 @@ the KV cache is stored."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from pagoda.errors import ConfigError
 from pagoda.host.cpu_isa import cpu_isa
+
+if TYPE_CHECKING:
+    from pagoda.interfaces import AttentionBackend
 
 _DTYPES = {
     "float32": torch.float32,
@@ -84,10 +87,10 @@ def resolve_dtype(dtype: str | torch.dtype, isa_cap: Optional[str] = None, fused
     return _DTYPES[dtype]
 
 
-def stored_kv_dtype(backend: Any, model_dtype: torch.dtype) -> torch.dtype:
+def stored_kv_dtype(backend: "AttentionBackend", model_dtype: torch.dtype) -> torch.dtype:
     """The dtype an attention backend's cache tensors hold: its ``kv_cache_dtype``, None meaning the model's.
 
-    The one place it is read: a backend written against the plugin API before ``kv_cache_dtype`` was
-    declared (``pagoda.interfaces.AttentionBackend``) may lack the attribute, which means the model's dtype.
+    ``kv_cache_dtype`` is an optional member of ``pagoda.interfaces.AttentionBackend``: a backend built by pagoda
+    (``pagoda.registry.adapt.adapt_component``) that lacks it has None, the model's dtype.
     """
-    return getattr(backend, "kv_cache_dtype", None) or model_dtype
+    return backend.kv_cache_dtype or model_dtype

@@ -1,5 +1,7 @@
 """Errors pagoda raises at its edges. Each message says what was wrong and how to fix it."""
 
+from typing import Optional
+
 
 class PagodaError(Exception):
     """Base class of pagoda's own errors."""
@@ -10,7 +12,12 @@ class ConfigError(PagodaError, ValueError):
 
 
 class InvalidRequestError(PagodaError, ValueError):
-    """A request's prompt or sampling parameters are not acceptable."""
+    """A request's prompt or sampling parameters are not acceptable. ``param`` names the request field at
+    fault (``"prompt"``, ``"max_tokens"``, ...) when there is one; the OpenAI server answers with it."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class BackendUnavailable(PagodaError, RuntimeError):

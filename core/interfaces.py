@@ -2,8 +2,14 @@
 
 These are :class:`typing.Protocol` classes, checked by shape, not by
 inheritance: a plugin needs no pagoda base class (though it may subclass a
-built-in, as ``contrib/pagoda-sjf`` does). Everything the engine calls on a
-component is listed here; anything else is the component's own business.
+built-in, as ``contrib/pagoda-sjf`` does). Everything the engine, the built-in
+commands and the conformance kit use of a component is listed here; anything
+else is the component's own business.
+
+A member marked *optional* may be left out: pagoda gives a component without
+it the default its docstring names when it builds the component
+(``pagoda.registry.adapt.adapt_component``), so every member listed here is
+read directly and a plugin written for an earlier plugin API keeps working.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ if TYPE_CHECKING:
 
     from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.execution.routing import ReplicaLoad, RoutingDecision, RoutingRequest
+    from pagoda.kv.offload import KVTierStore
+    from pagoda.kv.tiers import KVTierIndex
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sequence import Sequence, SequenceStatus
-    from pagoda.step import AttentionBatch, RunnerOutput, SchedulerOutput
+    from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
 
 
 @runtime_checkable
@@ -42,7 +50,8 @@ class CausalLM(Protocol):
     """
 
     # True if ``forward`` accepts fewer ``kv_caches`` than the model has layers and then runs only the
-    # first ``len(kv_caches)`` layers (the self-draft proposer runs the model's first layers that way)
+    # first ``len(kv_caches)`` layers (the self-draft proposer runs the model's first layers that way).
+    # Optional: False.
     runs_first_layers_of_caches: bool
 
     def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
@@ -85,10 +94,9 @@ class KVCacheManager(Protocol):
     decides (swap out, swap in, copy) are returned to the scheduler, which passes them to the runner.
 
     Optional, for the prefix cache's offload tiers (``--kv-offload-*``): an allocator whose class also
-    defines ``init_offload``, ``take_tier_moves``, ``drop_failed_loads`` and ``tiers`` (as
-    :class:`pagoda.kv.tiers.TieredPrefixCache` does) can keep evicted prefix blocks in RAM and on disk;
-    core asks the class (``pagoda.kv.tiers.has_offload_tiers``) before using them, and refuses the flags
-    for an allocator without them.
+    has the members of :class:`KVOffloadTiers` (as :class:`pagoda.kv.tiers.TieredPrefixCache` does) can
+    keep evicted prefix blocks in RAM and on disk; core asks the class (:func:`has_offload_tiers`) before
+    using them, and refuses the flags for an allocator without them.
     """
 
     num_blocks: int
@@ -166,6 +174,39 @@ class KVCacheManager(Protocol):
     def swap_in(self, request: "Sequence") -> list[tuple[int, int]]:
         """Bring a swapped sequence back; returns ``(swap slot, block)`` copies to make."""
 
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the sequence's blocks are in the swap pool now (``pagoda simulate`` counts the preemptions
+        that swapped). Optional: False for every sequence, as for an allocator that never swaps."""
+
+
+@runtime_checkable
+class KVOffloadTiers(Protocol):
+    """The optional offload-tier members of a KV allocator (``--kv-offload-*``, docs/kv_offload.md), as
+    :class:`pagoda.kv.tiers.TieredPrefixCache` has them. Core uses them only on an allocator whose class
+    defines ``take_tier_moves`` (:func:`has_offload_tiers`)."""
+
+    tiers: Optional["KVTierIndex"]  # the tiers' books; None while off
+
+    def init_offload(self, tiers: "KVTierIndex") -> None:
+        """Keep evicted prefix blocks in these tiers (the runner's tier store holds the matching memory)."""
+
+    def take_tier_moves(self) -> "KVTierMoves":
+        """Tier moves decided since the last call, for the scheduler to pass to the runner with the step."""
+
+    def drop_failed_loads(self, block_hashes: Iterable[int]) -> None:
+        """Forget tier blocks the runner found corrupt when loading them (it recomputed their tokens)."""
+
+    def spill_to_disk(self) -> "KVTierMoves":
+        """The moves writing every prefix block held in RAM or in the pool to the disk tier, called when the
+        engine shuts down so that the next engine on the directory finds them. Optional: no moves (the disk
+        tier keeps what it already holds)."""
+
+
+def has_offload_tiers(kv_manager: Any) -> bool:
+    """Whether a KV allocator offers the optional :class:`KVOffloadTiers` members. Asked of its class (does it
+    define ``take_tier_moves``), so an allocator that lacks them is never touched outside its Protocol."""
+    return callable(getattr(type(kv_manager), "take_tier_moves", None))
+
 
 @runtime_checkable
 class Scheduler(Protocol):
@@ -183,6 +224,9 @@ class Scheduler(Protocol):
     running: list["Sequence"]
     waiting: list["Sequence"]
     num_preemptions: int
+    # the KV allocator the scheduler was built with (its factory's ``kv_manager``); the conformance kit checks
+    # the scheduler's block tables against it
+    kv: KVCacheManager
 
     @property
     def num_waiting(self) -> int: ...
@@ -230,8 +274,14 @@ class AttentionBackend(Protocol):
     """``pagoda_attention_backends``: K/V layout, per-step metadata, the attention kernel."""
 
     # the dtype the cache tensors hold (None: the model's); the engine refuses one that differs from
-    # what ``kv_cache_dtype`` asked for
+    # what ``kv_cache_dtype`` asked for. Optional: None.
     kv_cache_dtype: Optional["torch.dtype"]
+    # the backend's name in messages. Optional: the name it was selected by (``attention_backend``).
+    name: str
+
+    def isa_paths(self) -> dict[str, str]:
+        """Which code path each of its CPU kernels takes here (``{"decode attention": "avx2"}``), as the
+        benchmarks report it. Optional: ``{}``."""
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's KV tensor; exactly one axis grows with ``num_blocks``."""
@@ -260,7 +310,7 @@ class Sampler(Protocol):
     # True if tokens follow exactly the distribution the sampling parameters describe (bias, bans,
     # penalties, temperature, top-k, top-p, min-p). Speculative decoding verifies drafts with pagoda's
     # rejection sampler, which reproduces that distribution, so the engine refuses speculation with a
-    # sampler that says False.
+    # sampler that says False. Optional: False.
     samples_standard_distribution: bool
 
     def __call__(self, logits: "torch.Tensor", requests: typing.Sequence["Sequence"]) -> "SamplerOutput":
@@ -291,9 +341,8 @@ class Executor(Protocol):
     result is rank 0's; a step's block moves happen on every rank before its execution.
     """
 
-    # rank 0's runner (the whole model without tensor parallelism), which the engine reads for the model,
-    # the backend, the KV block count and phase timings
-    runner: Any
+    # rank 0's runner (the whole model without tensor parallelism)
+    runner: "ModelRunnerView"
 
     def execute(self, sched: "SchedulerOutput") -> "RunnerOutput":
         """Run the step on every rank (``ModelRunner.execute``); rank 0's result."""
@@ -304,6 +353,27 @@ class Executor(Protocol):
 
     def shutdown(self) -> None:
         """Stop the other ranks; the executor runs nothing after it."""
+
+
+@runtime_checkable
+class ModelRunnerView(Protocol):
+    """What the engine and the built-in commands read off :attr:`Executor.runner`, rank 0's model runner
+    (:class:`pagoda.execution.model_runner.ModelRunner`, which a custom executor builds with
+    ``pagoda.execution.build.build_runner``)."""
+
+    model: CausalLM
+    backend: AttentionBackend
+    num_blocks: int  # KV blocks its cache tensors hold, which the KV allocator hands out
+    num_swap_blocks: int  # blocks of its CPU swap space (0: none)
+    # the offload tiers' tensors and files (``pagoda.kv.offload.KVTierStore``), None without ``--kv-offload-*``
+    kv_tiers: Optional["KVTierStore"]
+    timings: dict[str, float]  # seconds of each phase of the last step it ran (``--profile``)
+
+    def allocate_swap_space(self, num_swap_blocks: int) -> None:
+        """(Re)size the CPU swap space to ``num_swap_blocks`` blocks."""
+
+    def move_blocks(self, sched: "SchedulerOutput") -> list[int]:
+        """Perform the step's swaps, tier moves and copies on this rank (see :meth:`Executor.move_blocks`)."""
 
 
 @runtime_checkable

@@ -58,7 +58,8 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
         else:
-            raise InvalidRequestError(f"stop={self.stop!r} is invalid: must be a string or a list of strings")
+            raise InvalidRequestError(f"stop={self.stop!r} is invalid: must be a string or a list of strings",
+                                      param="stop")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.top_k is None or self.top_k == -1:
@@ -67,7 +68,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, expected: str) -> None:
-            raise InvalidRequestError(f"{name}={getattr(self, name)!r} is invalid: {expected}")
+            raise InvalidRequestError(f"{name}={getattr(self, name)!r} is invalid: {expected}", param=name)
 
         # types first, so the range checks below compare numbers (bool is an int in Python, but not here)
         for name in _REAL_FIELDS:

@@ -10,7 +10,9 @@ conditions (EOS, stop token ids, stop strings, ``max_tokens``,
 from __future__ import annotations
 
 import enum
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -110,8 +112,12 @@ class Sequence:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        """Deprecated in plugin API 1.3, removed in 1.5: call :meth:`append_output_tokens`, the one place a
+        sequence's tokens are appended (this calls it and drops the finished status it returns)."""
+        warnings.warn("Sequence.append_output_token is deprecated in pagoda plugin API 1.3 and removed in 1.5: call "
+                      "append_output_tokens([token_id], max_model_len), which also applies the stop conditions",
+                      DeprecationWarning, stacklevel=2)
+        self.append_output_tokens([token_id], sys.maxsize)
 
     # ---- stop conditions: decided here and nowhere else --------------------------
 
@@ -157,7 +163,7 @@ class Sequence:
         output_token_ids, all_token_ids = self.output_token_ids, self.all_token_ids
         status = None
         for token_id in token_ids:
-            output_token_ids.append(token_id)  # append_output_token, inlined: this runs for every token
+            output_token_ids.append(token_id)
             all_token_ids.append(token_id)
             status = self._stop_after(token_id, max_model_len)
             if detok is not None and status is None:

@@ -1,9 +1,11 @@
-"""Core touches a component only through its Protocol in pagoda.interfaces.
+"""Core and the built-in commands touch a component only through its Protocol in pagoda.interfaces.
 
 A plugin registers the built-in components again under other names, each wrapped in a proxy that
 refuses any attribute its Protocol does not list. The engine then runs real workloads (batching,
-chunked prefill, preemption, swap, prefix hits, aborts, speculation) with those names selected:
-anything core, the scheduler or the runner reaches outside a contract fails the test, naming it.
+chunked prefill, preemption, swap, prefix hits, aborts, speculation) with those names selected, and so
+do the simulator (``pagoda simulate``: simulated and real replays, calibration) and the benchmarks
+(``pagoda bench``): anything core, a built-in plugin or a command reaches outside a contract fails the
+test, naming it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ class Proxy:
         if "__call__" not in self._allowed:
             self._violations.add(f"{self._protocol.__name__} is called but __call__ is not in the Protocol")
         return self._target(*args, **kwargs)
+
+
+class ExecutorProxy(Proxy):
+    """An executor whose runner is proxied too: the engine and the commands read it as a ModelRunnerView."""
+
+    @property
+    def runner(self):
+        if "_runner" not in vars(self):
+            object.__setattr__(self, "_runner", Proxy(self._target.runner, interfaces.ModelRunnerView,
+                                                      self._violations))
+        return vars(self)["_runner"]
 
 
 class QuantProxy(Proxy):
@@ -110,6 +123,10 @@ class ContractChecked:
         return self._wrap("pagoda_samplers", "default", interfaces.Sampler)
 
     @hookimpl
+    def pagoda_executors(self):
+        return self._wrap("pagoda_executors", "uni", interfaces.Executor, ExecutorProxy)
+
+    @hookimpl
     def pagoda_proposers(self):
         return {**self._wrap("pagoda_proposers", "ngram", interfaces.Proposer),
                 **self._wrap("pagoda_proposers", "draft_model", interfaces.Proposer)}
@@ -137,14 +154,33 @@ def checked_model_dir(tmp_path_factory) -> str:
     return str(target)
 
 
-def checked_llm(seen: set, model: str, **kwargs) -> LLM:
+@pytest.fixture(scope="module")
+def tiny_checked_model_dir(tmp_path_factory) -> str:
+    """A 2-layer random Llama as real safetensors files, its config naming the proxied architecture: for the
+    commands' paths, where the model's size does not matter."""
+    from tiny_models import write_tiny_llama
+
+    target = tmp_path_factory.mktemp("tiny-checked-model")
+    write_tiny_llama(target)
+    config = json.loads((target / "config.json").read_text())
+    config["architectures"] = ["CheckedLlamaForCausalLM"]
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+def checked_plugin_manager(seen: set) -> PluginManager:
     pm = PluginManager().load()
     pm.register(ContractChecked(pm, seen), name="contract-checked")
+    return pm
+
+
+def checked_llm(seen: set, model: str, **kwargs) -> LLM:
     options = dict(model=model, dtype="float32", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
                    cpu_threads=1, kv_allocator="checked-paged", scheduling_policy="checked-fcfs",
-                   attention_backend="checked-cpu", sampler="checked-default", load_format="checked-safetensors")
+                   attention_backend="checked-cpu", sampler="checked-default", load_format="checked-safetensors",
+                   distributed_executor_backend="checked-uni")
     options.update(kwargs)
-    return LLM(plugin_manager=pm, **options)
+    return LLM(plugin_manager=checked_plugin_manager(seen), **options)
 
 
 PROMPTS = ["The capital of France is", "import numpy as np\n\ndef softmax(x):",
@@ -210,3 +246,63 @@ def test_a_quantized_model_stays_inside_the_contracts(seen, checked_model_dir):
     llm = checked_llm(seen, checked_model_dir, quantization="checked-fp8")
     outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert all(o.finished for o in outputs)
+
+
+# ---- the simulator (pagoda simulate) ----------------------------------------------------------------
+
+
+def test_the_simulator_stays_inside_the_contracts(seen):
+    from pagoda import EngineArgs
+    from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+    from pagoda.plugins.entrypoints.simulate.report import summarize_run
+    from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace
+    from pagoda.plugins.entrypoints.simulate.trace import TraceRequest
+
+    config = EngineArgs.build(kv_allocator="checked-paged", scheduling_policy="checked-priority",
+                              num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.05,
+                              max_model_len=512).create_engine_config()
+    cost = CostModel({"step": 0.01, "decode_step": 0.005, "prefill_tokens": 0.001, "decode_seqs": 0.002,
+                      "decode_context": 0.0, "prefill_attention": 0.0})
+    # a small pool preempts and swaps; shared prefixes hit the cache; the last prompt cannot fit the context
+    trace = [TraceRequest(0.01 * i, output_len=60, prompt_len=60, priority=i % 2, prefix_group=i % 3,
+                          prefix_len=32) for i in range(16)]
+    trace.append(TraceRequest(0.2, output_len=4, prompt_len=600))
+    engines, record = build_engines(config, checked_plugin_manager(seen), cost, trace, num_replicas=2)
+    run_trace(trace, engines, least_loaded)
+    summary = summarize_run(record, float("inf"), "checked-priority")
+    assert summary["completed"] == 16 and "maximum context length is 512" in record.errors[16]
+    assert summary["preemptions"] > 0 and summary["swapped_out_requests"] > 0 and record.prefix_hits > 0
+
+
+def test_the_real_replay_and_the_calibration_stay_inside_the_contracts(seen, tiny_checked_model_dir):
+    from pagoda.plugins.entrypoints.simulate.calibrate import time_block_moves
+    from pagoda.plugins.entrypoints.simulate.real import replay_real
+    from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
+
+    llm = checked_llm(seen, tiny_checked_model_dir, kv_cache_memory_bytes=2 << 20, preemption_mode="swap",
+                      swap_space=0.01)
+    trace = [TraceRequest(0.0, output_len=8, prompt_len=40, prefix_group=0, prefix_len=32) for _ in range(3)]
+    record, samples = replay_real(llm.engine, trace, PromptMaker(llm.engine.config.model.vocab_size))
+    assert list(record.num_output) == [8, 8, 8] and samples and record.prefix_hits > 0
+    assert {n for n, _ in time_block_moves(llm.engine.runner)} == {1, 4, 16, 64}  # (blocks, seconds) of copies
+
+
+# ---- the benchmarks (pagoda bench) ---------------------------------------------------------------------
+
+
+def test_the_benchmarks_stay_inside_the_contracts(seen, tiny_checked_model_dir, capsys):
+    from pagoda.plugins.entrypoints.bench.prefix import run_workload
+    from pagoda.plugins.entrypoints.bench.profile import profile_decode
+    from pagoda.plugins.entrypoints.bench.throughput import _print_header, kernel_isa_paths, run_pagoda
+    from pagoda.plugins.entrypoints.bench.workloads import BenchRequest
+
+    llm = checked_llm(seen, tiny_checked_model_dir, kv_cache_memory_bytes=2 << 20)
+    requests = [BenchRequest(list(range(100 + i, 140 + i)), 6) for i in range(4)]
+    _print_header(llm)
+    assert "attention: cpu" in capsys.readouterr().out  # the backend's own name
+    assert kernel_isa_paths(llm)["decode attention"]
+    result, peak = run_pagoda(llm, requests)
+    assert result.output_tokens == 24 and peak["blocks"] > 0
+    assert profile_decode(llm, requests, num_steps=2)
+    run = run_workload(llm, requests, "contracts")
+    assert run.queries > 0

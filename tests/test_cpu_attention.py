@@ -75,7 +75,7 @@ def _avx2_kernels():
     from isa_builds import build_at
     from pagoda.plugins.attention import cpu_backend
 
-    return build_at("avx2", "pagoda_cpu_attention", cpu_backend._SOURCE)
+    return build_at("avx2", "pagoda_cpu_attention", cpu_backend._SOURCE, cpu_backend._header_flags())
 
 
 # odd sizes for the AVX2 path: head_dim 8 * odd, blocks of 8, groups of 1 to 7, contexts off the tile of 8

@@ -100,7 +100,7 @@ def _avx2_kernel():
     from isa_builds import build_at
     from pagoda.plugins.attention import cpu_backend
 
-    return build_at("avx2", "pagoda_cpu_prefill", cpu_backend._PREFILL_SOURCE)
+    return build_at("avx2", "pagoda_cpu_prefill", cpu_backend._PREFILL_SOURCE, cpu_backend._header_flags())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

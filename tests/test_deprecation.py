@@ -22,8 +22,8 @@ from packaging.version import Version
 import scheduling_sim
 from pagoda import hookspecs
 from pagoda.registry import deprecation
-from pagoda.registry.deprecation import (ATTRIBUTE, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE, REMOVED_OVERRIDES,
-                                Deprecation, renamed_method)
+from pagoda.registry.deprecation import (ATTRIBUTE, CALLED, DEPRECATIONS, HOOK, METHOD, MODULE, OVERRIDE,
+                                         REMOVED_OVERRIDES, Deprecation, renamed_method)
 from pagoda.plugins.schedulers.base import FCFSScheduler, TokenBudgetScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.registry.plugin_manager import COMPONENT_HOOKS
@@ -35,6 +35,7 @@ from pagoda.version import PLUGIN_API_VERSION
 
 CHANGELOG = Path(__file__).resolve().parents[1] / "docs" / "plugin-api-changelog.md"
 BASE_CLASSES = {"TokenBudgetScheduler": TokenBudgetScheduler, "Sampler": Sampler}
+CALLED_CLASSES = {"Sequence": Sequence}  # contract classes plugins call but do not subclass
 # the modules removed in 1.2, and where their names live now
 REMOVED_MODULES = {"pagoda.request": "pagoda.sequence", "pagoda.kv_cache": "pagoda.kv.blocks",
                    "pagoda.attention_batch": "pagoda.step",
@@ -74,6 +75,9 @@ def test_every_deprecated_name_points_at_a_name_that_exists(entry):
         assert entry.refused or callable(getattr(base, entry.old))
     elif entry.kind == MODULE:
         importlib.import_module(entry.new)
+    elif entry.kind == CALLED:
+        owner = CALLED_CLASSES[entry.owner]
+        assert callable(getattr(owner, entry.new)) and callable(getattr(owner, entry.old))
     else:
         assert entry.kind == ATTRIBUTE
         module, _, name = entry.new.rpartition(".")
@@ -310,3 +314,12 @@ def test_a_module_moved_in_1_3_imports_under_its_old_name_as_the_new_module_with
 def test_a_name_that_never_existed_is_still_a_module_not_found_error():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("pagoda.kv_blocks_and_more")
+
+
+def test_sequence_append_output_token_warns_and_appends_through_append_output_tokens():
+    from pagoda.sampling_params import SamplingParams
+
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=4))
+    with pytest.warns(DeprecationWarning, match=r"append_output_token is deprecated .* 1\.3 and removed in 1\.5"):
+        seq.append_output_token(7)
+    assert seq.output_token_ids == [7] and seq.all_token_ids == [1, 2, 7]

@@ -326,7 +326,7 @@ def test_min_tokens_above_max_tokens_is_rejected():
 def test_bad_requests_are_rejected_and_the_engine_keeps_working(llm, one_at_a_time):
     tok = llm.get_tokenizer()
     too_long = {"prompt_token_ids": [tok.encode("word")[0]] * 1024}
-    with pytest.raises(InvalidRequestError, match="max_model_len is 1024"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 1024 tokens, but the prompt has 1024"):
         llm.generate(too_long, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 2, 10 ** 6]}, GREEDY, use_tqdm=False)

@@ -153,7 +153,7 @@ def test_writing_into_a_block_only_one_request_holds_copies_nothing():
     kv = PagedKVCacheManager(8, BS)
     req = make_request("a", range(6))
     admit(kv, req)
-    req.append_output_token(7)
+    req.append_output_tokens([7], 1 << 20)
     assert kv.allocate_slots(req, 1)
     assert kv.take_block_copies() == []
 
@@ -239,7 +239,7 @@ def test_allocation_takes_exactly_the_blocks_predicted_and_block_tables_follow_e
                 running.append(req)
         elif op == "grow":
             req = rng.choice(running)
-            req.append_output_token(rng.randrange(50))
+            req.append_output_tokens([rng.randrange(50)], 1 << 20)
             num_new = req.num_tokens - req.num_computed_tokens + rng.choice([0, 0, 3])
             predicted, free_before = kv.num_blocks_to_take(req, num_new), kv.num_free_blocks
             assert kv.allocate_slots(req, num_new) == (predicted <= free_before)

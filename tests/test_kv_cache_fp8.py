@@ -69,10 +69,14 @@ def test_cuda_backend_refuses_an_fp8_cache_naming_a_backend_that_reads_it(tmp_pa
 
 def test_a_backend_that_ignores_fp8_is_refused_instead_of_storing_model_dtype_kv(tmp_path):
     from pagoda.execution.build import check_kv_cache_dtype
+    from pagoda.registry.adapt import adapt_component
 
     config = EngineArgs.build(model=str(write_tiny_checkpoint(tmp_path / "tiny")), dtype="bfloat16",
                               kv_cache_dtype="fp8").create_engine_config()
-    unaware = SimpleNamespace(name="third-party")  # declares no kv_cache_dtype: stores the model dtype
+    # declares neither kv_cache_dtype (optional: it stores the model dtype) nor name, and is built as pagoda builds
+    # every backend
+    unaware = adapt_component(SimpleNamespace(), "pagoda_attention_backends", "third-party")
+    assert unaware.kv_cache_dtype is None and unaware.name == "third-party" and unaware.isa_paths() == {}
     with pytest.raises(ConfigError, match="'third-party' attention backend stores K/V as bfloat16.*'cpu'"):
         check_kv_cache_dtype(config, unaware)
 

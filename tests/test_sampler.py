@@ -37,7 +37,7 @@ def model_config(vocab_size: int = VOCAB, seed: int = 0) -> ModelConfig:
 def make_request(params: SamplingParams, prompt=(1, 2, 3), output=(), seed=None, rid="r") -> Sequence:
     req = Sequence(rid, list(prompt), params, eos_token_id=EOS, seed=seed)
     for t in output:
-        req.append_output_token(t)
+        req.append_output_tokens([t], 1 << 20)
     return req
 
 
@@ -138,7 +138,7 @@ def _steps(sampler: Sampler, batch_at_step, steps: int = 12) -> list[int]:
         logits = torch.randn(len(requests), 50, generator=gen)
         logits[row] = torch.linspace(0, 3, 50)  # the tracked request sees the same logits every run
         tokens = sampler(logits, requests).token_ids
-        requests[row].append_output_token(tokens[row])
+        requests[row].append_output_tokens([tokens[row]], 1 << 20)
         out.append(tokens[row])
     return out
 

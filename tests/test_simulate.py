@@ -81,7 +81,7 @@ def test_the_request_log_records_finished_requests_and_converts_to_a_trace(tmp_p
         seq = Sequence(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=3), arrival_time=arrival, priority=i,
                        parent_id=f"r{i}")
         for _ in range(num_out):
-            seq.append_output_token(11)
+            seq.append_output_tokens([11], 1 << 20)
         seq.first_token_time = arrival + 0.2 if num_out else None
         seq.status = SequenceStatus.FINISHED_LENGTH if num_out else SequenceStatus.FINISHED_ABORTED
         writer.pagoda_request_finished(seq)

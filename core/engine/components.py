@@ -17,7 +17,7 @@ from pagoda.execution.collectives import all_reduce_candidates
 from pagoda.execution.executor import select_executor
 from pagoda.execution.model_runner import ModelRunner
 from pagoda.kv.tiers import KVTierIndex, has_offload_tiers
-from pagoda.registry.deprecation import adapt_renamed_methods
+from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
 
 
@@ -60,15 +60,15 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     runner = executor.runner
     # every component is built through adapt_renamed_methods: one that has a renamed method only under its
     # deprecated name is called through that name, with a warning
-    kv_manager = adapt_renamed_methods(allocator(cc, runner.num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
-    scheduler = adapt_renamed_methods(scheduler_cls(config.scheduler, cc, kv_manager), "pagoda_schedulers",
-                                      config.scheduler.policy)
+    kv_manager = adapt_component(allocator(cc, runner.num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
+    scheduler = adapt_component(scheduler_cls(config.scheduler, cc, kv_manager), "pagoda_schedulers",
+                                config.scheduler.policy)
     if cc.preemption_mode == "swap":
         kv_manager.init_swap_pool(runner.num_swap_blocks)
     if runner.kv_tiers is not None:
         if not has_offload_tiers(kv_manager):
-            raise ConfigError(f"the {cc.kv_allocator!r} KV allocator has no offload tiers (its class has no take_tier_moves); "
-                              "drop the --kv-offload-* flags or use kv_allocator='paged'")
+            raise ConfigError(f"the {cc.kv_allocator!r} KV allocator has no offload tiers (its class has no "
+                              "take_tier_moves); drop the --kv-offload-* flags or use kv_allocator='paged'")
         store = runner.kv_tiers
         kv_manager.init_offload(KVTierIndex(store.num_ram_slots, store.num_disk_blocks, store.payload_bytes,
                                             store.found))

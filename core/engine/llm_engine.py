@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional, Union
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.metrics import EngineStats, SpecDecodeStats
+from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import InvalidRequestError, StepFailedError
 from pagoda.host.settings import HostTuning, apply_host_settings
 from pagoda.kv.tiers import has_offload_tiers
@@ -49,6 +50,9 @@ class LLMEngine:
         # the engine's side of the requests (their sequences, each step's new tokens) and the output side
         # that step() turns those into RequestOutputs with (an async engine keeps its own output side)
         self.requests = RequestTracker(self.tokenizer)
+        # what add_request checks every request against
+        self.request_limits = RequestLimits(config.model.max_model_len, config.model.vocab_size, self.num_blocks,
+                                            self.kv_manager.blocks_needed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         # speculative decoding's acceptance counters, None when off
@@ -109,7 +113,7 @@ class LLMEngine:
         if self.requests.has(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        self._validate(token_ids, params)
+        self.request_limits.check(token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         prio = params.priority if priority is None else priority
         children = []
@@ -125,30 +129,6 @@ class LLMEngine:
             self.scheduler.add_request(child)
         self.stats.on_arrival(len(token_ids))
         return request_id
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.model.max_model_len
-        vocab = self.config.model.vocab_size
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token")
-        if len(token_ids) >= max_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {max_len}, which must leave room "
-                f"for at least one generated token; shorten the prompt to at most {max_len - 1} tokens"
-            )
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ()))):
-            out_of_vocab = [t for t in ids if t >= vocab]
-            if out_of_vocab:
-                raise InvalidRequestError(f"{name} has token ids {out_of_vocab[:5]} outside the vocabulary [0, {vocab})")
-        need = self.kv_manager.blocks_needed(len(token_ids) + 1)
-        if need > self.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt needs {need} KV blocks but the cache holds {self.num_blocks}; raise "
-                "--kv-cache-memory-bytes or shorten the prompt"
-            )
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Cancel requests (by the id given to add_request) in any state; their blocks are freed at once."""

@@ -159,7 +159,7 @@ class PrometheusExporter:
     @classmethod
     def for_engine(cls, engine: Any) -> "PrometheusExporter":
         return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name,
-                   getattr(engine, "spec_stats", None))
+                   engine.spec_stats)
 
     def render(self) -> bytes:
         """The text exposition format, as served at ``/metrics``."""
@@ -194,12 +194,11 @@ class PrometheusExporter:
         yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", kv.usage)
-        prefix = getattr(kv, "stats", None)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      getattr(prefix, "queries", 0))
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", getattr(prefix, "hits", 0))
+        prefix = kv.stats
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
         yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
-        yield counter("num_preemptions", "Preemptions of running requests.", getattr(sched, "num_preemptions", 0))
+        yield counter("num_preemptions", "Preemptions of running requests.", sched.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
         yield counter("engine_steps", "Engine steps that ran the model.", s.num_steps)

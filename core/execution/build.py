@@ -15,7 +15,8 @@ from pagoda.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dty
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
 from pagoda.execution.model_runner import ModelRunner
-from pagoda.registry.deprecation import adapt_renamed_methods
+from pagoda.interfaces import AttentionBackend
+from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
 
 logger = logging.getLogger("pagoda")
@@ -30,14 +31,13 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     quant = None
     if mc.quantization:
         quant_factory = pm.get("pagoda_quant_methods", mc.quantization, "quantization").factory
-        quant = adapt_renamed_methods(quant_factory(mc, mc.quant_config or {}), "pagoda_quant_methods",
-                                      mc.quantization)
+        quant = adapt_component(quant_factory(mc, mc.quant_config or {}), "pagoda_quant_methods", mc.quantization)
     proposer = None
     if config.speculative is not None:
         proposer = pm.get("pagoda_proposers", config.speculative.method, "speculative_config method").factory
-    sampler = adapt_renamed_methods(sampler_cls(mc), "pagoda_samplers", config.sampler)
+    sampler = adapt_component(sampler_cls(mc), "pagoda_samplers", config.sampler)
     if config.speculative is not None:
-        if not getattr(sampler, "samples_standard_distribution", False):
+        if not sampler.samples_standard_distribution:
             raise ConfigError(
                 f"sampler {config.sampler!r} does not sample the standard distribution of the sampling "
                 "parameters (samples_standard_distribution is not True), and speculative decoding would verify "
@@ -49,13 +49,12 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     # the backend sees this rank's heads
     rank_config = config if tp.size == 1 else dataclasses.replace(
         config, model=dataclasses.replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads))
-    backend = adapt_renamed_methods(select_attention_backend(rank_config, pm), "pagoda_attention_backends",
-                                    config.attention_backend)
+    backend = select_attention_backend(rank_config, pm)
     check_kv_cache_dtype(config, backend)
 
     with torch.device(config.device):
-        model = adapt_renamed_methods(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
-    loader = adapt_renamed_methods(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
+        model = adapt_component(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
+    loader = adapt_component(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
     loader.load_weights(model)
     model.eval()
 
@@ -73,8 +72,7 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     runner = ModelRunner(rank_config, model, backend, sampler, num_blocks)
     if proposer is not None:
         spec = config.speculative
-        runner.set_proposer(adapt_renamed_methods(proposer(spec, config, runner, pm), "pagoda_proposers",
-                                                  spec.method))
+        runner.set_proposer(adapt_component(proposer(spec, config, runner, pm), "pagoda_proposers", spec.method))
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
     if cc.preemption_mode == "swap":
@@ -106,19 +104,22 @@ def init_offload_tiers(runner: ModelRunner, cc: Any, bytes_per_block: int, num_r
                 f" ({len(runner.kv_tiers.found)} found there)" if num_disk else "")
 
 
-def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Any:
+def select_attention_backend(config: EngineConfig, pm: PluginManager) -> AttentionBackend:
+    """The configured attention backend (``auto``: the highest-ranked that can run here), built and adapted
+    (:func:`pagoda.registry.adapt.adapt_component`)."""
     name = config.attention_backend
     if name != "auto":
         factory = pm.get("pagoda_attention_backends", name, "attention_backend").factory
         try:
-            return factory(config.model, config.cache)
+            return adapt_component(factory(config.model, config.cache), "pagoda_attention_backends", name)
         except BackendUnavailable as exc:
             raise ConfigError(f"attention backend {name!r} cannot run here: {exc}") from None
     device = "cuda" if config.device.startswith("cuda") else "cpu"
     reasons = []
     for candidate in auto_backend_order(pm, device):
         try:
-            return candidate.factory(config.model, config.cache)
+            return adapt_component(candidate.factory(config.model, config.cache), "pagoda_attention_backends",
+                                   candidate.name)
         except BackendUnavailable as exc:
             reasons.append(f"{candidate.name}: {exc}")
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
@@ -133,7 +134,7 @@ def auto_backend_order(pm: PluginManager, device: str) -> list:
     return sorted(ranked, key=lambda c: (-c.factory.auto_priority[device], c.name))
 
 
-def check_kv_cache_dtype(config: EngineConfig, backend: Any) -> None:
+def check_kv_cache_dtype(config: EngineConfig, backend: AttentionBackend) -> None:
     """Refuse a backend that would store K/V in another dtype than kv_cache_dtype asks for.
 
     A backend declares its storage in ``kv_cache_dtype`` (the model dtype when it has none); one
@@ -142,11 +143,10 @@ def check_kv_cache_dtype(config: EngineConfig, backend: Any) -> None:
     wanted = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.model.dtype)
     stored = stored_kv_dtype(backend, config.model.dtype)
     if stored != wanted:
-        name = getattr(backend, "name", type(backend).__name__)
         hint = ("use attention_backend='cpu' or 'torch' on a CPU, 'triton' on a GPU"
                 if is_fp8_kv_cache(config.cache.kv_cache_dtype) else "use kv_cache_dtype='auto'")
         raise ConfigError(
-            f"the {name!r} attention backend stores K/V as {str(stored).removeprefix('torch.')}, not "
+            f"the {backend.name!r} attention backend stores K/V as {str(stored).removeprefix('torch.')}, not "
             f"kv_cache_dtype={config.cache.kv_cache_dtype!r} ({str(wanted).removeprefix('torch.')}); {hint}"
         )
 

@@ -188,13 +188,10 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         num_computed = request.num_computed_tokens
         if table is None or num_computed == 0 or computed_blocks:
             return self._allocate_first(request, num_new_tokens, computed_blocks)
-        # a request that holds blocks grows (a decode, its next prefill chunk): no prefix lookup, no stats.
-        # num_blocks_to_take and _needs_copy inlined: this runs for every token of every request
-        bs = self.block_size
+        # a request that holds blocks grows (a decode, its next prefill chunk): no prefix lookup, no stats
         total = num_computed + num_new_tokens
-        num_fresh = -(-total // bs) - len(table)
-        i = num_computed // bs
-        needs_copy = num_computed % bs != 0 and i < len(table) and table[i].ref_cnt > 1
+        num_fresh = self.blocks_needed(total) - len(table)
+        needs_copy = self._needs_copy(table, num_computed)
         if num_fresh > 0 or needs_copy:
             if max(num_fresh, 0) + needs_copy > len(self._free):
                 return False
@@ -209,6 +206,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             self._num_slots[rid] = total
         if self.enable_prefix_caching:
             # (min(total, num_tokens) // bs: the full blocks whose tokens are known)
+            bs = self.block_size
             hashes = self._hashes.get(rid)
             if hashes is None or (len(hashes) < total // bs and len(hashes) < len(request.all_token_ids) // bs):
                 self._cache_full_blocks(request, table, total)

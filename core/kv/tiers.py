@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
+from pagoda.interfaces import has_offload_tiers  # noqa: F401  (where core has always asked it)
 from pagoda.step import BlockKey, KVTierMoves
 
 
@@ -215,13 +216,6 @@ class KVTierIndex:
     def _update_gauges(self) -> None:
         self.stats.num_ram_blocks = len(self._ram)
         self.stats.num_disk_blocks = len(self._disk)
-
-
-def has_offload_tiers(kv_manager: Any) -> bool:
-    """Whether a KV allocator's class offers the optional offload methods (``init_offload``,
-    ``take_tier_moves``, ``drop_failed_loads``, ``tiers``; see :class:`TieredPrefixCache`). Asked of the
-    class, so an allocator that lacks them is never touched outside its Protocol."""
-    return callable(getattr(type(kv_manager), "take_tier_moves", None))
 
 
 class TieredPrefixCache:

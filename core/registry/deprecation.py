@@ -21,6 +21,8 @@ Kinds, and where each is honoured:
   the base would no longer call is refused (:data:`REMOVED_OVERRIDES`).
 - ``MODULE`` and ``ATTRIBUTE``: a module that moved, and a name that moved or was renamed with it
   (:func:`deprecated_module`, called by the stub module left under the old name).
+- ``CALLED``: a method of a contract class that plugins call but do not subclass (``owner``, e.g.
+  ``Sequence``): the class keeps the old name as a method that warns and calls what replaces it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ METHOD = "method"
 OVERRIDE = "override"
 MODULE = "module"
 ATTRIBUTE = "attribute"
+CALLED = "called"
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Deprecation:
     new: str
     since: str
     removed_in: str
-    # METHOD: the hook whose factories build the component; OVERRIDE: the base class's name
+    # METHOD: the hook whose factories build the component; OVERRIDE: the base class's name; CALLED: the class's
     owner: str = ""
     # OVERRIDE: why an override under the old name cannot stand in for the new method (it is then refused
     # when the subclass is created, rather than silently ignored)
@@ -62,7 +65,7 @@ class Deprecation:
     @property
     def old_name(self) -> str:
         """The old name as a user wrote it (``Sampler._apply_penalties``)."""
-        return f"{self.owner}.{self.old}" if self.kind == OVERRIDE else self.old
+        return f"{self.owner}.{self.old}" if self.kind in (OVERRIDE, CALLED) else self.old
 
     def describe(self) -> str:
         return f"deprecated in pagoda plugin API {self.since} and removed in {self.removed_in}"
@@ -92,6 +95,8 @@ MOVED_IN_1_3 = {
 # deprecated now.
 DEPRECATIONS: tuple[Deprecation, ...] = (
     *(Deprecation(MODULE, f"pagoda.{old}", f"pagoda.{new}", "1.3", "1.5") for old, new in MOVED_IN_1_3.items()),
+    # appending one token without its stop conditions: append_output_tokens is the one place tokens are appended
+    Deprecation(CALLED, "append_output_token", "append_output_tokens", "1.3", "1.5", "Sequence"),
 )
 
 # Base-class methods removed from the API whose overrides the base no longer calls under any name: a

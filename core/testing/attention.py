@@ -12,6 +12,7 @@ from pagoda.config import CacheConfig, ModelConfig
 from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import BackendUnavailable
 from pagoda.interfaces import AttentionBackendFactory
+from pagoda.registry.adapt import adapt_component
 from pagoda.step import AttentionBatch
 from pagoda.testing.contract import ContractError
 
@@ -63,7 +64,7 @@ def check_attention_backend(factory: AttentionBackendFactory, dtypes: tuple = (t
         for dtype in dtypes:
             mc, cc = component_configs(case, dtype)
             try:
-                backend = factory(mc, cc)
+                backend = adapt_component(factory(mc, cc), "pagoda_attention_backends", name)
             except BackendUnavailable as exc:
                 unavailable = exc
                 continue

@@ -10,12 +10,15 @@ fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
 the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
 Steps with many decodes on the generic loops (no AVX2) use the torch backend's
 batched path, which wins there. ``isa_paths()`` names the path each kernel
-takes. The kernels are compiled on first use (about a minute) and cached by
-torch's extension loader.
+takes. Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update
+and the 8-lane pieces of their AVX2 paths. The kernels are compiled on first use
+(about a minute) and cached by torch's extension loader, keyed on their source,
+the header and the flags.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -43,19 +46,28 @@ MAX_KERNEL_DECODES = 16
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.cpp")
+# the header both sources include (``#include "csrc/cpu_softmax.h"``, found next to them)
+_SHARED_HEADER = Path(__file__).with_name("csrc") / "cpu_softmax.h"
+
+
+def _header_flags() -> list[str]:
+    """The shared header's digest as a build flag: the extension loader keys its cache on a kernel's source and
+    flags, so an edited header builds both kernels anew instead of importing a build of the old one."""
+    digest = hashlib.sha256(_SHARED_HEADER.read_bytes()).hexdigest()[:12]
+    return [f"-DPAGODA_CPU_SOFTMAX_H={digest}"]
 
 
 @lru_cache(maxsize=1)
 def load_kernels() -> Any:
     """Compile (once per machine) and import the C++ kernels."""
-    return load_cpu_extension("pagoda_cpu_attention", _SOURCE)
+    return load_cpu_extension("pagoda_cpu_attention", _SOURCE, _header_flags())
 
 
 @lru_cache(maxsize=1)
 def load_prefill_kernel() -> Any:
     """The fresh-prompt kernel (``cpu_prefill.cpp``), or None where it cannot be built."""
     try:
-        return load_cpu_extension("pagoda_cpu_prefill", _PREFILL_SOURCE)
+        return load_cpu_extension("pagoda_cpu_prefill", _PREFILL_SOURCE, _header_flags())
     except Exception:  # no compiler: SDPA serves fresh prompts
         return None
 

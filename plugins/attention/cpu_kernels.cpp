@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "csrc/cpu_softmax.h"
+
 namespace {
 
 inline void load_row(const float* src, float* dst, int n) {
@@ -350,32 +352,18 @@ constexpr bool kHasAvx2Kernel = true;
 // with the 16-bit and fp8 values widened in registers (bf16: zero-extend and shift left 16; fp16 and
 // fp8 through vcvtph2ps).
 
-inline __m256 load_x8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_x8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load_x8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 load_x8(const c10::Float8_e4m3fn* p) {
+using pagoda_attention::exp2_8;
+using pagoda_attention::load8;
+using pagoda_attention::max8;
+using pagoda_attention::store8;
+using pagoda_attention::sum8;
+
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
   // the e4m3 magnitude shifted into an fp16 is the value times 2^-8 (see fp8x16_to_float)
   const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
                                     _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
   return _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
-}
-
-inline void store_x8(__m256 v, float* p) { _mm256_storeu_ps(p, v); }
-inline void store_x8(__m256 v, at::Half* p) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void store_x8(__m256 v, at::BFloat16* p) {
-  // fp32 -> bf16, round to nearest even (the values are finite)
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  // 32-bit lanes holding 16-bit values: pack per 128-bit half, then gather the two halves' low quads
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
 // lane r = the sum of the 8 lanes of a[r]
@@ -386,34 +374,6 @@ inline __m256 sum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// exp(x) for x <= 0, 8 lanes: exp_approx's arithmetic, 2^n built in the exponent bits
-inline __m256 exp8_ps(__m256 x) {
-  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.540353e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // softmax_rows 8 scores at a time, the tail of each row scalar
 inline void softmax_rows_x8(float* scores, int64_t rows, int64_t len, float out_scale) {
   const int64_t len8 = len / 8 * 8;
@@ -421,16 +381,18 @@ inline void softmax_rows_x8(float* scores, int64_t rows, int64_t len, float out_
     float* sg = scores + g * len;
     __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t i = 0; i < len8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + i));
-    float m = hmax8(mv);
+    float m = max8(mv);
     for (int64_t i = len8; i < len; ++i) m = std::max(m, sg[i]);
     const __m256 mx = _mm256_set1_ps(m);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
     __m256 sv = _mm256_setzero_ps();
     for (int64_t i = 0; i < len8; i += 8) {
-      const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mx));
+      // exp(x) = 2^(x log2 e); exp_approx's arithmetic (below -87, about 2^-126)
+      const __m256 e = exp2_8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mx), log2e));
       _mm256_storeu_ps(sg + i, e);
       sv = _mm256_add_ps(sv, e);
     }
-    float sum = hsum8(sv);
+    float sum = sum8(sv);
     for (int64_t i = len8; i < len; ++i) {
       sg[i] = exp_approx(sg[i] - m);
       sum += sg[i];
@@ -455,7 +417,7 @@ void weighted_values_x8(const cache_t* v_head, const int32_t* table, int64_t len
     const float* p_row = probs + g0 * len + start;
     for (int64_t j = 0; j < n; ++j) {
       __m256 v[NS];
-      for (int s = 0; s < NS; ++s) v[s] = load_x8(v_block + j * head_dim + 8 * s);
+      for (int s = 0; s < NS; ++s) v[s] = load8(v_block + j * head_dim + 8 * s);
       for (int g = 0; g < GH; ++g) {
         const __m256 p = _mm256_broadcast_ss(p_row + g * len + j);
         for (int s = 0; s < NS; ++s) acc[g][s] = _mm256_fmadd_ps(p, v[s], acc[g][s]);
@@ -463,7 +425,7 @@ void weighted_values_x8(const cache_t* v_head, const int32_t* table, int64_t len
     }
   }
   for (int g = 0; g < GH; ++g)
-    for (int s = 0; s < NS; ++s) store_x8(acc[g][s], out + (g0 + g) * head_dim + d0 + 8 * s);
+    for (int s = 0; s < NS; ++s) store8(out + (g0 + g) * head_dim + d0 + 8 * s, acc[g][s]);
 }
 
 // every head of the group over one slice of head_dim, two heads at a time (8 sums + 4 values in registers)
@@ -484,7 +446,7 @@ void decode_item_avx2(const scalar_t* q, int64_t q_stride_h, int64_t group, cons
   const __m256 scale = _mm256_set1_ps(qk_scale);
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; d += 8)
-      _mm256_storeu_ps(qf + g * head_dim + d, _mm256_mul_ps(load_x8(q + g * q_stride_h + d), scale));
+      _mm256_storeu_ps(qf + g * head_dim + d, _mm256_mul_ps(load8(q + g * q_stride_h + d), scale));
   // pass 1: scores [group, len], 8 key rows at a time (a tile of 8 never crosses a block)
   alignas(32) float tile_scores[8];
   for (int64_t start = 0; start < len; start += 8) {
@@ -506,7 +468,7 @@ void decode_item_avx2(const scalar_t* q, int64_t q_stride_h, int64_t group, cons
       const float* qg = qf + g * head_dim;
       for (int64_t d = 0; d < head_dim; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(load_x8(rows + r * head_dim + d), qv, acc[r]);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(load8(rows + r * head_dim + d), qv, acc[r]);
       }
       _mm256_store_ps(tile_scores, sum8x8(acc));
       std::memcpy(scores + g * len + start, tile_scores, sizeof(float) * n);

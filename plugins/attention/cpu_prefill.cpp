@@ -33,7 +33,11 @@
 #include <string>
 #include <vector>
 
+#include "csrc/cpu_softmax.h"
+
 namespace {
+
+using pagoda_attention::online_softmax_advance;
 
 constexpr int64_t kBlock = 16;  // keys per block, and query tokens per work item
 
@@ -141,14 +145,12 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
     alignas(64) uint32_t probs[R][kBlock / 2];
     __m512 x[R];
     __mmask16 valid[R];
-    alignas(64) float shift[16] = {};  // m_old - m_new per row: the rescale of what was summed so far
+    alignas(64) float shift[16] = {};  // log2 of each row's alpha, the rescale of what was summed so far
     for (int r = 0; r < R; ++r) {
       // keys after the row's own token (diagonal block only) do not exist for it
       valid[r] = b < diag ? __mmask16(0xFFFF) : __mmask16((2u << (token[r] % kBlock)) - 1u);
       x[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[r], _mm512_mul_ps(s[r], scale));
-      const float m_new = std::max(m[r], _mm512_reduce_max_ps(x[r]));
-      shift[r] = m[r] - m_new;  // -inf on the first block: nothing summed yet
-      m[r] = m_new;
+      shift[r] = online_softmax_advance(m[r], _mm512_reduce_max_ps(x[r]));  // -inf on the first block
     }
     alignas(64) float alpha[16];
     _mm512_store_ps(alpha, exp2_ps(_mm512_load_ps(shift)));  // all rows at once
@@ -241,53 +243,11 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 
 #ifdef PAGODA_AVX2_PREFILL
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::Half* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void store8(at::BFloat16* p, __m256 v) {
-  // round to nearest even (finite values), 32-bit lanes packed to 16 bits
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
-// 2^x for x <= 0: 2^round(x) in the exponent bits times a degree-6 polynomial of the rest
-inline __m256 exp2_8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.540353e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float max8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using pagoda_attention::exp2_8;
+using pagoda_attention::load8;
+using pagoda_attention::max8;
+using pagoda_attention::store8;
+using pagoda_attention::sum8;
 
 // One 16-key block of one kv head in fp32: kt [D][16 keys], vt [16 keys][D]; keys past `n` are zero.
 template <int D, typename T>
@@ -349,10 +309,8 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
       const __m256 valid1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f)), _mm256_set1_ps(last), _CMP_LE_OQ);
       const __m256 ninf = _mm256_set1_ps(-INFINITY);
       const __m256 x0 = _mm256_blendv_ps(ninf, s[r][0], valid0), x1 = _mm256_blendv_ps(ninf, s[r][1], valid1);
-      const float m_new = std::max(m[r], max8(_mm256_max_ps(x0, x1)));
-      alpha[r] = m[r] == -INFINITY ? 0.f : std::exp2(m[r] - m_new);
-      m[r] = m_new;
-      const __m256 mv = _mm256_set1_ps(m_new);
+      alpha[r] = std::exp2(online_softmax_advance(m[r], max8(_mm256_max_ps(x0, x1))));  // 0 on the first block
+      const __m256 mv = _mm256_set1_ps(m[r]);
       const __m256 p0 = _mm256_and_ps(valid0, exp2_8(_mm256_sub_ps(x0, mv)));
       const __m256 p1 = _mm256_and_ps(valid1, exp2_8(_mm256_sub_ps(x1, mv)));
       l[r] = l[r] * alpha[r] + sum8(_mm256_add_ps(p0, p1));

@@ -37,6 +37,22 @@ def reduce_sum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _add)
 
 
+@triton.jit
+def online_softmax_update(s, m, l):
+    """One key tile of the online softmax, in base 2 (``exp2``), for each row of scores.
+
+    ``s`` [rows, keys]: the tile's scores, -inf where a key is masked; ``m``, ``l`` [rows]: the running max
+    and the running sum of ``exp2(score - m)`` over the keys before this tile (-inf and 0 before the first).
+    Returns the tile's probabilities ``p = exp2(s - m_new)``, ``alpha = exp2(m - m_new)`` (what the output
+    accumulated so far is rescaled by: ``acc * alpha[:, None] + p @ v``), and the new running max and sum.
+    A row whose keys so far are all masked would give NaN: both kernels give every row a key in its first tile.
+    """
+    m_new = tl.maximum(m, reduce_max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    return p, alpha, m_new, l * alpha + reduce_sum(p, 1)
+
+
 # fp8 e4m3fn K/V in bit arithmetic over uint8, not Triton's fp8 types: those need sm_89+ on NVIDIA
 # GPUs, so this way the same kernels read and write an fp8 cache on A100s and in the interpreter.
 @triton.jit

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import (Tiles, dot_dtype, dot_precision, fp8e4m3_to_float, reduce_max,
-                                                    reduce_sum)
+from pagoda.plugins.attention.triton_common import (Tiles, dot_dtype, dot_precision, fp8e4m3_to_float,
+                                                    online_softmax_update, reduce_max, reduce_sum)
 
 
 @triton.jit
@@ -70,16 +70,12 @@ def _decode_kernel(
         k = k.to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G_PAD, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, reduce_max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + reduce_sum(p, 1)
+        p, alpha, m, l = online_softmax_update(s, m, l)
         v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0)
         if KV_FP8:
             v = fp8e4m3_to_float(v)  # stored codes; v_scale multiplies the output
         p = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the model dtype, as on the GPU
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m = m_new
 
     out_mask = row_mask[:, None] & d_mask[None, :]
     if IS_SPLIT:

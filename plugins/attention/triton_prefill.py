@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.plugins.attention.triton_common import (Tiles, dot_dtype, dot_precision, fp8e4m3_to_float, reduce_max,
-                                                    reduce_sum)
+from pagoda.plugins.attention.triton_common import (Tiles, dot_dtype, dot_precision, fp8e4m3_to_float,
+                                                    online_softmax_update)
 
 
 @triton.jit
@@ -76,16 +76,12 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [rows, TILE_N]
         # key 0 is visible to every row, so no row's running max stays -inf after the first tile
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, reduce_max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + reduce_sum(p, 1)
+        p, alpha, m, l = online_softmax_update(s, m, l)
         v = tl.load(head_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             v = fp8e4m3_to_float(v)  # stored codes; v_scale multiplies the output
         p = p.to(q_ptr.dtype.element_ty).to(DOT_DTYPE)  # rounded to the model dtype, as on the GPU
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m = m_new
 
     if KV_FP8:
         out = acc * (v_scale / l)[:, None]

@@ -38,6 +38,7 @@ from pagoda.execution.build import select_attention_backend
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.execution.model_runner import FlatBatch
+from pagoda.registry.adapt import adapt_component
 from pagoda.sampling.rejection_sampler import target_probs, with_bias
 from pagoda.sampling.sampler import _generator_for
 from pagoda.sequence import Sequence
@@ -76,7 +77,7 @@ class DraftModelProposer:
                 f'speculative_config model {name!r} is not understood; use "self:layers=N" with '
                 f"1 <= N < {total} (the target's layer count), e.g. \"self:layers={max(1, total // 4)}\""
             )
-        if not getattr(runner.model, "runs_first_layers_of_caches", False):
+        if not runner.model.runs_first_layers_of_caches:
             raise ConfigError(f"self-speculation needs a target that can run its first N layers alone "
                               f"({type(runner.model).__name__} cannot); pass a draft checkpoint directory instead")
         num_layers = int(match.group(1))
@@ -98,7 +99,7 @@ class DraftModelProposer:
         # the draft gets a backend of the kind the target got, built for the draft's own shapes
         backend = select_attention_backend(dataclasses.replace(engine_config, model=mc), pm)
         with torch.device(engine_config.device):
-            model = arch.factory(mc, backend, None)
+            model = adapt_component(arch.factory(mc, backend, None), "pagoda_model_architectures", arch.name)
         loader(mc).load_weights(model)
         model.eval()
         kv_dtype = stored_kv_dtype(backend, mc.dtype)

@@ -22,6 +22,7 @@ from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
 from pagoda.dtypes import resolve_dtype
 from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
+from pagoda.registry.adapt import adapt_component
 from pagoda.step import AttentionBatch
 
 # GB/s of devices whose properties do not report their memory clock; matched by name substring
@@ -198,15 +199,16 @@ def run(ns: argparse.Namespace) -> int:
             print(f"{name:<10} not installed (installed: {', '.join(sorted(available))})")
             continue
         try:
-            backend = available[name].factory(mc, cc)
+            backend = adapt_component(available[name].factory(mc, cc), "pagoda_attention_backends", name)
         except BackendUnavailable as exc:
             print(f"{name:<10} skipped: {exc}")
             continue
         if device.type == "cpu" and isinstance(backend, TritonAttentionBackend):
             print(f"{name:<10} skipped: runs in the Triton interpreter here, which says nothing about speed")
             continue
-        if hasattr(backend, "isa_paths"):
-            print(f"{name:<10} ISA paths: " + "; ".join(f"{k} {v}" for k, v in backend.isa_paths().items()))
+        paths = backend.isa_paths()
+        if paths:
+            print(f"{name:<10} ISA paths: " + "; ".join(f"{k} {v}" for k, v in paths.items()))
         for batch_size in ns.batch_sizes:
             for seq_len in ns.seq_lens:
                 w = Workload(batch_size, seq_len, min(ns.query_len, seq_len))

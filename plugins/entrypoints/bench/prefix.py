@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.kv.tiers import has_offload_tiers
 from pagoda.plugins.entrypoints.bench.workloads import BenchRequest, shared_prefix
 
 
@@ -132,7 +133,8 @@ def run_prefix(ns: argparse.Namespace) -> int:
         print(f"{label}: mean TTFT {run.mean_ttft:8.3f} s  total {run.total:8.2f} s   "
               f"(CPU seconds: mean TTFT {run.mean_ttft_cpu:8.3f}  total {run.total_cpu:8.2f})")
     print(f"prefix cache hit rate: {cached.hit_rate:.1%} ({cached.hits} of {cached.queries} prompt tokens)")
-    tiers = getattr(engines[True].engine.kv_manager, "tiers", None)
+    kv = engines[True].engine.kv_manager
+    tiers = kv.tiers if has_offload_tiers(kv) else None
     if tiers is not None:
         for tier in ("ram", "disk"):
             counts = getattr(tiers.stats, tier)

@@ -142,7 +142,7 @@ def _print_header(llm) -> None:
 
     cfg = llm.engine.config
     print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
-          f"threads: {llm.engine.num_threads}  attention: {type(llm.engine.backend).__name__}  "
+          f"threads: {llm.engine.num_threads}  attention: {llm.engine.backend.name}  "
           f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size} "
           f"({str(stored_kv_dtype(llm.engine.backend, cfg.model.dtype)).replace('torch.', '')})")
     from pagoda.plugins.quant.memory import weight_memory
@@ -163,10 +163,7 @@ def kernel_isa_paths(llm) -> dict[str, str]:
         return {}
     from pagoda.modeling.layers.fused_ops import isa_paths
 
-    paths = {}
-    backend_paths = getattr(llm.engine.backend, "isa_paths", None)
-    if backend_paths is not None:
-        paths.update(backend_paths())
+    paths = dict(llm.engine.backend.isa_paths())
     paths.update(isa_paths(cfg.model.dtype))
     if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
         from pagoda.plugins.quant.base import kernel_for_device

@@ -43,7 +43,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, EngineDeadError):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from fastapi import Request
 
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.request_limits import RequestLimits
 from pagoda.outputs import RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
@@ -36,8 +37,7 @@ class ServingContext:
     engine: AsyncLLMEngine
     served_model_name: str
     max_model_len: int
-    num_blocks: int
-    block_size: int
+    limits: RequestLimits  # the engine's: the rules of request lengths, written once
     tokenizer: Any  # used on the tokenizer thread only
     max_chars_per_token: int
     tokenizer_thread: ThreadPoolExecutor
@@ -46,8 +46,8 @@ class ServingContext:
     def for_engine(cls, engine: AsyncLLMEngine) -> "ServingContext":
         core = engine.engine
         tokenizer = copy.deepcopy(core.tokenizer)
-        return cls(engine, core.config.model.served_model_name, core.config.model.max_model_len, core.num_blocks,
-                   core.config.cache.block_size, tokenizer, longest_token_chars(tokenizer),
+        return cls(engine, core.config.model.served_model_name, core.config.model.max_model_len, core.request_limits,
+                   tokenizer, longest_token_chars(tokenizer),
                    ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"))
 
     async def run_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
@@ -69,23 +69,9 @@ class ServingContext:
                                 "(see GET /v1/models)", param="model", code="model_not_found")
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> int:
-        """The output budget: the request's, or what the context leaves; 400 when it cannot fit."""
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                f"prompt has {num_prompt_tokens} tokens; shorten the prompt", param="prompt")
-        if max_tokens is None:
-            max_tokens = room
-        if max_tokens > room:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
-                                f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
-                                f"{max_tokens} for the completion); lower max_tokens to at most {room}",
-                           param="max_tokens")
-        need = -(-(num_prompt_tokens + max_tokens) // self.block_size)
-        if need > self.num_blocks:
-            raise APIError(400, f"the prompt plus max_tokens needs {need} KV cache blocks but the server has "
-                                f"{self.num_blocks}; lower max_tokens or shorten the prompt", param="max_tokens")
-        return max_tokens
+        """The output budget: the request's, or what the context leaves; 400 when it cannot fit (the engine's
+        :meth:`~pagoda.engine.request_limits.RequestLimits.fit_max_tokens`)."""
+        return self.limits.fit_max_tokens(num_prompt_tokens, max_tokens)
 
 
 def longest_token_chars(tokenizer) -> int:
@@ -96,7 +82,8 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-    """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field."""
+    """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field
+    (``SamplingParams`` checks every range, ``min_tokens <= max_tokens`` too)."""
     logit_bias = None
     if body.logit_bias:
         try:
@@ -104,9 +91,6 @@ def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Option
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids written as strings, e.g. {\"50256\": -100}",
                            param="logit_bias") from None
-    if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens={body.min_tokens} is larger than max_tokens={max_tokens}",
-                       param="min_tokens")
     return SamplingParams(
         n=body.n,
         temperature=1.0 if body.temperature is None else body.temperature,

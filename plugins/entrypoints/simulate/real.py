@@ -64,8 +64,8 @@ def replay_real(engine, trace: Seq[TraceRequest], prompts: PromptMaker
     """Run ``trace`` (sorted by arrival) through ``engine`` (an idle LLMEngine) on the wall clock; returns what
     it measured and the (cost-model features, seconds) of each step."""
     record = RunRecord(trace)
-    stats = getattr(engine.kv_manager, "stats", None)
-    queries0, hits0 = (stats.queries, stats.hits) if stats is not None else (0, 0)
+    stats = engine.kv_manager.stats
+    queries0, hits0 = stats.queries, stats.hits
     start = time.perf_counter()
     mono_start = time.monotonic()
     observer = _StepObserver(record, start)
@@ -110,6 +110,5 @@ def replay_real(engine, trace: Seq[TraceRequest], prompts: PromptMaker
                         record.errors[k] = out.error
     finally:
         engine.observers.remove(observer)
-    if stats is not None:
-        record.prefix_queries, record.prefix_hits = stats.queries - queries0, stats.hits - hits0
+    record.prefix_queries, record.prefix_hits = stats.queries - queries0, stats.hits - hits0
     return record, observer.samples

@@ -15,7 +15,8 @@ from array import array
 from typing import Callable, Optional, Sequence as Seq
 
 from pagoda.config import EngineConfig
-from pagoda.errors import ConfigError
+from pagoda.engine.request_limits import RequestLimits
+from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
@@ -57,12 +58,12 @@ class RunRecord:
 class SimulatedEngine:
     """One simulated replica: a scheduler plugin over a KV allocator plugin, timed by a cost model."""
 
-    def __init__(self, scheduler, kv_manager, cost_model: CostModel, max_model_len: int, record: RunRecord,
+    def __init__(self, scheduler, kv_manager, cost_model: CostModel, limits: RequestLimits, record: RunRecord,
                  prompts: PromptMaker) -> None:
         self.scheduler = scheduler
         self.kv = kv_manager
         self.cost_model = cost_model
-        self.max_model_len = max_model_len
+        self.limits = limits  # what the real engine checks each request against
         self.record = record
         self.prompts = prompts
         self.clock = 0.0
@@ -78,20 +79,18 @@ class SimulatedEngine:
         return bool(self._index)
 
     def add_request(self, index: int, req: TraceRequest) -> None:
-        """Queue trace request ``index``; one the engine would refuse is recorded as failed."""
-        if req.prompt_len >= self.max_model_len:
-            self.record.errors[index] = (f"the prompt has {req.prompt_len} tokens but max_model_len is "
-                                         f"{self.max_model_len}")
-            return
-        if self.kv.blocks_needed(req.prompt_len + 1) > self.kv.num_blocks:
-            self.record.errors[index] = f"the prompt needs more KV blocks than the cache's {self.kv.num_blocks}"
-            return
+        """Queue trace request ``index``; one the engine would refuse is recorded as failed, with its message."""
         params = self._params.get(req.output_len)
         if params is None:
             params = self._params[req.output_len] = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
+        token_ids = self.prompts.tokens(index, req)
+        try:
+            self.limits.check(token_ids, params)
+        except InvalidRequestError as exc:
+            self.record.errors[index] = str(exc)
+            return
         rid = str(index)
-        seq = Sequence(rid, self.prompts.tokens(index, req), params, None, req.arrival, None, req.priority,
-                       parent_id=rid)
+        seq = Sequence(rid, token_ids, params, None, req.arrival, None, req.priority, parent_id=rid)
         self._index[rid] = index
         self.scheduler.add_request(seq)
 
@@ -156,10 +155,9 @@ class SimulatedEngine:
                 rec.errors[i] = req.error
 
     def collect_prefix_stats(self) -> None:
-        stats = getattr(self.kv, "stats", None)  # the paged allocator's counters; other allocators may lack them
-        if stats is not None:
-            self.record.prefix_queries += stats.queries
-            self.record.prefix_hits += stats.hits
+        stats = self.kv.stats
+        self.record.prefix_queries += stats.queries
+        self.record.prefix_hits += stats.hits
 
 
 # (trace index, request, replicas) -> the index of the replica that gets it
@@ -237,7 +235,7 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
                   num_replicas: int = 1, seed: int = 0) -> tuple[list[SimulatedEngine], RunRecord]:
     """``num_replicas`` simulated engines with the configured scheduler and KV allocator plugins, sized as the
     real engine would size its KV cache from ``config``; one record they all write to."""
-    from pagoda.registry.deprecation import adapt_renamed_methods
+    from pagoda.registry.adapt import adapt_component
 
     mc, cc = config.model, config.cache
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
@@ -249,12 +247,13 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
     prompts = PromptMaker(mc.vocab_size, seed)
     engines = []
     for _ in range(num_replicas):
-        kv = adapt_renamed_methods(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
-        scheduler = adapt_renamed_methods(scheduler_cls(config.scheduler, cc, kv), "pagoda_schedulers",
-                                          config.scheduler.policy)
+        kv = adapt_component(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
+        scheduler = adapt_component(scheduler_cls(config.scheduler, cc, kv), "pagoda_schedulers",
+                                    config.scheduler.policy)
         if cc.preemption_mode == "swap":
             kv.init_swap_pool(num_swap_blocks)
-        engines.append(SimulatedEngine(scheduler, kv, cost_model, mc.max_model_len, record, prompts))
+        limits = RequestLimits(mc.max_model_len, mc.vocab_size, num_blocks, kv.blocks_needed)
+        engines.append(SimulatedEngine(scheduler, kv, cost_model, limits, record, prompts))
     return engines, record
 
 

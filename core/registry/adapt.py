@@ -1,0 +1,61 @@
+"""What pagoda does to every component it builds from a plugin's factory, so that core and the built-in plugins
+reach it through its Protocol alone, reading each declared member directly.
+
+- A method renamed in the plugin API that the component has under its old name only is bound under the new
+  one too (:func:`pagoda.registry.deprecation.adapt_renamed_methods`).
+- An *optional* member of its Protocol (``pagoda.interfaces`` says which, and their defaults) that the
+  component lacks is set on it to the default: a plugin written for an earlier plugin API, or one that
+  leaves out what it has no use for, works as it did.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pagoda.interfaces import has_offload_tiers
+from pagoda.registry.deprecation import adapt_renamed_methods
+from pagoda.step import KVTierMoves
+
+
+def _no_isa_paths() -> dict[str, str]:
+    return {}
+
+
+def _never_swapped(request_id: str) -> bool:
+    return False
+
+
+def _nothing_to_spill() -> KVTierMoves:
+    return KVTierMoves()
+
+
+# hook -> optional member -> its default, given the name the component was selected by
+OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[str], Any]]] = {
+    "pagoda_attention_backends": {
+        "name": lambda name: name,
+        "kv_cache_dtype": lambda name: None,  # the model's dtype
+        "isa_paths": lambda name: _no_isa_paths,
+    },
+    "pagoda_kv_allocators": {"is_swapped": lambda name: _never_swapped},
+    "pagoda_samplers": {"samples_standard_distribution": lambda name: False},
+    "pagoda_model_architectures": {"runs_first_layers_of_caches": lambda name: False},
+}
+
+
+# the optional members of the offload-tier group (pagoda.interfaces.KVOffloadTiers), which is optional as a
+# whole: only a KV allocator that has the group gets these defaults
+OPTIONAL_OFFLOAD_MEMBERS: dict[str, Callable[[str], Any]] = {"spill_to_disk": lambda name: _nothing_to_spill}
+
+
+def adapt_component(component: Any, hook_name: str, component_name: str) -> Any:
+    """``component``, built by the factory registered as ``component_name`` under ``hook_name``, with its
+    renamed methods bound under their new names and the defaults of the optional members it lacks.
+    Returns ``component``."""
+    adapt_renamed_methods(component, hook_name, component_name)
+    optional = dict(OPTIONAL_MEMBERS.get(hook_name, {}))
+    if hook_name == "pagoda_kv_allocators" and has_offload_tiers(component):
+        optional.update(OPTIONAL_OFFLOAD_MEMBERS)
+    for member, default in optional.items():
+        if not hasattr(component, member):
+            setattr(component, member, default(component_name))
+    return component
