@@ -157,24 +157,30 @@ def test_an_installed_distribution_adds_its_components_with_its_name_and_version
     assert component.factory.__name__ == "AcmeScheduler"
 
 
-def test_duplicate_component_names_are_an_error_naming_both_distributions(site):
+def test_a_name_two_plugins_provide_is_unselectable_with_a_one_line_reason_naming_both(site):
     install_fake_dist(site, "acme-sched", "1.2.0", {"acme": "acme_sched"},
-                      {"acme_sched": scheduler_module("AcmeScheduler", "lottery")})
+                      {"acme_sched": scheduler_module("AcmeScheduler", "lottery", "acme-only")})
     install_fake_dist(site, "rival-sched", "0.3.0", {"rival": "rival_sched"},
                       {"rival_sched": scheduler_module("RivalScheduler", "lottery")})
+    pm = PluginManager().load()  # loading does not fail: only selecting the name does
+    assert pm.get("pagoda_schedulers", "acme-only", "scheduling_policy").dist == "acme-sched 1.2.0"
+    assert "lottery" not in pm.names("pagoda_schedulers")
     with pytest.raises(ConfigError) as info:
-        PluginManager().load()
+        pm.get("pagoda_schedulers", "lottery", "scheduling_policy")
     msg = str(info.value)
-    assert "'lottery'" in msg and "scheduler" in msg
+    assert "\n" not in msg and "cannot select 'lottery' for scheduling_policy: two plugins provide the scheduler" in msg
     assert "acme-sched 1.2.0" in msg and "rival-sched 0.3.0" in msg
-    assert "PAGODA_DISABLE_PLUGINS" in msg  # and says how to get out of it
+    assert "PAGODA_DISABLE_PLUGINS=rival" in msg  # and says how to get out of it
+    [conflict] = pm.conflict_list()
+    assert [c.plugin for c in conflict.providers] == ["acme", "rival"]
 
 
-def test_a_plugin_shadowing_a_builtin_name_is_reported_against_pagoda(site):
+def test_a_plugin_shadowing_a_builtin_name_is_reported_against_pagoda_and_blocking_it_is_suggested(site):
     install_fake_dist(site, "shadow", "1.0", {"shadow": "shadow_sched"},
                       {"shadow_sched": scheduler_module("ShadowScheduler", "fcfs")})
-    with pytest.raises(ConfigError, match=r"'fcfs'.*pagoda \(built-in\).*shadow 1\.0"):
-        PluginManager().load()
+    pm = PluginManager().load()
+    with pytest.raises(ConfigError, match=r"'fcfs'.*pagoda \(built-in\).*shadow 1\.0.*PAGODA_DISABLE_PLUGINS=shadow$"):
+        pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
 
 
 def test_unknown_name_lists_every_available_one_with_its_distribution(acme):
@@ -204,8 +210,35 @@ def test_disable_plugins_env_blocks_third_party_and_builtin_plugins(acme, monkey
     assert pm.names("pagoda_schedulers") == []
     assert "default" in pm.names("pagoda_samplers")  # other plugins are untouched
     assert pm.blocked == {"acme": "acme-sched 1.2.0", "schedulers": BUILTIN_DIST}  # pagoda plugins lists them
-    with pytest.raises(ConfigError, match="available: none"):
+    with pytest.raises(ConfigError, match="available: none; PAGODA_DISABLE_PLUGINS blocks the plugins acme "
+                                          r"\(acme-sched 1.2.0\), schedulers \(pagoda \(built-in\)\)"):
         pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
+
+
+@pytest.fixture
+def collide(site):
+    """A third-party plugin whose entry point has the name of a built-in plugin (``schedulers``)."""
+    install_fake_dist(site, "pagoda-collide", "1.0", {"schedulers": "collide_sched"},
+                      {"collide_sched": scheduler_module("EarliestDeadline", "edf")})
+    return site
+
+
+def test_an_entry_point_named_like_a_builtin_is_blocked_by_its_distribution_qualified_name(collide, monkeypatch):
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers")  # the built-in only
+    pm = PluginManager().load()
+    assert pm.blocked == {"schedulers": BUILTIN_DIST}
+    assert pm.names("pagoda_schedulers") == ["edf"]
+    with pytest.raises(ConfigError, match=r"unknown scheduler 'fcfs'.*blocks the plugins schedulers \(pagoda "
+                                          r"\(built-in\)\).*if 'fcfs' is one of them, unblock its plugin"):
+        pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "pagoda-collide:schedulers")  # the third-party one only
+    pm = PluginManager().load()
+    assert pm.blocked == {"pagoda-collide:schedulers": "pagoda-collide 1.0"}
+    assert pm.names("pagoda_schedulers") == ["fcfs", "priority"]
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers,pagoda-collide:schedulers,fcfs")
+    pm = PluginManager().load()
+    assert pm.blocked == {"schedulers": BUILTIN_DIST, "pagoda-collide:schedulers": "pagoda-collide 1.0"}
+    assert pm.unmatched_blocks == ["fcfs"]  # a component name, not a plugin name
 
 
 def test_disabling_one_of_two_duplicates_resolves_the_clash(site, monkeypatch):
