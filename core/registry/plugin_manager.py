@@ -333,6 +333,9 @@ def _entry_points() -> tuple[list, list]:
             continue
         seen.add(key)
         (own if dist_name == PAGODA_DIST else others).append(ep)
+    # a fixed order, whatever order the file system lists the distributions in: which of two clashing
+    # entry-point names becomes <distribution>:<name>, and the order in which messages name plugins
+    others.sort(key=lambda ep: (ep.dist.name if ep.dist else "", ep.name))
     return own, others
 
 
