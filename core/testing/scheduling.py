@@ -3,11 +3,15 @@
 Each check drives randomised request streams (shared prefixes, ``n > 1``,
 aborts, a pool small enough to preempt, recompute and swap) through the
 component and :class:`SimRunner`, a model-free runner that keeps the token id
-written into every KV slot. It raises :class:`ContractError` saying what broke
-and at which step: a step over its token budget or ``max_num_seqs``, progress
-moved outside ``update``, a sequence attending to K/V that is not its own, a
-block handed out twice, blocks not given back, a sequence that never ends or
-ends with the wrong tokens.
+written into every KV slot. Requests carry priorities (small ranks and
+deadline-like values), so a policy ordering by them is exercised. It raises
+:class:`ContractError` naming the seed, the step, the operation, the rule
+broken and the method most likely at fault: a step over its token budget or
+``max_num_seqs``, progress moved outside ``update``, a victim that is not one
+of ``choose_victim``'s candidates, a running request leaving the queue without
+``preempt()``, a waiting key that changes while its request waits, a sequence
+attending to K/V that is not its own, a double free, a block handed out twice,
+blocks not given back, a sequence that never ends or ends with the wrong tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
-from pagoda.testing.contract import ContractError
+from pagoda.testing.contract import ContractError, Where
 
 AllocatorFactory = KVAllocatorFactory
 
@@ -163,12 +167,14 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
     kv.init_swap_pool(swap_blocks)
     scheduler = factory(sched_cfg, cache_cfg, kv)
     runner = SimRunner(num_blocks, block_size, swap_blocks)
-    where = f"{getattr(factory, '__name__', factory)} ({settings}, seed {seed})"
+    where = Where(str(getattr(factory, "__name__", factory)), seed, ", ".join(f"{k}={v}" for k, v in settings.items()))
+    watch = _PolicyWatch(scheduler, kv, num_blocks, where)
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
     added: list[Sequence] = []
     aborted: set[str] = set()
     longest = sched_cfg.max_model_len if settings["chunked"] else budget
     for step in range(5000):
+        watch.where = where.at(step)
         if len({r.parent_id for r in added}) < num_requests and rng.random() < 0.5:
             added += _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
         if added and rng.random() < 0.03:
@@ -176,25 +182,175 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             if not victim.is_finished:
                 scheduler.abort_requests([victim.request_id])
                 aborted.add(victim.request_id)
+        done = [r for r in added if r.is_finished] if rng.random() < 0.2 else []
+        if done:
+            kv.free(rng.choice(done).request_id)  # freeing a finished sequence again (an abort racing its finish)
+        watch.check_waiting_keys(set())
         if not scheduler.has_unfinished_requests():
             if len({r.parent_id for r in added}) >= num_requests:
                 break
             continue
+        watch.before_schedule()
         sched = scheduler.schedule()
-        _check_schedule(sched, scheduler, sched_cfg, f"{where}, step {step}")
-        scheduler.update(sched, runner.execute(sched))
+        watch.after_schedule(sched)
+        _check_schedule(sched, scheduler, sched_cfg, watch.where)
+        try:
+            result = runner.execute(sched)
+        except ContractError as exc:
+            raise watch.where.fail(
+                "the model runner's execute() of the step", str(exc),
+                "a sequence attends only to K/V its own tokens wrote, in the blocks of its block table",
+                "the KV allocator (a block given to two sequences, or given back while held: free(), "
+                "allocate_slots()) or the scheduler's block moves (swap, copy-on-write)") from None
+        unfinished = [r for r in added if not r.is_finished]
+        scheduler.update(sched, result)
+        watch.check_books(added, "update()")
+        watch.check_finished_hold_nothing([r for r in unfinished if r.is_finished])
     else:
-        raise ContractError(f"{where}: requests still unfinished after 5000 steps")
+        raise where.fail("the whole stream", "requests still unfinished after 5000 steps",
+                         "every request finishes", "the scheduler's schedule() (a request never scheduled)")
+    end = where.at("end", "at the")
     for req in added:
         if req.request_id in aborted or req.status == SequenceStatus.FINISHED_ERROR:
             continue
         want = expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
         if req.status != SequenceStatus.FINISHED_LENGTH or req.output_token_ids != want:
-            raise ContractError(f"{where}: {req.request_id} ended {req.status.value} with {len(req.output_token_ids)} "
-                                f"tokens {req.output_token_ids[:6]}..., not the {len(want)} tokens {want[:6]}...")
+            raise end.fail("the finished requests",
+                           f"{req.request_id} ended {req.status.value} with {len(req.output_token_ids)} tokens "
+                           f"{req.output_token_ids[:6]}..., not the {len(want)} tokens {want[:6]}...",
+                           "a sequence ends with exactly the tokens of its prompt's continuation, however it was "
+                           "preempted, swapped or chunked", "the scheduler's update() (committing a step's tokens)")
     if kv.num_free_blocks != num_blocks:
-        raise ContractError(f"{where}: every sequence ended but {num_blocks - kv.num_free_blocks} of {num_blocks} "
-                            "KV blocks were not given back")
+        raise end.fail("the KV allocator's books",
+                       f"every sequence ended but {num_blocks - kv.num_free_blocks} of {num_blocks} KV blocks were "
+                       "not given back", "a finished, aborted or preempted sequence gives back all its blocks",
+                       "the scheduler's finish()/preempt() (a free() not called) or the KV allocator's free()")
+
+
+# ---- the policy watch: choose_victim, preempt and waiting_key, checked as the scheduler uses them ----------
+
+
+class _PolicyWatch:
+    """Wraps the scheduler's ``choose_victim`` and ``preempt`` and the allocator's ``free`` (instance
+    attributes over the methods, where the component allows it) to check each call as it happens, and
+    checks the waiting keys and the allocator's block count between operations."""
+
+    def __init__(self, scheduler, kv, num_blocks: int, where: Where) -> None:
+        self.scheduler, self.kv, self.num_blocks, self.where = scheduler, kv, num_blocks, where
+        self.preempted: set[str] = set()  # request ids passed to preempt() in the current schedule()
+        self.running_before: list[Sequence] = []
+        self.waiting_keys: dict[str, object] = {}  # request id -> its waiting key when it joined the queue
+        self.is_watching_preempt = _wrap(scheduler, "preempt", self._preempt)
+        _wrap(scheduler, "choose_victim", self._choose_victim)
+        _wrap(kv, "free", self._free)
+
+    def _choose_victim(self, choose_victim, candidates):
+        offered = list(candidates)
+        victim = choose_victim(candidates)
+        if not any(victim is c for c in offered):
+            name = getattr(victim, "request_id", repr(victim))
+            raise self.where.fail("schedule(), its call of choose_victim()",
+                                  f"choose_victim returned {name}, which is not one of its {len(offered)} candidates "
+                                  f"{[c.request_id for c in offered]}",
+                                  "the victim is one of the candidates (running requests not yet scheduled this step)",
+                                  "the scheduler's choose_victim()")
+        return victim
+
+    def _preempt(self, preempt, request, out):
+        self.preempted.add(request.request_id)
+        return preempt(request, out)
+
+    def _free(self, free, request):
+        rid = request if isinstance(request, str) else request.request_id
+        held, before = self.kv.block_table(rid), self.kv.num_free_blocks
+        free(request)
+        gained = self.kv.num_free_blocks - before
+        if gained > len(set(held)):
+            what = "which held no blocks (already freed)" if not held else f"which held {len(set(held))} blocks"
+            raise self.where.fail(
+                f"the KV allocator's free({rid!r})",
+                f"a double free: free({rid!r}), {what}, put {gained} blocks back in the free pool "
+                f"({before} -> {self.kv.num_free_blocks} of {self.num_blocks} free)",
+                "free() gives back only the blocks the sequence holds; freeing a sequence again changes nothing",
+                "the KV allocator's free()")
+
+    def before_schedule(self) -> None:
+        self.preempted.clear()
+        self.running_before = list(self.scheduler.running)
+
+    def after_schedule(self, sched: SchedulerOutput) -> None:
+        running = {id(r) for r in self.scheduler.running}
+        by_preempt = self.preempted if self.is_watching_preempt else {r.request_id for r in sched.preempted}
+        for req in self.running_before:
+            if id(req) in running or req.is_finished or req.request_id in by_preempt:
+                continue
+            raise self.where.fail(
+                "schedule()", f"{req.request_id} left the running queue (now {req.status.value}) without a call "
+                "of preempt()", "a running request is preempted only through preempt(), which frees or swaps "
+                "its blocks and records it in the step's output",
+                "the scheduler's preempt_for_arrivals() or schedule() (a request moved by hand)")
+        self.check_waiting_keys(by_preempt | {r.request_id for r in sched.requests})
+        self.check_books((), "schedule()")
+
+    def check_waiting_keys(self, left_queue: set[str]) -> None:
+        """Each waiting request's key against the key it had when it joined the queue (``left_queue``: ids
+        that left the waiting queue since the last look, whatever the queue holds now)."""
+        waiting_key = getattr(self.scheduler, "waiting_key", None)
+        if waiting_key is None:
+            return
+        keys: dict[str, object] = {}
+        for req in self.scheduler.waiting:
+            key = waiting_key(req)
+            joined = self.waiting_keys.get(req.request_id, key) if req.request_id not in left_queue else key
+            if joined != key:
+                raise self.where.fail(
+                    "waiting_key()", f"waiting_key({req.request_id}) was {joined!r} when it joined the waiting "
+                    f"queue and is {key!r} now, while it still waits",
+                    "a key does not change while its request is queued (an order that changes as requests wait "
+                    "belongs in order_waiting())", "the scheduler's waiting_key()")
+            keys[req.request_id] = key
+        self.waiting_keys = keys
+
+    def check_books(self, requests, operation: str) -> None:
+        """No block is both free and held: the free count plus the blocks the live sequences hold stays
+        within the pool."""
+        live = [r for r in (*self.scheduler.running, *self.scheduler.waiting, *requests) if not r.is_finished]
+        held = {b for r in {r.request_id: r for r in live} for b in self.kv.block_table(r)}
+        if self.kv.num_free_blocks + len(held) > self.num_blocks:
+            raise self.where.fail(
+                operation, f"{self.kv.num_free_blocks} blocks are reported free while live sequences hold "
+                f"{len(held)} others, of {self.num_blocks}: a block is free and held at once",
+                "a block is either free or held (a double free puts a held block back in the pool)",
+                "the KV allocator's free() or the scheduler's finish()/preempt()")
+
+
+    def check_finished_hold_nothing(self, finished: list[Sequence]) -> None:
+        for req in finished:
+            held = self.kv.block_table(req.request_id)
+            if held:
+                raise self.where.fail(
+                    "update()", f"{req.request_id} finished ({req.status.value}) in this step but still holds "
+                    f"blocks {held}", "a finished sequence gives back its blocks at once",
+                    "the scheduler's finish() (no free() of the sequence) or the KV allocator's free()")
+
+
+def _wrap(component, method: str, check) -> bool:
+    """Put ``check(original, *args)`` in front of ``component.method``; False if it has no such method or
+    refuses instance attributes."""
+    original = getattr(component, method, None)
+    if original is None:
+        return False
+    try:
+        setattr(component, method, lambda *args: check(original, *args))
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def _priority(rng: random.Random, index: int) -> int:
+    """A request's priority: a small rank, or a deadline-like value (its arrival plus a slack), so policies
+    ordering by priority or by deadline see both ties and spread."""
+    return rng.randrange(3) if rng.random() < 0.5 else index + rng.randrange(2, 40)
 
 
 def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index: int, longest: int, kv,
@@ -207,34 +363,39 @@ def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index
     n = 2 if rng.random() < 0.2 else 1
     params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
     parent = f"p{index}"
-    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, rng.randrange(3), parent_id=parent)
+    priority = _priority(rng, index)
+    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, priority, parent_id=parent)
                 for i in range(n)]
     for child in children:
         scheduler.add_request(child)
     return children
 
 
-def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: str) -> None:
+def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: Where) -> None:
+    def fail(seen: str, rule: str, suspect: str = "the scheduler's schedule()") -> ContractError:
+        return where.fail("schedule()", seen, rule, suspect)
+
     if sched.num_batched_tokens > cfg.max_num_batched_tokens:
-        raise ContractError(f"{where}: the step batches {sched.num_batched_tokens} tokens, over "
-                            f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        raise fail(f"the step batches {sched.num_batched_tokens} tokens, over "
+                   f"max_num_batched_tokens={cfg.max_num_batched_tokens}", "a step stays within its token budget")
     if len(scheduler.running) > cfg.max_num_seqs:
-        raise ContractError(f"{where}: {len(scheduler.running)} sequences running, over "
-                            f"max_num_seqs={cfg.max_num_seqs}")
+        raise fail(f"{len(scheduler.running)} sequences running, over max_num_seqs={cfg.max_num_seqs}",
+                   "at most max_num_seqs sequences run", "the scheduler's schedule() (admission, may_admit())")
     ids = [r.request_id for r in sched.requests]
     if len(ids) != len(set(ids)):
-        raise ContractError(f"{where}: a sequence appears twice in one step: {sorted(ids)}")
+        raise fail(f"a sequence appears twice in one step: {sorted(ids)}", "a sequence is scheduled once a step")
     for i, req in enumerate(sched.requests):
         if req.num_computed_tokens != sched.num_computed_before[i]:
-            raise ContractError(f"{where}: schedule() moved {req.request_id}'s computed tokens from "
-                                f"{sched.num_computed_before[i]} to {req.num_computed_tokens}; progress moves "
-                                "only in update()")
+            raise fail(f"schedule() moved {req.request_id}'s computed tokens from {sched.num_computed_before[i]} to "
+                       f"{req.num_computed_tokens}", "progress moves only in update()")
         if req.status != SequenceStatus.RUNNING:
-            raise ContractError(f"{where}: {req.request_id} is scheduled but {req.status.value}")
+            raise fail(f"{req.request_id} is scheduled but {req.status.value}", "only running sequences are scheduled")
         if sched.num_new_tokens[i] < 1:
-            raise ContractError(f"{where}: {req.request_id} is scheduled with {sched.num_new_tokens[i]} tokens")
+            raise fail(f"{req.request_id} is scheduled with {sched.num_new_tokens[i]} tokens",
+                       "a scheduled sequence computes at least one token")
         if sched.num_computed_before[i] + sched.num_new_tokens[i] > req.num_tokens + sched.num_draft_slots[i]:
-            raise ContractError(f"{where}: {req.request_id} computes past its known tokens without draft slots")
+            raise fail(f"{req.request_id} computes past its known tokens without draft slots",
+                       "a sequence computes only tokens it has, plus its draft slots")
     # sequences may share blocks (a prefix hit, a fork), but two never write into one block in a step
     bs = scheduler.kv.block_size
     written: dict[int, str] = {}
@@ -242,8 +403,9 @@ def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, whe
         table, start = sched.block_tables[i], sched.num_computed_before[i]
         for block in set(table[start // bs:]):
             if block in written:
-                raise ContractError(f"{where}: block {block} is handed to both {written[block]} and "
-                                    f"{req.request_id}, and both write into it this step")
+                raise fail(f"block {block} is handed to both {written[block]} and {req.request_id}, and both write "
+                           "into it this step", "two sequences never write into one block (copy-on-write first)",
+                           "the KV allocator's allocate_slots() (copy-on-write) or fork()")
             written[block] = req.request_id
 
 
@@ -252,38 +414,60 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
     block_size, num_blocks = 4, 32
     cache_cfg = CacheConfig(block_size, 0, "auto", True, num_blocks, 0, "recompute", "checked")
     kv = factory(cache_cfg, num_blocks)
-    where = f"{getattr(factory, '__name__', factory)} (seed {seed})"
+    where = Where(str(getattr(factory, "__name__", factory)), seed, "direct allocation")
     live: dict[str, Sequence] = {}
     freed: list[str] = []
     for op in range(400):
+        at = where.at(op, "operation")
         if freed and rng.random() < 0.15:
-            kv.free(rng.choice(freed))  # freeing again, after others took blocks, must change nothing
+            rid = rng.choice(freed)
+            operation, rule = f"free({rid!r}) of a sequence freed before", "freeing a sequence again changes nothing"
+            kv.free(rid)  # freeing again, after others took blocks, must change nothing
+        elif rng.random() < 0.05:
+            rid = f"never-allocated-{op}"
+            operation, rule = f"free({rid!r}) of an id never allocated", "freeing an unknown id changes nothing"
+            try:
+                kv.free(rid)
+            except Exception as exc:
+                raise at.fail(operation, f"free() raised {type(exc).__name__}: {exc}", rule,
+                              "the KV allocator's free()") from None
         elif live and rng.random() < 0.4:
             rid = rng.choice(sorted(live))
+            operation, rule = f"free({rid!r})", "free() gives back exactly the blocks the sequence held alone"
             kv.free(live.pop(rid))
             freed.append(rid)
         else:
             # distinct tokens: no prefix can be shared, so no two sequences may hold one block
             ids = [10_000 + op * 100 + i for i in range(rng.randrange(1, 20))]
             seq = Sequence(f"s{op}", ids, SamplingParams(max_tokens=1))
+            operation, rule = f"allocate_slots({seq.request_id!r}, {len(ids)})", "a block is held by one sequence"
             blocks, cached = kv.get_computed_blocks(seq)
             if cached:
-                raise ContractError(f"{where}: a prompt of never-seen tokens got {cached} tokens from the prefix cache")
+                raise at.fail(f"get_computed_blocks({seq.request_id!r})", f"a prompt of never-seen tokens got "
+                              f"{cached} tokens from the prefix cache", "only cached prompts hit the prefix cache",
+                              "the KV allocator's get_computed_blocks()")
             if kv.allocate_slots(seq, len(ids), blocks):
                 live[seq.request_id] = seq
                 table = kv.block_table(seq.request_id)
                 if len(table) != kv.blocks_needed(len(ids)):
-                    raise ContractError(f"{where}: {len(ids)} tokens got {len(table)} blocks, not "
-                                        f"{kv.blocks_needed(len(ids))}")
+                    raise at.fail(operation, f"{len(ids)} tokens got {len(table)} blocks, not "
+                                  f"{kv.blocks_needed(len(ids))}", "a sequence gets the blocks its tokens need",
+                                  "the KV allocator's allocate_slots()")
         held = [b for rid in live for b in kv.block_table(rid)]
         if len(held) != len(set(held)):
             dup = next(b for b in held if held.count(b) > 1)
-            raise ContractError(f"{where}, operation {op}: block {dup} is handed out twice")
+            raise at.fail(operation, f"block {dup} is handed out twice", rule,
+                          "the KV allocator's allocate_slots() or free() (a block back in the pool while held)")
         if kv.num_free_blocks != num_blocks - len(held) or not 0 <= kv.num_free_blocks <= num_blocks:
-            raise ContractError(f"{where}, operation {op}: {kv.num_free_blocks} blocks reported free, not "
-                                f"{num_blocks - len(held)}: {len(held)} of {num_blocks} are held")
+            seen = (f"{kv.num_free_blocks} blocks reported free, not {num_blocks - len(held)}: {len(held)} of "
+                    f"{num_blocks} are held")
+            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
+                seen = f"a double free: {seen}"
+            raise at.fail(operation, seen, rule, "the KV allocator's free()" if operation.startswith("free(")
+                          else "the KV allocator's allocate_slots()")
     for seq in live.values():
         kv.free(seq)
     if kv.num_free_blocks != num_blocks:
-        raise ContractError(f"{where}: after freeing every sequence {kv.num_free_blocks} of {num_blocks} blocks "
-                            "are free")
+        raise where.at("end", "at the").fail("free() of every sequence", f"{kv.num_free_blocks} of {num_blocks} "
+                                              "blocks are free", "once every sequence is freed, every block is free",
+                                              "the KV allocator's free()")
