@@ -282,8 +282,26 @@ class StraySlot(CpuAttentionBackend):
         return result
 
 
-@pytest.mark.parametrize("broken, message", [(OffByAScale, "differs from dense attention"),
-                                             (StraySlot, "which no sequence holds, was written")])
+class ScrubsIdleBlocks(CpuAttentionBackend):
+    """Zeroes every block the step's block tables do not name, as if they were free: they may hold other
+    sequences' K/V (waiting, swapped in later, cached prefixes)."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        named = set(metadata.block_tables.flatten().tolist())
+        for block in range(kv_cache.shape[1]):
+            if block not in named:
+                kv_cache[:, block] = 0
+        return super().forward(layer, q, k, v, kv_cache, metadata)
+
+
+@pytest.mark.parametrize("broken, message", [
+    (OffByAScale, r"step \d, in forward\(\): the output differs from dense attention .* with the layer's softmax "
+                  r"scale .* at fault: the backend's forward\(\)"),
+    (StraySlot, r"block \d+, which no sequence holds, was written"),
+    (ScrubsIdleBlocks, r"seed 0, step 1, in forward\(\): block \d+, which no sequence holds, was written \(its bytes "
+                       r"were all 0x5a before the step\)\. Rule broken: forward\(\) writes K/V only into the slots "
+                       r"slot_mapping names"),
+])
 def test_a_broken_attention_backend_is_caught_with_what_broke(broken, message):
     with pytest.raises(ContractError, match=message):
         check_attention_backend(broken, dtypes=(torch.float32,))
