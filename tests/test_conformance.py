@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from pagoda import hookimpl
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.schedulers.base import FCFSScheduler
@@ -201,6 +202,36 @@ def test_an_allocator_whose_free_of_an_unknown_id_raises_is_caught():
     with pytest.raises(ContractError, match=r"in free\('never-allocated-\d+'\) of an id never allocated: free\(\) "
                                             r"raised KeyError.*Rule broken: freeing an unknown id changes nothing"):
         check_kv_allocator(strict_free, seeds=1)
+
+
+# ---- strict contracts --------------------------------------------------------------------------------
+
+
+class PeekingScheduler(FCFSScheduler):
+    """Reads its allocator's private free queue: works with the paged allocator today, breaks tomorrow."""
+
+    def schedule(self):
+        self.num_free_seen = len(self.kv._free)
+        return super().schedule()
+
+
+class PeekingPlugin:
+    @hookimpl
+    def pagoda_schedulers(self):
+        return {"peeking": PeekingScheduler}
+
+
+def test_strict_contracts_name_an_attribute_a_plugin_uses_outside_a_protocol():
+    from pagoda import SamplingParams
+    from pagoda.testing import StrictContracts
+
+    strict = StrictContracts({"peeking": PeekingPlugin()})
+    llm = strict.llm(scheduling_policy="peeking", max_num_seqs=2, kv_cache_memory_bytes=8 << 20)
+    outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    assert strict.violations == {"KVCacheManager._free is used but not in the Protocol"}
+    with pytest.raises(ContractError, match=r"outside their Protocols .*\n  KVCacheManager._free is used"):
+        strict.assert_clean()
 
 
 # ---- proposers --------------------------------------------------------------------------------------
@@ -430,6 +461,7 @@ def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
     out = result.stdout + result.stderr
     assert "1 failed, 1 passed" in out, out
     assert "ContractError" in out and "max_num_batched_tokens" in out, out
-    header = subprocess.run([sys.executable, "-m", "pytest", "--co", "-p", "no:cacheprovider", str(tmp_path)],
+    header = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path).stdout
     assert f"plugin API {PLUGIN_API_VERSION}" in header
+    assert all(f"{name} -- " in header or f"{name} [" in header for name in ("pagoda_conformance", "pagoda_strict_llm"))
