@@ -410,7 +410,7 @@ def test_auto_picks_the_highest_ranked_backend_that_can_run_even_a_third_party_o
 TROUBLE = {
     "dup_a": scheduler_module("DupA", "lottery"),
     "dup_b": scheduler_module("DupB", "lottery"),
-    "raising_hook": "import pagoda\n\n@pagoda.hookimpl\ndef pagoda_samplers():\n    raise RuntimeError('hook blew up')\n",
+    "raising_hook": "import pagoda\n\n@pagoda.hookimpl\ndef pagoda_samplers():\n    raise RuntimeError('blew up')\n",
     "not_a_mapping": "import pagoda\n\n@pagoda.hookimpl\ndef pagoda_samplers():\n    return ['oops']\n",
     "import_error": "raise ImportError('needs libfrobnicate 2.0')\n",
     "wrong_api": scheduler_module("Future", "future") + "\nPAGODA_PLUGIN_API = '>=2,<3'\n",

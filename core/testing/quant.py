@@ -52,7 +52,8 @@ def check_quant_method(factory: QuantMethodFactory, quant_config: Optional[dict]
             if missing:
                 raise where.at("create_weights", "stage").fail(
                     "create_weights()", f"parameters {missing} have no weight_loader",
-                    "every parameter a method registers carries a weight_loader", "the linear method's create_weights()")
+                    "every parameter a method registers carries a weight_loader",
+                    "the linear method's create_weights()")
             reference = _load(layer, shards, in_features, make_tensors, gen, where)
             b = None
             if bias:
