@@ -61,7 +61,10 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagoda.registry.plugin_manager import get_plugin_manager
+    """The ``pagoda`` parser with every plugin's sub-command. No plugin problem stops it: a command two
+    plugins provide answers with the conflict, and one whose ``register`` raises is recorded as its
+    plugin's failure (``pagoda plugins`` shows both); pagoda's own ``plugins`` command is always there."""
+    from pagoda.registry.plugin_manager import BUILTIN_DIST, get_plugin_manager
 
     parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference and serving")
     parser.add_argument("--version", action="version", version=_version())
@@ -69,9 +72,38 @@ def build_parser() -> argparse.ArgumentParser:
     pm = get_plugin_manager()
     for component in pm.table():
         if component.kind == "CLI command":
-            component.factory(sub)
+            _register_command(pm, sub, component)
+    for conflict in pm.conflict_list():
+        if conflict.kind != "CLI command":
+            continue
+        own = next((c for c in conflict.providers if c.dist == BUILTIN_DIST), None)
+        if conflict.name == "plugins" and own is not None:  # the diagnostic command always runs
+            _register_command(pm, sub, own)
+        else:
+            command = sub.add_parser(conflict.name, help=f"(unavailable: {conflict.reason})", add_help=False)
+            command.add_argument("rest", nargs=argparse.REMAINDER)
+            command.set_defaults(func=_refuse(conflict.reason))
     parser.set_defaults(plugin_manager=pm)
     return parser
+
+
+def _register_command(pm: Any, sub: Any, component: Any) -> None:
+    """``component.factory(sub)``; a command whose registration raises is left out, as its plugin's failure."""
+    import traceback
+
+    from pagoda.registry.plugin_manager import PluginFailure
+
+    try:
+        component.factory(sub)
+    except Exception:
+        pm.failures.append(PluginFailure(component.plugin, component.dist, traceback.format_exc()))
+
+
+def _refuse(reason: str):
+    def run(ns: argparse.Namespace) -> int:
+        raise PagodaError(reason)
+
+    return run
 
 
 def _version() -> str:
@@ -90,7 +122,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PagodaError as exc:
         print(f"pagoda: error: {exc}", file=sys.stderr)
         return 2
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except PagodaError as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
     ns = parser.parse_args(args)
     if not getattr(ns, "func", None):
         parser.print_help()

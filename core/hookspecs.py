@@ -9,6 +9,13 @@ nothing.
 Factories receive the engine's frozen configs (see :mod:`pagoda.config`); their
 signatures (``SchedulerFactory`` and the like) and the interfaces they must
 return are typed in :mod:`pagoda.interfaces`.
+
+A component hook may take the argument ``plugin_manager`` (pluggy passes a
+hook only the arguments it names): the
+:class:`~pagoda.registry.plugin_manager.PluginManager` collecting the
+components. A factory that wraps or decorates another component gets that
+component's factory with ``plugin_manager.factory(hook_name, name)``, called
+inside the factory, when the engine builds its components.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
                                    QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory)
+    from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sequence import Sequence
 
 hookspec = pluggy.HookspecMarker("pagoda")
@@ -32,7 +40,7 @@ hookspec = pluggy.HookspecMarker("pagoda")
 
 
 @hookspec
-def pagoda_model_loaders() -> Mapping[str, "ModelLoaderFactory"]:
+def pagoda_model_loaders(plugin_manager: "PluginManager") -> Mapping[str, "ModelLoaderFactory"]:
     """Return ``{name: factory}`` of weight loaders.
 
     ``factory(model_config)`` returns a :class:`pagoda.interfaces.ModelLoader`
@@ -43,7 +51,7 @@ def pagoda_model_loaders() -> Mapping[str, "ModelLoaderFactory"]:
 
 
 @hookspec
-def pagoda_model_architectures() -> Mapping[str, "ModelArchitectureFactory"]:
+def pagoda_model_architectures(plugin_manager: "PluginManager") -> Mapping[str, "ModelArchitectureFactory"]:
     """Return ``{architecture_name: model_class}``.
 
     The name is matched against ``architectures`` in the checkpoint's
@@ -59,7 +67,7 @@ def pagoda_model_architectures() -> Mapping[str, "ModelArchitectureFactory"]:
 
 
 @hookspec
-def pagoda_kv_allocators() -> Mapping[str, "KVAllocatorFactory"]:
+def pagoda_kv_allocators(plugin_manager: "PluginManager") -> Mapping[str, "KVAllocatorFactory"]:
     """Return ``{name: factory}`` of KV block allocators.
 
     ``factory(cache_config, num_blocks)`` returns a
@@ -75,7 +83,7 @@ def pagoda_kv_allocators() -> Mapping[str, "KVAllocatorFactory"]:
 
 
 @hookspec
-def pagoda_schedulers() -> Mapping[str, "SchedulerFactory"]:
+def pagoda_schedulers(plugin_manager: "PluginManager") -> Mapping[str, "SchedulerFactory"]:
     """Return ``{name: factory}`` of scheduling policies.
 
     ``factory(scheduler_config, cache_config, kv_manager)`` returns a
@@ -90,7 +98,7 @@ def pagoda_schedulers() -> Mapping[str, "SchedulerFactory"]:
 
 
 @hookspec
-def pagoda_attention_backends() -> Mapping[str, "AttentionBackendFactory"]:
+def pagoda_attention_backends(plugin_manager: "PluginManager") -> Mapping[str, "AttentionBackendFactory"]:
     """Return ``{name: factory}`` of attention backends.
 
     ``factory(model_config, cache_config)`` returns a
@@ -110,7 +118,7 @@ def pagoda_attention_backends() -> Mapping[str, "AttentionBackendFactory"]:
 
 
 @hookspec
-def pagoda_samplers() -> Mapping[str, "SamplerFactory"]:
+def pagoda_samplers(plugin_manager: "PluginManager") -> Mapping[str, "SamplerFactory"]:
     """Return ``{name: factory}`` of samplers.
 
     ``factory(model_config)`` returns a :class:`pagoda.interfaces.Sampler`
@@ -125,7 +133,7 @@ def pagoda_samplers() -> Mapping[str, "SamplerFactory"]:
 
 
 @hookspec
-def pagoda_quant_methods() -> Mapping[str, "QuantMethodFactory"]:
+def pagoda_quant_methods(plugin_manager: "PluginManager") -> Mapping[str, "QuantMethodFactory"]:
     """Return ``{name: factory}`` of weight quantization methods.
 
     ``factory(model_config, quant_config_dict)`` returns a
@@ -142,7 +150,7 @@ def pagoda_quant_methods() -> Mapping[str, "QuantMethodFactory"]:
 
 
 @hookspec
-def pagoda_proposers() -> Mapping[str, "ProposerFactory"]:
+def pagoda_proposers(plugin_manager: "PluginManager") -> Mapping[str, "ProposerFactory"]:
     """Return ``{name: factory}`` of speculative-decoding proposers.
 
     ``factory(speculative_config, engine_config, model_runner, plugin_manager)``
@@ -161,7 +169,7 @@ def pagoda_proposers() -> Mapping[str, "ProposerFactory"]:
 
 
 @hookspec
-def pagoda_executors() -> Mapping[str, "ExecutorFactory"]:
+def pagoda_executors(plugin_manager: "PluginManager") -> Mapping[str, "ExecutorFactory"]:
     """Return ``{name: factory}`` of executors: the processes a model runs in.
 
     ``factory(engine_config, plugin_manager)`` returns a
@@ -174,7 +182,7 @@ def pagoda_executors() -> Mapping[str, "ExecutorFactory"]:
 
 
 @hookspec
-def pagoda_all_reduce_backends() -> Mapping[str, "AllReduceFactory"]:
+def pagoda_all_reduce_backends(plugin_manager: "PluginManager") -> Mapping[str, "AllReduceFactory"]:
     """Return ``{name: factory}`` of all-reduce backends: how tensor-parallel ranks sum their parts.
 
     ``factory(engine_config, rank, size, group, timeout_seconds)`` returns a
@@ -192,7 +200,7 @@ def pagoda_all_reduce_backends() -> Mapping[str, "AllReduceFactory"]:
 
 
 @hookspec
-def pagoda_routers() -> Mapping[str, "RouterFactory"]:
+def pagoda_routers(plugin_manager: "PluginManager") -> Mapping[str, "RouterFactory"]:
     """Return ``{name: factory}`` of request routers: which engine replica serves a request.
 
     ``factory(**options)`` returns a :class:`pagoda.interfaces.Router`. Selected by
@@ -208,7 +216,7 @@ def pagoda_routers() -> Mapping[str, "RouterFactory"]:
 
 
 @hookspec
-def pagoda_cli_commands() -> Mapping[str, "CLICommand"]:
+def pagoda_cli_commands(plugin_manager: "PluginManager") -> Mapping[str, "CLICommand"]:
     """Return ``{command_name: register}`` for the ``pagoda`` command line.
 
     ``register(subparsers)`` adds an ``argparse`` sub-parser for the command

@@ -3,18 +3,21 @@ with a message that says what broke."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from pagoda import hookimpl
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.priority import PriorityScheduler
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling.sampler import Sampler, SamplerOutput
+from pagoda.sequence import SequenceStatus
 from pagoda.version import PLUGIN_API_VERSION
 from pagoda.testing import (AttentionCase, ContractError, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler)
@@ -98,20 +101,150 @@ def double_free(cache_config, num_blocks):
     return DoubleFreeAllocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
 
 
+class EarliestDeadlineFirst(PriorityScheduler):
+    """A deadline policy (the priority is the deadline) whose planted bugs the tests below switch on."""
+
+
+class VictimOutsideCandidates(EarliestDeadlineFirst):
+    """Picks the victim among all running requests, scheduled this step or not, and by the wrong end."""
+
+    def choose_victim(self, candidates):
+        return min(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+
+class PreemptsByHand(EarliestDeadlineFirst):
+    """Makes room for an urgent arrival by moving the latest-deadline running request back by hand."""
+
+    def preempt_for_arrivals(self, out):
+        if self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority:
+            victim = self.running.pop()
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = SequenceStatus.PREEMPTED
+            self.waiting.insert(0, victim)
+
+
+class AgingKey(FCFSScheduler):
+    """Ages waiting requests: a key that changes while its request waits."""
+
+    def __init__(self, scheduler_config, cache_config, kv_manager):
+        super().__init__(scheduler_config, cache_config, kv_manager)
+        self.num_steps = 0
+
+    def schedule(self):
+        self.num_steps += 1
+        return super().schedule()
+
+    def waiting_key(self, request):
+        return (request.priority - self.num_steps, request.arrival_time)
+
+
+class RefreeingAllocator(DoubleFreeAllocator):
+    pass
+
+
+def refreeing(cache_config, num_blocks):
+    return RefreeingAllocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+
+
+WHERE = (r"seed \d+, (step|operation) \d+, in [^:]+: .+\. Rule broken: .+\. Most likely at fault: (the "
+         r"scheduler's|the KV allocator's) \w+\(\)")
+
+
 @pytest.mark.parametrize("broken, message", [
     (OverBudgetScheduler, r"batches \d+ tokens, over max_num_batched_tokens=16"),
     (EagerScheduler, r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens 0 -> \d+.*only update\(\)"),
     (AdmitsWithProgressScheduler, r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens 0 -> \d+"),
-    (ForgetfulScheduler, r"KV blocks were not given back|reported free"),
+    (ForgetfulScheduler, r"in update\(\): p\d+-\d finished \(length\) in this step but still holds blocks "
+                         r"\[.*\]\. Rule broken: a finished sequence gives back its blocks at once"),
+    (VictimOutsideCandidates, r"in schedule\(\), its call of choose_victim\(\): choose_victim returned p\d+-\d, "
+                              r"which is not one of its \d+ candidates .* at fault: the scheduler's choose_victim\(\)"),
+    (PreemptsByHand, r"in schedule\(\): p\d+-\d left the running queue \(now preempted\) without a call of "
+                     r"preempt\(\)\. Rule broken: a running request is preempted only through preempt\(\)"),
+    (AgingKey, r"in waiting_key\(\): waiting_key\(p\d+-\d\) was \(.*\) when it joined the waiting queue and is "
+               r"\(.*\) now, while it still waits\. Rule broken: a key does not change while its request is queued"),
 ])
-def test_a_broken_scheduler_is_caught_with_what_broke(broken, message):
-    with pytest.raises(ContractError, match=message):
+def test_a_broken_scheduler_is_caught_with_what_broke_where_and_whose_fault(broken, message):
+    with pytest.raises(ContractError, match=message) as info:
         check_scheduler(broken, seeds=1)
+    assert re.search(WHERE, str(info.value)), str(info.value)
 
 
-def test_an_allocator_that_hands_out_a_block_twice_is_caught():
-    with pytest.raises(ContractError, match=r"block \d+ is handed out twice|blocks reported free"):
+def test_the_scheduler_streams_carry_priorities_and_deadlines():
+    seen = []
+
+    class Recording(FCFSScheduler):
+        def add_request(self, request):
+            seen.append(request.priority)
+            super().add_request(request)
+
+    check_scheduler(Recording, seeds=1)
+    assert {0, 1, 2} <= set(seen) and max(seen) > 10 and len(set(seen)) > 10
+
+
+def test_a_double_free_in_a_scheduler_stream_is_reported_as_a_double_free_of_free():
+    with pytest.raises(ContractError, match=r"seed 0, step \d+, in the KV allocator's free\('p\d+-\d'\): a double "
+                                            r"free: free\('p\d+-\d'\), which held no blocks \(already freed\), put "
+                                            r"\d+ blocks back .* at fault: the KV allocator's free\(\)"):
+        check_scheduler(FCFSScheduler, allocator=refreeing, seeds=1)
+
+
+def test_an_allocator_that_gives_blocks_back_twice_is_caught_as_a_double_free():
+    with pytest.raises(ContractError, match=r"operation \d+, in free\('s\d+'\) of a sequence freed before: a double "
+                                            r"free: .* blocks reported free") as info:
         check_kv_allocator(double_free, seeds=1)
+    assert re.search(WHERE, str(info.value)), str(info.value)
+
+
+class StrictFree(PagedKVCacheManager):
+    """Refuses to free an id it never handed blocks to."""
+
+    def free(self, request):
+        rid = request if isinstance(request, str) else request.request_id
+        if rid not in self._tables and rid not in self.__dict__.setdefault("ever", set()):
+            raise KeyError(rid)
+        self.ever.add(rid)
+        super().free(request)
+
+
+def strict_free(cache_config, num_blocks):
+    return StrictFree(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+
+
+def test_an_allocator_whose_free_of_an_unknown_id_raises_is_caught():
+    with pytest.raises(ContractError, match=r"in free\('never-allocated-\d+'\) of an id never allocated: free\(\) "
+                                            r"raised KeyError.*Rule broken: freeing an unknown id changes nothing"):
+        check_kv_allocator(strict_free, seeds=1)
+
+
+# ---- strict contracts --------------------------------------------------------------------------------
+
+
+class PeekingScheduler(FCFSScheduler):
+    """Reads its allocator's private free queue: works with the paged allocator today, breaks tomorrow."""
+
+    def schedule(self):
+        self.num_free_seen = len(self.kv._free)
+        return super().schedule()
+
+
+class PeekingPlugin:
+    @hookimpl
+    def pagoda_schedulers(self):
+        return {"peeking": PeekingScheduler}
+
+
+def test_strict_contracts_name_an_attribute_a_plugin_uses_outside_a_protocol():
+    from pagoda import SamplingParams
+    from pagoda.testing import StrictContracts
+
+    strict = StrictContracts({"peeking": PeekingPlugin()})
+    llm = strict.llm(scheduling_policy="peeking", max_num_seqs=2, kv_cache_memory_bytes=8 << 20)
+    outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    assert strict.violations == {"KVCacheManager._free is used but not in the Protocol"}
+    with pytest.raises(ContractError, match=r"outside their Protocols .*\n  KVCacheManager._free is used"):
+        strict.assert_clean()
 
 
 # ---- proposers --------------------------------------------------------------------------------------
@@ -193,8 +326,26 @@ class StraySlot(CpuAttentionBackend):
         return result
 
 
-@pytest.mark.parametrize("broken, message", [(OffByAScale, "differs from dense attention"),
-                                             (StraySlot, "which no sequence holds, was written")])
+class ScrubsIdleBlocks(CpuAttentionBackend):
+    """Zeroes every block the step's block tables do not name, as if they were free: they may hold other
+    sequences' K/V (waiting, swapped in later, cached prefixes)."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        named = set(metadata.block_tables.flatten().tolist())
+        for block in range(kv_cache.shape[1]):
+            if block not in named:
+                kv_cache[:, block] = 0
+        return super().forward(layer, q, k, v, kv_cache, metadata)
+
+
+@pytest.mark.parametrize("broken, message", [
+    (OffByAScale, r"step \d, in forward\(\): the output differs from dense attention .* with the layer's softmax "
+                  r"scale .* at fault: the backend's forward\(\)"),
+    (StraySlot, r"block \d+, which no sequence holds, was written"),
+    (ScrubsIdleBlocks, r"seed 0, step 1, in forward\(\): block \d+, which no sequence holds, was written \(its bytes "
+                       r"were all 0x5a before the step\)\. Rule broken: forward\(\) writes K/V only into the slots "
+                       r"slot_mapping names"),
+])
 def test_a_broken_attention_backend_is_caught_with_what_broke(broken, message):
     with pytest.raises(ContractError, match=message):
         check_attention_backend(broken, dtypes=(torch.float32,))
@@ -323,6 +474,7 @@ def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
     out = result.stdout + result.stderr
     assert "1 failed, 1 passed" in out, out
     assert "ContractError" in out and "max_num_batched_tokens" in out, out
-    header = subprocess.run([sys.executable, "-m", "pytest", "--co", "-p", "no:cacheprovider", str(tmp_path)],
+    header = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path).stdout
     assert f"plugin API {PLUGIN_API_VERSION}" in header
+    assert all(f"{name} -- " in header or f"{name} [" in header for name in ("pagoda_conformance", "pagoda_strict_llm"))

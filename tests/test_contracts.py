@@ -11,7 +11,6 @@ test, naming it.
 from __future__ import annotations
 
 import json
-import typing
 from pathlib import Path
 
 import pytest
@@ -19,63 +18,7 @@ import pytest
 from pagoda import LLM, SamplingParams, hookimpl, interfaces
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.registry.plugin_manager import PluginManager
-
-_PROTOCOL_INTERNALS = set(dir(typing.Protocol)) | {"__protocol_attrs__", "__non_callable_proto_members__",
-                                                   "_is_protocol", "_is_runtime_protocol", "__abstractmethods__"}
-
-
-def contract_names(protocol: type) -> set[str]:
-    """The attributes and methods a Protocol lists (its own and its bases' up to Protocol)."""
-    names: set[str] = set()
-    for cls in protocol.__mro__:
-        if cls in (typing.Protocol, typing.Generic, object):
-            continue
-        names |= set(vars(cls)) | set(getattr(cls, "__annotations__", {}))
-    return {n for n in names if n not in _PROTOCOL_INTERNALS and not (n.startswith("__") and n != "__call__")}
-
-
-class Proxy:
-    """Forwards to ``target``; records in ``violations`` every attribute used that ``protocol`` does not
-    list (and every attribute set from outside), so one run names them all."""
-
-    def __init__(self, target, protocol: type, violations: set) -> None:
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_protocol", protocol)
-        object.__setattr__(self, "_allowed", contract_names(protocol))
-        object.__setattr__(self, "_violations", violations)
-
-    def __getattr__(self, name: str):
-        if name not in self._allowed:
-            self._violations.add(f"{self._protocol.__name__}.{name} is used but not in the Protocol")
-        return getattr(self._target, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        self._violations.add(f"{self._protocol.__name__}.{name} is set from outside the component")
-        setattr(self._target, name, value)
-
-    def __call__(self, *args, **kwargs):
-        if "__call__" not in self._allowed:
-            self._violations.add(f"{self._protocol.__name__} is called but __call__ is not in the Protocol")
-        return self._target(*args, **kwargs)
-
-
-class ExecutorProxy(Proxy):
-    """An executor whose runner is proxied too: the engine and the commands read it as a ModelRunnerView."""
-
-    @property
-    def runner(self):
-        if "_runner" not in vars(self):
-            object.__setattr__(self, "_runner", Proxy(self._target.runner, interfaces.ModelRunnerView,
-                                                      self._violations))
-        return vars(self)["_runner"]
-
-
-class QuantProxy(Proxy):
-    """A quant method whose per-layer linear methods are proxied too."""
-
-    def for_layer(self, prefix: str):
-        method = self._target.for_layer(prefix)
-        return None if method is None else Proxy(method, interfaces.LinearMethod, self._violations)
+from pagoda.testing.strict import ExecutorProxy, Proxy, QuantProxy
 
 
 class ContractChecked:

@@ -114,6 +114,52 @@ def test_eviction_takes_uncached_blocks_first_then_the_least_recently_freed():
     assert_consistent(kv)
 
 
+class LeastHitFirst(PagedKVCacheManager):
+    """Evicts the cached block with the fewest prefix hits first."""
+
+    def eviction_key(self, block):
+        return block.num_hits
+
+
+def test_eviction_key_orders_the_cached_blocks_to_overwrite_and_hits_are_counted_per_contents():
+    kv = LeastHitFirst(6, BS)
+    a, b = make_request("a", range(100, 109)), make_request("b", range(200, 209))
+    admit(kv, a)
+    admit(kv, b)
+    kv.free(b)
+    for i in range(3):  # b's prefix is reused three times; a's never
+        again = make_request(f"b{i}", range(200, 209))
+        assert admit(kv, again) == 8
+        kv.free(again)
+    kv.free(a)  # freed last: LRU would overwrite b's blocks first
+    admit(kv, make_request("c", range(300, 310)))  # 2 uncached blocks, then the 1 least-hit cached block
+    assert kv.get_computed_blocks(make_request("a2", range(100, 109)))[1] == 4
+    assert kv.get_computed_blocks(make_request("b2", range(200, 209)))[1] == 8
+    admit(kv, make_request("d", range(400, 404)))  # a's other block, still fewer hits than b's
+    assert kv.get_computed_blocks(make_request("a3", range(100, 109)))[1] == 0
+    assert kv.get_computed_blocks(make_request("b3", range(200, 209)))[1] == 8
+    assert_consistent(kv)
+    assert all(b.num_hits == 0 for b in kv.blocks if b.block_hash is None)  # overwritten: the count restarts
+
+
+def test_keyed_eviction_survives_hits_on_free_blocks_and_a_prefix_cache_reset():
+    rng = random.Random(0)
+    kv = LeastHitFirst(12, BS)
+    live: list[Sequence] = []
+    for i in range(300):
+        if live and rng.random() < 0.45:
+            kv.free(live.pop(rng.randrange(len(live))))
+        elif rng.random() < 0.02:
+            kv.reset_prefix_cache()
+        else:
+            req = make_request(f"r{i}", [rng.randrange(3) for _ in range(rng.randrange(1, 14))])
+            blocks, _ = kv.get_computed_blocks(req)
+            if kv.can_allocate(req, req.num_tokens - len(blocks) * BS, blocks):
+                admit(kv, req)
+                live.append(req)
+        assert_consistent(kv)
+
+
 def test_disabled_prefix_caching_neither_hits_nor_counts():
     kv = PagedKVCacheManager(8, BS, enable_prefix_caching=False)
     admit(kv, make_request("a", range(9)))

@@ -21,8 +21,8 @@ from pagoda.testing import (check_attention_backend, check_kv_allocator, check_p
 from tiny_models import write_tiny_llama
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
-KINDS = ["scheduler", "KV allocator", "attention backend", "sampler", "quantization method",
-         "speculative proposer", "model loader", "model architecture", "CLI command"]
+KINDS = ["scheduler", "KV allocator", "KV allocator eviction", "attention backend", "wrapping attention backend",
+         "sampler", "quantization method", "speculative proposer", "model loader", "model architecture", "CLI command"]
 
 
 def guide_examples() -> dict[str, str]:
@@ -77,6 +77,8 @@ def test_every_example_loads_through_its_entry_point(guide):
                        ("count-tokens", "pagoda_cli_commands")]:
         component = pm.get(hook, name, "test")
         assert component.dist.endswith(" 1.0") and pm.api_ranges[component.plugin] in (">=1.0,<2", ">=1.1,<2")
+    for name, hook in [("lfu", "pagoda_kv_allocators"), ("timed-torch", "pagoda_attention_backends")]:
+        assert pm.api_ranges[pm.get(hook, name, "test").plugin] == ">=1.4,<2"
 
 
 OPTIONS = dict(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=32 << 20)
@@ -112,6 +114,48 @@ def test_the_kv_allocator_example(guide, plain_tokens):
     llm = LLM(**OPTIONS, kv_allocator="watermark")
     assert isinstance(llm.engine.kv_manager, allocator)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+
+
+def test_the_eviction_example_keeps_the_most_reused_prefix(guide, plain_tokens):
+    from pagoda.config import CacheConfig
+    from pagoda.sampling_params import SamplingParams as Params
+    from pagoda.sequence import Sequence
+
+    allocator = guide["KV allocator eviction"].LeastFrequentlyUsedAllocator
+    check_kv_allocator(allocator)
+    kv = allocator(CacheConfig(4, 0, "auto", True, 6, 0, "recompute", "lfu"), 6)
+
+    def run(rid, tokens):
+        seq = Sequence(rid, list(tokens), Params(max_tokens=1))
+        blocks, cached = kv.get_computed_blocks(seq)
+        assert kv.allocate_slots(seq, len(tokens) - cached, blocks)
+        return seq, cached
+
+    shared, _ = run("shared", range(100, 109))
+    kv.free(shared)
+    for i in range(3):
+        again, cached = run(f"again{i}", range(100, 109))
+        assert cached == 8
+        kv.free(again)
+    once, _ = run("once", range(200, 209))
+    kv.free(once)  # the least recently freed block is the shared prefix's: LRU would overwrite it first
+    run("new", range(300, 312))
+    assert kv.get_computed_blocks(Sequence("s", list(range(100, 109)), Params()))[1] == 8
+    assert kv.get_computed_blocks(Sequence("o", list(range(200, 209)), Params()))[1] < 8
+    llm = LLM(**OPTIONS, kv_allocator="lfu")
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+
+
+def test_the_wrapping_example_runs_the_built_in_it_wraps(guide, plain_tokens):
+    from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+
+    pm = PluginManager().load()
+    timed_torch = pm.factory("pagoda_attention_backends", "timed-torch")
+    check_attention_backend(timed_torch)
+    llm = LLM(**OPTIONS, attention_backend="timed-torch")
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+    backend = llm.engine.runner.backend
+    assert isinstance(backend.inner, TorchAttentionBackend) and backend.seconds > 0
 
 
 def test_the_attention_backend_example(guide, plain_tokens):
@@ -201,3 +245,31 @@ def test_the_cli_example(guide, capsys):
     from pagoda.modeling.default_model import ensure_default_model
 
     assert count == len(AutoTokenizer.from_pretrained(str(ensure_default_model()))("Hello there")["input_ids"])
+
+
+def test_every_path_and_module_the_guide_names_exists():
+    """Backticked file paths (pagoda's own, as in its source tree: core/, plugins/, contrib/, tests/, docs/)
+    and dotted pagoda names (modules, or attributes of one) in the guide all resolve."""
+    root = GUIDE.parent.parent
+    text = GUIDE.read_text()
+    paths = set(re.findall(r"`((?:core|plugins|contrib|tests|docs)/[\w./-]+)`", text))
+    assert {"core/hookspecs.py", "contrib/pagoda-sjf/tests/test_contract.py"} <= paths
+    assert [p for p in sorted(paths) if not (root / p).exists()] == []
+    assert not re.search(r"`pagoda/\w+\.py`", text), "name files by their source path (core/...) or module name"
+    missing = []
+    for dotted in sorted(set(re.findall(r"`(pagoda(?:\.\w+)+)`", text))):
+        parts = dotted.split(".")
+        for i in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[i:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(dotted)
+            break
+        else:
+            missing.append(dotted)
+    assert missing == []

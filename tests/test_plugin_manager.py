@@ -157,24 +157,30 @@ def test_an_installed_distribution_adds_its_components_with_its_name_and_version
     assert component.factory.__name__ == "AcmeScheduler"
 
 
-def test_duplicate_component_names_are_an_error_naming_both_distributions(site):
+def test_a_name_two_plugins_provide_is_unselectable_with_a_one_line_reason_naming_both(site):
     install_fake_dist(site, "acme-sched", "1.2.0", {"acme": "acme_sched"},
-                      {"acme_sched": scheduler_module("AcmeScheduler", "lottery")})
+                      {"acme_sched": scheduler_module("AcmeScheduler", "lottery", "acme-only")})
     install_fake_dist(site, "rival-sched", "0.3.0", {"rival": "rival_sched"},
                       {"rival_sched": scheduler_module("RivalScheduler", "lottery")})
+    pm = PluginManager().load()  # loading does not fail: only selecting the name does
+    assert pm.get("pagoda_schedulers", "acme-only", "scheduling_policy").dist == "acme-sched 1.2.0"
+    assert "lottery" not in pm.names("pagoda_schedulers")
     with pytest.raises(ConfigError) as info:
-        PluginManager().load()
+        pm.get("pagoda_schedulers", "lottery", "scheduling_policy")
     msg = str(info.value)
-    assert "'lottery'" in msg and "scheduler" in msg
+    assert "\n" not in msg and "cannot select 'lottery' for scheduling_policy: two plugins provide the scheduler" in msg
     assert "acme-sched 1.2.0" in msg and "rival-sched 0.3.0" in msg
-    assert "PAGODA_DISABLE_PLUGINS" in msg  # and says how to get out of it
+    assert "PAGODA_DISABLE_PLUGINS=rival" in msg  # and says how to get out of it
+    [conflict] = pm.conflict_list()
+    assert [c.plugin for c in conflict.providers] == ["acme", "rival"]
 
 
-def test_a_plugin_shadowing_a_builtin_name_is_reported_against_pagoda(site):
+def test_a_plugin_shadowing_a_builtin_name_is_reported_against_pagoda_and_blocking_it_is_suggested(site):
     install_fake_dist(site, "shadow", "1.0", {"shadow": "shadow_sched"},
                       {"shadow_sched": scheduler_module("ShadowScheduler", "fcfs")})
-    with pytest.raises(ConfigError, match=r"'fcfs'.*pagoda \(built-in\).*shadow 1\.0"):
-        PluginManager().load()
+    pm = PluginManager().load()
+    with pytest.raises(ConfigError, match=r"'fcfs'.*pagoda \(built-in\).*shadow 1\.0.*PAGODA_DISABLE_PLUGINS=shadow$"):
+        pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
 
 
 def test_unknown_name_lists_every_available_one_with_its_distribution(acme):
@@ -204,8 +210,35 @@ def test_disable_plugins_env_blocks_third_party_and_builtin_plugins(acme, monkey
     assert pm.names("pagoda_schedulers") == []
     assert "default" in pm.names("pagoda_samplers")  # other plugins are untouched
     assert pm.blocked == {"acme": "acme-sched 1.2.0", "schedulers": BUILTIN_DIST}  # pagoda plugins lists them
-    with pytest.raises(ConfigError, match="available: none"):
+    with pytest.raises(ConfigError, match="available: none; PAGODA_DISABLE_PLUGINS blocks the plugins acme "
+                                          r"\(acme-sched 1.2.0\), schedulers \(pagoda \(built-in\)\)"):
         pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
+
+
+@pytest.fixture
+def collide(site):
+    """A third-party plugin whose entry point has the name of a built-in plugin (``schedulers``)."""
+    install_fake_dist(site, "pagoda-collide", "1.0", {"schedulers": "collide_sched"},
+                      {"collide_sched": scheduler_module("EarliestDeadline", "edf")})
+    return site
+
+
+def test_an_entry_point_named_like_a_builtin_is_blocked_by_its_distribution_qualified_name(collide, monkeypatch):
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers")  # the built-in only
+    pm = PluginManager().load()
+    assert pm.blocked == {"schedulers": BUILTIN_DIST}
+    assert pm.names("pagoda_schedulers") == ["edf"]
+    with pytest.raises(ConfigError, match=r"unknown scheduler 'fcfs'.*blocks the plugins schedulers \(pagoda "
+                                          r"\(built-in\)\).*if 'fcfs' is one of them, unblock its plugin"):
+        pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "pagoda-collide:schedulers")  # the third-party one only
+    pm = PluginManager().load()
+    assert pm.blocked == {"pagoda-collide:schedulers": "pagoda-collide 1.0"}
+    assert pm.names("pagoda_schedulers") == ["fcfs", "priority"]
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers,pagoda-collide:schedulers,fcfs")
+    pm = PluginManager().load()
+    assert pm.blocked == {"schedulers": BUILTIN_DIST, "pagoda-collide:schedulers": "pagoda-collide 1.0"}
+    assert pm.unmatched_blocks == ["fcfs"]  # a component name, not a plugin name
 
 
 def test_disabling_one_of_two_duplicates_resolves_the_clash(site, monkeypatch):
@@ -370,3 +403,136 @@ def test_auto_picks_the_highest_ranked_backend_that_can_run_even_a_third_party_o
     assert [c.name for c in auto_backend_order(pm, "cuda")] == ["cuda", "triton", "torch"]
     llm = tiny_llm(tiny_dir, attention_backend="auto", plugin_manager=pm)
     assert type(llm.engine.backend).__name__ == "FastBackend"  # the unavailable one was skipped
+
+
+# ---- no plugin problem stops `pagoda --help` or `pagoda plugins` -------------------------------------
+
+TROUBLE = {
+    "dup_a": scheduler_module("DupA", "lottery"),
+    "dup_b": scheduler_module("DupB", "lottery"),
+    "raising_hook": "import pagoda\n\n@pagoda.hookimpl\ndef pagoda_samplers():\n    raise RuntimeError('blew up')\n",
+    "not_a_mapping": "import pagoda\n\n@pagoda.hookimpl\ndef pagoda_samplers():\n    return ['oops']\n",
+    "import_error": "raise ImportError('needs libfrobnicate 2.0')\n",
+    "wrong_api": scheduler_module("Future", "future") + "\nPAGODA_PLUGIN_API = '>=2,<3'\n",
+    "cli_clash": """
+        import pagoda
+
+        def register(sub):
+            sub.add_parser("plugins", help="a third-party 'plugins' command")
+
+        @pagoda.hookimpl
+        def pagoda_cli_commands():
+            return {"plugins": register, "count-tokens": register}
+    """,
+    "cli_clash_2": """
+        import pagoda
+
+        def register(sub):
+            sub.add_parser("count-tokens")
+
+        @pagoda.hookimpl
+        def pagoda_cli_commands():
+            return {"count-tokens": register}
+    """,
+}
+
+
+@pytest.fixture
+def trouble(site):
+    for module, source in TROUBLE.items():
+        dist = "trouble-" + module.replace("_", "-")
+        install_fake_dist(site, dist, "0.1", {module: module}, {module: source})
+    return site
+
+
+def run_pagoda(site: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("PAGODA_DISABLE_PLUGINS", None)
+    return subprocess.run([str(PAGODA_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble):
+    """Duplicate names (components and CLI commands), a hook that raises, one returning a list, an import
+    error and an API range that excludes this pagoda: `--help` and `plugins` still work and show them."""
+    help_run = run_pagoda(trouble, "--help")
+    assert help_run.returncode == 0 and "Traceback" not in help_run.stderr, help_run.stderr
+    assert "generate" in help_run.stdout and "plugins" in help_run.stdout
+    listing = run_pagoda(trouble, "plugins")
+    assert listing.returncode == 0, listing.stderr
+    out = listing.stdout
+    rows = [line.split() for line in out.splitlines()]
+    assert ["scheduler", "lottery", "dup_a", "trouble-dup-a", "0.1", "CONFLICT", "(see", "below)"] in rows
+    assert ["scheduler", "lottery", "dup_b", "trouble-dup-b", "0.1", "CONFLICT", "(see", "below)"] in rows
+    assert ("conflict: two plugins provide the scheduler 'lottery': plugin 'dup_a' from trouble-dup-a 0.1 and "
+            "plugin 'dup_b' from trouble-dup-b 0.1; uninstall one, or block one with "
+            "PAGODA_DISABLE_PLUGINS=dup_b") in out
+    assert "conflict: two plugins provide the CLI command 'plugins'" in out
+    failed = {row[2] for row in rows if row and row[0] == "(failed)"}
+    assert failed == {"raising_hook", "not_a_mapping", "import_error", "wrong_api"}
+    assert "returned list ['oops'], not a {name: factory} mapping" in out
+    assert ["scheduler", "fcfs", "schedulers", "pagoda", "(built-in)", "-"] in rows  # the rest is intact
+    clash = run_pagoda(trouble, "count-tokens", "x")
+    assert clash.returncode == 2 and "Traceback" not in clash.stderr
+    assert clash.stderr.strip().splitlines() == [
+        "pagoda count-tokens: error: two plugins provide the CLI command 'count-tokens': plugin 'cli_clash' from "
+        "trouble-cli-clash 0.1 and plugin 'cli_clash_2' from trouble-cli-clash-2 0.1; uninstall one, or block one "
+        "with PAGODA_DISABLE_PLUGINS=cli_clash_2"]
+
+
+def test_pagoda_plugins_shows_every_blocked_plugin_and_a_block_that_matches_none(collide):
+    env = dict(os.environ, PYTHONPATH=str(collide), PAGODA_DISABLE_PLUGINS="schedulers,pagoda-collide:schedulers,fcfs")
+    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert ["(blocked)", "-", "schedulers", "pagoda", "(built-in)", "PAGODA_DISABLE_PLUGINS"] in rows
+    assert ["(blocked)", "-", "pagoda-collide:schedulers", "pagoda-collide", "1.0", "PAGODA_DISABLE_PLUGINS"] in rows
+    assert "PAGODA_DISABLE_PLUGINS names 'fcfs', which is no installed plugin" in result.stdout
+
+
+# ---- composition: a component built on another one ---------------------------------------------------
+
+WRAPPER = """
+import pagoda
+
+@pagoda.hookimpl
+def pagoda_schedulers(plugin_manager):
+    def counted(scheduler_config, cache_config, kv_manager):
+        inner = plugin_manager.factory("pagoda_schedulers", "priority")
+        scheduler = inner(scheduler_config, cache_config, kv_manager)
+        scheduler.built_by = "counted"
+        return scheduler
+    return {"counted-priority": counted}
+"""
+
+EAGER = """
+import pagoda
+
+@pagoda.hookimpl
+def pagoda_schedulers(plugin_manager):
+    return {"eager": plugin_manager.factory("pagoda_schedulers", "fcfs")}
+"""
+
+
+def test_a_hook_taking_the_plugin_manager_wraps_a_builtin_by_kind_and_name(site, tiny_dir):
+    install_fake_dist(site, "wrapper", "1.0", {"wrapper": "wrapper_sched"}, {"wrapper_sched": WRAPPER})
+    pm = PluginManager().load()
+    assert not pm.failures
+    from pagoda.plugins.schedulers.priority import PriorityScheduler
+
+    assert pm.factory("pagoda_schedulers", "priority") is PriorityScheduler
+    llm = tiny_llm(tiny_dir, scheduling_policy="counted-priority")
+    scheduler = llm.engine.scheduler
+    assert isinstance(scheduler, PriorityScheduler) and scheduler.built_by == "counted"
+    with pytest.raises(ConfigError, match=r"unknown scheduler 'nope' for plugin_manager.factory\('pagoda_schedulers', "
+                                          r"'nope'\); available: 'counted-priority' \(wrapper 1.0\), 'fcfs'"):
+        pm.factory("pagoda_schedulers", "nope")
+    with pytest.raises(ConfigError, match="'attention backends' is not a component hook; use one of pagoda_model"):
+        pm.factory("attention backends", "torch")
+
+
+def test_looking_up_a_factory_while_components_are_collected_says_to_do_it_inside_the_factory(site):
+    install_fake_dist(site, "eager", "1.0", {"eager": "eager_sched"}, {"eager_sched": EAGER})
+    pm = PluginManager().load()
+    [failure] = pm.failures
+    assert "still being collected; call it inside your factory" in failure.reason
+    assert "fcfs" in pm.names("pagoda_schedulers")

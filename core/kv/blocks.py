@@ -9,10 +9,12 @@ this manager decides (swap out, swap in, copy) travel to the runner in the
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import typing
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from pagoda.config import CacheConfig
 from pagoda.kv.swap import SwapPool
@@ -26,11 +28,15 @@ BlockKey = tuple[Optional[int], tuple[int, ...], tuple]
 
 @dataclass(eq=False)
 class KVBlock:
+    """One block of the pool, as the allocator keeps its books (read-only to policies)."""
+
     block_id: int
     ref_cnt: int = 0
     # set while the block is full and registered in the prefix cache; ``key`` confirms a hash hit
     block_hash: Optional[int] = None
     key: Optional[BlockKey] = None
+    # prefix-cache hits on the block's current contents (reset when it is overwritten with others)
+    num_hits: int = 0
 
 
 @dataclass
@@ -54,8 +60,9 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
 
     - Prefix cache: a full block is registered under its chain hash as soon as
       its slots are handed out; freed registered blocks stay reusable until the
-      pool needs them, least recently freed first (blocks holding nothing
-      reusable are handed out before any cached one).
+      pool needs them (blocks holding nothing reusable are handed out before any
+      cached one). Which cached block is overwritten first is
+      :meth:`eviction_key`'s choice: by default the least recently freed.
     - Copy-on-write: a request about to write into a block that others also
       hold gets a private copy first; the (source, copy) pairs wait in
       :meth:`take_block_copies` for the scheduler to pass to the runner.
@@ -90,7 +97,24 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         self._swapped: dict[str, list[int]] = {}  # request id -> swap slot per table position
         self.stats = PrefixCacheStats()
         self.tiers: Optional[KVTierIndex] = None  # the offload tiers' books, when on
+        # a subclass's eviction_key orders the free cached blocks in a heap of (key, tie, block id); the
+        # default keeps ``_free``'s order (least recently freed first) and needs none
+        self._is_keyed_eviction = type(self).eviction_key is not PagedKVCacheManager.eviction_key
+        self._eviction_heap: list[tuple[Any, int, int]] = []
+        self._eviction_tie: dict[int, int] = {}  # block id -> its live heap entry's tie
+        self._eviction_count = itertools.count()
         self.init_swap_pool(num_swap_blocks)
+
+    # ---- policy: the public method an eviction policy overrides ------------------------------------
+
+    def eviction_key(self, block: KVBlock) -> Any:
+        """Called when a block holding a cached prefix is freed by its last holder: among such free
+        blocks, the one with the smallest key is overwritten first when the pool needs a block (ties: the
+        least recently freed). The key is fixed until the block is taken again (a prefix hit or an
+        eviction); ``block.num_hits`` counts the prefix hits on its contents. Blocks holding nothing
+        reusable are always handed out before any cached one. The default, None, is least recently freed
+        first (LRU)."""
+        return None
 
     # ---- queries -----------------------------------------------------------
 
@@ -337,14 +361,23 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
                 if block.block_hash is None:
                     # nothing reusable in it: hand it out before any cached block
                     self._free.move_to_end(block.block_id, last=False)
+                elif self._is_keyed_eviction:
+                    tie = next(self._eviction_count)
+                    self._eviction_tie[block.block_id] = tie
+                    heapq.heappush(self._eviction_heap, (self.eviction_key(block), tie, block.block_id))
 
     def _take_hit(self, block: KVBlock) -> None:
         if block.ref_cnt == 0:
             del self._free[block.block_id]
+            self._eviction_tie.pop(block.block_id, None)  # its heap entry is stale now
         block.ref_cnt += 1
+        block.num_hits += 1
 
     def _take_fresh(self) -> KVBlock:
-        _, block = self._free.popitem(last=False)
+        if self._is_keyed_eviction:
+            block = self._take_by_key()
+        else:
+            _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
             # its old contents are about to be overwritten: drop it from the prefix cache
             if self._cached.get(block.block_hash) is block:
@@ -353,8 +386,21 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
                     self.tiers.offload(block.block_hash, block.key, block.block_id)
             block.block_hash = None
             block.key = None
+        block.num_hits = 0
         block.ref_cnt = 1
         return block
+
+    def _take_by_key(self) -> KVBlock:
+        """The next free block under :meth:`eviction_key`: an uncached one if any (they lead ``_free``),
+        else the cached one with the smallest key."""
+        first = next(iter(self._free.values()))
+        if first.block_hash is None and first.block_id not in self._eviction_tie:
+            return self._free.pop(first.block_id)
+        while True:
+            _, tie, block_id = heapq.heappop(self._eviction_heap)
+            if self._eviction_tie.get(block_id) == tie:  # else taken and freed again since: a stale entry
+                del self._eviction_tie[block_id]
+                return self._free.pop(block_id)
 
     def _register(self, block: KVBlock, key: BlockKey) -> None:
         block.block_hash = hash_block(*key)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import pluggy
 
@@ -16,6 +17,11 @@ from pagoda.errors import ConfigError
 from pagoda.host.env import env_bool
 from pagoda.registry.deprecation import RenamingPluggy
 from pagoda.version import PLUGIN_API_VERSION, __version__
+
+if TYPE_CHECKING:
+    from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
+                                   KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
+                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory)
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
@@ -67,6 +73,25 @@ class PluginFailure:
         return lines[-1].strip() if lines else "unknown error"
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """Two or more plugins providing one component name: none of them is selectable until one goes."""
+
+    kind: str
+    name: str
+    providers: tuple[Component, ...]
+
+    @property
+    def reason(self) -> str:
+        """One line: who provides the name, and how to resolve it."""
+        who = " and ".join(f"plugin {c.plugin!r} from {c.dist}" for c in self.providers)
+        # the one to block: a third-party plugin rather than pagoda's own, the last loaded among equals
+        block = next((c for c in reversed(self.providers) if c.dist != BUILTIN_DIST), self.providers[-1])
+        count = "two" if len(self.providers) == 2 else str(len(self.providers))
+        return (f"{count} plugins provide the {self.kind} {self.name!r}: {who}; uninstall one, or "
+                f"block one with PAGODA_DISABLE_PLUGINS={block.plugin}")
+
+
 @dataclass
 class PluginManager:
     """pluggy's manager plus pagoda's name registry.
@@ -82,8 +107,14 @@ class PluginManager:
     api_ranges: dict[str, str] = field(default_factory=dict)
     # plugin name -> distribution, for installed plugins not loaded because PAGODA_DISABLE_PLUGINS names them
     blocked: dict[str, str] = field(default_factory=dict)
+    # names in PAGODA_DISABLE_PLUGINS that are no installed plugin's name
+    unmatched_blocks: list[str] = field(default_factory=list)
     failures: list[PluginFailure] = field(default_factory=list)
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
+    # hook name -> component name -> the plugins that all provide it (none of them is selectable)
+    conflicts: dict[str, dict[str, Conflict]] = field(default_factory=dict)
+    # True while the component hooks are being called (the registry is incomplete)
+    is_collecting: bool = False
 
     @property
     def hook(self):
@@ -94,7 +125,8 @@ class PluginManager:
         then build the name registry.
 
         Built-ins come in the way a third-party plugin does. An entry point whose name is taken already
-        is registered as ``<distribution>:<name>``, never dropped.
+        (by a plugin loaded, blocked or failed before it) is named ``<distribution>:<name>``, never dropped,
+        and that is the name ``disabled`` (``PAGODA_DISABLE_PLUGINS``) blocks it by.
         """
         self.pm.add_hookspecs(hookspecs)
         if disabled is None:
@@ -110,15 +142,17 @@ class PluginManager:
                 f"{PAGODA_DIST!r} distribution were found; install pagoda (`make install`, or "
                 "`pip install -e .` in its source folder) instead of running it from the folder"
             )
+        taken: set[str] = set()
         for ep in own + (others if autoload else []):
             dist_name = ep.dist.name if ep.dist else "unknown"
             dist = BUILTIN_DIST if ep in own else f"{dist_name} {ep.dist.version if ep.dist else ''}".strip()
-            name = ep.name if self.pm.get_plugin(ep.name) is None and ep.name not in self.dists else \
-                f"{dist_name}:{ep.name}"
+            name = f"{dist_name}:{ep.name}" if ep.name in taken else ep.name
+            taken.add(name)
             if name in disabled:
                 self.blocked[name] = dist
                 continue
             self._register(name, dist, ep.load)
+        self.unmatched_blocks = sorted(disabled - set(self.blocked))
         self._build_registry()
         return self
 
@@ -155,30 +189,42 @@ class PluginManager:
 
     def _build_registry(self) -> None:
         components: dict[str, dict[str, Component]] = {}
-        for hook_name, kind in COMPONENT_HOOKS.items():
-            by_name: dict[str, Component] = {}
-            caller = getattr(self.pm.hook, hook_name)
-            for impl in caller.get_hookimpls():
-                plugin_name = self.pm.get_name(impl.plugin) or repr(impl.plugin)
-                dist = self.dists.get(plugin_name, "unknown")
-                try:
-                    # hooks import their components lazily, so a missing dependency surfaces here
-                    mapping = impl.function() or {}
-                except Exception:
-                    self._record_failure(plugin_name, dist, traceback.format_exc())
-                    continue
-                for comp_name, factory in mapping.items():
-                    if comp_name in by_name:
-                        other = by_name[comp_name]
-                        raise ConfigError(
-                            f"two plugins provide the {kind} {comp_name!r}: plugin "
-                            f"{other.plugin!r} from {other.dist} and plugin {plugin_name!r} "
-                            f"from {dist}; uninstall one, or block one with "
-                            f"PAGODA_DISABLE_PLUGINS={plugin_name}"
-                        )
-                    by_name[comp_name] = Component(kind, comp_name, factory, plugin_name, dist)
-            components[hook_name] = by_name
-        self.components = components
+        conflicts: dict[str, dict[str, Conflict]] = {}
+        self.is_collecting = True
+        try:
+            for hook_name, kind in COMPONENT_HOOKS.items():
+                providers: dict[str, list[Component]] = {}
+                for component in self._collect(hook_name, kind):
+                    providers.setdefault(component.name, []).append(component)
+                components[hook_name] = {name: found[0] for name, found in providers.items() if len(found) == 1}
+                conflicts[hook_name] = {name: Conflict(kind, name, tuple(found))
+                                        for name, found in providers.items() if len(found) > 1}
+        finally:
+            self.is_collecting = False
+        self.components, self.conflicts = components, conflicts
+
+    def _collect(self, hook_name: str, kind: str) -> list[Component]:
+        """Every plugin's components of one hook; a hook that raises or returns something other than
+        ``{name: factory}`` is recorded as its plugin's failure and contributes nothing."""
+        found: list[Component] = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            plugin_name = self.pm.get_name(impl.plugin) or repr(impl.plugin)
+            dist = self.dists.get(plugin_name, "unknown")
+            # a hook may take the plugin manager, to look up the factories of the components it wraps
+            kwargs = {"plugin_manager": self} if "plugin_manager" in impl.argnames else {}
+            try:
+                # hooks import their components lazily, so a missing dependency surfaces here
+                mapping = impl.function(**kwargs) or {}
+            except Exception:
+                self._record_failure(plugin_name, dist, traceback.format_exc())
+                continue
+            if not isinstance(mapping, Mapping) or not all(isinstance(name, str) for name in mapping):
+                self._record_failure(plugin_name, dist, f"{hook_name} of plugin {plugin_name!r} returned "
+                                     f"{type(mapping).__name__} {mapping!r:.80}, not a {{name: factory}} mapping "
+                                     "with string names; return a dict such as {'my-name': MyFactory}")
+                continue
+            found += [Component(kind, name, factory, plugin_name, dist) for name, factory in mapping.items()]
+        return found
 
     def _record_failure(self, name: str, dist: str, error: str) -> None:
         if not any(f.name == name and f.error == error for f in self.failures):  # the registry is rebuilt
@@ -188,23 +234,78 @@ class PluginManager:
         return sorted(self.components.get(hook_name, {}))
 
     def get(self, hook_name: str, name: str, option: str) -> Component:
-        """The component called ``name``, or a ConfigError listing what exists."""
+        """The component called ``name``, or a ConfigError listing what exists (and, for a name two plugins
+        provide, the one-line reason it cannot be selected)."""
+        if hook_name not in COMPONENT_HOOKS:
+            raise ConfigError(f"{hook_name!r} is not a component hook; use one of {', '.join(COMPONENT_HOOKS)}")
         available = self.components.get(hook_name, {})
         if name in available:
             return available[name]
+        conflict = self.conflicts.get(hook_name, {}).get(name)
+        if conflict is not None:
+            raise ConfigError(f"cannot select {name!r} for {option}: {conflict.reason}")
         kind = COMPONENT_HOOKS[hook_name]
         listing = ", ".join(f"{c.name!r} ({c.dist})" for c in sorted(available.values(), key=lambda c: c.name))
         msg = f"unknown {kind} {name!r} for {option}; available: {listing or 'none'}"
+        if self.blocked:
+            msg += ("; PAGODA_DISABLE_PLUGINS blocks the plugins " + ", ".join(
+                f"{plugin} ({dist})" for plugin, dist in sorted(self.blocked.items()))
+                + f", whose components are not loaded: if {name!r} is one of them, unblock its plugin")
         if self.failures:
             msg += "; plugins that failed to load: " + ", ".join(f"{f.name} ({f.dist}: {f.reason})"
                                                                   for f in self.failures)
             msg += " (run `pagoda plugins` for the details)"
         raise ConfigError(msg)
 
+    # overloads: the factory's type follows from the hook, as pagoda.interfaces declares it
+    @overload
+    def factory(self, hook_name: Literal["pagoda_model_loaders"], name: str) -> "ModelLoaderFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_model_architectures"], name: str) -> "ModelArchitectureFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_kv_allocators"], name: str) -> "KVAllocatorFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_schedulers"], name: str) -> "SchedulerFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_attention_backends"], name: str) -> "AttentionBackendFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_samplers"], name: str) -> "SamplerFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_quant_methods"], name: str) -> "QuantMethodFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_proposers"], name: str) -> "ProposerFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_executors"], name: str) -> "ExecutorFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_all_reduce_backends"], name: str) -> "AllReduceFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_routers"], name: str) -> "RouterFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_cli_commands"], name: str) -> "CLICommand": ...
+
+    def factory(self, hook_name: str, name: str) -> Any:
+        """The factory of the component ``name`` of ``hook_name`` (``"pagoda_attention_backends"``,
+        ``"torch"``), for a component that wraps or decorates another one.
+
+        A component hook that takes a ``plugin_manager`` argument gets this manager; call ``factory``
+        inside your own factory (when the engine builds its components, every plugin is loaded), not in
+        the hook itself, which runs while the components are still being collected.
+        """
+        if self.is_collecting:
+            raise ConfigError(f"plugin_manager.factory({hook_name!r}, {name!r}) was called while the plugins' "
+                              "components are still being collected; call it inside your factory, which the "
+                              "engine calls once every plugin is loaded")
+        return self.get(hook_name, name, f"plugin_manager.factory({hook_name!r}, {name!r})").factory
+
     def table(self) -> list[Component]:
-        """Every component, sorted by kind then name (for ``pagoda plugins``)."""
+        """Every selectable component, sorted by kind then name (for ``pagoda plugins``)."""
         rows = [c for by_name in self.components.values() for c in by_name.values()]
         return sorted(rows, key=lambda c: (c.kind, c.name))
+
+    def conflict_list(self) -> list[Conflict]:
+        """Every name more than one plugin provides, sorted by kind then name."""
+        return sorted((c for by_name in self.conflicts.values() for c in by_name.values()),
+                      key=lambda c: (c.kind, c.name))
 
     def notify_request_finished(self, request: Any) -> None:
         self.pm.hook.pagoda_request_finished(request=request)
@@ -232,6 +333,9 @@ def _entry_points() -> tuple[list, list]:
             continue
         seen.add(key)
         (own if dist_name == PAGODA_DIST else others).append(ep)
+    # a fixed order, whatever order the file system lists the distributions in: which of two clashing
+    # entry-point names becomes <distribution>:<name>, and the order in which messages name plugins
+    others.sort(key=lambda ep: (ep.dist.name if ep.dist else "", ep.name))
     return own, others
 
 

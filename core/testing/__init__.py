@@ -14,7 +14,9 @@ One check per component kind; each raises :class:`ContractError` saying what bro
   odd sizes;
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;
 - :func:`check_quant_method`: quantized linear layers against their dequantized (or dense) reference;
-- :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding.
+- :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
+- :class:`StrictContracts` (the fixture ``pagoda_strict_llm``): the engine on the default model with every
+  component behind a proxy that records each attribute used outside its Protocol.
 
 Installed with pagoda, the kit is also a pytest plugin (see :mod:`pagoda.testing.pytest_plugin`).
 Importing it imports torch; the checks that need a model use pagoda's default model.
@@ -33,6 +35,7 @@ _EXPORTS = {
     "check_sampler": "sampler",
     "SimRunner": "scheduling", "check_kv_allocator": "scheduling", "check_scheduler": "scheduling",
     "expected_output": "scheduling", "next_token": "scheduling",
+    "Proxy": "strict", "StrictContracts": "strict", "contract_names": "strict",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -14,9 +14,12 @@ from pagoda.errors import BackendUnavailable
 from pagoda.interfaces import AttentionBackendFactory
 from pagoda.registry.adapt import adapt_component
 from pagoda.step import AttentionBatch
-from pagoda.testing.contract import ContractError
+from pagoda.testing.contract import ContractError, Where
 
 # (atol, rtol) per dtype: both sides accumulate in float32 and round once to the storage type
+# every byte of a block no sequence holds: 0x5A5A5A5A is 1.5e16 as float32, 1.5e16 as bfloat16, 203.25 as float16,
+# finite in every KV dtype, and no kernel writes it; zeros (what a cleared or untouched cache holds) are caught
+UNOWNED_BYTE = 0x5A
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
@@ -68,8 +71,9 @@ def check_attention_backend(factory: AttentionBackendFactory, dtypes: tuple = (t
             except BackendUnavailable as exc:
                 unavailable = exc
                 continue
-            where = f"{name}, case {case_index} ({case.num_heads} heads / {case.num_kv_heads} KV heads of " \
-                    f"{case.head_dim}, blocks of {case.block_size}), {str(dtype).removeprefix('torch.')}"
+            where = Where(name, seed, f"case {case_index}: {case.num_heads} heads / {case.num_kv_heads} KV heads of "
+                                      f"{case.head_dim}, blocks of {case.block_size}, "
+                                      f"{str(dtype).removeprefix('torch.')}")
             _check_case(backend, case, mc, dtype, random.Random(seed * 1000 + case_index), device, where)
             ran += 1
     if not ran:
@@ -91,12 +95,12 @@ def component_configs(case: AttentionCase, dtype: torch.dtype) -> tuple[ModelCon
 
 
 def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtype, rng: random.Random, device: str,
-                where: str) -> None:
+                where: Where) -> None:
     one, two, five = (tuple(backend.kv_cache_shape(n)) for n in (1, 2, 5))
     grows = [i for i, (a, b) in enumerate(zip(one, two)) if a != b]
     if len(one) != len(two) or len(grows) != 1 or five[grows[0]] != 5 * one[grows[0]]:
-        raise ContractError(f"{where}: kv_cache_shape gives {one}, {two}, {five} for 1, 2, 5 blocks; exactly one "
-                            "axis must grow with the block count")
+        raise where.at(0).fail("kv_cache_shape(1), (2), (5)", f"the shapes are {one}, {two}, {five}",
+                               "exactly one axis grows with the block count", "the backend's kv_cache_shape()")
     bs, gen = case.block_size, torch.Generator().manual_seed(rng.randrange(1 << 30))
     seq_lens = [c + q for c, q in zip(case.context_lens, case.query_lens)]
     tables_needed = [-(-s // bs) for s in seq_lens]
@@ -114,6 +118,12 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
     v_all = [torch.randn(s, case.num_kv_heads, case.head_dim, generator=gen).to(dtype) for s in seq_lens]
     kv_dtype = stored_kv_dtype(backend, dtype)
     cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=kv_dtype, device=device)
+    block_axis = grows[0]
+    unowned = [b for b in range(num_blocks) if b not in owned]
+    sentinel = torch.full((torch.empty((), dtype=kv_dtype).element_size(),), UNOWNED_BYTE, dtype=torch.uint8)
+    sentinel = sentinel.view(kv_dtype)[0].to(device)  # the value whose every byte is UNOWNED_BYTE
+    for b in unowned:
+        cache.select(block_axis, b).fill_(sentinel)
     # a softmax scale other than 1/sqrt(head_dim): a backend must take the layer's
     layer = _Layer(case, 0.75 * case.head_dim ** -0.5)
     first = [(r, 0, c) for r, c in enumerate(case.context_lens) if c > 0]
@@ -126,9 +136,11 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
         q, k, v = (_strided(torch.cat([t[r][s:s + n] for r, s, n in items])) for t in (q_all, k_all, v_all))
         metadata = backend.build_metadata(batch)
         out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache, metadata)
+        at = where.at(step + 1)
         want_shape = (batch.num_tokens, case.num_heads * case.head_dim)
         if tuple(out.shape) != want_shape:
-            raise ContractError(f"{where}, step {step + 1}: forward returned shape {tuple(out.shape)}, not {want_shape}")
+            raise at.fail("forward()", f"the output has shape {tuple(out.shape)}", f"forward returns [tokens, heads * "
+                          f"head_dim], here {want_shape}", "the backend's forward()")
         expected = torch.cat([_reference(q_all[r], k_all[r], v_all[r], s, n, layer.scale) for r, s, n in items])
         atol, rtol = TOLERANCE.get(dtype, (2e-2, 2e-2))
         got = out.float().cpu()
@@ -137,16 +149,18 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
             token = int(err.amax(dim=1).argmax())
             row = next(i for i, (_, _, n) in enumerate(items) if token < sum(x[2] for x in items[:i + 1]))
             r, s, _ = items[row]
-            raise ContractError(
-                f"{where}, step {step + 1}: output differs from dense attention by up to {float(err.max()):.3g} "
-                f"(tolerance {atol} + {rtol} x |value|), largest at sequence {r}, position "
+            raise at.fail(
+                "forward()", f"the output differs from dense attention by up to {float(err.max()):.3g} (tolerance "
+                f"{atol} + {rtol} x |value|), largest at sequence {r}, position "
                 f"{s + token - sum(x[2] for x in items[:row])}; expected {expected[token, :3].tolist()}..., got "
-                f"{got[token, :3].tolist()}...")
-    unowned = [b for b in range(num_blocks) if b not in owned]
-    block_axis = grows[0]
-    for b in unowned:
-        if cache.select(block_axis, b).float().abs().sum() != 0:
-            raise ContractError(f"{where}: block {b}, which no sequence holds, was written")
+                f"{got[token, :3].tolist()}...", "each token attends causally to its own sequence's K/V in its "
+                "block table, with the layer's softmax scale (layer.scale)",
+                "the backend's forward() (or build_metadata(), which prepares it)")
+        for b in unowned:
+            if not bool((cache.select(block_axis, b).float() == sentinel.float()).all()):
+                raise at.fail("forward()", f"block {b}, which no sequence holds, was written (its bytes were all "
+                              f"{UNOWNED_BYTE:#x} before the step)", "forward() writes K/V only into the slots "
+                              "slot_mapping names (-1: none)", "the backend's forward() (its K/V write)")
 
 
 def _batch(items: list[tuple[int, int, int]], tables: list[list[int]], bs: int) -> AttentionBatch:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from pagoda.interfaces import ProposerFactory
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import SchedulerOutput
-from pagoda.testing.contract import ContractError
+from pagoda.testing.contract import ContractError, Where
 
 PROPOSER_PROMPTS = [
     "The list: apple, banana, cherry, apple, banana, cherry, apple, banana,",
@@ -58,13 +58,19 @@ def check_proposer(factory: ProposerFactory, speculative_config: Optional[dict] 
             raise ContractError(problems[0]) from None
         raise
     if not checked:
-        raise ContractError(f"{name}: propose() was never called")
+        raise Where(name, "none (the engine, greedy)").fail(
+            "generate()", "propose() was never called", "the engine asks the proposer for drafts every step",
+            "the proposer's factory (or speculative_config)")
     for prompt, a, b in zip(PROPOSER_PROMPTS, plain, speculated):
         if b.error is not None:
-            raise ContractError(f"{name}: generating {prompt[:30]!r} failed: {b.error}")
+            raise Where(name, "none (the engine, greedy)").fail(
+                "generate()", f"generating {prompt[:30]!r} failed: {b.error}", "speculation never fails a request",
+                "the proposer's propose()")
         if a != b.outputs[0].token_ids:
-            raise ContractError(f"{name}: greedy tokens with speculation differ from plain decoding for prompt "
-                                f"{prompt[:30]!r}: {b.outputs[0].token_ids[:8]}... instead of {a[:8]}...")
+            raise Where(name, "none (the engine, greedy)").fail(
+                "generate()", f"greedy tokens with speculation differ from plain decoding for prompt {prompt[:30]!r}: "
+                f"{b.outputs[0].token_ids[:8]}... instead of {a[:8]}...", "speculation never changes greedy tokens",
+                "the proposer's draft probabilities (a distribution that is not the one the drafts came from)")
 
 
 _PROPOSER_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -92,6 +98,7 @@ class _CheckedProposer:
     def propose(self, sched: SchedulerOutput):
         drafts, probs = self.proposer.propose(sched)
         self.checked.append("")
+        self.where = Where(self.name, "none (the engine, greedy)").at(len(self.checked))
         try:
             self._check(sched, drafts, probs)
         except ContractError as exc:
@@ -102,15 +109,19 @@ class _CheckedProposer:
     def _check(self, sched: SchedulerOutput, drafts, probs) -> None:
         n = len(sched.requests)
         if len(drafts) != n or len(probs) != n:
-            raise ContractError(f"{self.name}: propose() returned {len(drafts)} draft lists and {len(probs)} "
-                                f"distributions for a step of {n} sequences")
+            raise self.where.fail("propose()", f"propose() returned {len(drafts)} draft lists and {len(probs)} "
+                                  f"distributions for a step of {n} sequences", "one draft list and one distribution "
+                                  "(or None) per sequence of the step", "the proposer's propose()")
         for i, (ids, q) in enumerate(zip(drafts, probs)):
             rid = sched.requests[i].request_id
             if len(ids) > sched.num_draft_slots[i]:
-                raise ContractError(f"{self.name}: {len(ids)} drafts for {rid}, which has "
-                                    f"{sched.num_draft_slots[i]} draft slots")
+                raise self.where.fail("propose()", f"{len(ids)} drafts for {rid}, which has "
+                                      f"{sched.num_draft_slots[i]} draft slots", "at most num_draft_slots[i] drafts",
+                                      "the proposer's propose()")
             if any(not isinstance(t, int) or not 0 <= t < self.vocab for t in ids):
-                raise ContractError(f"{self.name}: drafts {ids} for {rid} are not token ids in [0, {self.vocab})")
+                raise self.where.fail("propose()", f"drafts {ids} for {rid} are not token ids in [0, {self.vocab})",
+                                      "drafts are int token ids of the vocabulary", "the proposer's propose()")
             if q is not None and tuple(q.shape) != (len(ids), self.vocab):
-                raise ContractError(f"{self.name}: draft probabilities of shape {tuple(q.shape)} for {rid}, not "
-                                    f"({len(ids)}, {self.vocab})")
+                raise self.where.fail("propose()", f"draft probabilities of shape {tuple(q.shape)} for {rid}, not "
+                                      f"({len(ids)}, {self.vocab})", "probabilities are [num_drafts, vocab] or None",
+                                      "the proposer's propose()")

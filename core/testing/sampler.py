@@ -11,7 +11,7 @@ from pagoda.config import ModelConfig
 from pagoda.interfaces import SamplerFactory
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
-from pagoda.testing.contract import ContractError
+from pagoda.testing.contract import ContractError, Where
 
 VOCAB = 96
 EOS = 2
@@ -32,7 +32,7 @@ def check_sampler(factory: SamplerFactory, draws: int = 2000, seed: int = 0) -> 
 
     Raises ContractError.
     """
-    name = getattr(factory, "__name__", repr(factory))
+    where = Where(getattr(factory, "__name__", repr(factory)), seed)
     sampler = factory(_model_config())
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, VOCAB, generator=gen) * 3
@@ -42,24 +42,28 @@ def check_sampler(factory: SamplerFactory, draws: int = 2000, seed: int = 0) -> 
             SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=1.0, top_p=0.9)]
     seqs = [_sequence(f"row{i}", p) for i, p in enumerate(rows)]
     out = sampler(logits.clone(), seqs)
-    ids = _token_ids(out, len(seqs), name, "a batch of 6 rows")
+    ids = _token_ids(out, len(seqs), where.at("1 (6 rows of mixed settings)", "batch"))
     argmax = logits.argmax(dim=-1).tolist()
     for i in (0, 1, 4):
         if ids[i] != argmax[i]:
-            raise ContractError(f"{name}: row {i} ({_describe(rows[i])}) drew token {ids[i]}, not the argmax "
-                                f"{argmax[i]}")
+            raise where.at("1 (6 rows of mixed settings)", "batch").fail(
+                "the sampler's __call__()", f"row {i} ({_describe(rows[i])}) drew token {ids[i]}, not the argmax "
+                f"{argmax[i]}", "temperature 0 (or top_k=1) draws the most likely token",
+                "the sampler's draw() or its temperature / top-k filter")
     banned = seqs[2].banned_token_ids()
     if EOS not in banned:
-        raise ContractError(f"{name}: test setup: EOS should be banned before min_tokens, got {banned}")
+        raise ContractError(f"{where.describe()}: test setup: EOS should be banned before min_tokens, got {banned}")
     second = int(logits[2].masked_fill(torch.tensor([t in banned for t in range(VOCAB)]), float("-inf")).argmax())
     if ids[2] != second:
-        raise ContractError(f"{name}: row 2 (min_tokens=3, EOS banned) drew {ids[2]}, not {second}, the most likely "
-                            "token that is not banned")
-    _check_logprobs(out, logits, ids, rows, name)
+        raise where.at("1 (6 rows of mixed settings)", "batch").fail(
+            "the sampler's __call__()", f"row 2 (min_tokens=3, EOS banned) drew {ids[2]}, not {second}, the most "
+            "likely token that is not banned", "a sequence's banned_token_ids() are never drawn",
+            "the sampler's apply_bias_and_bans()")
+    _check_logprobs(out, logits, ids, rows, where)
     for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_p=0.6),
                    SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0, top_k=5)):
-        _check_distribution(sampler, params, draws, gen, name)
-    _check_seeds(sampler, gen, name)
+        _check_distribution(sampler, params, draws, gen, where)
+    _check_seeds(sampler, gen, where)
 
 
 def _model_config() -> ModelConfig:
@@ -82,17 +86,22 @@ def _describe(params: SamplingParams) -> str:
                      if f == "temperature" or getattr(params, f) != getattr(defaults, f))
 
 
-def _token_ids(out, n: int, name: str, where: str) -> list[int]:
+def _token_ids(out, n: int, where: Where) -> list[int]:
     ids = list(getattr(out, "token_ids", None) or [])
     if len(ids) != n:
-        raise ContractError(f"{name}: {where} gave {len(ids)} token ids, not one per row")
+        raise where.fail("the sampler's __call__()", f"the output has {len(ids)} token ids for {n} rows",
+                         "one token id per row", "the sampler's __call__() or draw()")
     for i, t in enumerate(ids):
         if not isinstance(t, int) or not 0 <= t < VOCAB:
-            raise ContractError(f"{name}: {where}, row {i}: {t!r} is not a token id in [0, {VOCAB})")
+            raise where.fail("the sampler's __call__()", f"row {i}: {t!r} is not a token id in [0, {VOCAB})",
+                             "token ids are Python ints within the vocabulary", "the sampler's draw()")
     return ids
 
 
-def _check_logprobs(out, logits: torch.Tensor, ids: list[int], rows: list[SamplingParams], name: str) -> None:
+def _check_logprobs(out, logits: torch.Tensor, ids: list[int], rows: list[SamplingParams], where: Where) -> None:
+    where = where.at("1 (6 rows of mixed settings)", "batch")
+    rule = "logprobs=k gives the drawn token's log-probability and rank under the model's distribution, and the k " \
+           "most likely tokens"
     raw = torch.log_softmax(logits, dim=-1)
     logprobs = getattr(out, "logprobs", None)
     for i, params in enumerate(rows):
@@ -100,18 +109,19 @@ def _check_logprobs(out, logits: torch.Tensor, ids: list[int], rows: list[Sampli
             continue
         entry = logprobs[i] if logprobs is not None and i < len(logprobs) else None
         if not entry or ids[i] not in entry:
-            raise ContractError(f"{name}: row {i} asked for logprobs={params.logprobs} but has no entry for its "
-                                f"token {ids[i]}")
+            raise where.fail("the sampler's __call__()", f"row {i} asked for logprobs={params.logprobs} but has no "
+                             f"entry for its token {ids[i]}", rule, "the sampler's logprobs")
         value, rank = entry[ids[i]]
         want_rank = int((raw[i] > raw[i, ids[i]]).sum()) + 1
         if not math.isclose(value, float(raw[i, ids[i]]), abs_tol=1e-4) or rank != want_rank:
-            raise ContractError(f"{name}: row {i}: token {ids[i]} has logprob {value:.5f} rank {rank}; the model's "
-                                f"distribution gives {float(raw[i, ids[i]]):.5f} rank {want_rank}")
+            raise where.fail("the sampler's __call__()", f"row {i}: token {ids[i]} has logprob {value:.5f} rank "
+                             f"{rank}; the model's distribution gives {float(raw[i, ids[i]]):.5f} rank {want_rank}",
+                             rule, "the sampler's logprobs (taken after processing rather than from the raw logits?)")
         top = raw[i].topk(params.logprobs).indices.tolist() if params.logprobs else []
         missing = [t for t in top if t not in entry]
         if missing:
-            raise ContractError(f"{name}: row {i} asked for the {params.logprobs} most likely tokens; {missing} "
-                                "are missing")
+            raise where.fail("the sampler's __call__()", f"row {i} asked for the {params.logprobs} most likely "
+                             f"tokens; {missing} are missing", rule, "the sampler's logprobs")
 
 
 def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -130,7 +140,8 @@ def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
-def _check_distribution(sampler, params: SamplingParams, draws: int, gen: torch.Generator, name: str) -> None:
+def _check_distribution(sampler, params: SamplingParams, draws: int, gen: torch.Generator, where: Where) -> None:
+    where = where.at(f"2 ({_describe(params)})", "distribution check")
     # a few likely tokens and a long tail, so temperature and the filters all change the distribution
     logits = torch.full((VOCAB,), -2.0)
     logits[:8] = torch.linspace(2.0, 0.0, 8)
@@ -140,7 +151,7 @@ def _check_distribution(sampler, params: SamplingParams, draws: int, gen: torch.
     for _ in range(max(1, draws // batch)):
         seqs = [_sequence(f"d{i}", params) for i in range(batch)]
         out = sampler(logits.expand(batch, VOCAB).clone(), seqs)
-        for t in _token_ids(out, batch, name, f"a batch of {batch} rows ({_describe(params)})"):
+        for t in _token_ids(out, batch, where):
             counts[t] += 1
     observed = counts / counts.sum()
     expected = _expected(logits, params)
@@ -151,13 +162,15 @@ def _check_distribution(sampler, params: SamplingParams, draws: int, gen: torch.
     typical = (2 / math.pi) ** 0.5 / 2 * float((expected * (1 - expected) / n).sqrt().sum())
     bound = 0.02 + 2.0 * typical
     if outside or tv > bound:
-        raise ContractError(
-            f"{name}: with {_describe(params)}, {int(counts.sum())} draws are {tv:.3f} (total variation) from the "
-            f"distribution asked for (bound {bound:.3f}); {outside} draws fell outside it; most drawn "
-            f"{counts.topk(4).indices.tolist()}, expected {expected.topk(4).indices.tolist()}")
+        raise where.fail(
+            "the sampler's __call__()", f"with {_describe(params)}, {int(counts.sum())} draws are {tv:.3f} (total "
+            f"variation) from the distribution asked for (bound {bound:.3f}); {outside} draws fell outside it; most "
+            f"drawn {counts.topk(4).indices.tolist()}, expected {expected.topk(4).indices.tolist()}",
+            "draws follow softmax(logits / temperature) after the top-k, top-p and min-p filters",
+            "the sampler's draw() or process_logits(), or its temperature and filters")
 
 
-def _check_seeds(sampler, gen: torch.Generator, name: str) -> None:
+def _check_seeds(sampler, gen: torch.Generator, where: Where) -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
     logits = torch.randn(4, VOCAB, generator=gen)
     alone_seq = _sequence("alone", params, seed=1234)
@@ -166,5 +179,6 @@ def _check_seeds(sampler, gen: torch.Generator, name: str) -> None:
     others = [_sequence(f"other{i}", SamplingParams(temperature=1.0)) for i in range(3)]
     together = [sampler(logits.clone(), [together_seq] + others).token_ids[0] for _ in range(5)]
     if alone != together:
-        raise ContractError(f"{name}: a sequence with seed 1234 drew {alone} alone but {together} in a batch of 4; "
-                            "a seeded sequence's tokens must not depend on its batch")
+        raise where.at("3 (seeded rows)", "batch").fail(
+            "the sampler's __call__()", f"a sequence with seed 1234 drew {alone} alone but {together} in a batch of 4",
+            "a seeded sequence's tokens must not depend on its batch", "the sampler's draw() (its per-row generators)")

@@ -3,11 +3,15 @@
 Each check drives randomised request streams (shared prefixes, ``n > 1``,
 aborts, a pool small enough to preempt, recompute and swap) through the
 component and :class:`SimRunner`, a model-free runner that keeps the token id
-written into every KV slot. It raises :class:`ContractError` saying what broke
-and at which step: a step over its token budget or ``max_num_seqs``, progress
-moved outside ``update``, a sequence attending to K/V that is not its own, a
-block handed out twice, blocks not given back, a sequence that never ends or
-ends with the wrong tokens.
+written into every KV slot. Requests carry priorities (small ranks and
+deadline-like values), so a policy ordering by them is exercised. It raises
+:class:`ContractError` naming the seed, the step, the operation, the rule
+broken and the method most likely at fault: a step over its token budget or
+``max_num_seqs``, progress moved outside ``update``, a victim that is not one
+of ``choose_victim``'s candidates, a running request leaving the queue without
+``preempt()``, a waiting key that changes while its request waits, a sequence
+attending to K/V that is not its own, a double free, a block handed out twice,
+blocks not given back, a sequence that never ends or ends with the wrong tokens.
 
 Progress is checked around each ``schedule()`` call: every sequence's computed
 tokens, output tokens and end are recorded before it and must be unchanged
@@ -25,7 +29,8 @@ from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
-from pagoda.testing.contract import ContractError
+from pagoda.testing.contract import ContractError, Where
+from pagoda.testing.watch import PolicyWatch
 
 AllocatorFactory = KVAllocatorFactory
 
@@ -167,12 +172,14 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
     kv.init_swap_pool(swap_blocks)
     scheduler = factory(sched_cfg, cache_cfg, kv)
     runner = SimRunner(num_blocks, block_size, swap_blocks)
-    where = f"{getattr(factory, '__name__', factory)} ({settings}, seed {seed})"
+    where = Where(str(getattr(factory, "__name__", factory)), seed, ", ".join(f"{k}={v}" for k, v in settings.items()))
+    watch = PolicyWatch(scheduler, kv, num_blocks, where)
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
     added: list[Sequence] = []
     aborted: set[str] = set()
     longest = sched_cfg.max_model_len if settings["chunked"] else budget
     for step in range(5000):
+        watch.where = where.at(step)
         if len({r.parent_id for r in added}) < num_requests and rng.random() < 0.5:
             added += _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
         if added and rng.random() < 0.03:
@@ -180,28 +187,58 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             if not victim.is_finished:
                 scheduler.abort_requests([victim.request_id])
                 aborted.add(victim.request_id)
+        done = [r for r in added if r.is_finished] if rng.random() < 0.2 else []
+        if done:
+            kv.free(rng.choice(done).request_id)  # freeing a finished sequence again (an abort racing its finish)
+        watch.check_waiting_keys(set())
         if not scheduler.has_unfinished_requests():
             if len({r.parent_id for r in added}) >= num_requests:
                 break
             continue
         progress = _progress(added)
         was_running = {r.request_id for r in scheduler.running}
+        watch.before_schedule()
         sched = scheduler.schedule()
-        _check_no_progress_written(progress, added, f"{where}, step {step}")
-        _check_schedule(sched, scheduler, sched_cfg, f"{where}, step {step}", was_running)
-        scheduler.update(sched, runner.execute(sched))
+        watch.after_schedule(sched)
+        _check_no_progress_written(progress, added, watch.where)
+        _check_schedule(sched, scheduler, sched_cfg, watch.where, was_running)
+        try:
+            result = runner.execute(sched)
+        except ContractError as exc:
+            raise watch.where.fail(
+                "the model runner's execute() of the step", str(exc),
+                "a sequence attends only to K/V its own tokens wrote, in the blocks of its block table",
+                "the KV allocator (a block given to two sequences, or given back while held: free(), "
+                "allocate_slots()) or the scheduler's block moves (swap, copy-on-write)") from None
+        unfinished = [r for r in added if not r.is_finished]
+        scheduler.update(sched, result)
+        watch.check_books(added, "update()")
+        watch.check_finished_hold_nothing([r for r in unfinished if r.is_finished])
     else:
-        raise ContractError(f"{where}: requests still unfinished after 5000 steps")
+        raise where.fail("the whole stream", "requests still unfinished after 5000 steps",
+                         "every request finishes", "the scheduler's schedule() (a request never scheduled)")
+    end = where.at("end", "at the")
     for req in added:
         if req.request_id in aborted or req.status == SequenceStatus.FINISHED_ERROR:
             continue
         want = expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
         if req.status != SequenceStatus.FINISHED_LENGTH or req.output_token_ids != want:
-            raise ContractError(f"{where}: {req.request_id} ended {req.status.value} with {len(req.output_token_ids)} "
-                                f"tokens {req.output_token_ids[:6]}..., not the {len(want)} tokens {want[:6]}...")
+            raise end.fail("the finished requests",
+                           f"{req.request_id} ended {req.status.value} with {len(req.output_token_ids)} tokens "
+                           f"{req.output_token_ids[:6]}..., not the {len(want)} tokens {want[:6]}...",
+                           "a sequence ends with exactly the tokens of its prompt's continuation, however it was "
+                           "preempted, swapped or chunked", "the scheduler's update() (committing a step's tokens)")
     if kv.num_free_blocks != num_blocks:
-        raise ContractError(f"{where}: every sequence ended but {num_blocks - kv.num_free_blocks} of {num_blocks} "
-                            "KV blocks were not given back")
+        raise end.fail("the KV allocator's books",
+                       f"every sequence ended but {num_blocks - kv.num_free_blocks} of {num_blocks} KV blocks were "
+                       "not given back", "a finished, aborted or preempted sequence gives back all its blocks",
+                       "the scheduler's finish()/preempt() (a free() not called) or the KV allocator's free()")
+
+
+def _priority(rng: random.Random, index: int) -> int:
+    """A request's priority: a small rank, or a deadline-like value (its arrival plus a slack), so policies
+    ordering by priority or by deadline see both ties and spread."""
+    return rng.randrange(3) if rng.random() < 0.5 else index + rng.randrange(2, 40)
 
 
 def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index: int, longest: int, kv,
@@ -214,7 +251,8 @@ def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index
     n = 2 if rng.random() < 0.2 else 1
     params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
     parent = f"p{index}"
-    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, rng.randrange(3), parent_id=parent)
+    priority = _priority(rng, index)
+    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, priority, parent_id=parent)
                 for i in range(n)]
     for child in children:
         scheduler.add_request(child)
@@ -227,48 +265,58 @@ def _progress(requests: list[Sequence]) -> dict[str, tuple[int, int, bool]]:
 
 
 def _check_no_progress_written(before: dict[str, tuple[int, int, bool]], requests: list[Sequence],
-                               where: str) -> None:
+                               where: Where) -> None:
     """``schedule()`` decides and records; a write to progress inside it is a step that cannot be rolled back."""
     for req in requests:
         computed, num_output, ended = before[req.request_id]
         if req.num_computed_tokens != computed:
-            raise ContractError(
-                f"{where}: schedule() wrote {req.request_id}'s progress: num_computed_tokens {computed} -> "
-                f"{req.num_computed_tokens}. schedule() records where a sequence computes from in the "
-                "SchedulerOutput (num_computed_before); only update() moves num_computed_tokens")
+            raise where.fail(
+                "schedule()", f"schedule() wrote {req.request_id}'s progress: num_computed_tokens {computed} -> "
+                f"{req.num_computed_tokens}", "schedule() records where a sequence computes from in the "
+                "SchedulerOutput (num_computed_before); only update() moves num_computed_tokens",
+                "the scheduler's schedule() (or a policy method it calls)")
         if len(req.output_token_ids) != num_output:
-            raise ContractError(f"{where}: schedule() appended tokens to {req.request_id} ({num_output} -> "
-                                f"{len(req.output_token_ids)}); only update() appends sampled tokens")
+            raise where.fail("schedule()", f"schedule() appended tokens to {req.request_id} ({num_output} -> "
+                             f"{len(req.output_token_ids)})", "only update() appends sampled tokens",
+                             "the scheduler's schedule()")
         if req.is_finished and not ended:
-            raise ContractError(
-                f"{where}: schedule() ended {req.request_id} ({req.status.value}); a sequence that cannot run is "
-                "recorded in SchedulerOutput.failed with its error, and update() ends it")
+            raise where.fail(
+                "schedule()", f"schedule() ended {req.request_id} ({req.status.value})",
+                "a sequence that cannot run is recorded in SchedulerOutput.failed with its error, and update() "
+                "ends it", "the scheduler's schedule()")
 
 
-def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: str,
+def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, where: Where,
                     was_running: set[str]) -> None:
+    def fail(seen: str, rule: str, suspect: str = "the scheduler's schedule()") -> ContractError:
+        return where.fail("schedule()", seen, rule, suspect)
+
     if sched.num_batched_tokens > cfg.max_num_batched_tokens:
-        raise ContractError(f"{where}: the step batches {sched.num_batched_tokens} tokens, over "
-                            f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+        raise fail(f"the step batches {sched.num_batched_tokens} tokens, over "
+                   f"max_num_batched_tokens={cfg.max_num_batched_tokens}", "a step stays within its token budget")
     if len(scheduler.running) > cfg.max_num_seqs:
-        raise ContractError(f"{where}: {len(scheduler.running)} sequences running, over "
-                            f"max_num_seqs={cfg.max_num_seqs}")
+        raise fail(f"{len(scheduler.running)} sequences running, over max_num_seqs={cfg.max_num_seqs}",
+                   "at most max_num_seqs sequences run", "the scheduler's schedule() (admission, may_admit())")
     ids = [r.request_id for r in sched.requests]
     if len(ids) != len(set(ids)):
-        raise ContractError(f"{where}: a sequence appears twice in one step: {sorted(ids)}")
+        raise fail(f"a sequence appears twice in one step: {sorted(ids)}", "a sequence is scheduled once a step")
     failed = {r.request_id for r, _ in sched.failed}
     for i, req in enumerate(sched.requests):
         if req.request_id in was_running and req.num_computed_tokens != sched.num_computed_before[i]:
-            raise ContractError(f"{where}: {req.request_id} was running with {req.num_computed_tokens} tokens "
-                                f"computed, but the step computes it from position {sched.num_computed_before[i]}")
+            raise fail(f"{req.request_id} was running with {req.num_computed_tokens} tokens computed, but the step "
+                       f"computes it from position {sched.num_computed_before[i]}",
+                       "a running sequence continues from its committed progress")
         if req.request_id in failed:
-            raise ContractError(f"{where}: {req.request_id} is both scheduled and failed in one step")
+            raise fail(f"{req.request_id} is both scheduled and failed in one step",
+                       "a sequence in SchedulerOutput.failed does not run")
         if req.status != SequenceStatus.RUNNING:
-            raise ContractError(f"{where}: {req.request_id} is scheduled but {req.status.value}")
+            raise fail(f"{req.request_id} is scheduled but {req.status.value}", "only running sequences are scheduled")
         if sched.num_new_tokens[i] < 1:
-            raise ContractError(f"{where}: {req.request_id} is scheduled with {sched.num_new_tokens[i]} tokens")
+            raise fail(f"{req.request_id} is scheduled with {sched.num_new_tokens[i]} tokens",
+                       "a scheduled sequence computes at least one token")
         if sched.num_computed_before[i] + sched.num_new_tokens[i] > req.num_tokens + sched.num_draft_slots[i]:
-            raise ContractError(f"{where}: {req.request_id} computes past its known tokens without draft slots")
+            raise fail(f"{req.request_id} computes past its known tokens without draft slots",
+                       "a sequence computes only tokens it has, plus its draft slots")
     # sequences may share blocks (a prefix hit, a fork), but two never write into one block in a step
     bs = scheduler.kv.block_size
     written: dict[int, str] = {}
@@ -276,8 +324,9 @@ def _check_schedule(sched: SchedulerOutput, scheduler, cfg: SchedulerConfig, whe
         table, start = sched.block_tables[i], sched.num_computed_before[i]
         for block in set(table[start // bs:]):
             if block in written:
-                raise ContractError(f"{where}: block {block} is handed to both {written[block]} and "
-                                    f"{req.request_id}, and both write into it this step")
+                raise fail(f"block {block} is handed to both {written[block]} and {req.request_id}, and both write "
+                           "into it this step", "two sequences never write into one block (copy-on-write first)",
+                           "the KV allocator's allocate_slots() (copy-on-write) or fork()")
             written[block] = req.request_id
 
 
@@ -286,38 +335,60 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
     block_size, num_blocks = 4, 32
     cache_cfg = CacheConfig(block_size, 0, "auto", True, num_blocks, 0, "recompute", "checked")
     kv = factory(cache_cfg, num_blocks)
-    where = f"{getattr(factory, '__name__', factory)} (seed {seed})"
+    where = Where(str(getattr(factory, "__name__", factory)), seed, "direct allocation")
     live: dict[str, Sequence] = {}
     freed: list[str] = []
     for op in range(400):
+        at = where.at(op, "operation")
         if freed and rng.random() < 0.15:
-            kv.free(rng.choice(freed))  # freeing again, after others took blocks, must change nothing
+            rid = rng.choice(freed)
+            operation, rule = f"free({rid!r}) of a sequence freed before", "freeing a sequence again changes nothing"
+            kv.free(rid)  # freeing again, after others took blocks, must change nothing
+        elif rng.random() < 0.05:
+            rid = f"never-allocated-{op}"
+            operation, rule = f"free({rid!r}) of an id never allocated", "freeing an unknown id changes nothing"
+            try:
+                kv.free(rid)
+            except Exception as exc:
+                raise at.fail(operation, f"free() raised {type(exc).__name__}: {exc}", rule,
+                              "the KV allocator's free()") from None
         elif live and rng.random() < 0.4:
             rid = rng.choice(sorted(live))
+            operation, rule = f"free({rid!r})", "free() gives back exactly the blocks the sequence held alone"
             kv.free(live.pop(rid))
             freed.append(rid)
         else:
             # distinct tokens: no prefix can be shared, so no two sequences may hold one block
             ids = [10_000 + op * 100 + i for i in range(rng.randrange(1, 20))]
             seq = Sequence(f"s{op}", ids, SamplingParams(max_tokens=1))
+            operation, rule = f"allocate_slots({seq.request_id!r}, {len(ids)})", "a block is held by one sequence"
             blocks, cached = kv.get_computed_blocks(seq)
             if cached:
-                raise ContractError(f"{where}: a prompt of never-seen tokens got {cached} tokens from the prefix cache")
+                raise at.fail(f"get_computed_blocks({seq.request_id!r})", f"a prompt of never-seen tokens got "
+                              f"{cached} tokens from the prefix cache", "only cached prompts hit the prefix cache",
+                              "the KV allocator's get_computed_blocks()")
             if kv.allocate_slots(seq, len(ids), blocks):
                 live[seq.request_id] = seq
                 table = kv.block_table(seq.request_id)
                 if len(table) != kv.blocks_needed(len(ids)):
-                    raise ContractError(f"{where}: {len(ids)} tokens got {len(table)} blocks, not "
-                                        f"{kv.blocks_needed(len(ids))}")
+                    raise at.fail(operation, f"{len(ids)} tokens got {len(table)} blocks, not "
+                                  f"{kv.blocks_needed(len(ids))}", "a sequence gets the blocks its tokens need",
+                                  "the KV allocator's allocate_slots()")
         held = [b for rid in live for b in kv.block_table(rid)]
         if len(held) != len(set(held)):
             dup = next(b for b in held if held.count(b) > 1)
-            raise ContractError(f"{where}, operation {op}: block {dup} is handed out twice")
+            raise at.fail(operation, f"block {dup} is handed out twice", rule,
+                          "the KV allocator's allocate_slots() or free() (a block back in the pool while held)")
         if kv.num_free_blocks != num_blocks - len(held) or not 0 <= kv.num_free_blocks <= num_blocks:
-            raise ContractError(f"{where}, operation {op}: {kv.num_free_blocks} blocks reported free, not "
-                                f"{num_blocks - len(held)}: {len(held)} of {num_blocks} are held")
+            seen = (f"{kv.num_free_blocks} blocks reported free, not {num_blocks - len(held)}: {len(held)} of "
+                    f"{num_blocks} are held")
+            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
+                seen = f"a double free: {seen}"
+            raise at.fail(operation, seen, rule, "the KV allocator's free()" if operation.startswith("free(")
+                          else "the KV allocator's allocate_slots()")
     for seq in live.values():
         kv.free(seq)
     if kv.num_free_blocks != num_blocks:
-        raise ContractError(f"{where}: after freeing every sequence {kv.num_free_blocks} of {num_blocks} blocks "
-                            "are free")
+        raise where.at("end", "at the").fail("free() of every sequence", f"{kv.num_free_blocks} of {num_blocks} "
+                                              "blocks are free", "once every sequence is freed, every block is free",
+                                              "the KV allocator's free()")

@@ -49,12 +49,19 @@ def run_plugins(ns: argparse.Namespace) -> int:
     pm = ns.plugin_manager
     print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")
     rows = [(c.kind, c.name, c.plugin, c.dist, pm.api_ranges.get(c.plugin, "-")) for c in pm.table()]
+    rows += [(c.kind, c.name, c.plugin, c.dist, "CONFLICT (see below)")
+             for conflict in pm.conflict_list() for c in conflict.providers]
     rows += [("(failed)", "-", f.name, f.dist, f.reason) for f in pm.failures]
     rows += [("(blocked)", "-", name, dist, "PAGODA_DISABLE_PLUGINS") for name, dist in sorted(pm.blocked.items())]
     header = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "API")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+    for conflict in pm.conflict_list():
+        print(f"\nconflict: {conflict.reason}")
+    for name in pm.unmatched_blocks:
+        print(f"\nPAGODA_DISABLE_PLUGINS names {name!r}, which is no installed plugin: it blocks plugins by the "
+              "names in the PLUGIN column")
     for failure in pm.failures:
         print(f"\nplugin {failure.name!r} from {failure.dist} failed to load:\n{failure.error}", file=sys.stderr)
     return 0
