@@ -261,7 +261,8 @@ class Scheduler(Protocol):
 
     def fail(self, request: "Sequence", error: str) -> None:
         """End a sequence for an error (``request.error``: what was wrong and how to fix it) through
-        :meth:`finish` with ``FINISHED_ERROR``; the engine ends failed sequences only through this."""
+        :meth:`finish` with ``FINISHED_ERROR``; the engine ends failed sequences only through this.
+        Optional: a scheduler without it gets exactly that."""
 
     def abort_requests(self, request_ids: Iterable[str]) -> list["Sequence"]: ...
 

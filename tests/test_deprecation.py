@@ -320,6 +320,6 @@ def test_sequence_append_output_token_warns_and_appends_through_append_output_to
     from pagoda.sampling_params import SamplingParams
 
     seq = Sequence("r", [1, 2], SamplingParams(max_tokens=4))
-    with pytest.warns(DeprecationWarning, match=r"append_output_token is deprecated .* 1\.3 and removed in 1\.5"):
+    with pytest.warns(DeprecationWarning, match=r"append_output_token is deprecated .* 1\.4 and removed in 2\.0"):
         seq.append_output_token(7)
     assert seq.output_token_ids == [7] and seq.all_token_ids == [1, 2, 7]

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from pagoda.interfaces import has_offload_tiers
 from pagoda.registry.deprecation import adapt_renamed_methods
+from pagoda.sequence import SequenceStatus
 from pagoda.step import KVTierMoves
 
 
@@ -29,22 +30,32 @@ def _nothing_to_spill() -> KVTierMoves:
     return KVTierMoves()
 
 
-# hook -> optional member -> its default, given the name the component was selected by
-OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[str], Any]]] = {
+def _fail_through_finish(scheduler: Any) -> Callable[[Any, str], None]:
+    def fail(request: Any, error: str) -> None:
+        if not request.is_finished:
+            request.error = error
+            scheduler.finish(request, SequenceStatus.FINISHED_ERROR)
+    return fail
+
+
+# hook -> optional member -> its default, given the component and the name it was selected by
+OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "pagoda_attention_backends": {
-        "name": lambda name: name,
-        "kv_cache_dtype": lambda name: None,  # the model's dtype
-        "isa_paths": lambda name: _no_isa_paths,
+        "name": lambda component, name: name,
+        "kv_cache_dtype": lambda component, name: None,  # the model's dtype
+        "isa_paths": lambda component, name: _no_isa_paths,
     },
-    "pagoda_kv_allocators": {"is_swapped": lambda name: _never_swapped},
-    "pagoda_samplers": {"samples_standard_distribution": lambda name: False},
-    "pagoda_model_architectures": {"runs_first_layers_of_caches": lambda name: False},
+    "pagoda_kv_allocators": {"is_swapped": lambda component, name: _never_swapped},
+    "pagoda_schedulers": {"fail": lambda component, name: _fail_through_finish(component)},
+    "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
+    "pagoda_model_architectures": {"runs_first_layers_of_caches": lambda component, name: False},
 }
 
 
 # the optional members of the offload-tier group (pagoda.interfaces.KVOffloadTiers), which is optional as a
 # whole: only a KV allocator that has the group gets these defaults
-OPTIONAL_OFFLOAD_MEMBERS: dict[str, Callable[[str], Any]] = {"spill_to_disk": lambda name: _nothing_to_spill}
+OPTIONAL_OFFLOAD_MEMBERS: dict[str, Callable[[Any, str], Any]] = {
+    "spill_to_disk": lambda component, name: _nothing_to_spill}
 
 
 def adapt_component(component: Any, hook_name: str, component_name: str) -> Any:
@@ -57,5 +68,5 @@ def adapt_component(component: Any, hook_name: str, component_name: str) -> Any:
         optional.update(OPTIONAL_OFFLOAD_MEMBERS)
     for member, default in optional.items():
         if not hasattr(component, member):
-            setattr(component, member, default(component_name))
+            setattr(component, member, default(component, component_name))
     return component

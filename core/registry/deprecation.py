@@ -96,7 +96,7 @@ MOVED_IN_1_3 = {
 DEPRECATIONS: tuple[Deprecation, ...] = (
     *(Deprecation(MODULE, f"pagoda.{old}", f"pagoda.{new}", "1.3", "1.5") for old, new in MOVED_IN_1_3.items()),
     # appending one token without its stop conditions: append_output_tokens is the one place tokens are appended
-    Deprecation(CALLED, "append_output_token", "append_output_tokens", "1.3", "1.5", "Sequence"),
+    Deprecation(CALLED, "append_output_token", "append_output_tokens", "1.4", "2.0", "Sequence"),
 )
 
 # Base-class methods removed from the API whose overrides the base no longer calls under any name: a
