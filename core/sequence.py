@@ -112,9 +112,9 @@ class Sequence:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
-        """Deprecated in plugin API 1.3, removed in 1.5: call :meth:`append_output_tokens`, the one place a
+        """Deprecated in plugin API 1.4, removed in 2.0: call :meth:`append_output_tokens`, the one place a
         sequence's tokens are appended (this calls it and drops the finished status it returns)."""
-        warnings.warn("Sequence.append_output_token is deprecated in pagoda plugin API 1.3 and removed in 1.5: call "
+        warnings.warn("Sequence.append_output_token is deprecated in pagoda plugin API 1.4 and removed in 2.0: call "
                       "append_output_tokens([token_id], max_model_len), which also applies the stop conditions",
                       DeprecationWarning, stacklevel=2)
         self.append_output_tokens([token_id], sys.maxsize)

@@ -159,8 +159,10 @@ WHERE = (r"seed \d+, (step|operation) \d+, in [^:]+: .+\. Rule broken: .+\. Most
                          r"\[.*\]\. Rule broken: a finished sequence gives back its blocks at once"),
     (VictimOutsideCandidates, r"in schedule\(\), its call of choose_victim\(\): choose_victim returned p\d+-\d, "
                               r"which is not one of its \d+ candidates .* at fault: the scheduler's choose_victim\(\)"),
-    (PreemptsByHand, r"in schedule\(\): p\d+-\d left the running queue \(now preempted\) without a call of "
-                     r"preempt\(\)\. Rule broken: a running request is preempted only through preempt\(\)"),
+    # (preempting by hand resets the victim's progress inside schedule(): whichever check sees it first names it)
+    (PreemptsByHand, r"in schedule\(\): (p\d+-\d left the running queue \(now preempted\) without a call of "
+                     r"preempt\(\)\. Rule broken: a running request is preempted only through preempt\(\)|"
+                     r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens \d+ -> 0)"),
     (AgingKey, r"in waiting_key\(\): waiting_key\(p\d+-\d\) was \(.*\) when it joined the waiting queue and is "
                r"\(.*\) now, while it still waits\. Rule broken: a key does not change while its request is queued"),
 ])
