@@ -7,21 +7,23 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pagoda.host import settings as host
 from pagoda.host.cpu_isa import extension_build
+from pagoda.host.env import HostConfig, resolve_host_config
 
 
-def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()) -> Any:
+def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = (),
+                       host: Optional[HostConfig] = None) -> Any:
     """Compile ``source`` (once per machine and ISA level; torch's extension loader caches it) and import it.
 
     Built with ``-O3 -fopenmp`` for the CPU's ISA level (``-march=native``; the flags of a lower level
-    when the ``cpu_isa`` host setting caps it, under a name of its own) unless the ``cpu_native_build``
-    setting is off, which builds for the compiler's default target. Raises whatever the build raises (a
-    missing compiler or ninja surfaces as many exception types).
+    when the ``cpu_isa`` host setting of ``host`` caps it, under a name of its own) unless its
+    ``cpu_native_build`` setting is off, which builds for the compiler's default target. ``host`` is the
+    engine's settings (None: the environment's, for kernels used without an engine). Raises whatever the build
+    raises (a missing compiler or ninja surfaces as many exception types).
     """
     from torch.utils.cpp_extension import load
 
-    settings = host.current()
+    settings = host if host is not None else resolve_host_config()
     if settings.cpu_native_build:
         module_name, isa_flags = extension_build(name, settings.cpu_isa)
     else:
@@ -32,11 +34,11 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
 
 
 def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),
-                               fallback: str = "the torch path") -> Optional[Any]:
+                               fallback: str = "the torch path", host: Optional[HostConfig] = None) -> Optional[Any]:
     """:func:`load_cpu_extension`, or None with a RuntimeWarning saying why and that ``fallback`` runs
     instead, where the kernel cannot be built here."""
     try:
-        return load_cpu_extension(name, source, extra_cflags)
+        return load_cpu_extension(name, source, extra_cflags, host)
     except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
         lines = str(exc).strip().splitlines()
         warnings.warn(f"could not compile pagoda's C++ kernel {name} ({exc.__class__.__name__}: "

@@ -19,19 +19,12 @@ import ctypes
 import ctypes.util
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from pagoda.host import settings as host
-
 if TYPE_CHECKING:
     import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
-
-
-def enabled() -> bool:
-    """The ``huge_pages`` setting of the engine built last (see ``pagoda.host.settings.current``)."""
-    return host.current().huge_pages
 
 
 _libc: Optional[ctypes.CDLL] = None
@@ -52,7 +45,7 @@ def advise_range(start: int, end: int) -> int:
     """Huge pages for the whole 2 MiB pages inside [start, end). Returns the bytes advised (0 if none)."""
     lo = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     hi = end // HUGE_PAGE * HUGE_PAGE
-    madvise = _madvise() if enabled() else None
+    madvise = _madvise()
     if madvise is None or hi <= lo:
         return 0
     if madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
