@@ -138,7 +138,7 @@ class HostConfig:
 
 @dataclass(frozen=True)
 class HostOption:
-    """One field of HostConfig as an engine option: what ``EngineArgs``, the flags and the docs are made from."""
+    """One field of HostConfig as an engine option: what ``EngineArgs`` and the command's flags are made from."""
 
     name: str
     variable: str
