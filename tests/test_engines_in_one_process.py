@@ -63,5 +63,6 @@ def test_a_second_engine_asking_for_another_thread_count_is_warned_about(caplog)
     first = LLM(**OPTIONS)
     with caplog.at_level(logging.WARNING, logger="pagoda"):
         second = LLM(**{**OPTIONS, "cpu_threads": 2})
-    assert "cpu_threads=2 differs from the 1 compute threads of an engine already running in this process" in caplog.text
+    assert ("cpu_threads=2 differs from the 1 compute threads of an engine already running in this process"
+            in caplog.text)
     assert first.engine.num_threads == 1 and second.engine.num_threads == 2 == torch.get_num_threads()

@@ -13,7 +13,8 @@ from pagoda.modeling.layers.linear import Linear
 from pagoda.plugins.quant.memory import weight_memory
 from pagoda.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not onednn.packing_available(resolve_host_config()), reason="oneDNN packs bf16 weights on AVX-512 CPUs; "
+pytestmark = pytest.mark.skipif(not onednn.packing_available(resolve_host_config()),
+                                reason="oneDNN packs bf16 weights on AVX-512 CPUs; "
                                 f"this CPU runs {cpu_isa.describe()}")
 
 

@@ -9,8 +9,9 @@ The levels, lowest first:
 
 The ``cpu_isa`` option (``--cpu-isa avx2``, default ``PAGODA_CPU_ISA``) caps the level, so a machine
 with AVX-512 runs the code an AVX2-only machine runs: kernels are compiled for that level only, and
-``dtype auto`` stops assuming native bf16 math. It is an engine's own: each level's build of a kernel is
-compiled once per machine and loaded once per process, beside the builds of other levels. torch's own kernels are capped by ``ATEN_CPU_CAPABILITY=avx2`` and
+``dtype auto`` stops assuming native bf16 math. It is an engine's own: each level's build of a
+kernel is compiled once per machine and loaded once per process, beside the builds of other
+levels. torch's own kernels are capped by ``ATEN_CPU_CAPABILITY=avx2`` and
 ``ONEDNN_MAX_CPU_ISA=AVX2``, read when torch is imported (``make test-avx2`` sets all three).
 """
 

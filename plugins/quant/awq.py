@@ -38,7 +38,8 @@ class AWQConfig:
         if not cfg.get("zero_point", True):
             raise ConfigError("AWQ without zero points (zero_point: false) is not supported; use zero_point: true")
         self.modules_to_not_convert = list(cfg.get("modules_to_not_convert") or [])
-        self.host = host_config_of(model_config)  # the engine's: its quant_kernel and the ISA its C++ kernel is built for
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
         self.kernel = kernel_for_device(self.host.quant_kernel)
 
     def for_layer(self, prefix: str) -> Optional["AWQLinearMethod"]:

@@ -38,7 +38,8 @@ class CompressedTensorsConfig:
 
     def __init__(self, model_config: Any, cfg: dict[str, Any]) -> None:
         self.ignore = list(cfg.get("ignore") or [])
-        self.host = host_config_of(model_config)  # the engine's: its quant_kernel and the ISA its C++ kernel is built for
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
         self.kernel = kernel_for_device(self.host.quant_kernel)
         self.fp8_tables: dict = {}  # shared by every FP8 layer
         self.groups = []

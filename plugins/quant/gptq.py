@@ -46,7 +46,8 @@ class GPTQConfig:
         if overrides:
             raise ConfigError(f"GPTQ 'dynamic' per-module overrides {overrides} are not supported; only '-:' "
                               "exclusions are")
-        self.host = host_config_of(model_config)  # the engine's: its quant_kernel and the ISA its C++ kernel is built for
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
         self.kernel = kernel_for_device(self.host.quant_kernel)
 
     def for_layer(self, prefix: str) -> Optional["GPTQLinearMethod"]:

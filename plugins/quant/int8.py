@@ -139,7 +139,8 @@ class Int8Config:
             raise ConfigError(f"--quantization int8 quantizes a dense checkpoint while it loads, but this one is "
                               f"already quantized ({existing}); drop --quantization to run its own scheme")
         self.ignored = list(cfg.get("ignored_layers") or [])
-        self.host = host_config_of(model_config)  # the engine's: its quant_kernel and the ISA its C++ kernel is built for
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
         self.kernel = kernel_for_device(self.host.quant_kernel)
 
     def for_layer(self, prefix: str) -> Optional[Int8LinearMethod]:

@@ -51,11 +51,13 @@ class DecoderLayer(nn.Module):
         mlp_part = distributed.split(inter, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
         self.qkv_proj = Linear(cfg.hidden_size, [h * d, hkv * d, hkv * d], qkv_bias, dtype, q("self_attn.qkv_proj"),
-                               f"{prefix}.self_attn.qkv_proj", tp_rows=qkv_rows if sharded else None, kernels=kernels)
+                               f"{prefix}.self_attn.qkv_proj", tp_rows=qkv_rows if sharded else None,
+                               kernels=kernels)
         self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj",
                              tp_cols=qkv_rows[0] if sharded else None, kernels=kernels)
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], mlp_bias, dtype, q("mlp.gate_up_proj"),
-                                   f"{prefix}.mlp.gate_up_proj", tp_rows=[mlp_part] * 2 if sharded else None, kernels=kernels)
+                                   f"{prefix}.mlp.gate_up_proj", tp_rows=[mlp_part] * 2 if sharded else None,
+                                   kernels=kernels)
         self.down_proj = Linear(inter, [cfg.hidden_size], mlp_bias, dtype, q("mlp.down_proj"), f"{prefix}.mlp.down_proj",
                                 tp_cols=mlp_part if sharded else None, kernels=kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, kernels)
