@@ -13,7 +13,7 @@ import torch
 
 from pagoda.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
                            is_fp8_kv_cache, resolve_dtype, resolve_kv_cache_dtype)
-from pagoda.host.env import HostConfig
+from pagoda.host.env import HostConfig, resolve_host_config
 
 __all__ = [
     "GiB", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "EngineConfig",
@@ -45,6 +45,9 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # the engine's host settings: which CPU kernels the model's layers, its attention backend and quant method
+    # run (each component reads them when it is built; the engine's own, so engines in one process differ)
+    host: HostConfig = field(default_factory=resolve_host_config)  # built without one: the environment's
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
-    host: HostConfig
+    host: HostConfig  # the same object as model.host
     speculative: Optional[SpeculativeConfig]
     attention_backend: str
     sampler: str

@@ -17,11 +17,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 @pytest.fixture(autouse=True)
 def host_settings_of_this_test(monkeypatch):
-    """Each test starts with no engine's host settings in effect (kernels used without an engine follow the
-    environment as the test set it), and an engine a test builds does not leave its settings to the next."""
+    """Each test starts as a process with no engine alive: an engine an earlier test built (and did not free
+    yet) neither shares its thread count with this test's engines nor conflicts with their settings."""
+    import weakref
+
     from pagoda.host import settings as host
 
-    monkeypatch.setattr(host, "_current", None)
+    monkeypatch.setattr(host, "_live_engines", weakref.WeakKeyDictionary())
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,14 +1,13 @@
 """Building a C++ kernel at a chosen ISA level, so one machine tests every path it can run."""
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
 
 from pagoda.host import cpu_isa
-from pagoda.host import settings as host
 from pagoda.host.cpp_extension import load_cpu_extension
+from pagoda.host.env import HostConfig
 
 _BUILDS: dict[tuple[str, str], Any] = {}
 
@@ -20,7 +19,5 @@ def build_at(level: str, name: str, source: Path, extra_cflags: Sequence[str] = 
         pytest.skip(f"the {level} path needs a {level} CPU; this one is {cpu_isa.describe('auto')}")
     key = (level, name)
     if key not in _BUILDS:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(host, "_current", replace(host.current(), cpu_isa=level, cpu_native_build=True))
-            _BUILDS[key] = load_cpu_extension(name, source, extra_cflags)
+        _BUILDS[key] = load_cpu_extension(name, source, extra_cflags, HostConfig(cpu_isa=level, cpu_native_build=True))
     return _BUILDS[key]

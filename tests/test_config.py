@@ -9,11 +9,13 @@ import pytest
 
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
-from pagoda.host.env import HOST_CHOICES, HOST_VARIABLES, HostConfig, resolve_host_config
+from pagoda.host.env import (HOST_CHOICES, HOST_OPTIONS, HOST_VARIABLES, PROCESS_WIDE, HostConfig,
+                             resolve_host_config)
 from pagoda.host.openmp import WAIT_POLICIES
 
 # a value of each host setting other than its built-in default, as an option and as its variable's text
 NOT_DEFAULT = {
+    "cpu_threads": (2, "2"),
     "thread_recheck_seconds": (0.5, "0.5"),
     "omp_wait_policy": ("sleep", "SLEEP"),
     "malloc_tuning": (False, "off"),
@@ -34,12 +36,15 @@ def clean_environment(monkeypatch):
     return monkeypatch
 
 
-def test_every_host_setting_is_an_engine_option_with_a_variable():
-    names = {f.name for f in dataclasses.fields(HostConfig)}
-    assert names == set(NOT_DEFAULT)
-    assert set(HOST_VARIABLES) == names | {"cpu_threads"}
+def test_every_host_setting_is_an_engine_option_with_a_variable_made_from_one_list():
+    names = [f.name for f in dataclasses.fields(HostConfig)]
+    assert set(names) == set(NOT_DEFAULT)
+    assert list(HOST_VARIABLES) == names == [option.name for option in HOST_OPTIONS]
     assert set(HOST_VARIABLES) <= set(EngineArgs.model_fields)
-    assert all(EngineArgs.model_fields[name].default is None for name in HOST_VARIABLES)
+    for option in HOST_OPTIONS:  # the option's help names its variable and built-in default, from the field
+        field = EngineArgs.model_fields[option.name]
+        assert field.default is None and option.help in field.description and option.variable in field.description
+    assert set(PROCESS_WIDE) == {"cpu_threads", "thread_recheck_seconds", "omp_wait_policy", "malloc_tuning"}
 
 
 def test_without_options_or_variables_the_settings_are_the_built_in_defaults(clean_environment):
@@ -53,7 +58,8 @@ def test_a_variable_is_the_default_of_its_option_and_the_option_wins(clean_envir
     clean_environment.setenv(HOST_VARIABLES[name], variable_text)
     assert getattr(EngineArgs().host_config(), name) == option_value
     builtin = getattr(HostConfig(), name)
-    assert getattr(EngineArgs(**{name: builtin}).host_config(), name) == builtin
+    given = builtin if builtin is not None else 1  # None is "not given" (cpu_threads: measured)
+    assert getattr(EngineArgs(**{name: given}).host_config(), name) == given
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (value, _) in NOT_DEFAULT.items() if isinstance(value, bool)))
@@ -89,7 +95,8 @@ def test_the_engine_config_holds_the_resolved_settings_and_thread_count(clean_en
     clean_environment.setenv("PAGODA_FUSED_CPU_OPS", "off")
     config = EngineArgs(model=model, huge_pages=False).create_engine_config()
     assert config.parallel.cpu_threads == 3
-    assert config.host == HostConfig(huge_pages=False, fused_cpu_ops=False)
+    assert config.host == HostConfig(cpu_threads=3, huge_pages=False, fused_cpu_ops=False)
+    assert config.model.host is config.host  # the components the engine builds get its settings
     assert EngineArgs(model=model, cpu_threads=1).create_engine_config().parallel.cpu_threads == 1
     clean_environment.delenv("PAGODA_CPU_THREADS")
     assert EngineArgs(model=model).create_engine_config().parallel.cpu_threads is None  # measured

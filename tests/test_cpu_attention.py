@@ -148,7 +148,7 @@ def test_decodes_on_the_avx2_path_take_the_kernel_at_every_batch_size(monkeypatc
     torch.set_num_threads(1)
     from pagoda.plugins.attention import cpu_backend
 
-    monkeypatch.setattr(cpu_backend, "load_kernels", _avx2_kernels)
+    monkeypatch.setattr(cpu_backend, "load_kernels", lambda host=None: _avx2_kernels())
     mc = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.float32)
     cpu = CpuAttentionBackend(mc, SimpleNamespace(block_size=16))
     assert cpu.isa_paths()["decode attention"] == "avx2"

@@ -23,11 +23,8 @@ def test_a_cap_lowers_the_level_but_never_raises_it():
     assert cpu_isa.cpu_isa("avx512_bf16") == detected
 
 
-def test_the_cap_defaults_to_the_host_setting():
-    from pagoda.host.env import HostConfig
-    from pagoda.host.settings import apply_host_settings
-
-    apply_host_settings(HostConfig(cpu_isa="generic", malloc_tuning=False))
+def test_without_an_engines_cap_the_environment_caps(monkeypatch):
+    monkeypatch.setenv("PAGODA_CPU_ISA", "generic")
     assert cpu_isa.cpu_isa() == "generic"
     assert cpu_isa.describe() == "generic" or cpu_isa.describe().endswith("capped by --cpu-isa)")
 

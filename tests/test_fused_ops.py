@@ -5,11 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.host import cpu_isa
-from pagoda.modeling.layers.fused_ops import cpu_ops, silu_and_mul
+from pagoda.host.env import resolve_host_config
+from pagoda.modeling.layers.fused_ops import CpuKernels, cpu_ops
 from pagoda.modeling.layers.norm import RMSNorm
 from pagoda.modeling.layers.rotary import RotaryEmbedding
 
 ops = cpu_ops()
+kernels = CpuKernels(resolve_host_config())  # as an engine with the environment's settings chooses them
 pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be compiled here")
 
 SHAPES = [(1, 576), (7, 100), (64, 576), (300, 33)]
@@ -38,21 +40,21 @@ def test_add_rms_norm_matches_torch_add_then_rms_norm(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype, monkeypatch):
-    norm = RMSNorm(96, 1e-5, dtype)
-    norm.weight.copy_(torch.linspace(0.5, 1.5, 96))
+def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype):
+    norm, plain = RMSNorm(96, 1e-5, dtype, kernels), RMSNorm(96, 1e-5, dtype)  # plain: torch ops
+    for layer in (norm, plain):
+        layer.weight.copy_(torch.linspace(0.5, 1.5, 96))
     x, res = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
     fused_y, fused_res = norm(x.clone(), res.clone())
     fused_plain = norm(x.clone())
-    monkeypatch.setattr("pagoda.modeling.layers.norm.fused_for", lambda t: None)
-    ref_y, ref_res = norm(x.clone(), res.clone())
+    ref_y, ref_res = plain(x.clone(), res.clone())
     assert torch.equal(fused_res, ref_res)
     _close(fused_y, ref_y)
-    _close(fused_plain, norm(x.clone()))
+    _close(fused_plain, plain(x.clone()))
 
 
 def test_rms_norm_without_residual_leaves_its_input_untouched():
-    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    norm = RMSNorm(64, 1e-5, torch.bfloat16, kernels)
     x = torch.randn(3, 64).to(torch.bfloat16)
     before = x.clone()
     norm(x)
@@ -65,7 +67,7 @@ def test_silu_and_mul_matches_torch(dtype, rows, inter):
     g = torch.Generator().manual_seed(rows + inter)
     gate_up = (torch.randn(rows, 2 * inter, generator=g) * 6).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    _close(silu_and_mul(gate_up), F.silu(gate) * up)
+    _close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
 def test_silu_and_mul_reads_rows_of_a_wider_tensor():
@@ -84,7 +86,7 @@ def test_silu_and_mul_saturates_cleanly_at_extreme_inputs():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 37), (4, 4, 32, 1), (2, 1, 128, 5)])
 def test_rotary_rotates_q_and_k_in_place_as_the_torch_formula_does(dtype, heads, kv_heads, head_dim, tokens):
-    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, kernels)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     cos, sin = rope.cos_sin(positions)
@@ -126,7 +128,7 @@ def test_bf16_gemv_matches_an_fp32_matmul_of_the_same_values(rows, out_features,
 
 @pytest.mark.skipif(ops is None or ops.gemv_path() != "avx512_bf16",
                     reason=f"the AVX-512 BF16 GEMV; this CPU runs {cpu_isa.describe()} (AVX2: the test below)")
-def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
+def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond():
     from pagoda.modeling.layers import fused_ops
 
     calls = []
@@ -136,16 +138,17 @@ def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(monkeypatch):
             calls.append(1)
             return ops.gemv_bf16(*args)
 
-    assert fused_ops._has_gemv()
-    monkeypatch.setattr(fused_ops, "cpu_ops", CountingOps)
+    counting = CpuKernels(resolve_host_config())
+    assert counting.gemv_path == "avx512_bf16"
+    counting.ops = CountingOps()
     w = torch.randn(64, 48).bfloat16()
     x3 = torch.randn(1, 2, 48).bfloat16()  # leading dims are flattened
-    y = fused_ops.linear(x3, w)
+    y = counting.linear(x3, w)
     assert calls and y.shape == (1, 2, 64)
     torch.testing.assert_close(y.float(), F.linear(x3.float(), w.float()), rtol=1e-2, atol=5e-2)
     calls.clear()
-    fused_ops.linear(torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 48).bfloat16(), w)
-    fused_ops.linear(torch.randn(2, 48), w.float())  # fp32 stays on torch
+    counting.linear(torch.randn(fused_ops.GEMV_MAX_ROWS + 1, 48).bfloat16(), w)
+    counting.linear(torch.randn(2, 48), w.float())  # fp32 stays on torch
     assert not calls
 
 
@@ -209,7 +212,7 @@ def test_avx2_build_of_rotary_rotates_exactly_as_the_torch_formula_does(dtype, h
     assert torch.equal(got_k.reshape(tokens, kv_heads, head_dim), ref_k)
 
 
-def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm(monkeypatch):
+def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm():
     from pagoda.modeling.layers import fused_ops
 
     avx2 = _avx2_ops()
@@ -224,15 +227,15 @@ def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm(monkeypatch)
             calls.append("gemm")
             return avx2.gemm_bf16_fp32(*args)
 
-    monkeypatch.setattr(fused_ops, "cpu_ops", CountingOps)
-    monkeypatch.setattr(fused_ops, "_gemv_path", lambda: "avx2")
+    counting = CpuKernels()
+    counting.ops, counting.gemv_path = CountingOps(), "avx2"
     w = torch.randn(64, 48).bfloat16()
     for rows in (1, fused_ops.AVX2_GEMV_MAX_ROWS, fused_ops.AVX2_GEMV_MAX_ROWS + 1):
         x = torch.randn(rows, 48).bfloat16()
-        torch.testing.assert_close(fused_ops.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
+        torch.testing.assert_close(counting.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
                                    atol=5e-2)
     assert calls == ["gemv", "gemv", "gemm"]
     with torch.inference_mode():  # as the engine runs it: the tiled GEMM's worker threads write inference tensors
         x = torch.randn(40, 48).bfloat16()
-        torch.testing.assert_close(fused_ops.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
+        torch.testing.assert_close(counting.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
                                    atol=5e-2)

@@ -1,5 +1,6 @@
-"""Importing pagoda changes nothing; an engine applies its host settings when built and tunes threads and
-huge pages as it steps (HostTuning, tested here without an engine)."""
+"""Importing pagoda changes nothing; an engine applies its process-wide host settings when built (HostTuning,
+tested here without an engine) and checks them against the other engines of the process; its other settings
+are its own."""
 
 import json
 import logging
@@ -100,51 +101,6 @@ def test_once_torch_is_loaded_the_wait_policy_is_left_alone_and_a_warning_says_s
     assert "before the first import of torch" in caplog.text
 
 
-def test_an_engine_tunes_malloc_unless_its_setting_is_off(monkeypatch):
-    calls = []
-    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append(1) or True)
-    host.apply_host_settings(HostConfig(malloc_tuning=False))
-    assert calls == []
-    host.apply_host_settings(HostConfig())
-    assert calls == [1]
-
-
-def test_layer_switches_follow_the_settings_of_the_engine_built_last(monkeypatch):
-    from pagoda.modeling.layers import fused_ops, onednn
-    from pagoda.plugins.quant.base import kernel_for_device
-
-    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
-    settings = HostConfig(fused_cpu_ops=False, onednn_packed_weights=False, quant_kernel="torch", cpu_isa="generic")
-    host.apply_host_settings(settings)
-    assert host.current() is settings
-    assert fused_ops.cpu_ops() is None and onednn.packing_available() is False
-    assert kernel_for_device() == "torch"
-    x = torch.randn(2, 8).to(torch.bfloat16)
-    w = torch.randn(4, 8).to(torch.bfloat16)
-    assert torch.equal(fused_ops.linear(x, w), torch.nn.functional.linear(x, w))
-
-
-def test_before_any_engine_the_settings_are_the_environments_read_once(monkeypatch):
-    monkeypatch.setenv("PAGODA_FUSED_CPU_OPS", "off")
-    assert host.current().fused_cpu_ops is False
-    monkeypatch.setenv("PAGODA_FUSED_CPU_OPS", "on")
-    assert host.current().fused_cpu_ops is False
-
-
-def test_a_wait_policy_asked_for_too_late_is_warned_about(monkeypatch, caplog):
-    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
-    for name in WAIT_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(openmp, "set_here", {})
-    monkeypatch.setattr(openmp, "requested_policy", None)
-    with caplog.at_level(logging.WARNING, logger="pagoda"):
-        host.apply_host_settings(HostConfig())  # auto: nothing was promised
-        assert caplog.text == ""
-        host.apply_host_settings(HostConfig(omp_wait_policy="sleep"))
-    assert "omp_wait_policy='sleep' cannot take effect" in caplog.text
-    assert "pagoda.host.settings.set_openmp_wait_policy('sleep') before importing torch" in caplog.text
-
-
 # ---- HostTuning -------------------------------------------------------------------------------------
 
 
@@ -195,16 +151,83 @@ def test_held_threads_are_not_re_measured(engine_config):
     assert tuning.governor is None
 
 
-@pytest.mark.parametrize("huge_pages,expected", [(True, [10, 20, 30]), (False, [])])
-def test_the_heap_is_advised_after_each_step_a_quarter_larger_than_any_before(monkeypatch, engine_config,
-                                                                              huge_pages, expected):
-    from pagoda.host import hugepages
+def test_by_default_the_tuning_has_nothing_to_do_per_step(monkeypatch, engine_config):
+    monkeypatch.delenv("PAGODA_THREAD_RECHECK_SECONDS", raising=False)
+    assert not host.HostTuning(engine_config(cpu_threads=1)).observes_steps  # huge pages on, the default
+    assert not host.HostTuning(engine_config()).observes_steps  # a measured count is not re-checked
 
-    tuning = host.HostTuning(engine_config(cpu_threads=1, huge_pages=huge_pages))
-    advised = []
-    for tokens in [10, 12, 20, 5, 30]:
-        monkeypatch.setattr(hugepages, "advise_heap", lambda: advised.append(tokens) or 0)
-        sched = step(tokens)
-        tuning.before_step(None, sched)
-        tuning.after_step(None, sched, object(), 0.01)
-    assert advised == expected
+
+def test_an_engine_tunes_malloc_unless_its_setting_is_off(monkeypatch, engine_config):
+    calls = []
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    host.HostTuning(engine_config(cpu_threads=1, malloc_tuning=False))
+    assert calls == []
+    host.HostTuning(engine_config(cpu_threads=1))
+    assert calls == [1]
+
+
+def test_a_wait_policy_asked_for_too_late_is_warned_about(monkeypatch, caplog, engine_config):
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
+    for name in WAIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(openmp, "set_here", {})
+    monkeypatch.setattr(openmp, "requested_policy", None)
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        host.HostTuning(engine_config(cpu_threads=1))  # auto: nothing was promised
+        assert caplog.text == ""
+        host.HostTuning(engine_config(cpu_threads=1, omp_wait_policy="sleep"))
+    assert "omp_wait_policy='sleep' cannot take effect" in caplog.text
+    assert "pagoda.host.settings.set_openmp_wait_policy('sleep') before importing torch" in caplog.text
+
+
+def test_a_model_s_kernels_follow_its_own_settings_not_another_engine_s():
+    from pagoda.modeling.layers.fused_ops import CpuKernels
+    from pagoda.plugins.quant.base import kernel_for_device
+
+    off = CpuKernels(HostConfig(fused_cpu_ops=False, onednn_packed_weights=False, cpu_isa="generic"))
+    assert off.ops is None and off.gemv_path == "" and off.packs_weights is False
+    assert off.isa_paths(torch.bfloat16) == {"rmsnorm/silu/rope": "torch", "dense linear": "torch"}
+    x = torch.randn(2, 8).to(torch.bfloat16)
+    w = torch.randn(4, 8).to(torch.bfloat16)
+    assert torch.equal(off.linear(x, w), torch.nn.functional.linear(x, w))
+    assert kernel_for_device("torch") == "torch"
+
+
+def test_without_an_engine_kernels_follow_the_environment_as_it_is(monkeypatch):
+    from pagoda.modeling.layers import fused_ops
+
+    monkeypatch.setenv("PAGODA_FUSED_CPU_OPS", "off")
+    assert fused_ops.cpu_ops() is None
+    monkeypatch.setenv("PAGODA_QUANT_KERNEL", "torch")
+    from pagoda.plugins.quant.base import kernel_for_device
+
+    assert kernel_for_device() == "torch"
+
+
+def test_an_engine_built_while_another_is_alive_shares_its_measured_thread_count(monkeypatch, engine_config):
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    first = host.HostTuning(engine_config(cpu_threads=1))
+    monkeypatch.setattr("pagoda.host.threads.measure_best_threads", lambda *a, **k: pytest.fail("measured again"))
+    second = host.HostTuning(engine_config())
+    assert second.num_threads == first.num_threads == 1 == torch.get_num_threads()
+
+
+def test_conflicting_process_wide_settings_of_a_second_engine_are_warned_about(monkeypatch, caplog, engine_config):
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: True)
+    first = host.HostTuning(engine_config(cpu_threads=1))
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        host.HostTuning(engine_config(cpu_threads=1, huge_pages=False, fused_cpu_ops=False))  # per engine: no conflict
+        assert caplog.text == ""
+        second = host.HostTuning(engine_config(cpu_threads=2, malloc_tuning=False))
+    assert ("cpu_threads=2 differs from the 1 compute threads of an engine already running in this process; torch's "
+            "thread count is one per process, so that engine computes on 2 threads from now on too") in caplog.text
+    assert "malloc_tuning=False cannot take effect: an engine already running in this process tuned" in caplog.text
+    assert second.num_threads == 2 == torch.get_num_threads() and first is not None
+    caplog.clear()
+    del first, second
+    import gc
+
+    gc.collect()  # the engines are gone: nothing to conflict with
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        host.HostTuning(engine_config(cpu_threads=1))
+    assert caplog.text == ""

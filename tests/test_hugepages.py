@@ -1,4 +1,4 @@
-"""Large CPU tensors and the heap get 2 MiB pages when asked; the huge_pages setting off leaves them alone."""
+"""Large CPU tensors get 2 MiB pages when asked; an engine's huge_pages setting off leaves its own alone."""
 
 from pathlib import Path
 
@@ -40,20 +40,6 @@ def test_an_advised_tensor_is_backed_by_huge_pages_once_touched():
     assert hugepages.advise_tensors([t]) >= 30 << 20
     t.fill_(1)
     assert _huge_kib_in(t.data_ptr(), t.data_ptr() + t.numel()) >= 2048
-
-
-def test_the_switch_turns_advice_off():
-    from pagoda.host.env import HostConfig
-    from pagoda.host.settings import apply_host_settings
-
-    apply_host_settings(HostConfig(huge_pages=False, malloc_tuning=False))
-    assert hugepages.advise_tensors([torch.empty(16 << 20, dtype=torch.uint8)]) == 0
-    assert hugepages.advise_heap() == 0
-
-
-def test_the_environment_turns_advice_off_before_any_engine_is_built(monkeypatch):
-    monkeypatch.setenv("PAGODA_HUGE_PAGES", "off")
-    assert hugepages.advise_tensors([torch.empty(16 << 20, dtype=torch.uint8)]) == 0
 
 
 @needs_thp

@@ -6,12 +6,15 @@ import torch.nn.functional as F
 
 from pagoda.engine.llm import LLM
 from pagoda.host import cpu_isa
+from pagoda.host.env import resolve_host_config
 from pagoda.modeling.layers import onednn
+from pagoda.modeling.layers.fused_ops import CpuKernels
 from pagoda.modeling.layers.linear import Linear
 from pagoda.plugins.quant.memory import weight_memory
 from pagoda.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not onednn.packing_available(), reason="oneDNN packs bf16 weights on AVX-512 CPUs; "
+pytestmark = pytest.mark.skipif(not onednn.packing_available(resolve_host_config()),
+                                reason="oneDNN packs bf16 weights on AVX-512 CPUs; "
                                 f"this CPU runs {cpu_isa.describe()}")
 
 
@@ -48,7 +51,7 @@ def test_only_bf16_cpu_weights_are_packed():
 
 def test_linear_layer_packs_once_after_loading_and_keeps_its_shape_and_values():
     g = torch.Generator().manual_seed(2)
-    layer = Linear(40, [24, 8], bias=True, dtype=torch.bfloat16)
+    layer = Linear(40, [24, 8], bias=True, dtype=torch.bfloat16, kernels=CpuKernels(resolve_host_config()))
     w = torch.randn(32, 40, generator=g).to(torch.bfloat16)
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(torch.randn(32, generator=g).to(torch.bfloat16))

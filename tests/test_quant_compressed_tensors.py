@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pagoda.errors import CheckpointError, ConfigError
 from quant_helpers import (

@@ -11,29 +11,36 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator
 
 from pagoda.config import (GiB, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                            SpeculativeConfig)
 from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
-from pagoda.host.env import (HOST_VARIABLES, CpuIsa, HostConfig, OmpWaitPolicy, QuantKernel, resolve_cpu_threads,
-                        resolve_host_config)
+from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
 
 
-def _host_option(name: str, what: str, **constraints: Any) -> Any:
-    """An EngineArgs field for a host setting: None (not given) by default; its help names its variable."""
-    builtin = "measured at start-up" if name == "cpu_threads" else HostConfig.__dataclass_fields__[name].default
+def _host_field(option: HostOption) -> tuple[Any, Any]:
+    """The EngineArgs field of a host setting: None (not given) by default; its help names its variable."""
+    builtin = "measured at start-up" if option.default is None else option.default
     if isinstance(builtin, bool):
         builtin = "on" if builtin else "off"
     elif isinstance(builtin, float):
         builtin = f"{builtin:g}"
-    return Field(default=None, description=f"{what} (default: ${HOST_VARIABLES[name]}, else {builtin})",
-                 **constraints)
+    kind = Literal[option.choices] if option.choices else option.kind
+    bounds = {} if option.minimum is None else {"ge": option.minimum}
+    return Optional[kind], Field(default=None, description=f"{option.help} (default: ${option.variable}, else "
+                                                             f"{builtin})", **bounds)
 
 
-class EngineArgs(BaseModel):
-    """The engine's options, flat, named like vLLM's flags (``--max-model-len`` is ``max_model_len``)."""
+# the host settings as options, made from their one list (HostConfig's fields); None takes the environment
+# variable, else the built-in default
+HostOptions = create_model("HostOptions", **{option.name: _host_field(option) for option in HOST_OPTIONS})
+
+
+class EngineArgs(HostOptions):
+    """The engine's options, flat, named like vLLM's flags (``--max-model-len`` is ``max_model_len``); the host
+    settings among them come from ``HostOptions``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -89,32 +96,6 @@ class EngineArgs(BaseModel):
     attention_backend: str = "auto"
     sampler: str = "default"
     device: str = "auto"
-    # host settings (HostConfig): None takes the environment variable, else the built-in default
-    cpu_threads: Optional[int] = _host_option("cpu_threads", "threads computing on a CPU", gt=0)
-    thread_recheck_seconds: Optional[float] = _host_option(
-        "thread_recheck_seconds",
-        "seconds of stepping between re-measurements of a measured thread count (0: never, the default; 5 follows "
-        "a machine whose load changes)", ge=0)
-    omp_wait_policy: Optional[OmpWaitPolicy] = _host_option(
-        "omp_wait_policy", "how idle OpenMP threads wait: spin briefly, sleep, or auto (spin on an idle machine); "
-                           "takes effect only if chosen before torch loads, as the pagoda command does")
-    malloc_tuning: Optional[bool] = _host_option(
-        "malloc_tuning", "keep freed heap memory for reuse instead of returning it to the kernel (glibc)")
-    huge_pages: Optional[bool] = _host_option(
-        "huge_pages", "back the KV cache, the weights and the heap with 2 MiB transparent huge pages")
-    cpu_isa: Optional[CpuIsa] = _host_option(
-        "cpu_isa", "the highest CPU ISA level pagoda's kernels and dtype auto may use")
-    cpu_native_build: Optional[bool] = _host_option(
-        "cpu_native_build", "build the C++ kernels for this CPU's ISA level (off: the compiler's default target)")
-    fused_cpu_ops: Optional[bool] = _host_option(
-        "fused_cpu_ops", "fused C++ kernels for RMSNorm, SiLU-and-mul, RoPE and small bf16 matmuls")
-    onednn_packed_weights: Optional[bool] = _host_option(
-        "onednn_packed_weights", "pack bf16 linear weights in oneDNN's layout at load time (AVX-512 CPUs)")
-    cpu_prefill_kernel: Optional[bool] = _host_option(
-        "cpu_prefill_kernel", "the cpu attention backend's C++ kernel for fresh prompts (off: SDPA)")
-    quant_kernel: Optional[QuantKernel] = _host_option(
-        "quant_kernel", "the matmul of int-quantized weights: cpu (C++), triton, torch (reference) or auto "
-                        "(triton on a GPU, else cpu)")
 
     @field_validator("block_size")
     @classmethod
@@ -182,7 +163,8 @@ class EngineArgs(BaseModel):
         from pagoda.modeling.default_model import resolve_model_path
 
         # first: a malformed variable fails before the model is read
-        host, cpu_threads = self.host_config(), resolve_cpu_threads(self.cpu_threads)
+        host = self.host_config()
+        cpu_threads = host.cpu_threads
         if self.tensor_parallel_size > 1 and cpu_threads is None:
             # ranks on one machine share its cores; no rank measures for itself
             cpu_threads = max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
@@ -236,6 +218,7 @@ class EngineArgs(BaseModel):
             num_heads=num_heads,
             num_kv_heads=int(text_config.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
+            host=host,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or (
             2048 if self.enable_chunked_prefill else max(2048, max_model_len)

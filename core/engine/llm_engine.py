@@ -12,7 +12,7 @@ from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.metrics import EngineStats, SpecDecodeStats
 from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import InvalidRequestError, StepFailedError
-from pagoda.host.settings import HostTuning, apply_host_settings
+from pagoda.host.settings import HostTuning
 from pagoda.kv.tiers import has_offload_tiers
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutput, RequestOutputKind, RequestTracker
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
@@ -31,8 +31,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugin_manager: Optional[PluginManager] = None) -> None:
         self.config = config
         self.pm = plugin_manager or get_plugin_manager()
-        # the host settings hold before any kernel is chosen, built or loaded
-        apply_host_settings(config.host)
+        # the process-wide host settings (threads, allocator) hold before any kernel runs; the per-engine ones
+        # reach the components with the config (config.model.host)
         self.host = HostTuning(config)
         from pagoda.engine.components import build_components
 
@@ -59,7 +59,7 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens) if config.speculative else None
         # step observers: ``before_step(engine, sched)`` once a step is scheduled and
         # ``after_step(engine, sched, result, seconds)`` once it is emitted (benchmarks, --profile, and the host
-        # tuning when it has per-step work: thread re-checks, if asked for; huge pages for a growing heap)
+        # tuning only when thread re-checks are asked for: by default nothing of pagoda.host runs per step)
         self.observers: list[Any] = [self.host] if self.host.observes_steps else []
         # seconds each phase of the last step took: schedule, execute, update, emit
         self.last_step_timings: dict[str, float] = {}

@@ -39,7 +39,8 @@ class ModelRunner:
         # pages so the first touch already gets them
         self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(config.model.num_layers)]
-        hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
+        if config.host.huge_pages:
+            hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
         for cache in self.kv_caches:
             cache.zero_()
         # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape

@@ -7,36 +7,62 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pagoda.host import settings as host
 from pagoda.host.cpu_isa import extension_build
+from pagoda.host.env import HostConfig, resolve_host_config
 
 
-def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()) -> Any:
+def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = (),
+                       host: Optional[HostConfig] = None) -> Any:
     """Compile ``source`` (once per machine and ISA level; torch's extension loader caches it) and import it.
 
     Built with ``-O3 -fopenmp`` for the CPU's ISA level (``-march=native``; the flags of a lower level
-    when the ``cpu_isa`` host setting caps it, under a name of its own) unless the ``cpu_native_build``
-    setting is off, which builds for the compiler's default target. Raises whatever the build raises (a
-    missing compiler or ninja surfaces as many exception types).
+    when the ``cpu_isa`` host setting of ``host`` caps it, under a name of its own) unless its
+    ``cpu_native_build`` setting is off, which builds for the compiler's default target. ``host`` is the
+    engine's settings (None: the environment's, for kernels used without an engine). Raises whatever the build
+    raises (a missing compiler or ninja surfaces as many exception types).
     """
     from torch.utils.cpp_extension import load
 
-    settings = host.current()
+    settings = host if host is not None else resolve_host_config()
     if settings.cpu_native_build:
         module_name, isa_flags = extension_build(name, settings.cpu_isa)
     else:
         module_name, isa_flags = f"{name}_generic", []
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
-    return load(name=f"{module_name}_{_source_digest(source, flags)}", sources=[str(source)], extra_cflags=flags,
-                verbose=False)
+    full_name = f"{module_name}_{_source_digest(source, flags)}"
+    _clear_stale_lock(full_name)
+    return load(name=full_name, sources=[str(source)], extra_cflags=flags, verbose=False)
+
+
+# a build of one kernel takes well under this even on a loaded 2-core machine; a lock older than it was left by
+# a build that was killed, and torch's loader would wait on it for ever
+STALE_LOCK_SECONDS = 900.0
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Remove the build lock of ``name`` in torch's extension cache when no build has touched it for
+    ``STALE_LOCK_SECONDS`` (its process was killed mid-build), with a warning; a live build's lock stays."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"removing the build lock of pagoda's C++ kernel {name}, left {age / 60:.0f} minutes ago by "
+                      f"a build that did not finish ({lock})", RuntimeWarning, stacklevel=3)
+        lock.unlink(missing_ok=True)
 
 
 def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),
-                               fallback: str = "the torch path") -> Optional[Any]:
+                               fallback: str = "the torch path", host: Optional[HostConfig] = None) -> Optional[Any]:
     """:func:`load_cpu_extension`, or None with a RuntimeWarning saying why and that ``fallback`` runs
     instead, where the kernel cannot be built here."""
     try:
-        return load_cpu_extension(name, source, extra_cflags)
+        return load_cpu_extension(name, source, extra_cflags, host)
     except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
         lines = str(exc).strip().splitlines()
         warnings.warn(f"could not compile pagoda's C++ kernel {name} ({exc.__class__.__name__}: "

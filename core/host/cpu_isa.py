@@ -9,8 +9,9 @@ The levels, lowest first:
 
 The ``cpu_isa`` option (``--cpu-isa avx2``, default ``PAGODA_CPU_ISA``) caps the level, so a machine
 with AVX-512 runs the code an AVX2-only machine runs: kernels are compiled for that level only, and
-``dtype auto`` stops assuming native bf16 math. A kernel is compiled once per process, at the level in
-effect when it is first used. torch's own kernels are capped by ``ATEN_CPU_CAPABILITY=avx2`` and
+``dtype auto`` stops assuming native bf16 math. It is an engine's own: each level's build of a
+kernel is compiled once per machine and loaded once per process, beside the builds of other
+levels. torch's own kernels are capped by ``ATEN_CPU_CAPABILITY=avx2`` and
 ``ONEDNN_MAX_CPU_ISA=AVX2``, read when torch is imported (``make test-avx2`` sets all three).
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.errors import ConfigError
-from pagoda.host import settings as host
+from pagoda.host.env import HOST_CHOICES, HOST_VARIABLES, env_choice
 
 LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
 
@@ -64,17 +65,18 @@ def detected_level(flags: frozenset[str]) -> str:
 
 
 def _checked_cap(cap: Optional[str]) -> str:
-    """``cap``, or the ``cpu_isa`` host setting when None; an unknown level is an error naming the choices."""
+    """``cap``, or when None the environment's (``PAGODA_CPU_ISA``, else auto: code used without an engine);
+    an unknown level is an error naming the choices."""
     if cap is None:
-        cap = host.current().cpu_isa
+        cap = env_choice(HOST_VARIABLES["cpu_isa"], HOST_CHOICES["cpu_isa"], "auto")
     if cap != "auto" and cap not in LEVELS:
         raise ConfigError(f"cpu_isa {cap!r} is not a CPU level; use auto or one of {', '.join(LEVELS)}")
     return cap
 
 
 def cpu_isa(cap: Optional[str] = None) -> str:
-    """The level pagoda's CPU code uses: the detected one, lowered to ``cap`` (default: the ``cpu_isa``
-    host setting) unless that is ``auto``."""
+    """The level pagoda's CPU code uses: the detected one, lowered to ``cap`` (an engine's ``cpu_isa`` host
+    setting; default: ``PAGODA_CPU_ISA``) unless that is ``auto``."""
     detected = detected_level(cpu_flags())
     cap = _checked_cap(cap)
     if cap == "auto":
@@ -96,7 +98,7 @@ def describe(cap: Optional[str] = None) -> str:
 
 def extension_build(name: str, cap: Optional[str] = None) -> tuple[str, list[str]]:
     """The extension module name and the ISA flags for a C++ kernel built at the level ``cap`` allows
-    (default: the ``cpu_isa`` host setting).
+    (an engine's ``cpu_isa`` host setting; default: ``PAGODA_CPU_ISA``).
 
     Uncapped, the kernel is built with ``-march=native`` under its own name; capped, with the flags of
     that level under ``name_<level>``, so both builds live side by side in torch's extension cache.

@@ -1,37 +1,24 @@
 """The host settings (``HostConfig``) and pagoda's environment variables, parsed one way.
 
 The host settings (threads, the allocator, huge pages, which CPU kernels run)
-are engine options; the variable ``HOST_VARIABLES`` names for each is only its
-default, used when the option is not given, and read once, where an engine's
-config is built (``resolve_host_config``). An empty variable counts as unset.
+are engine options, listed once, as the fields of ``HostConfig``; the variable
+each names (``HOST_VARIABLES``) is only its default, used when the option is not
+given, and read where an engine's config is built (``resolve_host_config``). An
+empty variable counts as unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence, TypeVar, get_args
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Sequence, TypeVar, get_args, get_origin, get_type_hints
 
 from pagoda.errors import ConfigError
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
-# engine option -> the environment variable that is its default
-HOST_VARIABLES = {
-    "cpu_threads": "PAGODA_CPU_THREADS",
-    "thread_recheck_seconds": "PAGODA_THREAD_RECHECK_SECONDS",
-    "omp_wait_policy": "PAGODA_OMP_WAIT_POLICY",
-    "malloc_tuning": "PAGODA_MALLOC_TUNING",
-    "huge_pages": "PAGODA_HUGE_PAGES",
-    "cpu_isa": "PAGODA_CPU_ISA",
-    "cpu_native_build": "PAGODA_CPU_NATIVE",
-    "fused_cpu_ops": "PAGODA_FUSED_CPU_OPS",
-    "onednn_packed_weights": "PAGODA_ONEDNN_PACKED",
-    "cpu_prefill_kernel": "PAGODA_CPU_PREFILL_KERNEL",
-    "quant_kernel": "PAGODA_QUANT_KERNEL",
-}
 
 Number = TypeVar("Number", int, float)
 
@@ -97,54 +84,118 @@ QuantKernel = Literal["auto", "cpu", "torch", "triton"]
 QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernel)
 
 
+def _option(default: Any, variable: str, what: str, *, process_wide: bool = False,
+            minimum: Optional[float] = None) -> Any:
+    """A HostConfig field: its built-in default, the environment variable that is its default as an engine option,
+    what it does (the option's help), whether it holds for the whole process, and the least number it takes."""
+    return field(default=default, metadata={"variable": variable, "help": what, "process_wide": process_wide,
+                                            "minimum": minimum})
+
+
 @dataclass(frozen=True)
 class HostConfig:
-    """How the engine uses this machine: OpenMP waiting, the allocator, huge pages, which CPU kernels run.
+    """How the engine uses this machine: threads, OpenMP waiting, the allocator, huge pages, which CPU kernels run.
 
-    Each field is an engine option whose environment variable (``pagoda.host.env.HOST_VARIABLES``) is only its
-    default; the values here are the built-in defaults. Resolved once, by ``resolve_host_config`` when an
-    engine's config is built, and applied by ``pagoda.host.settings.apply_host_settings`` when the engine is built.
-    (The thread count is ``ParallelConfig.cpu_threads``.)
+    The one list of the host settings: each field is an engine option (``EngineArgs`` and the command's flags are
+    made from these fields) whose environment variable is only its default; the values here are the built-in
+    defaults. Resolved once, by ``resolve_host_config`` when an engine's config is built. The per-engine ones
+    travel with the engine's config to the components it builds (``ModelConfig.host``); the process-wide ones
+    (``process_wide`` in a field's metadata) are applied to the process by ``pagoda.host.settings.HostTuning``.
     """
 
-    thread_recheck_seconds: float = 0.0  # how often a measured thread count is measured again (0: never)
-    omp_wait_policy: str = "auto"  # an OmpWaitPolicy; takes effect only if chosen before torch loads
-    malloc_tuning: bool = True  # keep freed heap memory for reuse (pagoda.host.malloc)
-    huge_pages: bool = True  # 2 MiB pages for the KV cache, the weights and the heap (pagoda.host.hugepages)
-    cpu_isa: str = "auto"  # a CpuIsa: the highest ISA level pagoda's CPU code may use (pagoda.host.cpu_isa)
-    cpu_native_build: bool = True  # C++ kernels for this CPU's level; off: the compiler's default target
-    fused_cpu_ops: bool = True  # fused RMSNorm / SiLU-and-mul / RoPE / GEMV kernels (pagoda.modeling.layers.fused_ops)
-    onednn_packed_weights: bool = True  # bf16 weights in oneDNN's blocked layout (pagoda.modeling.layers.onednn)
-    cpu_prefill_kernel: bool = True  # the cpu attention backend's kernel for fresh prompts
-    quant_kernel: str = "auto"  # a QuantKernel: the int-weight matmul of quantized layers
+    cpu_threads: Optional[int] = _option(
+        None, "PAGODA_CPU_THREADS", "threads computing on a CPU (per rank; torch's count is one per process)",
+        process_wide=True, minimum=1)
+    thread_recheck_seconds: float = _option(
+        0.0, "PAGODA_THREAD_RECHECK_SECONDS",
+        "seconds of stepping between re-measurements of a measured thread count (0: never, the default; 5 follows "
+        "a machine whose load changes)", process_wide=True, minimum=0.0)
+    omp_wait_policy: OmpWaitPolicy = _option(
+        "auto", "PAGODA_OMP_WAIT_POLICY",
+        "how idle OpenMP threads wait: spin briefly, sleep, or auto (spin on an idle machine); takes effect only if "
+        "chosen before torch loads, as the pagoda command does", process_wide=True)
+    malloc_tuning: bool = _option(
+        True, "PAGODA_MALLOC_TUNING",
+        "keep freed heap memory for reuse instead of returning it to the kernel (glibc)", process_wide=True)
+    huge_pages: bool = _option(
+        True, "PAGODA_HUGE_PAGES", "back the KV cache and the weights with 2 MiB transparent huge pages")
+    cpu_isa: CpuIsa = _option(
+        "auto", "PAGODA_CPU_ISA", "the highest CPU ISA level pagoda's kernels and dtype auto may use")
+    cpu_native_build: bool = _option(
+        True, "PAGODA_CPU_NATIVE",
+        "build the C++ kernels for this CPU's ISA level (off: the compiler's default target)")
+    fused_cpu_ops: bool = _option(
+        True, "PAGODA_FUSED_CPU_OPS", "fused C++ kernels for RMSNorm, SiLU-and-mul, RoPE and small bf16 matmuls")
+    onednn_packed_weights: bool = _option(
+        True, "PAGODA_ONEDNN_PACKED", "pack bf16 linear weights in oneDNN's layout at load time (AVX-512 CPUs)")
+    cpu_prefill_kernel: bool = _option(
+        True, "PAGODA_CPU_PREFILL_KERNEL", "the cpu attention backend's C++ kernel for fresh prompts (off: SDPA)")
+    quant_kernel: QuantKernel = _option(
+        "auto", "PAGODA_QUANT_KERNEL",
+        "the matmul of int-quantized weights: cpu (C++), triton, torch (reference) or auto (triton on a GPU, "
+        "else cpu)")
 
 
+@dataclass(frozen=True)
+class HostOption:
+    """One field of HostConfig as an engine option: what ``EngineArgs`` and the command's flags are made from."""
+
+    name: str
+    variable: str
+    help: str
+    kind: type  # bool, int or float; str for a choice
+    choices: tuple[str, ...]  # the values of a choice, else ()
+    default: Any  # the built-in default
+    minimum: Optional[float]
+    process_wide: bool
+
+
+def _host_options() -> tuple[HostOption, ...]:
+    hints = get_type_hints(HostConfig)
+    options = []
+    for f in dataclasses.fields(HostConfig):
+        hint = hints[f.name]
+        choices = get_args(hint) if get_origin(hint) is Literal else ()
+        kind = str if choices else next((a for a in get_args(hint) if a is not type(None)), hint)
+        options.append(HostOption(f.name, f.metadata["variable"], f.metadata["help"], kind, choices, f.default,
+                                  f.metadata["minimum"], f.metadata["process_wide"]))
+    return tuple(options)
+
+
+# every host setting, in HostConfig's order
+HOST_OPTIONS: tuple[HostOption, ...] = _host_options()
+# engine option -> the environment variable that is its default
+HOST_VARIABLES: dict[str, str] = {o.name: o.variable for o in HOST_OPTIONS}
 # the choices of each enumerated host setting
-HOST_CHOICES: dict[str, tuple[str, ...]] = {
-    "omp_wait_policy": get_args(OmpWaitPolicy),
-    "cpu_isa": get_args(CpuIsa),
-    "quant_kernel": QUANT_KERNELS,
-}
+HOST_CHOICES: dict[str, tuple[str, ...]] = {o.name: o.choices for o in HOST_OPTIONS if o.choices}
+# the settings that hold for the whole process (threads, OpenMP, the allocator), not for one engine
+PROCESS_WIDE: tuple[str, ...] = tuple(o.name for o in HOST_OPTIONS if o.process_wide)
 
 
 def resolve_host_config(**given: Any) -> HostConfig:
     """The host settings: each option given (None: not given), else its environment variable, else the
     built-in default. A malformed variable is a ConfigError naming it and the values it accepts."""
     values = {}
-    for f in dataclasses.fields(HostConfig):
-        value = given.get(f.name)
+    for option in HOST_OPTIONS:
+        value = given.get(option.name)
         if value is None:
-            variable = HOST_VARIABLES[f.name]
-            if isinstance(f.default, bool):
-                value = env_bool(variable, f.default)
-            elif f.name in HOST_CHOICES:
-                value = env_choice(variable, HOST_CHOICES[f.name], f.default)
+            if option.kind is bool:
+                value = env_bool(option.variable, option.default)
+            elif option.choices:
+                value = env_choice(option.variable, option.choices, option.default)
             else:
-                value = env_number(variable, float, 0.0, f.default)
-        values[f.name] = value
+                value = env_number(option.variable, option.kind, option.kind(option.minimum), option.default)
+        values[option.name] = value
     return HostConfig(**values)
+
+
+def host_config_of(model_config: Any) -> HostConfig:
+    """The host settings a component is built with: its model config's (``ModelConfig.host``, the engine's),
+    or the environment's for a config without them (a stand-in built by hand)."""
+    host = getattr(model_config, "host", None)
+    return host if host is not None else resolve_host_config()
 
 
 def resolve_cpu_threads(given: Optional[int]) -> Optional[int]:
     """The ``cpu_threads`` option, else ``PAGODA_CPU_THREADS``, else None (measured at start-up)."""
-    return given or env_number(HOST_VARIABLES["cpu_threads"], int, 1, None)
+    return given or resolve_host_config().cpu_threads

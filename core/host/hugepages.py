@@ -2,14 +2,14 @@
 
 A decode step reads the weights and scattered KV blocks through 4 KiB pages,
 hundreds of MiB of them: the TLB misses cost. Where the kernel leaves THP to
-``madvise`` (the common default), pagoda asks for huge pages on the KV cache,
-the weights and the heap that holds a step's activations, and collapses what is
-already populated (``MADV_COLLAPSE``, Linux 6.1+). On W1 at 2 threads, six
-interleaved pairs: median 14.11 s against 14.54 s without, mean 13.65 against
-14.52 (the same advice given by hand after warm-up: 11.7-12.4 s against
-13.8-14.1 in four pairs); the paged-attention kernel alone runs 8-10% faster.
-The ``huge_pages`` host setting off (``--no-huge-pages``, ``PAGODA_HUGE_PAGES=0``)
-leaves pages alone; failures (older kernels, THP disabled, non-Linux) are
+``madvise`` (the common default), an engine's runner asks for huge pages on its
+KV cache and its weights once, when it allocates them, and collapses what is
+already populated (``MADV_COLLAPSE``, Linux 6.1+); the paged-attention kernel
+alone ran 8-10% faster with them. The heap that holds a step's activations is
+not advised: that advice had to follow the heap as steps grew it (a call after
+steps), and it is the whole process's heap, not one engine's. The engine's
+``huge_pages`` host setting off (``--no-huge-pages``, ``PAGODA_HUGE_PAGES=0``)
+leaves its pages alone; failures (older kernels, THP disabled, non-Linux) are
 ignored.
 """
 
@@ -19,19 +19,12 @@ import ctypes
 import ctypes.util
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from pagoda.host import settings as host
-
 if TYPE_CHECKING:
     import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
-
-
-def enabled() -> bool:
-    """The ``huge_pages`` setting of the engine built last (see ``pagoda.host.settings.current``)."""
-    return host.current().huge_pages
 
 
 _libc: Optional[ctypes.CDLL] = None
@@ -52,7 +45,7 @@ def advise_range(start: int, end: int) -> int:
     """Huge pages for the whole 2 MiB pages inside [start, end). Returns the bytes advised (0 if none)."""
     lo = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     hi = end // HUGE_PAGE * HUGE_PAGE
-    madvise = _madvise() if enabled() else None
+    madvise = _madvise()
     if madvise is None or hi <= lo:
         return 0
     if madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
@@ -69,18 +62,4 @@ def advise_tensors(tensors: Iterable[torch.Tensor]) -> int:
             continue
         storage = t.untyped_storage()
         total += advise_range(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
-    return total
-
-
-def advise_heap() -> int:
-    """Huge pages for the process heap (glibc's main arena: where a step's activations live)."""
-    total = 0
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                if line.rstrip().endswith("[heap]"):  # one or more areas: advice splits them
-                    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                    total += advise_range(lo, hi)
-    except OSError:
-        pass
     return total

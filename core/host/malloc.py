@@ -4,9 +4,9 @@ With glibc's defaults, the multi-megabyte activations of a step are returned to
 the kernel when freed and page-faulted back in by the next op: a bf16 RMSNorm
 over a 2048-token prefill took 4.4 ms that way against 0.6 ms with the memory
 kept. Raising the mmap and trim thresholds keeps it. An engine applies it when
-it is built (``pagoda.host.settings.apply_host_settings``) unless its ``malloc_tuning``
+it is built (``pagoda.host.settings.HostTuning``) unless its ``malloc_tuning``
 option is off (``--no-malloc-tuning``, ``PAGODA_MALLOC_TUNING=0``); once tuned,
-the process stays tuned.
+the process stays tuned (the setting is process-wide, not an engine's own).
 """
 
 from __future__ import annotations

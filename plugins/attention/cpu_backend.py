@@ -7,7 +7,7 @@ BF16 for bf16 models, on AVX2 for every dtype (fp32 math, 16-bit and fp8 values
 widened in registers). Fresh prompts go through ``cpu_prefill.cpp``, a
 flash-style causal kernel (AVX-512 BF16 for bf16 models; AVX2 in fp32 for bf16,
 fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
-the ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
+the engine's ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
 Steps with many decodes on the generic loops (no AVX2) use the torch backend's
 batched path, which wins there. ``isa_paths()`` names the path each kernel
 takes. Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
-from pagoda.host import settings as host
 from pagoda.host.cpp_extension import load_cpu_extension
+from pagoda.host.env import HostConfig, host_config_of, resolve_host_config
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
 from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
                                                      write_kv)
@@ -57,17 +57,34 @@ def _header_flags() -> list[str]:
     return [f"-DPAGODA_CPU_SOFTMAX_H={digest}"]
 
 
-@lru_cache(maxsize=1)
-def load_kernels() -> Any:
-    """Compile (once per machine) and import the C++ kernels."""
-    return load_cpu_extension("pagoda_cpu_attention", _SOURCE, _header_flags())
+def load_kernels(host: Optional[HostConfig] = None) -> Any:
+    """Compile (once per machine and ISA level) and import the C++ kernels, built as an engine's host settings
+    say (None: the environment's)."""
+    return _load_kernels(*_build_of(host))
 
 
-@lru_cache(maxsize=1)
-def load_prefill_kernel() -> Any:
+def load_prefill_kernel(host: Optional[HostConfig] = None) -> Any:
     """The fresh-prompt kernel (``cpu_prefill.cpp``), or None where it cannot be built."""
+    return _load_prefill_kernel(*_build_of(host))
+
+
+def _build_of(host: Optional[HostConfig]) -> tuple[str, bool]:
+    """The settings a kernel build depends on: engines that differ only in others share one load."""
+    host = host if host is not None else resolve_host_config()
+    return host.cpu_isa, host.cpu_native_build
+
+
+@lru_cache(maxsize=None)
+def _load_kernels(cpu_isa: str, native_build: bool) -> Any:
+    build = HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build)
+    return load_cpu_extension("pagoda_cpu_attention", _SOURCE, _header_flags(), host=build)
+
+
+@lru_cache(maxsize=None)
+def _load_prefill_kernel(cpu_isa: str, native_build: bool) -> Any:
+    build = HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build)
     try:
-        return load_cpu_extension("pagoda_cpu_prefill", _PREFILL_SOURCE, _header_flags())
+        return load_cpu_extension("pagoda_cpu_prefill", _PREFILL_SOURCE, _header_flags(), host=build)
     except Exception:  # no compiler: SDPA serves fresh prompts
         return None
 
@@ -97,7 +114,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if model_config.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise BackendUnavailable(f"the cpu kernels support float32, bfloat16 and float16, not {model_config.dtype}")
         try:
-            self.kernels = load_kernels()
+            self.kernels = load_kernels(host_config_of(model_config))
         except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
             raise BackendUnavailable(f"could not compile the C++ attention kernels ({exc.__class__.__name__}: "
                                      f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''})") from None
@@ -117,8 +134,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # fresh prompts: a flash-style kernel, on AVX-512 BF16 for bf16 models (3-4x SDPA's at W1's lengths),
         # on AVX2 in fp32 for bf16, fp16 and fp32 models
         self.prefill_kernel = None
-        if host.current().cpu_prefill_kernel:
-            kernel = load_prefill_kernel()
+        host = host_config_of(model_config)  # the engine's
+        if host.cpu_prefill_kernel:
+            kernel = load_prefill_kernel(host)
             if (kernel is not None and kernel.supports_head_dim(self.head_dim)
                     and kernel.supports_dtype(str(model_config.dtype).removeprefix("torch."))):
                 self.prefill_kernel = kernel

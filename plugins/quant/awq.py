@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import ConfigError
+from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, config_value, drop_params, is_skipped, kernel_for_device, output_sharded_loader)
 from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, install_int_weight
@@ -37,7 +38,9 @@ class AWQConfig:
         if not cfg.get("zero_point", True):
             raise ConfigError("AWQ without zero points (zero_point: false) is not supported; use zero_point: true")
         self.modules_to_not_convert = list(cfg.get("modules_to_not_convert") or [])
-        self.kernel = kernel_for_device()
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
+        self.kernel = kernel_for_device(self.host.quant_kernel)
 
     def for_layer(self, prefix: str) -> Optional["AWQLinearMethod"]:
         # AutoAWQ skips a module when any listed fragment occurs in its name
@@ -76,7 +79,7 @@ class AWQLinearMethod:
         scales = layer.scales.data.t()  # [out, groups]
         drop_params(layer, "qweight", "qzeros", "scales")
         install_int_weight(layer, q, scales, zeros, 4, layer.awq_group, [IntPart(0, layer.out_features, None)],
-                           self.config.kernel)
+                           self.config.kernel, self.config.host)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return apply_int_linear(layer, x, bias)

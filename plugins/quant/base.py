@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import CheckpointError, ConfigError
-from pagoda.host import settings as host
-from pagoda.host.env import QUANT_KERNELS
+from pagoda.host.env import QUANT_KERNELS, resolve_host_config
 
 # pagoda's fused layers and the checkpoint modules stacked into them, in shard order
 FUSED_MODULES = {
@@ -46,13 +45,13 @@ def is_skipped(prefix: str, predicate: Callable[[str], bool], method: str) -> bo
 
 
 def kernel_for_device(choice: Optional[str] = None) -> str:
-    """The int kernel for ``choice`` (default: the ``quant_kernel`` host setting): ``auto`` is ``triton`` on a
-    GPU and ``cpu`` (C++) otherwise.
+    """The int kernel for ``choice`` (an engine's ``quant_kernel`` host setting; default: the environment's):
+    ``auto`` is ``triton`` on a GPU and ``cpu`` (C++) otherwise.
 
     ``torch`` (dequantize a layer per forward, then multiply) stays selectable as the reference.
     """
     if choice is None:
-        choice = host.current().quant_kernel
+        choice = resolve_host_config().quant_kernel
     if choice not in QUANT_KERNELS:
         raise ConfigError(f"quant_kernel {choice!r} is not one of {', '.join(QUANT_KERNELS)}")
     if choice == "auto":

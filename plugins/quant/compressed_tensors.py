@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.host.env import HostConfig, host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, checkpoint_modules, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     name_matches, output_sharded_loader, per_shard_loader, shard_rows)
@@ -37,7 +38,9 @@ class CompressedTensorsConfig:
 
     def __init__(self, model_config: Any, cfg: dict[str, Any]) -> None:
         self.ignore = list(cfg.get("ignore") or [])
-        self.kernel = kernel_for_device()
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
+        self.kernel = kernel_for_device(self.host.quant_kernel)
         self.fp8_tables: dict = {}  # shared by every FP8 layer
         self.groups = []
         for group_name, group in (cfg.get("config_groups") or {}).items():
@@ -63,9 +66,9 @@ class CompressedTensorsConfig:
             return None
         name, _, fmt, weights, acts = self.groups[index]
         if fmt == "pack-quantized":
-            return PackedIntLinearMethod(name, weights, acts, self.kernel)
+            return PackedIntLinearMethod(name, weights, acts, self.kernel, self.host)
         if fmt == "int-quantized" or (fmt == "naive-quantized" and weights.get("type") == "int"):
-            return compressed_tensors_int8(name, weights, acts, self.kernel)
+            return compressed_tensors_int8(name, weights, acts, self.kernel, self.host)
         return _float_method(name, weights, acts, self.fp8_tables)
 
     def _group_of(self, module: str) -> Optional[int]:
@@ -99,7 +102,8 @@ def _float_method(group: str, weights: dict[str, Any], acts: Optional[dict[str, 
 class PackedIntLinearMethod:
     """compressed-tensors "pack-quantized": symmetric int4 / int8 weights, group or channel scales."""
 
-    def __init__(self, group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]], kernel: str) -> None:
+    def __init__(self, group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]], kernel: str,
+                 host: Optional[HostConfig] = None) -> None:
         where = f"compressed-tensors config_groups.{group}"
         self.bits = weights.get("num_bits")
         if weights.get("type") != "int" or self.bits not in (4, 8):
@@ -115,7 +119,7 @@ class PackedIntLinearMethod:
             raise ConfigError(f"{where}: quantized input activations ({acts}) with int weights are not supported; "
                               "pagoda reads weight-only int schemes (W4A16, W8A16)")
         self.has_g_idx = weights.get("actorder") == "group"
-        self.kernel = kernel
+        self.kernel, self.host = kernel, host
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n_out, n_in = layer.out_features, layer.in_features
@@ -157,7 +161,7 @@ class PackedIntLinearMethod:
                     q[start:end] = q[start:end][:, perm]
             drop_params(layer, "weight_g_idx")
         drop_params(layer, "weight_packed", "weight_scale", "weight_shape")
-        install_int_weight(layer, q, scales, zeros, self.bits, layer.ct_group, parts, self.kernel)
+        install_int_weight(layer, q, scales, zeros, self.bits, layer.ct_group, parts, self.kernel, self.host)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return apply_int_linear(layer, x, bias)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagoda.host.cpp_extension import load_cpu_extension_or_none
+from pagoda.host.env import HostConfig, resolve_host_config
 
 _SOURCE = Path(__file__).with_name("cpu_int_kernels.cpp")
 
@@ -43,24 +44,31 @@ AVX2_GEMM_MIN_ROWS = 13
 TILE_ROWS = 4096
 
 
-@lru_cache(maxsize=1)
-def int_kernels_or_none() -> Optional[Any]:
-    """The compiled kernel (once per machine), or None (with one warning) when it cannot be built here."""
+def int_kernels_or_none(host: Optional[HostConfig] = None) -> Optional[Any]:
+    """The compiled kernel (once per machine and ISA level) as an engine's host settings build it (None: the
+    environment's), or None (with one warning) when it cannot be built here."""
+    host = host if host is not None else resolve_host_config()
+    return _int_kernels_or_none(host.cpu_isa, host.cpu_native_build)
+
+
+@lru_cache(maxsize=None)
+def _int_kernels_or_none(cpu_isa: str, native_build: bool) -> Optional[Any]:
     return load_cpu_extension_or_none("pagoda_cpu_int_linear", _SOURCE,
-                                      fallback="the slower torch path of quantized layers")
+                                      fallback="the slower torch path of quantized layers",
+                                      host=HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build))
 
 
-def isa_path() -> str:
+def isa_path(host: Optional[HostConfig] = None) -> str:
     """The ISA path of the int kernel's small-batch product (``avx512_bf16``, ``avx512``, ``avx2``, ``scalar``),
     or ``torch`` where it cannot be built."""
-    kernels = int_kernels_or_none()
+    kernels = int_kernels_or_none(host)
     return str(kernels.isa_path()) if kernels is not None else "torch"
 
 
-@lru_cache(maxsize=1)
-def default_gemm_min_rows() -> int:
-    """Activation rows from which the kernel takes its GEMM path on this machine's ISA path."""
-    return AVX2_GEMM_MIN_ROWS if isa_path() == "avx2" else GEMM_MIN_ROWS
+@lru_cache(maxsize=None)
+def default_gemm_min_rows(kernels: Any) -> int:
+    """Activation rows from which ``kernels`` take their GEMM path, by their ISA path."""
+    return AVX2_GEMM_MIN_ROWS if str(kernels.isa_path()) == "avx2" else GEMM_MIN_ROWS
 
 
 def cpu_int_linear(kernels: Any, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
@@ -69,7 +77,7 @@ def cpu_int_linear(kernels: Any, layer: nn.Module, x: torch.Tensor, bias: Option
     """``x [..., in] -> [..., out]`` for a layer in the int runtime layout (see ``int_linear.py``);
     ``gemm_min_rows`` None: :func:`default_gemm_min_rows`."""
     if gemm_min_rows is None:
-        gemm_min_rows = default_gemm_min_rows()
+        gemm_min_rows = default_gemm_min_rows(kernels)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
     y = torch.empty(x2.shape[0], layer.out_features, dtype=x.dtype)  # [M, out]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     output_sharded_loader, per_shard_loader, shard_rows)
@@ -45,7 +46,9 @@ class GPTQConfig:
         if overrides:
             raise ConfigError(f"GPTQ 'dynamic' per-module overrides {overrides} are not supported; only '-:' "
                               "exclusions are")
-        self.kernel = kernel_for_device()
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
+        self.kernel = kernel_for_device(self.host.quant_kernel)
 
     def for_layer(self, prefix: str) -> Optional["GPTQLinearMethod"]:
         if is_skipped(prefix, lambda m: any(re.match(p, m) for p in self.skip_patterns), "GPTQ"):
@@ -103,7 +106,7 @@ class GPTQLinearMethod:
             if perm is not None:
                 q[start:end] = q[start:end][:, perm]
         drop_params(layer, "qweight", "qzeros", "scales", "g_idx")
-        install_int_weight(layer, q, scales, zeros, bits, group, parts, self.config.kernel)
+        install_int_weight(layer, q, scales, zeros, bits, group, parts, self.config.kernel, self.config.host)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return apply_int_linear(layer, x, bias)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.host.env import HostConfig, host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_tensor, drop_params, is_skipped, kernel_for_device, loaded_suffix, mark_loaded, name_matches,
     output_sharded_loader, per_shard_loader, shard_rows, tp_part)
@@ -43,8 +44,12 @@ class Int8LinearMethod:
     """``source``: online | channel | tensor (the checkpoint's scale strategy); ``activations``: int8 | None."""
 
     def __init__(self, source: str, kernel: str, activations: Optional[str] = "int8",
-                 method: str = "int8") -> None:
+                 method: str = "int8", host: Optional[HostConfig] = None) -> None:
+        """``host``: the engine's settings, which the C++ kernel is built for (None: the environment's)."""
         self.source, self.kernel, self.activations, self.method = source, kernel, activations, method
+        self.host = host
+        # W8A8 through the C++ kernel: loaded now, at start-up (None where it cannot be built)
+        self.cpu_kernels = int8_kernels_or_none(host) if kernel == "cpu" and activations is not None else None
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         n_out, n_in = layer.out_features, layer.in_features
@@ -104,7 +109,7 @@ class Int8LinearMethod:
         if self.activations is None:  # W8A16: the group-wise int runtime, q + 128 against a zero point of 128
             zeros = torch.full((q.shape[0], 1), 128.0)
             install_int_weight(layer, (q.to(torch.int16) + 128).to(torch.uint8), scale[:, None], zeros, 8,
-                               layer.in_features, [IntPart(0, layer.out_features, None)], self.kernel)
+                               layer.in_features, [IntPart(0, layer.out_features, None)], self.kernel, self.host)
             return
         packed, colsum = pack_int8_weight(q)
         layer.register_buffer("w8_packed", packed, persistent=False)  # int8 [N_pad / 16, K_pad * 16]
@@ -117,7 +122,7 @@ class Int8LinearMethod:
         if self.activations is None:
             return apply_int_linear(layer, x, bias)
         if self.kernel == "cpu" and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES:
-            kernels = int8_kernels_or_none()
+            kernels = self.cpu_kernels
             if kernels is not None:
                 return cpu_int8_linear(kernels, x, layer.w8_packed, layer.w8_colsum, layer.w8_scale,
                                        layer.out_features, None if bias is None else bias.float())
@@ -134,16 +139,18 @@ class Int8Config:
             raise ConfigError(f"--quantization int8 quantizes a dense checkpoint while it loads, but this one is "
                               f"already quantized ({existing}); drop --quantization to run its own scheme")
         self.ignored = list(cfg.get("ignored_layers") or [])
-        self.kernel = kernel_for_device()
+        # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
+        self.host = host_config_of(model_config)
+        self.kernel = kernel_for_device(self.host.quant_kernel)
 
     def for_layer(self, prefix: str) -> Optional[Int8LinearMethod]:
         if is_skipped(prefix, lambda m: any(name_matches(m, p) for p in self.ignored), "int8"):
             return None
-        return Int8LinearMethod("online", self.kernel, method="online int8")
+        return Int8LinearMethod("online", self.kernel, method="online int8", host=self.host)
 
 
 def compressed_tensors_int8(group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]],
-                            kernel: str) -> Int8LinearMethod:
+                            kernel: str, host: Optional[HostConfig] = None) -> Int8LinearMethod:
     """The method for a compressed-tensors "int-quantized" config group (W8A8 or W8A16 int8)."""
     where = f"compressed-tensors config_groups.{group}"
     if weights.get("type") != "int" or weights.get("num_bits") != 8:
@@ -155,13 +162,13 @@ def compressed_tensors_int8(group: str, weights: dict[str, Any], acts: Optional[
     if strategy not in ("channel", "tensor"):
         raise ConfigError(f"{where}: int8 weight strategy {strategy!r} is not supported; expected channel or tensor")
     if not acts:
-        return Int8LinearMethod(strategy, kernel, activations=None, method="compressed-tensors int8")
+        return Int8LinearMethod(strategy, kernel, activations=None, method="compressed-tensors int8", host=host)
     wanted = {"type": "int", "num_bits": 8, "dynamic": True, "strategy": "token", "symmetric": True}
     wrong = {k: acts.get(k) for k, v in wanted.items() if acts.get(k, True if k == "symmetric" else None) != v}
     if wrong:
         raise ConfigError(f"{where}: input activations {wrong} are not supported; pagoda's W8A8 quantizes "
                           f"activations as {wanted} (dynamic, symmetric, one scale per token)")
-    return Int8LinearMethod(strategy, kernel, method="compressed-tensors int8")
+    return Int8LinearMethod(strategy, kernel, method="compressed-tensors int8", host=host)
 
 
 def uses_int8_kernel(model: nn.Module) -> bool:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import CheckpointError
+from pagoda.host.env import HostConfig
 from pagoda.plugins.quant.cpu_int_kernel import cpu_int_linear, int_kernels_or_none
 from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
 
@@ -39,8 +40,10 @@ class IntPart:
 
 
 def install_int_weight(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       bits: int, group_size: int, parts: list[IntPart], kernel: str) -> None:
-    """Store ``q [out, in]`` (unsigned ints), ``scales``/``zeros [out, groups]`` in the runtime layout."""
+                       bits: int, group_size: int, parts: list[IntPart], kernel: str,
+                       host: Optional[HostConfig] = None) -> None:
+    """Store ``q [out, in]`` (unsigned ints), ``scales``/``zeros [out, groups]`` in the runtime layout; with
+    ``kernel`` cpu, load the C++ kernel as the engine's ``host`` settings build it (None: the environment's)."""
     out_features, in_features = q.shape
     num_groups = scales.shape[1]
     in_pad = num_groups * group_size
@@ -51,6 +54,7 @@ def install_int_weight(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, 
     layer.w_scales = nn.Parameter(scales.to(dtype).contiguous(), requires_grad=False)
     layer.w_zeros = nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
     layer.int_bits, layer.int_group_size, layer.int_kernel = bits, group_size, kernel
+    layer.int_cpu_kernels = int_kernels_or_none(host) if kernel == "cpu" else None
     for i, part in enumerate(parts):
         if part.perm is not None:
             layer.register_buffer(f"w_perm_{i}", part.perm.to(torch.int64), persistent=False)
@@ -76,7 +80,7 @@ def apply_int_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Ten
     ``torch`` (dequantize each part, then ``F.linear``: the reference).
     """
     if layer.int_kernel == "cpu" and x.device.type == "cpu" and x.dtype == layer.w_scales.dtype:
-        kernels = int_kernels_or_none()
+        kernels = layer.int_cpu_kernels
         if kernels is not None:
             return cpu_int_linear(kernels, layer, x, bias)
     outputs = []

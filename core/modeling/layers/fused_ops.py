@@ -5,8 +5,9 @@ linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32
 fp32 GEMM over widened weight tiles for larger ones. ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
 extension loader). Where it cannot be built, or for tensors it does not cover
 (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
-compute the same values. The ``fused_cpu_ops`` host setting off
-(``--no-fused-cpu-ops``, ``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off.
+compute the same values. An engine's ``fused_cpu_ops`` host setting
+off (``--no-fused-cpu-ops``, ``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off for its model: its layers hold
+a ``CpuKernels`` chosen from its settings when it is built.
 """
 
 from __future__ import annotations
@@ -18,46 +19,14 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.host import settings as host
 from pagoda.host.cpp_extension import load_cpu_extension
+from pagoda.host.env import HostConfig, resolve_host_config
+from pagoda.modeling.layers import onednn
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def cpu_ops() -> Optional[Any]:
-    """The compiled kernels, or None when the ``fused_cpu_ops`` host setting is off or they cannot be built."""
-    if not host.current().fused_cpu_ops:
-        return None
-    return _compiled()
-
-
-@lru_cache(maxsize=1)
-def _compiled() -> Optional[Any]:
-    try:  # no FMA contraction: products round as torch's do
-        return load_cpu_extension("pagoda_cpu_ops", _SOURCE, ["-ffp-contract=off"])
-    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
-        logger.warning("fused CPU kernels unavailable, using torch ops (%s: %s)", type(exc).__name__, exc)
-        return None
-
-
-def fused_for(t: torch.Tensor) -> Optional[Any]:
-    """The kernels if they cover ``t`` (a CPU tensor of a supported dtype), else None."""
-    if t.device.type != "cpu" or t.dtype not in _DTYPES:
-        return None
-    return cpu_ops()
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
-    ops = fused_for(gate_up)
-    if ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
-        return ops.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
 
 # Up to this many rows, the GEMV kernel beats torch's bf16 matmul here (one thread, the model's shapes with
 # weights streamed from memory: 20-24 ms against 36-46 ms per decode step at 1 row, 32-42 against 40-52 at 4,
@@ -72,55 +41,86 @@ GEMV_MAX_ROWS = 4
 AVX2_GEMV_MAX_ROWS = 8
 
 
-def _gemv_path() -> str:
-    """The ISA path of the compiled bf16 GEMV: ``avx512_bf16``, ``avx2``, or ``""`` (none, or turned off)."""
-    return _compiled_gemv_path() if host.current().fused_cpu_ops else ""
+def cpu_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
+    """The compiled kernels for ``host`` (an engine's settings; None: the environment's), or None when its
+    ``fused_cpu_ops`` setting is off or they cannot be built."""
+    host = host if host is not None else resolve_host_config()
+    if not host.fused_cpu_ops:
+        return None
+    return _compiled(host.cpu_isa, host.cpu_native_build)
 
 
-def _has_gemv() -> bool:
-    return bool(_gemv_path())
+@lru_cache(maxsize=None)
+def _compiled(cpu_isa: str, native_build: bool) -> Optional[Any]:
+    """The kernels built for one ISA cap, loaded once per process (engines with other caps load their own)."""
+    build = HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build)
+    try:  # no FMA contraction: products round as torch's do
+        return load_cpu_extension("pagoda_cpu_ops", _SOURCE, ["-ffp-contract=off"], build)
+    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
+        logger.warning("fused CPU kernels unavailable, using torch ops (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
-@lru_cache(maxsize=1)
-def _compiled_gemv_path() -> str:
-    ops = _compiled()
-    return str(ops.gemv_path()) if ops is not None else ""
+class CpuKernels:
+    """The CPU kernels one model's layers run, chosen once, from its engine's host settings, when the model is
+    built: every layer holds the model's ``CpuKernels`` and asks it, so engines with other settings in the same
+    process run their own. ``CpuKernels()`` (no settings) runs plain torch ops."""
 
+    def __init__(self, host: Optional[HostConfig] = None) -> None:
+        self.ops = cpu_ops(host) if host is not None else None
+        # the ISA path of the compiled bf16 GEMV: ``avx512_bf16``, ``avx2``, or ``""`` (none, or turned off)
+        self.gemv_path = str(self.ops.gemv_path()) if self.ops is not None else ""
+        # bf16 weights go into oneDNN's blocked layout at load time (see layers.onednn)
+        self.packs_weights = host is not None and onednn.packing_available(host)
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16 math
-    (AVX2) through the widened-tile GEMM for larger ones."""
-    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and weight.is_contiguous()):
-        path = _gemv_path()
-        rows = x.numel() // max(1, x.shape[-1])
-        if path == "avx512_bf16" and rows <= GEMV_MAX_ROWS or path == "avx2":
-            x2 = x.reshape(rows, x.shape[-1])
-            if x2.stride(-1) == 1:
-                if path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
-                    y = cpu_ops().gemm_bf16_fp32(x2, weight, bias)
-                else:
-                    y = cpu_ops().gemv_bf16(x2, weight, bias)
-                return y.view(*x.shape[:-1], weight.shape[0])
-    return torch.nn.functional.linear(x, weight, bias)
+    def for_tensor(self, t: torch.Tensor) -> Optional[Any]:
+        """The kernels if they cover ``t`` (a CPU tensor of a supported dtype), else None."""
+        if self.ops is None or t.device.type != "cpu" or t.dtype not in _DTYPES:
+            return None
+        return self.ops
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension."""
+        ops = self.for_tensor(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
-def isa_paths(dtype: torch.dtype) -> dict[str, str]:
-    """The ISA path the decoder layer's elementwise kernels and dense linear layers take for a CPU model of
-    ``dtype`` (for benchmarks and logs)."""
-    from pagoda.modeling.layers import onednn
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16
+        math (AVX2) through the widened-tile GEMM for larger ones."""
+        if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and weight.is_contiguous()):
+            path = self.gemv_path
+            rows = x.numel() // max(1, x.shape[-1])
+            if path == "avx512_bf16" and rows <= GEMV_MAX_ROWS or path == "avx2":
+                x2 = x.reshape(rows, x.shape[-1])
+                if x2.stride(-1) == 1:
+                    if path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
+                        y = self.ops.gemm_bf16_fp32(x2, weight, bias)
+                    else:
+                        y = self.ops.gemv_bf16(x2, weight, bias)
+                    return y.view(*x.shape[:-1], weight.shape[0])
+        return torch.nn.functional.linear(x, weight, bias)
 
-    ops = cpu_ops()
-    elementwise = str(ops.elementwise_path()) if ops is not None and dtype in _DTYPES else "torch"
-    if dtype != torch.bfloat16:
-        dense = "torch"
-    elif onednn.packing_available():
-        dense = "onednn packed bf16" + (f", gemv {_gemv_path()} up to {GEMV_MAX_ROWS} rows (LM head)"
-                                        if _gemv_path() == "avx512_bf16" else "")
-    elif _gemv_path() == "avx2":
-        dense = f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond)"
-    elif _gemv_path():
-        dense = f"gemv {_gemv_path()} up to {GEMV_MAX_ROWS} rows, torch beyond"
-    else:
-        dense = "torch"
-    return {"rmsnorm/silu/rope": elementwise, "dense linear": dense}
+    def pack_weight(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """``weight`` in oneDNN's blocked layout where this model packs it, else None (see layers.onednn)."""
+        return onednn.pack_weight(weight) if self.packs_weights else None
+
+    def isa_paths(self, dtype: torch.dtype) -> dict[str, str]:
+        """The ISA path the decoder layer's elementwise kernels and dense linear layers take for a CPU model
+        of ``dtype`` (for benchmarks and logs)."""
+        elementwise = str(self.ops.elementwise_path()) if self.ops is not None and dtype in _DTYPES else "torch"
+        if dtype != torch.bfloat16:
+            dense = "torch"
+        elif self.packs_weights:
+            dense = "onednn packed bf16" + (f", gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows (LM head)"
+                                            if self.gemv_path == "avx512_bf16" else "")
+        elif self.gemv_path == "avx2":
+            dense = f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond)"
+        elif self.gemv_path:
+            dense = f"gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows, torch beyond"
+        else:
+            dense = "torch"
+        return {"rmsnorm/silu/rope": elementwise, "dense linear": dense}

@@ -10,7 +10,7 @@ from torch import nn
 from pagoda.errors import CheckpointError
 from pagoda.execution import distributed
 from pagoda.modeling.layers import onednn
-from pagoda.modeling.layers.fused_ops import linear
+from pagoda.modeling.layers.fused_ops import CpuKernels
 
 
 class UnquantizedLinearMethod:
@@ -18,7 +18,11 @@ class UnquantizedLinearMethod:
 
     Once loaded, a bf16 weight on a CPU is replaced by its oneDNN-packed form (see ``layers.onednn``):
     same shape and values, an opaque layout, ``onednn.dense(layer.weight)`` gives the plain matrix back.
+    ``kernels``: the model's CPU kernels, which say whether it packs and multiply otherwise (None: torch ops).
     """
+
+    def __init__(self, kernels: Optional[CpuKernels] = None) -> None:
+        self.kernels = kernels or CpuKernels()
 
     def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
         weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype), requires_grad=False)
@@ -28,7 +32,7 @@ class UnquantizedLinearMethod:
     def process_weights_after_loading(self, layer: "Linear") -> None:
         if layer.packed:
             return
-        packed = onednn.pack_weight(layer.weight.data)
+        packed = self.kernels.pack_weight(layer.weight.data)
         if packed is not None:  # the plain copy is dropped: one copy of the weights in memory
             layer.weight = nn.Parameter(packed, requires_grad=False)
             layer.packed = True
@@ -36,7 +40,7 @@ class UnquantizedLinearMethod:
     def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if layer.packed:  # Linear.forward takes this path itself; here for callers of apply
             return onednn.packed_linear(x, layer.weight, bias)
-        return linear(x, layer.weight, bias)
+        return self.kernels.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):
@@ -56,10 +60,12 @@ class Linear(nn.Module):
         prefix: str = "",
         tp_rows: Optional[Sequence[tuple[int, int]]] = None,
         tp_cols: Optional[tuple[int, int]] = None,
+        kernels: Optional[CpuKernels] = None,
     ) -> None:
         """``tp_rows`` (column parallelism): per output shard, the ``(start, size)`` rows this rank holds;
         ``tp_cols`` (row parallelism): the ``(start, size)`` input columns it holds, its partial outputs
-        summed over the ranks (see :mod:`pagoda.execution.distributed`)."""
+        summed over the ranks (see :mod:`pagoda.execution.distributed`). ``kernels``: the model's CPU kernels,
+        for unquantized weights (None: torch ops)."""
         super().__init__()
         # the checkpoint's sizes, before this rank's split (quantized formats record them)
         self.full_in_features, self.full_output_sizes = in_features, list(output_sizes)
@@ -71,7 +77,7 @@ class Linear(nn.Module):
         self.out_features = sum(self.output_sizes)
         self.prefix = prefix
         self.packed = False  # weight in oneDNN's layout: forward calls it directly (see UnquantizedLinearMethod)
-        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method = quant_method or UnquantizedLinearMethod(kernels)
         self.quant_method.create_weights(self, dtype)
         if bias:
             b = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False)

@@ -8,12 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.modeling.layers.fused_ops import fused_for
+from pagoda.modeling.layers.fused_ops import CpuKernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, kernels: Optional[CpuKernels] = None) -> None:
+        """``kernels``: the model's CPU kernels (None: torch ops)."""
         super().__init__()
+        self.kernels = kernels or CpuKernels()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.hidden_size = hidden_size
@@ -24,7 +26,7 @@ class RMSNorm(nn.Module):
         On a CPU the fused kernel adds into ``residual`` in place and writes ``y`` over ``x``
         (both are the step's own activations); without a residual ``x`` is left untouched.
         """
-        ops = fused_for(x)
+        ops = self.kernels.for_tensor(x)
         if ops is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             if residual is None:
                 y = torch.empty_like(x)

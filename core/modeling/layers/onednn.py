@@ -13,8 +13,8 @@ kernel in fused_ops: 11.0), 8 rows 17.9 -> 10.4, 16 rows 17.2 -> 12.2, 64 rows
 
 Only bf16: a packed float32 weight rounds differently from ``F.linear`` (which
 would break float32 parity with HF transformers), and packed fp16 needs
-AVX512-FP16. The ``onednn_packed_weights`` host setting off
-(``--no-onednn-packed-weights``, ``PAGODA_ONEDNN_PACKED=0``) keeps plain weights.
+AVX512-FP16. An engine's ``onednn_packed_weights`` host setting off
+(``--no-onednn-packed-weights``, ``PAGODA_ONEDNN_PACKED=0``) keeps its weights plain.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from pagoda.host import settings as host
 from pagoda.host.cpu_isa import cpu_isa
+from pagoda.host.env import HostConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,9 @@ logger = logging.getLogger(__name__)
 _BATCH_HINT = 64
 
 
-def packing_available() -> bool:
-    """Whether bf16 weights are packed here: the ``onednn_packed_weights`` host setting is on, the ISA level
-    is AVX-512 and a small product reproduces ``F.linear`` (checked once)."""
-    settings = host.current()
+def packing_available(settings: HostConfig) -> bool:
+    """Whether an engine with these host settings packs bf16 weights: its ``onednn_packed_weights`` setting is
+    on, its ISA level is AVX-512 and a small product reproduces ``F.linear`` here (checked once)."""
     if not settings.onednn_packed_weights:
         return False
     # torch routes bf16 matmuls to oneDNN only on AVX-512 CPUs; below that (or capped below it) F.linear
@@ -68,10 +67,11 @@ def _packing_reproduces_linear() -> bool:
 
 def pack_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """``weight`` ``[out, in]`` in oneDNN's blocked layout (an opaque mkldnn tensor), or None where packing
-    does not apply (not bf16, not on a CPU, turned off or unsupported)."""
+    does not apply (not bf16, not on a CPU, or unsupported here). Whether a model packs at all is its engine's
+    choice (``packing_available``, asked by ``fused_ops.CpuKernels``)."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if not packing_available():
+    if not _packing_reproduces_linear():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _BATCH_HINT)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import ConfigError
-from pagoda.modeling.layers.fused_ops import fused_for
+from pagoda.modeling.layers.fused_ops import CpuKernels
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
@@ -39,8 +39,10 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k given each token's position."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: Optional[dict[str, Any]],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kernels: Optional[CpuKernels] = None) -> None:
+        """``kernels``: the model's CPU kernels (None: torch ops)."""
         super().__init__()
+        self.kernels = kernels or CpuKernels()
         self.head_dim = head_dim
         inv_freq = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
@@ -71,7 +73,7 @@ class StepRotary:
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
         self.rotary = rotary
-        self.ops = fused_for(rotary.cos_cache)
+        self.ops = rotary.kernels.for_tensor(rotary.cos_cache)
         if self.ops is not None:
             self.positions = positions.to(torch.int64).contiguous()
         else:

@@ -12,7 +12,7 @@ from pagoda.errors import CheckpointError, ConfigError
 from pagoda.execution import distributed
 from pagoda.modeling.layers import onednn
 from pagoda.modeling.layers.attention import Attention, kv_scale_target
-from pagoda.modeling.layers.fused_ops import linear, silu_and_mul
+from pagoda.modeling.layers.fused_ops import CpuKernels
 from pagoda.modeling.layers.linear import Linear
 from pagoda.modeling.layers.norm import RMSNorm
 from pagoda.modeling.layers.rotary import RotaryEmbedding, StepRotary
@@ -28,8 +28,10 @@ _STACKED = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, text_cfg: dict[str, Any], backend: Any, quant: Any, idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, text_cfg: dict[str, Any], backend: Any, quant: Any, idx: int,
+                 kernels: CpuKernels) -> None:
         super().__init__()
+        self.kernels = kernels
         dtype, d = cfg.dtype, cfg.head_dim
         h, hkv = cfg.num_heads, cfg.num_kv_heads
         is_qwen2 = text_cfg.get("model_type") == "qwen2"
@@ -49,15 +51,17 @@ class DecoderLayer(nn.Module):
         mlp_part = distributed.split(inter, tp.size, tp.rank)
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
         self.qkv_proj = Linear(cfg.hidden_size, [h * d, hkv * d, hkv * d], qkv_bias, dtype, q("self_attn.qkv_proj"),
-                               f"{prefix}.self_attn.qkv_proj", tp_rows=qkv_rows if sharded else None)
+                               f"{prefix}.self_attn.qkv_proj", tp_rows=qkv_rows if sharded else None,
+                               kernels=kernels)
         self.o_proj = Linear(h * d, [cfg.hidden_size], o_bias, dtype, q("self_attn.o_proj"), f"{prefix}.self_attn.o_proj",
-                             tp_cols=qkv_rows[0] if sharded else None)
+                             tp_cols=qkv_rows[0] if sharded else None, kernels=kernels)
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], mlp_bias, dtype, q("mlp.gate_up_proj"),
-                                   f"{prefix}.mlp.gate_up_proj", tp_rows=[mlp_part] * 2 if sharded else None)
+                                   f"{prefix}.mlp.gate_up_proj", tp_rows=[mlp_part] * 2 if sharded else None,
+                                   kernels=kernels)
         self.down_proj = Linear(inter, [cfg.hidden_size], mlp_bias, dtype, q("mlp.down_proj"), f"{prefix}.mlp.down_proj",
-                                tp_cols=mlp_part if sharded else None)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype)
+                                tp_cols=mlp_part if sharded else None, kernels=kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, kernels)
         self.attn = Attention(backend, idx, heads.num_heads, heads.num_kv_heads, d, d ** -0.5)
 
     def forward(self, x, residual, rope: StepRotary, kv_cache, metadata):
@@ -71,7 +75,7 @@ class DecoderLayer(nn.Module):
         attn_out = self.attn(q, k, v, kv_cache, metadata)  # [num_tokens, h * d]
         x = self.o_proj(attn_out)
         x, residual = self.post_attention_layernorm(x, residual)
-        x = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        x = self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
         return x, residual
 
 
@@ -95,6 +99,8 @@ class LlamaForCausalLM(nn.Module):
                 f"pass --max-model-len {window} (or less) so the window never slides"
             )
         self.cfg = cfg
+        # the CPU kernels of this model's layers, chosen from its engine's host settings
+        self.kernels = kernels = CpuKernels(cfg.host)
         # vocab parallelism: this rank's rows of the embedding and the LM head (all of them alone)
         self.tp = tp = distributed.current()
         self.vocab_parts = [distributed.split(cfg.vocab_size, tp.size, r)[1] for r in range(tp.size)]
@@ -103,19 +109,20 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         if tp.size > 1:
             self.embed_tokens.weight.weight_loader = self._load_vocab_rows
-        self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i, kernels)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype, kernels)
         self.tie_word_embeddings = bool(text_cfg.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head",
-                                  tp_rows=[(self.vocab_start, vocab_rows)] if tp.size > 1 else None)
+                                  tp_rows=[(self.vocab_start, vocab_rows)] if tp.size > 1 else None, kernels=kernels)
         rope = text_cfg.get("rope_parameters") or {}
         theta = float(text_cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         scaling = text_cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         self.rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, int(text_cfg.get(
-            "max_position_embeddings", cfg.max_model_len))), theta, scaling, cfg.dtype)
+            "max_position_embeddings", cfg.max_model_len))), theta, scaling, cfg.dtype, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``.
@@ -137,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
             if head is not None:
                 logits = onednn.packed_linear(hidden, head).float()
             else:
-                logits = linear(hidden, self.embed_tokens.weight).float()
+                logits = self.kernels.linear(hidden, self.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
         return logits if self.tp.size == 1 else self.tp.all_gather_last(logits, self.vocab_parts)
@@ -163,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         w = self.embed_tokens.weight
         key = (w.data_ptr(), w.dtype, None if w.is_inference() else w._version)
         if getattr(self, "_packed_head_key", None) != key:
-            self._packed_head = onednn.pack_weight(w.data)
+            self._packed_head = self.kernels.pack_weight(w.data)
             self._packed_head_key = key
         return self._packed_head
 

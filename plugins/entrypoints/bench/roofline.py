@@ -84,8 +84,10 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
     layers, head = _dense_weights(model, num_layers)
     dtype = head.dtype
 
+    kernels = getattr(model, "kernels", None)  # the model's CPU kernels: whether its engine packs bf16 weights
+
     def gemm(w: torch.Tensor):
-        packed = onednn.pack_weight(w)
+        packed = kernels.pack_weight(w) if kernels is not None else None
         if packed is not None:
             return lambda x: onednn.packed_linear(x, packed)
         return lambda x: torch.nn.functional.linear(x, w)

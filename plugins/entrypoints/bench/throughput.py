@@ -150,7 +150,7 @@ def _print_header(llm) -> None:
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
     from pagoda.host import cpu_isa, openmp
 
-    print(f"OpenMP waiting: {openmp.wait_policy}  CPU kernels built for: {cpu_isa.describe()}")
+    print(f"OpenMP waiting: {openmp.wait_policy}  CPU kernels built for: {cpu_isa.describe(cfg.host.cpu_isa)}")
     paths = kernel_isa_paths(llm)
     if paths:
         print("kernel ISA paths: " + "; ".join(f"{kernel} {path}" for kernel, path in paths.items()))
@@ -161,24 +161,24 @@ def kernel_isa_paths(llm) -> dict[str, str]:
     cfg = llm.engine.config
     if cfg.device != "cpu":
         return {}
-    from pagoda.modeling.layers.fused_ops import isa_paths
-
     paths = dict(llm.engine.backend.isa_paths())
-    paths.update(isa_paths(cfg.model.dtype))
+    kernels = getattr(llm.engine.model, "kernels", None)  # the CPU kernels of pagoda's own architectures
+    if kernels is not None:
+        paths.update(kernels.isa_paths(cfg.model.dtype))
     if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
         from pagoda.plugins.quant.base import kernel_for_device
         from pagoda.plugins.quant.cpu_int_kernel import isa_path
 
-        kernel = kernel_for_device()
-        paths["int linear"] = isa_path() if kernel == "cpu" else kernel
+        kernel = kernel_for_device(cfg.host.quant_kernel)
+        paths["int linear"] = isa_path(cfg.host) if kernel == "cpu" else kernel
     from pagoda.plugins.quant.int8 import uses_int8_kernel
 
     if uses_int8_kernel(llm.engine.model):
         from pagoda.plugins.quant.base import kernel_for_device
         from pagoda.plugins.quant.cpu_int8_kernel import isa_path as int8_isa_path
 
-        kernel = kernel_for_device()
-        paths["int8 linear"] = int8_isa_path() if kernel == "cpu" else "torch"
+        kernel = kernel_for_device(cfg.host.quant_kernel)
+        paths["int8 linear"] = int8_isa_path(cfg.host) if kernel == "cpu" else "torch"
     return paths
 
 
