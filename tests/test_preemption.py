@@ -184,7 +184,7 @@ def test_random_interleavings_keep_the_books_and_every_request_ends(cfg, ops):
             # what the scheduler does when the pool runs dry, forced at an arbitrary moment
             out = SchedulerOutput()
             s.preempt(s.running[op[1] % len(s.running)], out)
-            runner.execute(out)
+            s.update(out, runner.execute(out))  # preempt() decides; update() commits (the reset of progress)
         assert_kv_consistent(kv)
         assert_prefix_cache_matches_contents(runner, kv)
         for req in s.running:

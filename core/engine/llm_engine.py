@@ -275,9 +275,9 @@ class LLMEngine:
 
     def _update(self, sched: SchedulerOutput, result: Optional[RunnerOutput]) -> list[Sequence]:
         if result is None:
-            if not sched.failed:
+            if not (sched.failed or sched.preempted):
                 return []
-            result = RunnerOutput.empty(0)  # nothing ran, but requests that can never run end
+            result = RunnerOutput.empty(0)  # nothing ran, but preemptions and failures are committed
         before = [r.num_output_tokens for r in sched.requests]
         progressed = self.scheduler.update(sched, result)
         num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))

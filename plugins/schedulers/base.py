@@ -340,12 +340,16 @@ class TokenBudgetScheduler:
         return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks
 
     def _fail_unfittable(self, req: Sequence, out: SchedulerOutput) -> None:
-        """Take a request the whole cache cannot hold out of its queue; :meth:`update` ends it with the error."""
+        """Take a request the whole cache cannot hold out of its queue and give back its blocks (the rest of
+        the step may use them); :meth:`update` ends it with the error."""
         need = self.kv.blocks_needed(max(req.num_tokens, req.num_computed_tokens + 1))
         for queue in (self.running, self.waiting, self.swapped):
             if req in queue:
                 queue.remove(req)
                 break
+        self.kv.free(req)
+        if self._prompt_leaders.get(req.parent_id) is req:
+            del self._prompt_leaders[req.parent_id]  # its blocks are gone: no sibling forks from it
         out.failed.append((req, (
             f"request {req.request_id} needs {need} KV blocks for its {req.num_tokens} tokens but the whole cache "
             f"has {self.kv.num_blocks}; raise --kv-cache-memory-bytes (or --num-gpu-blocks-override) or shorten "

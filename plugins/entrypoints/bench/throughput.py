@@ -161,10 +161,11 @@ def kernel_isa_paths(llm) -> dict[str, str]:
     cfg = llm.engine.config
     if cfg.device != "cpu":
         return {}
+    from pagoda.modeling.layers.fused_ops import CpuKernels
+
     paths = dict(llm.engine.backend.isa_paths())
-    kernels = getattr(llm.engine.model, "kernels", None)  # the CPU kernels of pagoda's own architectures
-    if kernels is not None:
-        paths.update(kernels.isa_paths(cfg.model.dtype))
+    # the CPU kernels pagoda's own architectures choose from these host settings (the same choice as the model's)
+    paths.update(CpuKernels(cfg.host).isa_paths(cfg.model.dtype))
     if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
         from pagoda.plugins.quant.base import kernel_for_device
         from pagoda.plugins.quant.cpu_int_kernel import isa_path

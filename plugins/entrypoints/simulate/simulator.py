@@ -105,7 +105,7 @@ class SimulatedEngine:
         num_moved = len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in)
         rec.num_blocks_swapped += num_moved
         if not requests:
-            if sched.failed:  # requests that can never fit the cache end now
+            if sched.failed or sched.preempted:  # commit them: nothing ran, but they were decided
                 self.scheduler.update(sched, RunnerOutput.empty(0))
             self._drain_finished()
             return False
