@@ -112,8 +112,8 @@ def test_an_invalid_request_raises_before_any_output_and_leaves_nothing_queued(l
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(llm, reference, monkeypatch):
-    runner = llm.engine.runner
-    real_execute = runner.execute
+    executor = llm.engine.executor
+    real_execute = executor.execute
     calls = {"n": 0}
 
     def execute_failing_third_step(sched):
@@ -122,7 +122,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(llm, referen
             raise RuntimeError("injected fault")
         return real_execute(sched)
 
-    monkeypatch.setattr(runner, "execute", execute_failing_third_step)
+    monkeypatch.setattr(executor, "execute", execute_failing_third_step)
     errors_before = llm.engine.stats.finished_by_reason["error"]
 
     async def main(a):
@@ -142,7 +142,7 @@ def test_steps_that_keep_failing_mark_the_engine_dead_and_fail_every_request(llm
     def always_fail(sched):
         raise RuntimeError("broken device")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", always_fail)
+    monkeypatch.setattr(llm.engine.executor, "execute", always_fail)
 
     async def main(a):
         errors = []
@@ -185,7 +185,7 @@ def test_a_crash_that_escapes_the_step_fails_waiting_clients_instead_of_hanging_
     def crash(sched):
         raise Crash("interpreter is going away")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", crash)
+    monkeypatch.setattr(llm.engine.executor, "execute", crash)
 
     async def main(a):
         with pytest.raises(EngineDeadError, match="crashed: Crash"):

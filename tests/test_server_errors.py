@@ -363,8 +363,8 @@ def test_past_the_waiting_queue_requests_get_503_with_retry_after_and_accepted_o
 
 
 def fail_steps(monkeypatch, llm, when):
-    runner = llm.engine.runner
-    real = runner.execute
+    executor = llm.engine.executor
+    real = executor.execute
     calls = {"n": 0}
 
     def execute(sched):
@@ -373,7 +373,7 @@ def fail_steps(monkeypatch, llm, when):
             raise RuntimeError("injected runner fault")
         return real(sched)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     return calls
 
 
@@ -409,15 +409,15 @@ def test_requests_that_fail_one_after_another_do_not_kill_an_engine_that_works(h
     # the same bad input three times in a row: the engine checks itself and finds it can still run
     poisoned = {"prompt": "Hello poison", "max_tokens": 2}
     poison_ids = set(llm.engine.tokenizer.encode(poisoned["prompt"])) - set(llm.engine.tokenizer.encode("Hello"))
-    runner = llm.engine.runner
-    real = runner.execute
+    executor = llm.engine.executor
+    real = executor.execute
 
     def execute(sched):
         if any(poison_ids & set(r.prompt_token_ids) for r in sched.requests):
             raise RuntimeError("injected fault on one input")
         return real(sched)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     statuses = [post(http, C, poisoned).status_code for _ in range(4)]
     assert statuses == [500] * 4
     assert http.get("/health").status_code == 200

@@ -23,7 +23,7 @@ import os
 import socket
 import traceback
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
@@ -42,7 +42,8 @@ class WorkerLostError(PagodaError):
 
 
 class UniExecutor:
-    """The model whole, in this process."""
+    """The model whole, in this process: its ``execute`` and ``move_blocks`` are its runner's own, so a
+    step goes from the engine straight to the runner."""
 
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
         from pagoda.execution.build import build_runner
@@ -51,12 +52,8 @@ class UniExecutor:
             raise ConfigError(f"the uni executor runs one process; tensor_parallel_size="
                               f"{config.parallel.tensor_parallel_size} needs distributed_executor_backend='mp'")
         self.runner = build_runner(config, plugin_manager)
-
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(sched)
-
-    def move_blocks(self, sched: SchedulerOutput) -> list[int]:
-        return self.runner.move_blocks(sched)
+        self.execute: Callable[[SchedulerOutput], RunnerOutput] = self.runner.execute
+        self.move_blocks: Callable[[SchedulerOutput], list[int]] = self.runner.move_blocks
 
     def shutdown(self) -> None:
         pass
