@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagoda.errors import InvalidRequestError
 
@@ -15,6 +15,40 @@ _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_log
 _OPTIONAL_FIELDS = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
 MAX_LOGPROBS = 20
 MAX_TOP_K = 2 ** 31 - 1  # ranks are compared in 32-bit tensors; a top_k at or above the vocabulary keeps all
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match, exactly one of: ``json`` (a JSON schema, as a dict or its JSON text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF/Lark).
+    ``backend`` names a structured-output backend for this request (None: the engine's choice)."""
+
+    json: Union[None, str, dict[str, Any]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice or grammar; got "
+                + (", ".join(given) if given else "none"), param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object or its JSON text)",
+                                      param="structured_outputs.json")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured_outputs.{name} must be a non-empty string",
+                                          param=f"structured_outputs.{name}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured_outputs.choice must be a non-empty list of strings",
+                                      param="structured_outputs.choice")
 
 
 @dataclass
@@ -48,6 +82,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     priority: int = 0
     detokenize: bool = True
+    # what the output must match (a JSON schema, regex, choice, grammar); None: free text
+    structured_outputs: Optional[StructuredOutputsParams] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +156,8 @@ class SamplingParams:
                     bad("logit_bias", "values must be in [-100, 100]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a pagoda.sampling_params.StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -29,6 +29,9 @@ class RequestLimits:
         room in the context for a generated token, a token id outside the vocabulary (in the prompt, the stop
         ids or the logit bias), a prompt (plus its first generated token) larger than the whole KV cache."""
         num_prompt_tokens = len(prompt_token_ids)
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("structured outputs have no backend in this engine yet; leave "
+                                      "structured_outputs out", param="structured_outputs")
         if not num_prompt_tokens:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         self._check_context_room(num_prompt_tokens)
