@@ -115,3 +115,5 @@ class EngineConfig:
     attention_backend: str
     sampler: str
     device: str
+    # keep the counters and latency histograms of EngineStats (Prometheus /metrics); the offline LLM does not
+    log_stats: bool = True

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,8 @@ def test_acceptance_counters_are_exported_with_the_servers_metrics(tiny_models):
     from pagoda.engine.metrics import PrometheusExporter
 
     target, _ = tiny_models
-    llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3})
+    llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+                   disable_log_stats=False)
     generate(llm, [{"prompt_token_ids": [3, 4, 5, 6]}], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     stats = llm.engine.spec_stats
     # 1 token from the prefill, then runs of 3 accepted drafts + 1 bonus: 4 + 4 tokens

@@ -214,8 +214,8 @@ class AsyncLLMEngine:
 
     def _retry_after(self, num_waiting: int) -> int:
         """Seconds until the queue has likely drained: waiting x mean latency / batch slots, in [1, 60]."""
-        lat = self.engine.stats.e2e_request_latency
-        count = lat.count
+        lat = self.engine.stats.e2e_request_latency if self.engine.stats is not None else None
+        count = lat.count if lat is not None else 0
         mean = lat.sum / count if count else 1.0
         slots = max(1, self.engine.config.scheduler.max_num_seqs)
         return int(min(60, max(1, math.ceil(num_waiting * mean / slots))))

@@ -96,6 +96,10 @@ class EngineArgs(HostOptions):
     attention_backend: str = "auto"
     sampler: str = "default"
     device: str = "auto"
+    disable_log_stats: bool = Field(default=False, description=(
+        "keep no request counters or latency histograms (/metrics then shows only the live gauges: running, "
+        "waiting, KV cache use, prefix cache, preemptions); the offline LLM keeps none unless given "
+        "disable_log_stats=False"))
 
     @field_validator("block_size")
     @classmethod
@@ -294,6 +298,7 @@ class EngineArgs(HostOptions):
             attention_backend=self.attention_backend,
             sampler=self.sampler,
             device=device,
+            log_stats=not self.disable_log_stats,
         )
 
 

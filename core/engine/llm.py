@@ -16,11 +16,13 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     Keyword options are :class:`pagoda.EngineArgs` fields (``dtype``,
-    ``max_model_len``, ``block_size``, ``max_num_seqs``, ...).
+    ``max_model_len``, ``block_size``, ``max_num_seqs``, ...). Unlike a served engine, it keeps no request
+    counters or latency histograms (``engine.stats`` is None) unless given ``disable_log_stats=False``.
     """
 
     def __init__(self, model: Optional[str] = None, plugin_manager: Optional[PluginManager] = None,
                  **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)
         args = EngineArgs.build(model=model, **kwargs)
         self.engine = LLMEngine.from_engine_args(args, plugin_manager)
         self._counter = 0

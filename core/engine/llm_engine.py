@@ -54,7 +54,8 @@ class LLMEngine:
         self.request_limits = RequestLimits(config.model.max_model_len, config.model.vocab_size, self.num_blocks,
                                             self.kv_manager.blocks_needed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = EngineStats()
+        # request counters and latency histograms (Prometheus /metrics), None with disable_log_stats
+        self.stats = EngineStats() if config.log_stats else None
         # speculative decoding's acceptance counters, None when off
         self.spec_stats = SpecDecodeStats(config.speculative.num_speculative_tokens) if config.speculative else None
         # step observers: ``before_step(engine, sched)`` once a step is scheduled and
@@ -127,7 +128,8 @@ class LLMEngine:
             self.output_processor.add(request_id, text, token_ids, params, output_kind)
         for child in children:
             self.scheduler.add_request(child)
-        self.stats.on_arrival(len(token_ids))
+        if self.stats is not None:
+            self.stats.on_arrival(len(token_ids))
         return request_id
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
@@ -180,7 +182,7 @@ class LLMEngine:
         outputs = self._emit(progressed)
         t4 = time.perf_counter()
         self.last_step_timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "emit": t4 - t3}
-        if result is not None:
+        if result is not None and self.stats is not None:
             self.stats.on_step_time(t4 - t0)
         for observer in self.observers:
             observer.after_step(self, sched, result, t4 - t0)
@@ -278,6 +280,8 @@ class LLMEngine:
             if not (sched.failed or sched.preempted):
                 return []
             result = RunnerOutput.empty(0)  # nothing ran, but preemptions and failures are committed
+        if self.stats is None:
+            return self.scheduler.update(sched, result)
         before = [r.num_output_tokens for r in sched.requests]
         progressed = self.scheduler.update(sched, result)
         num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))
@@ -291,7 +295,8 @@ class LLMEngine:
     def _emit(self, progressed: list[Sequence]) -> list[EngineOutput]:
         finished = self.scheduler.drain_finished()
         for req in finished:
-            self.stats.on_finished(req)
+            if self.stats is not None:
+                self.stats.on_finished(req)
             if self._has_finish_observers:
                 self.pm.notify_request_finished(req)
         return self.requests.make_outputs(progressed + finished)

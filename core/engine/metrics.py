@@ -144,11 +144,11 @@ class PrometheusExporter:
     ``kv_manager`` needs ``usage`` and optionally ``stats.queries`` / ``stats.hits``.
     """
 
-    def __init__(self, stats: EngineStats, scheduler: Any, kv_manager: Any, model_name: str,
+    def __init__(self, stats: Optional[EngineStats], scheduler: Any, kv_manager: Any, model_name: str,
                  spec_stats: Any = None) -> None:
         from prometheus_client import CollectorRegistry
 
-        self.stats = stats
+        self.stats = stats  # None with disable_log_stats: the live gauges and the KV counters only
         self.spec_stats = spec_stats  # SpecDecodeStats when speculative decoding is on
         self.scheduler = scheduler
         self.kv_manager = kv_manager
@@ -199,18 +199,6 @@ class PrometheusExporter:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
         yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
         yield counter("num_preemptions", "Preemptions of running requests.", sched.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
-        yield counter("engine_steps", "Engine steps that ran the model.", s.num_steps)
-        yield counter("engine_step_seconds", "Wall time of those steps (schedule, execute, update, emit), the "
-                      "engine loop's own time without output processing.", s.step_seconds)
-        success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
-                                      labels=labels + ["finished_reason"])
-        reasons = dict.fromkeys(FINISH_REASONS, 0)
-        reasons.update({str(k): v for k, v in list(s.finished_by_reason.items())})
-        for reason, n in reasons.items():
-            success.add_metric(values + [reason], n)
-        yield success
         spec = self.spec_stats
         if spec is not None:
             yield counter("spec_decode_num_drafts", "Verify runs: requests x steps that carried draft tokens.",
@@ -223,6 +211,20 @@ class PrometheusExporter:
             for pos, n in enumerate(list(spec.num_accepted_tokens_per_pos)):
                 per_pos.add_metric(values + [str(pos)], n)
             yield per_pos
+        if s is None:
+            return
+        yield counter("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", s.num_generation_tokens)
+        yield counter("engine_steps", "Engine steps that ran the model.", s.num_steps)
+        yield counter("engine_step_seconds", "Wall time of those steps (schedule, execute, update, emit), the "
+                      "engine loop's own time without output processing.", s.step_seconds)
+        success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
+                                      labels=labels + ["finished_reason"])
+        reasons = dict.fromkeys(FINISH_REASONS, 0)
+        reasons.update({str(k): v for k, v in list(s.finished_by_reason.items())})
+        for reason, n in reasons.items():
+            success.add_metric(values + [reason], n)
+        yield success
         yield histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
                         s.time_to_first_token)
         yield histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",

@@ -84,11 +84,11 @@ def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
         """Per step: linear-layer tokens and LM-head rows (for the roofline), and KV use at its peak."""
 
         def before_step(self, engine, sched) -> None:
-            self.outputs_before = engine.stats.num_generation_tokens
+            self.outputs_before = sum(r.num_output_tokens for r in sched.requests)
 
         def after_step(self, engine, sched_out, result, seconds) -> None:
             peak["steps"].append((sched_out.num_batched_tokens,
-                                  engine.stats.num_generation_tokens - self.outputs_before))
+                                  sum(r.num_output_tokens for r in sched_out.requests) - self.outputs_before))
             held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
             if held_blocks > peak["blocks"]:
                 peak.update(blocks=held_blocks, tokens=sum(r.num_computed_tokens for r in sched.running))
