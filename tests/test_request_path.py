@@ -36,3 +36,15 @@ def test_a_greedy_request_enters_no_file_of_the_host_layer_with_the_default_opti
     assert any(f.endswith("engine/llm_engine.py") for f in files) and any(f.endswith("models/llama.py") for f in files)
     entered_host = [f for f in files if Path(f).resolve().is_relative_to(HOST)]
     assert entered_host == [], f"the request entered the host layer: {entered_host}"
+
+
+def test_a_warm_request_enters_the_eighteen_files_of_the_documented_path():
+    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
+    files = _pagoda_files_entered(lambda: llm.generate(["The capital of France is"], params, use_tqdm=False))
+    names = [str(Path(f).resolve().relative_to(next(r for r in ROOTS if Path(f).resolve().is_relative_to(r))))
+             for f in files]
+    # engine statistics are a served engine's (/metrics); the uni executor's execute is its runner's own
+    assert not {"engine/metrics.py", "execution/executor.py"} & set(names), names
+    assert len(names) <= 18, f"{len(names)} files on a request's path (docs/architecture.md lists 18): {names}"
