@@ -9,15 +9,10 @@ from pagoda.host import cpu_isa
 from pagoda.host.cpp_extension import load_cpu_extension
 from pagoda.host.env import HostConfig
 
-_BUILDS: dict[tuple[str, str], Any] = {}
-
 
 def build_at(level: str, name: str, source: Path, extra_cflags: Sequence[str] = ()) -> Any:
-    """The kernel ``source`` compiled for ``level`` (cached per process, and by torch per machine); skips the
+    """The kernel ``source`` compiled for ``level`` (loaded once per process, built once per machine); skips the
     test where this CPU cannot run that level."""
     if cpu_isa.LEVELS.index(cpu_isa.cpu_isa("auto")) < cpu_isa.LEVELS.index(level):
         pytest.skip(f"the {level} path needs a {level} CPU; this one is {cpu_isa.describe('auto')}")
-    key = (level, name)
-    if key not in _BUILDS:
-        _BUILDS[key] = load_cpu_extension(name, source, extra_cflags, HostConfig(cpu_isa=level, cpu_native_build=True))
-    return _BUILDS[key]
+    return load_cpu_extension(name, source, extra_cflags, HostConfig(cpu_isa=level, cpu_native_build=True))

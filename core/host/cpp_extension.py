@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -13,7 +14,9 @@ from pagoda.host.env import HostConfig, resolve_host_config
 
 def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = (),
                        host: Optional[HostConfig] = None) -> Any:
-    """Compile ``source`` (once per machine and ISA level; torch's extension loader caches it) and import it.
+    """Compile ``source`` (once per machine and ISA level; torch's extension loader caches it) and import it,
+    once per process for each build: engines whose host settings differ only in what a build does not depend
+    on share one module.
 
     Built with ``-O3 -fopenmp`` for the CPU's ISA level (``-march=native``; the flags of a lower level
     when the ``cpu_isa`` host setting of ``host`` caps it, under a name of its own) unless its
@@ -21,11 +24,17 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
     engine's settings (None: the environment's, for kernels used without an engine). Raises whatever the build
     raises (a missing compiler or ninja surfaces as many exception types).
     """
+    settings = host if host is not None else resolve_host_config()
+    return _load(name, Path(source), tuple(extra_cflags), settings.cpu_isa, settings.cpu_native_build)
+
+
+@lru_cache(maxsize=None)
+def _load(name: str, source: Path, extra_cflags: tuple[str, ...], cpu_isa: str, native_build: bool) -> Any:
+    """One build, keyed by everything it depends on (a failed build is not cached: the next call tries again)."""
     from torch.utils.cpp_extension import load
 
-    settings = host if host is not None else resolve_host_config()
-    if settings.cpu_native_build:
-        module_name, isa_flags = extension_build(name, settings.cpu_isa)
+    if native_build:
+        module_name, isa_flags = extension_build(name, cpu_isa)
     else:
         module_name, isa_flags = f"{name}_generic", []
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
@@ -59,14 +68,23 @@ def _clear_stale_lock(name: str) -> None:
 
 def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),
                                fallback: str = "the torch path", host: Optional[HostConfig] = None) -> Optional[Any]:
-    """:func:`load_cpu_extension`, or None with a RuntimeWarning saying why and that ``fallback`` runs
-    instead, where the kernel cannot be built here."""
+    """:func:`load_cpu_extension`, or None where the kernel cannot be built here, with one RuntimeWarning per
+    process and build saying why and that ``fallback`` runs instead (the failure is remembered: the build is
+    not tried again for every layer)."""
+    settings = host if host is not None else resolve_host_config()
+    return _load_or_none(name, Path(source), tuple(extra_cflags), fallback, settings.cpu_isa,
+                         settings.cpu_native_build)
+
+
+@lru_cache(maxsize=None)
+def _load_or_none(name: str, source: Path, extra_cflags: tuple[str, ...], fallback: str, cpu_isa: str,
+                  native_build: bool) -> Optional[Any]:
     try:
-        return load_cpu_extension(name, source, extra_cflags, host)
+        return _load(name, source, extra_cflags, cpu_isa, native_build)
     except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
         lines = str(exc).strip().splitlines()
         warnings.warn(f"could not compile pagoda's C++ kernel {name} ({exc.__class__.__name__}: "
-                      f"{lines[-1] if lines else ''}); {fallback} runs instead", RuntimeWarning, stacklevel=3)
+                      f"{lines[-1] if lines else ''}); {fallback} runs instead", RuntimeWarning, stacklevel=4)
         return None
 
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
-from pagoda.host.cpp_extension import load_cpu_extension
-from pagoda.host.env import HostConfig, host_config_of, resolve_host_config
+from pagoda.host.cpp_extension import load_cpu_extension, load_cpu_extension_or_none
+from pagoda.host.env import HostConfig, host_config_of
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
 from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
                                                      write_kv)
@@ -50,43 +50,24 @@ _PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.cpp")
 _SHARED_HEADER = Path(__file__).with_name("csrc") / "cpu_softmax.h"
 
 
-def _header_flags() -> list[str]:
+@lru_cache(maxsize=None)
+def _header_flags() -> tuple[str, ...]:
     """The shared header's digest as a build flag: the extension loader keys its cache on a kernel's source and
     flags, so an edited header builds both kernels anew instead of importing a build of the old one."""
     digest = hashlib.sha256(_SHARED_HEADER.read_bytes()).hexdigest()[:12]
-    return [f"-DPAGODA_CPU_SOFTMAX_H={digest}"]
+    return (f"-DPAGODA_CPU_SOFTMAX_H={digest}",)
 
 
 def load_kernels(host: Optional[HostConfig] = None) -> Any:
     """Compile (once per machine and ISA level) and import the C++ kernels, built as an engine's host settings
     say (None: the environment's)."""
-    return _load_kernels(*_build_of(host))
+    return load_cpu_extension("pagoda_cpu_attention", _SOURCE, _header_flags(), host=host)
 
 
 def load_prefill_kernel(host: Optional[HostConfig] = None) -> Any:
-    """The fresh-prompt kernel (``cpu_prefill.cpp``), or None where it cannot be built."""
-    return _load_prefill_kernel(*_build_of(host))
-
-
-def _build_of(host: Optional[HostConfig]) -> tuple[str, bool]:
-    """The settings a kernel build depends on: engines that differ only in others share one load."""
-    host = host if host is not None else resolve_host_config()
-    return host.cpu_isa, host.cpu_native_build
-
-
-@lru_cache(maxsize=None)
-def _load_kernels(cpu_isa: str, native_build: bool) -> Any:
-    build = HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build)
-    return load_cpu_extension("pagoda_cpu_attention", _SOURCE, _header_flags(), host=build)
-
-
-@lru_cache(maxsize=None)
-def _load_prefill_kernel(cpu_isa: str, native_build: bool) -> Any:
-    build = HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build)
-    try:
-        return load_cpu_extension("pagoda_cpu_prefill", _PREFILL_SOURCE, _header_flags(), host=build)
-    except Exception:  # no compiler: SDPA serves fresh prompts
-        return None
+    """The fresh-prompt kernel (``cpu_prefill.cpp``), or None (with one warning) where it cannot be built."""
+    return load_cpu_extension_or_none("pagoda_cpu_prefill", _PREFILL_SOURCE, _header_flags(),
+                                      fallback="SDPA for fresh prompts", host=host)
 
 
 @dataclass

@@ -12,7 +12,6 @@ and the tests' reference.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.host.cpp_extension import load_cpu_extension_or_none
-from pagoda.host.env import HostConfig, resolve_host_config
+from pagoda.host.env import HostConfig
 
 _SOURCE = Path(__file__).with_name("cpu_int8_kernels.cpp")
 # exact float rounding in the epilogue ((sum * s_x) * s_w + bias, never fused into an FMA), as in the reference
@@ -32,15 +31,8 @@ IMPL_AUTO, IMPL_SCALAR = 0, 1
 def int8_kernels_or_none(host: Optional[HostConfig] = None) -> Optional[Any]:
     """The compiled kernel (once per machine and ISA level) as an engine's host settings build it (None: the
     environment's), or None (with one warning) when it cannot be built here."""
-    host = host if host is not None else resolve_host_config()
-    return _int8_kernels_or_none(host.cpu_isa, host.cpu_native_build)
-
-
-@lru_cache(maxsize=None)
-def _int8_kernels_or_none(cpu_isa: str, native_build: bool) -> Optional[Any]:
     return load_cpu_extension_or_none("pagoda_cpu_int8_linear", _SOURCE, CFLAGS,
-                                      fallback="the slower torch path of W8A8 layers",
-                                      host=HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build))
+                                      fallback="the slower torch path of W8A8 layers", host=host)
 
 
 def isa_path(host: Optional[HostConfig] = None) -> str:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pagoda.host.cpp_extension import load_cpu_extension_or_none
-from pagoda.host.env import HostConfig, resolve_host_config
+from pagoda.host.env import HostConfig
 
 _SOURCE = Path(__file__).with_name("cpu_int_kernels.cpp")
 
@@ -47,15 +47,8 @@ TILE_ROWS = 4096
 def int_kernels_or_none(host: Optional[HostConfig] = None) -> Optional[Any]:
     """The compiled kernel (once per machine and ISA level) as an engine's host settings build it (None: the
     environment's), or None (with one warning) when it cannot be built here."""
-    host = host if host is not None else resolve_host_config()
-    return _int_kernels_or_none(host.cpu_isa, host.cpu_native_build)
-
-
-@lru_cache(maxsize=None)
-def _int_kernels_or_none(cpu_isa: str, native_build: bool) -> Optional[Any]:
     return load_cpu_extension_or_none("pagoda_cpu_int_linear", _SOURCE,
-                                      fallback="the slower torch path of quantized layers",
-                                      host=HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build))
+                                      fallback="the slower torch path of quantized layers", host=host)
 
 
 def isa_path(host: Optional[HostConfig] = None) -> str:

@@ -12,18 +12,15 @@ a ``CpuKernels`` chosen from its settings when it is built.
 
 from __future__ import annotations
 
-import logging
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from pagoda.host.cpp_extension import load_cpu_extension
+from pagoda.host.cpp_extension import load_cpu_extension_or_none
 from pagoda.host.env import HostConfig, resolve_host_config
 from pagoda.modeling.layers import onednn
 
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,18 +44,9 @@ def cpu_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
     host = host if host is not None else resolve_host_config()
     if not host.fused_cpu_ops:
         return None
-    return _compiled(host.cpu_isa, host.cpu_native_build)
-
-
-@lru_cache(maxsize=None)
-def _compiled(cpu_isa: str, native_build: bool) -> Optional[Any]:
-    """The kernels built for one ISA cap, loaded once per process (engines with other caps load their own)."""
-    build = HostConfig(cpu_isa=cpu_isa, cpu_native_build=native_build)
-    try:  # no FMA contraction: products round as torch's do
-        return load_cpu_extension("pagoda_cpu_ops", _SOURCE, ["-ffp-contract=off"], build)
-    except Exception as exc:  # a missing compiler or ninja surfaces as many exception types
-        logger.warning("fused CPU kernels unavailable, using torch ops (%s: %s)", type(exc).__name__, exc)
-        return None
+    # no FMA contraction: products round as torch's do
+    return load_cpu_extension_or_none("pagoda_cpu_ops", _SOURCE, ("-ffp-contract=off",), fallback="torch ops",
+                                      host=host)
 
 
 class CpuKernels:
