@@ -16,21 +16,46 @@ def test_a_kernel_builds_name_changes_with_its_source_and_its_flags(tmp_path):
     assert _source_digest(a, ["-O3"]) != _source_digest(a, ["-O3", "-mavx2"])
 
 
-def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, monkeypatch):
+def test_a_live_build_is_waited_for_and_the_lock_of_a_killed_one_removed(tmp_path, monkeypatch):
     import os
-    import time
+    import subprocess
+    import sys
+    import threading
 
     from pagoda.host import cpp_extension
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory("pagoda_lock_probe", verbose=False)) / "lock"
-    lock.touch()
-    cpp_extension._clear_stale_lock("pagoda_lock_probe")
-    assert lock.exists()  # a build may be running: wait for it as torch does
-    old = time.time() - cpp_extension.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    with pytest.warns(RuntimeWarning, match="removing the build lock .* did not finish"):
-        cpp_extension._clear_stale_lock("pagoda_lock_probe")
-    assert not lock.exists()
+    torch_lock = Path(_get_build_directory("pagoda_lock_probe", verbose=False)) / "lock"
+    # another process building the kernel: it holds pagoda's builder lock and torch's build lock exists
+    builder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from pagoda.host.cpp_extension import _one_builder\n"
+         "with _one_builder('pagoda_lock_probe'):\n"
+         f"    open({str(torch_lock)!r}, 'w').close()\n"
+         "    print('building', flush=True)\n"
+         "    time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    try:
+        assert builder.stdout.readline().strip() == "building"
+        entered = threading.Event()
+        seen: list[bool] = []
+
+        def build_here():
+            with cpp_extension._one_builder("pagoda_lock_probe"):
+                seen.append(torch_lock.exists())
+                entered.set()
+
+        with pytest.warns(RuntimeWarning, match="removing the build lock .* did not finish"):
+            waiter = threading.Thread(target=build_here)
+            waiter.start()
+            assert not entered.wait(1.0)  # the build is alive: wait for it, as torch does
+            assert torch_lock.exists()
+            builder.kill()  # killed mid-build: its torch lock stays behind, the OS lets go of pagoda's
+            assert entered.wait(30)
+            waiter.join()
+        assert seen == [False]  # the dead build's torch lock was gone before this process went on
+    finally:
+        builder.kill()
+        builder.wait()

@@ -76,17 +76,22 @@ def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
     _, url, _ = server
     result_file = tmp_path / "w4.json"
     run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--request-rate", "inf",
-                          "--no-progress", "--result-file", str(result_file), "--offline-output-tok-s", "1000"],
+                          "--no-progress", "--result-file", str(result_file), "--offline-output-tok-s", "1000",
+                          "--profile"],
                          capture_output=True, text=True, env=ENV, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     for label in ("request throughput", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E", "p99",
-                  "engine mean step (ms)", "served mean TPOT / step", "served / offline tokens/s"):
+                  "engine mean step (ms)", "served mean TPOT / step", "served / offline tokens/s",
+                  "where a served token's time goes", "detokenization + logprobs (event loop)", "rest: HTTP writes"):
         assert label in run.stdout
     summary = json.loads(result_file.read_text())["runs"][0]["summary"]
     assert summary["completed"] == 2 and summary["failed"] == 0
     # the engine's steps during the run, from the server's /metrics, beside the served TPOT
     assert summary["engine_mean_step_ms"] > 0 and summary["tpot_over_step"] > 0
     assert summary["served_over_offline"] == summary["output_token_throughput"] / 1000.0
+    # the server's event loop spent time on these streamed outputs, per step, and said so at /metrics
+    per_step = summary["per_step_ms"]
+    assert per_step["detokenize_seconds"] > 0 and per_step["output_seconds"] > 0 and per_step["encode_seconds"] > 0
     assert summary["ttft_ms"]["p50"] <= summary["e2e_ms"]["p50"]
     # W1 requests produce exactly their drawn output lengths (ignore_eos, min_tokens = max_tokens)
     from pagoda.plugins.entrypoints.bench.serve import w1_requests

@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.metrics import ServingStats
 from pagoda.engine.request_stream import RequestStream, _Stream, request_cost_tokens
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutputKind
@@ -77,6 +78,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         # the output side of every request (text, logprobs): on the event loop, with a tokenizer of its own
         self.output_processor = OutputProcessor(copy.deepcopy(engine.tokenizer))
+        # the time that output side takes (and the server's response encoding), for /metrics
+        self.serving_stats = ServingStats()
         # sequences queued as commands but not yet in the scheduler: submitted - added (one writer each)
         self._num_submitted_seqs = 0
         self._num_added_seqs = 0

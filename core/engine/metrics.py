@@ -137,6 +137,18 @@ class EngineStats:
             self.request_queue_time.observe(request.scheduled_time - request.arrival_time)
 
 
+@dataclass
+class ServingStats:
+    """Where a served request's outputs spend time off the engine thread, in seconds, written on the event loop
+    only: turning each step's tokens into text and decoded logprobs (``detokenize``), building the
+    ``RequestOutput`` (``output``), and making the response's chunks and their JSON (``encode``, streamed
+    responses)."""
+
+    detokenize_seconds: float = 0.0
+    output_seconds: float = 0.0
+    encode_seconds: float = 0.0
+
+
 class PrometheusExporter:
     """A prometheus_client collector over one engine, in its own registry (no global state).
 
@@ -145,11 +157,12 @@ class PrometheusExporter:
     """
 
     def __init__(self, stats: Optional[EngineStats], scheduler: Any, kv_manager: Any, model_name: str,
-                 spec_stats: Any = None) -> None:
+                 spec_stats: Any = None, serving_stats: Optional[ServingStats] = None) -> None:
         from prometheus_client import CollectorRegistry
 
         self.stats = stats  # None with disable_log_stats: the live gauges and the KV counters only
         self.spec_stats = spec_stats  # SpecDecodeStats when speculative decoding is on
+        self.serving_stats = serving_stats  # a served engine's output side (AsyncLLMEngine.serving_stats)
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.model_name = model_name
@@ -157,9 +170,9 @@ class PrometheusExporter:
         self.registry.register(self)
 
     @classmethod
-    def for_engine(cls, engine: Any) -> "PrometheusExporter":
+    def for_engine(cls, engine: Any, serving_stats: Optional[ServingStats] = None) -> "PrometheusExporter":
         return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name,
-                   engine.spec_stats)
+                   engine.spec_stats, serving_stats)
 
     def render(self) -> bytes:
         """The text exposition format, as served at ``/metrics``."""
@@ -225,6 +238,14 @@ class PrometheusExporter:
         for reason, n in reasons.items():
             success.add_metric(values + [reason], n)
         yield success
+        serving = self.serving_stats
+        if serving is not None:
+            yield counter("serving_detokenize_seconds", "Event-loop time turning generated tokens into text and "
+                          "decoded logprobs.", serving.detokenize_seconds)
+            yield counter("serving_output_seconds", "Event-loop time building request outputs from them.",
+                          serving.output_seconds)
+            yield counter("serving_encode_seconds", "Event-loop time making streamed response chunks and their "
+                          "JSON.", serving.encode_seconds)
         yield histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
                         s.time_to_first_token)
         yield histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -85,10 +86,15 @@ class RequestStream:
                 self._finish(abort=False)
                 raise stream.error
             pending, stream.pending = stream.pending, []
+            stats = self._engine.serving_stats
             try:
+                t0 = time.perf_counter()
                 for engine_output in pending:
                     self._state.apply(engine_output)
+                t1 = time.perf_counter()
                 out = self._state.make_output()
+                stats.output_seconds += time.perf_counter() - t1
+                stats.detokenize_seconds += t1 - t0
             except BaseException:  # the reader cannot go on: the engine must not run on for it
                 self._finish(abort=True)
                 raise

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pagoda.host.cpu_isa import extension_build
 from pagoda.host.env import HostConfig, resolve_host_config
@@ -39,31 +40,33 @@ def _load(name: str, source: Path, extra_cflags: tuple[str, ...], cpu_isa: str, 
         module_name, isa_flags = f"{name}_generic", []
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
     full_name = f"{module_name}_{_source_digest(source, flags)}"
-    _clear_stale_lock(full_name)
-    return load(name=full_name, sources=[str(source)], extra_cflags=flags, verbose=False)
+    with _one_builder(full_name):
+        return load(name=full_name, sources=[str(source)], extra_cflags=flags, verbose=False)
 
 
-# a build of one kernel takes well under this even on a loaded 2-core machine; a lock older than it was left by
-# a build that was killed, and torch's loader would wait on it for ever
-STALE_LOCK_SECONDS = 900.0
-
-
-def _clear_stale_lock(name: str) -> None:
-    """Remove the build lock of ``name`` in torch's extension cache when no build has touched it for
-    ``STALE_LOCK_SECONDS`` (its process was killed mid-build), with a warning; a live build's lock stays."""
-    import time
+@contextmanager
+def _one_builder(name: str) -> Iterator[None]:
+    """Hold an OS lock on ``name``'s build directory while torch's loader builds or imports it. The OS lets go of
+    the lock when its holder dies, so a torch build lock found by its holder was left by a build that was killed
+    (torch's loader would wait on it for ever): it is removed, with a warning. A live build by another process
+    holds the lock, and this one waits for it, then imports what it built."""
+    import fcntl
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        warnings.warn(f"removing the build lock of pagoda's C++ kernel {name}, left {age / 60:.0f} minutes ago by "
-                      f"a build that did not finish ({lock})", RuntimeWarning, stacklevel=3)
-        lock.unlink(missing_ok=True)
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "pagoda-builder.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                warnings.warn(f"removing the build lock of pagoda's C++ kernel {name}, left by a build that did not "
+                              f"finish ({stale})", RuntimeWarning, stacklevel=5)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),

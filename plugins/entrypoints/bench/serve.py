@@ -52,6 +52,10 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--offline-output-tok-s", type=float, default=None,
                    help="the engine's offline output tok/s on the same requests (from pagoda bench throughput); "
                         "each run then prints the served output tok/s as a fraction of it")
+    p.add_argument("--profile", action="store_true",
+                   help="after each run, where a served token's time went: the engine's step, detokenization, "
+                        "output building and response encoding on the server's event loop, and the rest (from "
+                        "the server's /metrics)")
     p.set_defaults(func=run_bench_serve)
 
 
@@ -235,41 +239,82 @@ def routing_locality(timings: list[RequestTiming]) -> dict:
     return {"replicas": len(replicas), "to_prefix_replica": at_first / later if later else math.nan}
 
 
-def engine_step_counters(base_url: str, api_key: Optional[str]) -> Optional[tuple[float, float]]:
-    """``(steps, seconds)`` the server's engine has stepped so far, from its ``/metrics``; None when the server
-    does not export them (not pagoda, or metrics unreachable)."""
+# the server's counters read before and after each run (behind --replicas, summed over the replicas' engines)
+SERVER_COUNTERS = {
+    "steps": "pagoda:engine_steps_total",
+    "step_seconds": "pagoda:engine_step_seconds_total",
+    "detokenize_seconds": "pagoda:serving_detokenize_seconds_total",
+    "output_seconds": "pagoda:serving_output_seconds_total",
+    "encode_seconds": "pagoda:serving_encode_seconds_total",
+}
+
+
+def server_counters(base_url: str, api_key: Optional[str]) -> Optional[dict[str, float]]:
+    """The engine's steps and step time so far and the output side's time, from the server's ``/metrics``;
+    None when the server does not export the engine's (not pagoda, metrics unreachable, or
+    ``--disable-log-stats``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    names = {name: key for key, name in SERVER_COUNTERS.items()}
+    totals: dict[str, float] = {}
     try:
         text = httpx.get(base_url + "/metrics", headers=headers, timeout=30).text
-        totals = {"pagoda:engine_steps_total": 0.0, "pagoda:engine_step_seconds_total": 0.0}
-        found = False
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in totals:  # behind --replicas: every replica's engine
-                    totals[sample.name] += sample.value
-                    found = True
+                if sample.name in names:
+                    key = names[sample.name]
+                    totals[key] = totals.get(key, 0.0) + sample.value
     except (httpx.HTTPError, ValueError):
         return None
-    return (totals["pagoda:engine_steps_total"], totals["pagoda:engine_step_seconds_total"]) if found else None
+    return totals if "steps" in totals else None
 
 
-def add_server_cost(summary: dict, before: Optional[tuple[float, float]], after: Optional[tuple[float, float]],
+def add_server_cost(summary: dict, before: Optional[dict[str, float]], after: Optional[dict[str, float]],
                     offline_output_tps: Optional[float]) -> None:
-    """The engine's mean step time during the run against the served mean TPOT, and the served output tok/s
-    against the offline figure."""
-    if before is not None and after is not None and after[0] > before[0]:
-        step_ms = (after[1] - before[1]) / (after[0] - before[0]) * 1e3
+    """The engine's mean step time during the run against the served mean TPOT, where the output side's time
+    went per step, and the served output tok/s against the offline figure."""
+    if before is not None and after is not None and after["steps"] > before["steps"]:
+        steps = after["steps"] - before["steps"]
+
+        def per_step_ms(key: str) -> float:
+            return (after.get(key, 0.0) - before.get(key, 0.0)) / steps * 1e3
+
+        step_ms = per_step_ms("step_seconds")
+        summary["engine_steps"] = int(steps)
         summary["engine_mean_step_ms"] = step_ms
         summary["tpot_over_step"] = summary["tpot_ms"]["mean"] / step_ms
+        # event-loop time per engine step, summed over the requests the step served
+        summary["per_step_ms"] = {key: per_step_ms(key) for key in ("detokenize_seconds", "output_seconds",
+                                                                    "encode_seconds")}
     if offline_output_tps:
         summary["offline_output_token_throughput"] = offline_output_tps
         summary["served_over_offline"] = summary["output_token_throughput"] / offline_output_tps
 
 
-def format_summary(s: dict) -> str:
+def format_profile(s: dict) -> list[str]:
+    """Where a served token's time went: each engine step produces one token of every running request, so a
+    token waits for a step plus the output work of that step that runs on the event loop; the rest of the
+    served TPOT is HTTP writes, waits for the GIL and gaps between steps."""
+    if "per_step_ms" not in s:
+        return ["(no profile: the server exports no engine step counters; is it pagoda without "
+                "--disable-log-stats?)"]
+    per = s["per_step_ms"]
+    tpot = s["tpot_ms"]["mean"]
+    parts = [("engine step (engine thread)", s["engine_mean_step_ms"]),
+             ("detokenization + logprobs (event loop)", per["detokenize_seconds"]),
+             ("output building (event loop)", per["output_seconds"]),
+             ("chunks + JSON (event loop)", per["encode_seconds"])]
+    lines = [f"where a served token's time goes (per engine step, mean over {s['engine_steps']} steps):"]
+    lines += [f"  {label:<42}{ms:>9.2f} ms  {ms / tpot:>6.1%}" for label, ms in parts]
+    rest = tpot - sum(ms for _, ms in parts)
+    lines.append(f"  {'rest: HTTP writes, GIL waits, idle gaps':<42}{rest:>9.2f} ms  {rest / tpot:>6.1%}")
+    lines.append(f"  {'served mean TPOT':<42}{tpot:>9.2f} ms")
+    return lines
+
+
+def format_summary(s: dict, profile: bool = False) -> str:
     lines = [
         f"==== pagoda bench serve (W4): request rate {s['request_rate']} req/s ====",
         f"{'completed / failed requests':<30}{s['completed']} / {s['failed']}",
@@ -293,6 +338,8 @@ def format_summary(s: dict) -> str:
     if "replicas" in s:
         lines.append(f"{'replicas that served':<30}{s['replicas']}")
         lines.append(f"{'at their prefix group replica':<30}{s['to_prefix_replica']:.1%}")
+    if profile:
+        lines += format_profile(s)
     for err in s["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
@@ -317,12 +364,12 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
           f"{sum(r.output_len for r in requests)} output tokens) to {base_url} as model {model!r}")
     results = []
     for rate in ns.request_rate:
-        before = engine_step_counters(base_url, ns.api_key)
+        before = server_counters(base_url, ns.api_key)
         duration, timings = asyncio.run(run_rate(base_url, model, ns.api_key, requests, rate, ns.seed,
                                                  not ns.no_progress))
         summary = summarize(rate, duration, timings)
-        add_server_cost(summary, before, engine_step_counters(base_url, ns.api_key), ns.offline_output_tok_s)
-        print(format_summary(summary), flush=True)
+        add_server_cost(summary, before, server_counters(base_url, ns.api_key), ns.offline_output_tok_s)
+        print(format_summary(summary, ns.profile), flush=True)
         results.append({"summary": summary, "requests": [asdict(t) for t in timings]})
     if ns.result_file:
         with open(ns.result_file, "w") as f:

@@ -25,7 +25,7 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx = ServingContext.for_engine(engine)
-    exporter = PrometheusExporter.for_engine(engine.engine)
+    exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
     created = int(time.time())
 
     @app.post("/v1/completions", responses=_STREAMED)

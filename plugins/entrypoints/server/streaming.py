@@ -8,6 +8,7 @@ chunk costs what it carries; non-streamed ones read a single final output. Outpu
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, Callable, Optional
 
 from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
@@ -32,6 +33,7 @@ class Generation:
         engine.check_capacity(params.n * len(prompts),
                               sum(request_cost_tokens(p, params, max_model_len) for p in prompts))
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        self.serving_stats = engine.serving_stats
         self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False,
                                      output_kind=kind) for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
@@ -100,6 +102,7 @@ async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker,
     num_completion = 0
     try:
         async for batch in gen.stream():
+            t0 = time.perf_counter()
             frames = []
             for i, out in batch:
                 err = output_error(out)
@@ -113,6 +116,7 @@ async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker,
                     if include_usage:
                         chunk["usage"] = None
                     frames.append(sse(chunk))
+            gen.serving_stats.encode_seconds += time.perf_counter() - t0
             if frames:
                 yield "".join(frames)
         if include_usage:
