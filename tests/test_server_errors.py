@@ -185,18 +185,29 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_clos
     assert http.post(C, json=ok_completion()).status_code == 200
 
 
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["first-request", "keep-alive-request"])
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"],
                          ids=["nothing", "half-the-headers"])
-def test_a_connection_whose_headers_do_not_arrive_in_time_is_closed_with_408(server, http, sent):
+def test_a_connection_whose_headers_do_not_arrive_in_time_is_closed_with_408(server, http, sent, keep_alive):
     import socket
 
     with socket.create_connection((server.host, server.port), timeout=HEADER_TIMEOUT + 10) as sock:
+        if keep_alive:  # a complete request first: the deadline holds for every request a connection carries
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"}"):
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
         started = time.monotonic()
         sock.sendall(sent)
         response = b""
         while chunk := sock.recv(65536):
             response += chunk
-    assert response.startswith(b"HTTP/1.1 408")
+    if keep_alive and not sent:  # an idle keep-alive connection is closed without an answer
+        assert response == b""
+    else:
+        assert response.startswith(b"HTTP/1.1 408")
+        assert "--request-header-timeout" in json.loads(response.partition(b"\r\n\r\n")[2])["error"]["message"]
     assert HEADER_TIMEOUT - 0.2 < time.monotonic() - started < HEADER_TIMEOUT + 5
     assert http.post(C, json=ok_completion()).status_code == 200
 

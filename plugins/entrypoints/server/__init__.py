@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 import threading
@@ -21,8 +22,8 @@ from typing import Any, Optional
 from fastapi import FastAPI
 
 from pagoda.engine.async_engine import AsyncLLMEngine
-from pagoda.plugins.entrypoints.server.errors import document_errors, install_error_handlers
-from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
+from pagoda.plugins.entrypoints.server.errors import document_errors, error_body, install_error_handlers
+from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
 from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -74,27 +75,111 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _header_deadline_protocol(seconds: float) -> type:
-    """uvicorn's HTTP/1.1 protocol, closing a connection whose first request's headers have not arrived within
-    ``seconds`` (a client trickling headers would otherwise hold its connection for ever); it answers 408."""
+def _raw_error(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 error response in OpenAI's shape that closes its connection, written before any request
+    reached the app."""
+    body = json.dumps(error_body(status, message)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+def _guarded_protocol(header_timeout: float, limit_concurrency: Optional[int]) -> type:
+    """uvicorn's HTTP/1.1 protocol with deadlines and limits no client can hold a connection past:
+
+    - every request a connection carries, its first and each keep-alive one, must send its request line and
+      headers within ``header_timeout`` seconds of the connection becoming ready for it, or gets a 408 and the
+      connection is closed (a keep-alive connection that sent nothing is closed quietly);
+    - at ``limit_concurrency`` open connections a new one first closes the connections that carry no running
+      request (idle keep-alive ones, those still sending headers), oldest first; only when every connection
+      runs a request, or ``limit_concurrency`` requests run, is a request refused with a 503;
+    - the answers uvicorn gives itself (400 for malformed HTTP, 503 at the limit) are in OpenAI's error shape.
+    """
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderDeadlineProtocol(H11Protocol):
+    class GuardedProtocol(H11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.limit_concurrency = None  # uvicorn's own check answers in plain text: this protocol checks
+            self.app = self._limited(self.app)
+            self._deadline: Optional[asyncio.TimerHandle] = None
+            self._waiting_since = 0.0  # when the connection became ready for its next request
+            self._received = False  # bytes of that request have arrived
+
+        # ---- the header deadline of each request ----
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._waiting_since, self._received = time.monotonic(), False
+            self._deadline = self.loop.call_later(header_timeout, self._headers_late, self.cycle)
+
+        def _is_waiting(self) -> bool:
+            """No request runs on it: it is idle, or still sending a request's headers."""
+            return self.cycle is None or self.cycle.response_complete
+
+        def _headers_late(self, cycle_when_armed: Any) -> None:
+            if self.transport.is_closing() or self.cycle is not cycle_when_armed:
+                return  # a request began since (and the next deadline is armed when it completes)
+            if cycle_when_armed is None or self._received:
+                self.transport.write(_raw_error(408, "Request Timeout", (
+                    f"the request line and headers did not arrive within {header_timeout:g} s "
+                    "(--request-header-timeout); send them at once")))
+            self.transport.close()
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._header_deadline = self.loop.call_later(seconds, self._headers_late)
+            self._arm()
+            if limit_concurrency is not None and len(self.connections) > limit_concurrency:
+                self._close_waiting_connections(len(self.connections) - limit_concurrency)
 
-        def _headers_late(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():  # no request has begun on it
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
-                                     b"Connection: close\r\n\r\n")
-                self.transport.close()
+        def data_received(self, data: bytes) -> None:
+            self._received = True
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.cycle is not None and self.cycle.response_complete:
+                self._arm()
 
         def connection_lost(self, exc) -> None:
-            self._header_deadline.cancel()
+            if self._deadline is not None:
+                self._deadline.cancel()
             super().connection_lost(exc)
 
-    return HeaderDeadlineProtocol
+        # ---- the connection limit ----
+        def _close_waiting_connections(self, count: int) -> None:
+            waiting = sorted((c for c in self.connections if c is not self and isinstance(c, GuardedProtocol)
+                              and c._is_waiting() and not c.transport.is_closing()),
+                             key=lambda c: c._waiting_since)
+            for conn in waiting[:count]:
+                if conn._received:
+                    conn.transport.write(_raw_error(503, "Service Unavailable", (
+                        "the server is at its connection limit (--limit-concurrency) and closed this connection, "
+                        "whose request had not arrived; retry")))
+                conn.transport.close()
+
+        def _limited(self, app: Any) -> Any:
+            if limit_concurrency is None:
+                return app
+            protocol = self
+
+            async def limited_app(scope, receive, send) -> None:
+                busy = sum(1 for c in protocol.connections if not c.transport.is_closing())
+                if scope["type"] == "http" and (busy > limit_concurrency or len(protocol.tasks) > limit_concurrency):
+                    await send_error(send, 503, "the server is at its connection limit (--limit-concurrency: "
+                                                     f"{limit_concurrency} open connections or running requests); "
+                                                     "retry later")
+                    return
+                await app(scope, receive, send)
+
+            return limited_app
+
+        # ---- malformed HTTP ----
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(_raw_error(400, "Bad Request",
+                                            f"{msg.rstrip('.')}: the request is not valid HTTP/1.1"))
+            self.transport.close()
+
+    return GuardedProtocol
 
 
 def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: float,
@@ -117,8 +202,9 @@ def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: fl
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     # uvicorn's own wait for open connections comes after the drain: it only sees requests already ending
+    limit_concurrency = options.pop("limit_concurrency", None)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=_CLOSE_SECONDS, lifespan="on",
-                            http=_header_deadline_protocol(header_timeout), **options)
+                            http=_guarded_protocol(header_timeout, limit_concurrency), **options)
     return Server(config)
 
 
@@ -126,10 +212,11 @@ class ServerThread:
     """uvicorn serving ``app`` on ``host:port`` in a daemon thread; ``stop()`` shuts it down gracefully."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: Optional[int] = None,
-                 graceful_timeout: float = 5.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
+                 graceful_timeout: float = 5.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+                 limit_concurrency: Optional[int] = None) -> None:
         self.host, self.port = host, port or free_port(host)
         self.server = make_uvicorn_server(app, self.host, self.port, graceful_timeout, header_timeout,
-                                          log_level="warning")
+                                          log_level="warning", limit_concurrency=limit_concurrency)
         self.thread = threading.Thread(target=self.server.run, name="pagoda-uvicorn", daemon=True)
 
     @property

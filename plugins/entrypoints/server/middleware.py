@@ -36,17 +36,17 @@ class GuardMiddleware:
             host = _host_name(scope)
             if host not in self.allowed_hosts:
                 # a page on another site resolving its name to this address (DNS rebinding) is refused here
-                await _send_error(send, 400, f"the Host header {host!r} is not a name this server answers to; "
+                await send_error(send, 400, f"the Host header {host!r} is not a name this server answers to; "
                                              "add it to --allowed-hosts")
                 return
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             if not self._authorized(scope):
-                await _send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
+                await send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
                 return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_request_bytes:
-            await _send_error(send, 413, self._too_large(declared))
+            await send_error(send, 413, self._too_large(declared))
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             # read the body here, bounded, then replay it: an oversized chunked body never reaches the app
@@ -56,7 +56,7 @@ class GuardMiddleware:
                 try:  # a client trickling its body, or sending less than its Content-Length, holds nothing for long
                     message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
                 except asyncio.TimeoutError:
-                    await _send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} s "
+                    await send_error(send, 408, f"the request body did not arrive within {self.body_timeout:g} s "
                                                  "(--request-body-timeout); send the whole body at once",
                                       code="request_timeout", headers=[(b"connection", b"close")])
                     return
@@ -65,7 +65,7 @@ class GuardMiddleware:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > self.max_request_bytes:
-                    await _send_error(send, 413, self._too_large(size, at_least=True))
+                    await send_error(send, 413, self._too_large(size, at_least=True))
                     return
                 chunks.append(chunk)
                 if not message.get("more_body", False):
@@ -122,7 +122,7 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-async def _send_error(send, status: int, message: str, code: Optional[str] = None,
+async def send_error(send, status: int, message: str, code: Optional[str] = None,
                       headers: Optional[list[tuple[bytes, bytes]]] = None) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
