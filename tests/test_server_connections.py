@@ -3,7 +3,8 @@ at the connection limit the connections without a running request go first, so s
 out a normal one. Every answer uvicorn gives itself is in OpenAI's error shape.
 
 One real uvicorn server over the real default model, with a long header deadline so that only the connection
-limit can free the stalled connections while the normal client is served.
+limit can free the stalled connections while the normal client is served. A request without max_tokens gets the
+server's default budget, not the rest of the context.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagoda.plugins.entrypoints.server import ServerThread, build_app
 LIMIT = 1024  # pagoda serve's default --limit-concurrency
 NUM_STALLED = 1100
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+DEFAULT_MAX_TOKENS = 5  # what this server lets a request without max_tokens generate
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def server():
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)) if hard != resource.RLIM_INFINITY
                                                 else max(soft, 8192), hard))
     llm = LLM(dtype="float32", cpu_threads=1, max_model_len=128, kv_cache_memory_bytes=16 << 20)
-    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine)), header_timeout=60.0, limit_concurrency=LIMIT).start()
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), default_max_tokens=DEFAULT_MAX_TOKENS),
+                       header_timeout=60.0, limit_concurrency=LIMIT).start()
     yield srv
     srv.stop()
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -105,3 +108,15 @@ def test_malformed_http_gets_a_400_in_the_openai_error_shape(server):
         response = until_closed(sock)
     assert response.startswith(b"HTTP/1.1 400")
     assert "not valid HTTP/1.1" in openai_error(response)["message"]
+
+
+def test_a_request_without_max_tokens_gets_the_servers_default_budget(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"messages": [{"role": "user", "content": "Count to one hundred."}], "ignore_eos": True}
+        answer = client.post("/v1/chat/completions", json=body).json()
+        assert answer["usage"]["completion_tokens"] == DEFAULT_MAX_TOKENS
+        assert answer["choices"][0]["finish_reason"] == "length"
+        # asked for more than the context holds: the error names the field the request used
+        too_many = client.post("/v1/chat/completions", json={**body, "max_completion_tokens": 10_000})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_completion_tokens"
+        assert "lower max_completion_tokens" in too_many.json()["error"]["message"]

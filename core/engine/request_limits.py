@@ -15,6 +15,13 @@ from pagoda.errors import InvalidRequestError
 from pagoda.sampling_params import SamplingParams
 
 
+# A request without max_tokens may generate this many tokens at most (or what the context leaves, if less):
+# enough for nearly any answer, while a model that loops on a request without a bound holds a batch slot for
+# 2,048 steps, not for the rest of an 8,192-token context. A server's ``--default-max-tokens 0`` gives it
+# all the context leaves instead (vLLM's choice).
+DEFAULT_MAX_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """One engine's limits: its context length, its vocabulary and its KV cache."""
@@ -51,24 +58,26 @@ class RequestLimits:
                 f"the prompt needs {need} KV blocks but the cache holds {self.num_blocks}; raise "
                 "--kv-cache-memory-bytes or shorten the prompt", param="prompt")
 
-    def fit_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> int:
+    def fit_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], param: str = "max_tokens",
+                       default: Optional[int] = None) -> int:
         """The output budget of a request that reserves its whole output up front (OpenAI's contract): the
-        ``max_tokens`` asked for, or all the context leaves when None. Raises :class:`InvalidRequestError` when
-        the prompt leaves no room, or the prompt plus ``max_tokens`` exceeds the context or the whole KV cache.
-        The request must still pass :meth:`check`."""
+        ``max_tokens`` asked for (``param`` names the field it came in), or when None ``default`` cut to what
+        the context leaves (None: all it leaves). Raises :class:`InvalidRequestError` when the prompt leaves no
+        room, or the prompt plus ``max_tokens`` exceeds the context or the whole KV cache. The request must
+        still pass :meth:`check`."""
         room = self._check_context_room(num_prompt_tokens)
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = room if default is None else min(default, room)
         if max_tokens > room:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the prompt, "
-                f"{max_tokens} for the completion); lower max_tokens to at most {room}", param="max_tokens")
+                f"{max_tokens} for the completion); lower {param} to at most {room}", param=param)
         need = self.blocks_needed(num_prompt_tokens + max_tokens)
         if need > self.num_blocks:
             raise InvalidRequestError(
-                f"the prompt plus max_tokens needs {need} KV cache blocks but the server has {self.num_blocks}; "
-                "lower max_tokens or shorten the prompt", param="max_tokens")
+                f"the prompt plus {param} needs {need} KV cache blocks but the server has {self.num_blocks}; "
+                f"lower {param} or shorten the prompt", param=param)
         return max_tokens
 
     def _check_context_room(self, num_prompt_tokens: int) -> int:

@@ -14,7 +14,7 @@ logger = logging.getLogger("pagoda")
 
 def register(sub) -> None:
     from pagoda.plugins.entrypoints.server import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
-                                                   DEFAULT_MAX_REQUEST_BYTES)
+                                                   DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS)
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
@@ -33,7 +33,11 @@ def register(sub) -> None:
     p.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
                    help="seconds a request body may take to arrive in full; slower ones get 408")
     p.add_argument("--limit-concurrency", type=int, default=1024,
-                   help="open connections and requests at most; beyond it new connections get 503")
+                   help="open connections and running requests at most: at the limit a new connection first closes "
+                        "those without a running request (idle or still sending headers); beyond it, 503")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens a request that gives no max_tokens (or max_completion_tokens) may generate, at most "
+                        "what the context leaves; 0: all the context leaves")
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host header names to answer (default: the loopback names when serving "
                         "on a loopback address without --api-key, else any)")
@@ -59,7 +63,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         return run_replicas(ns)
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.plugins.entrypoints.server import build_app, default_allowed_hosts, make_uvicorn_server
+    from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
+                                                   make_uvicorn_server)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.request_log:
@@ -70,7 +75,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
                     shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
-                    allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts))
+                    allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
+                    default_max_tokens=default_max_tokens_option(ns.default_max_tokens))
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

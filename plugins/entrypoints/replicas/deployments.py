@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
+
 from starlette.responses import Response
 
 from pagoda.engine.engine_args import EngineArgs
@@ -42,6 +44,8 @@ class ReplicaSetOptions:
     # Host header names to answer (None: any), as pagoda serve's --allowed-hosts
     allowed_hosts: Optional[frozenset[str]] = None
     max_request_bytes: int = 1 << 20
+    # as pagoda serve's --default-max-tokens (None: all the context leaves)
+    default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     # requests Serve lets a replica have at once; the engine queues and refuses (503) beyond its own limits
     max_ongoing_requests: int = 1024
 
@@ -59,7 +63,7 @@ class EngineReplica:
 
         self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args, get_plugin_manager()))
         self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
-                             allowed_hosts=options.allowed_hosts)
+                             allowed_hosts=options.allowed_hosts, default_max_tokens=options.default_max_tokens)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.started = False
 

@@ -22,6 +22,8 @@ from typing import Any, Optional
 from fastapi import FastAPI
 
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
+from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.server.errors import document_errors, error_body, install_error_handlers
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
 from pagoda.version import __version__
@@ -35,8 +37,10 @@ _CLOSE_SECONDS = 5.0
 
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None) -> FastAPI:
-    """The server app. The engine thread starts with the app and stops with it."""
+              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
+              default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
+    output budget of a request that gives none, cut to what the context leaves (None: all it leaves)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -48,6 +52,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
+    app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)
@@ -67,6 +72,14 @@ def default_allowed_hosts(host: str, api_key: Optional[str], allowed: Optional[s
     if api_key is None and host in LOOPBACK_NAMES:
         return LOOPBACK_NAMES
     return None
+
+
+def default_max_tokens_option(value: int) -> Optional[int]:
+    """``--default-max-tokens`` as the server takes it: a number of tokens, or None for 0 (all the context
+    leaves)."""
+    if value < 0:
+        raise ConfigError(f"--default-max-tokens {value}: give a number of tokens, or 0 for all the context leaves")
+    return value or None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

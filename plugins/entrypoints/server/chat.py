@@ -49,8 +49,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     messages = plain_messages(body.messages)
     ctx.check_text_length("".join(m["content"] for m in messages), "messages")
     text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, body.add_generation_prompt))
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = ctx.resolve_max_tokens(len(token_ids), requested)
+    if body.max_completion_tokens is not None:
+        max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_completion_tokens, "max_completion_tokens")
+    else:
+        max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_tokens)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     params = make_sampling_params(body, max_tokens, num_top)
     request_id = new_id("chatcmpl")

@@ -14,6 +14,7 @@ from pagoda.plugins.entrypoints.server.completions import create_completion
 from pagoda.plugins.entrypoints.server.errors import APIError, error_response
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                         TokenizeRequest)
+from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
 from pagoda.version import __version__
 
@@ -24,7 +25,7 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
-    ctx = ServingContext.for_engine(engine)
+    ctx = ServingContext.for_engine(engine, getattr(app.state, "default_max_tokens", DEFAULT_MAX_TOKENS))
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
     created = int(time.time())
 

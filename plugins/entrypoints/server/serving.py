@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from fastapi import Request
 
 from pagoda.engine.async_engine import AsyncLLMEngine
-from pagoda.engine.request_limits import RequestLimits
+from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
 from pagoda.outputs import RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
@@ -41,14 +41,17 @@ class ServingContext:
     tokenizer: Any  # used on the tokenizer thread only
     max_chars_per_token: int
     tokenizer_thread: ThreadPoolExecutor
+    # the output budget of a request that gives no max_tokens, cut to what the context leaves (None: all of it)
+    default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
 
     @classmethod
-    def for_engine(cls, engine: AsyncLLMEngine) -> "ServingContext":
+    def for_engine(cls, engine: AsyncLLMEngine, default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
+                   ) -> "ServingContext":
         core = engine.engine
         tokenizer = copy.deepcopy(core.tokenizer)
         return cls(engine, core.config.model.served_model_name, core.config.model.max_model_len, core.request_limits,
                    tokenizer, longest_token_chars(tokenizer),
-                   ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"))
+                   ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"), default_max_tokens)
 
     async def run_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(tokenizer)`` on the tokenizer thread."""
@@ -68,10 +71,11 @@ class ServingContext:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> int:
-        """The output budget: the request's, or what the context leaves; 400 when it cannot fit (the engine's
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], param: str = "max_tokens") -> int:
+        """The output budget: the request's (from its field ``param``), or ``default_max_tokens`` cut to what the
+        context leaves; 400 when it cannot fit (the engine's
         :meth:`~pagoda.engine.request_limits.RequestLimits.fit_max_tokens`)."""
-        return self.limits.fit_max_tokens(num_prompt_tokens, max_tokens)
+        return self.limits.fit_max_tokens(num_prompt_tokens, max_tokens, param, self.default_max_tokens)
 
 
 def longest_token_chars(tokenizer) -> int:
