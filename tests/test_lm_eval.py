@@ -8,6 +8,7 @@ so the accuracies. The task and its items are written here: nothing is downloade
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +22,9 @@ import pytest
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.entrypoints.server import free_port
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[test]')")
+# looked up, not imported: importing lm-eval (and datasets) takes seconds, paid only when the test runs
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                                   reason="lm-eval is not installed (pip install -e '.[test]')")]
 
 PAGODA = str(Path(sys.executable).with_name("pagoda"))
 MODEL = "SmolLM2-135M-Instruct"
