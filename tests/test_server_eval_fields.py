@@ -10,7 +10,6 @@ the same engine, offline, before the server takes it over.
 from __future__ import annotations
 
 import logging
-import typing
 
 import httpx
 import openai
@@ -156,8 +155,8 @@ def test_prompt_logprobs_answers_in_vllm_s_shape_for_completions_and_chat(client
 
 def test_every_openai_request_field_is_a_field_of_the_server_s_request_models():
     # the installed openai package's request schemas; tool calling is another part's
-    completion_fields = set(typing.get_type_hints(completion_create_params.CompletionCreateParamsBase))
-    chat_fields = set(typing.get_type_hints(chat_create_params.CompletionCreateParamsBase))
+    completion_fields = set(completion_create_params.CompletionCreateParamsBase.__annotations__)
+    chat_fields = set(chat_create_params.CompletionCreateParamsBase.__annotations__)
     assert completion_fields - set(CompletionRequest.model_fields) == set()
     assert chat_fields - TOOL_FIELDS - set(ChatCompletionRequest.model_fields) == set()
 
