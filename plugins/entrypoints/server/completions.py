@@ -7,6 +7,7 @@ harnesses score a text: ``max_tokens: 0, echo: true, logprobs: 1`` computes the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -54,7 +55,6 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
             else:
                 text = tok.decode(p) if body.echo and all(0 <= t < len(tok) for t in p) else None
                 result.append({"prompt": text, "prompt_token_ids": list(p)})
-        # the first prompt token has no logprob entry to carry its text
         first_texts = [tok.decode(r["prompt_token_ids"][:1]) if echoes_logprobs and r["prompt"] is not None else ""
                        for r in result]
         return result, first_texts
@@ -93,11 +93,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
                          "usage": usage(num_prompt, num_completion, num_cached)})
 
 
+@dataclass(frozen=True)
 class _Echo:
     """What a choice of one prompt echoes: the prompt's text and, with ``num_top`` set, its logprobs."""
 
-    def __init__(self, text: str, first_token_text: str, num_top: Optional[int]) -> None:
-        self.text, self.first_token_text, self.num_top = text, first_token_text, num_top
+    text: str
+    first_token_text: str  # the first prompt token has no logprob entry to carry its text
+    num_top: Optional[int]
 
 
 def _choice_logprobs(c: CompletionOutput, echo: Optional[_Echo], out: RequestOutput, text_offset: int,
