@@ -66,7 +66,7 @@ def served(tmp_path_factory):
                                  "--kv-cache-memory-bytes", str(64 << 20), "--uvicorn-log-level", "warning"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PAGODA_CPU_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # a loaded machine may first build the CPU kernels
     try:
         while True:
             try:
