@@ -250,7 +250,9 @@ class Scheduler(Protocol):
         appends (``result.sampled_token_ids[i]``, through ``Sequence.append_output_tokens``, which
         applies the stop conditions), logprobs; a sequence preempted by recompute computes again from
         0; ``sched.failed`` and ``result.failed`` end with their errors (:meth:`fail`); finished
-        sequences are freed. Returns the sequences that gained tokens."""
+        sequences are freed. A prefill-only sequence (``Sequence.is_prefill_only``, ``max_tokens=0``)
+        finishes once its prompt is computed, through ``append_output_tokens``, and gains no token.
+        Returns the sequences that gained tokens."""
 
     def rollback(self, sched: "SchedulerOutput") -> None:
         """Undo what a step whose execution failed may have left half done (block moves, prefix-cache

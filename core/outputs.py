@@ -142,10 +142,14 @@ class SequenceGroup:
             self.num_emitted[i] = end
         first = self.children[0]
         prompt_logprobs = None
-        if (first.prompt_logprobs is not None and not self.has_emitted_prompt_logprobs
-                and len(first.prompt_logprobs) >= len(self.prompt_token_ids)):
-            prompt_logprobs = list(first.prompt_logprobs)  # once per request; the reader may be on another thread
-            self.has_emitted_prompt_logprobs = True
+        if first.prompt_logprobs is not None and not self.has_emitted_prompt_logprobs:
+            # each child computes the whole prompt (none shares it): the first to finish gives them, so they come
+            # no later than any child's first token
+            for child in self.children:
+                if len(child.prompt_logprobs) >= len(self.prompt_token_ids):
+                    prompt_logprobs = list(child.prompt_logprobs)  # once; the reader may be on another thread
+                    self.has_emitted_prompt_logprobs = True
+                    break
         errors = [c.error for c in self.children if c.error]
         first_token_times = [c.first_token_time for c in self.children if c.first_token_time is not None]
         metrics = RequestMetrics(

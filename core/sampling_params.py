@@ -56,7 +56,9 @@ class SamplingParams:
     """How to pick each next token, and when to stop.
 
     ``temperature=0`` is greedy. ``max_tokens=None`` means "until the context
-    is full". Invalid values raise :class:`pagoda.errors.InvalidRequestError`
+    is full"; ``max_tokens=0`` only computes the prompt (its KV and, with
+    ``prompt_logprobs``, its logprobs) and ends with finish reason ``length``
+    and no token. Invalid values raise :class:`pagoda.errors.InvalidRequestError`
     at construction, naming the field.
     """
 
@@ -134,8 +136,8 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not 0 < self.repetition_penalty <= 2:
             bad("repetition_penalty", "must be in (0, 2]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", "must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            bad("max_tokens", "must be >= 0 (0 computes the prompt only, e.g. for its prompt_logprobs)")
         if self.min_tokens < 0:
             bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

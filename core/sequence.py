@@ -146,13 +146,21 @@ class Sequence:
         params = self.sampling_params
         return not (params.has_penalties or params.logprobs is not None or self.banned_token_ids())
 
+    @property
+    def is_prefill_only(self) -> bool:
+        """``max_tokens=0``: the sequence ends once its prompt is computed, without a token."""
+        return self.sampling_params.max_tokens == 0
+
     def append_output_tokens(self, token_ids: list[int], max_model_len: int) -> Optional[SequenceStatus]:
         """Append a step's tokens (one, or a verified speculative run) and apply every stop condition.
 
         Returns the finished status if the sequence ended; tokens after the one that ended it are
         dropped. Only a sequence with stop strings has a detokenizer here: it follows the text token by
-        token to find them.
+        token to find them. A prefill-only sequence (``max_tokens=0``) appends nothing: the token sampled
+        after its prompt is dropped and it ends with ``FINISHED_LENGTH``.
         """
+        if self.sampling_params.max_tokens == 0:
+            return SequenceStatus.FINISHED_LENGTH
         detok = self.detokenizer
         if detok is None and len(token_ids) == 1:
             # the common step, one token and no stop strings: the loop below without its bookkeeping

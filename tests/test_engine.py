@@ -238,6 +238,39 @@ def test_prompt_logprobs_are_complete_when_the_prompt_is_in_the_prefix_cache(llm
     assert_complete_prompt_logprobs(out, 2)
 
 
+def test_max_tokens_zero_only_prefills_and_scores_the_prompt_as_a_generating_request_does(llm):
+    # longer than the 96-token step budget: prefilled in chunks, as an evaluation harness's long contexts are
+    prompt = " ".join(f"Row {i}: a baker sold {i * 7 % 11} loaves." for i in range(1, 20))
+    scored = llm.generate(prompt, GREEDY.clone(prompt_logprobs=3, max_tokens=0, logprobs=1), use_tqdm=False)[0]
+    generated = llm.generate(prompt, GREEDY.clone(prompt_logprobs=3, max_tokens=1), use_tqdm=False)[0]
+    out = scored.outputs[0]
+    assert len(scored.prompt_token_ids) > 96
+    assert out.token_ids == [] and out.text == "" and out.logprobs == [] and out.finish_reason == "length"
+    assert_complete_prompt_logprobs(scored, 3)
+    for got, want in zip(scored.prompt_logprobs[1:], generated.prompt_logprobs[1:]):
+        assert {t: lp.logprob for t, lp in got.items()} == pytest.approx({t: lp.logprob for t, lp in want.items()})
+    assert scored.metrics.first_token_time is None  # no token was generated
+    assert_engine_idle(llm)  # its blocks were freed when its prompt was computed
+
+
+def test_max_tokens_zero_requests_finish_beside_generating_ones_without_changing_them(llm, one_at_a_time):
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"gen-{i}", p, GREEDY)
+        engine.add_request(f"score-{i}", p, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=0))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    for i, p in enumerate(PROMPTS):
+        assert finished[f"gen-{i}"].outputs[0].token_ids == one_at_a_time[p]
+        scored = finished[f"score-{i}"]
+        assert scored.outputs[0].token_ids == [] and scored.outputs[0].finish_reason == "length"
+        assert len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
+    assert_engine_idle(llm)
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 
@@ -307,7 +340,7 @@ def test_missing_model_directory_is_named(tmp_path):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5), ("n", 0),
-    ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 100),
+    ("max_tokens", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 100),
     ("stop", [""]), ("stop_token_ids", [-1]), ("logit_bias", {5: 500.0}),
     # wrong types are named too, never a bare TypeError
     ("temperature", None), ("temperature", float("nan")), ("top_p", "0.9"), ("max_tokens", 2.5), ("n", True),

@@ -128,6 +128,28 @@ def test_chunked_prefill_splits_a_long_prompt_and_caps_each_chunk(threshold):
     assert req.output_token_ids == expected_output(req.prompt_token_ids, 3)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_prefill_only_request_finishes_when_its_prompt_is_computed_with_no_token_and_frees_its_blocks(policy):
+    s = make_scheduler(policy, num_blocks=64, budget=16)
+    runner = SimRunner(64, 4)
+    scored = make_request("scored", prompt(40), max_tokens=0)
+    beside = make_request("beside", prompt(10, 1), max_tokens=5)
+    s.add_request(scored)
+    s.add_request(beside)
+    steps = []
+    while not scored.is_finished:
+        sched = s.schedule()
+        progressed = s.update(sched, runner.execute(sched))
+        steps.append(sched)
+        assert scored not in progressed  # it gains no token
+    assert sum(sched.num_new_tokens[sched.requests.index(scored)] for sched in steps if scored in sched.requests) == 40
+    assert scored.status == SequenceStatus.FINISHED_LENGTH and scored.output_token_ids == []
+    assert scored.num_computed_tokens == 40 and scored in s.drain_finished()
+    run_until_done(s, runner)
+    assert beside.output_token_ids == expected_output(beside.prompt_token_ids, 5)
+    assert s.kv.num_free_blocks == 64
+
+
 def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
     s = make_scheduler(num_blocks=64, budget=32, chunked=False)
     runner = SimRunner(64, 4)

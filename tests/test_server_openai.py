@@ -31,7 +31,7 @@ CONCURRENT_PROMPTS = [f"Fact number {i}: the" for i in range(4)] + [f"def f{i}(x
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20, disable_log_stats=False)
+    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20, disable_log_stats=False)  # /metrics
 
 
 @pytest.fixture(scope="module")

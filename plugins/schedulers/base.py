@@ -402,6 +402,10 @@ class TokenBudgetScheduler:
             if not token_ids:
                 req.num_computed_tokens = computed
                 continue
+            if req.is_prefill_only:  # its prompt is computed: that was all it asked for; no token is kept
+                req.num_computed_tokens = computed
+                self.finish(req, req.append_output_tokens(token_ids, max_model_len))
+                continue
             req.num_computed_tokens = computed + len(token_ids) - 1
             if logprobs is not None and req.logprobs is not None:
                 req.logprobs.append(logprobs)

@@ -11,7 +11,8 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
-                                                       now_s, output_error, unless_disconnected, usage)
+                                                       now_s, output_error, prompt_logprobs_json,
+                                                       unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 
 
@@ -46,6 +47,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs is not available with stream=true; send the request without streaming",
+                       param="prompt_logprobs")
     messages = plain_messages(body.messages)
     ctx.check_text_length("".join(m["content"] for m in messages), "messages")
     text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, body.add_generation_prompt))
@@ -54,7 +58,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     else:
         max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_tokens)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    params = make_sampling_params(body, max_tokens, num_top)
+    params = make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs)
     request_id = new_id("chatcmpl")
     gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, body.priority,
                      stream=body.stream)
@@ -70,9 +74,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                 "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
                 "finish_reason": finish_reason(c), "stop_reason": c.stop_reason} for c in out.outputs]
     num_completion = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse({"id": request_id, "object": "chat.completion", "created": now_s(),
-                         "model": ctx.served_model_name, "choices": choices,
-                         "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)})
+    response = {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
+                "choices": choices, "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)}
+    if body.prompt_logprobs is not None:  # vLLM's field: the rendered prompt's tokens, for the whole response
+        response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
+                                                           body.prompt_logprobs)
+    return JSONResponse(response)
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],

@@ -1,17 +1,24 @@
-"""``POST /v1/completions``: text in, text out, streamed as SSE chunks or returned whole."""
+"""``POST /v1/completions``: text in, text out, streamed as SSE chunks or returned whole.
+
+With ``echo`` the prompt's text comes before the completion's; with ``logprobs`` as well, the prompt tokens'
+logprobs come before the completion's (the first prompt token has none: ``null``), which is how evaluation
+harnesses score a text: ``max_tokens: 0, echo: true, logprobs: 1`` computes the prompt alone.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import CompletionRequest
 from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
-                                                       now_s, output_error, unless_disconnected, usage)
+                                                       now_s, output_error, prompt_logprobs_json,
+                                                       unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 
 
@@ -22,10 +29,16 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, f"best_of={body.best_of} must equal n={body.n}; ranking extra sequences is not supported",
                        param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported; drop one of them", param="echo")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs is not available with stream=true; send the request without streaming, "
+                            "or stream with echo=true and logprobs, whose first chunk carries the prompt's logprobs",
+                       param="prompt_logprobs")
+    # the number of top logprobs each prompt position needs: for echo with logprobs, for prompt_logprobs
+    echoes_logprobs = body.echo and body.logprobs is not None
+    wanted = [n for n in (body.logprobs if echoes_logprobs else None, body.prompt_logprobs) if n is not None]
+    num_prompt_top = max(wanted) if wanted else None
 
     raw = body.prompt
     prompts = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else list(raw)
@@ -37,19 +50,23 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         result = []
         for p in prompts:
             if isinstance(p, str):
-                result.append({"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=body.add_special_tokens)})
+                ids = tok.encode(p, add_special_tokens=body.add_special_tokens)
+                result.append({"prompt": p, "prompt_token_ids": ids})
             else:
                 text = tok.decode(p) if body.echo and all(0 <= t < len(tok) for t in p) else None
                 result.append({"prompt": text, "prompt_token_ids": list(p)})
-        return result
+        first_texts = [tok.decode(r["prompt_token_ids"][:1]) if echoes_logprobs and r["prompt"] is not None else ""
+                       for r in result]
+        return result, first_texts
 
-    engine_prompts = await ctx.run_tokenizer(tokenize)
+    engine_prompts, first_texts = await ctx.run_tokenizer(tokenize)
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
-    params = make_sampling_params(body, max_tokens, body.logprobs)
+    params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top)
     request_id = new_id("cmpl")
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream)
     await unless_disconnected(request, gen.start())
-    echo = [p["prompt"] or "" for p in engine_prompts] if body.echo else None
+    echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
+            for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage),
@@ -64,45 +81,100 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         num_cached += out.num_cached_tokens
         for c in out.outputs:
             num_completion += len(c.token_ids)
-            text = (echo[i] if echo else "") + c.text
-            choices.append({"index": i * body.n + c.index, "text": text,
-                            "logprobs": _logprobs(c, 0, len(echo[i]) if echo else 0) if c.logprobs is not None else None,
-                            "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
+            choice = {"index": i * body.n + c.index, "text": (echo[i].text if echo else "") + c.text,
+                      "logprobs": _choice_logprobs(c, echo[i] if echo else None, out, 0),
+                      "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
+                                                                 body.prompt_logprobs)
+            choices.append(choice)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now_s(),
                          "model": ctx.served_model_name, "choices": choices,
                          "usage": usage(num_prompt, num_completion, num_cached)})
 
 
-def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[str]],
+@dataclass(frozen=True)
+class _Echo:
+    """What a choice of one prompt echoes: the prompt's text and, with ``num_top`` set, its logprobs."""
+
+    text: str
+    first_token_text: str  # the first prompt token has no logprob entry to carry its text
+    num_top: Optional[int]
+
+
+def _choice_logprobs(c: CompletionOutput, echo: Optional[_Echo], out: RequestOutput, text_offset: int,
+                     prompt_logprobs: Optional[PromptLogprobs] = None) -> Optional[dict]:
+    """The logprobs of a choice's new tokens (None without logprobs); the prompt's first when it echoes them
+    (``prompt_logprobs``: the request's, when ``out`` no longer carries them)."""
+    if c.logprobs is None:
+        return None
+    if echo is None:
+        return _logprobs(c, text_offset)
+    if echo.num_top is None:
+        return _logprobs(c, text_offset + len(echo.text))
+    entries = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+    prompt_part = _prompt_logprobs(out.prompt_token_ids, entries, echo.first_token_text, echo.num_top)
+    completion_part = _logprobs(c, len(echo.text))
+    return {key: prompt_part[key] + completion_part[key] for key in prompt_part}
+
+
+def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[_Echo]],
             include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: each choice's new text (after the echoed prompt, with its first one)."""
+    """The SSE body: each choice's new text (after the echoed prompt and its logprobs, with its first one)."""
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.served_model_name}
-    sent_chars: dict[int, int] = {}  # choice index -> characters of completion text sent
+    sent_chars: dict[int, int] = {}  # choice index -> characters of text sent (the echoed prompt's included)
+    prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its logprobs (they arrive once)
 
     def choices(i: int, out: RequestOutput) -> list[dict]:
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[i] = out.prompt_logprobs
         result = []
         for c in out.outputs:
             idx = i * n + c.index
             first = idx not in sent_chars
-            text = (echo[i] if echo and first else "") + c.text
+            echoed = echo[i] if echo and first else None
+            text = (echoed.text if echoed else "") + c.text
             has_new_tokens = c.logprobs is not None and bool(c.token_ids)
             if not first and not text and not has_new_tokens and c.finish_reason is None:
                 continue
             start_chars = sent_chars.get(idx, 0)
             result.append({"index": idx, "text": text,
-                           "logprobs": _logprobs(c, 0, start_chars) if c.logprobs is not None else None,
+                           "logprobs": _choice_logprobs(c, echoed, out, start_chars, prompt_logprobs.get(i)),
                            "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
-            sent_chars[idx] = start_chars + len(c.text)
+            sent_chars[idx] = start_chars + len(text)
         return result
 
     return stream_sse(gen, head, choices, include_usage)
 
 
-def _logprobs(c: CompletionOutput, start: int, text_offset: int) -> dict:
-    """The legacy completions logprobs object for tokens ``start:`` of a choice."""
+def _prompt_logprobs(token_ids: list[int], entries: Optional[PromptLogprobs], first_token_text: str,
+                     num_top: int) -> dict:
+    """The legacy logprobs object of the prompt's tokens: the first has no logprob (``null``), each other has
+    its own and the ``num_top`` most likely at its position."""
+    if entries is None:  # the engine always computes them for such a request
+        raise APIError(500, "the engine returned no prompt logprobs for a request with echo and logprobs",
+                       code="engine_error")
+    tokens, token_logprobs, top, offsets = [first_token_text], [None], [None], [0]
+    offset = len(first_token_text)
+    for token_id, entry in zip(token_ids[1:], entries[1:]):
+        own: Logprob = entry[token_id]
+        text = own.decoded_token or ""
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
+        top_entry = {lp.decoded_token or "": lp.logprob for lp in ranked}
+        top_entry.setdefault(text, own.logprob)
+        tokens.append(text)
+        token_logprobs.append(own.logprob)
+        top.append(top_entry)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _logprobs(c: CompletionOutput, text_offset: int) -> dict:
+    """The legacy completions logprobs object for a choice's (new) tokens."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = text_offset
-    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+    for token_id, entry in zip(c.token_ids, c.logprobs):
         chosen: Logprob = entry[token_id]
         text = chosen.decoded_token or ""
         tokens.append(text)

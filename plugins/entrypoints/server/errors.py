@@ -54,6 +54,12 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+def unknown_path_message(method: str, path: str) -> str:
+    """What a request to a path no route serves is told (``/v1/embeddings``, ``/v1/audio/...``, a typo)."""
+    return (f"{method} {path} is not served by pagoda; GET /openapi.json lists the routes this server has "
+            "(text generation is at /v1/completions and /v1/chat/completions)")
+
+
 def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
     """One sentence per problem, naming the field; the first field is the ``param``."""
     parts, first_param = [], None
@@ -100,6 +106,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 400 and "parsing the body" in message:
             message = "the request body could not be read as JSON; send UTF-8 encoded JSON"
+        if exc.status_code == 404 and message == "Not Found":  # no route has this path
+            return error_response(404, unknown_path_message(request.method, request.url.path), code="unknown_url")
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     # pagoda's own errors are answered here; only truly unexpected ones reach the 500 handler below,

@@ -1,12 +1,15 @@
 """Request bodies of the OpenAI API (plus the sampling fields vLLM adds), validated by pydantic.
 
-Unknown fields are rejected, as OpenAI rejects them. Ranges live here, so a
-bad value is a 400 that names the field before any engine work happens.
+Every field of OpenAI's completions and chat completions request schemas is accepted: those that mean
+something here are served, and those that cannot (``store``, ``service_tier``, ``audio``, ...) are listed in
+each request's ``IGNORED_FIELDS``: the server logs each such name once and names the ones a request sent in
+the ``x-pagoda-ignored-fields`` response header. A field of no OpenAI or vLLM schema is rejected, as OpenAI
+rejects it. Ranges live here, so a bad value is a 400 that names the field before any engine work happens.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -39,6 +42,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None  # pagoda never pads chunks: true is ignored
+
+
+# OpenAI's chat fields that have no meaning for a local engine: accepted, logged once, named in a header
+_IGNORED_CHAT_FIELDS = ("store", "metadata", "parallel_tool_calls", "service_tier", "prediction", "modalities",
+                        "audio", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
+                        "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation")
 
 
 class SamplingFields(_Body):
@@ -67,6 +77,10 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
+    # vLLM's: the logprobs of each prompt token (the first has none), in the response's prompt_logprobs
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ()
 
 
 class CompletionRequest(SamplingFields):
@@ -75,7 +89,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[NonEmptyStr], Field(min_length=1, max_length=64)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt only (with echo and logprobs: scored)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[Text] = None
@@ -103,12 +117,30 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
+    # accepted for compatibility, without effect here (IGNORED_FIELDS)
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    parallel_tool_calls: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prediction: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    verbosity: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    safety_identifier: Optional[str] = None
+    moderation: Optional[dict[str, Any]] = None
+
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = _IGNORED_CHAT_FIELDS
 
 
 class TokenizeRequest(_Body):

@@ -21,7 +21,11 @@ from pagoda.version import __version__
 
 # with "stream": true the answer is server-sent events, one JSON chunk per "data:" line, ending "data: [DONE]"
 _STREAMED = {200: {"description": "The completion as JSON, or with stream=true as server-sent events",
-                   "content": {"text/event-stream": {}}}}
+                   "content": {"text/event-stream": {}},
+                   "headers": {"x-pagoda-ignored-fields": {
+                       "description": "The OpenAI request fields this request sent that pagoda accepts but ignores "
+                                      "(comma-separated); absent when there are none",
+                       "schema": {"type": "string"}}}}}
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
@@ -32,16 +36,20 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     @app.post("/v1/completions", responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request):
         try:
-            return await create_completion(ctx, body, request)
+            response = await create_completion(ctx, body, request)
         except ClientGone:
             return Response(status_code=499)
+        ctx.mark_ignored_fields(body, response)
+        return response
 
     @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         try:
-            return await create_chat_completion(ctx, body, request)
+            response = await create_chat_completion(ctx, body, request)
         except ClientGone:
             return Response(status_code=499)
+        ctx.mark_ignored_fields(body, response)
+        return response
 
     @app.get("/v1/models")
     async def models():

@@ -6,20 +6,26 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
 from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagoda.server")
+
+IGNORED_FIELDS_HEADER = "x-pagoda-ignored-fields"
 
 
 class ClientGone(Exception):
@@ -43,6 +49,8 @@ class ServingContext:
     tokenizer_thread: ThreadPoolExecutor
     # the output budget of a request that gives no max_tokens, cut to what the context leaves (None: all of it)
     default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
+    # the ignored request fields already named in the log (each is logged once per server)
+    logged_ignored_fields: set[str] = field(default_factory=set)
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
@@ -71,6 +79,22 @@ class ServingContext:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
 
+    def mark_ignored_fields(self, body: SamplingFields, response: Response) -> None:
+        """Name the fields of ``body`` that pagoda accepts but ignores in the response's
+        ``x-pagoda-ignored-fields`` header; log a warning the first time each name is seen."""
+        names = [name for name in body.IGNORED_FIELDS if getattr(body, name) is not None]
+        if body.stream_options is not None and body.stream_options.include_obfuscation:
+            names.append("stream_options.include_obfuscation")
+        if not names:
+            return
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(names)
+        for name in names:
+            if name not in self.logged_ignored_fields:
+                self.logged_ignored_fields.add(name)
+                logger.warning("the request field %r is accepted for OpenAI compatibility but has no effect in "
+                               "pagoda; it is ignored (the %s response header names it; this is logged once)",
+                               name, IGNORED_FIELDS_HEADER)
+
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], param: str = "max_tokens") -> int:
         """The output budget: the request's (from its field ``param``), or ``default_max_tokens`` cut to what the
         context leaves; 400 when it cannot fit (the engine's
@@ -85,7 +109,8 @@ def longest_token_chars(tokenizer) -> int:
     return max(1, max((len(t) for t in vocab), default=1))
 
 
-def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int],
+                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field
     (``SamplingParams`` checks every range, ``min_tokens <= max_tokens`` too)."""
     logit_bias = None
@@ -112,11 +137,30 @@ def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Option
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         logit_bias=logit_bias,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         priority=body.priority,
     )
+
+
+def prompt_logprobs_json(prompt_token_ids: list[int], entries: Optional[PromptLogprobs],
+                         num_top: int) -> Optional[list[Optional[dict]]]:
+    """vLLM's ``prompt_logprobs`` field: per prompt token (the first has none, it has no context) the
+    ``num_top`` most likely tokens and the prompt's own, as ``{token id: {logprob, rank, decoded_token}}``."""
+    if entries is None:
+        return None
+    result: list[Optional[dict]] = []
+    for token_id, entry in zip(prompt_token_ids, entries):
+        if entry is None:
+            result.append(None)
+            continue
+        kept = dict(sorted(entry.items(), key=lambda item: item[1].rank or 0)[:num_top])
+        kept.setdefault(token_id, entry[token_id])
+        result.append({str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                       for t, lp in kept.items()})
+    return result
 
 
 def finish_reason(c) -> Optional[str]:
