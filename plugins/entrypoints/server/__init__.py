@@ -23,6 +23,8 @@ from fastapi import FastAPI
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server.errors import document_errors, install_error_handlers
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
+from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
+                                                              ResponseStore)
 from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -34,8 +36,12 @@ _CLOSE_SECONDS = 5.0
 
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None) -> FastAPI:
-    """The server app. The engine thread starts with the app and stops with it."""
+              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
+              max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+              stored_response_ttl: float = DEFAULT_TTL_SECONDS) -> FastAPI:
+    """The server app. The engine thread starts with the app and stops with it. ``/v1/responses`` keeps up to
+    ``max_stored_responses`` responses in memory (0: none), each for ``stored_response_ttl`` seconds after its
+    last use."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,6 +53,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
+    app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)
