@@ -39,8 +39,10 @@ def test_every_operation_documents_the_errors_the_server_sends(server):
             statuses = set(operation["responses"])
             assert "422" not in statuses, (method, path)  # the server answers bad bodies with 400
             assert {"200", "400", "401", "408", "413", "500", "503"} <= statuses, (method, path)
-    streamed = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
-    assert {"application/json", "text/event-stream"} <= set(streamed)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        streamed = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(streamed), path
+    assert {"get", "delete"} <= set(doc["paths"]["/v1/responses/{response_id}"])
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
 
 

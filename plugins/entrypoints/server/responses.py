@@ -46,11 +46,14 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
         except ClientGone:
             return Response(status_code=499)
 
-    @app.get("/v1/responses/{response_id}")
+    not_stored = {404: {"description": "No response with this id is stored (never stored, deleted or expired)",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}
+
+    @app.get("/v1/responses/{response_id}", responses=not_stored)
     async def retrieve(response_id: str):
         return JSONResponse(_stored(store, response_id).response)
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=not_stored)
     async def delete(response_id: str):
         _stored(store, response_id)
         store.delete(response_id)
@@ -180,13 +183,15 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Respo
         data = {"type": kind, "sequence_number": next(numbers), **fields}
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    try:
-        yield (event("response.created", response=record.render())
+    # sent with the first engine output, so every event after the status line comes from inside gen.stream()
+    # (whose end aborts the request) and an error event always follows a response.created
+    pending = (event("response.created", response=record.render())
                + event("response.in_progress", response=record.render())
                + event("response.output_item.added", output_index=0, item=record.item(content=[]))
                + event("response.content_part.added", **ids, content_index=0, part=record.part()))
+    try:
         async for batch in gen.stream():
-            frames = []
+            frames = [pending]
             for _, out in batch:
                 err = output_error(out)
                 if err is not None:
@@ -195,20 +200,22 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Respo
                 if delta or logprobs:
                     frames.append(event("response.output_text.delta", **ids, content_index=0, delta=delta,
                                         logprobs=logprobs))
-            if frames:
+            if len(frames) > 1 or pending:
                 yield "".join(frames)
+                pending = ""
         record.finish()
+        _keep(store, record, inputs)
         part = record.part(record.text, record.logprobs)
         final = "response.incomplete" if record.status == "incomplete" else "response.completed"
-        yield (event("response.output_text.done", **ids, content_index=0, text=record.text, logprobs=record.logprobs)
+        yield (pending
+               + event("response.output_text.done", **ids, content_index=0, text=record.text, logprobs=record.logprobs)
                + event("response.content_part.done", **ids, content_index=0, part=part)
                + event("response.output_item.done", output_index=0, item=record.item())
                + event(final, response=record.render()))
-        _keep(store, record, inputs)
     except Exception as exc:  # the status line is gone: the error is the last event
         err = to_api_error(exc)
         record.fail(err)
-        yield (event("error", code=err.code, message=err.message, param=err.param)
+        yield (pending + event("error", code=err.code, message=err.message, param=err.param)
                + event("response.failed", response=record.render()))
 
 

@@ -37,8 +37,9 @@ def _str_or_list(value: Any) -> Optional[str]:
     return None
 
 
-def _text_or_list_of(item: Any, what: str) -> Any:
-    return Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[item], Tag("list[item]")]],
+def _text_or_list_of(item: Any, what: str, min_items: int = 0) -> Any:
+    items = Annotated[list[item], Field(min_length=min_items), Tag("list[item]")]
+    return Annotated[Union[Annotated[Text, Tag("str")], items],
                      Discriminator(_str_or_list, custom_error_type="str_or_list",
                                    custom_error_message=f"must be a string or a list of {what}")]
 
@@ -115,7 +116,7 @@ class ResponsesRequest(_Body):
     """``POST /v1/responses``."""
 
     model: Optional[str] = None
-    input: _text_or_list_of(InputMessage, "input items")
+    input: _text_or_list_of(InputMessage, "input items", min_items=1)
     instructions: Optional[Text] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
