@@ -21,8 +21,9 @@ from pagoda.plugins.entrypoints.server import ServerThread, build_app
 API_KEY = "sk-pagoda-test"
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is 2 + 2?"
-INSTRUCTIONS = "Answer with one word."
-SHORT_QUESTION = "What color is the sky on a clear day?"
+STORY = "Tell me a story about a dragon."  # greedy, far longer than 12 tokens
+INSTRUCTIONS = "Answer in one short sentence."
+SHORT_QUESTION = "What is the capital of France?"  # with INSTRUCTIONS, greedy: one sentence of 8 tokens
 TURN_1 = "My name is Ada and I like tea."
 TURN_2 = "What is my name?"
 LONG_TASK = "Count from 1 to 1000, separated by commas."
@@ -46,7 +47,7 @@ def offline(llm):
 
     turn_1 = chat([{"role": "user", "content": TURN_1}], 16)
     return {
-        "question": chat([{"role": "user", "content": QUESTION}], 12),
+        "story": chat([{"role": "user", "content": STORY}], 12),
         "instructed": chat([{"role": "system", "content": INSTRUCTIONS},
                             {"role": "user", "content": SHORT_QUESTION}], 24),
         "turn_1": turn_1,
@@ -84,8 +85,8 @@ def wait_until_cache_is_free(llm, timeout=10.0):
 
 
 def test_text_input_cut_by_max_output_tokens_is_an_incomplete_response_with_the_chat_greedy_text(client, offline):
-    resp = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
-    ref = offline["question"]
+    resp = client.responses.create(model=MODEL, input=STORY, max_output_tokens=12, temperature=0)
+    ref = offline["story"]
     assert ref.outputs[0].finish_reason == "length"
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
@@ -137,12 +138,12 @@ def test_streamed_events_come_in_openai_order_and_add_up_to_the_greedy_text(clie
 
 
 def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(client, offline):
-    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5, temperature=0,
+    events = list(client.responses.create(model=MODEL, input=STORY, max_output_tokens=5, temperature=0,
                                           stream=True))
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert events[-2].item.status == "incomplete"
-    assert offline["question"].outputs[0].text.startswith(events[-1].response.output_text)
+    assert offline["story"].outputs[0].text.startswith(events[-1].response.output_text)
 
 
 def test_previous_response_id_continues_a_stored_conversation_until_it_is_deleted(client, offline):
@@ -192,7 +193,7 @@ def test_fields_that_mean_nothing_here_are_accepted_and_named_in_a_header(client
     assert ignored == {"metadata", "user", "truncation", "reasoning", "service_tier", "parallel_tool_calls",
                        "prompt_cache_key", "safety_identifier", "include", "text.verbosity"}
     resp = raw.parse()
-    assert resp.metadata == {"ticket": "42"} and resp.user == "u-1" and resp.status == "incomplete"
+    assert resp.metadata == {"ticket": "42"} and resp.user == "u-1" and resp.truncation == "disabled"
     plain = client.responses.with_raw_response.create(model=MODEL, input="Hi", max_output_tokens=1)
     assert "x-pagoda-ignored-fields" not in plain.headers
 
@@ -244,7 +245,7 @@ def test_tools_are_refused_through_the_openai_client_unless_tool_choice_is_none(
         client.responses.create(model=MODEL, input="Add 2 and 2", tools=tools, max_output_tokens=2)
     assert info.value.body["param"] == "tools"
     resp = client.responses.create(model=MODEL, input="Add 2 and 2", tools=tools, tool_choice="none",
-                                   max_output_tokens=2)
+                                   max_output_tokens=2, temperature=0)
     assert resp.output_text and resp.tool_choice == "none"
 
 
@@ -314,4 +315,4 @@ def test_an_engine_fault_mid_stream_ends_it_with_error_and_response_failed(clien
     assert failed.status == "failed" and "injected runner fault" in failed.error.message
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert wait_until_cache_is_free(llm)
-    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).output_text
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0).output_text
