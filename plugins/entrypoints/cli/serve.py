@@ -46,9 +46,9 @@ def register(sub) -> None:
                         "priority, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
     p.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_RESPONSES,
                    help="responses of /v1/responses kept in memory for previous_response_id and GET "
-                        "/v1/responses/{id}, the least recently used dropped first (0: keep none)")
+                        "/v1/responses/{id}, the least recently used dropped first (default %(default)s; 0: keep none)")
     p.add_argument("--stored-response-ttl", type=_seconds, default=DEFAULT_TTL_SECONDS, metavar="SECONDS",
-                   help="how long a stored response is kept after it was last used")
+                   help="how long a stored response is kept after it was last used (default %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)
