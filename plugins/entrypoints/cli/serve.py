@@ -15,11 +15,13 @@ logger = logging.getLogger("pagoda")
 def register(sub) -> None:
     from pagoda.plugins.entrypoints.server import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
                                                    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS)
+    from pagoda.plugins.entrypoints.server.response_store import DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve the model over an OpenAI-compatible HTTP API (/v1/completions, "
-                                   "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, "
-                                   "/version). SIGTERM stops accepting requests and lets open ones finish.")
+                                   "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics, /tokenize, "
+                                   "/detokenize, /version). SIGTERM stops accepting requests and lets open ones "
+                                   "finish.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
@@ -46,11 +48,32 @@ def register(sub) -> None:
     p.add_argument("--request-log", default=None, metavar="PATH",
                    help="append one JSON line per finished request (arrival, prompt token ids, output tokens, "
                         "priority, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
+    p.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_RESPONSES,
+                   help="responses of /v1/responses kept in memory for previous_response_id and GET "
+                        "/v1/responses/{id}, the least recently used dropped first (default %(default)s; 0: keep none)")
+    p.add_argument("--stored-response-ttl", type=_seconds, default=DEFAULT_TTL_SECONDS, metavar="SECONDS",
+                   help="how long a stored response is kept after it was last used (default %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -76,7 +99,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
                     shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
                     allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
-                    default_max_tokens=default_max_tokens_option(ns.default_max_tokens))
+                    default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
+                    max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl)
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

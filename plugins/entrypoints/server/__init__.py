@@ -26,6 +26,8 @@ from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.server.errors import document_errors, error_body, install_error_handlers
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
+from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
+                                                              ResponseStore)
 from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -38,9 +40,12 @@ _CLOSE_SECONDS = 5.0
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
-              default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS) -> FastAPI:
+              default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
+              stored_response_ttl: float = DEFAULT_TTL_SECONDS) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
-    output budget of a request that gives none, cut to what the context leaves (None: all it leaves)."""
+    output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
+    ``/v1/responses`` keeps up to ``max_stored_responses`` responses in memory (0: none), each for
+    ``stored_response_ttl`` seconds after its last use."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,6 +58,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
     app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
+    app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)

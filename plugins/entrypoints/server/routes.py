@@ -9,12 +9,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.metrics import PrometheusExporter
+from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.plugins.entrypoints.server.chat import create_chat_completion, plain_messages, render_chat
 from pagoda.plugins.entrypoints.server.completions import create_completion
 from pagoda.plugins.entrypoints.server.errors import APIError, error_response
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                         TokenizeRequest)
-from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
+from pagoda.plugins.entrypoints.server.response_store import ResponseStore
+from pagoda.plugins.entrypoints.server.responses import add_responses_routes
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
 from pagoda.version import __version__
 
@@ -50,6 +52,10 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             return Response(status_code=499)
         ctx.mark_ignored_fields(body, response)
         return response
+
+    # build_app puts the store there (its bounds are server options); an app built otherwise gets the defaults
+    store = getattr(app.state, "response_store", None)
+    add_responses_routes(app, ctx, store if store is not None else ResponseStore(), _STREAMED)
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,132 @@
+"""Responses kept in memory, for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+
+Each response keeps only what it added to its conversation (its input messages and its output text) and the
+id of the response it continued, so a conversation of n turns costs n entries, not n copies of its history.
+The store is bounded three ways, always dropping the least recently used response first: a number of
+responses, a budget of characters, and an expiry ``ttl_seconds`` after a response was last used (stored,
+read, or continued). Everything runs on the server's event loop; there is no lock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+DEFAULT_MAX_RESPONSES = 1000
+DEFAULT_TTL_SECONDS = 3600.0
+DEFAULT_MAX_CHARS = 128 << 20  # characters of text and JSON across all stored responses
+
+
+class ResponseNotStored(LookupError):
+    """A response id that the store does not hold (never stored, deleted, expired or evicted)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
+@dataclass
+class StoredResponse:
+    """One finished response and its part of the conversation."""
+
+    response: dict  # the response object as it was answered
+    messages: list[dict]  # this request's input messages, ``{"role", "content"}``, without its instructions
+    output_text: str
+    previous_response_id: Optional[str]
+    num_chars: int = field(init=False)
+    last_used: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        self.num_chars = (len(json.dumps(self.response, ensure_ascii=False)) + len(self.output_text)
+                          + sum(len(m["content"]) for m in self.messages))
+
+
+class ResponseStore:
+    """Finished responses by id, least recently used first."""
+
+    def __init__(self, max_responses: int = DEFAULT_MAX_RESPONSES, ttl_seconds: float = DEFAULT_TTL_SECONDS,
+                 max_chars: int = DEFAULT_MAX_CHARS, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_responses < 0 or ttl_seconds <= 0 or max_chars < 0:
+            raise ValueError(f"the response store needs max_responses >= 0 (got {max_responses}), ttl_seconds > 0 "
+                             f"(got {ttl_seconds}) and max_chars >= 0 (got {max_chars})")
+        self.max_responses, self.ttl_seconds, self.max_chars = max_responses, ttl_seconds, max_chars
+        self._clock = clock
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._num_chars = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.max_responses > 0
+
+    def __len__(self) -> int:
+        self._drop_expired()
+        return len(self._entries)
+
+    def can_store(self, entry: StoredResponse) -> bool:
+        return self.is_enabled and entry.num_chars <= self.max_chars
+
+    def store(self, response_id: str, entry: StoredResponse) -> None:
+        """Keep ``entry``, dropping the least recently used responses past the bounds."""
+        if not self.can_store(entry):
+            return
+        self._drop_expired()
+        self._pop(response_id)
+        entry.last_used = self._clock()
+        self._entries[response_id] = entry
+        self._num_chars += entry.num_chars
+        while len(self._entries) > self.max_responses or self._num_chars > self.max_chars:
+            self._pop(next(iter(self._entries)))
+
+    def get(self, response_id: str) -> StoredResponse:
+        """The stored response (now its most recent use); :class:`ResponseNotStored` if there is none."""
+        entry = self._peek(response_id)
+        self._touch(response_id, entry)
+        return entry
+
+    def delete(self, response_id: str) -> None:
+        self._drop_expired()
+        if self._pop(response_id) is None:
+            raise ResponseNotStored(response_id)
+
+    def conversation(self, response_id: str) -> list[dict]:
+        """The messages of the conversation up to and including response ``response_id``'s output, oldest first:
+        each response's input messages, then its output as an assistant message. Every response on the way
+        counts as used; :class:`ResponseNotStored` names the first one missing."""
+        chain = []
+        next_id: Optional[str] = response_id
+        while next_id is not None:
+            entry = self._peek(next_id)
+            chain.append((next_id, entry))
+            next_id = entry.previous_response_id
+        messages = []
+        for entry_id, entry in reversed(chain):  # oldest first, so the newest response is the last one used
+            self._touch(entry_id, entry)
+            messages += entry.messages
+            messages.append({"role": "assistant", "content": entry.output_text})
+        return messages
+
+    def _peek(self, response_id: str) -> StoredResponse:
+        self._drop_expired()
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise ResponseNotStored(response_id)
+        return entry
+
+    def _touch(self, response_id: str, entry: StoredResponse) -> None:
+        entry.last_used = self._clock()
+        self._entries.move_to_end(response_id)
+
+    def _pop(self, response_id: str) -> Optional[StoredResponse]:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self._num_chars -= entry.num_chars
+        return entry
+
+    def _drop_expired(self) -> None:
+        # last use is the order of the entries, so the expired ones are at the front
+        deadline = self._clock() - self.ttl_seconds
+        while self._entries and next(iter(self._entries.values())).last_used <= deadline:
+            self._pop(next(iter(self._entries)))

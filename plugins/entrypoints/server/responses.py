@@ -1,0 +1,313 @@
+"""``/v1/responses``: OpenAI's Responses API over the chat template, answered whole or as typed SSE events.
+
+A request's input (a string, or messages of text) follows its ``instructions`` (as a system message) and,
+with ``previous_response_id``, the stored conversation it continues; the chat template renders them as for
+chat completions. The answer is one ``message`` output item holding one ``output_text`` part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import re
+import time
+import uuid
+from typing import AsyncIterator, Iterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.errors import InvalidRequestError
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.plugins.entrypoints.server.chat import render_chat
+from pagoda.plugins.entrypoints.server.errors import APIError, to_api_error
+from pagoda.plugins.entrypoints.server.response_store import ResponseNotStored, ResponseStore, StoredResponse
+from pagoda.plugins.entrypoints.server.responses_protocol import (InputMessage, ResponsesRequest,
+                                                                  TextFormatJSONObject, TextFormatJSONSchema)
+from pagoda.plugins.entrypoints.server.serving import (ClientGone, ServingContext, output_error,
+                                                       unless_disconnected)
+from pagoda.plugins.entrypoints.server.streaming import Generation
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+
+IGNORED_HEADER = "x-pagoda-ignored-fields"
+# the engine's and the chat template's names for the fields this API names otherwise
+_FIELD_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text.format", "prompt": "input",
+                "messages": "input"}
+
+
+def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore, streamed: dict) -> None:
+    """``POST /v1/responses``, and ``GET``/``DELETE /v1/responses/{response_id}`` of stored responses."""
+
+    @app.post("/v1/responses", responses=streamed)
+    async def create(body: ResponsesRequest, request: Request):
+        try:
+            return await create_response(ctx, store, body, request)
+        except ClientGone:
+            return Response(status_code=499)
+
+    not_stored = {404: {"description": "No response with this id is stored (never stored, deleted or expired)",
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}
+
+    @app.get("/v1/responses/{response_id}", responses=not_stored)
+    async def retrieve(response_id: str):
+        return JSONResponse(_stored(store, response_id).response)
+
+    @app.delete("/v1/responses/{response_id}", responses=not_stored)
+    async def delete(response_id: str):
+        _stored(store, response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+async def create_response(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+    ctx.check_model(body.model)
+    _refuse_unserved(body)
+    history = _history(store, body.previous_response_id)
+    inputs = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else [
+        _plain(m) for m in body.input]
+    system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    messages = system + history + inputs
+    record = ResponseRecord(ctx.served_model_name, body)
+    with _in_responses_terms():
+        ctx.check_text_length("".join(m["content"] for m in messages), "input")
+        text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, add_generation_prompt=True))
+        params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
+                                max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
+                                logprobs=record.num_top_logprobs, structured_outputs=_structured_outputs(body))
+        gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
+                         priority=0, stream=bool(body.stream))
+        await unless_disconnected(request, gen.start())
+    ignored = body.ignored_fields()
+    headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
+    keep = store if body.store is not False else None
+    if body.stream:
+        return StreamingResponse(_events(gen, record, keep, inputs), media_type="text/event-stream", headers=headers)
+    (out,) = await unless_disconnected(request, gen.final())
+    err = output_error(out)
+    if err is not None:
+        raise err
+    record.add(out)
+    record.finish()
+    _keep(keep, record, inputs)
+    return JSONResponse(record.render(), headers=headers)
+
+
+class ResponseRecord:
+    """One response as it is generated: renders OpenAI's response object and its output item at any point."""
+
+    def __init__(self, model: str, body: ResponsesRequest) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.model, self.body = model, body
+        self.temperature = 1.0 if body.temperature is None else body.temperature
+        self.top_p = 1.0 if body.top_p is None else body.top_p
+        self.num_top_logprobs = (body.top_logprobs or 0) if body.wants_logprobs else None
+        self.status = "in_progress"
+        self.pieces: list[str] = []  # the output text, one piece per engine output
+        self.logprobs: list[dict] = []
+        self.num_input_tokens = self.num_cached_tokens = self.num_output_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[dict] = None
+        self.completed_at: Optional[int] = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def add(self, out: RequestOutput) -> tuple[str, list[dict]]:
+        """Take in one engine output (a delta when streaming, else the whole); its new text and logprobs."""
+        (c,) = out.outputs
+        logprobs = _token_logprobs(c, self.num_top_logprobs) if self.num_top_logprobs is not None else []
+        self.pieces.append(c.text)
+        self.logprobs += logprobs
+        self.num_input_tokens, self.num_cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
+        self.num_output_tokens += len(c.token_ids)
+        self.finish_reason = c.finish_reason or self.finish_reason
+        return c.text, logprobs
+
+    def finish(self) -> None:
+        self.pieces = [self.text]
+        self.status = "incomplete" if self.finish_reason == "length" else "completed"
+        self.completed_at = int(time.time())
+
+    def fail(self, err: APIError) -> None:
+        self.status = "failed"
+        self.error = {"code": "server_error", "message": err.message}
+
+    def part(self, text: str = "", logprobs: Optional[list[dict]] = None) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+    def item(self, content: Optional[list[dict]] = None) -> dict:
+        """The output message; ``content=None``: as it stands now."""
+        status = self.status if self.status != "failed" else "incomplete"
+        return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,
+                "content": [self.part(self.text, self.logprobs)] if content is None else content}
+
+    def render(self) -> dict:
+        body = self.body
+        is_done = self.status in ("completed", "incomplete")
+        text_format = body.text.format if body.text is not None and body.text.format is not None else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
+            "completed_at": self.completed_at, "background": False, "error": self.error,
+            "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": body.max_tool_calls, "model": self.model,
+            "output": [self.item()] if is_done else [],
+            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id, "reasoning": None, "service_tier": "default",
+            "temperature": self.temperature, "top_p": self.top_p, "top_logprobs": body.top_logprobs,
+            "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
+                     else {"type": "text"}},
+            "tool_choice": "auto" if body.tool_choice is None else body.tool_choice, "tools": body.tools or [],
+            "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
+            "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+            "usage": {"input_tokens": self.num_input_tokens,
+                      "input_tokens_details": {"cached_tokens": self.num_cached_tokens},
+                      "output_tokens": self.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.num_input_tokens + self.num_output_tokens} if is_done else None,
+        }
+
+
+async def _events(gen: Generation, record: ResponseRecord, store: Optional[ResponseStore],
+                  inputs: list[dict]) -> AsyncIterator[str]:
+    """OpenAI's typed events, in order: created, in_progress, the item and its part added, a text delta per
+    engine output, the text, part and item done, then completed (incomplete when max_output_tokens cut the
+    text). An error after the status line went out ends the stream with ``error`` and ``response.failed``."""
+    numbers = itertools.count()
+    ids = {"item_id": record.message_id, "output_index": 0}
+
+    def event(kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": next(numbers), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    # sent with the first engine output, so every event after the status line comes from inside gen.stream()
+    # (whose end aborts the request) and an error event always follows a response.created
+    pending = (event("response.created", response=record.render())
+               + event("response.in_progress", response=record.render())
+               + event("response.output_item.added", output_index=0, item=record.item(content=[]))
+               + event("response.content_part.added", **ids, content_index=0, part=record.part()))
+    try:
+        async for batch in gen.stream():
+            frames = [pending]
+            for _, out in batch:
+                err = output_error(out)
+                if err is not None:
+                    raise err
+                delta, logprobs = record.add(out)
+                if delta or logprobs:
+                    frames.append(event("response.output_text.delta", **ids, content_index=0, delta=delta,
+                                        logprobs=logprobs))
+            if len(frames) > 1 or pending:
+                yield "".join(frames)
+                pending = ""
+        record.finish()
+        _keep(store, record, inputs)
+        part = record.part(record.text, record.logprobs)
+        final = "response.incomplete" if record.status == "incomplete" else "response.completed"
+        yield (pending
+               + event("response.output_text.done", **ids, content_index=0, text=record.text, logprobs=record.logprobs)
+               + event("response.content_part.done", **ids, content_index=0, part=part)
+               + event("response.output_item.done", output_index=0, item=record.item())
+               + event(final, response=record.render()))
+    except Exception as exc:  # the status line is gone: the error is the last event
+        err = to_api_error(exc)
+        record.fail(err)
+        yield (pending + event("error", code=err.code, message=err.message, param=err.param)
+               + event("response.failed", response=record.render()))
+
+
+def _keep(store: Optional[ResponseStore], record: ResponseRecord, inputs: list[dict]) -> None:
+    if store is not None:
+        store.store(record.id, StoredResponse(record.render(), inputs, record.text, record.body.previous_response_id))
+
+
+def _history(store: ResponseStore, previous_response_id: Optional[str]) -> list[dict]:
+    if previous_response_id is None:
+        return []
+    if not store.is_enabled:
+        raise APIError(400, "this server keeps no responses (--max-stored-responses 0), so previous_response_id "
+                            "cannot be continued; send the whole conversation as input", param="previous_response_id")
+    try:
+        return store.conversation(previous_response_id)
+    except ResponseNotStored as exc:
+        which = ("it is" if exc.response_id == previous_response_id
+                 else f"the response {exc.response_id!r} it continues is")
+        raise APIError(400, f"previous_response_id {previous_response_id!r} cannot be continued: {which} not stored "
+                            f"on this server (responses are kept in memory, at most {store.max_responses}, for "
+                            f"{store.ttl_seconds:g} s after their last use, and only with store: true); send the "
+                            "whole conversation as input", param="previous_response_id") from None
+
+
+def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
+    try:
+        return store.get(response_id)
+    except ResponseNotStored:
+        raise APIError(404, f"no response with id {response_id!r} is stored on this server (responses are kept in "
+                            f"memory for {store.ttl_seconds:g} s after their last use, and only with store: true)",
+                       param="response_id", code="response_not_found") from None
+
+
+def _refuse_unserved(body: ResponsesRequest) -> None:
+    """400 for what pagoda cannot serve on this route, naming the field and what to send instead."""
+    if body.tools and body.tool_choice != "none":
+        raise APIError(400, "function tools are not served on /v1/responses yet; leave tools out, set tool_choice "
+                            "to \"none\", or use /v1/chat/completions", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, f"tool_choice {body.tool_choice!r} asks for a tool call, but no tools are served on "
+                            "/v1/responses yet; leave tool_choice out or set it to \"none\"", param="tool_choice")
+    if body.background:
+        raise APIError(400, "background responses are not served; leave background out (use stream: true for long "
+                            "outputs)", param="background")
+    if body.conversation is not None:
+        raise APIError(400, "conversations are not served; continue a stored response with previous_response_id "
+                            "instead", param="conversation")
+    if body.prompt is not None:
+        raise APIError(400, "stored prompt templates are not served; send the text as instructions and input",
+                       param="prompt")
+    if body.moderation is not None:
+        raise APIError(400, "moderation is not served by this server; leave moderation out", param="moderation")
+
+
+def _plain(m: InputMessage) -> dict:
+    return {"role": m.role, "content": m.text()}
+
+
+def _structured_outputs(body: ResponsesRequest) -> Optional[StructuredOutputsParams]:
+    """``text.format`` as the engine's structured outputs: a JSON schema, or any JSON object."""
+    text_format = body.text.format if body.text is not None else None
+    if isinstance(text_format, TextFormatJSONSchema):
+        return StructuredOutputsParams(json=text_format.schema_)
+    if isinstance(text_format, TextFormatJSONObject):
+        return StructuredOutputsParams(json_object=True)
+    return None
+
+
+@contextlib.contextmanager
+def _in_responses_terms() -> Iterator[None]:
+    """A 400 raised in the engine's or chat's terms (``max_tokens``, ``messages``) in this API's terms."""
+    try:
+        yield
+    except (InvalidRequestError, APIError) as exc:
+        if isinstance(exc, APIError) and exc.status != 400:
+            raise
+        message = exc.message if isinstance(exc, APIError) else str(exc)
+        for old in ("max_tokens", "structured_outputs"):
+            message = re.sub(rf"\b{old}\b", _FIELD_NAMES[old], message)
+        raise APIError(400, message, param=_FIELD_NAMES.get(exc.param, exc.param)) from None
+
+
+def _token_logprobs(c: CompletionOutput, num_top: int) -> list[dict]:
+    """The logprobs of ``c``'s tokens, each with its ``num_top`` most likely alternatives."""
+    result = []
+    for token_id, entry in zip(c.token_ids, c.logprobs):
+        chosen = entry[token_id]
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
+        token = chosen.decoded_token or ""
+        result.append({"token": token, "bytes": list(token.encode()), "logprob": chosen.logprob,
+                       "top_logprobs": [{"token": lp.decoded_token or "", "bytes": list((lp.decoded_token or "")
+                                                                                         .encode()),
+                                         "logprob": lp.logprob} for lp in ranked]})
+    return result

@@ -1,0 +1,167 @@
+"""The request body of ``POST /v1/responses`` (OpenAI's Responses API, stateless use plus stored responses).
+
+Unknown fields are rejected. OpenAI's fields that change nothing on this server are accepted and listed in
+``IGNORED_FIELDS``; the fields pagoda cannot serve (tools, background runs, stored prompts, conversations,
+moderation) are accepted by the schema and refused with a 400 by the handler, so the message can say why.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from pagoda.plugins.entrypoints.server.protocol import Text
+from pagoda.sampling_params import MAX_LOGPROBS
+
+# OpenAI's fields that have no effect here: accepted, and named in the x-pagoda-ignored-fields header
+IGNORED_FIELDS = ("access_programs", "background_options", "context_management", "image", "include",
+                  "max_tool_calls", "metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_options",
+                  "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier", "stream_options",
+                  "truncation", "user")
+# the one value of ``include`` that means something here: logprobs of the output text
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+MAX_METADATA_KEYS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
+
+
+def _str_or_list(value: Any) -> Optional[str]:
+    """The union branch of a "string or list" field; the tags are the names the error messages leave out."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        return "list[item]"
+    return None
+
+
+def _text_or_list_of(item: Any, what: str, min_items: int = 0) -> Any:
+    items = Annotated[list[item], Field(min_length=min_items), Tag("list[item]")]
+    return Annotated[Union[Annotated[Text, Tag("str")], items],
+                     Discriminator(_str_or_list, custom_error_type="str_or_list",
+                                   custom_error_message=f"must be a string or a list of {what}")]
+
+
+class ContentPart(_Body):
+    """Text content of an input message: ``input_text``, or ``output_text`` sent back from an earlier output."""
+
+    type: Literal["input_text", "output_text"]
+    text: Text
+    # what an output_text part carries when a client sends an earlier output back; not read
+    annotations: Optional[list[Any]] = None
+    logprobs: Optional[list[Any]] = None
+    prompt_cache_breakpoint: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in (None, "input_text", "output_text"):
+            raise ValueError(f"content parts of type {data['type']!r} are not served: this model reads text only; "
+                             "send input_text parts")
+        return data
+
+
+class InputMessage(_Body):
+    """A message of the conversation; ``type`` may be left out (OpenAI's "easy" input message)."""
+
+    type: Optional[Literal["message"]] = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: _text_or_list_of(ContentPart, "content parts")
+    # what an output message carries when a client sends it back as input; not read
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+    phase: Optional[Literal["commentary", "final_answer"]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in (None, "message"):
+            raise ValueError(f"input items of type {data['type']!r} are not served on /v1/responses (no tools run "
+                             "here); send messages with text content")
+        return data
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class TextFormatText(_Body):
+    type: Literal["text"]
+
+
+class TextFormatJSONSchema(_Body):
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    description: Optional[str] = None
+    strict: Optional[bool] = None
+
+
+class TextFormatJSONObject(_Body):
+    type: Literal["json_object"]
+
+
+class TextConfig(_Body):
+    format: Optional[Annotated[Union[TextFormatText, TextFormatJSONSchema, TextFormatJSONObject],
+                               Field(discriminator="type")]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None  # no effect here
+
+
+class ResponsesStreamOptions(_Body):
+    include_obfuscation: Optional[bool] = None  # no effect here: events carry no padding
+
+
+class ResponsesRequest(_Body):
+    """``POST /v1/responses``."""
+
+    model: Optional[str] = None
+    input: _text_or_list_of(InputMessage, "input items", min_items=1)
+    instructions: Optional[Text] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    stream: Optional[bool] = False
+    store: Optional[bool] = True
+    previous_response_id: Optional[str] = None
+    text: Optional[TextConfig] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[None, Literal["none", "auto", "required"], dict[str, Any]] = None
+    # refused by the handler when set: pagoda cannot serve them
+    background: Optional[bool] = None
+    conversation: Union[None, str, dict[str, Any]] = None
+    prompt: Optional[dict[str, Any]] = None
+    moderation: Optional[dict[str, Any]] = None
+    # no effect here (IGNORED_FIELDS); metadata and the identifiers are echoed in the response
+    metadata: Optional[Annotated[dict[str, Annotated[str, Field(max_length=512)]],
+                                 Field(max_length=MAX_METADATA_KEYS)]] = None
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    include: Optional[list[str]] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_tool_calls: Optional[int] = Field(None, ge=0)
+    reasoning: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    truncation: Optional[Literal["auto", "disabled"]] = None
+    stream_options: Optional[ResponsesStreamOptions] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    background_options: Optional[dict[str, Any]] = None
+    context_management: Optional[list[dict[str, Any]]] = None
+    access_programs: Optional[dict[str, Any]] = None
+    image: Optional[dict[str, Any]] = None
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of this request that have no effect here (``include`` only for values other than
+        logprobs, ``text.verbosity`` too)."""
+        names = [n for n in IGNORED_FIELDS if getattr(self, n) is not None
+                 and not (n == "include" and set(self.include) <= {INCLUDE_LOGPROBS})]
+        if self.text is not None and self.text.verbosity is not None:
+            names.append("text.verbosity")
+        return names
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.top_logprobs is not None or INCLUDE_LOGPROBS in (self.include or ())
