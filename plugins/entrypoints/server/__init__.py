@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server.errors import document_errors, install_error_handlers
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
+from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -34,8 +35,12 @@ _CLOSE_SECONDS = 5.0
 
 def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
-              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None) -> FastAPI:
-    """The server app. The engine thread starts with the app and stops with it."""
+              body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
+              enable_auto_tool_choice: bool = False, tool_call_parser: Optional[str] = None) -> FastAPI:
+    """The server app. The engine thread starts with the app and stops with it. ``tool_call_parser`` names the
+    ``pagoda_tool_parsers`` component that reads chat answers when ``tool_choice`` is ``auto``, which
+    ``enable_auto_tool_choice`` allows (an unknown name is a ConfigError listing the parsers)."""
+    tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,6 +52,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
+    app.state.tool_calling = tool_calling  # read by the chat route
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)

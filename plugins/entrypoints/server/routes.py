@@ -15,6 +15,7 @@ from pagoda.plugins.entrypoints.server.errors import APIError, error_response
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                         TokenizeRequest)
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
+from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
 
@@ -25,6 +26,7 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx = ServingContext.for_engine(engine)
+    ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.resolve(engine.engine.pm)
     exporter = PrometheusExporter.for_engine(engine.engine)
     created = int(time.time())
 

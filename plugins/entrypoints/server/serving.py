@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from fastapi import Request
@@ -41,6 +41,8 @@ class ServingContext:
     tokenizer: Any  # used on the tokenizer thread only
     max_chars_per_token: int
     tokenizer_thread: ThreadPoolExecutor
+    # what `pagoda serve` was told about tool calls (a pagoda.plugins.entrypoints.server.tools.ToolCallingOptions)
+    tool_options: Any = field(default=None)
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine) -> "ServingContext":
