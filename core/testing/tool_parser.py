@@ -67,10 +67,6 @@ def check_tool_parser(factory: ToolParserFactory, cases: Sequence[ToolParserCase
 def _check_expected(where: Where, case: ToolParserCase, whole: Any) -> None:
     operation = f"extract_tool_calls({_short(case.output)})"
     suspect = "the parser's extract_tool_calls()"
-    if whole.content != case.content:
-        raise where.fail(operation, f"the content is {whole.content!r}, not {case.content!r}",
-                         "the text outside the calls is the content (None when there is none); an answer "
-                         "without calls is content as written", suspect)
     got = [(call.name, call.arguments) for call in whole.tool_calls]
     if [n for n, _ in got] != [n for n, _ in case.calls]:
         raise where.fail(operation, f"the calls are {got}, expected {list(case.calls)}",
@@ -88,6 +84,10 @@ def _check_expected(where: Where, case: ToolParserCase, whole: Any) -> None:
     if any(not isinstance(i, str) or not i for i in ids) or len(set(ids)) != len(ids):
         raise where.fail(operation, f"the call ids are {ids}", "each call has an id of its own (a non-empty string)",
                          suspect)
+    if whole.content != case.content:
+        raise where.fail(operation, f"the content is {whole.content!r}, not {case.content!r}",
+                         "the text outside the calls is the content (None when there is none); an answer "
+                         "without calls is content as written", suspect)
 
 
 def _check_stream(where: Where, parser: Any, output: str, pieces: list[str], whole: Any) -> None:
