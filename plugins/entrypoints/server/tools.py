@@ -200,7 +200,10 @@ def _hoist_parameters(tool_name: str, parameters: Optional[dict]) -> dict[str, A
     """``{tool_name: parameters, f"{tool_name}.{def}": ...}``: a tool's parameters schema and its definitions as
     root ``$defs`` entries, with every local reference (``#...``) rewritten to where its target went."""
     params = copy.deepcopy(parameters) if parameters else {"type": "object"}
-    own_defs = {**params.pop("definitions", {}), **params.pop("$defs", {})}
+    own_defs: dict[str, Any] = {}
+    for section in ("definitions", "$defs"):
+        if isinstance(params.get(section), dict):
+            own_defs.update(params.pop(section))
 
     def moved(ref: str) -> str:
         pointer = ref[1:]

@@ -97,8 +97,8 @@ class JsonToolCallParser:
             self.emit_content(call.prefix + call.scanner.text)
             return False
         rest = self._final_arguments(call)
-        if rest is not None and len(rest) > call.num_arguments_sent:
-            self._add(ToolCallDelta(call.index, arguments=rest[call.num_arguments_sent:]))
+        if rest is not None:
+            self._add(ToolCallDelta(call.index, arguments=rest))
         return True
 
     def take(self) -> DeltaMessage:
@@ -122,33 +122,38 @@ class JsonToolCallParser:
             call.index = self.num_calls
             self.num_calls += 1
             self._add(ToolCallDelta(call.index, new_tool_call_id(), name, ""))
-        streamed = self._streamed_arguments(call.scanner)
-        if streamed is not None and len(streamed) > call.num_arguments_sent:
-            self._add(ToolCallDelta(call.index, arguments=streamed[call.num_arguments_sent:]))
-            call.num_arguments_sent = len(streamed)
+        span = self._object_arguments(call.scanner)
+        if span is not None:
+            fragment = call.scanner.text_between(span[0] + call.num_arguments_sent, span[1])
+            if fragment:
+                self._add(ToolCallDelta(call.index, arguments=fragment))
+                call.num_arguments_sent += len(fragment)
 
-    def _streamed_arguments(self, scanner: JsonObjectScanner) -> Optional[str]:
-        """The arguments' text so far, when they are an object or array (sent as they arrive)."""
+    def _object_arguments(self, scanner: JsonObjectScanner) -> Optional[tuple[int, Optional[int]]]:
+        """Where the arguments' text lies, ``(start, end)`` (end None while it is being read), when they are an
+        object or array: those are sent as they arrive."""
         key = next((k for k in self.argument_keys if k in scanner.members), None)
         if key is not None:
-            text = scanner.member_text(key)
-            return text if text[:1] in ("{", "[") else None
-        reading = scanner.open_value_text() if scanner.open_key in self.argument_keys else None
-        return reading if reading is not None and reading[:1] in ("{", "[") else None
+            start, end = scanner.members[key]
+        elif scanner.open_key in self.argument_keys and scanner.is_reading_value:
+            start, end = scanner.open_value_start, None
+        else:
+            return None
+        return (start, end) if scanner.text_between(start, start + 1) in ("{", "[") else None
 
     def _final_arguments(self, call: _Call) -> Optional[str]:
+        """The arguments still to send when the call ends: None when they were sent as they arrived."""
         scanner = call.scanner
+        if self._object_arguments(scanner) is not None:
+            return None  # an object or array, sent already (all of it, or what was written of it)
         key = next((k for k in self.argument_keys if k in scanner.members), None)
         if key is None:
-            # cut off inside object arguments: they end where the text did (sent already); none: "{}"
-            return None if self._streamed_arguments(scanner) is not None else "{}"
-        text = scanner.member_text(key)
-        if text[:1] in ("{", "["):
-            return text
+            return "{}"
         value = scanner.member(key)
         if isinstance(value, str):
             return value  # arguments written as a JSON string holding the JSON
-        return "{}" if value is None and text.strip() == "null" else text
+        text = scanner.member_text(key)
+        return "{}" if text.strip() == "null" else text
 
     def _add(self, delta: ToolCallDelta) -> None:
         self._calls.setdefault(delta.index, []).append(delta)

@@ -9,6 +9,7 @@ text is the final word on validity.
 
 from __future__ import annotations
 
+import bisect
 import json
 from typing import Any, Optional
 
@@ -36,15 +37,35 @@ class JsonObjectScanner:
     ``open_value_start`` where that value began."""
 
     def __init__(self) -> None:
-        self.text = ""
         self.members: dict[str, tuple[int, int]] = {}
         self.open_key: Optional[str] = None
         self.open_value_start = 0
+        self._pieces: list[str] = []  # the text read, as fed (joined only where needed: reading stays linear)
+        self._piece_starts: list[int] = []
+        self._length = 0
+        self._decoded: dict[str, Any] = {}
         self._state = _OPEN
         self._depth = 0  # brackets open inside the current value
         self._in_string = False
         self._escaped = False
         self._key_start = 0
+
+    @property
+    def text(self) -> str:
+        """The object's text read so far."""
+        if len(self._pieces) > 1:
+            self._pieces, self._piece_starts = ["".join(self._pieces)], [0]
+        return self._pieces[0] if self._pieces else ""
+
+    def text_between(self, start: int, end: Optional[int] = None) -> str:
+        """``text[start:end]``, joining only the pieces it spans."""
+        end = self._length if end is None else end
+        if start >= end:
+            return ""
+        first = max(0, bisect.bisect_right(self._piece_starts, start) - 1)
+        last = bisect.bisect_left(self._piece_starts, end)
+        offset = self._piece_starts[first]
+        return "".join(self._pieces[first:last])[start - offset:end - offset]
 
     @property
     def is_done(self) -> bool:
@@ -54,40 +75,45 @@ class JsonObjectScanner:
     def is_invalid(self) -> bool:
         return self._state == _INVALID
 
+    @property
+    def is_reading_value(self) -> bool:
+        """Whether the string, object or array value of ``open_key`` is being read."""
+        return self._state == _IN_VALUE
+
     def feed(self, chunk: str) -> int:
         """Read ``chunk``; returns how many of its characters belong to the object (fewer than all when the
         object closed, or stopped being JSON, inside it)."""
-        start = len(self.text)
-        self.text += chunk
+        if self._state in (_DONE, _INVALID) or not chunk:
+            return 0
+        start = self._length
+        self._pieces.append(chunk)
+        self._piece_starts.append(start)
+        self._length += len(chunk)
         for i, ch in enumerate(chunk):
-            if self._state in (_DONE, _INVALID):
-                self.text = self.text[:start + i]
-                return i
             self._step(ch, start + i)
+            if self._state in (_DONE, _INVALID):
+                self._pieces[-1] = chunk[:i + 1]
+                self._length = start + i + 1
+                return i + 1
         return len(chunk)
 
     def finish(self) -> None:
         """The text ended: a number at the very end of the text is complete only now."""
         if self._state == _IN_PRIMITIVE:
-            self._end_value(len(self.text))
+            self._end_value(self._length)
 
     def member(self, key: str) -> Any:
         """The decoded value of a finished top-level member, or None (absent, unfinished or not JSON)."""
-        span = self.members.get(key)
-        if span is None:
-            return None
-        try:
-            return json.loads(self.text[span[0]:span[1]])
-        except ValueError:
-            return None
+        if key not in self._decoded and key in self.members:
+            try:
+                self._decoded[key] = json.loads(self.member_text(key))
+            except ValueError:
+                self._decoded[key] = None
+        return self._decoded.get(key)
 
     def member_text(self, key: str) -> Optional[str]:
         span = self.members.get(key)
-        return None if span is None else self.text[span[0]:span[1]]
-
-    def open_value_text(self) -> Optional[str]:
-        """The text so far of the string, object or array value being read (of member ``open_key``), or None."""
-        return self.text[self.open_value_start:] if self._state == _IN_VALUE else None
+        return None if span is None else self.text_between(*span)
 
     def is_valid(self) -> bool:
         """Whether the finished object is JSON."""
@@ -112,7 +138,7 @@ class JsonObjectScanner:
                 self._escaped = True
             elif ch == '"':
                 try:
-                    self.open_key = json.loads(self.text[self._key_start:pos + 1])
+                    self.open_key = json.loads(self.text_between(self._key_start, pos + 1))
                 except ValueError:
                     self._state = _INVALID
                     return
