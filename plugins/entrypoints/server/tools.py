@@ -157,7 +157,7 @@ def plan_tools(body: ChatCompletionRequest, options: ToolCallingOptions) -> Tool
         if not options.enable_auto_tool_choice:
             default = " (the default when tools are given)" if choice is None else ""
             raise APIError(400, f"tool_choice \"auto\"{default} needs the server started with "
-                                "--enable-auto-tool-choice --tool-call-parser NAME (built-in parsers: "
+                                "--enable-auto-tool-choice --tool-call-parser NAME (installed parsers: "
                                 f"{', '.join(options.available_parsers) or 'none'}); or send tool_choice \"none\", "
                                 "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
                            param="tool_choice")
