@@ -36,8 +36,8 @@ class Person(BaseModel):
 PERSON_TOOL = {"type": "function", "function": {"name": "save_person", "parameters": Person.model_json_schema()}}
 
 
-def call(name, **arguments):
-    return {"name": name, "arguments": arguments}
+def call(function_name, **arguments):
+    return {"name": function_name, "arguments": arguments}
 
 
 def valid(schema, instance) -> bool:

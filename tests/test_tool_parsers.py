@@ -152,7 +152,10 @@ def test_join_deltas_refuses_a_stream_that_breaks_the_delta_rules():
 
 
 class DropsHeldText(HermesToolParser):
-    """Forgets the text it held back when the answer ends."""
+    """Forgets, when a streamed answer ends, the text it held back."""
+
+    def extract_tool_calls(self, model_output):
+        return HermesToolParser(self.tools).extract_tool_calls(model_output)
 
     def finish_streaming(self):
         super().finish_streaming()
