@@ -83,7 +83,7 @@ def plain_server():
 
 
 def chat(client, **fields):
-    return client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, **fields)
+    return client.chat.completions.create(**{"model": MODEL, "temperature": 0, "max_tokens": 40, **fields})
 
 
 # ---- tool_choice none and auto ----------------------------------------------------------------------
@@ -96,17 +96,22 @@ def test_tool_choice_none_answers_with_plain_content(client, offline):
     assert resp.choices[0].finish_reason == offline.outputs[0].finish_reason
 
 
-def test_auto_reads_the_call_the_model_writes_into_tool_calls(client):
-    resp = chat(client, messages=weather_history(), tools=TOOLS)
-    choice = resp.choices[0]
+@pytest.fixture(scope="module")
+def berlin(client):
+    """The answer to the third weather question, not streamed: the model calls get_weather."""
+    return chat(client, messages=weather_history(), tools=TOOLS)
+
+
+def test_auto_reads_the_call_the_model_writes_into_tool_calls(berlin):
+    choice = berlin.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Berlin"}
 
 
-def test_streamed_tool_call_deltas_reassemble_into_the_calls_of_the_plain_answer(client):
-    whole = chat(client, messages=weather_history(), tools=TOOLS).choices[0].message.tool_calls
+def test_streamed_tool_call_deltas_reassemble_into_the_calls_of_the_plain_answer(client, berlin):
+    whole = berlin.choices[0].message.tool_calls
     chunks = list(chat(client, messages=weather_history(), tools=TOOLS, stream=True))
     pieces = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -120,9 +125,9 @@ def test_streamed_tool_call_deltas_reassemble_into_the_calls_of_the_plain_answer
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_the_answer_with_its_calls_and_their_results_goes_back_as_history(client):
+def test_the_answer_with_its_calls_and_their_results_goes_back_as_history(client, berlin):
     messages = weather_history()
-    first = chat(client, messages=messages, tools=TOOLS).choices[0].message
+    first = berlin.choices[0].message
     messages += [first, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "15 degrees, cloudy"}]
     resp = chat(client, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=12)
     assert resp.choices[0].message.content and resp.choices[0].message.tool_calls is None
@@ -135,7 +140,7 @@ def test_history_reaches_the_template_in_hugging_faces_shape(server):
     ids = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
     prompt = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=60).json()["prompt"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
-    assert '<tool_response>\n{"tool_call_id": "call_1", "content": "12 degrees, rain"}\n</tool_response>' in prompt
+    assert 'tool\n{"tool_call_id": "call_1", "content": "12 degrees, rain"}<|im_end|>' in prompt
 
 
 def test_the_tools_reach_the_template(client, server):

@@ -20,7 +20,7 @@ TOOLS = [WEATHER_TOOL, ADD_TOOL]
 
 # ChatML, as SmolLM2's own template, plus the Hermes tool format Qwen2.5's template uses: the tools in the system
 # turn, an assistant's calls as <tool_call> objects (arguments must be a dict: tojson of a JSON string would
-# print an escaped string), tool results as <tool_response> blocks naming the call they answer
+# print an escaped string), each tool result in a tool turn naming the call it answers
 HERMES_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
@@ -46,10 +46,8 @@ For each call, answer with a JSON object in <tool_call></tool_call> tags:
 {{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
 </tool_call>
 {% endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ {"tool_call_id": message.tool_call_id, "content": message.content} | tojson }}
-</tool_response><|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>tool
+{{ {"tool_call_id": message.tool_call_id, "content": message.content} | tojson }}<|im_end|>
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
