@@ -27,7 +27,8 @@ import pluggy
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
-                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory)
+                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
+                                   ToolParserFactory)
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sequence import Sequence
 
@@ -207,6 +208,24 @@ def pagoda_routers(plugin_manager: "PluginManager") -> Mapping[str, "RouterFacto
     ``pagoda serve --replicas N --router NAME`` (options from ``--router-options``; built-ins:
     ``prefix-aware``, ``power-of-two``, ``least-loaded``). Called once when a replica set starts,
     in the process that routes.
+    """
+
+
+# --------------------------------------------------------------------------
+# Tool calls
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_tool_parsers(plugin_manager: "PluginManager") -> Mapping[str, "ToolParserFactory"]:
+    """Return ``{name: factory}`` of tool-call parsers: how a model writes the function calls it makes.
+
+    ``factory(tools)`` returns a :class:`pagoda.interfaces.ToolParser` for one answer of a chat request
+    whose ``tools`` (OpenAI's function tools, as the request gave them) it may check names against; it
+    splits the answer's text, whole or as it streams, into content and
+    :class:`pagoda.tool_calls.ToolCall` s. Selected by ``pagoda serve --tool-call-parser NAME`` (built-ins:
+    ``hermes``, ``llama3_json``). The server resolves the factory once when it starts and calls it for each
+    answer of a request with tools and ``tool_choice`` ``auto``.
     """
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
+    from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
 
 
 @runtime_checkable
@@ -435,6 +436,29 @@ class QuantMethod(Protocol):
         """The method for the layer named ``prefix`` (checkpoint naming), or None for dense weights."""
 
 
+@runtime_checkable
+class ToolParser(Protocol):
+    """``pagoda_tool_parsers``: finds the tool calls in the text of one answer (a new parser per answer).
+
+    Invariants: reading a text as a stream, split anywhere, gives what reading it whole gives: the content
+    pieces joined are the whole read's ``content`` (``""`` for None), and per call the first delta carries
+    its id and name, the ``arguments`` fragments joined are its arguments, and indices count from 0 in the
+    order the calls begin (:func:`pagoda.tool_calls.join_deltas` puts a stream together). Each call's id is
+    unique; its ``arguments`` are JSON. A text with no call comes back whole as content.
+    ``pagoda.testing.check_tool_parser`` checks these on examples of the parser's format.
+    """
+
+    def extract_tool_calls(self, model_output: str) -> "ExtractedToolCalls":
+        """The whole text of an answer -> its content and calls. Independent of any streaming read."""
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> "DeltaMessage":
+        """The next piece of the answer's text -> what it adds (empty while the parser holds text back to
+        decide whether it starts a call)."""
+
+    def finish_streaming(self) -> "DeltaMessage":
+        """The answer ended: what was held back, as content or as the end of the last call."""
+
+
 # --------------------------------------------------------------------------
 # Factories: what each hook's ``{name: factory}`` mapping holds. A class whose ``__init__`` takes these
 # arguments is a factory; so is a function.
@@ -509,3 +533,10 @@ class CLICommand(Protocol):
     """Adds one sub-parser to ``subparsers`` and sets its ``func`` default to ``func(args) -> exit code``."""
 
     def __call__(self, subparsers: "argparse._SubParsersAction") -> None: ...
+
+
+class ToolParserFactory(Protocol):
+    """``tools``: the request's function tools in OpenAI's shape (``{"type": "function", "function": {"name",
+    "description", "parameters", "strict"}}``)."""
+
+    def __call__(self, tools: list[dict]) -> ToolParser: ...

@@ -19,11 +19,12 @@ REPO = Path(__file__).resolve().parent.parent
 TREES = ((REPO / "core", "pagoda"), (REPO / "plugins", "pagoda.plugins"))
 
 CORE_PACKAGES = ("engine", "registry", "kv", "execution", "modeling", "sampling", "host", "testing")
-ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas")
+ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_parsers")
 # the modules at the top of pagoda: the public API (users' and plugins'), all importing only each other
 # and the host layer; base ones import nothing of pagoda's
 BASE = {"errors", "markers", "version"}
-TOP = BASE | {"config", "dtypes", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs"}
+TOP = BASE | {"config", "dtypes", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
+              "tool_calls"}
 
 # unit -> the units it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

@@ -32,10 +32,21 @@ def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
     for kind, name in [("scheduler", "fcfs"), ("scheduler", "priority"), ("sampler", "default"),
                        ("model loader", "safetensors"), ("model loader", "dummy"), ("KV allocator", "paged"),
                        ("attention backend", "torch"), ("model architecture", "LlamaForCausalLM"),
-                       ("CLI command", "generate"), ("CLI command", "plugins")]:
+                       ("CLI command", "generate"), ("CLI command", "plugins"), ("tool-call parser", "hermes"),
+                       ("tool-call parser", "llama3_json")]:
         matching = [row for row in rows if row.startswith(kind + " ") and row.split()[len(kind.split())] == name]
         assert len(matching) == 1, f"{kind} {name} is not listed once"
         assert matching[0].split()[-3:] == ["pagoda", "(built-in)", "-"]  # no declared API range
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermez"], "unknown tool-call parser 'hermez' for "
+                                                                     "--tool-call-parser; available: 'hermes'"),
+])
+def test_serve_refuses_wrong_tool_call_flags_before_loading_the_model(flags, message):
+    result = run_pagoda("serve", "--port", "0", *flags)
+    assert result.returncode != 0 and f"pagoda serve: error: {message}" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

@@ -16,13 +16,14 @@ from pagoda import LLM, SamplingParams
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.registry.plugin_manager import PluginManager
-from pagoda.testing import (check_attention_backend, check_kv_allocator, check_proposer, check_quant_method,
-                            check_sampler, check_scheduler)
+from pagoda.testing import (ToolParserCase, check_attention_backend, check_kv_allocator, check_proposer,
+                            check_quant_method, check_sampler, check_scheduler, check_tool_parser)
 from tiny_models import write_tiny_llama
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 KINDS = ["scheduler", "KV allocator", "KV allocator eviction", "attention backend", "wrapping attention backend",
-         "sampler", "quantization method", "speculative proposer", "model loader", "model architecture", "CLI command"]
+         "sampler", "quantization method", "speculative proposer", "model loader", "model architecture",
+         "tool-call parser", "CLI command"]
 
 
 def guide_examples() -> dict[str, str]:
@@ -79,6 +80,7 @@ def test_every_example_loads_through_its_entry_point(guide):
         assert component.dist.endswith(" 1.0") and pm.api_ranges[component.plugin] in (">=1.0,<2", ">=1.1,<2")
     for name, hook in [("lfu", "pagoda_kv_allocators"), ("timed-torch", "pagoda_attention_backends")]:
         assert pm.api_ranges[pm.get(hook, name, "test").plugin] == ">=1.4,<2"
+    assert pm.api_ranges[pm.get("pagoda_tool_parsers", "mistral", "test").plugin] == ">=1.5,<2"
 
 
 OPTIONS = dict(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=32 << 20)
@@ -233,6 +235,17 @@ def test_the_architecture_example(guide, tmp_path):
     bound = math.log(math.exp(4) / (math.exp(4) + config["vocab_size"] - 1))
     top = [max(entry.logprob for entry in lp.values()) for lp in out.outputs[0].logprobs]
     assert all(v <= bound + 1e-4 for v in top) and len(top) == 3
+
+
+def test_the_tool_call_parser_example(guide):
+    parser = guide["tool-call parser"].MistralToolParser
+    check_tool_parser(parser, [
+        ToolParserCase('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', None, [("add", {"a": 1})]),
+        ToolParserCase('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add"}]', None,
+                       [("get_weather", {"city": "Paris"}), ("add", {})]),
+        ToolParserCase("[TOOL_CALLS] not JSON", "[TOOL_CALLS] not JSON"),
+        ToolParserCase("[TOOL", "[TOOL"),
+    ])
 
 
 def test_the_cli_example(guide, capsys):

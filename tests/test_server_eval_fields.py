@@ -26,8 +26,8 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 OTHER = "One, two, three,"
 CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
-# the chat fields other parts of pagoda own (tool calling, structured outputs), not this module's to accept
-TOOL_FIELDS = {"tools", "tool_choice", "functions", "function_call"}
+# OpenAI's deprecated function-calling fields, refused (tools and tool_choice replace them)
+TOOL_FIELDS = {"functions", "function_call"}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_every_openai_request_field_is_a_field_of_the_server_s_request_models():
 
 
 def test_ignored_openai_fields_are_named_in_a_header_and_logged_once_each(client, caplog):
-    ignored = {"store": True, "metadata": {"run": "eval"}, "parallel_tool_calls": False, "service_tier": "auto",
+    ignored = {"store": True, "metadata": {"run": "eval"}, "service_tier": "auto",
                "prediction": {"type": "content", "content": "4"}, "modalities": ["text"], "reasoning_effort": "low",
                "web_search_options": {}, "verbosity": "low", "prompt_cache_key": "k", "safety_identifier": "s"}
     plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=3, temperature=0)

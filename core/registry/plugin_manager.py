@@ -21,7 +21,8 @@ from pagoda.version import PLUGIN_API_VERSION, __version__
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
-                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory)
+                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
+                                   ToolParserFactory)
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
@@ -43,6 +44,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_executors": "executor",
     "pagoda_all_reduce_backends": "all-reduce backend",
     "pagoda_routers": "request router",
+    "pagoda_tool_parsers": "tool-call parser",
     "pagoda_cli_commands": "CLI command",
 }
 
@@ -280,6 +282,8 @@ class PluginManager:
     def factory(self, hook_name: Literal["pagoda_all_reduce_backends"], name: str) -> "AllReduceFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_routers"], name: str) -> "RouterFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_tool_parsers"], name: str) -> "ToolParserFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_cli_commands"], name: str) -> "CLICommand": ...
 

@@ -15,6 +15,7 @@ One check per component kind; each raises :class:`ContractError` saying what bro
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;
 - :func:`check_quant_method`: quantized linear layers against their dequantized (or dense) reference;
 - :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
+- :func:`check_tool_parser`: answers read whole and streamed in any split agree, and give the calls expected;
 - :class:`StrictContracts` (the fixture ``pagoda_strict_llm``): the engine on the default model with every
   component behind a proxy that records each attribute used outside its Protocol.
 
@@ -36,6 +37,7 @@ _EXPORTS = {
     "SimRunner": "scheduling", "check_kv_allocator": "scheduling", "check_scheduler": "scheduling",
     "expected_output": "scheduling", "next_token": "scheduling",
     "Proxy": "strict", "StrictContracts": "strict", "contract_names": "strict",
+    "ToolParserCase": "tool_parser", "check_tool_parser": "tool_parser",
 }
 __all__ = sorted(_EXPORTS)
 

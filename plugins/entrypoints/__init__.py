@@ -1,4 +1,5 @@
-"""Built-in entrypoints: the ``pagoda`` CLI commands and the OpenAI-compatible server's routes."""
+"""Built-in entrypoints: the ``pagoda`` CLI commands, the OpenAI-compatible server's routes and the tool-call
+parsers it reads chat answers with."""
 
 from pagoda.markers import hookimpl
 
@@ -23,3 +24,10 @@ def pagoda_add_routes(app, engine):
     from pagoda.plugins.entrypoints.server.routes import add_openai_routes
 
     add_openai_routes(app, engine)
+
+
+@hookimpl
+def pagoda_tool_parsers():
+    from pagoda.plugins.entrypoints.tool_parsers import BUILT_IN_TOOL_PARSERS
+
+    return dict(BUILT_IN_TOOL_PARSERS)

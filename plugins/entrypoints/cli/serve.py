@@ -55,6 +55,12 @@ def register(sub) -> None:
                    help="how long a stored response is kept after it was last used (default %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let chat requests with tools use tool_choice \"auto\" (the default when tools are given): "
+                        "the model decides whether to call a tool, and --tool-call-parser reads its calls")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the format the model writes tool calls in: a pagoda_tool_parsers component (built-in: "
+                        "hermes, llama3_json; `pagoda plugins` lists all)")
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
@@ -77,17 +83,24 @@ def _seconds(text: str) -> float:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
+    from pagoda.errors import ConfigError
+
     if ns.replicas != 1 or ns.max_replicas is not None:
         if ns.request_log:
-            from pagoda.errors import ConfigError
-
             raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
                               "or --max-replicas yet (serve one replica to record a trace)")
+        if ns.enable_auto_tool_choice or ns.tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice and --tool-call-parser are not available with --replicas or "
+                              "--max-replicas yet; serve one replica to read tool calls")
         return run_replicas(ns)
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
                                                    make_uvicorn_server)
+    from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
+
+    # a wrong tool-call option fails before the model loads
+    ToolCallingOptions.resolve(ns.plugin_manager, ns.enable_auto_tool_choice, ns.tool_call_parser)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.request_log:
@@ -100,7 +113,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
                     allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                     default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
-                    max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl)
+                    max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
+                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

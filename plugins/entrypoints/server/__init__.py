@@ -28,6 +28,7 @@ from pagoda.plugins.entrypoints.server.errors import document_errors, error_body
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
 from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
                                                               ResponseStore)
+from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -41,11 +42,15 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
-              stored_response_ttl: float = DEFAULT_TTL_SECONDS) -> FastAPI:
+              stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
     ``/v1/responses`` keeps up to ``max_stored_responses`` responses in memory (0: none), each for
-    ``stored_response_ttl`` seconds after its last use."""
+    ``stored_response_ttl`` seconds after its last use. ``tool_call_parser`` names the ``pagoda_tool_parsers``
+    component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
+    (an unknown name is a ConfigError listing the parsers)."""
+    tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +64,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.state.engine = engine
     app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
+    app.state.tool_calling = tool_calling  # read by the chat route
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)

@@ -7,6 +7,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
@@ -14,27 +15,33 @@ from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_re
                                                        now_s, output_error, prompt_logprobs_json,
                                                        unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
+from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template expects them: text content joined into one string."""
+    """Messages as the chat template expects them: text content joined into one string; tool calls and the
+    ids of tool results as Hugging Face templates take them."""
     result = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         msg = {"role": m.role, "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        msg.update(template_tool_fields(m, i))
         result.append(msg)
     return result
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
-    """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
+                tools: Optional[list[dict]] = None) -> tuple[str, list[int]]:
+    """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400.
+    ``tools`` (OpenAI's function tools) reach the template as ``tools``."""
     if not tokenizer.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja raises TemplateError, TypeError, ... for messages the template rejects
         raise APIError(400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
                        param="messages") from None
@@ -50,29 +57,38 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.prompt_logprobs is not None and body.stream:
         raise APIError(400, "prompt_logprobs is not available with stream=true; send the request without streaming",
                        param="prompt_logprobs")
+    tooling = plan_tools(body, ctx.tool_options)
     messages = plain_messages(body.messages)
     ctx.check_text_length("".join(m["content"] for m in messages), "messages")
-    text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, body.add_generation_prompt))
+    text, token_ids = await ctx.run_tokenizer(
+        lambda tok: render_chat(tok, messages, body.add_generation_prompt, tooling.tools))
     if body.max_completion_tokens is not None:
         max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_completion_tokens, "max_completion_tokens")
     else:
         max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_tokens)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    params = make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs)
+    params = tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs))
     request_id = new_id("chatcmpl")
-    gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, body.priority,
-                     stream=body.stream)
-    await unless_disconnected(request, gen.start())
+    try:
+        gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
+                         body.priority, stream=body.stream)
+        await unless_disconnected(request, gen.start())
+    except InvalidRequestError as exc:
+        raise tooling.explain_refusal(exc) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling),
+                                 media_type="text/event-stream")
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
     if err is not None:
         raise err
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
-                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason} for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, reason = tooling.message(c.text, finish_reason(c))
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
+                        "finish_reason": reason, "stop_reason": c.stop_reason})
     num_completion = sum(len(c.token_ids) for c in out.outputs)
     response = {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
                 "choices": choices, "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)}
@@ -83,23 +99,29 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-            include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body: each choice's new content as a delta, the role with its first one."""
+            include_usage: bool, tooling: ToolRequest) -> AsyncIterator[str]:
+    """The SSE body: each choice's new content (and tool call pieces) as a delta, the role with its first one."""
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
-    started: set[int] = set()
+    streams: dict[int, StreamedChoice] = {}
 
     def choices(_: int, out: RequestOutput) -> list[dict]:
         result = []
         for c in out.outputs:
-            first = c.index not in started
+            first = c.index not in streams
+            if first:
+                streams[c.index] = tooling.stream()
+            stream = streams[c.index]
+            delta = stream.delta(c.text, c.finish_reason is not None)
             has_new_tokens = num_top is not None and bool(c.token_ids)
-            if not first and not c.text and not has_new_tokens and c.finish_reason is None:
+            if not first and not delta.get("content") and "tool_calls" not in delta and not has_new_tokens \
+                    and c.finish_reason is None:
                 continue
-            started.add(c.index)
-            delta = {"role": "assistant", "content": c.text} if first else {"content": c.text}
+            if first:  # OpenAI's first delta: the role, and content "" (null when it begins a tool call)
+                content = delta.pop("content", None if "tool_calls" in delta else "")
+                delta = {"role": "assistant", "content": content, **delta}
             result.append({"index": c.index, "delta": delta,
                            "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
-                           "finish_reason": finish_reason(c)})
+                           "finish_reason": stream.finish_reason(finish_reason(c))})
         return result
 
     return stream_sse(gen, head, choices, include_usage)

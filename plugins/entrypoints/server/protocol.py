@@ -46,7 +46,7 @@ class StreamOptions(_Body):
 
 
 # OpenAI's chat fields that have no meaning for a local engine: accepted, logged once, named in a header
-_IGNORED_CHAT_FIELDS = ("store", "metadata", "parallel_tool_calls", "service_tier", "prediction", "modalities",
+_IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities",
                         "audio", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
                         "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation")
 
@@ -102,11 +102,50 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: NonEmptyStr
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[Text, list[TextPart], None] = None
     name: Optional[Text] = None
     tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+# OpenAI's rule for function names
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ResponseFormat(_Body):
@@ -123,10 +162,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
+    tools: Optional[Annotated[list[ChatTool], Field(min_length=1, max_length=128)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     # accepted for compatibility, without effect here (IGNORED_FIELDS)
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
-    parallel_tool_calls: Optional[bool] = None
     service_tier: Optional[str] = None
     prediction: Optional[dict[str, Any]] = None
     modalities: Optional[list[str]] = None

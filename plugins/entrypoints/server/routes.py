@@ -18,6 +18,7 @@ from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, C
 from pagoda.plugins.entrypoints.server.response_store import ResponseStore
 from pagoda.plugins.entrypoints.server.responses import add_responses_routes
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
+from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
 
@@ -32,6 +33,7 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx = ServingContext.for_engine(engine, getattr(app.state, "default_max_tokens", DEFAULT_MAX_TOKENS))
+    ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.resolve(engine.engine.pm)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
     created = int(time.time())
 

@@ -51,6 +51,8 @@ class ServingContext:
     default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     # the ignored request fields already named in the log (each is logged once per server)
     logged_ignored_fields: set[str] = field(default_factory=set)
+    # what `pagoda serve` was told about tool calls (a pagoda.plugins.entrypoints.server.tools.ToolCallingOptions)
+    tool_options: Any = field(default=None)
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS

@@ -1,0 +1,263 @@
+"""Tool calling on ``/v1/chat/completions``: what ``tools`` and ``tool_choice`` mean for one request.
+
+- ``none`` (the default without tools): the tools reach the chat template, the answer is plain content.
+- ``auto`` (the default with tools): the answer is read by the tool-call parser the server was started with
+  (``--enable-auto-tool-choice --tool-call-parser NAME``) into content and ``tool_calls``.
+- ``required``, or a named function: the answer is held to a JSON schema of the calls through structured
+  outputs (:func:`tool_choice_schema`), then read back into ``tool_calls``.
+
+History goes to the template as Hugging Face templates expect it: an assistant message's ``tool_calls`` with
+their arguments as a dict, a tool message with its ``tool_call_id``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pagoda.errors import ConfigError, InvalidRequestError
+from pagoda.plugins.entrypoints.server.errors import APIError
+from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.plugins.entrypoints.tool_parsers.forced import ForcedToolCallParser
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
+
+TOOL_PARSERS_HOOK = "pagoda_tool_parsers"
+
+
+@dataclass(frozen=True)
+class ToolCallingOptions:
+    """What the server was started with: ``--enable-auto-tool-choice`` and ``--tool-call-parser NAME``."""
+
+    enable_auto_tool_choice: bool = False
+    parser_name: Optional[str] = None
+    parser_factory: Any = None  # a pagoda.interfaces.ToolParserFactory
+    available_parsers: tuple[str, ...] = ()
+
+    @classmethod
+    def resolve(cls, plugin_manager: Any, enable_auto_tool_choice: bool = False,
+                tool_call_parser: Optional[str] = None) -> "ToolCallingOptions":
+        """The options, with the parser's factory looked up by name (a ConfigError lists the parsers there are)."""
+        available = tuple(plugin_manager.names(TOOL_PARSERS_HOOK))
+        if enable_auto_tool_choice and not tool_call_parser:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME, the format the model writes "
+                              f"its tool calls in; available: {', '.join(available) or 'none'}")
+        factory = None
+        if tool_call_parser:
+            factory = plugin_manager.get(TOOL_PARSERS_HOOK, tool_call_parser, "--tool-call-parser").factory
+        return cls(enable_auto_tool_choice, tool_call_parser, factory, available)
+
+
+# ---- the request ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """One request's tools and how its answers are read. ``choice`` is ``none``, ``auto``, ``required`` or
+    ``function`` (then ``function_name`` is the one to call)."""
+
+    tools: Optional[list[dict]]  # for the template, in OpenAI's shape
+    choice: str
+    function_name: Optional[str] = None
+    parallel: bool = True
+    parser_factory: Any = None  # for auto
+
+    @property
+    def is_forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """``params``, held to the calls' JSON schema when the tool choice is forced."""
+        if not self.is_forced:
+            return params
+        schema = tool_choice_schema(self.tools, self.function_name, self.parallel)
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+
+    def explain_refusal(self, exc: InvalidRequestError) -> Exception:
+        """The engine's refusal of the structured outputs a forced tool choice needs, said in the request's
+        terms; any other error as it is."""
+        if not self.is_forced or not (exc.param or "").startswith("structured_outputs"):
+            return exc
+        asked = repr("required") if self.choice == "required" else f"function {self.function_name!r}"
+        return APIError(400, f"tool_choice {asked} is enforced with structured outputs, which this engine refused: "
+                             f"{exc}; send tool_choice \"auto\" or \"none\" instead", param="tool_choice")
+
+    def new_parser(self) -> Any:
+        """A parser for one answer (a pagoda.interfaces.ToolParser), or None when answers are plain content."""
+        if self.choice == "auto":
+            return self.parser_factory(self.tools)
+        if self.is_forced:
+            return ForcedToolCallParser(self.tools)
+        return None
+
+    def message(self, text: str, reason: Optional[str]) -> tuple[dict, Optional[str]]:
+        """A whole answer as an assistant message, and its finish reason (``tool_calls`` when it made calls)."""
+        parser = self.new_parser()
+        if parser is None:
+            return {"role": "assistant", "content": text}, reason
+        found = parser.extract_tool_calls(text)
+        message = {"role": "assistant", "content": found.content}
+        if found.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in found.tool_calls]
+        return message, _finish_reason(found, reason)
+
+    def stream(self) -> "StreamedChoice":
+        return StreamedChoice(self.new_parser())
+
+
+class StreamedChoice:
+    """One streamed answer's reader: each piece of text as OpenAI's delta (content, ``tool_calls`` pieces)."""
+
+    def __init__(self, parser: Any) -> None:
+        self.parser = parser
+        self.has_calls = False
+
+    def delta(self, text: str, is_last: bool) -> dict:
+        """The delta for the answer's next ``text`` (``is_last``: the answer ends with it)."""
+        if self.parser is None:
+            return {"content": text}
+        message = self.parser.extract_tool_calls_streaming(text)
+        if is_last:
+            rest = self.parser.finish_streaming()
+            message = DeltaMessage(message.content + rest.content, message.tool_calls + rest.tool_calls)
+        delta: dict = {}
+        if message.content:
+            delta["content"] = message.content
+        if message.tool_calls:
+            delta["tool_calls"] = [piece.to_openai() for piece in message.tool_calls]
+            self.has_calls = True
+        return delta
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        return "tool_calls" if self.has_calls and reason == "stop" else reason
+
+
+def _finish_reason(found: ExtractedToolCalls, reason: Optional[str]) -> Optional[str]:
+    return "tool_calls" if found.tool_calls and reason == "stop" else reason
+
+
+def plan_tools(body: ChatCompletionRequest, options: ToolCallingOptions) -> ToolRequest:
+    """The request's tool choice, checked against its tools and the server's options (400s name the field)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools: send the functions the model may call in tools, or leave "
+                                "tool_choice out", param="tool_choice")
+        return ToolRequest(None, "none")
+    names = [t["function"]["name"] for t in tools]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise APIError(400, f"tools has more than one function named {', '.join(map(repr, repeated))}; give each "
+                            "tool a name of its own", param="tools")
+    if choice is None or choice == "auto":
+        if not options.enable_auto_tool_choice:
+            default = " (the default when tools are given)" if choice is None else ""
+            raise APIError(400, f"tool_choice \"auto\"{default} needs the server started with "
+                                "--enable-auto-tool-choice --tool-call-parser NAME (installed parsers: "
+                                f"{', '.join(options.available_parsers) or 'none'}); or send tool_choice \"none\", "
+                                "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param="tool_choice")
+        return ToolRequest(tools, "auto", parser_factory=options.parser_factory)
+    if choice == "none":
+        return ToolRequest(tools, "none")
+    if choice == "required":
+        return ToolRequest(tools, "required", parallel=body.parallel_tool_calls is not False)
+    name = choice.function.name
+    if name not in names:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools (they are "
+                            f"{', '.join(map(repr, names))}); name one of them", param="tool_choice")
+    return ToolRequest(tools, "function", function_name=name, parallel=False)
+
+
+# ---- the schema of forced calls ---------------------------------------------------------------------
+
+
+def tool_choice_schema(tools: list[dict], function_name: Optional[str] = None, parallel: bool = True) -> dict:
+    """The JSON schema a forced answer is held to: for a named function, one object ``{"name": <that name>,
+    "arguments": <its parameters>}``; for ``required``, such an object for any of the tools, or (``parallel``)
+    an array of one or more. Each tool's parameters schema sits under ``$defs`` (its own ``$defs`` beside it,
+    and its references rewritten), so references inside it still resolve."""
+    chosen = [t for t in tools if function_name is None or t["function"]["name"] == function_name]
+    defs: dict[str, Any] = {}
+    calls = []
+    for tool in chosen:
+        name = tool["function"]["name"]
+        defs.update(_hoist_parameters(name, tool["function"].get("parameters")))
+        calls.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [name]},
+                                     "arguments": {"$ref": f"#/$defs/{name}"}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    one_call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {"type": "array", "minItems": 1, "items": one_call} if parallel and function_name is None else one_call
+    return {**schema, "$defs": defs}
+
+
+def _hoist_parameters(tool_name: str, parameters: Optional[dict]) -> dict[str, Any]:
+    """``{tool_name: parameters, f"{tool_name}.{def}": ...}``: a tool's parameters schema and its definitions as
+    root ``$defs`` entries, with every local reference (``#...``) rewritten to where its target went."""
+    params = copy.deepcopy(parameters) if parameters else {"type": "object"}
+    own_defs: dict[str, Any] = {}
+    for section in ("definitions", "$defs"):
+        if isinstance(params.get(section), dict):
+            own_defs.update(params.pop(section))
+
+    def moved(ref: str) -> str:
+        pointer = ref[1:]
+        for section in ("/$defs/", "/definitions/"):
+            if pointer.startswith(section):
+                return f"#/$defs/{tool_name}.{pointer[len(section):]}"
+        return f"#/$defs/{tool_name}{pointer}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (moved(v) if k == "$ref" and isinstance(v, str) and v.startswith("#") else rewrite(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    hoisted = {tool_name: rewrite(params)}
+    hoisted.update({f"{tool_name}.{name}": rewrite(d) for name, d in own_defs.items()})
+    return hoisted
+
+
+def forced_tool_calls(tools: list[dict], text: str) -> ExtractedToolCalls:
+    """A forced answer (JSON of :func:`tool_choice_schema`) read back into calls."""
+    return ForcedToolCallParser(tools).extract_tool_calls(text)
+
+
+# ---- history for the template -----------------------------------------------------------------------
+
+
+def template_tool_fields(message: ChatMessage, position: int) -> dict:
+    """The tool fields of one history message as a Hugging Face chat template expects them: ``tool_calls``
+    (arguments decoded into a dict) on an assistant message, ``tool_call_id`` on a tool message."""
+    where = f"messages[{position}]"
+    fields: dict = {}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise APIError(400, f"{where} is a {message.role} message with tool_calls; only assistant messages carry "
+                                "tool calls", param=f"{where}.tool_calls")
+        fields["tool_calls"] = [{"id": call.id, "type": "function",
+                                 "function": {"name": call.function.name,
+                                              "arguments": _arguments(call.function.arguments,
+                                                                      f"{where}.tool_calls[{i}].function.arguments")}}
+                                for i, call in enumerate(message.tool_calls)]
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise APIError(400, f"{where} is a tool message without tool_call_id; give the id of the call it answers",
+                           param=f"{where}.tool_call_id")
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
+
+
+def _arguments(text: str, param: str) -> Any:
+    try:
+        return json.loads(text) if text.strip() else {}
+    except ValueError as exc:
+        raise APIError(400, f"{param} is not JSON ({exc}); send the arguments as a JSON text such as "
+                            "'{\"city\": \"Paris\"}'", param=param) from None

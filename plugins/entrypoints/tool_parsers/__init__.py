@@ -1,0 +1,7 @@
+"""The built-in tool-call parsers (``pagoda_tool_parsers``), named as vLLM names them: ``hermes`` and
+``llama3_json``; and the reader of the answers the server holds to a tool-call schema itself (``forced``)."""
+
+from pagoda.plugins.entrypoints.tool_parsers.hermes import HermesToolParser
+from pagoda.plugins.entrypoints.tool_parsers.llama3_json import Llama3JsonToolParser
+
+BUILT_IN_TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}

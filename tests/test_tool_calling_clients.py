@@ -1,0 +1,84 @@
+"""Tool-calling client libraries against a real server on 127.0.0.1: the openai client's ``chat.completions.parse``
+with a pydantic function tool, LangChain's ``bind_tools`` and ``with_structured_output(method="function_calling")``,
+and an OpenAI Agents SDK agent with one function tool. Each forces a call (``tool_choice`` ``required`` or a named
+function), which structured outputs enforce: the tests run once the engine serves them.
+
+(instructor is left out: every release that supports openai 2 and later pins jiter below the version the installed
+openai requires, so it cannot be installed beside it.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from pagoda import LLM
+from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.plugins.entrypoints.server import ServerThread, build_app
+from tool_calling_helpers import HERMES_TEMPLATE, NEEDS_STRUCTURED_OUTPUTS, structured_outputs_available
+
+pytestmark = pytest.mark.skipif(not structured_outputs_available(), reason=NEEDS_STRUCTURED_OUTPUTS)
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class GetWeather(BaseModel):
+    """The weather in a city now."""
+
+    city: str = Field(description="the city's name")
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, chat_template=HERMES_TEMPLATE).engine
+    srv = ServerThread(build_app(AsyncLLMEngine(engine), enable_auto_tool_choice=True,
+                                 tool_call_parser="hermes")).start()
+    yield srv
+    srv.stop()
+
+
+def test_openai_parse_returns_the_arguments_as_the_pydantic_model(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    completion = client.chat.completions.parse(model=MODEL, messages=QUESTION, temperature=0, max_tokens=60,
+                                               tools=[openai.pydantic_function_tool(GetWeather)],
+                                               tool_choice="required")
+    (call,) = completion.choices[0].message.tool_calls
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_langchain_bind_tools_and_with_structured_output(server):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=MODEL, temperature=0, max_tokens=60,
+                      max_retries=0)
+    answer = chat.bind_tools([GetWeather], tool_choice="GetWeather").invoke("What is the weather in Paris?")
+    (call,) = answer.tool_calls
+    assert call["name"] == "GetWeather" and isinstance(call["args"]["city"], str)
+    weather = chat.with_structured_output(GetWeather, method="function_calling").invoke("Weather in Paris?")
+    assert isinstance(weather, GetWeather)
+
+
+def test_an_agents_sdk_agent_calls_its_function_tool_and_uses_the_result(server):
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        asked.append(city)
+        return json.dumps({"city": city, "weather": "18 degrees, sunny"})
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                  model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+                  tool_use_behavior="stop_on_first_tool")
+    result = Runner.run_sync(agent, "What is the weather in Paris?", run_config=RunConfig(tracing_disabled=True))
+    assert len(asked) == 1 and json.loads(result.final_output) == {"city": asked[0], "weather": "18 degrees, sunny"}
