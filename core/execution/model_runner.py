@@ -17,6 +17,7 @@ from pagoda.execution import distributed
 from pagoda.host import hugepages
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler
+from pagoda.sampling.structured.bitmask import apply_bitmask_
 from pagoda.sampling.sampler import prompt_logprobs_for
 from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
 
@@ -197,6 +198,8 @@ class ModelRunner:
         if plain:
             t = clock()
             logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in plain])])
+            if sched.grammar_rows:
+                _apply_grammar(logits, plain, sched)
             t1 = clock()
             sampled = self.sampler(logits, [reqs[i] for i in plain])
             timings["logits"] += t1 - t
@@ -251,6 +254,19 @@ class ModelRunner:
             first = batch.rows(i).start
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + (end - start)]), dim=-1)
             out.prompt_logprobs[i] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
+
+
+def _apply_grammar(logits: torch.Tensor, plain: list[int], sched: SchedulerOutput) -> None:
+    """Mask the logits of the sampled rows that have a grammar (``logits[j]`` is request ``plain[j]``); the
+    other rows stay as they are."""
+    row_of = {i: j for j, i in enumerate(plain)}
+    pairs = [(row_of[i], k) for k, i in enumerate(sched.grammar_rows) if i in row_of]
+    if not pairs:
+        return
+    logit_rows = torch.tensor([j for j, _ in pairs])
+    masked = logits[logit_rows]  # [num_grammar_rows, vocab]
+    apply_bitmask_(masked, sched.grammar_bitmask[[k for _, k in pairs]])
+    logits[logit_rows] = masked
 
 
 class FlatBatch:
