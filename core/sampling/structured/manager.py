@@ -13,7 +13,7 @@ from pagoda.errors import BackendUnavailable, ConfigError, InvalidRequestError
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling.structured.bitmask import allocate_bitmask
 from pagoda.sampling_params import StructuredOutputsParams
-from pagoda.sampling.structured.spec import cache_key
+from pagoda.sampling.structured.spec import cache_key, check_schema
 from pagoda.step import SchedulerOutput
 
 HOOK = "pagoda_structured_output_backends"
@@ -114,6 +114,8 @@ class StructuredOutputs:
         return name
 
     def _compile(self, name: str, spec: StructuredOutputsParams) -> Compiled:
+        if spec.json is not None:
+            check_schema(spec)
         if name != "auto":
             try:
                 backend = self._backend(name)

@@ -45,6 +45,20 @@ def schema_of(spec: StructuredOutputsParams) -> dict[str, Any]:
     return schema
 
 
+def check_schema(spec: StructuredOutputsParams) -> None:
+    """InvalidRequestError saying where and how a ``json`` constraint breaks the JSON Schema specification (its
+    ``$schema`` draft, 2020-12 if it names none)."""
+    import jsonschema
+
+    schema = schema_of(spec)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = jsonschema.exceptions.best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    if error is not None:
+        where = "/".join(str(p) for p in error.path)
+        raise InvalidRequestError(f"{param_of(spec)} is not a valid JSON schema: at {where or 'its top'}: "
+                                  f"{error.message}", param=param_of(spec))
+
+
 def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     """``(field, canonical text)``: equal for constraints that compile alike (a schema's key order ignored)."""
     kind = kind_of(spec)

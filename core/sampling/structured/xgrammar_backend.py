@@ -48,9 +48,7 @@ class XgrammarBackend:
         except InvalidRequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types for bad input
-            what = "EBNF or Lark grammar" if kind == "grammar" else {"json": "JSON schema", "regex": "regex"}.get(
-                kind, kind)
-            raise InvalidRequestError(f"{param_of(spec)} is not a {what} xgrammar can compile: "
+            raise InvalidRequestError(f"{param_of(spec)} does not compile with xgrammar: "
                                       f"{str(exc).strip() or type(exc).__name__}", param=param_of(spec)) from None
 
     def new_matcher(self, compiled: Any) -> "XgrammarMatcher":

@@ -13,6 +13,7 @@ from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, Ch
 from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
                                                        now_s, output_error, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
+from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -52,7 +53,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = ctx.resolve_max_tokens(len(token_ids), requested)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    params = make_sampling_params(body, max_tokens, num_top)
+    structured_outputs, field = structured_outputs_of(body)
+    await check_compiles(ctx.engine, structured_outputs, field)
+    params = make_sampling_params(body, max_tokens, num_top, structured_outputs)
     request_id = new_id("chatcmpl")
     gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, body.priority,
                      stream=body.stream)

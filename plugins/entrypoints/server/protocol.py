@@ -10,6 +10,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from pagoda.plugins.entrypoints.server.structured import ResponseFormat, StructuredOutputFields
 from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
 
 MAX_N = 16  # sequences per request
@@ -41,8 +42,8 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(StructuredOutputFields):
+    """Fields shared by completions and chat completions (the structured-output ones in ``structured.py``)."""
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -93,10 +94,6 @@ class ChatMessage(_Body):
     content: Union[Text, list[TextPart], None] = None
     name: Optional[Text] = None
     tool_call_id: Optional[str] = None
-
-
-class ResponseFormat(_Body):
-    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
