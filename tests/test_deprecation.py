@@ -293,22 +293,20 @@ def test_a_policy_using_only_public_names_is_not_warned_about():
                 return candidates[0]
 
 
-@pytest.mark.parametrize("old, new", [("pagoda.kv_blocks", "pagoda.kv.blocks"),
-                                      ("pagoda.layers.linear", "pagoda.modeling.layers.linear"),
-                                      ("pagoda.plugin_manager", "pagoda.registry.plugin_manager")])
-def test_a_module_moved_in_1_3_imports_under_its_old_name_as_the_new_module_with_a_warning(monkeypatch, old, new):
-    for name in (old, old.rpartition(".")[0]):
-        if name != "pagoda":
-            monkeypatch.delitem(sys.modules, name, raising=False)
-    moved = old if old != "pagoda.layers.linear" else "pagoda.layers"
-    with pytest.warns(DeprecationWarning, match=rf"module {re.escape(old)} is deprecated in pagoda plugin API 1\.3 "
-                                                rf"and removed in 1\.5: import {re.escape(new)} instead"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)  # the same objects, not a second copy
-    assert any(d.old == moved for d in DEPRECATIONS)
-    for name in (old, old.rpartition(".")[0]):
-        if name != "pagoda":
-            sys.modules.pop(name, None)
+MOVED_IN_1_3 = {"pagoda.kv_blocks": "pagoda.kv.blocks", "pagoda.layers.linear": "pagoda.modeling.layers.linear",
+                "pagoda.plugin_manager": "pagoda.registry.plugin_manager", "pagoda.llm": "pagoda.engine.llm",
+                "pagoda.sampler": "pagoda.sampling.sampler"}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_IN_1_3))
+def test_a_module_moved_in_1_3_no_longer_imports_under_its_old_name_since_1_5(monkeypatch, old):
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    assert importlib.import_module(MOVED_IN_1_3[old])
+    removals = changelog_section("1.5").split("Removed", 1)[1]
+    package = old if old != "pagoda.layers.linear" else "pagoda.layers"
+    assert f"`{package}`" in removals
 
 
 def test_a_name_that_never_existed_is_still_a_module_not_found_error():

@@ -58,7 +58,8 @@ class ModelRunner:
         self.kv_tiers: Optional[KVTierStore] = None
         # cache blocks a tier load of this step failed to fill: recomputed before the step's forward pass
         self._failed_load_blocks: list[int] = []
-        # seconds the last execute spent per part: draft, metadata, model, logits, sampling
+        # seconds the last execute spent per part: draft, metadata, model, logits, grammar (the structured-output
+        # mask), sampling
         self.timings: dict[str, float] = {}
 
     def set_proposer(self, proposer: Any) -> None:
@@ -165,7 +166,7 @@ class ModelRunner:
         n = len(sched.requests)
         out = RunnerOutput.empty(n)
         clock = time.perf_counter
-        self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "sampling"), 0.0)
+        self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "grammar", "sampling"), 0.0)
         if n == 0:
             return out
         if self._failed_load_blocks:
@@ -198,9 +199,11 @@ class ModelRunner:
         if plain:
             t = clock()
             logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in plain])])
+            t1 = clock()
             if sched.grammar_rows:
                 _apply_grammar(logits, plain, sched)
-            t1 = clock()
+                timings["grammar"] = clock() - t1
+                t1 = clock()
             sampled = self.sampler(logits, [reqs[i] for i in plain])
             timings["logits"] += t1 - t
             timings["sampling"] += clock() - t1

@@ -74,27 +74,9 @@ class Deprecation:
 _SCHEDULER_BASE = "TokenBudgetScheduler"
 _SAMPLER_BASE = "Sampler"
 
-# core's modules that moved into packages by role in 1.3: old name -> new (pagoda. omitted). pagoda.engine
-# and pagoda.host are packages now, so their old modules have no alias (docs/plugin-api-changelog.md, 1.3)
-MOVED_IN_1_3 = {
-    "llm": "engine.llm", "async_engine": "engine.async_engine",
-    "request_stream": "engine.request_stream", "metrics": "engine.metrics", "engine_args": "engine.engine_args",
-    "components": "engine.components", "plugin_manager": "registry.plugin_manager",
-    "deprecation": "registry.deprecation", "kv_blocks": "kv.blocks", "kv_tiers": "kv.tiers",
-    "kv_offload": "kv.offload", "kv_swap": "kv.swap", "model_runner": "execution.model_runner",
-    "executor": "execution.executor", "distributed": "execution.distributed",
-    "collectives": "execution.collectives", "shm_all_reduce": "execution.shm_all_reduce",
-    "routing": "execution.routing", "loader": "modeling.loader", "default_model": "modeling.default_model",
-    "models": "modeling.models", "layers": "modeling.layers",
-    "sampler": "sampling.sampler", "rejection_sampler": "sampling.rejection_sampler", "env": "host.env",
-    "malloc": "host.malloc", "openmp": "host.openmp", "hugepages": "host.hugepages",
-    "threads": "host.threads", "cpu_isa": "host.cpu_isa", "cpp_extension": "host.cpp_extension",
-}
-
-# Every deprecated name. No hook and no component method has been renamed yet; no base-class method is
-# deprecated now.
+# Every deprecated name. No hook, component method or module is renamed now (the modules moved in 1.3 kept
+# their old names until 1.5); no base-class method is deprecated now.
 DEPRECATIONS: tuple[Deprecation, ...] = (
-    *(Deprecation(MODULE, f"pagoda.{old}", f"pagoda.{new}", "1.3", "1.5") for old, new in MOVED_IN_1_3.items()),
     # appending one token without its stop conditions: append_output_tokens is the one place tokens are appended
     Deprecation(CALLED, "append_output_token", "append_output_tokens", "1.4", "2.0", "Sequence"),
 )

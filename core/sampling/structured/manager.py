@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -63,6 +64,8 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        # seconds the last step's fill_bitmask took (0 for a step without grammar rows)
+        self.last_fill_seconds = 0.0
 
     # ---- compiling -------------------------------------------------------------
 
@@ -169,12 +172,14 @@ class StructuredOutputs:
         rows = [i for i, r in enumerate(sched.requests) if r.grammar is not None and sched.num_draft_slots[i] == 0
                 and sched.num_computed_before[i] + sched.num_new_tokens[i] == r.num_tokens]
         if not rows:
-            sched.grammar_rows, sched.grammar_bitmask = [], None
+            sched.grammar_rows, sched.grammar_bitmask, self.last_fill_seconds = [], None, 0.0
             return
+        start = time.perf_counter()
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         for j, i in enumerate(rows):
             sched.requests[i].grammar.fill_bitmask(bitmask, j)
         sched.grammar_rows, sched.grammar_bitmask = rows, bitmask
+        self.last_fill_seconds = time.perf_counter() - start
 
 
 def check_backend_name(config: EngineConfig, plugin_manager: PluginManager) -> None:
