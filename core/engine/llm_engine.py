@@ -210,9 +210,10 @@ class LLMEngine:
         if failed_loads:
             # offload-tier blocks that failed their check: the runner recomputes them; the books forget them
             self.kv_manager.drop_failed_loads(failed_loads)
-        # the grammar rows' allowed tokens, filled once: a re-run of the step (below) reuses them, and only
-        # update() advances the matchers
-        self.structured_outputs.fill_bitmask(sched)
+        if any(r.grammar is not None for r in sched.requests):
+            # the grammar rows' allowed tokens, filled once: a re-run of the step (below) reuses them, and only
+            # update() advances the matchers
+            self.structured_outputs.fill_bitmask(sched)
         try:
             return self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others

@@ -4,6 +4,7 @@ cache, each sequence's matcher, and the bitmask of each step's grammar rows."""
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import threading
 import time
 from collections import OrderedDict
@@ -46,7 +47,10 @@ class StructuredOutputs:
                  eos_token_ids: list[int]) -> None:
         self.config = config
         self.pm = plugin_manager
-        self.tokenizer = tokenizer
+        # the backends read the tokenizer on the compile threads: they get a copy of their own (made on the
+        # first compile, in the caller's thread), as fast tokenizers must not be shared between threads
+        self._engine_tokenizer = tokenizer
+        self.tokenizer: Any = None
         self.eos_token_ids = eos_token_ids
         self.vocab_size = config.model.vocab_size
         self.default_backend = config.structured_outputs_backend
@@ -61,7 +65,8 @@ class StructuredOutputs:
                 factories.add(factory)
                 self.auto_candidates.append(name)
         self._backends: dict[str, Any] = {}  # name -> backend, or the BackendUnavailable it raised
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache; held briefly, also by the server's event loop
+        self._build_lock = threading.Lock()  # building a backend (its tokenizer tables take a moment)
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         # seconds the last step's fill_bitmask took (0 for a step without grammar rows)
@@ -80,6 +85,7 @@ class StructuredOutputs:
                 self._cache.move_to_end(key)
                 return future
             if self._pool is None:
+                self.tokenizer = copy.deepcopy(self._engine_tokenizer)
                 self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pagoda-grammar")
             future = self._pool.submit(self._compile, name, spec)
             self._cache[key] = future
@@ -152,7 +158,7 @@ class StructuredOutputs:
                                   + ")", param="structured_outputs")
 
     def _backend(self, name: str) -> Any:
-        with self._lock:
+        with self._build_lock:
             backend = self._backends.get(name)
             if backend is None:
                 factory = self.pm.get(HOOK, name, "structured_outputs_backend").factory
