@@ -187,7 +187,7 @@ class Sequence:
         """:meth:`append_output_tokens` for a sequence with a grammar: each token advances the matcher, and the
         sequence stops once the grammar is complete with nothing but its end left to follow."""
         grammar, status = self.grammar, None
-        for i, token_id in enumerate(token_ids):
+        for token_id in token_ids:
             is_end = token_id == self.eos_token_id and not self.sampling_params.ignore_eos
             if not (is_end and grammar.may_end()) and not grammar.accept_tokens([token_id]):
                 self.output_token_ids.append(token_id)
