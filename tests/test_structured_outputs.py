@@ -7,6 +7,7 @@ Fifty JSON schemas of increasing difficulty (``structured_schemas.py``) go throu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -15,6 +16,7 @@ import pytest
 from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
+from pagoda.engine.components import build_components
 from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.modeling.default_model import ensure_default_model
 
@@ -43,7 +45,7 @@ def structured(temperature: float, max_tokens: int = 48, seed=None, n: int = 1, 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_output_of_fifty_json_schemas_parses_and_validates(llm, backend, temperature):
-    conversations = [prompt_for(description, schema) for description, schema in SCHEMAS]
+    conversations = [prompt_for(description) for description, _ in SCHEMAS]
     params = [structured(temperature, MAX_TOKENS, seed=i, json=schema, backend=backend)
               for i, (_, schema) in enumerate(SCHEMAS)]
     outputs = llm.chat(conversations, params, use_tqdm=False)
@@ -144,8 +146,22 @@ def test_an_unknown_backend_is_refused_with_the_known_ones(llm):
     with pytest.raises(InvalidRequestError, match="unknown structured-output backend 'outlines'.*xgrammar") as info:
         llm.generate("x", structured(0.0, 4, regex="a", backend="outlines"), use_tqdm=False)
     assert info.value.param == "structured_outputs.backend"
-    with pytest.raises(ConfigError, match="unknown structured-output backend 'outlines'.*guidance.*xgrammar"):
-        LLM(dtype="float32", structured_outputs_backend="outlines")
+    config = dataclasses.replace(llm.engine.config, structured_outputs_backend="outlines")
+    with pytest.raises(ConfigError, match="unknown structured-output backend 'outlines' for "
+                                          "structured_outputs_backend; known: auto, guidance, llguidance, xgrammar"):
+        build_components(config, llm.engine.pm)  # before any weight is read
+
+
+def test_auto_sends_a_schema_xgrammar_cannot_honour_to_guidance(llm):
+    email = {"type": "object", "properties": {"email": {"type": "string", "format": "email", "maxLength": 16}},
+             "required": ["email"], "additionalProperties": False}
+    assert "ignores its maxLength" in llm.engine.structured_outputs._backend("xgrammar").supports(
+        StructuredOutputsParams(json=email))
+    params = structured(1.0, 40, seed=0, json=email)
+    assert llm.engine.structured_outputs.compiled(params.structured_outputs).backend_name == "guidance"
+    out = llm.chat([{"role": "user", "content": "My email address as JSON."}], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    validator(email).validate(json.loads(out.text))
 
 
 def test_a_compiled_constraint_is_cached_per_backend_and_constraint(llm):
@@ -176,11 +192,11 @@ def test_a_step_retried_after_a_fault_advances_no_matcher_twice(llm):
 
 
 def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
-    regex = "[a-z]{8}( [a-z]{8}){5}"
-    prompts = [f"Write six words, number {i}:" for i in range(5)]
-    params = structured(0.0, 64, regex=regex)
+    regex = "[a-z]{6}( [a-z]{6}){4}"
+    prompts = [f"Write five words, number {i}:" for i in range(4)]
+    params = structured(0.0, 48, regex=regex)
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=8)
+    tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=6)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == roomy

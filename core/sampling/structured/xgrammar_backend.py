@@ -4,7 +4,7 @@ grammars compiled to a token-level pushdown automaton; masks are filled from its
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -12,6 +12,21 @@ from pagoda.config import ModelConfig
 from pagoda.errors import BackendUnavailable, InvalidRequestError
 from pagoda.sampling.structured.spec import is_ebnf, kind_of, param_of, schema_of
 from pagoda.sampling_params import StructuredOutputsParams
+
+
+# what xgrammar drops from a string schema that has a format
+_FORMAT_OVERRIDES = ("minLength", "maxLength", "pattern")
+
+
+def _subschemas(node: Any) -> Iterator[dict]:
+    """Every dict inside a schema (the subschemas among them), depth first."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _subschemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _subschemas(value)
 
 
 class XgrammarBackend:
@@ -29,6 +44,13 @@ class XgrammarBackend:
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     def supports(self, spec: StructuredOutputsParams) -> Optional[str]:
+        if spec.json is None:
+            return None
+        for node in _subschemas(schema_of(spec)):
+            if "format" in node and any(k in node for k in _FORMAT_OVERRIDES):
+                keys = ", ".join(k for k in _FORMAT_OVERRIDES if k in node)
+                return (f"xgrammar applies a string's format ({node['format']!r}) and ignores its {keys}, so the "
+                        "output could break the schema")
         return None
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
