@@ -192,11 +192,12 @@ def test_a_step_retried_after_a_fault_advances_no_matcher_twice(llm):
 
 
 def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
-    regex = "[a-z]{6}( [a-z]{6}){4}"
-    prompts = [f"Write five words, number {i}:" for i in range(4)]
-    params = structured(0.0, 48, regex=regex)
+    regex = "[a-z]{5}( [a-z]{5}){3}"
+    prompts = [f"Write four words, number {i}:" for i in range(3)]
+    params = structured(0.0, 40, regex=regex)
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=6)
+    # 4 blocks, 64 tokens, for 3 requests of about 30 tokens each
+    tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=4)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == roomy
