@@ -1,7 +1,7 @@
 """pagoda: an LLM inference and serving engine whose every policy and backend is a plugin.
 
 Importing pagoda loads no torch and changes nothing in the process but one finder on ``sys.meta_path``,
-which answers only for the old names of deprecated module moves (none now). The engine classes below
+which answers only for the old names of moved modules (none since plugin API 1.5). The engine classes below
 are imported on first use, and host settings (threads, allocator, huge pages, kernels) are applied when
 an engine is built. To choose how OpenMP threads wait, call
 ``pagoda.host.settings.set_openmp_wait_policy()`` before importing torch (the ``pagoda`` command does).
@@ -15,7 +15,7 @@ from pagoda.markers import hookimpl
 from pagoda.registry.deprecation import install_moved_modules
 from pagoda.version import PLUGIN_API_VERSION, __version__
 
-install_moved_modules()  # a module the plugin API deprecates imports under its old name, with a warning
+install_moved_modules()  # a module moved to a new name imports under its old one, with a warning (none now)
 
 # public name -> the module defining it, imported when the name is first used
 _LAZY = {
@@ -23,6 +23,7 @@ _LAZY = {
     "LLMEngine": "pagoda.engine.llm_engine",
     "EngineArgs": "pagoda.engine.engine_args",
     "SamplingParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
     "Logprob": "pagoda.outputs",
@@ -33,6 +34,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

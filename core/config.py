@@ -117,3 +117,5 @@ class EngineConfig:
     device: str
     # keep the counters and latency histograms of EngineStats (Prometheus /metrics); the offline LLM does not
     log_stats: bool = True
+    # the structured-output backend of requests that name none (auto: per request, the first that supports it)
+    structured_outputs_backend: str = "auto"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
                                    QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
-                                   ToolParserFactory)
+                                   StructuredOutputBackendFactory, ToolParserFactory)
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sequence import Sequence
 
@@ -125,6 +125,23 @@ def pagoda_samplers(plugin_manager: "PluginManager") -> Mapping[str, "SamplerFac
     ``factory(model_config)`` returns a :class:`pagoda.interfaces.Sampler`
     that turns a step's logits into token ids (and logprobs). Selected by
     ``sampler`` (built-in: ``default``). Called once at start-up.
+    """
+
+
+@hookspec
+def pagoda_structured_output_backends(
+        plugin_manager: "PluginManager") -> Mapping[str, "StructuredOutputBackendFactory"]:
+    """Return ``{name: factory}`` of structured-output backends (added in plugin API 1.5).
+
+    ``factory(model_config, tokenizer, eos_token_ids)`` returns a
+    :class:`pagoda.interfaces.StructuredOutputBackend`: it compiles a request's
+    :class:`pagoda.sampling_params.StructuredOutputsParams` (JSON schema, any JSON object, regex,
+    choice, grammar) for the model's tokenizer and gives each sequence a matcher that fills the
+    token bitmask the sampler applies. Raises :class:`pagoda.errors.BackendUnavailable` when its
+    library is missing. Selected by ``structured_outputs_backend`` or a request's
+    ``structured_outputs.backend`` (built-ins: ``xgrammar``, ``guidance``; ``auto`` picks, per
+    request, the first built-in whose ``supports`` accepts it). Called once at start-up; a backend
+    is built when the first request that uses it arrives.
     """
 
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pagoda.kv.tiers import KVTierIndex
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sampling.sampler import SamplerOutput
+    from pagoda.sampling_params import StructuredOutputsParams
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
@@ -323,6 +324,54 @@ class Sampler(Protocol):
 
 
 @runtime_checkable
+class StructuredOutputMatcher(Protocol):
+    """One sequence's place in its grammar (from :meth:`StructuredOutputBackend.new_matcher`).
+
+    The bitmask is int32 ``[rows, ceil(vocab / 32)]``: token ``t`` is allowed in row ``r`` when bit ``t % 32``
+    of ``bitmask[r, t // 32]`` is set. The engine's end-of-sequence tokens are allowed exactly where the grammar
+    may end. The engine fills a row before each step the sequence samples in, advances the matcher with the
+    tokens it commits (``Sequence.append_output_tokens``) and never twice for the same token.
+    """
+
+    def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
+        """Write the tokens allowed next into row ``row`` of ``bitmask`` (every bit of the row)."""
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over ``token_ids``; False (the matcher unchanged) if the grammar refuses any of them."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and has accepted its end (nothing may follow)."""
+
+    def may_end(self) -> bool:
+        """True when the tokens accepted so far are a complete match (an end-of-sequence token is allowed)."""
+
+
+@runtime_checkable
+class StructuredOutputBackend(Protocol):
+    """``pagoda_structured_output_backends``: compiles output constraints for the model's tokenizer.
+
+    ``compile`` may run on a thread of the engine's compile pool while the engine steps; the compiled grammar
+    it returns is shared by every sequence (and request) with the same constraint, each with its own matcher.
+    ``pagoda.testing.check_structured_output_backend`` checks a backend.
+    """
+
+    def supports(self, spec: "StructuredOutputsParams") -> Optional[str]:
+        """None if this backend can compile ``spec``; else why not, in a sentence (``auto`` then tries the
+        next backend; a request that names this backend gets the reason as its error)."""
+
+    def compile(self, spec: "StructuredOutputsParams") -> Any:
+        """The compiled grammar of ``spec``; raises :class:`pagoda.errors.InvalidRequestError` naming the
+        field (``structured_outputs.json`` and the like) and what is wrong for a schema, regex or grammar that
+        does not compile."""
+
+    def new_matcher(self, compiled: Any) -> StructuredOutputMatcher:
+        """A fresh matcher at the start of ``compiled`` (what :meth:`compile` returned)."""
+
+
+@runtime_checkable
 class Proposer(Protocol):
     """``pagoda_proposers``: draft tokens for speculative decoding."""
 
@@ -495,6 +544,15 @@ class AttentionBackendFactory(Protocol):
 
 class SamplerFactory(Protocol):
     def __call__(self, model_config: "ModelConfig") -> Sampler: ...
+
+
+class StructuredOutputBackendFactory(Protocol):
+    """``tokenizer`` is the engine's Hugging Face tokenizer; ``eos_token_ids`` the tokens that end a sequence
+    (allowed where the grammar may end). Raises :class:`pagoda.errors.BackendUnavailable` when the backend's
+    library is not installed."""
+
+    def __call__(self, model_config: "ModelConfig", tokenizer: Any, eos_token_ids: list[int]
+                 ) -> StructuredOutputBackend: ...
 
 
 class QuantMethodFactory(Protocol):

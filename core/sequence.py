@@ -83,6 +83,9 @@ class Sequence:
     # follows the text to find stop strings (pagoda.outputs.IncrementalDetokenizer); None without stop
     # strings (the text users see is made on the output side, from the tokens)
     detokenizer: Any = None
+    # structured outputs: the sequence's place in its grammar (a pagoda.interfaces.StructuredOutputMatcher), set
+    # by the engine before the sequence is scheduled and advanced here with every token appended; None without
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -161,6 +164,11 @@ class Sequence:
         """
         if self.sampling_params.max_tokens == 0:
             return SequenceStatus.FINISHED_LENGTH
+        if self.grammar is not None:
+            return self._append_under_grammar(token_ids, max_model_len)
+        return self._append(token_ids, max_model_len)
+
+    def _append(self, token_ids: list[int], max_model_len: int) -> Optional[SequenceStatus]:
         detok = self.detokenizer
         if detok is None and len(token_ids) == 1:
             # the common step, one token and no stop strings: the loop below without its bookkeeping
@@ -181,6 +189,26 @@ class Sequence:
                     status = SequenceStatus.FINISHED_STOPPED
             if status is not None:
                 break
+        return status
+
+    def _append_under_grammar(self, token_ids: list[int], max_model_len: int) -> Optional[SequenceStatus]:
+        """:meth:`append_output_tokens` for a sequence with a grammar: each token advances the matcher, and the
+        sequence stops once the grammar is complete with nothing but its end left to follow."""
+        grammar, status = self.grammar, None
+        for token_id in token_ids:
+            is_end = token_id == self.eos_token_id and not self.sampling_params.ignore_eos
+            if not (is_end and grammar.may_end()) and not grammar.accept_tokens([token_id]):
+                self.output_token_ids.append(token_id)
+                self.all_token_ids.append(token_id)
+                self.error = (f"token {token_id} does not fit the structured output's grammar after "
+                              f"{self.num_output_tokens - 1} output tokens (the grammar allowed no token here that "
+                              "the other sampling parameters allow, e.g. min_tokens banning the end)")
+                return SequenceStatus.FINISHED_ERROR
+            status = self._append([token_id], max_model_len)
+            if status is None and grammar.is_terminated():
+                status = SequenceStatus.FINISHED_STOPPED
+            if status is not None:
+                return status
         return status
 
     def _stop_after(self, token_id: int, max_model_len: int) -> Optional[SequenceStatus]:

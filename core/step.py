@@ -87,6 +87,11 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # offload tiers (RAM, disk) of the prefix cache: performed after the swap-outs, before the swap-ins
     kv_tier_moves: KVTierMoves = field(default_factory=KVTierMoves)
+    # structured outputs: the requests (indices into ``requests``) that sample under a grammar this step, and
+    # their rows of allowed tokens, int32 [len(grammar_rows), ceil(vocab / 32)] (see
+    # pagoda.sampling.structured.bitmask); filled by the engine after schedule(), applied by the runner
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: Optional[torch.Tensor] = None
 
     def add(self, request: Sequence, num_new_tokens: int, num_computed_before: int, block_table: list[int],
             num_draft_slots: int = 0) -> None:
@@ -102,6 +107,12 @@ class SchedulerOutput:
         for i in indices:
             sub.add(self.requests[i], self.num_new_tokens[i], self.num_computed_before[i], self.block_tables[i],
                     self.num_draft_slots[i])
+        if self.grammar_rows:
+            row_of = {i: row for row, i in enumerate(self.grammar_rows)}
+            picked = [(j, row_of[i]) for j, i in enumerate(indices) if i in row_of]
+            if picked:
+                sub.grammar_rows = [j for j, _ in picked]
+                sub.grammar_bitmask = self.grammar_bitmask[[row for _, row in picked]]
         return sub
 
     def num_real_tokens(self, i: int) -> int:

@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda import LLM, SamplingParams
-from pagoda.errors import CheckpointError, ConfigError
+from pagoda import LLM, SamplingParams, StructuredOutputsParams
+from pagoda.errors import CheckpointError, ConfigError, InvalidRequestError
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.testing import (ToolParserCase, check_attention_backend, check_kv_allocator, check_proposer,
-                            check_quant_method, check_sampler, check_scheduler, check_tool_parser)
+                            check_quant_method, check_sampler, check_scheduler, check_structured_output_backend,
+                            check_tool_parser)
 from tiny_models import write_tiny_llama
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 KINDS = ["scheduler", "KV allocator", "KV allocator eviction", "attention backend", "wrapping attention backend",
-         "sampler", "quantization method", "speculative proposer", "model loader", "model architecture",
-         "tool-call parser", "CLI command"]
+         "sampler", "structured-output backend", "quantization method", "speculative proposer", "model loader",
+         "model architecture", "tool-call parser", "CLI command"]
 
 
 def guide_examples() -> dict[str, str]:
@@ -178,6 +179,20 @@ def test_the_sampler_example(guide, plain_tokens):
     assert outputs[1] != plain_tokens[1]  # plain greedy decoding repeats the counting
     with pytest.raises(ConfigError, match="does not sample the standard distribution"):
         LLM(**OPTIONS, sampler="no-repeat-3gram", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_structured_output_backend_example(guide):
+    pm = PluginManager().load()
+    assert pm.api_ranges[pm.get("pagoda_structured_output_backends", "small", "test").plugin] == ">=1.5,<2"
+    check_structured_output_backend(pm.factory("pagoda_structured_output_backends", "small"))
+    llm = LLM(**OPTIONS, structured_outputs_backend="small")
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["Paris", "Rome"]))
+    assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text in ("Paris", "Rome")
+    assert llm.engine.structured_outputs.compiled(params.structured_outputs).backend_name == "small"
+    huge = StructuredOutputsParams(choice=["x" * 3000], backend="small")
+    with pytest.raises(InvalidRequestError, match="more than 2000"):
+        llm.generate("x", SamplingParams(max_tokens=2, structured_outputs=huge), use_tqdm=False)
 
 
 def test_the_quantization_example(guide, plain_tokens):

@@ -90,6 +90,7 @@ def test_builtins_provide_every_documented_component(site):
         "pagoda_schedulers": {"fcfs", "priority"},
         "pagoda_attention_backends": {"torch"},
         "pagoda_samplers": {"default"},
+        "pagoda_structured_output_backends": {"xgrammar", "guidance", "llguidance"},
         "pagoda_cli_commands": {"generate", "plugins", "bench"},
     }
     for hook, names in expected.items():

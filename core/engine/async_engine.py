@@ -153,6 +153,13 @@ class AsyncLLMEngine:
         ``check_capacity=False``.
         """
         self._check_alive()
+        compiling = None
+        if params.structured_outputs is not None:
+            try:
+                compiling = self.engine.structured_outputs.compile(params.structured_outputs)
+            except InvalidRequestError as exc:  # an unknown backend: raised by add_request on the engine thread
+                compiling = concurrent.futures.Future()
+                compiling.set_exception(exc)
         num_cost_tokens = request_cost_tokens(prompt, params, self.engine.config.model.max_model_len)
         if check_capacity:
             self.check_capacity(params.n, num_cost_tokens)
@@ -162,13 +169,24 @@ class AsyncLLMEngine:
 
         def add() -> tuple[Optional[str], list[int]]:
             try:
+                if compiling is not None:
+                    if compiling.exception() is not None:
+                        raise compiling.exception()  # a constraint that does not compile: the request's 400
+                    if request_id not in self._streams:
+                        return None, []  # closed while its constraint compiled: its abort has already run
                 self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=None)
                 group = self.engine.requests.parents[request_id]
                 return group.prompt, group.prompt_token_ids
             finally:
                 self._num_added_seqs += params.n  # engine thread only; the loop only writes the other counter
 
-        return RequestStream(self, request_id, stream, params, self._submit(add))
+        if compiling is None:
+            return RequestStream(self, request_id, stream, params, self._submit(add))
+        # a structured output's constraint compiles in the engine's compile pool, off the engine thread; the
+        # request is added once it has (add_request then finds it compiled, or raises its error)
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        compiling.add_done_callback(lambda _: _copy_when_done(self._submit(add), added))
+        return RequestStream(self, request_id, stream, params, added)
 
     def _abort_soon(self, request_id: str) -> None:
         if self.dead_reason is None and not self._stop:
@@ -347,3 +365,15 @@ class AsyncLLMEngine:
                 stream.error = error
                 stream.finished = True
                 stream.event.set()
+
+
+def _copy_when_done(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """Give ``target`` the result or exception of ``source`` once it has one."""
+    def copy(done: concurrent.futures.Future) -> None:
+        exc = done.exception()
+        if exc is not None:
+            target.set_exception(exc)
+        else:
+            target.set_result(done.result())
+
+    source.add_done_callback(copy)

@@ -19,6 +19,7 @@ from pagoda.execution.model_runner import ModelRunner
 from pagoda.kv.tiers import KVTierIndex, has_offload_tiers
 from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
+from pagoda.sampling.structured.manager import check_backend_name
 
 
 @dataclass
@@ -45,6 +46,7 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
     scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
     pm.get("pagoda_samplers", config.sampler, "sampler")
+    check_backend_name(config, pm)
     if mc.quantization:
         pm.get("pagoda_quant_methods", mc.quantization, "quantization")
     if config.speculative is not None:

@@ -95,6 +95,9 @@ class EngineArgs(HostOptions):
     speculative_config: Optional[dict[str, Any]] = None
     attention_backend: str = "auto"
     sampler: str = "default"
+    structured_outputs_backend: str = Field(default="auto", description=(
+        "the structured-output backend of requests that name none: xgrammar, guidance (llguidance), a plugin's, "
+        "or auto (per request, the first that can compile its constraint: xgrammar, then guidance)"))
     device: str = "auto"
     disable_log_stats: bool = Field(default=False, description=(
         "keep no request counters or latency histograms (/metrics then shows only the live gauges: running, "
@@ -299,6 +302,7 @@ class EngineArgs(HostOptions):
             sampler=self.sampler,
             device=device,
             log_stats=not self.disable_log_stats,
+            structured_outputs_backend=self.structured_outputs_backend,
         )
 
 

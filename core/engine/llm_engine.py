@@ -16,6 +16,7 @@ from pagoda.host.settings import HostTuning
 from pagoda.kv.tiers import has_offload_tiers
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutput, RequestOutputKind, RequestTracker
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
+from pagoda.sampling.structured.manager import StructuredOutputs
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
@@ -52,7 +53,11 @@ class LLMEngine:
         self.requests = RequestTracker(self.tokenizer)
         # what add_request checks every request against
         self.request_limits = RequestLimits(config.model.max_model_len, config.model.vocab_size, self.num_blocks,
-                                            self.kv_manager.blocks_needed)
+                                            self.kv_manager.blocks_needed, config.speculative is not None)
+        # structured outputs: each request's compiled constraint (compiled off the loop, cached) and the
+        # bitmask of each step's grammar rows
+        self.structured_outputs = StructuredOutputs(config, self.pm, self.tokenizer,
+                                                    [] if self.eos_token_id is None else [self.eos_token_id])
         self.output_processor = OutputProcessor(self.tokenizer)
         # request counters and latency histograms (Prometheus /metrics), None with disable_log_stats
         self.stats = EngineStats() if config.log_stats else None
@@ -75,6 +80,7 @@ class LLMEngine:
             if sched.kv_tier_moves:
                 self.executor.move_blocks(sched)
             self.runner.kv_tiers.flush()  # every block file whole before the engine stops
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
     @property
@@ -115,6 +121,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.request_limits.check(token_ids, params)
+        # waits only if the constraint is still compiling (the server adds a request once it has compiled)
+        grammar = self.structured_outputs.compiled(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         prio = params.priority if priority is None else priority
         children = []
@@ -123,6 +131,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
                                     parent_id=request_id, seed=seed))
+            if grammar is not None:
+                children[-1].grammar = grammar.new_matcher()  # each sequence its own place in the grammar
         self.requests.add(request_id, text, token_ids, children)  # also gives stop strings their detokenizer
         if output_kind is not None:
             self.output_processor.add(request_id, text, token_ids, params, output_kind)
@@ -200,6 +210,10 @@ class LLMEngine:
         if failed_loads:
             # offload-tier blocks that failed their check: the runner recomputes them; the books forget them
             self.kv_manager.drop_failed_loads(failed_loads)
+        if any(r.grammar is not None for r in sched.requests):
+            # the grammar rows' allowed tokens, filled once: a re-run of the step (below) reuses them, and only
+            # update() advances the matchers
+            self.structured_outputs.fill_bitmask(sched)
         try:
             return self.executor.execute(sched)
         except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others

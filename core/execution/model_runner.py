@@ -17,6 +17,7 @@ from pagoda.execution import distributed
 from pagoda.host import hugepages
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler
+from pagoda.sampling.structured.bitmask import apply_bitmask_
 from pagoda.sampling.sampler import prompt_logprobs_for
 from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
 
@@ -57,7 +58,8 @@ class ModelRunner:
         self.kv_tiers: Optional[KVTierStore] = None
         # cache blocks a tier load of this step failed to fill: recomputed before the step's forward pass
         self._failed_load_blocks: list[int] = []
-        # seconds the last execute spent per part: draft, metadata, model, logits, sampling
+        # seconds the last execute spent per part: draft, metadata, model, logits, grammar (the structured-output
+        # mask), sampling
         self.timings: dict[str, float] = {}
 
     def set_proposer(self, proposer: Any) -> None:
@@ -164,7 +166,7 @@ class ModelRunner:
         n = len(sched.requests)
         out = RunnerOutput.empty(n)
         clock = time.perf_counter
-        self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "sampling"), 0.0)
+        self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "grammar", "sampling"), 0.0)
         if n == 0:
             return out
         if self._failed_load_blocks:
@@ -198,6 +200,10 @@ class ModelRunner:
             t = clock()
             logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in plain])])
             t1 = clock()
+            if sched.grammar_rows:
+                _apply_grammar(logits, plain, sched)
+                timings["grammar"] = clock() - t1
+                t1 = clock()
             sampled = self.sampler(logits, [reqs[i] for i in plain])
             timings["logits"] += t1 - t
             timings["sampling"] += clock() - t1
@@ -251,6 +257,19 @@ class ModelRunner:
             first = batch.rows(i).start
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first:first + (end - start)]), dim=-1)
             out.prompt_logprobs[i] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
+
+
+def _apply_grammar(logits: torch.Tensor, plain: list[int], sched: SchedulerOutput) -> None:
+    """Mask the logits of the sampled rows that have a grammar (``logits[j]`` is request ``plain[j]``); the
+    other rows stay as they are."""
+    row_of = {i: j for j, i in enumerate(plain)}
+    pairs = [(row_of[i], k) for k, i in enumerate(sched.grammar_rows) if i in row_of]
+    if not pairs:
+        return
+    logit_rows = torch.tensor([j for j, _ in pairs])
+    masked = logits[logit_rows]  # [num_grammar_rows, vocab]
+    apply_bitmask_(masked, sched.grammar_bitmask[[k for _, k in pairs]])
+    logits[logit_rows] = masked
 
 
 class FlatBatch:

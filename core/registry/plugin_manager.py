@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
                                    QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
-                                   ToolParserFactory)
+                                   StructuredOutputBackendFactory, ToolParserFactory)
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
@@ -39,6 +39,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_schedulers": "scheduler",
     "pagoda_attention_backends": "attention backend",
     "pagoda_samplers": "sampler",
+    "pagoda_structured_output_backends": "structured-output backend",
     "pagoda_quant_methods": "quantization method",
     "pagoda_proposers": "speculative proposer",
     "pagoda_executors": "executor",
@@ -272,6 +273,9 @@ class PluginManager:
     def factory(self, hook_name: Literal["pagoda_attention_backends"], name: str) -> "AttentionBackendFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_samplers"], name: str) -> "SamplerFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_structured_output_backends"], name: str
+                ) -> "StructuredOutputBackendFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_quant_methods"], name: str) -> "QuantMethodFactory": ...
     @overload

@@ -13,6 +13,8 @@ One check per component kind; each raises :class:`ContractError` saying what bro
 - :func:`check_attention_backend`: paged attention against dense attention on shuffled block layouts with
   odd sizes;
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;
+- :func:`check_structured_output_backend`: each kind of constraint compiles; its bitmask allows the tokens of a
+  matching text and the end only where it may end; refused tokens, rollback, independent matchers;
 - :func:`check_quant_method`: quantized linear layers against their dequantized (or dense) reference;
 - :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
 - :func:`check_tool_parser`: answers read whole and streamed in any split agree, and give the calls expected;
@@ -34,6 +36,7 @@ _EXPORTS = {
     "check_proposer": "proposer",
     "check_quant_method": "quant",
     "check_sampler": "sampler",
+    "check_structured_output_backend": "structured",
     "SimRunner": "scheduling", "check_kv_allocator": "scheduling", "check_scheduler": "scheduling",
     "expected_output": "scheduling", "next_token": "scheduling",
     "Proxy": "strict", "StrictContracts": "strict", "contract_names": "strict",

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
 from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.bench.workloads import BenchRequest, latency_1, random_64
 
 
@@ -24,6 +27,9 @@ def add_parser(sub, name: str) -> None:
         p.add_argument("--hf-batch-size", type=int, default=16)
         p.add_argument("--hf-batches", type=int, default=None,
                        help="run only the first N HF batches (the ratio uses tokens/s, so a subset still compares)")
+        p.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="constrain every request's output to this JSON schema (structured outputs; each request "
+                            "then ends where its JSON does, or at its output length)")
         p.set_defaults(func=run_throughput)
     else:
         p = sub.add_parser("latency", help="W3: one request, 128 prompt + 128 output tokens; pagoda vs HF batch 1")
@@ -66,19 +72,52 @@ def _make_llm(ns: argparse.Namespace):
     return llm
 
 
-def _params(n_out: int):
-    from pagoda.sampling_params import SamplingParams
+def _params(n_out: int, json_schema: Optional[dict] = None):
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
+    if json_schema is not None:  # the JSON ends the output (with EOS) where the schema lets it
+        return SamplingParams(temperature=0.0, max_tokens=n_out,
+                              structured_outputs=StructuredOutputsParams(json=json_schema))
     return SamplingParams(temperature=0.0, max_tokens=n_out, min_tokens=n_out, ignore_eos=True)
 
 
-def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
-    """Submit every request at once and step to completion; tracks KV use at its peak."""
+def _load_schema(path: Optional[str]) -> Optional[dict]:
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--json-schema {path}: cannot read a JSON schema from it ({exc}); pass a file holding "
+                          "one JSON schema object") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"--json-schema {path} holds a {type(schema).__name__}, not a JSON schema object")
+    return schema
+
+
+def _print_compile_times(llm, json_schema: dict) -> None:
+    """The schema's compile time, cold and cached (after the backend's one-off set-up on another schema)."""
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    so = llm.engine.structured_outputs
+    t0 = time.perf_counter()
+    setup = so.compiled(StructuredOutputsParams(json_object=True))  # builds the backend's tokenizer tables
+    t1 = time.perf_counter()
+    so.compiled(StructuredOutputsParams(json=json_schema))
+    t2 = time.perf_counter()
+    so.compiled(StructuredOutputsParams(json=json_schema))
+    t3 = time.perf_counter()
+    print(f"JSON schema on every request ({setup.backend_name}): backend set-up {(t1 - t0) * 1e3:.0f} ms, "
+          f"compile cold {(t2 - t1) * 1e3:.1f} ms, cached {(t3 - t2) * 1e3:.3f} ms")
+
+
+def run_pagoda(llm, requests: list[BenchRequest], json_schema: Optional[dict] = None) -> tuple[Result, dict]:
+    """Submit every request at once and step to completion; tracks KV use at its peak (and, under a JSON
+    schema, the seconds each step spent filling and applying the token mask)."""
     engine = llm.engine
     for i, r in enumerate(requests):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len))
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len, json_schema))
     kv, sched = engine.kv_manager, engine.scheduler
-    peak = {"blocks": 0, "tokens": 0, "steps": []}
+    peak = {"blocks": 0, "tokens": 0, "steps": [], "mask": []}
 
     class StepRecorder:
         """Per step: linear-layer tokens and LM-head rows (for the roofline), and KV use at its peak."""
@@ -89,6 +128,9 @@ def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
         def after_step(self, engine, sched_out, result, seconds) -> None:
             peak["steps"].append((sched_out.num_batched_tokens,
                                   sum(r.num_output_tokens for r in sched_out.requests) - self.outputs_before))
+            if sched_out.grammar_rows:
+                peak["mask"].append((len(sched_out.grammar_rows), engine.structured_outputs.last_fill_seconds,
+                                     engine.runner.timings.get("grammar", 0.0)))
             held_blocks = sum(kv.num_blocks_held(r.request_id) for r in sched.running)
             if held_blocks > peak["blocks"]:
                 peak.update(blocks=held_blocks, tokens=sum(r.num_computed_tokens for r in sched.running))
@@ -102,7 +144,9 @@ def run_pagoda(llm, requests: list[BenchRequest]) -> tuple[Result, dict]:
     finally:
         engine.observers.remove(recorder)
     seconds = time.perf_counter() - start
-    return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)), peak
+    # the tokens the sequences produced (all of output_len each, unless a JSON schema ended them sooner)
+    num_output = sum(new for _, new in peak["steps"])
+    return Result(seconds, sum(len(r.prompt_token_ids) for r in requests), num_output), peak
 
 
 def run_hf(llm, ns: argparse.Namespace, kind: str, requests: list[BenchRequest], **extra) -> dict:
@@ -190,11 +234,18 @@ def run_throughput(ns: argparse.Namespace) -> int:
     _print_header(llm)
     print(f"W1: {len(requests)} requests, {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.output_len for r in requests)} output tokens")
-    run_pagoda(llm, requests[:4])  # warm-up
-    mine, peak = run_pagoda(llm, requests)
+    json_schema = _load_schema(ns.json_schema)
+    if json_schema is not None:
+        _print_compile_times(llm, json_schema)
+    run_pagoda(llm, requests[:4], json_schema)  # warm-up
+    mine, peak = run_pagoda(llm, requests, json_schema)
     waste = 1 - peak["tokens"] / max(1, peak["blocks"] * llm.engine.config.cache.block_size)
     print(f"pagoda: {mine.seconds:8.2f} s  {mine.output_tps:8.1f} output tok/s  {mine.total_tps:8.1f} total tok/s")
     print(f"KV cache at peak: {peak['blocks']} blocks hold {peak['tokens']} tokens -> waste {waste:.1%}")
+    if peak["mask"]:
+        rows, fill, apply = (sum(x) / len(peak["mask"]) for x in zip(*peak["mask"]))
+        print(f"JSON schema mask: {len(peak['mask'])} steps, mean {rows:.1f} rows: fill {fill * 1e3:.2f} ms + apply "
+              f"{apply * 1e3:.2f} ms per step ({(fill + apply) * len(peak['mask']) / mine.seconds:.1%} of the run)")
     _print_speculation(llm)
     from pagoda.plugins.entrypoints.bench.roofline import measure_roofline, report
 

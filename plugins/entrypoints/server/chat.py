@@ -16,6 +16,7 @@ from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_re
                                                        unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
+from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -67,7 +68,13 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     else:
         max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_tokens)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    params = tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs))
+    structured_outputs, field = structured_outputs_of(body)
+    if structured_outputs is not None and tooling.is_forced:
+        raise APIError(400, f"tool_choice {body.tool_choice!r} holds the answer to the tool calls' schema, so it "
+                            f"cannot be combined with {field}; send one of them", param="tool_choice")
+    await check_compiles(ctx.engine, structured_outputs, field)
+    params = tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
+                                                    structured_outputs))
     request_id = new_id("chatcmpl")
     try:
         gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,

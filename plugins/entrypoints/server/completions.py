@@ -20,6 +20,7 @@ from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_re
                                                        now_s, output_error, prompt_logprobs_json,
                                                        unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
+from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
@@ -61,7 +62,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
 
     engine_prompts, first_texts = await ctx.run_tokenizer(tokenize)
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
-    params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top)
+    structured_outputs, field = structured_outputs_of(body)
+    await check_compiles(ctx.engine, structured_outputs, field)
+    params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs)
     request_id = new_id("cmpl")
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream)
     await unless_disconnected(request, gen.start())

@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from pagoda.plugins.entrypoints.server.structured import ResponseFormat, StructuredOutputFields
 from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
 
 MAX_N = 16  # sequences per request
@@ -51,8 +52,8 @@ _IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "prediction", "moda
                         "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation")
 
 
-class SamplingFields(_Body):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(StructuredOutputFields):
+    """Fields shared by completions and chat completions (the structured-output ones in ``structured.py``)."""
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -146,10 +147,6 @@ class NamedFunction(_Body):
 class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
-
-
-class ResponseFormat(_Body):
-    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):

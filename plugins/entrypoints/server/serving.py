@@ -21,7 +21,7 @@ from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagoda.server")
 
@@ -112,9 +112,11 @@ def longest_token_chars(tokenizer) -> int:
 
 
 def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int],
-                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                         prompt_logprobs: Optional[int] = None,
+                         structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
     """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field
-    (``SamplingParams`` checks every range, ``min_tokens <= max_tokens`` too)."""
+    (``SamplingParams`` checks every range, ``min_tokens <= max_tokens`` too). ``structured_outputs``: the
+    request's constraint (``structured.structured_outputs_of``)."""
     logit_bias = None
     if body.logit_bias:
         try:
@@ -144,6 +146,7 @@ def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Option
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         priority=body.priority,
+        structured_outputs=structured_outputs,
     )
 
 

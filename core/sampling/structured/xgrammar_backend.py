@@ -1,0 +1,105 @@
+"""The ``xgrammar`` structured-output backend (PyPI ``xgrammar``): JSON schemas, regexes, EBNF and Lark
+grammars compiled to a token-level pushdown automaton; masks are filled from its precomputed token tables."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Optional
+
+import torch
+
+from pagoda.config import ModelConfig
+from pagoda.errors import BackendUnavailable, InvalidRequestError
+from pagoda.sampling.structured.spec import is_ebnf, kind_of, param_of, schema_of
+from pagoda.sampling_params import StructuredOutputsParams
+
+
+# what xgrammar drops from a string schema that has a format
+_FORMAT_OVERRIDES = ("minLength", "maxLength", "pattern")
+
+
+def _subschemas(node: Any) -> Iterator[dict]:
+    """Every dict inside a schema (the subschemas among them), depth first."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _subschemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _subschemas(value)
+
+
+class XgrammarBackend:
+    """Compiles with one ``xgrammar.GrammarCompiler`` for the model's tokenizer (pagoda keeps the cache)."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        try:
+            import xgrammar
+        except ImportError:
+            raise BackendUnavailable("the xgrammar structured-output backend needs the xgrammar package: "
+                                     "pip install xgrammar") from None
+        self._xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_config.vocab_size,
+                                                       stop_token_ids=list(eos_token_ids))
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def supports(self, spec: StructuredOutputsParams) -> Optional[str]:
+        if spec.json is None:
+            return None
+        for node in _subschemas(schema_of(spec)):
+            if "format" in node and any(k in node for k in _FORMAT_OVERRIDES):
+                keys = ", ".join(k for k in _FORMAT_OVERRIDES if k in node)
+                return (f"xgrammar applies a string's format ({node['format']!r}) and ignores its {keys}, so the "
+                        "output could break the schema")
+        return None
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        kind = kind_of(spec)
+        try:
+            if kind in ("json", "json_object"):
+                # one space after ',' and ':' and none elsewhere: a model cannot loop on whitespace
+                return self.compiler.compile_json_schema(json.dumps(schema_of(spec)), any_whitespace=False,
+                                                         strict_mode=kind == "json")
+            if kind == "regex":
+                return self.compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            if is_ebnf(spec.grammar):
+                return self.compiler.compile_grammar(spec.grammar)
+            return self.compiler.compile_lark(spec.grammar)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types for bad input
+            raise InvalidRequestError(f"{param_of(spec)} does not compile with xgrammar: "
+                                      f"{str(exc).strip() or type(exc).__name__}", param=param_of(spec)) from None
+
+    def new_matcher(self, compiled: Any) -> "XgrammarMatcher":
+        return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))
+
+
+class XgrammarMatcher:
+    """One sequence's ``xgrammar.GrammarMatcher``."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for i, token_id in enumerate(token_ids):
+            if not self.matcher.accept_token(token_id):
+                if i:
+                    self.matcher.rollback(i)
+                return False
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def may_end(self) -> bool:
+        return self.matcher.is_completed()
