@@ -7,7 +7,9 @@ it over.
 
 from __future__ import annotations
 
+
 import asyncio
+import json
 import time
 
 import httpx
@@ -220,11 +222,9 @@ BAD_INPUT = [
      "not stored"),
     ("background", {"input": "Hi", "background": True}, "background", "not served"),
     ("conversation", {"input": "Hi", "conversation": "conv_1"}, "conversation", "previous_response_id"),
-    ("json-schema-without-backend", {"input": "Hi", "text": {"format": {
-        "type": "json_schema", "name": "answer", "schema": {"type": "object"}, "strict": True}}},
-     "text.format", "structured outputs"),
-    ("json-object-without-backend", {"input": "Hi", "text": {"format": {"type": "json_object"}}}, "text.format",
-     "structured outputs"),
+    ("json-schema-that-is-no-schema", {"input": "Hi", "text": {"format": {
+        "type": "json_schema", "name": "answer", "schema": {"type": "no-such-type"}, "strict": True}}},
+     "text.format", "schema"),
     ("json-schema-without-schema", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "a"}}},
      "text.format.json_schema.schema", "required"),
     ("unknown-model", {"input": "Hi", "model": "gpt-5"}, "model", "does not exist"),
@@ -237,6 +237,20 @@ def test_bad_input_gets_a_4xx_that_names_the_field(http, body, param, words):
     assert resp.status_code == (404 if param == "model" else 400), resp.text
     error = resp.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_text_format_holds_the_output_to_its_json_schema(client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    response = client.responses.create(model=MODEL, input="Name a large city and its population.",
+                                       max_output_tokens=60, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                                        "strict": True}})
+    assert response.status == "completed", response.incomplete_details
+    jsonschema.validate(json.loads(response.output_text), schema)
 
 
 def test_tools_are_refused_through_the_openai_client_unless_tool_choice_is_none(client):

@@ -296,7 +296,10 @@ def _in_responses_terms() -> Iterator[None]:
         message = exc.message if isinstance(exc, APIError) else str(exc)
         for old in ("max_tokens", "structured_outputs"):
             message = re.sub(rf"\b{old}\b", _FIELD_NAMES[old], message)
-        raise APIError(400, message, param=_FIELD_NAMES.get(exc.param, exc.param)) from None
+        param = exc.param
+        if param is not None and param.startswith("structured_outputs"):
+            param = _FIELD_NAMES["structured_outputs"]  # structured_outputs.json and the like: text.format
+        raise APIError(400, message, param=_FIELD_NAMES.get(param, param)) from None
 
 
 def _token_logprobs(c: CompletionOutput, num_top: int) -> list[dict]:
