@@ -21,8 +21,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
-from tool_calling_helpers import (HERMES_TEMPLATE, NEEDS_STRUCTURED_OUTPUTS, TOOLS, WEATHER_TOOL,
-                                  structured_outputs_available)
+from tool_calling_helpers import HERMES_TEMPLATE, TOOLS, WEATHER_TOOL
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = [("Paris", "18 degrees, sunny"), ("London", "12 degrees, rain")]
@@ -152,15 +151,14 @@ def test_the_tools_reach_the_template(client, server):
 # ---- required and named functions ---------------------------------------------------------------------
 
 
-@pytest.mark.skipif(structured_outputs_available(), reason="the engine serves structured outputs")
-def test_required_says_what_it_needs_while_the_engine_has_no_structured_outputs(client):
+def test_required_with_a_tool_schema_that_does_not_compile_is_a_400_on_tool_choice(client):
+    broken = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "no-such-type"}}}]
     with pytest.raises(openai.BadRequestError) as caught:
-        chat(client, messages=weather_history(), tools=TOOLS, tool_choice="required")
+        chat(client, messages=weather_history(), tools=broken, tool_choice="required")
     error = caught.value.body
     assert error["param"] == "tool_choice" and "is enforced with structured outputs" in error["message"]
 
 
-@pytest.mark.skipif(not structured_outputs_available(), reason=NEEDS_STRUCTURED_OUTPUTS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_makes_the_model_call_a_tool_with_arguments_that_fit_its_schema(client, stream):
     import jsonschema
@@ -183,7 +181,6 @@ def test_required_makes_the_model_call_a_tool_with_arguments_that_fit_its_schema
         jsonschema.validate(json.loads(arguments), schemas[name])
 
 
-@pytest.mark.skipif(not structured_outputs_available(), reason=NEEDS_STRUCTURED_OUTPUTS)
 def test_a_named_function_is_the_one_called(client):
     resp = chat(client, messages=PLAIN, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
                 max_tokens=60)

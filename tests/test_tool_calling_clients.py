@@ -18,9 +18,8 @@ from pydantic import BaseModel, Field
 from pagoda import LLM
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
-from tool_calling_helpers import HERMES_TEMPLATE, NEEDS_STRUCTURED_OUTPUTS, structured_outputs_available
+from tool_calling_helpers import HERMES_TEMPLATE
 
-pytestmark = pytest.mark.skipif(not structured_outputs_available(), reason=NEEDS_STRUCTURED_OUTPUTS)
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -3,10 +3,7 @@ pagoda's engine serves structured outputs (``tool_choice`` ``required`` and name
 
 from __future__ import annotations
 
-import functools
 
-from pagoda.errors import InvalidRequestError
-from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now",
@@ -52,28 +49,3 @@ For each call, answer with a JSON object in <tool_call></tool_call> tags:
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
-
-
-@functools.lru_cache(maxsize=None)
-def structured_outputs_available() -> bool:
-    """Whether this pagoda's engine accepts a JSON schema in ``structured_outputs``: asked of the request limits
-    every request passes (which refuse them while no backend exists), then of an engine on dummy weights."""
-    from pagoda.engine.request_limits import RequestLimits
-
-    params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    limits = RequestLimits(max_model_len=64, vocab_size=100, num_blocks=8, blocks_needed=lambda n: 1)
-    try:
-        limits.check([1, 2, 3], params)
-        from pagoda import LLM
-
-        LLM(load_format="dummy", max_model_len=128, kv_cache_memory_bytes=8 << 20, cpu_threads=1).generate(
-            "Hi", params, use_tqdm=False)
-    except InvalidRequestError as exc:
-        if (exc.param or "").startswith("structured_outputs"):
-            return False
-        raise
-    return True
-
-
-NEEDS_STRUCTURED_OUTPUTS = "tool_choice required and named functions are enforced by structured outputs, which " \
-                           "this engine has no backend for yet"
