@@ -56,9 +56,13 @@ def test_health_and_metrics_answer_in_their_documented_media_types(server):
 @pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed (pip install -e '.[test]')")
 def test_schemathesis_finds_no_5xx_and_no_answer_outside_the_document(server, tmp_path):
     # a fuzzed id never names a stored response, so these operations can only answer their documented 404;
-    # schemathesis would warn that its cases never got further
+    # schemathesis would warn that its cases never got further. Chat and /tokenize have rules between fields
+    # that a schema cannot state (tool_choice "auto" needs the server's tool-call flags, a tool message needs
+    # its tool_call_id, /tokenize takes exactly one of prompt and messages), so most fuzzed bodies get a 400
+    # there, and it would warn about that too; the checks themselves still run on every case
     config = tmp_path / "schemathesis.toml"
-    config.write_text('[[operations]]\ninclude-path = "/v1/responses/{response_id}"\nwarnings = false\n')
+    config.write_text("".join(f'[[operations]]\ninclude-path = "{path}"\nwarnings = false\n\n' for path in
+                              ("/v1/responses/{response_id}", "/v1/chat/completions", "/tokenize")))
     # a fixed seed and a bounded number of cases per operation, so the run takes the same ~20 s every time
     run = subprocess.run([SCHEMATHESIS, "--config-file", str(config), "run", server.url + "/openapi.json",
                           "--phases", "fuzzing", "--max-examples", "20", "--seed", "1", "--checks", CHECKS,

@@ -295,11 +295,12 @@ class LLMEngine:
                 return []
             result = RunnerOutput.empty(0)  # nothing ran, but preemptions and failures are committed
         if self.stats is None:
-            return self.scheduler.update(sched, result)
-        before = [r.num_output_tokens for r in sched.requests]
-        progressed = self.scheduler.update(sched, result)
-        num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))
-        self.stats.on_step(sched, progressed, time.monotonic(), num_new)
+            progressed = self.scheduler.update(sched, result)
+        else:
+            before = [r.num_output_tokens for r in sched.requests]
+            progressed = self.scheduler.update(sched, result)
+            num_new = sum(r.num_output_tokens - b for r, b in zip(sched.requests, before))
+            self.stats.on_step(sched, progressed, time.monotonic(), num_new)
         if self.spec_stats is not None:
             for k, tokens in zip(result.num_draft_tokens, result.sampled_token_ids):
                 if k:
