@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineStepError
 from pagoda.errors import InvalidRequestError
+from engine_helpers import wait_until_cache_is_free
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -45,12 +45,8 @@ async def collect(aengine, rid, prompt, params=GREEDY):
 
 
 def assert_engine_clean(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.kv_manager.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{engine.num_blocks - engine.kv_manager.num_free_blocks} KV blocks still held")
+    if not wait_until_cache_is_free(engine, timeout):
+        raise AssertionError(f"{engine.num_blocks - engine.kv_manager.num_free_blocks} KV blocks still held")
 
 
 def test_streamed_outputs_grow_token_by_token_and_end_as_offline_generate_does(llm, reference):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
+from engine_helpers import wait_until_cache_is_free
 
 API_KEY = "sk-pagoda-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -73,16 +73,6 @@ def server(llm, offline):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def wait_until_cache_is_free(llm, timeout=10.0):
-    engine = llm.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.kv_manager.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_completion_returns_the_offline_greedy_text_and_usage(client, offline):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
+from engine_helpers import wait_until_cache_is_free
 
 API_KEY = "sk-pagoda-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -74,16 +74,6 @@ def client(server):
 def http(server):
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
         yield c
-
-
-def wait_until_cache_is_free(llm, timeout=10.0):
-    engine = llm.engine
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if engine.kv_manager.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_text_input_cut_by_max_output_tokens_is_an_incomplete_response_with_the_chat_greedy_text(client, offline):
