@@ -82,6 +82,8 @@ class SchedulerConfig:
     max_waiting_tokens: Optional[int] = None
     # draft slots a decoding request may get per step (speculative decoding; 0 = off)
     num_speculative_tokens: int = 0
+    # the ``fair`` policy's tenant weights: (tenant, weight) pairs; a tenant not listed weighs 1
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class Sequence:
     priority: int = 0
     parent_id: Optional[str] = None
     seed: Optional[int] = None
+    # who sent it, as the server identifies clients (the ``fair`` policy shares the engine between tenants)
+    tenant: Optional[str] = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

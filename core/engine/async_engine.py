@@ -140,7 +140,8 @@ class AsyncLLMEngine:
 
     def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                  priority: Optional[int] = None, check_capacity: bool = True,
-                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> RequestStream:
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                 tenant: Optional[str] = None) -> RequestStream:
         """Queue a request now; iterate the result for its outputs (cumulative ones unless ``output_kind``
         says otherwise) until it finishes.
 
@@ -174,7 +175,8 @@ class AsyncLLMEngine:
                         raise compiling.exception()  # a constraint that does not compile: the request's 400
                     if request_id not in self._streams:
                         return None, []  # closed while its constraint compiled: its abort has already run
-                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=None)
+                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=None,
+                                        tenant=tenant)
                 group = self.engine.requests.parents[request_id]
                 return group.prompt, group.prompt_token_ids
             finally:

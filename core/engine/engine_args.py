@@ -38,6 +38,21 @@ def _host_field(option: HostOption) -> tuple[Any, Any]:
 HostOptions = create_model("HostOptions", **{option.name: _host_field(option) for option in HOST_OPTIONS})
 
 
+def parse_tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """``"alice=2,bob=0.5"`` as ``(("alice", 2.0), ("bob", 0.5))``; ValueError saying what is wrong."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, weight = item.rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not name.strip() or not value > 0 or value == float("inf"):
+            raise ValueError(f"tenant weight {item!r} is not name=weight with a positive number (e.g. alice=2)")
+        pairs.append((name.strip(), value))
+    return tuple(pairs)
+
+
 class EngineArgs(HostOptions):
     """The engine's options, flat, named like vLLM's flags (``--max-model-len`` is ``max_model_len``); the host
     settings among them come from ``HostOptions``."""
@@ -75,6 +90,9 @@ class EngineArgs(HostOptions):
     kv_offload_disk_size: float = Field(default=0.0, ge=0, description=(
         "GiB the --kv-offload-disk files may take; the least recently used go first"))
     scheduling_policy: str = "fcfs"
+    tenant_weights: Optional[str] = Field(default=None, description=(
+        "the fair scheduling policy's tenant weights, name=weight pairs separated by commas (a tenant weighing 2 "
+        "gets twice the service of one weighing 1; unlisted tenants weigh 1)"))
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
     enable_chunked_prefill: bool = True
@@ -109,6 +127,13 @@ class EngineArgs(HostOptions):
     def _block_size_power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @field_validator("tenant_weights")
+    @classmethod
+    def _check_tenant_weights(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            parse_tenant_weights(v)
         return v
 
     @field_validator("kv_cache_dtype")
@@ -286,6 +311,7 @@ class EngineArgs(HostOptions):
             max_waiting_requests=self.max_waiting_requests,
             max_waiting_tokens=self.max_waiting_tokens,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+            tenant_weights=parse_tenant_weights(self.tenant_weights) if self.tenant_weights else (),
         )
         device = self.device
         if device == "auto":

@@ -109,9 +109,11 @@ class LLMEngine:
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, priority: Optional[int] = None,
-                    output_kind: Optional[RequestOutputKind] = RequestOutputKind.CUMULATIVE) -> str:
+                    output_kind: Optional[RequestOutputKind] = RequestOutputKind.CUMULATIVE,
+                    tenant: Optional[str] = None) -> str:
         """Validate and queue a request. Raises InvalidRequestError, leaving the engine untouched.
 
+        ``tenant``: who sent it (the ``fair`` scheduling policy shares the engine between tenants).
         ``output_kind``: what :meth:`step` returns for the request (cumulative outputs by default); None when
         the caller makes its outputs itself from :meth:`step_engine_outputs`.
         """
@@ -130,7 +132,7 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
-                                    parent_id=request_id, seed=seed))
+                                    parent_id=request_id, seed=seed, tenant=tenant))
             if grammar is not None:
                 children[-1].grammar = grammar.new_matcher()  # each sequence its own place in the grammar
         self.requests.add(request_id, text, token_ids, children)  # also gives stop strings their detokenizer

@@ -252,8 +252,10 @@ def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index
     params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
     parent = f"p{index}"
     priority = _priority(rng, index)
-    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, priority, parent_id=parent)
-                for i in range(n)]
+    # a few tenants (and requests with none), from the index so the streams' random draws stay as they were
+    tenant = None if index % 4 == 0 else "abc"[index % 3]
+    children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, priority, parent_id=parent,
+                         tenant=tenant) for i in range(n)]
     for child in children:
         scheduler.add_request(child)
     return children

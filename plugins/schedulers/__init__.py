@@ -6,6 +6,7 @@ from pagoda.markers import hookimpl
 @hookimpl
 def pagoda_schedulers():
     from pagoda.plugins.schedulers.base import FCFSScheduler
+    from pagoda.plugins.schedulers.fair import FairScheduler
     from pagoda.plugins.schedulers.priority import PriorityScheduler
 
-    return {"fcfs": FCFSScheduler, "priority": PriorityScheduler}
+    return {"fcfs": FCFSScheduler, "priority": PriorityScheduler, "fair": FairScheduler}

@@ -61,6 +61,9 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format the model writes tool calls in: a pagoda_tool_parsers component (built-in: "
                         "hermes, llama3_json; `pagoda plugins` lists all)")
+    p.add_argument("--tenant-source", default="api-key", choices=["api-key", "header", "user"],
+                   help="who a request counts for under --scheduling-policy fair: its API key (a digest of the "
+                        "bearer token), its x-pagoda-tenant header, or the body's user field (default %(default)s)")
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
@@ -114,7 +117,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                     default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
                     max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
-                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+                    enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                    tenant_source=ns.tenant_source)
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

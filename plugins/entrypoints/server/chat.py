@@ -78,7 +78,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = new_id("chatcmpl")
     try:
         gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                         body.priority, stream=body.stream)
+                         body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body))
         await unless_disconnected(request, gen.start())
     except InvalidRequestError as exc:
         raise tooling.explain_refusal(exc) from None

@@ -66,7 +66,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     await check_compiles(ctx.engine, structured_outputs, field)
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs)
     request_id = new_id("cmpl")
-    gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream)
+    gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,
+                     tenant=ctx.tenant_of(request, body))
     await unless_disconnected(request, gen.start())
     echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
             for i, p in enumerate(engine_prompts)] if body.echo else None

@@ -76,7 +76,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
                                 logprobs=record.num_top_logprobs, structured_outputs=_structured_outputs(body))
         gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                         priority=0, stream=bool(body.stream))
+                         priority=0, stream=bool(body.stream), tenant=ctx.tenant_of(request, body))
         await unless_disconnected(request, gen.start())
     ignored = body.ignored_fields()
     headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import time
@@ -32,6 +33,11 @@ class ClientGone(Exception):
     """The client closed the connection; its requests were aborted."""
 
 
+# the header that names a request's tenant with --tenant-source header, and the characters of a tenant name kept
+TENANT_HEADER = "x-pagoda-tenant"
+TENANT_SOURCES = ("api-key", "header", "user")
+MAX_TENANT_CHARS = 64
+
 @dataclass
 class ServingContext:
     """The engine plus the facts every handler checks requests against.
@@ -53,6 +59,24 @@ class ServingContext:
     logged_ignored_fields: set[str] = field(default_factory=set)
     # what `pagoda serve` was told about tool calls (a pagoda.plugins.entrypoints.server.tools.ToolCallingOptions)
     tool_options: Any = field(default=None)
+    # where a request's tenant comes from (see tenant_of): "api-key", "header" or "user"
+    tenant_source: str = "api-key"
+
+    def tenant_of(self, request: Any, body: Any = None) -> Optional[str]:
+        """The tenant a request counts for (the ``fair`` scheduling policy shares the engine between tenants):
+        by ``tenant_source``, its ``x-pagoda-tenant`` header (``header``), the body's ``user`` field (``user``),
+        or ``key:`` and the first 16 hex digits of the SHA-256 of its ``Authorization`` header (``api-key``: no
+        key is ever kept). None when the request has none: such requests share one tenant."""
+        if self.tenant_source == "user":
+            user = getattr(body, "user", None)
+            return user[:MAX_TENANT_CHARS] if user else None
+        if self.tenant_source == "header":
+            name = request.headers.get(TENANT_HEADER)
+            return name[:MAX_TENANT_CHARS] if name else None
+        auth = request.headers.get("authorization", "")
+        if not auth:
+            return None
+        return "key:" + hashlib.sha256(auth.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     @classmethod
     def for_engine(cls, engine: AsyncLLMEngine, default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS

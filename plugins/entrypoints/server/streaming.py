@@ -27,7 +27,7 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
-                 priority: int, stream: bool) -> None:
+                 priority: int, stream: bool, tenant: Optional[str] = None) -> None:
         # the prompts of one request are admitted together
         max_model_len = engine.engine.config.model.max_model_len
         engine.check_capacity(params.n * len(prompts),
@@ -35,7 +35,7 @@ class Generation:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self.serving_stats = engine.serving_stats
         self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False,
-                                     output_kind=kind) for i, p in enumerate(prompts)]
+                                     output_kind=kind, tenant=tenant) for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
 
     async def start(self) -> None:

@@ -1,0 +1,131 @@
+"""``fair``: the engine shared between tenants by the service each has received.
+
+Each tenant (``Sequence.tenant``: who sent the request, as the server identifies it; None is one tenant of its
+own) has a virtual token counter: the prompt tokens computed for it plus twice the tokens it was given, divided
+by its weight (``SchedulerConfig.tenant_weights``, 1 by default). This is the virtual-token-counter policy of
+Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), on the token-budget scheduler:
+
+- waiting requests start in the order of their tenant's counter, lowest first (arrival order within a tenant);
+- a tenant that comes back after a pause starts from the lowest counter among the tenants being served, not
+  from the counter it had when it left, so a pause is not saved up to flood the engine later;
+- running sequences get each step's budget in the same order, so when the budget is short the tenant served
+  least goes first;
+- a tenant kept waiting while the batch has no seat or block left for it takes a seat from the tenant holding
+  the most seats beyond its weighted share (``max_num_seqs`` split over the tenants with work), newest
+  sequence first. No sequence is preempted for a tenant that already holds its share.
+
+With one tenant it schedules as ``fcfs`` does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+from pagoda.sequence import Sequence
+from pagoda.step import RunnerOutput, SchedulerOutput
+
+# the cost of a token, in counter units: an output token costs more than a prompt token (it takes a whole step)
+PROMPT_TOKEN_COST = 1.0
+OUTPUT_TOKEN_COST = 2.0
+
+
+class FairScheduler(TokenBudgetScheduler):
+    """Virtual-token-counter fairness between tenants (see the module docstring)."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_manager) -> None:
+        super().__init__(scheduler_config, cache_config, kv_manager)
+        self.weights: dict[Optional[str], float] = dict(scheduler_config.tenant_weights)
+        # counters of tenants seen (a tenant with no work left keeps its entry until it comes back)
+        self.service: dict[Optional[str], float] = {}
+        # live sequences (waiting, running or swapped) per tenant
+        self._live: Counter = Counter()
+
+    def weight(self, tenant: Optional[str]) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    # ---- accounting --------------------------------------------------------------------------------
+
+    def add_request(self, request: Sequence) -> None:
+        tenant = request.tenant
+        if not self._live[tenant]:
+            # back after a pause (or new): start level with the least-served tenant that has work now
+            active = [self.service[t] for t, n in self._live.items() if n and t != tenant]
+            floor = min(active) if active else 0.0
+            self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
+        self._live[tenant] += 1
+        super().add_request(request)
+
+    def finish(self, req: Sequence, status) -> None:
+        if not req.is_finished:
+            self._live[req.tenant] -= 1
+            if not self._live[req.tenant]:
+                del self._live[req.tenant]
+        super().finish(req, status)
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
+        service = self.service
+        for req, start, num_new, num_drafts, token_ids in zip(
+                sched.requests, sched.num_computed_before, sched.num_new_tokens, sched.num_draft_slots,
+                result.sampled_token_ids):
+            # prompt positions computed this step, and the tokens the step gave the request
+            num_prompt = max(0, min(start + num_new - num_drafts, req.num_prompt_tokens) - start)
+            cost = PROMPT_TOKEN_COST * num_prompt + OUTPUT_TOKEN_COST * len(token_ids)
+            if cost:
+                service[req.tenant] = service.get(req.tenant, 0.0) + cost / self.weight(req.tenant)
+        return super().update(sched, result)
+
+    def _counter(self, req: Sequence) -> float:
+        return self.service.get(req.tenant, 0.0)
+
+    # ---- policy ------------------------------------------------------------------------------------
+
+    def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
+        if len(self._live) < 2:
+            return waiting
+        # least served first; on a tie the tenant holding fewer seats; work preempted in this step last (it may
+        # not start again before the step is committed). sorted() is stable: within a tenant the queue's own
+        # order (preempted work first, then arrival) stays
+        seats = Counter(r.tenant for r in self.running)
+        preempted = self._preempted_now
+        return sorted(waiting, key=lambda r: (r.request_id in preempted, self._counter(r), seats[r.tenant]))
+
+    def _running_order(self) -> list[Sequence]:
+        order = super()._running_order()
+        if len(self._live) < 2:
+            return order
+        return sorted(order, key=self._counter)
+
+    def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
+        if len(self._live) < 2 or not self.waiting or not self.running:
+            return
+        head = self.order_waiting(self.waiting)[0]
+        if head.request_id in self._preempted_now or not self.may_admit(head):
+            return
+        tenant = head.tenant
+        seats = Counter(r.tenant for r in self.running)
+        total_weight = sum(self.weight(t) for t in self._live)
+        share = {t: self.max_num_seqs * self.weight(t) / total_weight for t in self._live}
+        if seats[tenant] >= share.get(tenant, 0.0):
+            return  # it holds its share: it waits like anyone else
+        while not self._fits(head):
+            over = [t for t in seats if t != tenant and seats[t] > share.get(t, 0.0)]
+            if not over:
+                return
+            donor = max(over, key=lambda t: seats[t] - share[t])
+            victim = self.choose_victim([r for r in self.running if r.tenant == donor])
+            self.preempt(victim, out)
+            seats[donor] -= 1
+
+    def _fits(self, req: Sequence) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+        num_new = self._num_new_tokens(req, self.max_num_batched_tokens, num_cached)
+        return num_new > 0 and self.kv.num_blocks_to_take(req, num_new, computed_blocks) <= self.kv.num_free_blocks
+
+    def tenant_counters(self) -> dict[Optional[str], float]:
+        """Each tenant's service so far, in weighted token units (for metrics and tests)."""
+        return dict(self.service)

@@ -1,0 +1,174 @@
+"""The ``fair`` scheduling policy: tenants share the engine by the service each received (virtual token counters)."""
+
+import pytest
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.errors import ConfigError
+from pagoda.kv.blocks import PagedKVCacheManager
+from pagoda.plugins.schedulers.fair import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairScheduler
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence
+from pagoda.step import RunnerOutput
+from pagoda.testing import check_scheduler
+
+
+def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64):
+    sched_cfg = SchedulerConfig(policy="fair", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                max_model_len=256, enable_chunked_prefill=True, long_prefill_token_threshold=0,
+                                max_waiting_requests=None, tenant_weights=weights)
+    cache_cfg = CacheConfig(4, 0, "auto", False, num_blocks, 0, "recompute", "paged")
+    return FairScheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False))
+
+
+_ids = iter(range(10 ** 6))
+
+
+def seq(tenant, prompt_len=4, max_tokens=50):
+    return Sequence(f"r{next(_ids)}", list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens,
+                    ignore_eos=True), tenant=tenant)
+
+
+def step(s):
+    out = s.schedule()
+    result = RunnerOutput.empty(len(out.requests))
+    for i, r in enumerate(out.requests):
+        if out.num_computed_before[i] + out.num_new_tokens[i] >= r.num_tokens:
+            result.sampled_token_ids[i] = [7]
+    s.update(out, result)
+    return out
+
+
+def test_fair_passes_the_scheduler_kit():
+    check_scheduler(FairScheduler)
+
+
+def test_one_tenant_schedules_as_fcfs_does():
+    s = make()
+    reqs = [seq("a") for _ in range(12)]
+    for r in reqs:
+        s.add_request(r)
+    out = step(s)
+    assert [r.request_id for r in out.requests] == [r.request_id for r in reqs[:8]]
+    assert not out.preempted
+
+
+def test_a_small_tenant_is_admitted_before_a_flooding_one():
+    s = make(max_num_seqs=4)
+    flood = [seq("heavy") for _ in range(10)]
+    for r in flood:
+        s.add_request(r)
+    for _ in range(3):
+        step(s)
+    light = seq("light")
+    s.add_request(light)
+    out = step(s)
+    # the light tenant had no service: it takes a seat from the tenant holding more than its share at once
+    assert light in out.requests
+    assert out.preempted and all(r.tenant == "heavy" for r in out.preempted)
+    assert sum(r.tenant == "heavy" for r in s.running) == 3
+
+
+def test_no_preemption_for_a_tenant_that_holds_its_share():
+    s = make(max_num_seqs=4)
+    for r in [seq("a"), seq("a"), seq("b"), seq("b")]:
+        s.add_request(r)
+    step(s)
+    s.add_request(seq("b"))
+    out = step(s)
+    assert not out.preempted
+    assert s.num_waiting == 1
+
+
+def test_service_is_counted_in_weighted_tokens():
+    s = make(weights=(("gold", 2.0),))
+    gold, plain = seq("gold", prompt_len=8, max_tokens=3), seq("plain", prompt_len=8, max_tokens=3)
+    s.add_request(gold)
+    s.add_request(plain)
+    step(s)  # the prompts, and the first token of each
+    per_request = PROMPT_TOKEN_COST * 8 + OUTPUT_TOKEN_COST * 1
+    assert s.tenant_counters() == {"gold": pytest.approx(per_request / 2), "plain": pytest.approx(per_request)}
+    step(s)
+    assert s.tenant_counters()["plain"] == pytest.approx(per_request + OUTPUT_TOKEN_COST)
+
+
+def test_waiting_order_follows_the_counters_and_a_returning_tenant_saves_nothing():
+    s = make(max_num_seqs=1)
+    a = seq("a", max_tokens=3)
+    s.add_request(a)
+    while not a.is_finished:
+        step(s)
+    served_a = s.tenant_counters()["a"]
+    # b arrives while c is served: b's counter starts level with c's, not at 0
+    c = seq("c", max_tokens=40)
+    s.add_request(c)
+    for _ in range(5):
+        step(s)
+    b = seq("b")
+    s.add_request(b)
+    assert s.tenant_counters()["b"] == pytest.approx(s.tenant_counters()["c"])
+    # a comes back: it keeps its own (higher) counter or starts level with the others, whichever is more
+    a2 = seq("a")
+    s.add_request(a2)
+    assert s.tenant_counters()["a"] >= served_a
+    assert s.order_waiting(list(s.waiting))[0].tenant in ("b", "a")
+
+
+def test_tenant_weights_are_checked():
+    with pytest.raises(ConfigError, match="tenant weight"):
+        EngineArgs.build(tenant_weights="alice=0")
+    assert EngineArgs(tenant_weights="alice=2, bob=0.5").tenant_weights
+
+
+def test_fair_is_a_registered_policy():
+    from pagoda.registry.plugin_manager import get_plugin_manager
+
+    assert get_plugin_manager().get("pagoda_schedulers", "fair", "scheduling_policy").factory is FairScheduler
+
+
+def test_served_tenants_from_a_header_share_the_engine():
+    """A real server with --scheduling-policy fair --tenant-source header: a tenant sending one short request
+    while another keeps both seats busy is served before the busy tenant's queued requests, with the same
+    greedy text as alone."""
+    import asyncio
+
+    import openai
+
+    from pagoda import LLM
+    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.plugins.entrypoints.server import ServerThread, build_app
+
+    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, scheduling_policy="fair",
+              max_num_seqs=2)
+    alone = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
+                         use_tqdm=False)[0].outputs[0].text
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), tenant_source="header")).start()
+    try:
+        async def run():
+            def client(tenant):
+                return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120,
+                                          default_headers={"x-pagoda-tenant": tenant})
+            heavy, light = client("heavy"), client("light")
+            finished = []
+
+            async def ask(c, name, prompt, n_tokens):
+                resp = await c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, temperature=0,
+                                                  max_tokens=n_tokens, extra_body={"ignore_eos": True})
+                finished.append(name)
+                return resp.choices[0].text
+
+            flood = [asyncio.create_task(ask(heavy, f"heavy{i}", f"Story {i}:", 24)) for i in range(6)]
+            await asyncio.sleep(1.0)  # the heavy tenant holds both seats, four of its requests wait
+            text = await ask(light, "light", "The capital of France is", 4)
+            await asyncio.gather(*flood)
+            return text, finished
+
+        text, finished = asyncio.run(run())
+    finally:
+        srv.stop()
+    assert text == alone
+    # served before the heavy tenant's queued requests: at most the two that held the seats, and the one or
+    # two that took a seat first, finish before it
+    assert finished.index("light") <= 3, finished
+    counters = llm.engine.scheduler.tenant_counters()
+    assert set(counters) >= {"heavy", "light"} and counters["heavy"] > counters["light"]
