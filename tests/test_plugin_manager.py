@@ -87,7 +87,7 @@ def test_builtins_provide_every_documented_component(site):
         "pagoda_model_loaders": {"safetensors", "dummy"},
         "pagoda_model_architectures": {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"},
         "pagoda_kv_allocators": {"paged"},
-        "pagoda_schedulers": {"fcfs", "priority"},
+        "pagoda_schedulers": {"fcfs", "priority", "fair"},
         "pagoda_attention_backends": {"torch"},
         "pagoda_samplers": {"default"},
         "pagoda_structured_output_backends": {"xgrammar", "guidance", "llguidance"},
@@ -235,7 +235,7 @@ def test_an_entry_point_named_like_a_builtin_is_blocked_by_its_distribution_qual
     monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "pagoda-collide:schedulers")  # the third-party one only
     pm = PluginManager().load()
     assert pm.blocked == {"pagoda-collide:schedulers": "pagoda-collide 1.0"}
-    assert pm.names("pagoda_schedulers") == ["fcfs", "priority"]
+    assert pm.names("pagoda_schedulers") == ["fair", "fcfs", "priority"]
     monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers,pagoda-collide:schedulers,fcfs")
     pm = PluginManager().load()
     assert pm.blocked == {"schedulers": BUILTIN_DIST, "pagoda-collide:schedulers": "pagoda-collide 1.0"}
