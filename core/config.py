@@ -84,6 +84,8 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # the ``fair`` policy's tenant weights: (tenant, weight) pairs; a tenant not listed weighs 1
     tenant_weights: tuple[tuple[str, float], ...] = ()
+    # sequences one tenant may have waiting to start (the server answers that tenant 503 beyond it; None: no bound)
+    max_waiting_per_tenant: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def test_fair_is_a_registered_policy():
 def test_served_tenants_from_a_header_share_the_engine():
     """A real server with --scheduling-policy fair --tenant-source header: a tenant sending one short request
     while another keeps both seats busy is served before the busy tenant's queued requests, with the same
-    greedy text as alone."""
+    greedy text as alone; the busy tenant alone is refused (503) beyond --max-waiting-per-tenant."""
     import asyncio
 
     import openai
@@ -139,7 +139,7 @@ def test_served_tenants_from_a_header_share_the_engine():
     from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
     llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, scheduling_policy="fair",
-              max_num_seqs=2)
+              max_num_seqs=2, max_waiting_per_tenant=4)
     alone = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
                          use_tqdm=False)[0].outputs[0].text
     srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), tenant_source="header")).start()
@@ -157,16 +157,22 @@ def test_served_tenants_from_a_header_share_the_engine():
                 finished.append(name)
                 return resp.choices[0].text
 
-            flood = [asyncio.create_task(ask(heavy, f"heavy{i}", f"Story {i}:", 24)) for i in range(6)]
-            await asyncio.sleep(1.0)  # the heavy tenant holds both seats, four of its requests wait
+            flood = [asyncio.create_task(ask(heavy, f"heavy{i}", f"Story {i}:", 24)) for i in range(2)]
+            await asyncio.sleep(1.0)  # the heavy tenant holds both seats...
+            flood += [asyncio.create_task(ask(heavy, f"heavy{i}", f"Story {i}:", 24)) for i in range(2, 6)]
+            await asyncio.sleep(0.5)  # ... and four of its requests wait: as many as it may
+            with pytest.raises(openai.APIStatusError) as refused:  # its queue is full: it alone is refused
+                await ask(heavy, "heavy-refused", "One more:", 4)
             text = await ask(light, "light", "The capital of France is", 4)
             await asyncio.gather(*flood)
-            return text, finished
+            return text, finished, refused.value
 
-        text, finished = asyncio.run(run())
+        text, finished, refused = asyncio.run(run())
     finally:
         srv.stop()
     assert text == alone
+    assert refused.status_code == 503 and "--max-waiting-per-tenant" in refused.message
+    assert int(refused.response.headers["retry-after"]) >= 1
     # served before the heavy tenant's queued requests: at most the two that held the seats, and the one or
     # two that took a seat first, finish before it
     assert finished.index("light") <= 3, finished

@@ -71,6 +71,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests or engine.config.scheduler.max_waiting_requests
         self.max_waiting_tokens = engine.config.scheduler.max_waiting_tokens
+        self.max_waiting_per_tenant = engine.config.scheduler.max_waiting_per_tenant
         self.max_consecutive_failures = max_consecutive_failures
         self.model_name = engine.config.model.served_model_name
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
@@ -163,8 +164,8 @@ class AsyncLLMEngine:
                 compiling.set_exception(exc)
         num_cost_tokens = request_cost_tokens(prompt, params, self.engine.config.model.max_model_len)
         if check_capacity:
-            self.check_capacity(params.n, num_cost_tokens)
-        stream = _Stream(kind=output_kind, num_cost_tokens=num_cost_tokens)
+            self.check_capacity(params.n, num_cost_tokens, tenant)
+        stream = _Stream(kind=output_kind, num_cost_tokens=num_cost_tokens, num_seqs=params.n, tenant=tenant)
         self._streams[request_id] = stream
         self._num_submitted_seqs += params.n
 
@@ -200,10 +201,12 @@ class AsyncLLMEngine:
         if not self._accepting or self._thread is None:
             raise EngineDeadError("the server is shutting down and accepts no new requests")
 
-    def check_capacity(self, num_seqs: int, num_tokens: int = 0) -> None:
+    def check_capacity(self, num_seqs: int, num_tokens: int = 0, tenant: Optional[str] = None) -> None:
         """Raise EngineOverloadedError if ``num_seqs`` more sequences (or ``num_tokens`` more tokens of prompt and
-        output) would overfill the waiting queue; InvalidRequestError if they could never fit it."""
+        output) would overfill the waiting queue, or ``tenant``'s share of it; InvalidRequestError if they could
+        never fit it."""
         self._check_tokens(num_tokens)
+        self._check_tenant(num_seqs, tenant)
         limit = self.max_waiting_requests
         if limit is None:
             return
@@ -218,6 +221,22 @@ class AsyncLLMEngine:
             raise EngineOverloadedError(
                 f"the server is overloaded: {num_waiting} sequences are already waiting and the queue holds "
                 f"at most {limit} (--max-waiting-requests); retry later", self._retry_after(num_waiting))
+
+    def _check_tenant(self, num_seqs: int, tenant: Optional[str]) -> None:
+        limit = self.max_waiting_per_tenant
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise InvalidRequestError(
+                f"this request has {num_seqs} sequences (prompts x n) but the server queues at most {limit} per "
+                "client (--max-waiting-per-tenant); send fewer prompts or a smaller n per request")
+        unstarted = [s for s in self._streams.values() if s.tenant == tenant and not s.has_output and not s.finished]
+        num_waiting = sum(s.num_seqs for s in unstarted)
+        if num_waiting and num_waiting + num_seqs > limit:
+            raise EngineOverloadedError(
+                f"too many requests from this client: {num_waiting} of its sequences are waiting to start and the "
+                f"server queues at most {limit} per client (--max-waiting-per-tenant); retry later",
+                self._retry_after(num_waiting))
 
     def _check_tokens(self, num_tokens: int) -> None:
         limit = self.max_waiting_tokens

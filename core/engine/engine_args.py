@@ -101,6 +101,9 @@ class EngineArgs(HostOptions):
     max_waiting_tokens: Optional[int] = Field(
         default=None, gt=0, description="prompt plus max_tokens, times n, of the requests not yet started, at most "
                                         "(the server answers 503 beyond it; default: no bound)")
+    max_waiting_per_tenant: Optional[int] = Field(
+        default=None, gt=0, description="sequences one tenant (see pagoda serve --tenant-source) may have waiting to "
+                                        "start; beyond it that tenant alone gets 503 (default: no bound)")
     tensor_parallel_size: int = Field(default=1, gt=0, description=(
         "ranks the model is split over (its heads, MLP columns and vocabulary), each a process"))
     distributed_executor_backend: str = Field(default="auto", description=(
@@ -310,6 +313,7 @@ class EngineArgs(HostOptions):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting_requests=self.max_waiting_requests,
             max_waiting_tokens=self.max_waiting_tokens,
+            max_waiting_per_tenant=self.max_waiting_per_tenant,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
             tenant_weights=parse_tenant_weights(self.tenant_weights) if self.tenant_weights else (),
         )

@@ -29,6 +29,8 @@ class _Stream:
     has_output: bool = False  # an output arrived: the request started
     finished: bool = False
     num_cost_tokens: int = 0  # prompt + max_tokens, times n: what admission counts until the first output
+    num_seqs: int = 1  # n: the sequences it adds
+    tenant: Optional[str] = None  # who sent it (per-tenant admission limits)
 
     def put(self, output: EngineOutput) -> None:
         """On the event loop: keep a step's output; wake the reader unless it only wants the final one."""

@@ -31,7 +31,7 @@ class Generation:
         # the prompts of one request are admitted together
         max_model_len = engine.engine.config.model.max_model_len
         engine.check_capacity(params.n * len(prompts),
-                              sum(request_cost_tokens(p, params, max_model_len) for p in prompts))
+                              sum(request_cost_tokens(p, params, max_model_len) for p in prompts), tenant)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self.serving_stats = engine.serving_stats
         self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False,
