@@ -65,7 +65,8 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              target_requests_per_replica=ns.target_requests_per_replica, api_key=ns.api_key,
                              allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                              max_request_bytes=ns.max_request_bytes,
-                             default_max_tokens=default_max_tokens_option(ns.default_max_tokens))
+                             default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
+                             max_request_chars=ns.max_request_chars)
 
 
 def run_replicas(ns: argparse.Namespace) -> int:

@@ -43,14 +43,20 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
               stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
+              tool_call_parser: Optional[str] = None, max_request_chars: Optional[int] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
+    ``max_request_chars``: the characters a request may have in all its prompts or messages, refused with a
+    400 before any tokenizing (None: four times the longest prompt the context can hold, see
+    :data:`~pagoda.plugins.entrypoints.server.serving.REQUEST_CHARS_FACTOR`).
     ``/v1/responses`` keeps up to ``max_stored_responses`` responses in memory (0: none), each for
     ``stored_response_ttl`` seconds after its last use. ``tool_call_parser`` names the ``pagoda_tool_parsers``
     component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
     (an unknown name is a ConfigError listing the parsers)."""
     tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
+    if max_request_chars is not None and max_request_chars < 1:
+        raise ConfigError(f"--max-request-chars {max_request_chars}: give a number of characters >= 1 (leave it out "
+                          "for the default, four times the longest prompt the context can hold)")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -63,6 +69,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
     app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
+    app.state.max_request_chars = max_request_chars  # likewise
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     app.state.tool_calling = tool_calling  # read by the chat route
     install_error_handlers(app)

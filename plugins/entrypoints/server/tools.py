@@ -21,6 +21,7 @@ from typing import Any, Optional
 from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.plugins.entrypoints.server.request_body import MAX_JSON_DEPTH, json_nesting_exceeds
 from pagoda.plugins.entrypoints.tool_parsers.forced import ForcedToolCallParser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
@@ -256,6 +257,9 @@ def template_tool_fields(message: ChatMessage, position: int) -> dict:
 
 
 def _arguments(text: str, param: str) -> Any:
+    if json_nesting_exceeds(text.encode("utf-8")):
+        raise APIError(400, f"{param} nests JSON arrays and objects more than {MAX_JSON_DEPTH} levels deep; send "
+                            "flatter arguments", param=param)
     try:
         return json.loads(text) if text.strip() else {}
     except ValueError as exc:
