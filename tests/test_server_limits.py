@@ -10,7 +10,6 @@ wherever they are.
 
 from __future__ import annotations
 
-import json
 import random
 import string
 import threading

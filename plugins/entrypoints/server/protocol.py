@@ -14,12 +14,12 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field
 
-from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, MAX_ID_CHARS,
-                                                            MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_METADATA_KEY_CHARS,
-                                                            MAX_METADATA_KEYS, MAX_METADATA_VALUE_CHARS,
-                                                            MAX_NAME_CHARS, MAX_PROMPTS, MAX_SHORT_LIST, MAX_STOP,
-                                                            MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS,
-                                                            MAX_TOOL_CALLS, MAX_TOOLS, RequestBody)
+from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, MAX_ID_CHARS, MAX_LOGIT_BIAS,
+                                                            MAX_MESSAGES, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS,
+                                                            MAX_METADATA_VALUE_CHARS, MAX_NAME_CHARS, MAX_PROMPTS,
+                                                            MAX_SHORT_LIST, MAX_STOP, MAX_STOP_CHARS,
+                                                            MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, MAX_TOOL_CALLS,
+                                                            MAX_TOOLS, RequestBody)
 from pagoda.plugins.entrypoints.server.structured import ResponseFormat, StructuredOutputFields
 from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
 
@@ -36,6 +36,8 @@ StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
                           Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
                      Field(max_length=MAX_METADATA_KEYS)]
+TokenIdText = Annotated[str, Field(max_length=24)]  # a token id written as a string: a logit_bias key
+
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
@@ -57,7 +59,7 @@ class SamplingFields(StructuredOutputFields):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[Annotated[dict[Annotated[str, Field(max_length=24)], Annotated[float, Field(ge=-100, le=100)]],
+    logit_bias: Optional[Annotated[dict[TokenIdText, Annotated[float, Field(ge=-100, le=100)]],
                                    Field(max_length=MAX_LOGIT_BIAS)]] = None
     seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Union[None, StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]] = None

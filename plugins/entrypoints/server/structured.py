@@ -10,7 +10,8 @@ from pydantic import Field
 
 from pagoda.errors import InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
-from pagoda.plugins.entrypoints.server.request_body import MAX_CHOICES, MAX_ID_CHARS, MAX_NAME_CHARS, RequestBody
+from pagoda.plugins.entrypoints.server.request_body import (MAX_CHOICES, MAX_ID_CHARS, MAX_JSON_DEPTH, MAX_NAME_CHARS,
+                                                            RequestBody, json_nesting_exceeds)
 from pagoda.sampling_params import StructuredOutputsParams
 
 JSONSchema = Union[str, dict[str, Any]]
@@ -87,6 +88,10 @@ def structured_outputs_of(body: Any) -> tuple[Optional[StructuredOutputsParams],
                             + ", ".join(name for name, _ in found) + "; send only one of them",
                        param=found[1][0])
     field, values = found[0]
+    schema_text = values.get("json")
+    if isinstance(schema_text, str) and json_nesting_exceeds(schema_text.encode("utf-8")):
+        raise APIError(400, f"the JSON schema in {field} nests more than {MAX_JSON_DEPTH} levels deep; send a "
+                            "flatter schema", param=field)
     backend = (so.backend if so is not None else None) or body.guided_decoding_backend
     try:
         return StructuredOutputsParams(**values, backend=backend), field

@@ -41,6 +41,3 @@ class TokenizerTurns:
         for item in items:
             results.append(await self.run(lambda tokenizer, item=item: fn(tokenizer, item)))
         return results
-
-    def shutdown(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
