@@ -19,7 +19,7 @@ from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, M
                                                             MAX_METADATA_VALUE_CHARS, MAX_NAME_CHARS, MAX_PROMPTS,
                                                             MAX_SHORT_LIST, MAX_STOP, MAX_STOP_CHARS,
                                                             MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, MAX_TOOL_CALLS,
-                                                            MAX_TOOLS, RequestBody)
+                                                            MAX_TOOLS, list_bound, RequestBody)
 from pagoda.plugins.entrypoints.server.structured import ResponseFormat, StructuredOutputFields
 from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
 
@@ -30,7 +30,7 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 Identifier = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
-TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
+TokenIds = Annotated[list[TokenId], list_bound(MAX_TOKEN_IDS, min_items=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 # OpenAI's metadata: up to 16 pairs of short strings
 Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
@@ -62,7 +62,7 @@ class SamplingFields(StructuredOutputFields):
     logit_bias: Optional[Annotated[dict[TokenIdText, Annotated[float, Field(ge=-100, le=100)]],
                                    Field(max_length=MAX_LOGIT_BIAS)]] = None
     seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: Union[None, StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]] = None
+    stop: Union[None, StopString, Annotated[list[StopString], list_bound(MAX_STOP)]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[Identifier] = None
@@ -72,7 +72,7 @@ class SamplingFields(StructuredOutputFields):
     repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], list_bound(MAX_STOP_TOKEN_IDS)]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -86,8 +86,8 @@ class SamplingFields(StructuredOutputFields):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)],
-                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]]
+    prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], list_bound(MAX_PROMPTS, min_items=1)],
+                  Annotated[list[TokenIds], list_bound(MAX_PROMPTS, min_items=1)]]
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt only (with echo and logprobs: scored)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -116,12 +116,12 @@ class ToolCall(RequestBody):
 
 class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    content: Union[str, Annotated[list[TextPart], list_bound(MAX_CONTENT_PARTS)], None] = None
     # OpenAI documents no format for a participant's name (its older documents: 64 characters of
     # [a-zA-Z0-9_-]); any text is taken, as templates render it as text, within a bound
     name: Optional[Annotated[str, Field(max_length=MAX_NAME_CHARS)]] = None
     tool_call_id: Optional[Identifier] = None
-    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)]] = None
+    tool_calls: Optional[Annotated[list[ToolCall], list_bound(MAX_TOOL_CALLS)]] = None
 
 
 # OpenAI's rule for function names
@@ -152,14 +152,14 @@ class NamedToolChoice(RequestBody):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[ChatMessage], list_bound(MAX_MESSAGES, min_items=1)]
     max_tokens: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
-    tools: Optional[Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_TOOLS)]] = None
+    tools: Optional[Annotated[list[ChatTool], list_bound(MAX_TOOLS, min_items=1)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     # accepted for compatibility, without effect here (IGNORED_FIELDS)
@@ -167,7 +167,7 @@ class ChatCompletionRequest(SamplingFields):
     metadata: Optional[Metadata] = None
     service_tier: Optional[Identifier] = None
     prediction: Optional[dict[str, Any]] = None
-    modalities: Optional[Annotated[list[Identifier], Field(max_length=MAX_SHORT_LIST)]] = None
+    modalities: Optional[Annotated[list[Identifier], list_bound(MAX_SHORT_LIST)]] = None
     audio: Optional[dict[str, Any]] = None
     reasoning_effort: Optional[Identifier] = None
     web_search_options: Optional[dict[str, Any]] = None
@@ -186,7 +186,7 @@ class TokenizeRequest(RequestBody):
 
     model: Optional[Identifier] = None
     prompt: Optional[str] = None
-    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]] = None
+    messages: Optional[Annotated[list[ChatMessage], list_bound(MAX_MESSAGES, min_items=1)]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -195,4 +195,4 @@ class DetokenizeRequest(RequestBody):
     """``POST /detokenize``."""
 
     model: Optional[Identifier] = None
-    tokens: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
+    tokens: Annotated[list[TokenId], list_bound(MAX_TOKEN_IDS)]

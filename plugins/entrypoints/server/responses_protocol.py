@@ -13,7 +13,8 @@ from pydantic import Discriminator, Field, Tag, model_validator
 
 from pagoda.plugins.entrypoints.server.protocol import Identifier, Metadata
 from pagoda.plugins.entrypoints.server.request_body import (MAX_ANNOTATIONS, MAX_CONTENT_PARTS, MAX_MESSAGES,
-                                                            MAX_SHORT_LIST, MAX_TOKEN_IDS, MAX_TOOLS, RequestBody)
+                                                            MAX_SHORT_LIST, MAX_TOKEN_IDS, MAX_TOOLS, list_bound,
+                                                            RequestBody)
 from pagoda.sampling_params import MAX_LOGPROBS
 
 # OpenAI's fields that have no effect here: accepted, and named in the x-pagoda-ignored-fields header
@@ -35,7 +36,7 @@ def _str_or_list(value: Any) -> Optional[str]:
 
 
 def _text_or_list_of(item: Any, what: str, max_items: int, min_items: int = 0) -> Any:
-    items = Annotated[list[item], Field(min_length=min_items, max_length=max_items), Tag("list[item]")]
+    items = Annotated[list[item], list_bound(max_items, min_items), Tag("list[item]")]
     return Annotated[Union[Annotated[str, Tag("str")], items],
                      Discriminator(_str_or_list, custom_error_type="str_or_list",
                                    custom_error_message=f"must be a string or a list of {what}")]
@@ -47,8 +48,8 @@ class ContentPart(RequestBody):
     type: Literal["input_text", "output_text"]
     text: str
     # what an output_text part carries when a client sends an earlier output back; not read
-    annotations: Optional[Annotated[list[Any], Field(max_length=MAX_ANNOTATIONS)]] = None
-    logprobs: Optional[Annotated[list[Any], Field(max_length=MAX_TOKEN_IDS)]] = None
+    annotations: Optional[Annotated[list[Any], list_bound(MAX_ANNOTATIONS)]] = None
+    logprobs: Optional[Annotated[list[Any], list_bound(MAX_TOKEN_IDS)]] = None
     prompt_cache_breakpoint: Optional[dict[str, Any]] = None
 
     @model_validator(mode="before")
@@ -123,7 +124,7 @@ class ResponsesRequest(RequestBody):
     store: Optional[bool] = True
     previous_response_id: Optional[Identifier] = None
     text: Optional[TextConfig] = None
-    tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)]] = None
+    tools: Optional[Annotated[list[dict[str, Any]], list_bound(MAX_TOOLS)]] = None
     tool_choice: Union[None, Literal["none", "auto", "required"], dict[str, Any]] = None
     # refused by the handler when set: pagoda cannot serve them
     background: Optional[bool] = None
@@ -135,7 +136,7 @@ class ResponsesRequest(RequestBody):
     user: Optional[Identifier] = None
     safety_identifier: Optional[Identifier] = None
     prompt_cache_key: Optional[Identifier] = None
-    include: Optional[Annotated[list[Identifier], Field(max_length=MAX_SHORT_LIST)]] = None
+    include: Optional[Annotated[list[Identifier], list_bound(MAX_SHORT_LIST)]] = None
     parallel_tool_calls: Optional[bool] = None
     max_tool_calls: Optional[int] = Field(None, ge=0)
     reasoning: Optional[dict[str, Any]] = None
@@ -145,7 +146,7 @@ class ResponsesRequest(RequestBody):
     prompt_cache_retention: Optional[Identifier] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
     background_options: Optional[dict[str, Any]] = None
-    context_management: Optional[Annotated[list[dict[str, Any]], Field(max_length=MAX_SHORT_LIST)]] = None
+    context_management: Optional[Annotated[list[dict[str, Any]], list_bound(MAX_SHORT_LIST)]] = None
     access_programs: Optional[dict[str, Any]] = None
     image: Optional[dict[str, Any]] = None
 

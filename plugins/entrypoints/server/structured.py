@@ -11,11 +11,11 @@ from pydantic import Field
 from pagoda.errors import InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.request_body import (MAX_CHOICES, MAX_ID_CHARS, MAX_JSON_DEPTH, MAX_NAME_CHARS,
-                                                            RequestBody, json_nesting_exceeds)
+                                                            list_bound, RequestBody, json_nesting_exceeds)
 from pagoda.sampling_params import StructuredOutputsParams
 
 JSONSchema = Union[str, dict[str, Any]]
-Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)]
+Choices = Annotated[list[str], list_bound(MAX_CHOICES, min_items=1)]
 Backend = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 
 
