@@ -225,6 +225,17 @@ def test_a_field_over_its_bound_gets_a_400_naming_it(http, path, body, param):
     assert len(error["message"]) < 2000  # the message quotes the value, bounded
 
 
+def test_a_list_of_many_bad_items_costs_one_error_not_one_per_item(http):
+    body = {"prompt": [[-1] * MAX_TOKEN_IDS] * 20, "max_tokens": 1}  # 2.6 million bad ids, within every bound
+    start = time.monotonic()
+    resp = http.post(C, json=body)
+    seconds = time.monotonic() - start
+    assert resp.status_code == 400, resp.text[:500]
+    assert resp.json()["error"]["param"] == "prompt"
+    assert "more problems" not in resp.json()["error"]["message"]  # a handful of errors, not millions
+    assert seconds < 10, seconds  # an error per item took about 8 microseconds each: some 20 s
+
+
 REQUEST_MODELS = ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "TokenizeRequest",
                   "DetokenizeRequest")
 
