@@ -317,6 +317,21 @@ def test_tool_call_arguments_nested_too_deep_get_a_400_naming_them(http):
     assert resp.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
+def test_json_sent_as_text_is_held_to_the_bounds_of_a_body(http):
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city": "\\ud800"}'}}]
+    resp = http.post(CH, json=chat(messages=[{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "tool_calls": calls}]))
+    assert resp.status_code == 400, resp.text[:500]
+    error = resp.json()["error"]
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+    assert "unpaired UTF-16 surrogate" in error["message"]
+    for schema, words in (('{"type": "string", "description": "\\ud800"}', "unpaired UTF-16 surrogate"),
+                          ("[" * 1000 + "]" * 1000, f"more than {MAX_JSON_DEPTH} levels deep")):
+        resp = http.post(C, json=completion(guided_json=schema))
+        assert resp.status_code == 400, resp.text[:500]
+        assert resp.json()["error"]["param"] == "guided_json" and words in resp.json()["error"]["message"]
+
+
 # ---- unpaired surrogates --------------------------------------------------------------------------------
 
 S = "\\ud800"  # an unpaired high surrogate, as JSON writes it

@@ -11,6 +11,7 @@ a request may have for the tokenizer (``--max-request-chars``).
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Optional
 
@@ -119,3 +120,21 @@ def json_nesting_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
             return True
         depth = int(levels[-1])
     return False
+
+
+class UnusableJSON(ValueError):
+    """A JSON text inside a field that the server will not use: why, in words that follow "the text ..."."""
+
+
+def load_json_text(text: str) -> Any:
+    """A JSON text sent inside a string field (tool call arguments, a schema), parsed and held to the bounds of a
+    body: :class:`UnusableJSON` when it nests more than ``MAX_JSON_DEPTH`` levels or has an unpaired surrogate
+    (escaped in the text, so the body's own check cannot see it); ``json.JSONDecodeError`` when it is not JSON."""
+    if json_nesting_exceeds(text.encode("utf-8")):
+        raise UnusableJSON(f"nests JSON arrays and objects more than {MAX_JSON_DEPTH} levels deep")
+    value = json.loads(text)
+    found = unpaired_surrogate(value)
+    if found is not None:
+        where, char, index = found
+        raise UnusableJSON(f"has an unpaired UTF-16 surrogate ({char!a}) at character {index}{where or ' of a string'}")
+    return value

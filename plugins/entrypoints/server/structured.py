@@ -10,8 +10,8 @@ from pydantic import Field
 
 from pagoda.errors import InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
-from pagoda.plugins.entrypoints.server.request_body import (MAX_CHOICES, MAX_ID_CHARS, MAX_JSON_DEPTH, MAX_NAME_CHARS,
-                                                            list_bound, RequestBody, json_nesting_exceeds)
+from pagoda.plugins.entrypoints.server.request_body import (MAX_CHOICES, MAX_ID_CHARS, MAX_NAME_CHARS, RequestBody,
+                                                            UnusableJSON, list_bound, load_json_text)
 from pagoda.sampling_params import StructuredOutputsParams
 
 JSONSchema = Union[str, dict[str, Any]]
@@ -89,9 +89,14 @@ def structured_outputs_of(body: Any) -> tuple[Optional[StructuredOutputsParams],
                        param=found[1][0])
     field, values = found[0]
     schema_text = values.get("json")
-    if isinstance(schema_text, str) and json_nesting_exceeds(schema_text.encode("utf-8")):
-        raise APIError(400, f"the JSON schema in {field} nests more than {MAX_JSON_DEPTH} levels deep; send a "
-                            "flatter schema", param=field)
+    if isinstance(schema_text, str):
+        try:
+            load_json_text(schema_text)
+        except UnusableJSON as exc:
+            raise APIError(400, f"the JSON schema in {field} {exc}; send a schema the engine can compile",
+                           param=field) from None
+        except ValueError:
+            pass  # not JSON: the engine's check says so in its words
     backend = (so.backend if so is not None else None) or body.guided_decoding_backend
     try:
         return StructuredOutputsParams(**values, backend=backend), field
