@@ -100,11 +100,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
-                                                   make_uvicorn_server)
+                                                   make_uvicorn_server, max_request_chars_option)
     from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 
-    # a wrong tool-call option fails before the model loads
+    # a wrong tool-call or request-size option fails before the model loads
     ToolCallingOptions.resolve(ns.plugin_manager, ns.enable_auto_tool_choice, ns.tool_call_parser)
+    max_request_chars_option(ns.max_request_chars)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.request_log:

@@ -54,9 +54,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
     (an unknown name is a ConfigError listing the parsers)."""
     tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
-    if max_request_chars is not None and max_request_chars < 1:
-        raise ConfigError(f"--max-request-chars {max_request_chars}: give a number of characters >= 1 (leave it out "
-                          "for the default, four times the longest prompt the context can hold)")
+    max_request_chars = max_request_chars_option(max_request_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,6 +97,14 @@ def default_max_tokens_option(value: int) -> Optional[int]:
     if value < 0:
         raise ConfigError(f"--default-max-tokens {value}: give a number of tokens, or 0 for all the context leaves")
     return value or None
+
+
+def max_request_chars_option(value: Optional[int]) -> Optional[int]:
+    """``--max-request-chars`` checked: a number of characters >= 1, or None for the default."""
+    if value is not None and value < 1:
+        raise ConfigError(f"--max-request-chars {value}: give a number of characters >= 1 (leave it out for the "
+                          "default, four times the longest prompt the context can hold)")
+    return value
 
 
 def free_port(host: str = "127.0.0.1") -> int:
