@@ -378,10 +378,10 @@ def test_an_unpaired_surrogate_in_any_field_gets_a_400_naming_it(http, path, bod
     assert "unpaired UTF-16 surrogate" in error["message"], error["message"]
 
 
-def test_an_unknown_field_named_with_a_surrogate_gets_a_400_that_encodes(http):
+def test_a_field_name_with_a_surrogate_gets_a_400_that_encodes(http):
     resp = http.post(C, content=f'{{"prompt": "Hi", "x{S}": 1}}'.encode(), headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
-    assert "unrecognized request argument supplied: x\\ud800" in resp.json()["error"]["message"]
+    assert "unpaired UTF-16 surrogate" in resp.json()["error"]["message"]
 
 
 def test_a_surrogate_pair_is_text(http):
