@@ -43,8 +43,9 @@ def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermez"], "unknown tool-call parser 'hermez' for "
                                                                      "--tool-call-parser; available: 'hermes'"),
+    (["--max-request-chars", "0"], "--max-request-chars 0: give a number of characters >= 1"),
 ])
-def test_serve_refuses_wrong_tool_call_flags_before_loading_the_model(flags, message):
+def test_serve_refuses_wrong_server_flags_before_loading_the_model(flags, message):
     result = run_pagoda("serve", "--port", "0", *flags)
     assert result.returncode != 0 and f"pagoda serve: error: {message}" in result.stderr, result.stderr
 

@@ -21,6 +21,7 @@ PAGODA = str(Path(sys.executable).with_name("pagoda"))
 ENV = {**os.environ, "PAGODA_CPU_THREADS": "1"}
 
 pytestmark = pytest.mark.slow
+MAX_REQUEST_CHARS = 200_000  # far above what bench serve's prompts have
 
 
 def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -47,7 +48,7 @@ def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc, url = start_server(log, "--shutdown-timeout", "30")
+    proc, url = start_server(log, "--shutdown-timeout", "30", "--max-request-chars", str(MAX_REQUEST_CHARS))
     yield proc, url, log
     if proc.poll() is None:
         proc.kill()
@@ -60,6 +61,14 @@ def test_serve_starts_on_the_default_model_with_no_model_flag(server):
     assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
     resp = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_max_request_chars_bounds_the_characters_of_a_request(server):
+    _, url, _ = server
+    body = {"prompt": ["a b " * 1000] * 64, "max_tokens": 1}  # 256,000 characters in 64 short prompts
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text[:500]
+    assert f"the {MAX_REQUEST_CHARS} a request may have (--max-request-chars)" in resp.json()["error"]["message"]
 
 
 def test_a_keyless_server_on_loopback_answers_only_loopback_host_names(server):

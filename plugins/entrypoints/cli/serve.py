@@ -40,6 +40,10 @@ def register(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="tokens a request that gives no max_tokens (or max_completion_tokens) may generate, at most "
                         "what the context leaves; 0: all the context leaves")
+    p.add_argument("--max-request-chars", type=int, default=None, metavar="N",
+                   help="characters a request may have in all its prompts or messages; more is refused with 400 "
+                        "before any tokenizing (default: 4 x --max-model-len x the longest token's characters, "
+                        "four prompts as long as the context can hold)")
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host header names to answer (default: the loopback names when serving "
                         "on a loopback address without --api-key, else any)")
@@ -99,11 +103,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
-                                                   make_uvicorn_server)
+                                                   make_uvicorn_server, max_request_chars_option)
     from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 
-    # a wrong tool-call option fails before the model loads
+    # a wrong tool-call or request-size option fails before the model loads
     ToolCallingOptions.resolve(ns.plugin_manager, ns.enable_auto_tool_choice, ns.tool_call_parser)
+    max_request_chars_option(ns.max_request_chars)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.request_log:
@@ -118,7 +123,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                     default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
                     max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                    tenant_source=ns.tenant_source)
+                    tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars)
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

@@ -46,7 +46,8 @@ def _json_object(text: str) -> dict:
 
 def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
     """The replica set's options from the flags, checked before anything starts."""
-    from pagoda.plugins.entrypoints.server import default_allowed_hosts, default_max_tokens_option
+    from pagoda.plugins.entrypoints.server import (default_allowed_hosts, default_max_tokens_option,
+                                                   max_request_chars_option)
 
     if ns.replicas < 1:
         raise ConfigError(f"--replicas {ns.replicas}: pass 1 or more")
@@ -65,7 +66,8 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              target_requests_per_replica=ns.target_requests_per_replica, api_key=ns.api_key,
                              allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                              max_request_bytes=ns.max_request_bytes,
-                             default_max_tokens=default_max_tokens_option(ns.default_max_tokens))
+                             default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
+                             max_request_chars=max_request_chars_option(ns.max_request_chars))
 
 
 def run_replicas(ns: argparse.Namespace) -> int:

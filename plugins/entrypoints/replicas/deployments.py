@@ -46,6 +46,8 @@ class ReplicaSetOptions:
     max_request_bytes: int = 1 << 20
     # as pagoda serve's --default-max-tokens (None: all the context leaves)
     default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
+    # as pagoda serve's --max-request-chars (None: its default)
+    max_request_chars: Optional[int] = None
     # requests Serve lets a replica have at once; the engine queues and refuses (503) beyond its own limits
     max_ongoing_requests: int = 1024
 
@@ -63,7 +65,8 @@ class EngineReplica:
 
         self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args, get_plugin_manager()))
         self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
-                             allowed_hosts=options.allowed_hosts, default_max_tokens=options.default_max_tokens)
+                             allowed_hosts=options.allowed_hosts, default_max_tokens=options.default_max_tokens,
+                             max_request_chars=options.max_request_chars)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.started = False
 

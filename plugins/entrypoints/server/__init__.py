@@ -43,15 +43,20 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
               stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None, tenant_source: str = "api-key") -> FastAPI:
+              tool_call_parser: Optional[str] = None, tenant_source: str = "api-key",
+              max_request_chars: Optional[int] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
+    ``max_request_chars``: the characters a request may have in all its prompts or messages, refused with a
+    400 before any tokenizing (None: four times the longest prompt the context can hold, see
+    :data:`~pagoda.plugins.entrypoints.server.serving.REQUEST_CHARS_FACTOR`).
     ``/v1/responses`` keeps up to ``max_stored_responses`` responses in memory (0: none), each for
     ``stored_response_ttl`` seconds after its last use. ``tool_call_parser`` names the ``pagoda_tool_parsers``
     component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
     (an unknown name is a ConfigError listing the parsers). ``tenant_source``: where a request's tenant comes
     from (``api-key``, ``header`` or ``user``; see ``ServingContext.tenant_of``)."""
     tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
+    max_request_chars = max_request_chars_option(max_request_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,6 +69,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
                   description="OpenAI-compatible API of the pagoda inference engine")
     app.state.engine = engine
     app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
+    app.state.max_request_chars = max_request_chars  # likewise
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     app.state.tool_calling = tool_calling  # read by the chat route
     app.state.tenant_source = tenant_source  # read by the routes when they are added
@@ -94,6 +100,14 @@ def default_max_tokens_option(value: int) -> Optional[int]:
     if value < 0:
         raise ConfigError(f"--default-max-tokens {value}: give a number of tokens, or 0 for all the context leaves")
     return value or None
+
+
+def max_request_chars_option(value: Optional[int]) -> Optional[int]:
+    """``--max-request-chars`` checked: a number of characters >= 1, or None for the default."""
+    if value is not None and value < 1:
+        raise ConfigError(f"--max-request-chars {value}: give a number of characters >= 1 (leave it out for the "
+                          "default, four times the longest prompt the context can hold)")
+    return value
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -33,10 +34,24 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict]:
     return result
 
 
+def check_chat_chars(ctx: ServingContext, messages: list[dict], tools: Optional[list[dict]] = None,
+                     param: str = "messages") -> None:
+    """400 before rendering a chat whose text cannot fit the context, or is more than a request may have: the
+    messages' content, names, tool call arguments and tool results, and the tools' JSON (``param``: the field
+    named in the error)."""
+    num_chars = sum(len(m["content"]) + len(m.get("name", "")) + len(m.get("tool_call_id", ""))
+                    + (len(json.dumps(m["tool_calls"])) if "tool_calls" in m else 0) for m in messages)
+    if tools:
+        num_chars += len(json.dumps(tools))
+    ctx.check_num_chars(num_chars, param)
+    ctx.check_request_chars([num_chars], param, param)
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
-                tools: Optional[list[dict]] = None) -> tuple[str, list[int]]:
+                tools: Optional[list[dict]] = None, max_chars: Optional[int] = None) -> tuple[str, list[int]]:
     """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400.
-    ``tools`` (OpenAI's function tools) reach the template as ``tools``."""
+    ``tools`` (OpenAI's function tools) reach the template as ``tools``. A rendered text of more than
+    ``max_chars`` characters (what no context can hold) is refused before it is encoded."""
     if not tokenizer.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
@@ -46,6 +61,10 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
     except Exception as exc:  # jinja raises TemplateError, TypeError, ... for messages the template rejects
         raise APIError(400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
                        param="messages") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise APIError(400, f"the messages rendered with the chat template have {len(text)} characters, more than "
+                            f"this model's context can hold (at most {max_chars}); send fewer or shorter messages",
+                       param="messages")
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -60,9 +79,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                        param="prompt_logprobs")
     tooling = plan_tools(body, ctx.tool_options)
     messages = plain_messages(body.messages)
-    ctx.check_text_length("".join(m["content"] for m in messages), "messages")
-    text, token_ids = await ctx.run_tokenizer(
-        lambda tok: render_chat(tok, messages, body.add_generation_prompt, tooling.tools))
+    check_chat_chars(ctx, messages, tooling.tools)
+    text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
+        lambda tok: render_chat(tok, messages, body.add_generation_prompt, tooling.tools, ctx.max_prompt_chars)))
     if body.max_completion_tokens is not None:
         max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_completion_tokens, "max_completion_tokens")
     else:

@@ -43,24 +43,26 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
 
     raw = body.prompt
     prompts = [raw] if isinstance(raw, str) or isinstance(raw[0], int) else list(raw)
+    texts = [p for p in prompts if isinstance(p, str)]
+    for text in texts:
+        ctx.check_text_length(text, "prompt")
+    ctx.check_request_chars([len(text) for text in texts], "prompt", "prompts")
     for p in prompts:
+        if not isinstance(p, str):  # a token prompt too long for the context: refused before it is decoded
+            ctx.resolve_max_tokens(len(p), body.max_tokens)
+
+    def tokenize(tok, p):
+        """One prompt, as one turn of the tokenizer thread: its token ids and text; its first token's text when
+        the prompt's logprobs are echoed."""
         if isinstance(p, str):
-            ctx.check_text_length(p, "prompt")
+            ids, text = tok.encode(p, add_special_tokens=body.add_special_tokens), p
+        else:
+            ids, text = list(p), tok.decode(p) if body.echo and all(0 <= t < len(tok) for t in p) else None
+        first_text = tok.decode(ids[:1]) if echoes_logprobs and text is not None else ""
+        return {"prompt": text, "prompt_token_ids": ids}, first_text
 
-    def tokenize(tok):
-        result = []
-        for p in prompts:
-            if isinstance(p, str):
-                ids = tok.encode(p, add_special_tokens=body.add_special_tokens)
-                result.append({"prompt": p, "prompt_token_ids": ids})
-            else:
-                text = tok.decode(p) if body.echo and all(0 <= t < len(tok) for t in p) else None
-                result.append({"prompt": text, "prompt_token_ids": list(p)})
-        first_texts = [tok.decode(r["prompt_token_ids"][:1]) if echoes_logprobs and r["prompt"] is not None else ""
-                       for r in result]
-        return result, first_texts
-
-    engine_prompts, first_texts = await ctx.run_tokenizer(tokenize)
+    tokenized = await unless_disconnected(request, ctx.run_tokenizer_each(tokenize, prompts))
+    engine_prompts, first_texts = [p for p, _ in tokenized], [t for _, t in tokenized]
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     structured_outputs, field = structured_outputs_of(body)
     await check_compiles(ctx.engine, structured_outputs, field)

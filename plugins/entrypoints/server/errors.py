@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import reprlib
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -29,8 +30,19 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    """OpenAI's error object. A message or param quoting the request (an unknown field's name, a value) may hold
+    an unpaired surrogate, which UTF-8 cannot encode: such characters are written as ``\\udXXX`` escapes."""
+    return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": None if param is None else _encodable(param), "code": code}}
+
+
+def _encodable(text: str) -> str:
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# what an error message quotes of a value: bounded, however large or deep the value is
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxlevel = 60, 60, 6, 4, 3
 
 
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
@@ -76,9 +88,11 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, Optional[st
             parts.append(f"unrecognized request argument supplied: {field}")
         elif err.get("type") == "missing":
             parts.append(f"{field}: this field is required")
+        elif err.get("type") == "string_unicode":  # pydantic's word for a length-bounded string's surrogate
+            parts.append(f"{field}: contains an unpaired UTF-16 surrogate; send valid Unicode text (a JSON "
+                         "\\ud800-\\udbff escape must be followed by a \\udc00-\\udfff one)")
         else:
-            given = err.get("input")
-            shown = repr(given) if len(repr(given)) <= 80 else repr(given)[:77] + "..."
+            shown = _QUOTE.repr(err.get("input"))
             message = str(err.get("msg")).removeprefix("Value error, ")  # pydantic's prefix for our own checks
             parts.append(f"{field}: {message} (got {shown})")
     if len(errors) > 5:

@@ -1,5 +1,6 @@
 """ASGI guard in front of every route: the Host header, the API key (all routes but probes), a cap on request
-body size and a deadline for the body to arrive.
+body size, a deadline for the body to arrive, and a bound on how deep a JSON body nests (parsers recurse per
+level: a 10,000-deep body must cost a scan, not a parse that runs out of stack).
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
 notices pass through untouched.
@@ -13,6 +14,7 @@ import json
 from typing import Any, Optional
 
 from pagoda.plugins.entrypoints.server.errors import error_body
+from pagoda.plugins.entrypoints.server.request_body import MAX_JSON_DEPTH, json_nesting_exceeds
 
 
 # what probes and scrapers reach without the API key
@@ -70,7 +72,13 @@ class GuardMiddleware:
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
-            receive = _replay(b"".join(chunks), receive)
+            body = b"".join(chunks)
+            if _is_json(scope) and json_nesting_exceeds(body, MAX_JSON_DEPTH):
+                await send_error(send, 400, "the request body nests JSON arrays and objects more than "
+                                             f"{MAX_JSON_DEPTH} levels deep, which no request of this API needs; "
+                                             "send a flatter body")
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
@@ -107,6 +115,16 @@ def _content_length(scope) -> Optional[int]:
             except ValueError:
                 return None
     return None
+
+
+def _is_json(scope) -> bool:
+    """The body is read as JSON: its content type says so, or it has none (as FastAPI reads it)."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media_type = value.split(b";", 1)[0].strip().lower()
+            return media_type == b"application/json" or (media_type.startswith(b"application/")
+                                                          and media_type.endswith(b"+json"))
+    return True
 
 
 def _replay(body: bytes, receive):

@@ -4,44 +4,42 @@ Every field of OpenAI's completions and chat completions request schemas is acce
 something here are served, and those that cannot (``store``, ``service_tier``, ``audio``, ...) are listed in
 each request's ``IGNORED_FIELDS``: the server logs each such name once and names the ones a request sent in
 the ``x-pagoda-ignored-fields`` response header. A field of no OpenAI or vLLM schema is rejected, as OpenAI
-rejects it. Ranges live here, so a bad value is a 400 that names the field before any engine work happens.
+rejects it. Ranges and sizes live here (the sizes in ``request_body``), so a bad value is a 400 that names
+the field before any engine work happens.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, MAX_ID_CHARS, MAX_LOGIT_BIAS,
+                                                            MAX_MESSAGES, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS,
+                                                            MAX_METADATA_VALUE_CHARS, MAX_NAME_CHARS, MAX_PROMPTS,
+                                                            MAX_SHORT_LIST, MAX_STOP, MAX_STOP_CHARS,
+                                                            MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, MAX_TOOL_CALLS,
+                                                            MAX_TOOLS, list_bound, RequestBody)
 from pagoda.plugins.entrypoints.server.structured import ResponseFormat, StructuredOutputFields
 from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
 
 MAX_N = 16  # sequences per request
-MAX_STOP = 16  # stop strings per request
 # seeds go to torch.Generator.manual_seed (64-bit); request i of n uses seed + i
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N
 
-
-def _encodable(text: str) -> str:
-    """JSON may carry unpaired UTF-16 surrogates (``"\\ud83d"``), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"contains an unpaired UTF-16 surrogate ({text[exc.start]!a}) at character {exc.start}; "
-                         "send valid Unicode text") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_encodable)]
-NonEmptyStr = Annotated[Text, Field(min_length=1)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+Identifier = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], list_bound(MAX_TOKEN_IDS, min_items=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# OpenAI's metadata: up to 16 pairs of short strings
+Metadata = Annotated[dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                          Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+                     Field(max_length=MAX_METADATA_KEYS)]
+TokenIdText = Annotated[str, Field(max_length=24)]  # a token id written as a string: a logit_bias key
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
-
-
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     include_obfuscation: Optional[bool] = None  # pagoda never pads chunks: true is ignored
 
@@ -55,25 +53,26 @@ _IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "prediction", "moda
 class SamplingFields(StructuredOutputFields):
     """Fields shared by completions and chat completions (the structured-output ones in ``structured.py``)."""
 
-    model: Optional[str] = None
+    model: Optional[Identifier] = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
+    logit_bias: Optional[Annotated[dict[TokenIdText, Annotated[float, Field(ge=-100, le=100)]],
+                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
     seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: Union[None, NonEmptyStr, Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)]] = None
+    stop: Union[None, StopString, Annotated[list[StopString], list_bound(MAX_STOP)]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Optional[Identifier] = None
     # the extra sampling fields vLLM accepts
     top_k: Optional[int] = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: Optional[float] = Field(None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: Optional[list[TokenId]] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], list_bound(MAX_STOP_TOKEN_IDS)]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -87,64 +86,65 @@ class SamplingFields(StructuredOutputFields):
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
-    prompt: Union[NonEmptyStr, Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[NonEmptyStr], Field(min_length=1, max_length=64)],
-                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]]
+    prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], list_bound(MAX_PROMPTS, min_items=1)],
+                  Annotated[list[TokenIds], list_bound(MAX_PROMPTS, min_items=1)]]
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt only (with echo and logprobs: scored)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: Optional[Text] = None
+    suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
-    text: Text
+    text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: NonEmptyStr
-    arguments: Text  # JSON, as OpenAI sends it
+    arguments: str  # JSON, as OpenAI sends it
 
 
-class ToolCall(_Body):
+class ToolCall(RequestBody):
     """A tool call of an earlier assistant message."""
 
-    id: str
+    id: Identifier
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart], None] = None
-    name: Optional[Text] = None
-    tool_call_id: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    content: Union[str, Annotated[list[TextPart], list_bound(MAX_CONTENT_PARTS)], None] = None
+    # OpenAI documents no format for a participant's name (its older documents: 64 characters of
+    # [a-zA-Z0-9_-]); any text is taken, as templates render it as text, within a bound
+    name: Optional[Annotated[str, Field(max_length=MAX_NAME_CHARS)]] = None
+    tool_call_id: Optional[Identifier] = None
+    tool_calls: Optional[Annotated[list[ToolCall], list_bound(MAX_TOOL_CALLS)]] = None
 
 
 # OpenAI's rule for function names
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(RequestBody):
     name: FunctionName
-    description: Optional[Text] = None
+    description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
     strict: Optional[bool] = None
 
 
-class ChatTool(_Body):
+class ChatTool(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: FunctionName
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
@@ -152,47 +152,47 @@ class NamedToolChoice(_Body):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], list_bound(MAX_MESSAGES, min_items=1)]
     max_tokens: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
-    tools: Optional[Annotated[list[ChatTool], Field(min_length=1, max_length=128)]] = None
+    tools: Optional[Annotated[list[ChatTool], list_bound(MAX_TOOLS, min_items=1)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     # accepted for compatibility, without effect here (IGNORED_FIELDS)
     store: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    service_tier: Optional[str] = None
+    metadata: Optional[Metadata] = None
+    service_tier: Optional[Identifier] = None
     prediction: Optional[dict[str, Any]] = None
-    modalities: Optional[list[str]] = None
+    modalities: Optional[Annotated[list[Identifier], list_bound(MAX_SHORT_LIST)]] = None
     audio: Optional[dict[str, Any]] = None
-    reasoning_effort: Optional[str] = None
+    reasoning_effort: Optional[Identifier] = None
     web_search_options: Optional[dict[str, Any]] = None
-    verbosity: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
+    verbosity: Optional[Identifier] = None
+    prompt_cache_key: Optional[Identifier] = None
+    prompt_cache_retention: Optional[Identifier] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
-    safety_identifier: Optional[str] = None
+    safety_identifier: Optional[Identifier] = None
     moderation: Optional[dict[str, Any]] = None
 
     IGNORED_FIELDS: ClassVar[tuple[str, ...]] = _IGNORED_CHAT_FIELDS
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
 
-    model: Optional[str] = None
-    prompt: Optional[Text] = None
-    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    model: Optional[Identifier] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], list_bound(MAX_MESSAGES, min_items=1)]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize``."""
 
-    model: Optional[str] = None
-    tokens: list[TokenId]
+    model: Optional[Identifier] = None
+    tokens: Annotated[list[TokenId], list_bound(MAX_TOKEN_IDS)]

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.plugins.entrypoints.server.chat import render_chat
+from pagoda.plugins.entrypoints.server.chat import check_chat_chars, render_chat
 from pagoda.plugins.entrypoints.server.errors import APIError, to_api_error
 from pagoda.plugins.entrypoints.server.response_store import ResponseNotStored, ResponseStore, StoredResponse
 from pagoda.plugins.entrypoints.server.responses_protocol import (InputMessage, ResponsesRequest,
@@ -70,8 +70,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     messages = system + history + inputs
     record = ResponseRecord(ctx.served_model_name, body)
     with _in_responses_terms():
-        ctx.check_text_length("".join(m["content"] for m in messages), "input")
-        text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, add_generation_prompt=True))
+        check_chat_chars(ctx, messages, param="input")
+        text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
+            lambda tok: render_chat(tok, messages, add_generation_prompt=True, max_chars=ctx.max_prompt_chars)))
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
                                 logprobs=record.num_top_logprobs, structured_outputs=_structured_outputs(body))

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
-from pagoda.plugins.entrypoints.server.protocol import Text
+from pagoda.plugins.entrypoints.server.protocol import Identifier, Metadata
+from pagoda.plugins.entrypoints.server.request_body import (MAX_ANNOTATIONS, MAX_CONTENT_PARTS, MAX_MESSAGES,
+                                                            MAX_SHORT_LIST, MAX_TOKEN_IDS, MAX_TOOLS, list_bound,
+                                                            RequestBody)
 from pagoda.sampling_params import MAX_LOGPROBS
 
 # OpenAI's fields that have no effect here: accepted, and named in the x-pagoda-ignored-fields header
@@ -21,11 +24,6 @@ IGNORED_FIELDS = ("access_programs", "background_options", "context_management",
                   "truncation", "user")
 # the one value of ``include`` that means something here: logprobs of the output text
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
-MAX_METADATA_KEYS = 16
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
 
 
 def _str_or_list(value: Any) -> Optional[str]:
@@ -37,21 +35,21 @@ def _str_or_list(value: Any) -> Optional[str]:
     return None
 
 
-def _text_or_list_of(item: Any, what: str, min_items: int = 0) -> Any:
-    items = Annotated[list[item], Field(min_length=min_items), Tag("list[item]")]
-    return Annotated[Union[Annotated[Text, Tag("str")], items],
+def _text_or_list_of(item: Any, what: str, max_items: int, min_items: int = 0) -> Any:
+    items = Annotated[list[item], list_bound(max_items, min_items), Tag("list[item]")]
+    return Annotated[Union[Annotated[str, Tag("str")], items],
                      Discriminator(_str_or_list, custom_error_type="str_or_list",
                                    custom_error_message=f"must be a string or a list of {what}")]
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     """Text content of an input message: ``input_text``, or ``output_text`` sent back from an earlier output."""
 
     type: Literal["input_text", "output_text"]
-    text: Text
+    text: str
     # what an output_text part carries when a client sends an earlier output back; not read
-    annotations: Optional[list[Any]] = None
-    logprobs: Optional[list[Any]] = None
+    annotations: Optional[Annotated[list[Any], list_bound(MAX_ANNOTATIONS)]] = None
+    logprobs: Optional[Annotated[list[Any], list_bound(MAX_TOKEN_IDS)]] = None
     prompt_cache_breakpoint: Optional[dict[str, Any]] = None
 
     @model_validator(mode="before")
@@ -63,14 +61,14 @@ class ContentPart(_Body):
         return data
 
 
-class InputMessage(_Body):
+class InputMessage(RequestBody):
     """A message of the conversation; ``type`` may be left out (OpenAI's "easy" input message)."""
 
     type: Optional[Literal["message"]] = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: _text_or_list_of(ContentPart, "content parts")
+    content: _text_or_list_of(ContentPart, "content parts", MAX_CONTENT_PARTS)
     # what an output message carries when a client sends it back as input; not read
-    id: Optional[str] = None
+    id: Optional[Identifier] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
     phase: Optional[Literal["commentary", "final_answer"]] = None
 
@@ -86,11 +84,11 @@ class InputMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class TextFormatText(_Body):
+class TextFormatText(RequestBody):
     type: Literal["text"]
 
 
-class TextFormatJSONSchema(_Body):
+class TextFormatJSONSchema(RequestBody):
     type: Literal["json_schema"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     schema_: Annotated[dict[str, Any], Field(alias="schema")]
@@ -98,58 +96,57 @@ class TextFormatJSONSchema(_Body):
     strict: Optional[bool] = None
 
 
-class TextFormatJSONObject(_Body):
+class TextFormatJSONObject(RequestBody):
     type: Literal["json_object"]
 
 
-class TextConfig(_Body):
+class TextConfig(RequestBody):
     format: Optional[Annotated[Union[TextFormatText, TextFormatJSONSchema, TextFormatJSONObject],
                                Field(discriminator="type")]] = None
     verbosity: Optional[Literal["low", "medium", "high"]] = None  # no effect here
 
 
-class ResponsesStreamOptions(_Body):
+class ResponsesStreamOptions(RequestBody):
     include_obfuscation: Optional[bool] = None  # no effect here: events carry no padding
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     """``POST /v1/responses``."""
 
-    model: Optional[str] = None
-    input: _text_or_list_of(InputMessage, "input items", min_items=1)
-    instructions: Optional[Text] = None
+    model: Optional[Identifier] = None
+    input: _text_or_list_of(InputMessage, "input items", MAX_MESSAGES, min_items=1)
+    instructions: Optional[str] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     stream: Optional[bool] = False
     store: Optional[bool] = True
-    previous_response_id: Optional[str] = None
+    previous_response_id: Optional[Identifier] = None
     text: Optional[TextConfig] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[Annotated[list[dict[str, Any]], list_bound(MAX_TOOLS)]] = None
     tool_choice: Union[None, Literal["none", "auto", "required"], dict[str, Any]] = None
     # refused by the handler when set: pagoda cannot serve them
     background: Optional[bool] = None
-    conversation: Union[None, str, dict[str, Any]] = None
+    conversation: Union[None, Identifier, dict[str, Any]] = None
     prompt: Optional[dict[str, Any]] = None
     moderation: Optional[dict[str, Any]] = None
     # no effect here (IGNORED_FIELDS); metadata and the identifiers are echoed in the response
-    metadata: Optional[Annotated[dict[str, Annotated[str, Field(max_length=512)]],
-                                 Field(max_length=MAX_METADATA_KEYS)]] = None
-    user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    include: Optional[list[str]] = None
+    metadata: Optional[Metadata] = None
+    user: Optional[Identifier] = None
+    safety_identifier: Optional[Identifier] = None
+    prompt_cache_key: Optional[Identifier] = None
+    include: Optional[Annotated[list[Identifier], list_bound(MAX_SHORT_LIST)]] = None
     parallel_tool_calls: Optional[bool] = None
     max_tool_calls: Optional[int] = Field(None, ge=0)
     reasoning: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[Identifier] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     stream_options: Optional[ResponsesStreamOptions] = None
-    prompt_cache_retention: Optional[str] = None
+    prompt_cache_retention: Optional[Identifier] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
     background_options: Optional[dict[str, Any]] = None
-    context_management: Optional[list[dict[str, Any]]] = None
+    context_management: Optional[Annotated[list[dict[str, Any]], list_bound(MAX_SHORT_LIST)]] = None
     access_programs: Optional[dict[str, Any]] = None
     image: Optional[dict[str, Any]] = None
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.metrics import PrometheusExporter
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
-from pagoda.plugins.entrypoints.server.chat import create_chat_completion, plain_messages, render_chat
+from pagoda.plugins.entrypoints.server.chat import check_chat_chars, create_chat_completion, plain_messages, render_chat
 from pagoda.plugins.entrypoints.server.completions import create_completion
 from pagoda.plugins.entrypoints.server.errors import APIError, error_response
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -32,7 +32,8 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
-    ctx = ServingContext.for_engine(engine, getattr(app.state, "default_max_tokens", DEFAULT_MAX_TOKENS))
+    ctx = ServingContext.for_engine(engine, getattr(app.state, "default_max_tokens", DEFAULT_MAX_TOKENS),
+                                    getattr(app.state, "max_request_chars", None))
     ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.resolve(engine.engine.pm)
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
@@ -92,11 +93,14 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             raise APIError(400, "send exactly one of 'prompt' (text) or 'messages' (chat)", param="prompt")
         if body.messages is not None:
             messages = plain_messages(body.messages)
-            ctx.check_text_length("".join(m["content"] for m in messages), "messages")
-            _, ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, body.add_generation_prompt))
+            check_chat_chars(ctx, messages)
+            _, ids = await ctx.run_tokenizer(
+                lambda tok: render_chat(tok, messages, body.add_generation_prompt, max_chars=ctx.max_prompt_chars))
         else:
             ctx.check_text_length(body.prompt, "prompt")
-            ids = await ctx.run_tokenizer(lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ctx.check_request_chars([len(body.prompt)], "prompt", "prompt")
+            ids = await ctx.run_tokenizer(
+                lambda tok: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -10,9 +10,8 @@ import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,11 +21,20 @@ from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
+from pagoda.plugins.entrypoints.server.tokenizer_turns import TokenizerTurns
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagoda.server")
 
 IGNORED_FIELDS_HEADER = "x-pagoda-ignored-fields"
+# a request may have this many times the characters of one longest prompt (--max-request-chars's default): with
+# the per-prompt limit at max_model_len times the longest token (81 characters for SmolLM2), that is room for 64
+# prompts of ordinary text (4-5 characters a token) that each fill the context, and for four prompts at the
+# per-prompt limit, so one request's tokenizing is bounded by four prompts', not by the body size's 64
+REQUEST_CHARS_FACTOR = 4
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
 class ClientGone(Exception):
@@ -43,16 +51,20 @@ class ServingContext:
     """The engine plus the facts every handler checks requests against.
 
     Prompts are tokenized on a thread of their own with a tokenizer of its own (fast tokenizers must not be
-    shared between threads), so a long prompt never holds up the engine's steps.
+    shared between threads), so a long prompt never holds up the engine's steps; requests take turns on it
+    (:class:`~pagoda.plugins.entrypoints.server.tokenizer_turns.TokenizerTurns`), so a large one never holds up
+    the others. Before any tokenizing, a request's text is bounded per prompt (:meth:`check_text_length`) and
+    in all (:meth:`check_request_chars`).
     """
 
     engine: AsyncLLMEngine
     served_model_name: str
     max_model_len: int
     limits: RequestLimits  # the engine's: the rules of request lengths, written once
-    tokenizer: Any  # used on the tokenizer thread only
+    tokenizer_turns: TokenizerTurns
     max_chars_per_token: int
-    tokenizer_thread: ThreadPoolExecutor
+    # characters a request may have in all its prompts or messages (--max-request-chars)
+    max_request_chars: int
     # the output budget of a request that gives no max_tokens, cut to what the context leaves (None: all of it)
     default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     # the ignored request fields already named in the log (each is logged once per server)
@@ -79,26 +91,52 @@ class ServingContext:
         return "key:" + hashlib.sha256(auth.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     @classmethod
-    def for_engine(cls, engine: AsyncLLMEngine, default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
-                   ) -> "ServingContext":
+    def for_engine(cls, engine: AsyncLLMEngine, default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS,
+                   max_request_chars: Optional[int] = None) -> "ServingContext":
+        """The context of ``engine``'s server; ``max_request_chars`` None: ``REQUEST_CHARS_FACTOR`` times the
+        per-prompt limit."""
         core = engine.engine
         tokenizer = copy.deepcopy(core.tokenizer)
-        return cls(engine, core.config.model.served_model_name, core.config.model.max_model_len, core.request_limits,
-                   tokenizer, longest_token_chars(tokenizer),
-                   ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer"), default_max_tokens)
+        max_model_len, max_chars_per_token = core.config.model.max_model_len, longest_token_chars(tokenizer)
+        if max_request_chars is None:
+            max_request_chars = REQUEST_CHARS_FACTOR * max_model_len * max_chars_per_token
+        return cls(engine, core.config.model.served_model_name, max_model_len, core.request_limits,
+                   TokenizerTurns(tokenizer), max_chars_per_token, max_request_chars, default_max_tokens)
 
-    async def run_tokenizer(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(tokenizer)`` on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, self.tokenizer)
+    async def run_tokenizer(self, fn: Callable[[Any], Result]) -> Result:
+        """``fn(tokenizer)`` on the tokenizer thread, as one turn (bounded work: one prompt, one chat)."""
+        return await self.tokenizer_turns.run(fn)
+
+    async def run_tokenizer_each(self, fn: Callable[[Any, Item], Result], items: Iterable[Item]) -> list[Result]:
+        """``fn(tokenizer, item)`` for each item on the tokenizer thread, one turn each."""
+        return await self.tokenizer_turns.run_each(fn, items)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The characters of the longest prompt the context can hold: no token covers more than
+        ``max_chars_per_token``."""
+        return self.max_model_len * self.max_chars_per_token
 
     def check_text_length(self, text: str, param: str) -> None:
-        """400 before tokenizing a text that cannot fit the context whatever its tokens are: no token covers
-        more than ``max_chars_per_token`` characters."""
-        limit = self.max_model_len * self.max_chars_per_token
-        if len(text) > limit:
+        """400 before tokenizing a text that cannot fit the context whatever its tokens are."""
+        self.check_num_chars(len(text), param)
+
+    def check_num_chars(self, num_chars: int, param: str) -> None:
+        """400 before tokenizing ``num_chars`` characters of one prompt that no context can hold."""
+        limit = self.max_prompt_chars
+        if num_chars > limit:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, and the "
-                                f"{param} has {len(text)} characters, more than any {self.max_model_len} tokens "
+                                f"{param} has {num_chars} characters, more than any {self.max_model_len} tokens "
                                 f"can hold (at most {limit}); shorten the {param}", param=param)
+
+    def check_request_chars(self, lengths: Sequence[int], param: str, what: str) -> None:
+        """400 before tokenizing a request whose texts (their ``lengths`` in characters: its prompts, its
+        messages) have more than ``max_request_chars`` characters in all; ``what`` names them in the message."""
+        num_chars = sum(lengths)
+        if num_chars > self.max_request_chars:
+            raise APIError(400, f"this request has {num_chars} characters in its {what}, more than the "
+                                f"{self.max_request_chars} a request may have (--max-request-chars); send less text "
+                                f"per request (split the {what} over several requests)", param=param)
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.served_model_name:

@@ -6,37 +6,36 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pagoda.errors import InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
+from pagoda.plugins.entrypoints.server.request_body import (MAX_CHOICES, MAX_ID_CHARS, MAX_NAME_CHARS, RequestBody,
+                                                            UnusableJSON, list_bound, load_json_text)
 from pagoda.sampling_params import StructuredOutputsParams
 
 JSONSchema = Union[str, dict[str, Any]]
-Choices = Annotated[list[str], Field(min_length=1)]
+Choices = Annotated[list[str], list_bound(MAX_CHOICES, min_items=1)]
+Backend = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
-
-
-class JSONSchemaFormat(_Body):
+class JSONSchemaFormat(RequestBody):
     """``response_format.json_schema``: OpenAI's named schema."""
 
-    name: str = "response"
+    name: Annotated[str, Field(max_length=MAX_NAME_CHARS)] = "response"
     description: Optional[str] = None
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
     strict: Optional[bool] = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     """``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
 
-class StructuredOutputsField(_Body):
+class StructuredOutputsField(RequestBody):
     """vLLM's ``structured_outputs`` request field: exactly one of json, json_object, regex, choice, grammar."""
 
     json_: Optional[JSONSchema] = Field(None, alias="json")
@@ -44,10 +43,10 @@ class StructuredOutputsField(_Body):
     regex: Optional[str] = None
     choice: Optional[Choices] = None
     grammar: Optional[str] = None
-    backend: Optional[str] = None
+    backend: Optional[Backend] = None
 
 
-class StructuredOutputFields(_Body):
+class StructuredOutputFields(RequestBody):
     """The request fields that constrain the output, shared by completions and chat completions."""
 
     structured_outputs: Optional[StructuredOutputsField] = None
@@ -56,7 +55,7 @@ class StructuredOutputFields(_Body):
     guided_regex: Optional[str] = None
     guided_choice: Optional[Choices] = None
     guided_grammar: Optional[str] = None
-    guided_decoding_backend: Optional[str] = None
+    guided_decoding_backend: Optional[Backend] = None
 
 
 def structured_outputs_of(body: Any) -> tuple[Optional[StructuredOutputsParams], str]:
@@ -89,6 +88,15 @@ def structured_outputs_of(body: Any) -> tuple[Optional[StructuredOutputsParams],
                             + ", ".join(name for name, _ in found) + "; send only one of them",
                        param=found[1][0])
     field, values = found[0]
+    schema_text = values.get("json")
+    if isinstance(schema_text, str):
+        try:
+            load_json_text(schema_text)
+        except UnusableJSON as exc:
+            raise APIError(400, f"the JSON schema in {field} {exc}; send a schema the engine can compile",
+                           param=field) from None
+        except ValueError:
+            pass  # not JSON: the engine's check says so in its words
     backend = (so.backend if so is not None else None) or body.guided_decoding_backend
     try:
         return StructuredOutputsParams(**values, backend=backend), field

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.plugins.entrypoints.server.request_body import UnusableJSON, load_json_text
 from pagoda.plugins.entrypoints.tool_parsers.forced import ForcedToolCallParser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
@@ -257,7 +257,9 @@ def template_tool_fields(message: ChatMessage, position: int) -> dict:
 
 def _arguments(text: str, param: str) -> Any:
     try:
-        return json.loads(text) if text.strip() else {}
+        return load_json_text(text) if text.strip() else {}
+    except UnusableJSON as exc:
+        raise APIError(400, f"{param} {exc}; send arguments the chat template can render", param=param) from None
     except ValueError as exc:
         raise APIError(400, f"{param} is not JSON ({exc}); send the arguments as a JSON text such as "
                             "'{\"city\": \"Paris\"}'", param=param) from None
