@@ -141,6 +141,10 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("literal[message]")],
                       Discriminator(_item_kind)]
 
 
+_CHAT_SHAPE = ("this is {what} in chat completions' shape, with the function nested under \"function\"; the "
+               "Responses API writes it flat: {example}")
+
+
 class FunctionTool(_Body):
     """A function the model may call, in the Responses API's flat shape (chat nests the same under
     ``function``)."""
@@ -159,6 +163,9 @@ class FunctionTool(_Body):
                              "search, file search, code interpreter, computer use, MCP, image generation, shell, "
                              "...); send function tools, {\"type\": \"function\", \"name\": ..., \"parameters\": "
                              "{...}}, and run them in your own code")
+        if isinstance(data, dict) and "function" in data and "name" not in data:
+            raise ValueError(_CHAT_SHAPE.format(what="a tool", example='{"type": "function", "name": ..., '
+                                                                       '"description": ..., "parameters": {...}}'))
         return data
 
     def as_chat_tool(self) -> dict:
@@ -179,6 +186,8 @@ class ToolChoiceFunction(_Body):
         if isinstance(data, dict) and data.get("type") not in (None, "function"):
             raise ValueError(f"tool_choice of type {data['type']!r} is not served: pagoda runs function tools "
                              "only; send \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": ...}")
+        if isinstance(data, dict) and "function" in data and "name" not in data:
+            raise ValueError(_CHAT_SHAPE.format(what="a tool choice", example='{"type": "function", "name": ...}'))
         return data
 
 

@@ -1,4 +1,5 @@
-"""Tool calling on ``/v1/chat/completions``: what ``tools`` and ``tool_choice`` mean for one request.
+"""Tool calling on ``/v1/chat/completions`` (and, by the same rules, ``/v1/responses``): what ``tools`` and
+``tool_choice`` mean for one request.
 
 - ``none`` (the default without tools): the tools reach the chat template, the answer is plain content.
 - ``auto`` (the default with tools): the answer is read by the tool-call parser the server was started with
