@@ -281,8 +281,9 @@ def _in_responses_terms(tooling: ToolRequest) -> Iterator[None]:
     except (InvalidRequestError, APIError) as exc:
         if isinstance(exc, APIError) and exc.status != 400:
             raise
-        if isinstance(exc, InvalidRequestError) and tooling.explain_refusal(exc) is not exc:
-            raise tooling.explain_refusal(exc) from None
+        explained = tooling.explain_refusal(exc) if isinstance(exc, InvalidRequestError) else exc
+        if explained is not exc:  # already in this API's terms
+            raise explained from None
         message = exc.message if isinstance(exc, APIError) else str(exc)
         for old in ("max_tokens", "structured_outputs"):
             message = re.sub(rf"\b{old}\b", _FIELD_NAMES[old], message)
