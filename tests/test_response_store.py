@@ -15,8 +15,12 @@ class Clock:
         return self.now
 
 
+def message(role: str, text: str) -> dict:
+    return {"type": "message", "role": role, "content": text}
+
+
 def entry(user: str, answer: str, previous=None) -> StoredResponse:
-    return StoredResponse({"output_text": answer}, [{"role": "user", "content": user}], answer, previous)
+    return StoredResponse({"output_text": answer}, [message("user", user)], [message("assistant", answer)], previous)
 
 
 def test_a_conversation_is_rebuilt_from_the_chain_of_responses_oldest_first():
@@ -25,10 +29,19 @@ def test_a_conversation_is_rebuilt_from_the_chain_of_responses_oldest_first():
     store.store("r2", entry("Name a color", "Blue", previous="r1"))
     store.store("r3", entry("Another", "Red", previous="r2"))
     assert store.conversation("r3") == [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-        {"role": "user", "content": "Name a color"}, {"role": "assistant", "content": "Blue"},
-        {"role": "user", "content": "Another"}, {"role": "assistant", "content": "Red"}]
-    assert store.conversation("r1") == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+        message("user", "Hi"), message("assistant", "Hello!"), message("user", "Name a color"),
+        message("assistant", "Blue"), message("user", "Another"), message("assistant", "Red")]
+    assert store.conversation("r1") == [message("user", "Hi"), message("assistant", "Hello!")]
+
+
+def test_function_calls_and_their_outputs_are_kept_in_the_order_of_the_conversation():
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees"}
+    store = ResponseStore()
+    store.store("r1", StoredResponse({}, [message("user", "Weather in Paris?")], [call], None))
+    store.store("r2", StoredResponse({}, [result], [message("assistant", "It is 18 degrees.")], "r1"))
+    assert store.conversation("r2") == [message("user", "Weather in Paris?"), call, result,
+                                        message("assistant", "It is 18 degrees.")]
 
 
 def test_a_missing_link_names_the_response_that_is_gone():

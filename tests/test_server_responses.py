@@ -179,10 +179,10 @@ def test_logprobs_come_with_the_output_text_when_included(client):
 def test_fields_that_mean_nothing_here_are_accepted_and_named_in_a_header(client):
     raw = client.responses.with_raw_response.create(
         model=MODEL, input="Hi", max_output_tokens=2, metadata={"ticket": "42"}, user="u-1", truncation="auto",
-        reasoning={"effort": "low"}, service_tier="auto", parallel_tool_calls=False, prompt_cache_key="k",
+        reasoning={"effort": "low"}, service_tier="auto", max_tool_calls=3, prompt_cache_key="k",
         safety_identifier="s", include=["reasoning.encrypted_content"], text={"verbosity": "low"})
     ignored = set(raw.headers["x-pagoda-ignored-fields"].split(","))
-    assert ignored == {"metadata", "user", "truncation", "reasoning", "service_tier", "parallel_tool_calls",
+    assert ignored == {"metadata", "user", "truncation", "reasoning", "service_tier", "max_tool_calls",
                        "prompt_cache_key", "safety_identifier", "include", "text.verbosity"}
     resp = raw.parse()
     assert resp.metadata == {"ticket": "42"} and resp.user == "u-1" and resp.truncation == "disabled"
@@ -190,6 +190,7 @@ def test_fields_that_mean_nothing_here_are_accepted_and_named_in_a_header(client
     assert "x-pagoda-ignored-fields" not in plain.headers
 
 
+ADD = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {}}}
 BAD_INPUT = [
     # (id, body, param, words the message must contain)
     ("unknown-field", {"input": "Hi", "frobnicate": 1}, "frobnicate", "unrecognized request argument"),
@@ -198,12 +199,29 @@ BAD_INPUT = [
     ("input-empty-list", {"input": []}, "input", "at least 1 item"),
     ("image-part", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input.0.content.0", "input_image"),
-    ("function-call-output-item", {"input": [{"type": "function_call_output", "call_id": "c1", "output": "4"}]},
-     "input.0", "function_call_output"),
+    ("reasoning-item", {"input": [{"type": "reasoning", "summary": []}]}, "input.0", "'reasoning' are not served"),
     ("tool-role", {"input": [{"role": "tool", "content": "4"}]}, "input.0.role", "tool"),
-    ("tools", {"input": "Hi", "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}]},
-     "tools", "function tools are not served on /v1/responses yet"),
-    ("tool-choice-required", {"input": "Hi", "tool_choice": "required"}, "tool_choice", "no tools are served"),
+    ("output-of-no-call", {"input": [{"type": "function_call_output", "call_id": "c1", "output": "4"}]},
+     "input.0.call_id", "no function_call item with that call_id"),
+    ("call-arguments-not-json", {"input": [{"type": "function_call", "call_id": "c1", "name": "add",
+                                            "arguments": "{a: 1}"}]}, "input.0.arguments", "is not JSON"),
+    ("image-output", {"input": [{"type": "function_call_output", "call_id": "c1", "output": [
+        {"type": "input_image", "image_url": "https://x/y.png"}]}]}, "input.0.output.0", "'input_image'"),
+    ("hosted-tool", {"input": "Hi", "tools": [{"type": "web_search"}]}, "tools.0", "tools of type 'web_search'"),
+    ("mcp-tool", {"input": "Hi", "tools": [ADD, {"type": "mcp", "server_label": "x"}]}, "tools.1", "'mcp'"),
+    ("nested-chat-tool", {"input": "Hi", "tools": [{"type": "function", "function": {"name": "add"}}]},
+     "tools.0", "the Responses API writes it flat"),
+    ("auto-without-the-server-flags", {"input": "Hi", "tools": [ADD]}, "tool_choice",
+     "--enable-auto-tool-choice --tool-call-parser NAME"),
+    ("hosted-tool-choice", {"input": "Hi", "tools": [ADD], "tool_choice": {"type": "file_search"}}, "tool_choice",
+     "tool_choice of type 'file_search'"),
+    ("chat-named-tool-choice", {"input": "Hi", "tools": [ADD], "tool_choice": {
+        "type": "function", "function": {"name": "add"}}}, "tool_choice", "chat completions' shape"),
+    ("tool-choice-required-without-tools", {"input": "Hi", "tool_choice": "required"}, "tool_choice",
+     "tool_choice needs tools"),
+    ("forced-tool-choice-and-text-format", {"input": "Hi", "tools": [ADD], "tool_choice": "required",
+                                            "text": {"format": {"type": "json_object"}}},
+     "tool_choice", "cannot be combined with text.format"),
     ("max-output-tokens-zero", {"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
     ("max-output-tokens-past-context", {"input": "Hi", "max_output_tokens": 10 ** 6}, "max_output_tokens",
      "lower max_output_tokens"),
@@ -243,14 +261,16 @@ def test_text_format_holds_the_output_to_its_json_schema(client):
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
-def test_tools_are_refused_through_the_openai_client_unless_tool_choice_is_none(client):
-    tools = [{"type": "function", "name": "add", "parameters": {"type": "object", "properties": {}}}]
+def test_tools_need_the_server_flags_for_auto_and_tool_choice_none_answers_with_text(client):
+    # this server runs without --enable-auto-tool-choice: auto (the default with tools) is refused, as on chat
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, input="Add 2 and 2", tools=tools, max_output_tokens=2)
-    assert info.value.body["param"] == "tools"
-    resp = client.responses.create(model=MODEL, input="Add 2 and 2", tools=tools, tool_choice="none",
+        client.responses.create(model=MODEL, input="Add 2 and 2", tools=[ADD], max_output_tokens=2)
+    assert info.value.body["param"] == "tool_choice" and "--enable-auto-tool-choice" in info.value.body["message"]
+    resp = client.responses.create(model=MODEL, input="Add 2 and 2", tools=[ADD], tool_choice="none",
                                    max_output_tokens=2, temperature=0)
-    assert resp.output_text and resp.tool_choice == "none"
+    assert resp.output_text and resp.tool_choice == "none" and [t.name for t in resp.tools] == ["add"]
+    # auto without tools is this API's default: a text answer
+    assert client.responses.create(model=MODEL, input="Hi", tool_choice="auto", max_output_tokens=2).output_text
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(server, llm):

@@ -1,6 +1,6 @@
 """Responses kept in memory, for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
 
-Each response keeps only what it added to its conversation (its input messages and its output text) and the
+Each response keeps only what it added to its conversation (its input items and its output items) and the
 id of the response it continued, so a conversation of n turns costs n entries, not n copies of its history.
 The store is bounded three ways, always dropping the least recently used response first: a number of
 responses, a budget of characters, and an expiry ``ttl_seconds`` after a response was last used (stored,
@@ -30,18 +30,19 @@ class ResponseNotStored(LookupError):
 
 @dataclass
 class StoredResponse:
-    """One finished response and its part of the conversation."""
+    """One finished response and its part of the conversation, as items of the Responses API with their text
+    (``{"type": "message", "role", "content": text}``, ``function_call``, ``function_call_output``)."""
 
     response: dict  # the response object as it was answered
-    messages: list[dict]  # this request's input messages, ``{"role", "content"}``, without its instructions
-    output_text: str
+    items: list[dict]  # this request's input items, without its instructions
+    output: list[dict]  # its output items
     previous_response_id: Optional[str]
     num_chars: int = field(init=False)
     last_used: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
-        self.num_chars = (len(json.dumps(self.response, ensure_ascii=False)) + len(self.output_text)
-                          + sum(len(m["content"]) for m in self.messages))
+        self.num_chars = sum(len(json.dumps(part, ensure_ascii=False)) for part in (self.response, self.items,
+                                                                                     self.output))
 
 
 class ResponseStore:
@@ -92,21 +93,20 @@ class ResponseStore:
             raise ResponseNotStored(response_id)
 
     def conversation(self, response_id: str) -> list[dict]:
-        """The messages of the conversation up to and including response ``response_id``'s output, oldest first:
-        each response's input messages, then its output as an assistant message. Every response on the way
-        counts as used; :class:`ResponseNotStored` names the first one missing."""
+        """The items of the conversation up to and including response ``response_id``'s output, oldest first:
+        each response's input items, then its output items. Every response on the way counts as used;
+        :class:`ResponseNotStored` names the first one missing."""
         chain = []
         next_id: Optional[str] = response_id
         while next_id is not None:
             entry = self._peek(next_id)
             chain.append((next_id, entry))
             next_id = entry.previous_response_id
-        messages = []
+        items = []
         for entry_id, entry in reversed(chain):  # oldest first, so the newest response is the last one used
             self._touch(entry_id, entry)
-            messages += entry.messages
-            messages.append({"role": "assistant", "content": entry.output_text})
-        return messages
+            items += entry.items + entry.output
+        return items
 
     def _peek(self, response_id: str) -> StoredResponse:
         self._drop_expired()

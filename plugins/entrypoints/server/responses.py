@@ -1,8 +1,10 @@
 """``/v1/responses``: OpenAI's Responses API over the chat template, answered whole or as typed SSE events.
 
-A request's input (a string, or messages of text) follows its ``instructions`` (as a system message) and,
-with ``previous_response_id``, the stored conversation it continues; the chat template renders them as for
-chat completions. The answer is one ``message`` output item holding one ``output_text`` part.
+A request's input (a string, or items: messages of text, function calls and their outputs) follows its
+``instructions`` (as a system message) and, with ``previous_response_id``, the stored conversation it
+continues; the chat template renders them, with the request's function tools, as for chat completions
+(``responses_input``). The answer's text is a ``message`` output item, each tool call it makes a
+``function_call`` item (``responses_output``); ``tool_choice`` follows chat's rules (``tools``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import re
 import time
 import uuid
-from typing import AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,11 +25,15 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.chat import check_chat_chars, render_chat
 from pagoda.plugins.entrypoints.server.errors import APIError, to_api_error
 from pagoda.plugins.entrypoints.server.response_store import ResponseNotStored, ResponseStore, StoredResponse
-from pagoda.plugins.entrypoints.server.responses_protocol import (InputMessage, ResponsesRequest,
-                                                                  TextFormatJSONObject, TextFormatJSONSchema)
+from pagoda.plugins.entrypoints.server.responses_input import (chat_messages, input_items,
+                                                               plan_response_tools)
+from pagoda.plugins.entrypoints.server.responses_output import Event, ResponseOutput
+from pagoda.plugins.entrypoints.server.responses_protocol import (ResponsesRequest, TextFormatJSONObject,
+                                                                  TextFormatJSONSchema, ToolChoiceFunction)
 from pagoda.plugins.entrypoints.server.serving import (ClientGone, ServingContext, output_error,
                                                        unless_disconnected)
 from pagoda.plugins.entrypoints.server.streaming import Generation
+from pagoda.plugins.entrypoints.server.tools import ToolRequest
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 IGNORED_HEADER = "x-pagoda-ignored-fields"
@@ -63,106 +69,101 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
 async def create_response(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
     ctx.check_model(body.model)
     _refuse_unserved(body)
-    history = _history(store, body.previous_response_id)
-    inputs = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else [
-        _plain(m) for m in body.input]
+    tooling = plan_response_tools(body, ctx.tool_options)
+    structured_outputs = _structured_outputs(body)
+    if structured_outputs is not None and tooling.is_forced:
+        raise APIError(400, f"tool_choice {_choice_name(body)} holds the answer to the tool calls' schema, so it "
+                            "cannot be combined with text.format json_schema or json_object; send one of them",
+                       param="tool_choice")
+    items = input_items(body)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    messages = system + history + inputs
-    record = ResponseRecord(ctx.served_model_name, body)
-    with _in_responses_terms():
-        check_chat_chars(ctx, messages, param="input")
+    messages = system + chat_messages(_history(store, body.previous_response_id), items)
+    record = ResponseRecord(ctx.served_model_name, body, tooling.new_parser())
+    with _in_responses_terms(tooling):
+        check_chat_chars(ctx, messages, tooling.tools, param="input")
         text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
-            lambda tok: render_chat(tok, messages, add_generation_prompt=True, max_chars=ctx.max_prompt_chars)))
+            lambda tok: render_chat(tok, messages, add_generation_prompt=True, tools=tooling.tools,
+                                    max_chars=ctx.max_prompt_chars)))
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
-                                logprobs=record.num_top_logprobs, structured_outputs=_structured_outputs(body))
-        gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                         priority=0, stream=bool(body.stream), tenant=ctx.tenant_of(request, body))
+                                logprobs=record.num_top_logprobs, structured_outputs=structured_outputs)
+        gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}],
+                         tooling.constrain(params), priority=0, stream=bool(body.stream),
+                         tenant=ctx.tenant_of(request, body))
         await unless_disconnected(request, gen.start())
     ignored = body.ignored_fields()
     headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
     keep = store if body.store is not False else None
     if body.stream:
-        return StreamingResponse(_events(gen, record, keep, inputs), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_events(gen, record, keep, items), media_type="text/event-stream", headers=headers)
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
     if err is not None:
         raise err
     record.add(out)
     record.finish()
-    _keep(keep, record, inputs)
+    _keep(keep, record, items)
     return JSONResponse(record.render(), headers=headers)
 
 
 class ResponseRecord:
-    """One response as it is generated: renders OpenAI's response object and its output item at any point."""
+    """One response as it is generated: renders OpenAI's response object at any point. ``parser`` reads the
+    answer's tool calls (None: the answer is text)."""
 
-    def __init__(self, model: str, body: ResponsesRequest) -> None:
+    def __init__(self, model: str, body: ResponsesRequest, parser: Any = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
-        self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model, self.body = model, body
         self.temperature = 1.0 if body.temperature is None else body.temperature
         self.top_p = 1.0 if body.top_p is None else body.top_p
         self.num_top_logprobs = (body.top_logprobs or 0) if body.wants_logprobs else None
         self.status = "in_progress"
-        self.pieces: list[str] = []  # the output text, one piece per engine output
-        self.logprobs: list[dict] = []
+        self.output = ResponseOutput(parser)
         self.num_input_tokens = self.num_cached_tokens = self.num_output_tokens = 0
         self.finish_reason: Optional[str] = None
         self.error: Optional[dict] = None
         self.completed_at: Optional[int] = None
 
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def add(self, out: RequestOutput) -> tuple[str, list[dict]]:
-        """Take in one engine output (a delta when streaming, else the whole); its new text and logprobs."""
+    def add(self, out: RequestOutput) -> list[Event]:
+        """Take in one engine output (a delta when streaming, else the whole); the events of what it added. The
+        tokens' logprobs go with a text answer (a reader of tool calls takes the text apart)."""
         (c,) = out.outputs
-        logprobs = _token_logprobs(c, self.num_top_logprobs) if self.num_top_logprobs is not None else []
-        self.pieces.append(c.text)
-        self.logprobs += logprobs
+        with_logprobs = self.num_top_logprobs is not None and self.output.parser is None
+        logprobs = _token_logprobs(c, self.num_top_logprobs) if with_logprobs else []
         self.num_input_tokens, self.num_cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
         self.num_output_tokens += len(c.token_ids)
         self.finish_reason = c.finish_reason or self.finish_reason
-        return c.text, logprobs
+        return self.output.read(c.text, logprobs, c.finish_reason is not None)
 
-    def finish(self) -> None:
-        self.pieces = [self.text]
+    def finish(self) -> list[Event]:
+        """The answer is whole: the response's status, and the events that close its last item."""
         self.status = "incomplete" if self.finish_reason == "length" else "completed"
         self.completed_at = int(time.time())
+        return self.output.finish(self.status)
 
     def fail(self, err: APIError) -> None:
         self.status = "failed"
         self.error = {"code": "server_error", "message": err.message}
 
-    def part(self, text: str = "", logprobs: Optional[list[dict]] = None) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-    def item(self, content: Optional[list[dict]] = None) -> dict:
-        """The output message; ``content=None``: as it stands now."""
-        status = self.status if self.status != "failed" else "incomplete"
-        return {"id": self.message_id, "type": "message", "role": "assistant", "status": status,
-                "content": [self.part(self.text, self.logprobs)] if content is None else content}
-
     def render(self) -> dict:
         body = self.body
         is_done = self.status in ("completed", "incomplete")
         text_format = body.text.format if body.text is not None and body.text.format is not None else None
+        tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, ToolChoiceFunction) else (
+            body.tool_choice or "auto")
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
             "completed_at": self.completed_at, "background": False, "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": body.max_tool_calls, "model": self.model,
-            "output": [self.item()] if is_done else [],
+            "output": self.output.render() if is_done else [],
             "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id, "reasoning": None, "service_tier": "default",
             "temperature": self.temperature, "top_p": self.top_p, "top_logprobs": body.top_logprobs,
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                      else {"type": "text"}},
-            "tool_choice": "auto" if body.tool_choice is None else body.tool_choice, "tools": body.tools or [],
+            "tool_choice": tool_choice, "tools": [t.model_dump() for t in body.tools or ()],
             "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user,
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             "usage": {"input_tokens": self.num_input_tokens,
@@ -173,12 +174,12 @@ class ResponseRecord:
 
 
 async def _events(gen: Generation, record: ResponseRecord, store: Optional[ResponseStore],
-                  inputs: list[dict]) -> AsyncIterator[str]:
-    """OpenAI's typed events, in order: created, in_progress, the item and its part added, a text delta per
-    engine output, the text, part and item done, then completed (incomplete when max_output_tokens cut the
-    text). An error after the status line went out ends the stream with ``error`` and ``response.failed``."""
+                  items: list[dict]) -> AsyncIterator[str]:
+    """OpenAI's typed events, in order: created, in_progress, then each output item's (added, its text or
+    arguments in pieces as the engine produced them, done; see ``responses_output``), then completed
+    (incomplete when max_output_tokens cut the answer). An error after the status line went out ends the stream
+    with ``error`` and ``response.failed``."""
     numbers = itertools.count()
-    ids = {"item_id": record.message_id, "output_index": 0}
 
     def event(kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": next(numbers), **fields}
@@ -186,10 +187,8 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Respo
 
     # sent with the first engine output, so every event after the status line comes from inside gen.stream()
     # (whose end aborts the request) and an error event always follows a response.created
-    pending = (event("response.created", response=record.render())
-               + event("response.in_progress", response=record.render())
-               + event("response.output_item.added", output_index=0, item=record.item(content=[]))
-               + event("response.content_part.added", **ids, content_index=0, part=record.part()))
+    pending = event("response.created", response=record.render()) + event("response.in_progress",
+                                                                           response=record.render())
     try:
         async for batch in gen.stream():
             frames = [pending]
@@ -197,22 +196,15 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Respo
                 err = output_error(out)
                 if err is not None:
                     raise err
-                delta, logprobs = record.add(out)
-                if delta or logprobs:
-                    frames.append(event("response.output_text.delta", **ids, content_index=0, delta=delta,
-                                        logprobs=logprobs))
-            if len(frames) > 1 or pending:
-                yield "".join(frames)
-                pending = ""
-        record.finish()
-        _keep(store, record, inputs)
-        part = record.part(record.text, record.logprobs)
+                frames += [event(kind, **fields) for kind, fields in record.add(out)]
+            pending = ""
+            chunk = "".join(frames)
+            if chunk:
+                yield chunk
+        closing = [event(kind, **fields) for kind, fields in record.finish()]
+        _keep(store, record, items)
         final = "response.incomplete" if record.status == "incomplete" else "response.completed"
-        yield (pending
-               + event("response.output_text.done", **ids, content_index=0, text=record.text, logprobs=record.logprobs)
-               + event("response.content_part.done", **ids, content_index=0, part=part)
-               + event("response.output_item.done", output_index=0, item=record.item())
-               + event(final, response=record.render()))
+        yield "".join(closing) + event(final, response=record.render())
     except Exception as exc:  # the status line is gone: the error is the last event
         err = to_api_error(exc)
         record.fail(err)
@@ -220,9 +212,10 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Respo
                + event("response.failed", response=record.render()))
 
 
-def _keep(store: Optional[ResponseStore], record: ResponseRecord, inputs: list[dict]) -> None:
+def _keep(store: Optional[ResponseStore], record: ResponseRecord, items: list[dict]) -> None:
     if store is not None:
-        store.store(record.id, StoredResponse(record.render(), inputs, record.text, record.body.previous_response_id))
+        store.store(record.id, StoredResponse(record.render(), items, record.output.as_input(),
+                                              record.body.previous_response_id))
 
 
 def _history(store: ResponseStore, previous_response_id: Optional[str]) -> list[dict]:
@@ -253,12 +246,6 @@ def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
     """400 for what pagoda cannot serve on this route, naming the field and what to send instead."""
-    if body.tools and body.tool_choice != "none":
-        raise APIError(400, "function tools are not served on /v1/responses yet; leave tools out, set tool_choice "
-                            "to \"none\", or use /v1/chat/completions", param="tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, f"tool_choice {body.tool_choice!r} asks for a tool call, but no tools are served on "
-                            "/v1/responses yet; leave tool_choice out or set it to \"none\"", param="tool_choice")
     if body.background:
         raise APIError(400, "background responses are not served; leave background out (use stream: true for long "
                             "outputs)", param="background")
@@ -272,8 +259,9 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         raise APIError(400, "moderation is not served by this server; leave moderation out", param="moderation")
 
 
-def _plain(m: InputMessage) -> dict:
-    return {"role": m.role, "content": m.text()}
+def _choice_name(body: ResponsesRequest) -> str:
+    choice = body.tool_choice
+    return f"function {choice.name!r}" if isinstance(choice, ToolChoiceFunction) else repr(choice)
 
 
 def _structured_outputs(body: ResponsesRequest) -> Optional[StructuredOutputsParams]:
@@ -287,13 +275,17 @@ def _structured_outputs(body: ResponsesRequest) -> Optional[StructuredOutputsPar
 
 
 @contextlib.contextmanager
-def _in_responses_terms() -> Iterator[None]:
-    """A 400 raised in the engine's or chat's terms (``max_tokens``, ``messages``) in this API's terms."""
+def _in_responses_terms(tooling: ToolRequest) -> Iterator[None]:
+    """A 400 raised in the engine's or chat's terms (``max_tokens``, ``messages``) in this API's terms; the
+    engine's refusal of the schema a forced tool choice needs names ``tool_choice``."""
     try:
         yield
     except (InvalidRequestError, APIError) as exc:
         if isinstance(exc, APIError) and exc.status != 400:
             raise
+        explained = tooling.explain_refusal(exc) if isinstance(exc, InvalidRequestError) else exc
+        if explained is not exc:  # already in this API's terms
+            raise explained from None
         message = exc.message if isinstance(exc, APIError) else str(exc)
         for old in ("max_tokens", "structured_outputs"):
             message = re.sub(rf"\b{old}\b", _FIELD_NAMES[old], message)

@@ -1,4 +1,5 @@
-"""Tool calling on ``/v1/chat/completions``: what ``tools`` and ``tool_choice`` mean for one request.
+"""Tool calling on ``/v1/chat/completions`` (and, by the same rules, ``/v1/responses``): what ``tools`` and
+``tool_choice`` mean for one request.
 
 - ``none`` (the default without tools): the tools reach the chat template, the answer is plain content.
 - ``auto`` (the default with tools): the answer is read by the tool-call parser the server was started with
@@ -139,10 +140,27 @@ def _finish_reason(found: ExtractedToolCalls, reason: Optional[str]) -> Optional
     return "tool_calls" if found.tool_calls and reason == "stop" else reason
 
 
+# how each API writes a tool choice that names a function, for the messages that suggest one
+CHAT_NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'
+
+
 def plan_tools(body: ChatCompletionRequest, options: ToolCallingOptions) -> ToolRequest:
     """The request's tool choice, checked against its tools and the server's options (400s name the field)."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
+    if choice is None or isinstance(choice, str):
+        return plan_tool_choice(tools, choice, None, body.parallel_tool_calls, options, CHAT_NAMED_CHOICE)
+    return plan_tool_choice(tools, "function", choice.function.name, body.parallel_tool_calls, options,
+                            CHAT_NAMED_CHOICE)
+
+
+def plan_tool_choice(tools: Optional[list[dict]], choice: Optional[str], function_name: Optional[str],
+                     parallel_tool_calls: Optional[bool], options: ToolCallingOptions,
+                     named_choice: str) -> ToolRequest:
+    """The rules of ``tool_choice`` that chat completions and the Responses API share. ``tools`` are in chat's
+    shape (``{"type": "function", "function": {...}}``); ``choice`` is None (not given), ``none``, ``auto``,
+    ``required`` or ``function`` (naming ``function_name``); ``named_choice`` is how the request's API writes a
+    named function, for the message that suggests one."""
     if tools is None:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools: send the functions the model may call in tools, or leave "
@@ -159,18 +177,16 @@ def plan_tools(body: ChatCompletionRequest, options: ToolCallingOptions) -> Tool
             raise APIError(400, f"tool_choice \"auto\"{default} needs the server started with "
                                 "--enable-auto-tool-choice --tool-call-parser NAME (installed parsers: "
                                 f"{', '.join(options.available_parsers) or 'none'}); or send tool_choice \"none\", "
-                                "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                           param="tool_choice")
+                                f"\"required\" or {named_choice}", param="tool_choice")
         return ToolRequest(tools, "auto", parser_factory=options.parser_factory)
     if choice == "none":
         return ToolRequest(tools, "none")
     if choice == "required":
-        return ToolRequest(tools, "required", parallel=body.parallel_tool_calls is not False)
-    name = choice.function.name
-    if name not in names:
-        raise APIError(400, f"tool_choice names the function {name!r}, which is not in tools (they are "
+        return ToolRequest(tools, "required", parallel=parallel_tool_calls is not False)
+    if function_name not in names:
+        raise APIError(400, f"tool_choice names the function {function_name!r}, which is not in tools (they are "
                             f"{', '.join(map(repr, names))}); name one of them", param="tool_choice")
-    return ToolRequest(tools, "function", function_name=name, parallel=False)
+    return ToolRequest(tools, "function", function_name=function_name, parallel=False)
 
 
 # ---- the schema of forced calls ---------------------------------------------------------------------
@@ -242,10 +258,8 @@ def template_tool_fields(message: ChatMessage, position: int) -> dict:
         if message.role != "assistant":
             raise APIError(400, f"{where} is a {message.role} message with tool_calls; only assistant messages carry "
                                 "tool calls", param=f"{where}.tool_calls")
-        fields["tool_calls"] = [{"id": call.id, "type": "function",
-                                 "function": {"name": call.function.name,
-                                              "arguments": _arguments(call.function.arguments,
-                                                                      f"{where}.tool_calls[{i}].function.arguments")}}
+        fields["tool_calls"] = [template_tool_call(call.id, call.function.name, call.function.arguments,
+                                                   f"{where}.tool_calls[{i}].function.arguments")
                                 for i, call in enumerate(message.tool_calls)]
     if message.role == "tool":
         if not message.tool_call_id:
@@ -253,6 +267,21 @@ def template_tool_fields(message: ChatMessage, position: int) -> dict:
                            param=f"{where}.tool_call_id")
         fields["tool_call_id"] = message.tool_call_id
     return fields
+
+
+def template_tool_call(call_id: str, name: str, arguments: str, param: Optional[str]) -> dict:
+    """One call of an assistant message as a Hugging Face chat template takes it: its arguments decoded into a
+    dict (templates print them with ``tojson``). Arguments that are not JSON are a 400 naming ``param``, where
+    the request sent them; with ``param`` None (calls the model wrote, cut off by the token budget) they stay
+    text."""
+    if param is None:
+        try:
+            decoded: Any = load_json_text(arguments) if arguments.strip() else {}
+        except ValueError:
+            decoded = arguments
+    else:
+        decoded = _arguments(arguments, param)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": decoded}}
 
 
 def _arguments(text: str, param: str) -> Any:
