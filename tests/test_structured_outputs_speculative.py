@@ -215,37 +215,41 @@ class DraftLog:
         self._drafts = []
 
     def after_step(self, engine, sched, result, seconds) -> None:
-        if result is not None and self._drafts:
-            self.steps.append([(d, list(t)) for d, t in zip(self._drafts, result.sampled_token_ids) if d])
+        if result is not None:
+            self.steps.append([(list(d), list(t)) for d, t in zip(self._drafts or [[]] * len(sched.requests),
+                                                                   result.sampled_token_ids)])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_drafts_the_grammar_forbids_are_rejected_and_the_output_stays_valid(temperature):
+def test_drafts_the_grammar_forbids_are_rejected_and_the_output_stays_valid():
+    # the grammar takes the prompt's first words, then digits: n-gram lookup drafts the words that follow in
+    # the prompt, and the grammar forbids them once the words are done
+    regex = " red green blue [0-9]{8}"
     llm = llm_with(NGRAM)
     log = DraftLog(llm)
-    tok = llm.get_tokenizer()
-
-    def is_digits(token_id: int) -> bool:
-        return tok.decode([token_id]).isdigit()
-
-    out = llm.generate([REPEATING], structured(temperature, 20, seed=5, regex=DIGITS), use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "stop" and re.fullmatch(DIGITS, out.outputs[0].text), out.outputs[0]
-    num_forbidden_runs = 0
-    for runs in log.steps:
-        for drafts, committed in runs:
-            first_forbidden = next((j for j, t in enumerate(drafts) if not is_digits(t)), None)
-            if first_forbidden is not None:
+    vocab = llm.engine.config.model.vocab_size
+    for temperature in (0.0, 1.0):
+        log.steps.clear()
+        out = llm.generate([REPEATING], structured(temperature, 24, seed=5, regex=regex), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(regex, out.outputs[0].text), out.outputs[0]
+        # replay the steps on a matcher of the same grammar: the first draft it refuses must not be accepted
+        matcher = llm.engine.structured_outputs.compiled(StructuredOutputsParams(regex=regex)).new_matcher()
+        num_forbidden_runs = 0
+        for (drafts, committed), in log.steps:
+            num_valid = fill_draft_rows(matcher, drafts, allocate_bitmask(len(drafts) + 1, vocab), 0)
+            if num_valid < len(drafts):
                 num_forbidden_runs += 1
-                assert len(committed) - 1 <= first_forbidden, (drafts, committed)  # not accepted
-            assert all(is_digits(t) for t in committed[:-1])
-    assert num_forbidden_runs > 0, "the n-gram proposer drafted no word of the prompt"
+                assert len(committed) - 1 <= num_valid, (drafts, committed)
+            for token_id in committed:
+                if not matcher.is_terminated():
+                    assert matcher.accept_tokens([token_id]), (drafts, committed)
+        assert num_forbidden_runs > 0, "the n-gram proposer drafted no token the grammar forbids"
     stats = llm.engine.spec_stats
-    assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert_counters_consistent(llm)
     # the same drafts without the grammar: the model repeats the words, and they are accepted
     log.steps.clear()
     llm.generate([REPEATING], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
-    assert any(len(committed) > 1 and not is_digits(committed[0]) for runs in log.steps for _, committed in runs)
+    assert any(len(committed) > 1 for (_, committed), in log.steps[1:])
 
 
 def test_requests_preempted_by_recompute_resume_in_their_grammar_with_speculation(plain):
