@@ -330,7 +330,9 @@ class StructuredOutputMatcher(Protocol):
     The bitmask is int32 ``[rows, ceil(vocab / 32)]``: token ``t`` is allowed in row ``r`` when bit ``t % 32``
     of ``bitmask[r, t // 32]`` is set. The engine's end-of-sequence tokens are allowed exactly where the grammar
     may end. The engine fills a row before each step the sequence samples in, advances the matcher with the
-    tokens it commits (``Sequence.append_output_tokens``) and never twice for the same token.
+    tokens it commits (``Sequence.append_output_tokens``) and never twice for the same token. Under
+    speculative decoding the runner also fills the rows after each draft of the step: it accepts the drafts
+    one by one and then rolls all of them back, so the matcher stands at the committed tokens between steps.
     """
 
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
@@ -340,7 +342,8 @@ class StructuredOutputMatcher(Protocol):
         """Advance over ``token_ids``; False (the matcher unchanged) if the grammar refuses any of them."""
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+        """Undo the last ``num_tokens`` accepted tokens (a step's speculative drafts; an accepted end-of-sequence
+        token among them too)."""
 
     def is_terminated(self) -> bool:
         """True once the grammar is complete and has accepted its end (nothing may follow)."""

@@ -90,3 +90,23 @@ def test_the_benchmark_header_names_each_kernels_isa_path(tmp_path):
     paths = kernel_isa_paths(llm)
     assert set(paths) == {"decode attention", "prefill attention", "rmsnorm/silu/rope", "dense linear"}
     assert all(paths.values())
+
+
+def test_bench_latency_profile_shows_the_grammar_mask_under_a_json_schema_with_speculation(tmp_path):
+    import json
+    import re
+
+    from tiny_models import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "model")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    cmd = [sys.executable, "-m", "pagoda.cli", "bench", "latency", "--model", str(tmp_path / "model"),
+           "--prompt-len", "16", "--output-len", "24", "--repeats", "1", "--no-baseline", "--profile",
+           "--json-schema", str(schema), "--cpu-threads", "1",
+           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "JSON schema on every request" in out.stdout and "under a JSON schema" in out.stdout
+    mask = re.search(r"grammar mask \(fill \+ apply\)\s+([0-9.]+) ms", out.stdout)
+    assert mask and float(mask.group(1)) > 0, out.stdout

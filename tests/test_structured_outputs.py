@@ -202,12 +202,3 @@ def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == roomy
     assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
-
-
-def test_structured_outputs_with_speculative_decoding_are_refused_clearly():
-    from pagoda.engine.request_limits import RequestLimits
-
-    limits = RequestLimits(256, 100, 10, lambda n: (n + 15) // 16, speculative=True)
-    with pytest.raises(InvalidRequestError, match="speculative decoding") as info:
-        limits.check([1, 2, 3], structured(0.0, 4, regex="a"))
-    assert info.value.param == "structured_outputs"

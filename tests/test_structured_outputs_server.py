@@ -1,11 +1,13 @@
 """Structured outputs over HTTP: a real uvicorn server on 127.0.0.1 over the default model, driven by the
-official ``openai`` client (``.parse`` with a pydantic model, ``json_object``, streaming) and by LangChain."""
+official ``openai`` client (``.parse`` with a pydantic model, ``json_object``, streaming) and by LangChain; and a
+server built from ``pagoda serve``'s flags with n-gram speculation."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -132,3 +134,51 @@ def test_langchain_with_structured_output_gets_the_model(server):
                                        temperature=0, max_tokens=60, max_retries=0)
     cat = chat.with_structured_output(Cat, method="json_schema").invoke("Describe a cat as JSON.")
     assert isinstance(cat, Cat)
+
+
+@pytest.fixture(scope="module")
+def speculative_server():
+    """The engine ``pagoda serve`` builds from its flags, with n-gram speculation (``--speculative-config``)."""
+    import argparse
+
+    from pagoda.cli import engine_args_from
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.plugins.entrypoints.cli.serve import register
+    from pagoda.registry.plugin_manager import PluginManager
+
+    ensure_default_model()
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    ns = parser.parse_args(["serve", "--dtype", "float32", "--cpu-threads", "1", "--kv-cache-memory-bytes",
+                            str(128 << 20), "--speculative-config", json.dumps(
+                                {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})])
+    engine = LLMEngine.from_engine_args(engine_args_from(ns), PluginManager().load())
+    assert engine.config.speculative.method == "ngram"
+    srv = ServerThread(build_app(AsyncLLMEngine(engine), api_key=API_KEY)).start()
+    yield srv
+    srv.stop()
+
+
+def test_a_speculative_server_holds_chat_and_completions_to_their_constraints(speculative_server):
+    client = openai.OpenAI(base_url=speculative_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    cat = client.chat.completions.parse(model=MODEL, messages=ASK, response_format=Cat, temperature=0,
+                                        max_tokens=60).choices[0].message.parsed
+    assert isinstance(cat, Cat)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=1.0, seed=3, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": CAT}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), CAT)
+    # the prompt repeats itself, so the n-gram proposer drafts its words, which the regex forbids
+    regex = "[0-9]{12}"
+    done = client.completions.create(model=MODEL, prompt="red green blue red green blue red green blue red green",
+                                     max_tokens=20, temperature=0, extra_body={"structured_outputs": {"regex": regex}})
+    assert done.choices[0].finish_reason == "stop" and re.fullmatch(regex, done.choices[0].text), done.choices[0]
+    chunks = list(client.completions.create(model=MODEL, prompt="Pick a city:", max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"guided_choice": ["Paris", "Rome"]}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) in ("Paris", "Rome")
+    metrics = httpx.get(speculative_server.url + "/metrics").text
+    counters = {name: float(value) for name, value in re.findall(
+        r"^pagoda:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens)_total\{[^}]*\} (\S+)$", metrics,
+        re.MULTILINE)}
+    assert counters["num_drafts"] > 0
+    assert counters["num_accepted_tokens"] < counters["num_draft_tokens"] <= 4 * counters["num_drafts"]

@@ -30,17 +30,12 @@ class RequestLimits:
     vocab_size: int
     num_blocks: int  # KV blocks in the whole cache
     blocks_needed: Callable[[int], int]  # the KV allocator's: blocks that hold that many tokens
-    speculative: bool = False  # speculative decoding is on (structured outputs are refused with it)
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise :class:`InvalidRequestError` if the request can never run: an empty prompt, one that leaves no
         room in the context for a generated token, a token id outside the vocabulary (in the prompt, the stop
         ids or the logit bias), a prompt (plus its first generated token) larger than the whole KV cache."""
         num_prompt_tokens = len(prompt_token_ids)
-        if params.structured_outputs is not None and self.speculative:
-            raise InvalidRequestError("structured outputs do not run with speculative decoding yet: leave "
-                                      "structured_outputs out, or start the engine without speculative_config",
-                                      param="structured_outputs")
         if not num_prompt_tokens:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")
         self._check_context_room(num_prompt_tokens)

@@ -18,6 +18,7 @@ from pagoda.host import hugepages
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler
 from pagoda.sampling.structured.bitmask import apply_bitmask_
+from pagoda.sampling.structured.speculative import fill_draft_rows
 from pagoda.sampling.sampler import prompt_logprobs_for
 from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
 
@@ -196,30 +197,29 @@ class ModelRunner:
         # one token for each request that reached its last known token and has no drafts
         plain = [i for i in range(n) if not drafts[i]
                  and sched.num_computed_before[i] + sched.num_real_tokens(i) == reqs[i].num_tokens]
+        # every position of a verified run is scored: the last known token and each draft
+        verify = [i for i in range(n) if drafts[i]]
+        if plain or verify:
+            # one LM-head pass over the step's scored rows: the plain requests' last rows, then the verified runs
+            idx = [batch.last_row(i) for i in plain] + [row for i in verify for row in batch.rows(i)]
+            t = clock()
+            logits = self.model.compute_logits(hidden[torch.tensor(idx)])  # [len(plain) + sum(k_i + 1), vocab]
+            timings["logits"] = clock() - t
+            if sched.grammar_rows:
+                t = clock()
+                _apply_grammar(logits, plain, verify, drafts, sched)
+                timings["grammar"] = clock() - t
         if plain:
             t = clock()
-            logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(i) for i in plain])])
-            t1 = clock()
-            if sched.grammar_rows:
-                _apply_grammar(logits, plain, sched)
-                timings["grammar"] = clock() - t1
-                t1 = clock()
-            sampled = self.sampler(logits, [reqs[i] for i in plain])
-            timings["logits"] += t1 - t
-            timings["sampling"] += clock() - t1
+            sampled = self.sampler(logits[:len(plain)], [reqs[i] for i in plain])
+            timings["sampling"] += clock() - t
             for j, i in enumerate(plain):
                 out.sampled_token_ids[i] = [sampled.token_ids[j]]
                 out.logprobs[i] = sampled.logprobs[j] if sampled.logprobs else None
-        verify = [i for i in range(n) if drafts[i]]
         if verify:
-            # every position of a verified run is scored: the last known token and each draft
-            idx = np.concatenate([np.arange(batch.rows(i).start, batch.rows(i).stop) for i in verify])
-            t = clock()
-            logits = self.model.compute_logits(hidden[torch.from_numpy(idx)])  # [sum(k_i + 1), vocab]
-            timings["logits"] += clock() - t
             t = clock()
             row_starts = np.concatenate([[0], np.cumsum([len(drafts[i]) + 1 for i in verify])[:-1]]).tolist()
-            verdicts = self.rejection_sampler(logits, row_starts, [reqs[i] for i in verify],
+            verdicts = self.rejection_sampler(logits[len(plain):], row_starts, [reqs[i] for i in verify],
                                               [drafts[i] for i in verify], [draft_probs[i] for i in verify])
             for i, verdict in zip(verify, verdicts):
                 out.sampled_token_ids[i] = verdict.token_ids
@@ -259,17 +259,42 @@ class ModelRunner:
             out.prompt_logprobs[i] = prompt_logprobs_for(logprobs, r.prompt_token_ids[start + 1:end + 1], num_top)
 
 
-def _apply_grammar(logits: torch.Tensor, plain: list[int], sched: SchedulerOutput) -> None:
-    """Mask the logits of the sampled rows that have a grammar (``logits[j]`` is request ``plain[j]``); the
-    other rows stay as they are."""
-    row_of = {i: j for j, i in enumerate(plain)}
-    pairs = [(row_of[i], k) for k, i in enumerate(sched.grammar_rows) if i in row_of]
-    if not pairs:
+def _apply_grammar(logits: torch.Tensor, plain: list[int], verify: list[int], drafts: list[list[int]],
+                   sched: SchedulerOutput) -> None:
+    """Mask the scored rows of the requests that sample under a grammar, in one pass over the step's logits
+    (``logits``: the rows of ``plain``, one each, then the k + 1 rows of each request of ``verify``). A row's
+    first position takes the engine's bitmask row; a verified run's later positions the tokens the grammar
+    allows after the drafts before them (filled here, the matcher left where it was). Other rows stay as
+    they are."""
+    engine_row = {i: k for k, i in enumerate(sched.grammar_rows)}
+    logit_rows: list[int] = []  # the masked rows of ``logits``
+    first_rows: list[tuple[int, int]] = []  # (row of the step's bitmask, row of the engine's bitmask)
+    runs: list[tuple[int, int]] = []  # (request, row of the step's bitmask at its first scored position)
+    for j, i in enumerate(plain):
+        if i in engine_row:
+            first_rows.append((len(logit_rows), engine_row[i]))
+            logit_rows.append(j)
+    start = len(plain)
+    for i in verify:
+        num_scored = len(drafts[i]) + 1
+        if i in engine_row:
+            first_rows.append((len(logit_rows), engine_row[i]))
+            runs.append((i, len(logit_rows)))
+            logit_rows.extend(range(start, start + num_scored))
+        start += num_scored
+    if not logit_rows:
         return
-    logit_rows = torch.tensor([j for j, _ in pairs])
-    masked = logits[logit_rows]  # [num_grammar_rows, vocab]
-    apply_bitmask_(masked, sched.grammar_bitmask[[k for _, k in pairs]])
-    logits[logit_rows] = masked
+    # [len(logit_rows), words], every token allowed until filled
+    bitmask = sched.grammar_bitmask.new_full((len(logit_rows), sched.grammar_bitmask.shape[1]), -1)
+    bitmask[[r for r, _ in first_rows]] = sched.grammar_bitmask[[k for _, k in first_rows]]
+    for i, row in runs:
+        matcher = sched.requests[i].grammar
+        if matcher is not None:  # None on the other ranks of a tensor-parallel model (rank 0's tokens count)
+            fill_draft_rows(matcher, drafts[i], bitmask, row)
+    index = torch.tensor(logit_rows)
+    masked = logits[index]  # [len(logit_rows), vocab]
+    apply_bitmask_(masked, bitmask)
+    logits[index] = masked
 
 
 class FlatBatch:

@@ -35,7 +35,8 @@ def check_structured_output_backend(factory: StructuredOutputBackendFactory, mod
       whole row written, whatever it held), the end-of-sequence token only once the text is complete
       (``may_end``), and the text's first character of a refused text is not allowed at the start;
     - a token the grammar refuses is refused by ``accept_tokens`` and leaves the matcher as it was;
-    - ``rollback(k)`` returns to the bitmask of k tokens earlier;
+    - ``rollback(k)`` returns to the bitmask of k tokens earlier, also over a whole match and its
+      end-of-sequence token (as speculative decoding rolls back a step's drafts);
     - two matchers of one compiled constraint do not share their place.
 
     Raises ContractError.
@@ -109,6 +110,22 @@ def _check_case(backend: Any, spec: StructuredOutputsParams, good: str, bad: str
     if not torch.equal(_allowed(matcher, vocab), masks[len(token_ids) - back]):
         raise where.fail("rollback()", f"after rollback({back}) the bitmask differs from {back} tokens earlier",
                          "rollback(k) undoes the last k tokens", "the matcher's rollback()")
+    # speculative decoding: a step's drafts, the end included, are accepted and then rolled back together
+    if not matcher.accept_tokens(token_ids[len(token_ids) - back:]):
+        raise where.fail("accept_tokens()", f"the last {back} tokens of {good!r} were refused after rollback({back})",
+                         "rollback(k) undoes the last k tokens", "the matcher's rollback()")
+    num_accepted = len(token_ids)
+    if not matcher.is_terminated():  # a matcher may stop where only the end can follow (llguidance does)
+        if not matcher.accept_tokens([eos]):
+            raise where.fail("accept_tokens()", f"the end-of-sequence token was refused after {good!r}",
+                             "a complete match that has not terminated accepts the end-of-sequence token",
+                             "the matcher's accept_tokens() or the backend's stop tokens")
+        num_accepted += 1
+    matcher.rollback(num_accepted)
+    if not torch.equal(_allowed(matcher, vocab), masks[0]):
+        raise where.fail("rollback()", f"after accepting {good!r} and the end, rollback({num_accepted}) does not "
+                         "return to the start", "rollback(k) undoes any k tokens accepted, the end included",
+                         "the matcher's rollback()")
 
 
 def _allowed(matcher: Any, vocab: int) -> torch.Tensor:

@@ -4,7 +4,9 @@
 - ``xgrammar_backend``, ``guidance_backend``: the built-in backends (``xgrammar``; ``guidance``, alias
   ``llguidance``), registered through ``pagoda_structured_output_backends`` like any plugin's;
 - ``manager``: the engine's side: the backend of each request (``auto``: the first that supports it), the
-  compile pool and its cache, each sequence's matcher, and each step's bitmask.
+  compile pool and its cache, each sequence's matcher, and each step's bitmask;
+- ``speculative``: the rows of a verified run of speculative drafts, filled by the runner once the drafts
+  are known.
 """
 
 from pagoda.markers import hookimpl

@@ -174,9 +174,12 @@ class StructuredOutputs:
     # ---- each step ---------------------------------------------------------------
 
     def fill_bitmask(self, sched: SchedulerOutput) -> None:
-        """Fill ``sched.grammar_bitmask``: one row per request of the step that samples under a grammar."""
-        rows = [i for i, r in enumerate(sched.requests) if r.grammar is not None and sched.num_draft_slots[i] == 0
-                and sched.num_computed_before[i] + sched.num_new_tokens[i] == r.num_tokens]
+        """Fill ``sched.grammar_bitmask``: one row per request of the step that samples under a grammar, the
+        tokens allowed after its committed tokens. A request with draft slots gets the row of its first scored
+        position; the runner fills the rows after each draft once the drafts are known
+        (:func:`pagoda.sampling.structured.speculative.fill_draft_rows`)."""
+        rows = [i for i, r in enumerate(sched.requests) if r.grammar is not None
+                and sched.num_computed_before[i] + sched.num_real_tokens(i) == r.num_tokens]
         if not rows:
             sched.grammar_rows, sched.grammar_bitmask, self.last_fill_seconds = [], None, 0.0
             return

@@ -6,12 +6,16 @@ and the runner's (``runner.timings``), and forward hooks time the model's
 linear layers and attention layers. Matmuls are the linear layers and the LM
 head; attention includes the K/V write. Output processing (text and logprobs
 from the step's new tokens) follows the step, outside it: it is timed apart.
+Under a JSON schema the grammar mask has a row of its own: the engine filling
+the step's bitmask, and the runner filling the rows after speculative drafts
+and applying the mask to the logits.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
@@ -63,17 +67,25 @@ class _PhaseTotals:
         if result is not None:
             for name, value in engine.runner.timings.items():
                 self.seconds["runner " + name] += value
+        if sched.grammar_rows:  # the engine filled the step's bitmask (inside its execute phase)
+            self.seconds["grammar fill"] += engine.structured_outputs.last_fill_seconds
 
 
-def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dict[str, float]:
-    """Time ``num_steps`` decode steps of ``requests`` run together; prints and returns ms per step."""
-    from pagoda.sampling_params import SamplingParams
+def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
+                   json_schema: Optional[dict] = None) -> dict[str, float]:
+    """Time ``num_steps`` decode steps of ``requests`` run together (fewer if a JSON schema ends them all
+    sooner); prints and returns ms per step."""
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
     engine = llm.engine
     longest = max(r.output_len for r in requests)
+    if json_schema is None:
+        params = SamplingParams(temperature=0.0, max_tokens=longest, min_tokens=longest, ignore_eos=True)
+    else:  # the schema decides where each output ends
+        params = SamplingParams(temperature=0.0, max_tokens=longest,
+                                structured_outputs=StructuredOutputsParams(json=json_schema))
     for i, r in enumerate(requests):
-        engine.add_request(f"profile-{i}", {"prompt_token_ids": r.prompt_token_ids},
-                           SamplingParams(temperature=0.0, max_tokens=longest, min_tokens=longest, ignore_eos=True))
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
     sched = engine.scheduler
     while sched.waiting or any(not r.is_prefill_done for r in sched.running):
         engine.step()
@@ -83,15 +95,18 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
     engine.observers.append(phases)
     before = {k: list(v) for k, v in distributed.collective_stats.items()}
     output_seconds = 0.0
+    steps_run = 0
     try:
-        for _ in range(num_steps):
+        while steps_run < num_steps and engine.has_unfinished_requests():
             engine.step()
+            steps_run += 1
             output_seconds += engine.last_step_timings.get("output", 0.0)
     finally:
         engine.observers.remove(phases)
         modules.close()
         engine.abort_request([f"profile-{i}" for i in range(len(requests))])
         engine.step()
+    num_steps = max(1, steps_run)
     s, m = phases.seconds, modules.seconds
     total = s["step"] + output_seconds
     # rank 0's collectives (tensor parallelism): inside the linear layers, the LM head and the embedding
@@ -106,9 +121,11 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
         collectives_row: collectives,
         "attention (K/V write + kernel)": m["attention"],
         "other model ops + input building": s["execute"] - m["matmul"] - m["attention"] - s["runner metadata"]
-        - s["runner logits"] - s["runner sampling"] - s["runner draft"] - (collectives - in_matmuls),
+        - s["runner logits"] - s["runner sampling"] - s["runner draft"] - s["runner grammar"] - s["grammar fill"]
+        - (collectives - in_matmuls),
         "attention metadata": s["runner metadata"],
         "drafting (speculative decoding)": s["runner draft"],
+        "grammar mask (fill + apply)": s["grammar fill"] + s["runner grammar"],
         "sampling": s["runner sampling"],
         "scheduling": s["schedule"],
         "update (commit, stops)": s["update"],
@@ -118,7 +135,8 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8) -> dic
     if not calls:  # one rank
         del rows[collectives_row]
     rows["unaccounted (engine Python)"] = total - sum(rows.values())
-    print(f"profile: {num_steps} decode steps at batch {batch}, {total / num_steps * 1e3:.1f} ms per step "
+    print(f"profile: {num_steps} decode steps at batch {batch}"
+          f"{' under a JSON schema' if json_schema is not None else ''}, {total / num_steps * 1e3:.1f} ms per step "
           f"({torch.get_num_threads()} threads)")
     for name, seconds in rows.items():
         print(f"  {name:<36} {seconds / num_steps * 1e3:8.2f} ms  {seconds / total:6.1%}")

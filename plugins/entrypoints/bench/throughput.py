@@ -27,9 +27,6 @@ def add_parser(sub, name: str) -> None:
         p.add_argument("--hf-batch-size", type=int, default=16)
         p.add_argument("--hf-batches", type=int, default=None,
                        help="run only the first N HF batches (the ratio uses tokens/s, so a subset still compares)")
-        p.add_argument("--json-schema", default=None, metavar="FILE",
-                       help="constrain every request's output to this JSON schema (structured outputs; each request "
-                            "then ends where its JSON does, or at its output length)")
         p.set_defaults(func=run_throughput)
     else:
         p = sub.add_parser("latency", help="W3: one request, 128 prompt + 128 output tokens; pagoda vs HF batch 1")
@@ -43,6 +40,10 @@ def add_parser(sub, name: str) -> None:
                    help="run the HF baseline inside the benchmark process, with pagoda's malloc and OpenMP "
                         "settings (default: a fresh process, as HF users run it)")
     p.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every request's output to this JSON schema (structured outputs; each request "
+                        "then ends where its JSON does, or at its output length); --profile then shows the "
+                        "grammar mask's share of a decode step")
     add_engine_args(p)
 
 
@@ -245,7 +246,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
     if peak["mask"]:
         rows, fill, apply = (sum(x) / len(peak["mask"]) for x in zip(*peak["mask"]))
         print(f"JSON schema mask: {len(peak['mask'])} steps, mean {rows:.1f} rows: fill {fill * 1e3:.2f} ms + apply "
-              f"{apply * 1e3:.2f} ms per step ({(fill + apply) * len(peak['mask']) / mine.seconds:.1%} of the run)")
+              f"{apply * 1e3:.2f} ms per step (apply: with the rows after speculative drafts) "
+              f"({(fill + apply) * len(peak['mask']) / mine.seconds:.1%} of the run)")
     _print_speculation(llm)
     from pagoda.plugins.entrypoints.bench.roofline import measure_roofline, report
 
@@ -254,7 +256,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
     if ns.profile:
         from pagoda.plugins.entrypoints.bench.profile import profile_decode
 
-        profile_decode(llm, requests)
+        profile_decode(llm, requests, json_schema=json_schema)
     if not ns.no_baseline:
         subset = requests if ns.hf_batches is None else requests[:ns.hf_batches * ns.hf_batch_size]
         seconds = run_hf(llm, ns, "static", subset, batch_size=ns.hf_batch_size)["seconds"]
@@ -272,8 +274,11 @@ def run_latency(ns: argparse.Namespace) -> int:
     req = latency_1(llm.engine.config.model.vocab_size, _special_ids(tok), ns.prompt_len, ns.output_len)
     _print_header(llm)
     print(f"W3: 1 request, {ns.prompt_len} prompt tokens, {ns.output_len} output tokens, median of {ns.repeats}")
-    _pagoda_latency(llm, req)  # warm-up
-    runs = [_pagoda_latency(llm, req) for _ in range(ns.repeats)]
+    json_schema = _load_schema(ns.json_schema)
+    if json_schema is not None:
+        _print_compile_times(llm, json_schema)
+    _pagoda_latency(llm, req, json_schema)  # warm-up
+    runs = [_pagoda_latency(llm, req, json_schema) for _ in range(ns.repeats)]
     ttft = statistics.median(r[0] for r in runs)
     tpot = statistics.median(r[1] for r in runs)
     print(f"pagoda: TTFT {ttft * 1e3:8.1f} ms  TPOT {tpot * 1e3:8.2f} ms/token")
@@ -281,7 +286,7 @@ def run_latency(ns: argparse.Namespace) -> int:
     if ns.profile:
         from pagoda.plugins.entrypoints.bench.profile import profile_decode
 
-        profile_decode(llm, [req])
+        profile_decode(llm, [req], json_schema=json_schema)
     if not ns.no_baseline:
         hf = run_hf(llm, ns, "latency", [req], repeats=ns.repeats)
         hf_ttft, hf_tpot = hf["ttft"], hf["tpot"]
@@ -290,17 +295,20 @@ def run_latency(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _pagoda_latency(llm, req: BenchRequest) -> tuple[float, float]:
+def _pagoda_latency(llm, req: BenchRequest, json_schema: Optional[dict] = None) -> tuple[float, float]:
+    """TTFT and TPOT of one request (TPOT over the tokens it produced: a JSON schema may end it sooner)."""
     engine = llm.engine
     start = time.perf_counter()
-    engine.add_request(f"lat-{time.monotonic_ns()}", {"prompt_token_ids": req.prompt_token_ids}, _params(req.output_len))
-    first = None
+    engine.add_request(f"lat-{time.monotonic_ns()}", {"prompt_token_ids": req.prompt_token_ids},
+                       _params(req.output_len, json_schema))
+    first, num_tokens = None, 0
     while engine.has_unfinished_requests():
         outs = engine.step()
+        num_tokens += sum(len(d.new_token_ids) for o in outs for d in o.sequences)
         if first is None and outs:
             first = time.perf_counter()
     end = time.perf_counter()
-    return first - start, (end - first) / max(1, req.output_len - 1)
+    return first - start, (end - first) / max(1, num_tokens - 1)
 
 
 def _where(ns: argparse.Namespace) -> str:

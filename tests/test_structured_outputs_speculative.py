@@ -1,0 +1,277 @@
+"""Structured outputs with speculative decoding, on the real default model: the grammar masks every scored
+position of a verified run (``pagoda.sampling.structured.speculative``), a draft the grammar forbids is
+rejected, greedy tokens are those of decoding without speculation, and the matchers stand at the committed
+tokens through preemption and a retried step."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
+
+from pagoda import LLM, SamplingParams, StructuredOutputsParams
+from pagoda.engine.components import eos_token_id, load_tokenizer
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.modeling.default_model import ensure_default_model
+from pagoda.sampling.structured import pagoda_structured_output_backends
+from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
+from pagoda.sampling.structured.speculative import fill_draft_rows
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SELF_DRAFT = {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 3}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+DATE = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+CITIES = ["Paris", "London", "Rome"]
+# the prompt repeats itself, so n-gram lookup drafts its words; the regex allows digits only
+REPEATING = "Repeat after me: red green blue red green blue red green blue red green blue"
+DIGITS = "[0-9]{16}"
+
+
+def llm_with(spec=None, **kwargs) -> LLM:
+    ensure_default_model()
+    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=256 << 20, speculative_config=spec, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return llm_with()
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    return llm_with(NGRAM)
+
+
+@pytest.fixture(scope="module")
+def self_draft():
+    return llm_with(SELF_DRAFT)
+
+
+def validator(schema):
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def structured(temperature: float, max_tokens: int = 48, seed=None, **constraint) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_counters_consistent(llm: LLM) -> None:
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens <= stats.num_draft_tokens
+    # a position is accepted only after every earlier one was
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[0] <= stats.num_drafts
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+# ---- the draft rows of one matcher -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_backends():
+    config = EngineArgs.build(load_format="dummy").create_engine_config()
+    tokenizer = load_tokenizer(config.model.tokenizer, None)
+    eos = eos_token_id(config.model.model, tokenizer)
+    factories = pagoda_structured_output_backends()
+    backends = {name: factories[name](config.model, tokenizer, [eos]) for name in ("xgrammar", "guidance")}
+    return tokenizer, eos, config.model.vocab_size, backends
+
+
+def rows_of(matcher, vocab: int) -> torch.Tensor:
+    bitmask = allocate_bitmask(1, vocab)
+    matcher.fill_bitmask(bitmask, 0)
+    return allowed_tokens(bitmask, vocab)[0]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_each_draft_row_holds_the_tokens_allowed_after_the_drafts_before_it(tokenizer_and_backends, backend):
+    tokenizer, eos, vocab, backends = tokenizer_and_backends
+    compiled = backends[backend].compile(StructuredOutputsParams(json=PERSON))
+    matcher, reference = backends[backend].new_matcher(compiled), backends[backend].new_matcher(compiled)
+    committed = tokenizer.encode('{"name": "Ann', add_special_tokens=False)
+    drafts = tokenizer.encode('", "age": 4', add_special_tokens=False) + [eos]
+    assert matcher.accept_tokens(committed) and reference.accept_tokens(committed)
+    before = rows_of(matcher, vocab)
+    bitmask = allocate_bitmask(len(drafts) + 1, vocab)
+    assert fill_draft_rows(matcher, drafts, bitmask, 0) == len(drafts) - 1  # the end is refused mid-object
+    got = allowed_tokens(bitmask, vocab)
+    assert got[0].all()  # row 0 is the caller's
+    for j, token_id in enumerate(drafts[:-1]):
+        assert reference.accept_tokens([token_id])
+        assert torch.equal(got[j + 1], rows_of(reference, vocab)), f"row {j + 1}"
+    assert not got[len(drafts) - 1][eos]  # so the target gives the refused end probability 0
+    assert torch.equal(rows_of(matcher, vocab), before)  # rolled back to the committed tokens
+    assert matcher.accept_tokens(drafts[:-1]) and not matcher.may_end()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_refused_draft_ends_the_rows_and_the_end_of_the_grammar_rolls_back_too(tokenizer_and_backends, backend):
+    tokenizer, eos, vocab, backends = tokenizer_and_backends
+    compiled = backends[backend].compile(StructuredOutputsParams(regex="[0-9]{3}"))
+    matcher = backends[backend].new_matcher(compiled)
+    start = rows_of(matcher, vocab)
+    # "1", "2", then a letter the regex refuses: rows 1 and 2 filled, row 3 left as it was
+    drafts = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "12a"]
+    bitmask = torch.zeros((4, allocate_bitmask(1, vocab).shape[1]), dtype=torch.int32)
+    assert fill_draft_rows(matcher, drafts, bitmask, 0) == 2
+    rows = allowed_tokens(bitmask, vocab)
+    assert rows[1].any() and rows[2].any() and not rows[3].any() and not rows[2][drafts[2]]
+    assert torch.equal(rows_of(matcher, vocab), start)
+    # a whole match and its end: accepted, then rolled back with the rest
+    drafts = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "123"] + [eos]
+    # (guidance's matcher counts as terminated once only the end may follow: it stops before the end)
+    assert fill_draft_rows(matcher, drafts, allocate_bitmask(5, vocab), 0) in (3, 4)
+    assert torch.equal(rows_of(matcher, vocab), start) and not matcher.is_terminated()
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend, temperature", [("xgrammar", 0.0), ("guidance", 1.0)])
+def test_every_output_of_fifty_json_schemas_validates_with_ngram_speculation(ngram, backend, temperature):
+    conversations = [prompt_for(description) for description, _ in SCHEMAS]
+    params = [structured(temperature, MAX_TOKENS, seed=i, json=schema, backend=backend)
+              for i, (_, schema) in enumerate(SCHEMAS)]
+    drafts_before = ngram.engine.spec_stats.num_draft_tokens
+    outputs = ngram.chat(conversations, params, use_tqdm=False)
+    failures = []
+    for (description, schema), out in zip(SCHEMAS, outputs):
+        c = out.outputs[0]
+        if c.finish_reason != "stop":
+            failures.append(f"{description}: finished by {c.finish_reason} after {len(c.token_ids)} tokens: {c.text!r}")
+            continue
+        try:
+            validator(schema).validate(json.loads(c.text))
+        except (ValueError, jsonschema.ValidationError) as exc:
+            failures.append(f"{description}: {c.text!r}: {str(exc).splitlines()[0]}")
+    assert not failures, f"{len(failures)} of 50 outputs do not match their schema:\n" + "\n".join(failures)
+    assert ngram.engine.spec_stats.num_draft_tokens > drafts_before  # the drafts were verified under the grammar
+    assert_counters_consistent(ngram)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_greedy_tokens_under_a_grammar_are_those_of_decoding_without_speculation(plain, proposer, request):
+    speculative = request.getfixturevalue(proposer)
+    conversations = [prompt_for(description) for description, _ in SCHEMAS[::5]]
+    params = [structured(0.0, MAX_TOKENS, json=schema) for _, schema in SCHEMAS[::5]]
+    prompts = ["Today's date is", "The capital of France is", REPEATING]
+    others = [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS)]
+    assert token_ids(speculative.chat(conversations, params, use_tqdm=False)) == \
+        token_ids(plain.chat(conversations, params, use_tqdm=False))
+    assert token_ids(speculative.generate(prompts, others, use_tqdm=False)) == \
+        token_ids(plain.generate(prompts, others, use_tqdm=False))
+    assert speculative.engine.spec_stats.num_accepted_tokens > 0
+    assert_counters_consistent(speculative)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_regex_and_choice_outputs_match_in_full_with_speculation(proposer, request):
+    llm = request.getfixturevalue(proposer)
+    prompts = ["Today's date is", "The capital of France is", REPEATING] * 2
+    params = [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS),
+              structured(1.0, 40, seed=2, regex=DATE, backend="guidance"),
+              structured(1.0, 8, seed=3, choice=CITIES, backend="guidance"),
+              structured(1.0, 20, seed=4, regex=DIGITS)]
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(c.finish_reason == "stop" for c in outputs), [(c.finish_reason, c.text) for c in outputs]
+    for k, pattern in ((0, DATE), (2, DIGITS), (3, DATE), (5, DIGITS)):
+        assert re.fullmatch(pattern, outputs[k].text), outputs[k].text
+    assert outputs[1].text in CITIES and outputs[4].text in CITIES
+    assert_counters_consistent(llm)
+
+
+class DraftLog:
+    """Wraps the engine's own proposer; per step, each request's drafts and the run the step committed
+    (the accepted drafts, then the target's token)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        self.proposer = self.runner.proposer
+        self.runner.proposer = self
+        llm.engine.observers.append(self)
+        self.steps: list[list[tuple[list[int], list[int]]]] = []
+        self._drafts: list[list[int]] = []
+
+    def propose(self, sched):
+        drafts, probs = self.proposer.propose(sched)
+        self._drafts = drafts
+        return drafts, probs
+
+    def before_step(self, engine, sched) -> None:
+        self._drafts = []
+
+    def after_step(self, engine, sched, result, seconds) -> None:
+        if result is not None:
+            self.steps.append([(list(d), list(t)) for d, t in zip(self._drafts or [[]] * len(sched.requests),
+                                                                   result.sampled_token_ids)])
+
+
+def test_drafts_the_grammar_forbids_are_rejected_and_the_output_stays_valid():
+    # the grammar takes the prompt's first words, then digits: n-gram lookup drafts the words that follow in
+    # the prompt, and the grammar forbids them once the words are done
+    regex = " red green blue [0-9]{8}"
+    llm = llm_with(NGRAM)
+    log = DraftLog(llm)
+    vocab = llm.engine.config.model.vocab_size
+    for temperature in (0.0, 1.0):
+        log.steps.clear()
+        out = llm.generate([REPEATING], structured(temperature, 24, seed=5, regex=regex), use_tqdm=False)[0]
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(regex, out.outputs[0].text), out.outputs[0]
+        # replay the steps on a matcher of the same grammar: the first draft it refuses must not be accepted
+        matcher = llm.engine.structured_outputs.compiled(StructuredOutputsParams(regex=regex)).new_matcher()
+        num_forbidden_runs = 0
+        for (drafts, committed), in log.steps:
+            num_valid = fill_draft_rows(matcher, drafts, allocate_bitmask(len(drafts) + 1, vocab), 0)
+            if num_valid < len(drafts):
+                num_forbidden_runs += 1
+                assert len(committed) - 1 <= num_valid, (drafts, committed)
+            for token_id in committed:
+                if not matcher.is_terminated():
+                    assert matcher.accept_tokens([token_id]), (drafts, committed)
+        assert num_forbidden_runs > 0, "the n-gram proposer drafted no token the grammar forbids"
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert_counters_consistent(llm)
+
+
+def test_requests_preempted_by_recompute_resume_in_their_grammar_with_speculation(plain):
+    regex = "[a-z]{5}( [a-z]{5}){3}"
+    prompts = [f"Write four words, number {i}: abcde abcde abcde" for i in range(3)]
+    params = structured(0.0, 40, regex=regex)
+    roomy = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=4,
+                speculative_config=NGRAM)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert token_ids(outs) == roomy
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+
+
+def test_a_step_retried_after_a_fault_leaves_the_matchers_at_the_committed_tokens(ngram):
+    from test_step_faults import Fault
+
+    params = structured(0.0, 60, json=PERSON)
+    conversation = [{"role": "user", "content": "Describe a person as JSON, named Ann Ann Ann."}]
+    clean = ngram.chat([conversation] * 2, params, use_tqdm=False)
+    fault = Fault(ngram, lambda step, ids: step == 4 and fault.raised == 0)
+    try:
+        faulty = ngram.chat([conversation] * 2, params, use_tqdm=False)
+    finally:
+        fault.remove(ngram)
+    assert fault.raised == 1
+    assert token_ids(faulty) == token_ids(clean)
+    assert all(o.outputs[0].finish_reason == "stop" for o in faulty)
