@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sampling_params import StructuredOutputsParams
     from pagoda.sequence import Sequence, SequenceStatus
-    from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
+    from pagoda.config import LoRAConfig
+    from pagoda.step import AttentionBatch, KVTierMoves, LoRABatch, RunnerOutput, SchedulerOutput
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
 
 
@@ -486,6 +487,22 @@ class QuantMethod(Protocol):
 
 
 @runtime_checkable
+class LoRABackend(Protocol):
+    """``pagoda_lora_backends`` (1.6): adds the LoRA terms of a batch's adapters to a linear layer's output.
+
+    Every adapter of the step is applied in one call, segmented by adapter (Punica's shrink then expand): for
+    each token ``t`` with slot ``s = batch.token_slots[t] >= 0``, ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])``;
+    rows of base-model tokens (slot -1) are left exactly as they are. The adapter's scaling is already in
+    ``lora_b``, and a slot's unused rank rows are zero. ``pagoda.testing.check_lora_backend`` checks a backend.
+    """
+
+    def apply(self, y: "torch.Tensor", x: "torch.Tensor", lora_a: "torch.Tensor", lora_b: "torch.Tensor",
+              batch: "LoRABatch") -> None:
+        """``y [num_tokens, out]`` (updated in place), ``x [num_tokens, in]``, ``lora_a [max_loras, rank, in]``,
+        ``lora_b [max_loras, out, rank]``, all of the model's dtype."""
+
+
+@runtime_checkable
 class ToolParser(Protocol):
     """``pagoda_tool_parsers``: finds the tool calls in the text of one answer (a new parser per answer).
 
@@ -553,6 +570,10 @@ class StructuredOutputBackendFactory(Protocol):
 
     def __call__(self, model_config: "ModelConfig", tokenizer: Any, eos_token_ids: list[int]
                  ) -> StructuredOutputBackend: ...
+
+
+class LoRABackendFactory(Protocol):
+    def __call__(self, lora_config: "LoRAConfig", model_config: "ModelConfig") -> LoRABackend: ...
 
 
 class QuantMethodFactory(Protocol):

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 
@@ -62,6 +63,8 @@ class Sequence:
     priority: int = 0
     parent_id: Optional[str] = None
     seed: Optional[int] = None
+    # the LoRA adapter the sequence runs with (None: the base model)
+    lora_request: Optional[LoRARequest] = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

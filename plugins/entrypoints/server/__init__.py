@@ -43,13 +43,14 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
               stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
+              tool_call_parser: Optional[str] = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
     ``/v1/responses`` keeps up to ``max_stored_responses`` responses in memory (0: none), each for
     ``stored_response_ttl`` seconds after its last use. ``tool_call_parser`` names the ``pagoda_tool_parsers``
     component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
-    (an unknown name is a ConfigError listing the parsers)."""
+    (an unknown name is a ConfigError listing the parsers). ``allow_runtime_lora_updating`` adds
+    ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the engine needs LoRA enabled)."""
     tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
 
     @contextlib.asynccontextmanager
@@ -65,6 +66,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     app.state.tool_calling = tool_calling  # read by the chat route
+    app.state.allow_runtime_lora_updating = allow_runtime_lora_updating  # read when the routes are added
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)

@@ -61,14 +61,14 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
 
 
 async def create_response(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
-    ctx.check_model(body.model)
+    lora = ctx.resolve_model(body.model)
     _refuse_unserved(body)
     history = _history(store, body.previous_response_id)
     inputs = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else [
         _plain(m) for m in body.input]
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + history + inputs
-    record = ResponseRecord(ctx.served_model_name, body)
+    record = ResponseRecord(ctx.model_name(lora), body)
     with _in_responses_terms():
         ctx.check_text_length("".join(m["content"] for m in messages), "input")
         text, token_ids = await ctx.run_tokenizer(lambda tok: render_chat(tok, messages, add_generation_prompt=True))
@@ -76,7 +76,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
                                 logprobs=record.num_top_logprobs, structured_outputs=_structured_outputs(body))
         gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                         priority=0, stream=bool(body.stream))
+                         priority=0, stream=bool(body.stream), lora_request=lora)
         await unless_disconnected(request, gen.start())
     ignored = body.ignored_fields()
     headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
