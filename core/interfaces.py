@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     import argparse
 
-    from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from pagoda.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.execution.routing import ReplicaLoad, RoutingDecision, RoutingRequest
     from pagoda.kv.offload import KVTierStore
     from pagoda.kv.tiers import KVTierIndex
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sampling_params import StructuredOutputsParams
     from pagoda.sequence import Sequence, SequenceStatus
-    from pagoda.config import LoRAConfig
     from pagoda.step import AttentionBatch, KVTierMoves, LoRABatch, RunnerOutput, SchedulerOutput
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
 
@@ -56,6 +55,10 @@ class CausalLM(Protocol):
     # first ``len(kv_caches)`` layers (the self-draft proposer runs the model's first layers that way).
     # Optional: False.
     runs_first_layers_of_caches: bool
+
+    # fused layer name -> the checkpoint projections it stacks, in output order (``{"qkv_proj": ["q_proj",
+    # "k_proj", "v_proj"]}``): a LoRA adapter's ``q_proj`` applies to slice 0 of ``qkv_proj``. Optional: {}.
+    packed_modules_mapping: dict
 
     def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
                  ) -> "torch.Tensor":

@@ -85,7 +85,7 @@ def test_a_mixed_batch_gives_each_adapter_the_merged_models_greedy_tokens_on_a_t
     # two slots for three adapters and two adapters in memory: the scheduler holds the third adapter's
     # requests back until a slot frees, and adapters are evicted and read again
     llm = LLM(str(tiny_dir), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
-              kv_cache_memory_bytes=8 << 20, cpu_threads=1, max_num_batched_tokens=32)
+              kv_cache_memory_bytes=8 << 20, cpu_threads=1, max_num_batched_tokens=32, max_num_seqs=8)
     loras = [LoRARequest(f"tiny-{i}", i + 1, str(path)) for i, path in enumerate(tiny_adapters)]
     prompts, requests = [], []
     for p in TINY_PROMPTS:  # each prompt with the base model and each adapter, interleaved

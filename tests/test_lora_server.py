@@ -5,12 +5,15 @@ engine, offline, before the server takes it over."""
 
 from __future__ import annotations
 
+import shutil
+
 import httpx
 import openai
 import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 from lora_helpers import make_adapter
 from tiny_models import write_tiny_llama
@@ -24,6 +27,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def setup(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("tiny-llama-lora-server")
     write_tiny_llama(model_dir, seed=4)
+    template = ensure_default_model() / "chat_template.jinja"
+    if template.exists():  # the chat route needs the template
+        shutil.copy(template, model_dir / "chat_template.jinja")
     root = tmp_path_factory.mktemp("server-adapters")
     first = make_adapter(model_dir, root / "first", seed=21, r=8, alpha=16)
     second = make_adapter(model_dir, root / "second", seed=22, r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj"])

@@ -87,7 +87,7 @@ class LoRAManager:
         self.backend = backend
         self.current = LoRAPass()
         # the model's fused layers and the checkpoint projections each stacks (vLLM's packed_modules_mapping)
-        self.packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self.packed: dict[str, list[str]] = dict(model.packed_modules_mapping)
         self.layers: dict[str, LoRALayer] = {}
         self.targets: dict[str, LoRATarget] = {}
         for module in model.modules():
@@ -120,6 +120,7 @@ class LoRAManager:
             self._loaded.move_to_end(request.lora_int_id)
             return adapter
         adapter = load_adapter(request, self.targets, self.packed, self.config.max_lora_rank, self.dtype)
+        self._release_slot(request.lora_int_id)  # an evicted adapter's slot may hold another adapter of this id
         self._loaded[request.lora_int_id] = adapter
         while len(self._loaded) > self.config.max_cpu_loras:
             evicted, _ = self._loaded.popitem(last=False)
@@ -132,12 +133,16 @@ class LoRAManager:
     def remove_adapter(self, lora_int_id: int) -> bool:
         """Forget an adapter (memory and slot); False if it was not loaded."""
         found = self._loaded.pop(lora_int_id, None) is not None
+        return self._release_slot(lora_int_id) or found
+
+    def _release_slot(self, lora_int_id: int) -> bool:
         slot = self._slot_of.pop(lora_int_id, None)
-        if slot is not None:
-            for layer in self.layers.values():
-                layer.clear_slot(slot)
-            self._free_slots.append(slot)
-        return found or slot is not None
+        if slot is None:
+            return False
+        for layer in self.layers.values():
+            layer.clear_slot(slot)
+        self._free_slots.append(slot)
+        return True
 
     def loaded_ids(self) -> list[int]:
         return list(self._loaded)

@@ -426,8 +426,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
 
 def _extra_keys(request: Sequence) -> tuple:
     """What a block's K/V depend on besides its tokens: the LoRA adapter (no hit across adapters)."""
-    lora = getattr(request, "lora_request", None)
-    return () if lora is None else lora.cache_key
+    return () if request.lora_request is None else request.lora_request.cache_key
 
 
 @hookimpl

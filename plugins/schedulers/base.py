@@ -218,7 +218,7 @@ class TokenBudgetScheduler:
     def _fits_lora_slots(self, req: Sequence) -> bool:
         """Whether ``req`` may run beside the running requests without their LoRA adapters exceeding
         ``max_loras`` (a base-model request always may)."""
-        lora = getattr(req, "lora_request", None)
+        lora = req.lora_request
         if lora is None or not self.max_loras:
             return True
         running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
