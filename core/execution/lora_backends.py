@@ -1,9 +1,9 @@
 """The built-in LoRA backend, ``torch``: every adapter of a pass in one shrink and one expand per segment.
 
-Registered through ``pagoda_lora_backends`` like a plugin's. Few adapter tokens (decodes) take the BGMV path:
-each token gathers its slot's A and B and one batched matmul computes all of them. More tokens take the SGMV
-path: the tokens of each adapter of the pass (at most ``max_loras`` segments) as one matrix product. Base-model
-tokens are skipped by both.
+Registered through ``pagoda_lora_backends`` like a plugin's. A pass whose tokens all use one adapter takes two
+matrix products. Otherwise few adapter tokens (decodes) take the BGMV path: each token gathers its slot's A and
+B and one batched matmul computes all of them; more tokens take the SGMV path: the tokens of each adapter of
+the pass (at most ``max_loras`` segments) as one matrix product each. Base-model tokens are skipped.
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ class TorchLoRABackend:
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
               batch: LoRABatch) -> None:
         rows = batch.lora_rows
-        if rows.numel() == 0:
+        num_rows = rows.numel()
+        if num_rows == 0:
             return
-        if rows.numel() <= self.gather_max_tokens:
+        if num_rows == x.shape[0] and len(batch.segments) == 1:  # every token of one adapter: no gather
+            slot = batch.segments[0][0]
+            y.addmm_(x @ lora_a[slot].T, lora_b[slot].T)  # [n, R] @ [R, out]
+            return
+        if num_rows <= self.gather_max_tokens:
             xs = x.index_select(0, rows)  # [n, in]
             shrunk = torch.bmm(lora_a[batch.lora_row_slots], xs.unsqueeze(2))  # [n, R, 1]
-            delta = torch.bmm(lora_b[batch.lora_row_slots], shrunk).squeeze(2)  # [n, out]
-            y.index_add_(0, rows, delta.to(y.dtype))
+            y.index_add_(0, rows, torch.bmm(lora_b[batch.lora_row_slots], shrunk).squeeze(2))  # [n, out]
             return
         for slot, seg_rows in batch.segments:
-            xs = x if seg_rows.numel() == x.shape[0] else x.index_select(0, seg_rows)  # [n_s, in]
-            delta = (xs @ lora_a[slot].T) @ lora_b[slot].T  # [n_s, R] -> [n_s, out]
-            if seg_rows.numel() == x.shape[0]:
-                y.add_(delta)
-            else:
-                y.index_add_(0, seg_rows, delta.to(y.dtype))
+            xs = x.index_select(0, seg_rows)  # [n_s, in]
+            y.index_add_(0, seg_rows, (xs @ lora_a[slot].T) @ lora_b[slot].T)  # [n_s, R] -> [n_s, out]
 
 
 @hookimpl
