@@ -73,10 +73,18 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], packed: d
     if config.get("bias", "none") != "none":
         raise InvalidRequestError(f"{where} trains biases (bias={config['bias']!r}), which pagoda does not serve; "
                                   "use an adapter saved with bias='none'")
+    slice_of = {piece: (fused, i) for fused, pieces in packed.items() for i, piece in enumerate(pieces)}
+    leaves = {prefix.rsplit(".", 1)[-1] for prefix in targets}
+    supported = "/".join(sorted(set(slice_of) | leaves - set(packed)))
+    wanted = config.get("target_modules") or []
+    for name in wanted if isinstance(wanted, list) else []:  # (a string is a regex: the tensors tell then)
+        if name.rsplit(".", 1)[-1] not in set(slice_of) | leaves:
+            raise InvalidRequestError(
+                f"{where} adapts {name!r}, which this model has no linear layer for; pagoda applies LoRA to the "
+                f"{supported} projections of its decoder layers")
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = _read_weights(Path(request.lora_path), where)
-    slice_of = {piece: (fused, i) for fused, pieces in packed.items() for i, piece in enumerate(pieces)}
     adapter = LoRAAdapter(request, rank, scaling)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
@@ -91,8 +99,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], packed: d
         target = targets.get(prefix)
         if target is None or index >= len(target.output_sizes):
             raise InvalidRequestError(
-                f"{where} adapts {module!r}, which this model has no linear layer for; pagoda applies LoRA to "
-                "the q/k/v/o/gate/up/down projections of its decoder layers")
+                f"{where} adapts {module!r}, which this model has no linear layer for; pagoda applies LoRA to the "
+                f"{supported} projections of its decoder layers")
         a, b = pair["lora_A"], pair["lora_B"]
         want_a, want_b = (rank, target.in_features), (target.output_sizes[index], rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
