@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 # flags whose values are JSON objects on the command line
 _JSON_FLAGS = {"speculative_config"}
+# flags that take one or more values
+_LIST_FLAGS = {"lora_modules"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = field.description or f"(default: {field.default})"
         if base is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif name in _LIST_FLAGS:
+            group.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
         elif name in _JSON_FLAGS:
             group.add_argument(flag, dest=name, type=json.loads, default=None, help="JSON object")
         elif base in (int, float):

@@ -16,7 +16,8 @@ from pagoda.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_
 from pagoda.host.env import HostConfig, resolve_host_config
 
 __all__ = [
-    "GiB", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "EngineConfig",
+    "GiB", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "LoRAConfig",
+    "EngineConfig",
     "FP8_KV_CACHE_DTYPES", "KV_CACHE_DTYPE_CHOICES", "cpu_has_bf16", "cpu_runs_bf16_fast", "is_fp8_kv_cache",
     "resolve_dtype", "resolve_kv_cache_dtype",
 ]
@@ -86,6 +87,8 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()
     # sequences one tenant may have waiting to start (the server answers that tenant 503 beyond it; None: no bound)
     max_waiting_per_tenant: Optional[int] = None
+    # LoRA: the most distinct adapters the running requests may use at once (0: LoRA is off)
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,18 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: how many adapters share a step, their largest rank, how many stay loaded."""
+
+    max_loras: int  # adapters the requests of one step may use together (slots of the stacked weights)
+    max_lora_rank: int
+    max_cpu_loras: int  # adapters kept loaded in memory, the least recently used evicted
+    backend: str = "torch"  # the pagoda_lora_backends component that computes the LoRA terms
+    # name=path adapters registered when the engine starts (ids 1, 2, ... in this order)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, validated; passed down whole."""
 
@@ -123,3 +138,5 @@ class EngineConfig:
     log_stats: bool = True
     # the structured-output backend of requests that name none (auto: per request, the first that supports it)
     structured_outputs_backend: str = "auto"
+    # multi-LoRA serving (None: off)
+    lora: Optional[LoRAConfig] = None

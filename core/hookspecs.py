@@ -26,8 +26,8 @@ import pluggy
 
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
-                                   KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
-                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
+                                   KVAllocatorFactory, LoRABackendFactory, ModelArchitectureFactory, ModelLoaderFactory,
+                                   ProposerFactory, QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
                                    StructuredOutputBackendFactory, ToolParserFactory)
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sequence import Sequence
@@ -142,6 +142,22 @@ def pagoda_structured_output_backends(
     ``structured_outputs.backend`` (built-ins: ``xgrammar``, ``guidance``; ``auto`` picks, per
     request, the first built-in whose ``supports`` accepts it). Called once at start-up; a backend
     is built when the first request that uses it arrives.
+    """
+
+
+# --------------------------------------------------------------------------
+# LoRA adapters
+# --------------------------------------------------------------------------
+
+
+@hookspec
+def pagoda_lora_backends(plugin_manager: "PluginManager") -> Mapping[str, "LoRABackendFactory"]:
+    """Return ``{name: factory}`` of LoRA backends (added in plugin API 1.6).
+
+    ``factory(lora_config, model_config)`` returns a :class:`pagoda.interfaces.LoRABackend`: every linear layer
+    an adapter may target calls its ``apply`` once per forward pass to add the LoRA terms of all the adapters
+    of the step, segmented by a per-token slot index. Selected by ``lora_backend`` / ``--lora-backend``
+    (built-in: ``torch``). Called once at start-up, when LoRA is enabled.
     """
 
 

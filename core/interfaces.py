@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     import argparse
 
-    from pagoda.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+    from pagoda.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.execution.routing import ReplicaLoad, RoutingDecision, RoutingRequest
     from pagoda.kv.offload import KVTierStore
     from pagoda.kv.tiers import KVTierIndex
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sampling_params import StructuredOutputsParams
     from pagoda.sequence import Sequence, SequenceStatus
-    from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
+    from pagoda.step import AttentionBatch, KVTierMoves, LoRABatch, RunnerOutput, SchedulerOutput
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
 
 
@@ -55,6 +55,10 @@ class CausalLM(Protocol):
     # first ``len(kv_caches)`` layers (the self-draft proposer runs the model's first layers that way).
     # Optional: False.
     runs_first_layers_of_caches: bool
+
+    # fused layer name -> the checkpoint projections it stacks, in output order (``{"qkv_proj": ["q_proj",
+    # "k_proj", "v_proj"]}``): a LoRA adapter's ``q_proj`` applies to slice 0 of ``qkv_proj``. Optional: {}.
+    packed_modules_mapping: dict
 
     def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
                  ) -> "torch.Tensor":
@@ -489,6 +493,22 @@ class QuantMethod(Protocol):
 
 
 @runtime_checkable
+class LoRABackend(Protocol):
+    """``pagoda_lora_backends`` (1.6): adds the LoRA terms of a batch's adapters to a linear layer's output.
+
+    Every adapter of the step is applied in one call, segmented by adapter (Punica's shrink then expand): for
+    each token ``t`` with slot ``s = batch.token_slots[t] >= 0``, ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])``;
+    rows of base-model tokens (slot -1) are left exactly as they are. The adapter's scaling is already in
+    ``lora_b``, and a slot's unused rank rows are zero. ``pagoda.testing.check_lora_backend`` checks a backend.
+    """
+
+    def apply(self, y: "torch.Tensor", x: "torch.Tensor", lora_a: "torch.Tensor", lora_b: "torch.Tensor",
+              batch: "LoRABatch") -> None:
+        """``y [num_tokens, out]`` (updated in place), ``x [num_tokens, in]``, ``lora_a [max_loras, rank, in]``,
+        ``lora_b [max_loras, out, rank]``, all of the model's dtype."""
+
+
+@runtime_checkable
 class ToolParser(Protocol):
     """``pagoda_tool_parsers``: finds the tool calls in the text of one answer (a new parser per answer).
 
@@ -556,6 +576,10 @@ class StructuredOutputBackendFactory(Protocol):
 
     def __call__(self, model_config: "ModelConfig", tokenizer: Any, eos_token_ids: list[int]
                  ) -> StructuredOutputBackend: ...
+
+
+class LoRABackendFactory(Protocol):
+    def __call__(self, lora_config: "LoRAConfig", model_config: "ModelConfig") -> LoRABackend: ...
 
 
 class QuantMethodFactory(Protocol):

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class Sequence:
     seed: Optional[int] = None
     # who sent it, as the server identifies clients (the ``fair`` policy shares the engine between tenants)
     tenant: Optional[str] = None
+    # the LoRA adapter the sequence runs with (None: the base model)
+    lora_request: Optional[LoRARequest] = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -202,3 +202,31 @@ class AttentionBatch:
             return slot_mapping, None
         tokens = valid.nonzero().flatten()
         return slot_mapping[tokens], tokens
+
+
+@dataclass
+class LoRABatch:
+    """Which LoRA adapter slot each token of a forward pass applies, laid out once per pass for every layer.
+
+    A slot is a row of the stacked adapter weights a :class:`pagoda.interfaces.LoRABackend` gets: ``lora_a
+    [max_loras, rank, in]`` and ``lora_b [max_loras, out, rank]``. Tokens of base-model requests have slot -1
+    and take no LoRA term.
+    """
+
+    token_slots: torch.Tensor  # int64 [num_tokens]: the slot of each token, -1 for the base model
+    lora_rows: torch.Tensor  # int64 [num_lora_tokens]: the tokens that have a slot, ascending
+    lora_row_slots: torch.Tensor  # int64 [num_lora_tokens]: their slots
+    # one (slot, rows) per adapter of the pass: rows are int64 token indices, ascending
+    segments: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def from_token_slots(cls, token_slots: torch.Tensor) -> "LoRABatch":
+        token_slots = token_slots.to(torch.int64)
+        lora_rows = torch.nonzero(token_slots >= 0).flatten()
+        row_slots = token_slots[lora_rows]
+        segments = [(int(s), lora_rows[row_slots == s]) for s in torch.unique(row_slots).tolist()]
+        return cls(token_slots, lora_rows, row_slots, segments)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_slots.shape[0])

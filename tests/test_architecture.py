@@ -24,7 +24,7 @@ ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_p
 # and the host layer; base ones import nothing of pagoda's
 BASE = {"errors", "markers", "version"}
 TOP = BASE | {"config", "dtypes", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
-              "tool_calls"}
+              "tool_calls", "lora_request"}
 
 # unit -> the units it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

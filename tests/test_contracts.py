@@ -70,6 +70,10 @@ class ContractChecked:
         return self._wrap("pagoda_executors", "uni", interfaces.Executor, ExecutorProxy)
 
     @hookimpl
+    def pagoda_lora_backends(self):
+        return self._wrap("pagoda_lora_backends", "torch", interfaces.LoRABackend)
+
+    @hookimpl
     def pagoda_proposers(self):
         return {**self._wrap("pagoda_proposers", "ngram", interfaces.Proposer),
                 **self._wrap("pagoda_proposers", "draft_model", interfaces.Proposer)}
@@ -174,6 +178,25 @@ def test_speculation_stays_inside_the_contracts(seen, checked_model_dir, spec):
     llm = checked_llm(seen, checked_model_dir, speculative_config=spec)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert all(o.finished for o in outputs)
+
+
+def test_lora_adapters_in_a_mixed_batch_stay_inside_the_contracts(seen, tiny_checked_model_dir, tmp_path):
+    from lora_helpers import make_adapter
+
+    from pagoda import LoRARequest
+    from pagoda.engine.metrics import PrometheusExporter
+
+    adapters = [make_adapter(Path(tiny_checked_model_dir), tmp_path / name, seed=i, r=4, alpha=8)
+                for i, name in enumerate(("a", "b"))]
+    llm = checked_llm(seen, tiny_checked_model_dir, enable_lora=True, max_loras=1, max_lora_rank=4,
+                      lora_backend="checked-torch", kv_cache_memory_bytes=8 << 20)
+    loras = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(zip("ab", adapters))]
+    outputs = llm.generate(PROMPTS * 2, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                           lora_request=[loras[0], None, loras[1], loras[0], None, loras[1], loras[0], None],
+                           use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    text = PrometheusExporter.for_engine(llm.engine).render().decode()
+    assert "pagoda:lora_requests_info" in text
 
 
 def test_the_server_metrics_stay_inside_the_contracts(seen, checked_model_dir):

@@ -38,6 +38,7 @@ from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.metrics import ServingStats
 from pagoda.engine.request_stream import RequestStream, _Stream, request_cost_tokens
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 
@@ -142,7 +143,7 @@ class AsyncLLMEngine:
     def generate(self, request_id: str, prompt: PromptType, params: SamplingParams,
                  priority: Optional[int] = None, check_capacity: bool = True,
                  output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                 tenant: Optional[str] = None) -> RequestStream:
+                 tenant: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> RequestStream:
         """Queue a request now; iterate the result for its outputs (cumulative ones unless ``output_kind``
         says otherwise) until it finishes.
 
@@ -152,7 +153,7 @@ class AsyncLLMEngine:
         (bad prompt or parameters) before the first output, EngineStepError or
         EngineDeadError when the engine fails the request. Callers that admit
         a group of requests together call :meth:`check_capacity` once and pass
-        ``check_capacity=False``.
+        ``check_capacity=False``. ``lora_request``: the request's LoRA adapter (None: the base model).
         """
         self._check_alive()
         compiling = None
@@ -177,7 +178,7 @@ class AsyncLLMEngine:
                     if request_id not in self._streams:
                         return None, []  # closed while its constraint compiled: its abort has already run
                 self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=None,
-                                        tenant=tenant)
+                                        tenant=tenant, lora_request=lora_request)
                 group = self.engine.requests.parents[request_id]
                 return group.prompt, group.prompt_token_ids
             finally:

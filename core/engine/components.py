@@ -51,6 +51,8 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
         pm.get("pagoda_quant_methods", mc.quantization, "quantization")
     if config.speculative is not None:
         pm.get("pagoda_proposers", config.speculative.method, "speculative_config method")
+    if config.lora is not None:
+        pm.get("pagoda_lora_backends", config.lora.backend, "lora_backend")
     executor_name = select_executor(config)
     executor_factory = pm.get("pagoda_executors", executor_name, "distributed_executor_backend").factory
     if config.parallel.tensor_parallel_size > 1:

@@ -13,8 +13,8 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator
 
-from pagoda.config import (GiB, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                           SpeculativeConfig)
+from pagoda.config import (GiB, CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                           SchedulerConfig, SpeculativeConfig)
 from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
@@ -120,6 +120,18 @@ class EngineArgs(HostOptions):
         "the structured-output backend of requests that name none: xgrammar, guidance (llguidance), a plugin's, "
         "or auto (per request, the first that can compile its constraint: xgrammar, then guidance)"))
     device: str = "auto"
+    enable_lora: bool = Field(default=False, description=(
+        "serve LoRA adapters (PEFT directories) on the base model: requests name one (the OpenAI 'model' field, "
+        "LLM.generate's lora_request) and requests of different adapters share a step"))
+    lora_modules: Optional[list[str]] = Field(default=None, description=(
+        "adapters served by name from the start, as NAME=PATH (PATH: a directory PEFT's save_pretrained wrote); "
+        "needs --enable-lora"))
+    max_loras: int = Field(default=1, gt=0, description="distinct LoRA adapters the requests of one step may use")
+    max_lora_rank: int = Field(default=16, gt=0, le=64, description="the largest LoRA rank served (at most 64)")
+    max_cpu_loras: Optional[int] = Field(default=None, gt=0, description=(
+        "LoRA adapters kept loaded in memory, the least recently used evicted (default: --max-loras)"))
+    lora_backend: str = Field(default="torch", description=(
+        "what computes the LoRA terms of a step's adapters: torch (built in) or a pagoda_lora_backends plugin"))
     disable_log_stats: bool = Field(default=False, description=(
         "keep no request counters or latency histograms (/metrics then shows only the live gauges: running, "
         "waiting, KV cache use, prefix cache, preemptions); the offline LLM keeps none unless given "
@@ -193,6 +205,36 @@ class EngineArgs(HostOptions):
             except OSError as exc:
                 raise ConfigError(f"--kv-offload-disk {disk} is not writable ({exc.strerror}); pass a directory "
                                   "pagoda may create files in") from None
+
+    def _lora_config(self) -> Optional[LoRAConfig]:
+        """The LoRA options, checked together; None when LoRA is off."""
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("--lora-modules needs --enable-lora: add it, or drop the adapters")
+            return None
+        if self.tensor_parallel_size > 1 or self.distributed_executor_backend in ("mp", "ray"):
+            raise ConfigError("LoRA runs in the engine's process for now: use tensor_parallel_size=1 and the uni "
+                              "executor, or drop --enable-lora")
+        if self.speculative_config:
+            raise ConfigError("speculative decoding does not apply LoRA adapters to its drafts yet; drop "
+                              "speculative_config or --enable-lora")
+        if self.kv_offload_ram or self.kv_offload_disk:
+            raise ConfigError("the --kv-offload-* tiers do not key blocks by LoRA adapter yet; drop them or "
+                              "--enable-lora")
+        modules = []
+        for item in self.lora_modules or []:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {item!r}: write each adapter as NAME=PATH, e.g. "
+                                  "sql-lora=/adapters/sql")
+            if name in (n for n, _ in modules):
+                raise ConfigError(f"--lora-modules names {name!r} twice; give each adapter a name of its own")
+            modules.append((name, str(Path(path).expanduser())))
+        max_cpu_loras = self.max_cpu_loras or self.max_loras
+        if max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras {max_cpu_loras} is smaller than --max-loras {self.max_loras}; the "
+                              "adapters of one step must all be in memory: pass --max-cpu-loras >= --max-loras")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu_loras, self.lora_backend, tuple(modules))
 
     def create_engine_config(self) -> EngineConfig:
         from pagoda.modeling.default_model import resolve_model_path
@@ -304,6 +346,7 @@ class EngineArgs(HostOptions):
                 )
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model_cfg, spec_cfg)
+        lora_cfg = self._lora_config()
         sched_cfg = SchedulerConfig(
             policy=self.scheduling_policy,
             max_num_seqs=self.max_num_seqs,
@@ -316,6 +359,7 @@ class EngineArgs(HostOptions):
             max_waiting_per_tenant=self.max_waiting_per_tenant,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
             tenant_weights=parse_tenant_weights(self.tenant_weights) if self.tenant_weights else (),
+            max_loras=lora_cfg.max_loras if lora_cfg else 0,
         )
         device = self.device
         if device == "auto":
@@ -333,6 +377,7 @@ class EngineArgs(HostOptions):
             device=device,
             log_stats=not self.disable_log_stats,
             structured_outputs_backend=self.structured_outputs_backend,
+            lora=lora_cfg,
         )
 
 

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.errors import InvalidRequestError
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling_params import SamplingParams
@@ -36,8 +37,12 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: Optional[bool] = None,
         priority: Optional[Sequence[int]] = None,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns finished outputs in prompt order."""
+        """Generate for every prompt; returns finished outputs in prompt order.
+
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base model); the engine
+        needs ``enable_lora=True``. Prompts of different adapters run in the same steps."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -49,15 +54,22 @@ class LLM:
                 raise InvalidRequestError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one, or one per prompt")
         ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras)):
                 rid = f"llm-{self._counter}"
                 self._counter += 1
                 prio = priority[i] if priority is not None else None
                 # only the finished outputs are returned: none is built before its request finishes
                 ids.append(self.engine.add_request(rid, prompt, params, priority=prio,
-                                                   output_kind=RequestOutputKind.FINAL_ONLY))
+                                                   output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora))
         except Exception:
             self.engine.abort_request(ids)  # a bad prompt in the list must not leave the others queued
             raise
@@ -70,12 +82,13 @@ class LLM:
         use_tqdm: Optional[bool] = None,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict[str, str]], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True) -> list[int]:

@@ -11,14 +11,15 @@ from pagoda.config import EngineConfig
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.metrics import EngineStats, SpecDecodeStats
 from pagoda.engine.request_limits import RequestLimits
-from pagoda.errors import InvalidRequestError, StepFailedError
+from pagoda.errors import ConfigError, InvalidRequestError, StepFailedError
 from pagoda.host.settings import HostTuning
 from pagoda.kv.tiers import has_offload_tiers
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutput, RequestOutputKind, RequestTracker
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
 from pagoda.sampling.structured.manager import StructuredOutputs
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
+from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pagoda")
@@ -71,6 +72,14 @@ class LLMEngine:
         self.last_step_timings: dict[str, float] = {}
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
         self._ids = itertools.count()
+        # the LoRA adapters served by name (--lora-modules, and those added at run time): name -> request
+        self.loras: dict[str, LoRARequest] = {}
+        if config.lora is not None:
+            for i, (name, path) in enumerate(config.lora.lora_modules, start=1):
+                try:
+                    self.add_lora(LoRARequest(name, i, path))
+                except InvalidRequestError as exc:
+                    raise ConfigError(f"--lora-modules {name}={path}: {exc}") from None
 
     def shutdown(self) -> None:
         """Stop the executor's other processes (tensor parallelism); the engine runs nothing after it."""
@@ -110,12 +119,13 @@ class LLMEngine:
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, priority: Optional[int] = None,
                     output_kind: Optional[RequestOutputKind] = RequestOutputKind.CUMULATIVE,
-                    tenant: Optional[str] = None) -> str:
+                    tenant: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> str:
         """Validate and queue a request. Raises InvalidRequestError, leaving the engine untouched.
 
         ``tenant``: who sent it (the ``fair`` scheduling policy shares the engine between tenants).
         ``output_kind``: what :meth:`step` returns for the request (cumulative outputs by default); None when
-        the caller makes its outputs itself from :meth:`step_engine_outputs`.
+        the caller makes its outputs itself from :meth:`step_engine_outputs`. ``lora_request``: the adapter the
+        request runs with (None: the base model), loaded and checked here.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -123,6 +133,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.request_limits.check(token_ids, params)
+        if lora_request is not None:
+            self._load_lora(lora_request)
         # waits only if the constraint is still compiling (the server adds a request once it has compiled)
         grammar = self.structured_outputs.compiled(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -132,7 +144,7 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
-                                    parent_id=request_id, seed=seed, tenant=tenant))
+                                    parent_id=request_id, seed=seed, tenant=tenant, lora_request=lora_request))
             if grammar is not None:
                 children[-1].grammar = grammar.new_matcher()  # each sequence its own place in the grammar
         self.requests.add(request_id, text, token_ids, children)  # also gives stop strings their detokenizer
@@ -143,6 +155,56 @@ class LLMEngine:
         if self.stats is not None:
             self.stats.on_arrival(len(token_ids))
         return request_id
+
+    # ---- LoRA adapters --------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Serve an adapter by its name (the OpenAI ``model`` field): loaded and checked now. Raises
+        InvalidRequestError naming what is wrong, leaving the adapters served as they were."""
+        if lora_request.lora_name in self.loras:
+            raise InvalidRequestError(f"a LoRA adapter named {lora_request.lora_name!r} is already served; unload it "
+                                      "first or choose another name")
+        if lora_request.lora_name == self.config.model.served_model_name:
+            raise InvalidRequestError(f"{lora_request.lora_name!r} is the base model's name; give the adapter "
+                                      "another name")
+        self._load_lora(lora_request)
+        # a new mapping, never a change in place: a server's event loop reads it while this thread steps
+        self.loras = {**self.loras, lora_request.lora_name: lora_request}
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Stop serving an adapter by name and drop its weights from memory (requests running with it reload
+        them). Raises InvalidRequestError if no adapter has that name."""
+        lora_request = self.loras.get(lora_name)
+        if lora_request is None:
+            raise InvalidRequestError(f"no LoRA adapter named {lora_name!r} is served; the adapters are "
+                                      f"{sorted(self.loras) or 'none'}")
+        self.loras = {name: r for name, r in self.loras.items() if name != lora_name}
+        self.runner.lora.remove_adapter(lora_request.lora_int_id)
+        return lora_request
+
+    def next_lora_id(self) -> int:
+        """An adapter id no served or loaded adapter has."""
+        used = {r.lora_int_id for r in self.loras.values()} | set(self.runner.lora.loaded_ids())
+        return max(used, default=0) + 1
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running requests and of the waiting ones (preempted and swapped included), by
+        name, sorted. Safe to call from another thread: it reads copies."""
+        running, waiting = set(), set()
+        for group in list(self.requests.parents.values()):
+            for seq in list(group.children):
+                if seq.lora_request is not None and not seq.is_finished:
+                    is_running = seq.status is SequenceStatus.RUNNING
+                    (running if is_running else waiting).add(seq.lora_request.lora_name)
+        return sorted(running), sorted(waiting)
+
+    def _load_lora(self, lora_request: LoRARequest) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a pagoda.LoRARequest, not {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is off; start the "
+                                      "engine with enable_lora=True (--enable-lora)")
+        self.runner.lora.add_adapter(lora_request)
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Cancel requests (by the id given to add_request) in any state; their blocks are freed at once."""

@@ -14,7 +14,7 @@ import bisect
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pagoda.kv.tiers import has_offload_tiers
 from pagoda.sequence import Sequence
@@ -157,7 +157,8 @@ class PrometheusExporter:
     """
 
     def __init__(self, stats: Optional[EngineStats], scheduler: Any, kv_manager: Any, model_name: str,
-                 spec_stats: Any = None, serving_stats: Optional[ServingStats] = None) -> None:
+                 spec_stats: Any = None, serving_stats: Optional[ServingStats] = None,
+                 lora_info: Optional[Callable[[], tuple[list[str], list[str]]]] = None, max_loras: int = 0) -> None:
         from prometheus_client import CollectorRegistry
 
         self.stats = stats  # None with disable_log_stats: the live gauges and the KV counters only
@@ -166,13 +167,17 @@ class PrometheusExporter:
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.model_name = model_name
+        # LoRA: () -> (running adapters, waiting adapters), and --max-loras; None when LoRA is off
+        self.lora_info, self.max_loras = lora_info, max_loras
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
     @classmethod
     def for_engine(cls, engine: Any, serving_stats: Optional[ServingStats] = None) -> "PrometheusExporter":
+        lora = engine.config.lora
         return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name,
-                   engine.spec_stats, serving_stats)
+                   engine.spec_stats, serving_stats, engine.lora_requests_info if lora is not None else None,
+                   lora.max_loras if lora is not None else 0)
 
     def render(self) -> bytes:
         """The text exposition format, as served at ``/metrics``."""
@@ -212,6 +217,13 @@ class PrometheusExporter:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
         yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
         yield counter("num_preemptions", "Preemptions of running requests.", sched.num_preemptions)
+        if self.lora_info is not None:
+            running, waiting = self.lora_info()
+            info = GaugeMetricFamily("pagoda:lora_requests_info", "The LoRA adapters of the running and the waiting "
+                                     "requests (comma-separated names); the value is when this was read (Unix time).",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            info.add_metric([str(self.max_loras), ",".join(waiting), ",".join(running)], time.time())
+            yield info
         spec = self.spec_stats
         if spec is not None:
             yield counter("spec_decode_num_drafts", "Verify runs: requests x steps that carried draft tokens.",

@@ -14,6 +14,7 @@ from pagoda.config import EngineConfig
 from pagoda.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
+from pagoda.execution.lora import LoRAManager
 from pagoda.execution.model_runner import ModelRunner
 from pagoda.interfaces import AttentionBackend
 from pagoda.registry.adapt import adapt_component
@@ -70,6 +71,8 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
             "raise it"
         )
     runner = ModelRunner(rank_config, model, backend, sampler, num_blocks)
+    if config.lora is not None:
+        runner.lora = build_lora_manager(config, pm, model, runner.device)
     if proposer is not None:
         spec = config.speculative
         runner.set_proposer(adapt_component(proposer(spec, config, runner, pm), "pagoda_proposers", spec.method))
@@ -83,6 +86,18 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                 num_blocks * bytes_per_block / 2**20)
     return runner
+
+
+def build_lora_manager(config: EngineConfig, pm: PluginManager, model: torch.nn.Module,
+                       device: torch.device) -> LoRAManager:
+    """The adapter slots of every adaptable layer of ``model``, computed by the configured LoRA backend."""
+    lc = config.lora
+    factory = pm.get("pagoda_lora_backends", lc.backend, "lora_backend").factory
+    lora_backend = adapt_component(factory(lc, config.model), "pagoda_lora_backends", lc.backend)
+    manager = LoRAManager(lc, config.model, model, lora_backend, device)
+    logger.info("LoRA: %d adapter slot(s) of rank %d in %d layers, %d adapter(s) kept in memory (backend %s)",
+                lc.max_loras, lc.max_lora_rank, len(manager.layers), lc.max_cpu_loras, lc.backend)
+    return manager
 
 
 def init_offload_tiers(runner: ModelRunner, cc: Any, bytes_per_block: int, num_ranks: int) -> None:

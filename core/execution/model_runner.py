@@ -59,6 +59,8 @@ class ModelRunner:
         self.kv_tiers: Optional[KVTierStore] = None
         # cache blocks a tier load of this step failed to fill: recomputed before the step's forward pass
         self._failed_load_blocks: list[int] = []
+        # multi-LoRA serving: the adapters and their slots (a pagoda.execution.lora.LoRAManager), when enabled
+        self.lora: Any = None
         # seconds the last execute spent per part: draft, metadata, model, logits, grammar (the structured-output
         # mask), sampling
         self.timings: dict[str, float] = {}
@@ -190,7 +192,13 @@ class ModelRunner:
         t = clock()
         metadata = self.backend.build_metadata(batch.attention)
         t1 = clock()
-        hidden = self.forward(batch, metadata=metadata)
+        if self.lora is not None:
+            self.lora.begin_pass([r.lora_request for r in reqs], batch.lengths, batch.order)
+        try:
+            hidden = self.forward(batch, metadata=metadata)
+        finally:
+            if self.lora is not None:
+                self.lora.end_pass()
         t2 = clock()
         timings["metadata"], timings["model"] = t1 - t, t2 - t1
 
@@ -310,8 +318,9 @@ class FlatBatch:
     def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int],
                  block_tables: typing.Sequence[list[int]], block_size: int) -> None:
         n = len(pieces)
-        lengths = [len(p) for p in pieces]
-        order = sorted(range(n), key=lambda i: lengths[i] != 1)
+        self.lengths = lengths = [len(p) for p in pieces]  # tokens per request, the caller's order
+        # the requests in row order: request order[0]'s rows come first
+        self.order = order = sorted(range(n), key=lambda i: lengths[i] != 1)
         num_new = np.array([lengths[i] for i in order], dtype=np.int64)
         starts_sorted = np.array([starts[i] for i in order], dtype=np.int64)
         num_decodes = int((num_new == 1).sum())
@@ -347,14 +356,13 @@ class FlatBatch:
         self._first = [0] * n
         for row, i in enumerate(order):
             self._first[i] = int(query_start_loc[row])
-        self._lengths = lengths
 
     def rows(self, i: int) -> range:
         """Hidden-state rows of request ``i`` (the caller's order)."""
-        return range(self._first[i], self._first[i] + self._lengths[i])
+        return range(self._first[i], self._first[i] + self.lengths[i])
 
     def last_row(self, i: int) -> int:
-        return self._first[i] + self._lengths[i] - 1
+        return self._first[i] + self.lengths[i] - 1
 
 
 def _raw_bytes(cache: torch.Tensor) -> torch.Tensor:

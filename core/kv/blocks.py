@@ -171,8 +171,9 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         bs = self.block_size
         hits: list[KVBlock] = []
         parent: Optional[int] = None
+        extra = _extra_keys(request)
         for i in range((len(tokens) - 1) // bs):
-            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]), ())
+            key = (parent, tuple(tokens[i * bs:(i + 1) * bs]), extra)
             parent = hash_block(*key)
             block = self._cached.get(parent)
             if block is None or block.key != key:
@@ -409,7 +410,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
 
     def _block_key(self, request: Sequence, i: int, hashes: list[int]) -> BlockKey:
         bs = self.block_size
-        return (hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs:(i + 1) * bs]), ())
+        return (hashes[i - 1] if i else None, tuple(request.all_token_ids[i * bs:(i + 1) * bs]), _extra_keys(request))
 
     def _cache_full_blocks(self, request: Sequence, table: list[KVBlock], num_tokens: int) -> None:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -421,6 +422,11 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             hashes.append(h)
             if table[i].block_hash is None and h not in self._cached:
                 self._register(table[i], key)
+
+
+def _extra_keys(request: Sequence) -> tuple:
+    """What a block's K/V depend on besides its tokens: the LoRA adapter (no hit across adapters)."""
+    return () if request.lora_request is None else request.lora_request.cache_key
 
 
 @hookimpl

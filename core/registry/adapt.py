@@ -48,7 +48,10 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "pagoda_kv_allocators": {"is_swapped": lambda component, name: _never_swapped},
     "pagoda_schedulers": {"fail": lambda component, name: _fail_through_finish(component)},
     "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
-    "pagoda_model_architectures": {"runs_first_layers_of_caches": lambda component, name: False},
+    "pagoda_model_architectures": {
+        "runs_first_layers_of_caches": lambda component, name: False,
+        "packed_modules_mapping": lambda component, name: {},  # no fused layer: adapters map one to one
+    },
 }
 
 

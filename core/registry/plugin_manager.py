@@ -20,8 +20,8 @@ from pagoda.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
-                                   KVAllocatorFactory, ModelArchitectureFactory, ModelLoaderFactory, ProposerFactory,
-                                   QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
+                                   KVAllocatorFactory, LoRABackendFactory, ModelArchitectureFactory, ModelLoaderFactory,
+                                   ProposerFactory, QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
                                    StructuredOutputBackendFactory, ToolParserFactory)
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
@@ -40,6 +40,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_attention_backends": "attention backend",
     "pagoda_samplers": "sampler",
     "pagoda_structured_output_backends": "structured-output backend",
+    "pagoda_lora_backends": "LoRA backend",
     "pagoda_quant_methods": "quantization method",
     "pagoda_proposers": "speculative proposer",
     "pagoda_executors": "executor",
@@ -276,6 +277,8 @@ class PluginManager:
     @overload
     def factory(self, hook_name: Literal["pagoda_structured_output_backends"], name: str
                 ) -> "StructuredOutputBackendFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_lora_backends"], name: str) -> "LoRABackendFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_quant_methods"], name: str) -> "QuantMethodFactory": ...
     @overload

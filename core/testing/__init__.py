@@ -16,6 +16,7 @@ One check per component kind; each raises :class:`ContractError` saying what bro
 - :func:`check_structured_output_backend`: each kind of constraint compiles; its bitmask allows the tokens of a
   matching text and the end only where it may end; refused tokens, rollback, independent matchers;
 - :func:`check_quant_method`: quantized linear layers against their dequantized (or dense) reference;
+- :func:`check_lora_backend`: every adapter of a mixed batch on its own tokens, base-model rows untouched;
 - :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
 - :func:`check_tool_parser`: answers read whole and streamed in any split agree, and give the calls expected;
 - :class:`StrictContracts` (the fixture ``pagoda_strict_llm``): the engine on the default model with every
@@ -33,6 +34,7 @@ from typing import Any
 _EXPORTS = {
     "AttentionCase": "attention", "check_attention_backend": "attention",
     "ContractError": "contract",
+    "check_lora_backend": "lora",
     "check_proposer": "proposer",
     "check_quant_method": "quant",
     "check_sampler": "sampler",

@@ -89,6 +89,7 @@ STRICT_HOOKS: dict[str, tuple[type, type]] = {
     "pagoda_schedulers": (interfaces.Scheduler, Proxy),
     "pagoda_attention_backends": (interfaces.AttentionBackend, Proxy),
     "pagoda_samplers": (interfaces.Sampler, Proxy),
+    "pagoda_lora_backends": (interfaces.LoRABackend, Proxy),
     "pagoda_proposers": (interfaces.Proposer, Proxy),
     "pagoda_executors": (interfaces.Executor, ExecutorProxy),
 }

@@ -45,6 +45,8 @@ class TokenBudgetScheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.num_speculative_tokens = scheduler_config.num_speculative_tokens
+        # LoRA: the most distinct adapters the running requests may use at once (0: LoRA is off)
+        self.max_loras = scheduler_config.max_loras
         self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
         self._has_offload_tiers = has_offload_tiers(kv_manager)
@@ -178,6 +180,9 @@ class TokenBudgetScheduler:
             req = self.waiting[idx]
             if req.request_id in self._preempted_now or not self.may_admit(req):
                 break
+            if not self._fits_lora_slots(req):
+                idx += 1  # its adapter would be one too many this step: it waits for a running one to finish
+                continue
             leader = self._prompt_leader(req)
             if leader is not None and leader.num_computed_tokens < req.num_prompt_tokens - 1:
                 idx += 1  # its sibling is still computing the shared prompt: join once that is done
@@ -209,6 +214,15 @@ class TokenBudgetScheduler:
             self._insert_running(req)
             self._add_to_output(out, req, num_new, start)
             budget -= num_new
+
+    def _fits_lora_slots(self, req: Sequence) -> bool:
+        """Whether ``req`` may run beside the running requests without their LoRA adapters exceeding
+        ``max_loras`` (a base-model request always may)."""
+        lora = req.lora_request
+        if lora is None or not self.max_loras:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora.lora_int_id in running or len(running) < self.max_loras
 
     def _prompt_leader(self, req: Sequence) -> Optional[Sequence]:
         """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
@@ -320,6 +334,8 @@ class TokenBudgetScheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
+            if not self._fits_lora_slots(req):
+                break
             num_new = self._num_new_tokens(req, budget)
             if num_new and self._outgrows_cache(req, num_new):
                 self._fail_unfittable(req, out)

@@ -77,6 +77,8 @@ class Linear(nn.Module):
         self.out_features = sum(self.output_sizes)
         self.prefix = prefix
         self.packed = False  # weight in oneDNN's layout: forward calls it directly (see UnquantizedLinearMethod)
+        # the adapter slots of multi-LoRA serving (a pagoda.execution.lora.LoRALayer), set by the runner; None: off
+        self.lora = None
         self.quant_method = quant_method or UnquantizedLinearMethod(kernels)
         self.quant_method.create_weights(self, dtype)
         if bias:
@@ -119,5 +121,7 @@ class Linear(nn.Module):
             self.tp.all_reduce(y)
             return y if self.bias is None else y + self.bias
         if self.packed:  # the hot path of a bf16 model on a CPU, 121 calls a decode step here: no detours
-            return onednn.packed_linear(x, self.weight, self.bias)
-        return self.quant_method.apply(self, x, self.bias)
+            y = onednn.packed_linear(x, self.weight, self.bias)
+        else:
+            y = self.quant_method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)  # the adapters' terms, in place

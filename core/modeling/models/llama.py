@@ -87,6 +87,8 @@ class LlamaForCausalLM(nn.Module):
     runs_first_layers_of_caches = True
     # builds this rank's shard under tensor parallelism (pagoda.execution.distributed.current())
     supports_tensor_parallel = True
+    # fused layer -> the checkpoint projections it stacks, in output order (a LoRA adapter's q_proj is slice 0)
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
         super().__init__()

@@ -68,6 +68,10 @@ def register(sub) -> None:
     p.add_argument("--tenant-source", default="api-key", choices=["api-key", "header", "user"],
                    help="who a request counts for under --scheduling-policy fair: its API key (a digest of the "
                         "bearer token), its x-pagoda-tenant header, or the body's user field (default %(default)s)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and remove LoRA "
+                        "adapters while the server runs (needs --enable-lora; anyone who can reach the server can "
+                        "then make it read a directory of its machine)")
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
@@ -96,6 +100,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         if ns.request_log:
             raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
                               "or --max-replicas yet (serve one replica to record a trace)")
+        if ns.allow_runtime_lora_updating:
+            raise ConfigError("--allow-runtime-lora-updating changes one engine's adapters; it is not available with "
+                              "--replicas or --max-replicas yet")
         if ns.enable_auto_tool_choice or ns.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice and --tool-call-parser are not available with --replicas or "
                               "--max-replicas yet; serve one replica to read tool calls")
@@ -109,6 +116,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     # a wrong tool-call or request-size option fails before the model loads
     ToolCallingOptions.resolve(ns.plugin_manager, ns.enable_auto_tool_choice, ns.tool_call_parser)
     max_request_chars_option(ns.max_request_chars)
+    if ns.allow_runtime_lora_updating and not ns.enable_lora:
+        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora: add it, or drop the flag")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.request_log:
@@ -123,7 +132,8 @@ def run_serve(ns: argparse.Namespace) -> int:
                     default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
                     max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                    tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars)
+                    tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars,
+                    allow_runtime_lora_updating=ns.allow_runtime_lora_updating)
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

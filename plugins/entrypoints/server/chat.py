@@ -69,7 +69,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
-    ctx.check_model(body.model)
+    lora = ctx.resolve_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.stream_options is not None and not body.stream:
@@ -97,14 +97,14 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = new_id("chatcmpl")
     try:
         gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                         body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body))
+                         body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body), lora_request=lora)
         await unless_disconnected(request, gen.start())
     except InvalidRequestError as exc:
         raise tooling.explain_refusal(exc) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling,
+                                         ctx.model_name(lora)), media_type="text/event-stream")
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
     if err is not None:
@@ -116,7 +116,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                         "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
                         "finish_reason": reason, "stop_reason": c.stop_reason})
     num_completion = sum(len(c.token_ids) for c in out.outputs)
-    response = {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
+    response = {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.model_name(lora),
                 "choices": choices, "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)}
     if body.prompt_logprobs is not None:  # vLLM's field: the rendered prompt's tokens, for the whole response
         response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
@@ -125,9 +125,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-            include_usage: bool, tooling: ToolRequest) -> AsyncIterator[str]:
+            include_usage: bool, tooling: ToolRequest, model: str) -> AsyncIterator[str]:
     """The SSE body: each choice's new content (and tool call pieces) as a delta, the role with its first one."""
-    head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
     streams: dict[int, StreamedChoice] = {}
 
     def choices(_: int, out: RequestOutput) -> list[dict]:

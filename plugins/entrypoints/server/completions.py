@@ -24,7 +24,7 @@ from pagoda.plugins.entrypoints.server.structured import check_compiles, structu
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
-    ctx.check_model(body.model)
+    lora = ctx.resolve_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server; put the text in the prompt", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -69,13 +69,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs)
     request_id = new_id("cmpl")
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,
-                     tenant=ctx.tenant_of(request, body))
+                     tenant=ctx.tenant_of(request, body), lora_request=lora)
     await unless_disconnected(request, gen.start())
     echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
             for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage),
+        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage, ctx.model_name(lora)),
                                  media_type="text/event-stream")
     outputs = await unless_disconnected(request, gen.final())
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
@@ -95,7 +95,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
                                                                  body.prompt_logprobs)
             choices.append(choice)
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now_s(),
-                         "model": ctx.served_model_name, "choices": choices,
+                         "model": ctx.model_name(lora), "choices": choices,
                          "usage": usage(num_prompt, num_completion, num_cached)})
 
 
@@ -125,9 +125,9 @@ def _choice_logprobs(c: CompletionOutput, echo: Optional[_Echo], out: RequestOut
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[_Echo]],
-            include_usage: bool) -> AsyncIterator[str]:
+            include_usage: bool, model: str) -> AsyncIterator[str]:
     """The SSE body: each choice's new text (after the echoed prompt and its logprobs, with its first one)."""
-    head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.served_model_name}
+    head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": model}
     sent_chars: dict[int, int] = {}  # choice index -> characters of text sent (the echoed prompt's included)
     prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its logprobs (they arrive once)
 

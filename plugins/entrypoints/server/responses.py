@@ -67,7 +67,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
 
 
 async def create_response(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
-    ctx.check_model(body.model)
+    lora = ctx.resolve_model(body.model)
     _refuse_unserved(body)
     tooling = plan_response_tools(body, ctx.tool_options)
     structured_outputs = _structured_outputs(body)
@@ -78,7 +78,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     items = input_items(body)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + chat_messages(_history(store, body.previous_response_id), items)
-    record = ResponseRecord(ctx.served_model_name, body, tooling.new_parser())
+    record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser())
     with _in_responses_terms(tooling):
         check_chat_chars(ctx, messages, tooling.tools, param="input")
         text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
@@ -89,7 +89,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                 logprobs=record.num_top_logprobs, structured_outputs=structured_outputs)
         gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}],
                          tooling.constrain(params), priority=0, stream=bool(body.stream),
-                         tenant=ctx.tenant_of(request, body))
+                         tenant=ctx.tenant_of(request, body), lora_request=lora)
         await unless_disconnected(request, gen.start())
     ignored = body.ignored_fields()
     headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None

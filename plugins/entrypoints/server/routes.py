@@ -13,6 +13,7 @@ from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.plugins.entrypoints.server.chat import check_chat_chars, create_chat_completion, plain_messages, render_chat
 from pagoda.plugins.entrypoints.server.completions import create_completion
 from pagoda.plugins.entrypoints.server.errors import APIError, error_response
+from pagoda.plugins.entrypoints.server.lora import adapter_models, add_lora_routes
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                         TokenizeRequest)
 from pagoda.plugins.entrypoints.server.response_store import ResponseStore
@@ -65,7 +66,10 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     async def models():
         return {"object": "list", "data": [{
             "id": ctx.served_model_name, "object": "model", "created": created, "owned_by": "pagoda",
-            "root": ctx.served_model_name, "max_model_len": ctx.max_model_len}]}
+            "root": ctx.served_model_name, "max_model_len": ctx.max_model_len}, *adapter_models(ctx, created)]}
+
+    if getattr(app.state, "allow_runtime_lora_updating", False):
+        add_lora_routes(app, ctx)
 
     @app.get("/health")
     async def health():

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import SamplingFields
@@ -139,9 +140,24 @@ class ServingContext:
                                 f"per request (split the {what} over several requests)", param=param)
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r} "
+        """404 unless ``name`` is None, the base model's name or a served LoRA adapter's."""
+        self.resolve_model(name)
+
+    def resolve_model(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 listing the served names
+        for any other name."""
+        if name is None or name == self.served_model_name:
+            return None
+        lora = self.engine.engine.loras.get(name)  # replaced, never changed in place, by the engine thread
+        if lora is None:
+            served = ", ".join(repr(n) for n in [self.served_model_name, *sorted(self.engine.engine.loras)])
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
+        return lora
+
+    def model_name(self, lora: Optional[LoRARequest]) -> str:
+        """The ``model`` of a response: the adapter's name, or the base model's."""
+        return self.served_model_name if lora is None else lora.lora_name
 
     def mark_ignored_fields(self, body: SamplingFields, response: Response) -> None:
         """Name the fields of ``body`` that pagoda accepts but ignores in the response's

@@ -12,6 +12,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.plugins.entrypoints.server.serving import SSE_DONE, output_error, sse, sse_error, usage
 from pagoda.sampling_params import SamplingParams
@@ -27,7 +28,8 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
-                 priority: int, stream: bool, tenant: Optional[str] = None) -> None:
+                 priority: int, stream: bool, tenant: Optional[str] = None,
+                 lora_request: Optional[LoRARequest] = None) -> None:
         # the prompts of one request are admitted together
         max_model_len = engine.engine.config.model.max_model_len
         engine.check_capacity(params.n * len(prompts),
@@ -35,7 +37,8 @@ class Generation:
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self.serving_stats = engine.serving_stats
         self.gens = [engine.generate(f"{request_id}-{i}", p, params, priority, check_capacity=False,
-                                     output_kind=kind, tenant=tenant) for i, p in enumerate(prompts)]
+                                     output_kind=kind, tenant=tenant, lora_request=lora_request)
+                     for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
 
     async def start(self) -> None:

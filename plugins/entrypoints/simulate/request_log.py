@@ -51,6 +51,8 @@ class RequestLogWriter:
             "ttft": since_arrival(request.first_token_time),
             "e2e": since_arrival(end),
             "num_cached_tokens": request.num_cached_tokens,
+            # the LoRA adapter's name (None: the base model)
+            "lora_name": request.lora_request.lora_name if request.lora_request is not None else None,
         }
         with self._lock:
             if self._file is not None:
