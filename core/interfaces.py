@@ -428,6 +428,7 @@ class ModelRunnerView(Protocol):
     # the offload tiers' tensors and files (``pagoda.kv.offload.KVTierStore``), None without ``--kv-offload-*``
     kv_tiers: Optional["KVTierStore"]
     timings: dict[str, float]  # seconds of each phase of the last step it ran (``--profile``)
+    lora: Any  # its LoRA adapters (a pagoda.execution.lora.LoRAManager), None when LoRA is off
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
         """(Re)size the CPU swap space to ``num_swap_blocks`` blocks."""

@@ -525,7 +525,7 @@ def test_a_hook_taking_the_plugin_manager_wraps_a_builtin_by_kind_and_name(site,
     scheduler = llm.engine.scheduler
     assert isinstance(scheduler, PriorityScheduler) and scheduler.built_by == "counted"
     with pytest.raises(ConfigError, match=r"unknown scheduler 'nope' for plugin_manager.factory\('pagoda_schedulers', "
-                                          r"'nope'\); available: 'counted-priority' \(wrapper 1.0\), 'fcfs'"):
+                                          r"'nope'\); available: 'counted-priority' \(wrapper 1.0\), 'fair'"):
         pm.factory("pagoda_schedulers", "nope")
     with pytest.raises(ConfigError, match="'attention backends' is not a component hook; use one of pagoda_model"):
         pm.factory("attention backends", "torch")

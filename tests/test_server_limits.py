@@ -210,7 +210,7 @@ OVER_A_BOUND = [
         {"type": "input_text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}]), "input.0.content"),
     ("responses-include", R, responses(include=["message.output_text.logprobs"] * (MAX_SHORT_LIST + 1)),
      "include"),
-    ("responses-tools", R, responses(tools=[tool(i) for i in range(MAX_TOOLS + 1)]), "tools"),
+    ("responses-tools", R, responses(tools=[{"type": "function", "name": f"f{i}"} for i in range(MAX_TOOLS + 1)]), "tools"),
     ("responses-user", R, responses(user="u" * (MAX_ID_CHARS + 1)), "user"),
 ]
 

@@ -304,7 +304,8 @@ def _pagoda_latency(llm, req: BenchRequest, json_schema: Optional[dict] = None) 
     first, num_tokens = None, 0
     while engine.has_unfinished_requests():
         outs = engine.step()
-        num_tokens += sum(len(d.new_token_ids) for o in outs for d in o.sequences)
+        for o in outs:  # cumulative outputs: the tokens so far
+            num_tokens = max(num_tokens, sum(len(c.token_ids) for c in o.outputs))
         if first is None and outs:
             first = time.perf_counter()
     end = time.perf_counter()
