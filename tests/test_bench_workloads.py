@@ -98,6 +98,7 @@ def test_bench_latency_profile_shows_the_grammar_mask_under_a_json_schema_with_s
 
     from tiny_models import write_tiny_llama
 
+    (tmp_path / "model").mkdir()
     write_tiny_llama(tmp_path / "model")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
