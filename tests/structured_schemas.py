@@ -4,7 +4,10 @@ each object ``additionalProperties: false``, so a complete output fits in ``MAX_
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import jsonschema
 
 S = {"type": "string", "maxLength": 10}  # a short free string
 NAME = {"type": "string", "minLength": 1, "maxLength": 10}
@@ -179,3 +182,25 @@ assert len(SCHEMAS) == 50, len(SCHEMAS)
 def prompt_for(description: str) -> list[dict[str, str]]:
     """A short chat prompt (the grammar, not the prompt, holds the output to the schema)."""
     return [{"role": "user", "content": f"Answer with JSON only: {description}."}]
+
+
+def validator(schema: dict):
+    """A validator of ``schema`` (its own draft) that checks string formats too."""
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def schema_mismatches(outputs) -> list[str]:
+    """For the outputs of ``SCHEMAS`` (in order): a line for each that did not stop, or does not parse and
+    validate against its schema."""
+    failures = []
+    for (description, schema), out in zip(SCHEMAS, outputs, strict=True):
+        c = out.outputs[0]
+        if c.finish_reason != "stop":
+            failures.append(f"{description}: finished by {c.finish_reason} after {len(c.token_ids)} tokens: {c.text!r}")
+            continue
+        try:
+            validator(schema).validate(json.loads(c.text))
+        except (ValueError, jsonschema.ValidationError) as exc:
+            failures.append(f"{description}: {c.text!r}: {str(exc).splitlines()[0]}")
+    return failures

@@ -11,9 +11,8 @@ import dataclasses
 import json
 import re
 
-import jsonschema
 import pytest
-from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
+from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, validator
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.engine.components import build_components
@@ -32,10 +31,6 @@ def llm():
     return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=256 << 20)
 
 
-def validator(schema):
-    cls = jsonschema.validators.validator_for(schema)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
-
 
 def structured(temperature: float, max_tokens: int = 48, seed=None, n: int = 1, **constraint) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, n=n,
@@ -49,16 +44,7 @@ def test_every_output_of_fifty_json_schemas_parses_and_validates(llm, backend, t
     params = [structured(temperature, MAX_TOKENS, seed=i, json=schema, backend=backend)
               for i, (_, schema) in enumerate(SCHEMAS)]
     outputs = llm.chat(conversations, params, use_tqdm=False)
-    failures = []
-    for (description, schema), out in zip(SCHEMAS, outputs):
-        c = out.outputs[0]
-        if c.finish_reason != "stop":
-            failures.append(f"{description}: finished by {c.finish_reason} after {len(c.token_ids)} tokens: {c.text!r}")
-            continue
-        try:
-            validator(schema).validate(json.loads(c.text))
-        except (ValueError, jsonschema.ValidationError) as exc:
-            failures.append(f"{description}: {c.text!r}: {str(exc).splitlines()[0]}")
+    failures = schema_mismatches(outputs)
     assert not failures, f"{len(failures)} of 50 outputs do not match their schema:\n" + "\n".join(failures)
 
 

@@ -5,13 +5,11 @@ tokens through preemption and a retried step."""
 
 from __future__ import annotations
 
-import json
 import re
 
-import jsonschema
 import pytest
 import torch
-from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for
+from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.engine.components import eos_token_id, load_tokenizer
@@ -52,10 +50,6 @@ def ngram():
 def self_draft():
     return llm_with(SELF_DRAFT)
 
-
-def validator(schema):
-    cls = jsonschema.validators.validator_for(schema)
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
 def structured(temperature: float, max_tokens: int = 48, seed=None, **constraint) -> SamplingParams:
@@ -148,16 +142,7 @@ def test_every_output_of_fifty_json_schemas_validates_with_ngram_speculation(ngr
               for i, (_, schema) in enumerate(SCHEMAS)]
     drafts_before = ngram.engine.spec_stats.num_draft_tokens
     outputs = ngram.chat(conversations, params, use_tqdm=False)
-    failures = []
-    for (description, schema), out in zip(SCHEMAS, outputs):
-        c = out.outputs[0]
-        if c.finish_reason != "stop":
-            failures.append(f"{description}: finished by {c.finish_reason} after {len(c.token_ids)} tokens: {c.text!r}")
-            continue
-        try:
-            validator(schema).validate(json.loads(c.text))
-        except (ValueError, jsonschema.ValidationError) as exc:
-            failures.append(f"{description}: {c.text!r}: {str(exc).splitlines()[0]}")
+    failures = schema_mismatches(outputs)
     assert not failures, f"{len(failures)} of 50 outputs do not match their schema:\n" + "\n".join(failures)
     assert ngram.engine.spec_stats.num_draft_tokens > drafts_before  # the drafts were verified under the grammar
     assert_counters_consistent(ngram)
