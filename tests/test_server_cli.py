@@ -108,6 +108,33 @@ def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
     assert summary["output_tokens"] == sum(r.output_len for r in w1_requests(None, 2))
 
 
+def test_bench_serve_alternates_offline_runs_and_sets_the_served_token_beside_the_engine_s(server, tmp_path):
+    _, url, _ = server
+    result_file = tmp_path / "random.json"
+    run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--workload", "random", "--input-len", "40",
+                          "--output-len", "5", "--num-prompts", "2", "--request-rate", "inf", "--offline",
+                          "--repeat", "2", "--no-progress", "--result-file", str(result_file)],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("offline, same requests:") == 2
+    assert "served / offline output tok/s over 2 alternated runs" in run.stdout
+    assert "engine time per token (ms)" in run.stdout and "the server adds" in run.stdout
+    runs = json.loads(result_file.read_text())["runs"]
+    assert len(runs) == 2
+    for r in runs:
+        s = r["summary"]
+        assert s["completed"] == 2 and s["prompt_tokens"] == 80 and s["output_tokens"] == 10
+        assert s["offline_output_token_throughput"] > 0
+        assert s["served_over_offline"] == s["output_token_throughput"] / s["offline_output_token_throughput"]
+        # the engine's own time between two tokens of a request, from /metrics, against the client's TPOT
+        assert s["engine_mean_itl_ms"] > 0
+        assert s["tpot_over_engine_itl"] == s["tpot_ms"]["mean"] / s["engine_mean_itl_ms"]
+    # the second run drew other prompts (40 tokens: two full KV blocks that a repeat would find cached)
+    assert runs[1]["summary"]["prefix_cache_hit_rate"] == 0.0
+    first = [q["prompt_len"] for q in runs[0]["requests"]]
+    assert first == [40, 40]
+
+
 def test_sigterm_lets_the_open_stream_finish_then_exits_cleanly(server):
     proc, url, log = server
     result = {}

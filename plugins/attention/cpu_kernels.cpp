@@ -671,12 +671,15 @@ bool has_bf16_kernel() { return kHasBf16Kernel; }
 // whether other decodes take decode_item_avx2 (head_dim % 8 == 0, block_size % 8 == 0)
 bool has_avx2_kernel() { return kHasAvx2Kernel; }
 
+// every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
+// computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv", &write_kv, "store this step's K/V rows into their cache slots");
+  const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
+  m.def("write_kv", &write_kv, "store this step's K/V rows into their cache slots", no_gil);
   m.def("has_bf16_kernel", &has_bf16_kernel, "whether the AVX-512 BF16 decode path was built");
   m.def("has_avx2_kernel", &has_avx2_kernel, "whether the AVX2 decode path (fp32 math, every dtype) was built");
-  m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", pybind11::arg("q"),
-        pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
+  m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", no_gil,
+        pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
         pybind11::arg("token_len"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
         pybind11::arg("v_scale") = 1.0);
 }

@@ -466,9 +466,13 @@ std::string isa_path() { return prefill_path(); }
 
 }  // namespace
 
+// every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
+// computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
   m.def("supports_head_dim", &supports_head_dim, "whether this build has a prefill kernel for head_dim");
   m.def("supports_dtype", &supports_dtype, "whether prompts of this dtype (bfloat16, float16, float32) take the kernel");
   m.def("isa_path", &isa_path, "the ISA path of this build: avx512_bf16, avx2, or empty (none)");
-  m.def("prefill_attention", &prefill_attention, "causal attention of fresh prompts (CPU: AVX-512 BF16, or AVX2)");
+  m.def("prefill_attention", &prefill_attention, "causal attention of fresh prompts (CPU: AVX-512 BF16, or AVX2)",
+        no_gil);
 }

@@ -357,11 +357,15 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x) {
 
 }  // namespace
 
+// every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
+// computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
   m.def("int8_linear", &int8_linear, "W8A8 linear: per-token int8 activations times packed int8 weights (CPU)",
-        pybind11::arg("x"), pybind11::arg("w_packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
+        no_gil, pybind11::arg("x"), pybind11::arg("w_packed"), pybind11::arg("colsum"), pybind11::arg("w_scale"),
         pybind11::arg("bias"), pybind11::arg("y"), pybind11::arg("impl"));
-  m.def("quantize_activations", &quantize_activations, "the pre-pass alone: (codes uint8 [M, K], scales [M])");
+  m.def("quantize_activations", &quantize_activations, "the pre-pass alone: (codes uint8 [M, K], scales [M])",
+        no_gil);
   m.def("isa_path", &isa_path, "the ISA path compiled in: avx512_vnni, avx_vnni, avx2 or scalar");
   m.def("unsigned_activations", []() {
 #ifdef INT8_UNSIGNED_ACTIVATIONS

@@ -844,9 +844,12 @@ bool has_bf16_dot() {
 
 }  // namespace
 
+// every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
+// computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
   m.def("int_linear_rows", &int_linear_rows, "group-wise int4/int8 linear from the packed layout (CPU)",
-        pybind11::arg("x"), pybind11::arg("w_q"), pybind11::arg("w_scales"), pybind11::arg("w_zeros"),
+        no_gil, pybind11::arg("x"), pybind11::arg("w_q"), pybind11::arg("w_scales"), pybind11::arg("w_zeros"),
         pybind11::arg("perm"), pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("row_start"),
         pybind11::arg("row_end"), pybind11::arg("y"), pybind11::arg("bias"), pybind11::arg("impl"),
         pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));

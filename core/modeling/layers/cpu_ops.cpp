@@ -571,14 +571,17 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
   return y;
 }
 
+// every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
+// computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
   m.def("gemm_bf16_fp32", &gemm_bf16_fp32, "y = x W^T (+ bias) for many bf16 rows, fp32 GEMM over widened tiles",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("tile_rows") = 128);
-  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection");
+        no_gil, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("tile_rows") = 128);
+  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight", no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection", no_gil);
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16, or AVX2 + FMA)");
   m.def("gemv_path", &gemv_path, "the ISA path of gemv_bf16: avx512_bf16, avx2, or empty (none)");
   m.def("elementwise_path", &elementwise_path, "the ISA path of RMSNorm / SiLU-and-mul / RoPE");
-  m.def("gemv_bf16", &gemv_bf16, "y = x W^T (+ bias) for a few bf16 rows, streaming W once");
-  m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row");
+  m.def("gemv_bf16", &gemv_bf16, "y = x W^T (+ bias) for a few bf16 rows, streaming W once", no_gil);
+  m.def("rotary_", &rotary_, "rotary embedding in place on the q and k heads of a fused qkv row", no_gil);
 }

@@ -25,7 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from pagoda.plugins.entrypoints.bench.workloads import BenchRequest, prefix_groups, random_64
+from pagoda.plugins.entrypoints.bench.workloads import (BenchRequest, draw_token_ids, fixed_lengths, prefix_groups,
+                                                        random_64)
 
 
 def add_parser(sub, name: str) -> None:
@@ -39,11 +40,15 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, math.inf],
                    help="arrival rates in requests/s, one run each; 'inf' sends everything at once")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--workload", choices=["w1", "prefix-groups"], default="w1",
-                   help="w1: the W1 requests (W4); prefix-groups: --prefix-groups prompt prefixes of --prefix-len "
+    p.add_argument("--workload", choices=["w1", "random", "prefix-groups"], default="w1",
+                   help="w1: the W1 requests (W4); random: --input-len random prompt tokens asking for --output-len "
+                        "tokens each (vLLM's random dataset at a fixed length); "
+                        "prefix-groups: --prefix-groups prompt prefixes of --prefix-len "
                         "tokens, interleaved, each request adding 32 tokens of its own and asking for 32 (the "
                         "summary then gives the prefix-cache hit rate and, behind pagoda serve --replicas, how "
                         "often a request reached the replica that served its prefix first)")
+    p.add_argument("--input-len", type=int, default=128, help="--workload random: prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="--workload random: output tokens per request")
     p.add_argument("--prefix-groups", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
@@ -52,6 +57,14 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--offline-output-tok-s", type=float, default=None,
                    help="the engine's offline output tok/s on the same requests (from pagoda bench throughput); "
                         "each run then prints the served output tok/s as a fraction of it")
+    p.add_argument("--offline", action="store_true",
+                   help="load the model here too and, right before each run, generate the same requests offline "
+                        "(LLM.generate, all at once, the server idle meanwhile): each run then prints the served "
+                        "output tok/s as a fraction of that offline figure, measured in the same window. Give "
+                        "--model and engine flags matching the server's")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every rate this many times (with --offline: alternated with the offline runs); "
+                        "the requests are redrawn for each run so no run hits the prefix cache of another")
     p.add_argument("--profile", action="store_true",
                    help="after each run, where a served token's time went: the engine's step, detokenization, "
                         "output building and response encoding on the server's event loop, and the rest (from "
@@ -77,31 +90,34 @@ class RequestTiming:
         return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
-def bench_requests(ns: argparse.Namespace) -> list[BenchRequest]:
-    """The requests of ``--workload`` for the model's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from pagoda.modeling.default_model import resolve_model_path
-
-    if ns.workload == "w1":
-        return w1_requests(ns.model, ns.num_prompts)
-    model_dir = resolve_model_path(ns.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return prefix_groups(len(tokenizer), set(tokenizer.all_special_ids), ns.num_prompts, ns.prefix_groups,
-                         ns.prefix_len)
-
-
-def w1_requests(model: Optional[str], num_prompts: int) -> list[BenchRequest]:
+def bench_requests(ns: argparse.Namespace, draw: int = 0) -> list[BenchRequest]:
+    """The requests of ``--workload`` for the model's tokenizer; ``draw`` > 0 draws another set of the same shape
+    (W1's fixed requests and the prefix groups' prefixes stay; W1 then gets fresh token ids)."""
     from transformers import AutoTokenizer
 
     from pagoda.engine.engine_args import load_hf_config
     from pagoda.modeling.default_model import resolve_model_path
 
-    model_dir = resolve_model_path(model)
+    model_dir = resolve_model_path(ns.model)
     config = load_hf_config(model_dir)
     vocab = int(config.get("text_config", config)["vocab_size"])
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return random_64(vocab, set(tokenizer.all_special_ids), num_prompts)
+    special = set(tokenizer.all_special_ids)
+    if ns.workload == "w1":
+        requests = random_64(vocab, special, ns.num_prompts)
+        if draw:  # W1's lengths, other token ids: a repeated run must not find the last one's prompts cached
+            rng = random.Random(draw)
+            requests = [BenchRequest(draw_token_ids(rng, len(r.prompt_token_ids), vocab, special), r.output_len)
+                        for r in requests]
+        return requests
+    if ns.workload == "random":
+        return fixed_lengths(vocab, special, ns.num_prompts, ns.input_len, ns.output_len, seed=draw)
+    return prefix_groups(len(tokenizer), special, ns.num_prompts, ns.prefix_groups, ns.prefix_len)
+
+
+def w1_requests(model: Optional[str], num_prompts: int) -> list[BenchRequest]:
+    ns = argparse.Namespace(model=model, workload="w1", num_prompts=num_prompts)
+    return bench_requests(ns)
 
 
 async def send_one(client, url: str, model: str, req: BenchRequest) -> RequestTiming:
@@ -246,6 +262,9 @@ SERVER_COUNTERS = {
     "detokenize_seconds": "pagoda:serving_detokenize_seconds_total",
     "output_seconds": "pagoda:serving_output_seconds_total",
     "encode_seconds": "pagoda:serving_encode_seconds_total",
+    # the engine's own time between two tokens of a request (commit to commit), summed over its tokens
+    "itl_seconds": "pagoda:inter_token_latency_seconds_sum",
+    "itl_tokens": "pagoda:inter_token_latency_seconds_count",
 }
 
 
@@ -285,6 +304,12 @@ def add_server_cost(summary: dict, before: Optional[dict[str, float]], after: Op
         summary["engine_steps"] = int(steps)
         summary["engine_mean_step_ms"] = step_ms
         summary["tpot_over_step"] = summary["tpot_ms"]["mean"] / step_ms
+        itl_tokens = after.get("itl_tokens", 0.0) - before.get("itl_tokens", 0.0)
+        if itl_tokens > 0:
+            # what a token waited for at the engine: the steps it sat through and the loop's gaps between them
+            engine_itl = (after["itl_seconds"] - before.get("itl_seconds", 0.0)) / itl_tokens * 1e3
+            summary["engine_mean_itl_ms"] = engine_itl
+            summary["tpot_over_engine_itl"] = summary["tpot_ms"]["mean"] / engine_itl
         # event-loop time per engine step, summed over the requests the step served
         summary["per_step_ms"] = {key: per_step_ms(key) for key in ("detokenize_seconds", "output_seconds",
                                                                     "encode_seconds")}
@@ -332,6 +357,10 @@ def format_summary(s: dict, profile: bool = False) -> str:
     if "engine_mean_step_ms" in s:
         lines.append(f"{'engine mean step (ms)':<30}{s['engine_mean_step_ms']:.1f}")
         lines.append(f"{'served mean TPOT / step':<30}{s['tpot_over_step']:.2f}x")
+    if "engine_mean_itl_ms" in s:
+        lines.append(f"{'engine time per token (ms)':<30}{s['engine_mean_itl_ms']:.1f}")
+        lines.append(f"{'served mean TPOT / engine':<30}{s['tpot_over_engine_itl']:.3f}x "
+                     f"(the server adds {s['tpot_ms']['mean'] - s['engine_mean_itl_ms']:+.1f} ms per token)")
     if "served_over_offline" in s:
         lines.append(f"{'offline output tokens/s':<30}{s['offline_output_token_throughput']:.1f}")
         lines.append(f"{'served / offline tokens/s':<30}{s['served_over_offline']:.1%}")
@@ -358,22 +387,57 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
             print(f"pagoda bench serve: error: cannot list the models of {base_url} ({exc}); is `pagoda serve` "
                   "running there? pass --base-url", file=sys.stderr)
             return 2
+    if ns.repeat < 1:
+        print("pagoda bench serve: error: --repeat must be at least 1", file=sys.stderr)
+        return 2
     requests = bench_requests(ns)
-    title = "W4: W1" if ns.workload == "w1" else f"{ns.prefix_groups} prefix groups:"
+    title = {"w1": "W4: W1", "random": f"random {ns.input_len} in / {ns.output_len} out:"}.get(
+        ns.workload, f"{ns.prefix_groups} prefix groups:")
     print(f"{title} {len(requests)} requests ({sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.output_len for r in requests)} output tokens) to {base_url} as model {model!r}")
+    offline_llm = _offline_llm(ns) if ns.offline else None
     results = []
-    for rate in ns.request_rate:
-        before = server_counters(base_url, ns.api_key)
-        duration, timings = asyncio.run(run_rate(base_url, model, ns.api_key, requests, rate, ns.seed,
-                                                 not ns.no_progress))
-        summary = summarize(rate, duration, timings)
-        add_server_cost(summary, before, server_counters(base_url, ns.api_key), ns.offline_output_tok_s)
-        print(format_summary(summary, ns.profile), flush=True)
-        results.append({"summary": summary, "requests": [asdict(t) for t in timings]})
+    for rep in range(ns.repeat):
+        if rep:  # fresh prompts: a repeated run must not find the previous one's prefixes in the cache
+            requests = bench_requests(ns, draw=rep)
+        for rate in ns.request_rate:
+            offline_tps = ns.offline_output_tok_s
+            if offline_llm is not None:
+                offline_tps = _run_offline(offline_llm, requests)
+            before = server_counters(base_url, ns.api_key)
+            duration, timings = asyncio.run(run_rate(base_url, model, ns.api_key, requests, rate, ns.seed,
+                                                     not ns.no_progress))
+            summary = summarize(rate, duration, timings)
+            add_server_cost(summary, before, server_counters(base_url, ns.api_key), offline_tps)
+            print(format_summary(summary, ns.profile), flush=True)
+            results.append({"summary": summary, "requests": [asdict(t) for t in timings]})
+    if offline_llm is not None and ns.repeat > 1:
+        for rate in ns.request_rate:
+            ratios = sorted(r["summary"]["served_over_offline"] for r in results
+                            if r["summary"]["request_rate"] == (rate if math.isfinite(rate) else "inf"))
+            print(f"rate {rate:g}: served / offline output tok/s over {len(ratios)} alternated runs: "
+                  + ", ".join(f"{x:.1%}" for x in ratios) + f"; median {ratios[len(ratios) // 2]:.1%}")
     if ns.result_file:
         with open(ns.result_file, "w") as f:
             json.dump({"base_url": base_url, "model": model, "num_prompts": len(requests), "runs": results}, f,
                       indent=2)
         print(f"results written to {ns.result_file}")
     return 0 if all(r["summary"]["failed"] == 0 for r in results) else 1
+
+
+def _offline_llm(ns: argparse.Namespace):
+    """The engine the offline runs use: ``--model`` with the engine's defaults, at the thread count it measures now."""
+    from pagoda.engine.llm import LLM
+
+    llm = LLM(model=ns.model) if ns.model else LLM()
+    llm.engine.host.hold_threads()
+    return llm
+
+
+def _run_offline(llm, requests: list[BenchRequest]) -> float:
+    """Output tok/s of ``requests`` generated offline, all submitted at once (as ``pagoda bench throughput``)."""
+    from pagoda.plugins.entrypoints.bench.throughput import run_pagoda
+
+    result, _ = run_pagoda(llm, requests)
+    print(f"offline, same requests: {result.output_tps:.1f} output tok/s", flush=True)
+    return result.output_tps

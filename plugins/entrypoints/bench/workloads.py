@@ -26,6 +26,15 @@ def random_64(vocab_size: int, special_ids: set[int], num_requests: int = 64, se
     return requests
 
 
+def fixed_lengths(vocab_size: int, special_ids: set[int], num_requests: int, input_len: int = 128,
+                  output_len: int = 64, seed: int = 0) -> list[BenchRequest]:
+    """``num_requests`` prompts of ``input_len`` random non-special token ids, each asking for ``output_len``
+    tokens (the shape of vLLM's ``random`` dataset with no length range)."""
+    rng = random.Random(seed)
+    return [BenchRequest(draw_token_ids(rng, input_len, vocab_size, special_ids), output_len)
+            for _ in range(num_requests)]
+
+
 def latency_1(vocab_size: int, special_ids: set[int], prompt_len: int = 128, output_len: int = 128,
               seed: int = 0) -> BenchRequest:
     """W3: one request, 128 prompt tokens, 128 output tokens."""
