@@ -1,22 +1,24 @@
 """The ``fair`` scheduling policy: tenants share the engine by the service each received (virtual token counters)."""
 
+from collections import Counter
+
 import pytest
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.kv.blocks import PagedKVCacheManager
-from pagoda.plugins.schedulers.fair import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairScheduler
+from pagoda.plugins.schedulers.fair import IDLE_GRACE_STEPS, OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairScheduler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput
 from pagoda.testing import check_scheduler
 
 
-def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64):
+def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64, step_seqs=0):
     sched_cfg = SchedulerConfig(policy="fair", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=256, enable_chunked_prefill=True, long_prefill_token_threshold=0,
-                                max_waiting_requests=None, tenant_weights=weights)
+                                max_waiting_requests=None, tenant_weights=weights, fair_step_seqs=step_seqs)
     cache_cfg = CacheConfig(4, 0, "auto", False, num_blocks, 0, "recompute", "paged")
     return FairScheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False))
 
@@ -112,6 +114,53 @@ def test_waiting_order_follows_the_counters_and_a_returning_tenant_saves_nothing
     s.add_request(a2)
     assert s.tenant_counters()["a"] >= served_a
     assert s.order_waiting(list(s.waiting))[0].tenant in ("b", "a")
+
+
+def tenants_of(out):
+    return Counter(r.tenant for r in out.requests)
+
+
+def test_a_flooding_tenant_runs_only_its_part_of_each_step_while_another_is_active():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    for _ in range(20):
+        s.add_request(seq("heavy", max_tokens=200))
+    assert tenants_of(step(s)) == {"heavy": 20}  # alone, it runs its whole batch
+    light = seq("light", max_tokens=3)
+    s.add_request(light)
+    while not light.is_finished:
+        # the light tenant runs every step, the heavy one the rest of the four sequences; the others wait
+        # with their KV blocks (nothing is preempted)
+        out = step(s)
+        assert tenants_of(out) == {"light": 1, "heavy": 3} and not out.preempted
+    # the light tenant may send its next request at once: the steps stay bounded for a while
+    for _ in range(IDLE_GRACE_STEPS):
+        assert tenants_of(step(s)) == {"heavy": 4}
+    assert tenants_of(step(s)) == {"heavy": 20}
+
+
+def test_the_step_is_split_by_weight_and_every_active_tenant_runs():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=8, weights=(("gold", 3.0),))
+    for _ in range(10):
+        s.add_request(seq("gold", max_tokens=100))
+        s.add_request(seq("plain", max_tokens=100))
+    step(s)
+    assert tenants_of(step(s)) == {"gold": 6, "plain": 2}
+    # more tenants with work than the bound: each still runs one sequence a step
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    for t in range(10):
+        s.add_request(seq(f"t{t}", max_tokens=100))
+    for _ in range(3):
+        assert tenants_of(step(s)) == {f"t{t}": 1 for t in range(10)}
+
+
+def test_a_tenant_at_its_part_starts_no_new_sequence_in_that_step():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    s.add_request(seq("light", max_tokens=100))
+    for _ in range(10):
+        s.add_request(seq("heavy", max_tokens=100))
+    out = step(s)
+    assert tenants_of(out) == {"light": 1, "heavy": 3}
+    assert s.num_running == 4 and s.num_waiting == 7
 
 
 def test_tenant_weights_are_checked():
