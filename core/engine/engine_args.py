@@ -19,10 +19,10 @@ from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cach
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
 
-# --fair-step-seqs by default: on a CPU a decode step of this many sequences takes well under twice the time of a
-# step of one (the weights are read once per step whatever the batch), so a light tenant's tokens stay within 2x
-# of their unloaded time beside a flooding one (see docs/fairness.md)
-FAIR_STEP_SEQS = 8
+# --fair-step-seqs by default: on the CPUs measured (docs/fairness.md) a decode step of four sequences of the
+# default model takes under twice the time of a step of one, so a light tenant's tokens stay within about 2x of
+# their unloaded time beside a flooding tenant
+FAIR_STEP_SEQS = 4
 
 
 def _host_field(option: HostOption) -> tuple[Any, Any]:
