@@ -1,5 +1,6 @@
 """The ``fair`` scheduling policy: tenants share the engine by the service each received (virtual token counters)."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -43,6 +44,13 @@ def step(s):
 
 def test_fair_passes_the_scheduler_kit():
     check_scheduler(FairScheduler)
+
+
+def test_fair_with_a_step_bound_passes_the_scheduler_kit():
+    def bounded(scheduler_config, cache_config, kv_manager):
+        return FairScheduler(dataclasses.replace(scheduler_config, fair_step_seqs=2), cache_config, kv_manager)
+
+    check_scheduler(bounded)
 
 
 def test_one_tenant_schedules_as_fcfs_does():
