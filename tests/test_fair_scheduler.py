@@ -148,17 +148,28 @@ def test_a_flooding_tenant_runs_only_its_part_of_each_step_while_another_is_acti
 
 def test_the_step_is_split_by_weight_and_every_active_tenant_runs():
     s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=8, weights=(("gold", 3.0),))
+    s.add_request(seq("light", max_tokens=100))
     for _ in range(10):
         s.add_request(seq("gold", max_tokens=100))
         s.add_request(seq("plain", max_tokens=100))
     step(s)
-    assert tenants_of(step(s)) == {"gold": 6, "plain": 2}
+    # light takes its one; the seven left go 3:1 between gold and plain (5.25 and 1.75, rounded down)
+    assert tenants_of(step(s)) == {"light": 1, "gold": 5, "plain": 1}
     # more tenants with work than the bound: each still runs one sequence a step
     s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
     for t in range(10):
         s.add_request(seq(f"t{t}", max_tokens=100))
     for _ in range(3):
         assert tenants_of(step(s)) == {f"t{t}": 1 for t in range(10)}
+
+
+def test_heavy_tenants_alone_together_run_their_whole_batch():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    for _ in range(10):
+        s.add_request(seq("a", max_tokens=100))
+        s.add_request(seq("b", max_tokens=100))
+    step(s)
+    assert tenants_of(step(s)) == {"a": 10, "b": 10}
 
 
 def test_a_tenant_at_its_part_starts_no_new_sequence_in_that_step():

@@ -19,10 +19,10 @@ from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cach
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
 
-# --fair-step-seqs by default: on the CPUs measured (docs/fairness.md) a decode step of four sequences of the
-# default model takes under twice the time of a step of one, so a light tenant's tokens stay within about 2x of
-# their unloaded time beside a flooding tenant
-FAIR_STEP_SEQS = 4
+# --fair-step-seqs by default: on the CPU measured (docs/fairness.md) a decode step of four sequences of the
+# default model took about twice the time of a step of one, and at times more; a step of two stays well within
+# twice, so a light tenant's tokens stay within 2x of their unloaded time beside a flooding tenant
+FAIR_STEP_SEQS = 2
 
 
 def _host_field(option: HostOption) -> tuple[Any, Any]:
@@ -99,11 +99,11 @@ class EngineArgs(HostOptions):
         "the fair scheduling policy's tenant weights, name=weight pairs separated by commas (a tenant weighing 2 "
         "gets twice the service of one weighing 1; unlisted tenants weigh 1)"))
     fair_step_seqs: int = Field(default=FAIR_STEP_SEQS, ge=0, description=(
-        "the fair scheduling policy: while more than one tenant is active, a step runs at most this many "
-        "sequences, split between the tenants by weight (a tenant needing fewer leaves its part to the others; "
-        "each active tenant runs at least one), so a tenant with many sequences cannot slow the steps of the "
-        "others; its own throughput drops while others are active. 0: no bound (every running sequence runs "
-        "each step, as under fcfs)"))
+        "the fair scheduling policy: while a light tenant (one needing no more than its part) is active beside "
+        "others, a step runs at most this many sequences, split between the tenants by weight (a tenant needing "
+        "fewer leaves its part to the others; each active tenant runs at least one), so a tenant with many "
+        "sequences cannot slow the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "
+        "(every running sequence runs each step, as under fcfs)"))
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
     enable_chunked_prefill: bool = True
