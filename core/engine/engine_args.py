@@ -99,7 +99,7 @@ class EngineArgs(HostOptions):
         "the fair scheduling policy's tenant weights, name=weight pairs separated by commas (a tenant weighing 2 "
         "gets twice the service of one weighing 1; unlisted tenants weigh 1)"))
     fair_step_seqs: int = Field(default=FAIR_STEP_SEQS, ge=0, description=(
-        "the fair scheduling policy: while a light tenant (one needing no more than its part) is active beside "
+        "the fair scheduling policy: while a light tenant (one with at most this many sequences) is active beside "
         "others, a step runs at most this many sequences, split between the tenants by weight (a tenant needing "
         "fewer leaves its part to the others; each active tenant runs at least one), so a tenant with many "
         "sequences cannot slow the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "

@@ -13,7 +13,7 @@ Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), on the to
 - a tenant kept waiting while the batch has no seat or block left for it takes a seat from the tenant holding
   the most seats beyond its weighted share (``max_num_seqs`` split over the tenants with work), newest
   sequence first. No sequence is preempted for a tenant that already holds its share;
-- while a light tenant is active beside others (one needing no more than its part of the bound below, or one
+- while a light tenant is active beside others (one whose sequences fit in one step of the bound below, or one
   that had work within the last ``IDLE_GRACE_STEPS`` steps), a step runs at most
   ``SchedulerConfig.fair_step_seqs`` sequences, split between the tenants with work by weight, max-min fair (a
   tenant needing fewer than its part leaves the rest to the others; each runs at least one). A step's time
@@ -146,14 +146,16 @@ class FairScheduler(TokenBudgetScheduler):
 
     def _split_step(self) -> Optional[dict[Optional[str], int]]:
         """This step's sequences per tenant with work: ``fair_step_seqs`` split max-min fair by weight over what
-        each could run (running and waiting sequences). None (no bound) unless a light tenant is active: one that
-        needs no more than its part, or that had work within the last ``IDLE_GRACE_STEPS`` steps. Tenants that
-        all need more than their part share seats by the counters alone, each step as large as the batch."""
+        each could run (running and waiting sequences). None (no bound) unless a light tenant is active: one whose
+        sequences fit in one bounded step, or that had work within the last ``IDLE_GRACE_STEPS`` steps. Tenants
+        that all have more share seats by the counters alone, each step as large as the batch."""
         if len(self._live.keys() | self._idle_grace.keys()) < 2:
             return None
         demand = Counter(r.tenant for r in self.running)
         demand.update(r.tenant for r in self.waiting)
-        has_light = any(t not in demand for t in self._idle_grace)
+        if not demand:
+            return None
+        has_light = any(t not in demand for t in self._idle_grace) or min(demand.values()) <= self.fair_step_seqs
         seats: dict[Optional[str], int] = {}
         capacity = float(self.fair_step_seqs)
         while demand:
@@ -163,7 +165,6 @@ class FairScheduler(TokenBudgetScheduler):
             if not satisfied:
                 seats.update((t, max(1, int(part[t]))) for t in demand)
                 break
-            has_light = True
             for t in satisfied:
                 seats[t] = demand.pop(t)
                 capacity -= seats[t]
