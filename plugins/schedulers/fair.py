@@ -13,13 +13,13 @@ Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), on the to
 - a tenant kept waiting while the batch has no seat or block left for it takes a seat from the tenant holding
   the most seats beyond its weighted share (``max_num_seqs`` split over the tenants with work), newest
   sequence first. No sequence is preempted for a tenant that already holds its share;
-- while a light tenant is active beside others (one whose sequences fit in one step of the bound below, or one
-  that had work within the last ``IDLE_GRACE_STEPS`` steps), a step runs at most
-  ``SchedulerConfig.fair_step_seqs`` sequences, split between the tenants with work by weight, max-min fair (a
-  tenant needing fewer than its part leaves the rest to the others; each runs at least one). A step's time
-  grows with the sequences it runs, so this keeps a tenant with many sequences from slowing a light tenant's
-  tokens; its sequences beyond its part keep their KV blocks and wait a step (``0``: no bound). Heavy tenants
-  alone together are not bounded: they share the batch by the counters and the seats above.
+- while a light tenant is active beside others (one with at most ``SchedulerConfig.fair_step_seqs`` sequences
+  or a quarter of the largest tenant's, or one that had work within the last ``IDLE_GRACE_STEPS`` steps), the
+  light tenants run all their sequences and the heavy ones share what is left of ``fair_step_seqs`` by weight,
+  each at least one sequence a step. A step's time grows with the sequences it runs, so this keeps a tenant
+  with many sequences from slowing a light tenant's tokens; its sequences beyond its part keep their KV blocks
+  and wait a step (``0``: no bound). Heavy tenants alone together are not bounded: they share the batch by
+  the counters and the seats above.
 
 With one tenant it schedules as ``fcfs`` does.
 """
@@ -40,6 +40,8 @@ OUTPUT_TOKEN_COST = 2.0
 # steps a tenant still counts as active after its last sequence ended: a client that sends its next request as
 # soon as one is answered finds the steps still bounded, not one full step of the other tenants' sequences
 IDLE_GRACE_STEPS = 16
+# a tenant with at most 1/LIGHT_SHARE of the sequences of the largest tenant counts as light for the step bound
+LIGHT_SHARE = 4
 
 
 class FairScheduler(TokenBudgetScheduler):
@@ -145,30 +147,27 @@ class FairScheduler(TokenBudgetScheduler):
         return num_now < seats.get(tenant, 0)
 
     def _split_step(self) -> Optional[dict[Optional[str], int]]:
-        """This step's sequences per tenant with work: ``fair_step_seqs`` split max-min fair by weight over what
-        each could run (running and waiting sequences). None (no bound) unless a light tenant is active: one whose
-        sequences fit in one bounded step, or that had work within the last ``IDLE_GRACE_STEPS`` steps. Tenants
-        that all have more share seats by the counters alone, each step as large as the batch."""
+        """This step's sequences per tenant with work (running and waiting), or None for no bound. A light tenant
+        (at most ``fair_step_seqs`` sequences, or at most a quarter of the largest tenant's) runs all of its; the
+        heavy tenants share what is left of ``fair_step_seqs`` by weight, each at least one. No bound unless a
+        light tenant is active beside the others (with work, or within ``IDLE_GRACE_STEPS`` steps of its last):
+        heavy tenants alone together share seats by the counters, each step as large as the batch."""
         if len(self._live.keys() | self._idle_grace.keys()) < 2:
             return None
         demand = Counter(r.tenant for r in self.running)
         demand.update(r.tenant for r in self.waiting)
         if not demand:
             return None
-        has_light = any(t not in demand for t in self._idle_grace) or min(demand.values()) <= self.fair_step_seqs
-        seats: dict[Optional[str], int] = {}
-        capacity = float(self.fair_step_seqs)
-        while demand:
-            total_weight = sum(self.weight(t) for t in demand)
-            part = {t: capacity * self.weight(t) / total_weight for t in demand}
-            satisfied = [t for t in demand if demand[t] <= part[t]]
-            if not satisfied:
-                seats.update((t, max(1, int(part[t]))) for t in demand)
-                break
-            for t in satisfied:
-                seats[t] = demand.pop(t)
-                capacity -= seats[t]
-        return seats if has_light else None
+        largest = max(demand.values())
+        seats = {t: n for t, n in demand.items() if n <= self.fair_step_seqs or LIGHT_SHARE * n <= largest}
+        if not seats and not any(t not in demand for t in self._idle_grace):
+            return None
+        heavy = [t for t in demand if t not in seats]
+        if heavy:
+            capacity = max(0, self.fair_step_seqs - sum(seats.values()))
+            total_weight = sum(self.weight(t) for t in heavy)
+            seats.update((t, max(1, int(capacity * self.weight(t) / total_weight))) for t in heavy)
+        return seats
 
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         if len(self._live) < 2 or not self.waiting or not self.running:
