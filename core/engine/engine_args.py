@@ -99,10 +99,10 @@ class EngineArgs(HostOptions):
         "the fair scheduling policy's tenant weights, name=weight pairs separated by commas (a tenant weighing 2 "
         "gets twice the service of one weighing 1; unlisted tenants weigh 1)"))
     fair_step_seqs: int = Field(default=FAIR_STEP_SEQS, ge=0, description=(
-        "the fair scheduling policy: while a light tenant (one with at most this many sequences) is active beside "
-        "others, a step runs at most this many sequences, split between the tenants by weight (a tenant needing "
-        "fewer leaves its part to the others; each active tenant runs at least one), so a tenant with many "
-        "sequences cannot slow the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "
+        "the fair scheduling policy: while a light tenant (at most this many sequences, or a quarter of the "
+        "largest tenant's) is active beside others, it runs all its sequences and the heavy tenants share what is "
+        "left of this many per step by weight (each at least one), so a tenant with many sequences cannot slow "
+        "the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "
         "(every running sequence runs each step, as under fcfs)"))
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
