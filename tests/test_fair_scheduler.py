@@ -246,3 +246,15 @@ def test_served_tenants_from_a_header_share_the_engine():
     assert finished.index("light") <= 3, finished
     counters = llm.engine.scheduler.tenant_counters()
     assert set(counters) >= {"heavy", "light"} and counters["heavy"] > counters["light"]
+
+
+def test_a_tenant_with_a_few_sequences_beside_a_flood_runs_them_all():
+    # three sequences are more than the bound of two, but a small fraction of the flood's: all three run
+    s = make(max_num_seqs=64, num_blocks=512, budget=256, step_seqs=2)
+    for _ in range(40):
+        s.add_request(seq("heavy", max_tokens=100))
+    step(s)
+    for _ in range(3):
+        s.add_request(seq("light", max_tokens=100))
+    step(s)
+    assert tenants_of(step(s)) == {"light": 3, "heavy": 1}
