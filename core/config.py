@@ -87,6 +87,9 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = ()
     # sequences one tenant may have waiting to start (the server answers that tenant 503 beyond it; None: no bound)
     max_waiting_per_tenant: Optional[int] = None
+    # the ``fair`` policy: while more than one tenant is active, the most sequences one step runs, split between
+    # the tenants by weight (each active tenant at least one); 0: no such bound
+    fair_step_seqs: int = 0
     # LoRA: the most distinct adapters the running requests may use at once (0: LoRA is off)
     max_loras: int = 0
 

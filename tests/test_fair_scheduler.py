@@ -1,22 +1,25 @@
 """The ``fair`` scheduling policy: tenants share the engine by the service each received (virtual token counters)."""
 
+import dataclasses
+from collections import Counter
+
 import pytest
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.kv.blocks import PagedKVCacheManager
-from pagoda.plugins.schedulers.fair import OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairScheduler
+from pagoda.plugins.schedulers.fair import IDLE_GRACE_STEPS, OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairScheduler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput
 from pagoda.testing import check_scheduler
 
 
-def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64):
+def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64, step_seqs=0):
     sched_cfg = SchedulerConfig(policy="fair", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=256, enable_chunked_prefill=True, long_prefill_token_threshold=0,
-                                max_waiting_requests=None, tenant_weights=weights)
+                                max_waiting_requests=None, tenant_weights=weights, fair_step_seqs=step_seqs)
     cache_cfg = CacheConfig(4, 0, "auto", False, num_blocks, 0, "recompute", "paged")
     return FairScheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False))
 
@@ -41,6 +44,13 @@ def step(s):
 
 def test_fair_passes_the_scheduler_kit():
     check_scheduler(FairScheduler)
+
+
+def test_fair_with_a_step_bound_passes_the_scheduler_kit():
+    def bounded(scheduler_config, cache_config, kv_manager):
+        return FairScheduler(dataclasses.replace(scheduler_config, fair_step_seqs=2), cache_config, kv_manager)
+
+    check_scheduler(bounded)
 
 
 def test_one_tenant_schedules_as_fcfs_does():
@@ -114,6 +124,64 @@ def test_waiting_order_follows_the_counters_and_a_returning_tenant_saves_nothing
     assert s.order_waiting(list(s.waiting))[0].tenant in ("b", "a")
 
 
+def tenants_of(out):
+    return Counter(r.tenant for r in out.requests)
+
+
+def test_a_flooding_tenant_runs_only_its_part_of_each_step_while_another_is_active():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    for _ in range(20):
+        s.add_request(seq("heavy", max_tokens=200))
+    assert tenants_of(step(s)) == {"heavy": 20}  # alone, it runs its whole batch
+    light = seq("light", max_tokens=3)
+    s.add_request(light)
+    while not light.is_finished:
+        # the light tenant runs every step, the heavy one the rest of the four sequences; the others wait
+        # with their KV blocks (nothing is preempted)
+        out = step(s)
+        assert tenants_of(out) == {"light": 1, "heavy": 3} and not out.preempted
+    # the light tenant may send its next request at once: the steps stay bounded for a while
+    for _ in range(IDLE_GRACE_STEPS):
+        assert tenants_of(step(s)) == {"heavy": 4}
+    assert tenants_of(step(s)) == {"heavy": 20}
+
+
+def test_the_step_is_split_by_weight_and_every_active_tenant_runs():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=8, weights=(("gold", 3.0),))
+    s.add_request(seq("light", max_tokens=100))
+    for _ in range(10):
+        s.add_request(seq("gold", max_tokens=100))
+        s.add_request(seq("plain", max_tokens=100))
+    step(s)
+    # light takes its one; the seven left go 3:1 between gold and plain (5.25 and 1.75, rounded down)
+    assert tenants_of(step(s)) == {"light": 1, "gold": 5, "plain": 1}
+    # more tenants with work than the bound: each still runs one sequence a step
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    for t in range(10):
+        s.add_request(seq(f"t{t}", max_tokens=100))
+    for _ in range(3):
+        assert tenants_of(step(s)) == {f"t{t}": 1 for t in range(10)}
+
+
+def test_heavy_tenants_alone_together_run_their_whole_batch():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    for _ in range(10):
+        s.add_request(seq("a", max_tokens=100))
+        s.add_request(seq("b", max_tokens=100))
+    step(s)
+    assert tenants_of(step(s)) == {"a": 10, "b": 10}
+
+
+def test_a_tenant_at_its_part_starts_no_new_sequence_in_that_step():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=4)
+    s.add_request(seq("light", max_tokens=100))
+    for _ in range(10):
+        s.add_request(seq("heavy", max_tokens=100))
+    out = step(s)
+    assert tenants_of(out) == {"light": 1, "heavy": 3}
+    assert s.num_running == 4 and s.num_waiting == 7
+
+
 def test_tenant_weights_are_checked():
     with pytest.raises(ConfigError, match="tenant weight"):
         EngineArgs.build(tenant_weights="alice=0")
@@ -178,3 +246,15 @@ def test_served_tenants_from_a_header_share_the_engine():
     assert finished.index("light") <= 3, finished
     counters = llm.engine.scheduler.tenant_counters()
     assert set(counters) >= {"heavy", "light"} and counters["heavy"] > counters["light"]
+
+
+def test_a_tenant_with_a_few_sequences_beside_a_flood_runs_them_all():
+    # three sequences are more than the bound of two, but a small fraction of the flood's: all three run
+    s = make(max_num_seqs=64, num_blocks=512, budget=256, step_seqs=2)
+    for _ in range(40):
+        s.add_request(seq("heavy", max_tokens=100))
+    step(s)
+    for _ in range(3):
+        s.add_request(seq("light", max_tokens=100))
+    step(s)
+    assert tenants_of(step(s)) == {"light": 3, "heavy": 1}

@@ -183,3 +183,13 @@ def test_the_autoscaling_policy_asks_for_replicas_by_waiting_plus_running_reques
     assert queue_depth_policy(context({r1: 30.0, r2: 10.0}, {r1: 16.0, r2: 16.0}))[0] == 5  # 72 / 16
     assert queue_depth_policy(context({r1: 0.0, r2: 0.0}, {r1: 3.0, r2: 0.0}))[0] == 1
     assert queue_depth_policy(context({}, {}))[0] == 2  # nothing reported yet: stay
+
+
+def test_each_replica_reads_the_tenant_where_pagoda_serve_was_told_to():
+    from pagoda.cli import build_parser
+    from pagoda.plugins.entrypoints.replicas.command import replica_options
+
+    for source in ("api-key", "header", "user"):
+        ns = build_parser().parse_args(["serve", "--replicas", "2", "--tenant-source", source,
+                                        "--scheduling-policy", "fair", "--max-waiting-per-tenant", "4"])
+        assert replica_options(ns, cpus=2).tenant_source == source

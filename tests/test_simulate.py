@@ -19,8 +19,8 @@ from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, 
 from pagoda.plugins.entrypoints.simulate.report import summarize_run
 from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
 from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace
-from pagoda.plugins.entrypoints.simulate.trace import (PromptMaker, TraceRequest, generate_trace, load_trace,
-                                                       save_trace)
+from pagoda.plugins.entrypoints.simulate.trace import (PromptMaker, TraceRequest, flood_trace, generate_trace,
+                                                       load_trace, save_trace)
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 
@@ -266,3 +266,44 @@ def test_a_cost_model_from_another_cpu_is_not_rescaled_to_this_one(tmp_path, cap
     result = json.loads(captured.out)
     assert "calibrated on Some Other CPU" in captured.err and result["cost_model_scale"] == 1.0
     assert result["runs"][0]["completed"] == 10
+
+
+def test_the_fair_policy_keeps_a_small_tenant_within_2x_of_its_unloaded_times_beside_a_flood(pm):
+    trace = flood_trace(num_small=5, small_rate=10.0, small_output_len=8, flood_requests=4, flood_n=4,
+                        flood_output_len=200)
+    alone = [r for r in trace if r.tenant == "small"]
+    unloaded, _ = simulate(pm, alone, "fair", fair_step_seqs=4)
+    fcfs, _ = simulate(pm, trace, "fcfs")
+    fair, _ = simulate(pm, trace, "fair", fair_step_seqs=4)
+    assert "by_tenant" not in unloaded and set(fair["by_tenant"]) == {"flood", "small"}
+    base = unloaded["tpot_ms"]["mean"]
+    small_fcfs, small_fair = fcfs["by_tenant"]["small"], fair["by_tenant"]["small"]
+    # fcfs: every step runs the 16 flooding sequences; fair: four sequences a step while the small tenant is active
+    assert small_fcfs["tpot_ms"]["mean"] > 2 * base
+    assert small_fair["tpot_ms"]["mean"] < 2 * base
+    # the first small request waits for the rest of a step of all sixteen (the flood was alone); the others
+    # arrive while the steps are bounded
+    assert small_fair["ttft_ms"]["p50"] < 2 * unloaded["ttft_ms"]["p50"] < small_fcfs["ttft_ms"]["p50"]
+    assert fcfs["completed"] == fair["completed"] == len(trace)
+    # the flood pays: its requests take longer under fair
+    assert fair["by_tenant"]["flood"]["tpot_ms"]["mean"] > fcfs["by_tenant"]["flood"]["tpot_ms"]["mean"]
+
+
+def test_a_trace_line_keeps_its_tenant_and_a_bad_tenant_is_named(tmp_path):
+    trace = flood_trace(num_small=2, flood_requests=1, flood_n=2, flood_output_len=4)
+    save_trace(trace, tmp_path / "t.jsonl")
+    assert [r.tenant for r in load_trace(tmp_path / "t.jsonl")] == ["flood", "flood", "small", "small"]
+    (tmp_path / "bad.jsonl").write_text('{"arrival": 0, "prompt_len": 4, "output_len": 2, "tenant": 7}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:1: tenant=7"):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+def test_pagoda_simulate_reports_each_tenant_of_the_flood_workload(tmp_path, capsys):
+    COST.save(tmp_path / "cost.json")
+    rc = main(["simulate", "--workload", "FLOOD", "--num-requests", "3", "--rate", "4", "--output-len", "40",
+               "--cost-model", str(tmp_path / "cost.json"), "--no-rescale", "--scheduling-policy", "fair",
+               "--compare-policy", "fcfs"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "pagoda simulate: fair" in out and "pagoda simulate: fcfs" in out
+    assert out.count("TTFT small") == 2 and out.count("TPOT flood") == 2

@@ -19,6 +19,11 @@ from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cach
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
 
+# --fair-step-seqs by default: on the CPU measured (docs/fairness.md) a decode step of four sequences of the
+# default model took about twice the time of a step of one, and at times more; a step of two stays well within
+# twice, so a light tenant's tokens stay within 2x of their unloaded time beside a flooding tenant
+FAIR_STEP_SEQS = 2
+
 
 def _host_field(option: HostOption) -> tuple[Any, Any]:
     """The EngineArgs field of a host setting: None (not given) by default; its help names its variable."""
@@ -93,6 +98,12 @@ class EngineArgs(HostOptions):
     tenant_weights: Optional[str] = Field(default=None, description=(
         "the fair scheduling policy's tenant weights, name=weight pairs separated by commas (a tenant weighing 2 "
         "gets twice the service of one weighing 1; unlisted tenants weigh 1)"))
+    fair_step_seqs: int = Field(default=FAIR_STEP_SEQS, ge=0, description=(
+        "the fair scheduling policy: while a light tenant (at most this many sequences, or a quarter of the "
+        "largest tenant's) is active beside others, it runs all its sequences and the heavy tenants share what is "
+        "left of this many per step by weight (each at least one), so a tenant with many sequences cannot slow "
+        "the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "
+        "(every running sequence runs each step, as under fcfs)"))
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
     enable_chunked_prefill: bool = True
@@ -357,6 +368,7 @@ class EngineArgs(HostOptions):
             max_waiting_requests=self.max_waiting_requests,
             max_waiting_tokens=self.max_waiting_tokens,
             max_waiting_per_tenant=self.max_waiting_per_tenant,
+            fair_step_seqs=self.fair_step_seqs,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
             tenant_weights=parse_tenant_weights(self.tenant_weights) if self.tenant_weights else (),
             max_loras=lora_cfg.max_loras if lora_cfg else 0,

@@ -12,7 +12,14 @@ Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), on the to
   least goes first;
 - a tenant kept waiting while the batch has no seat or block left for it takes a seat from the tenant holding
   the most seats beyond its weighted share (``max_num_seqs`` split over the tenants with work), newest
-  sequence first. No sequence is preempted for a tenant that already holds its share.
+  sequence first. No sequence is preempted for a tenant that already holds its share;
+- while a light tenant is active beside others (one with at most ``SchedulerConfig.fair_step_seqs`` sequences
+  or a quarter of the largest tenant's, or one that had work within the last ``IDLE_GRACE_STEPS`` steps), the
+  light tenants run all their sequences and the heavy ones share what is left of ``fair_step_seqs`` by weight,
+  each at least one sequence a step. A step's time grows with the sequences it runs, so this keeps a tenant
+  with many sequences from slowing a light tenant's tokens; its sequences beyond its part keep their KV blocks
+  and wait a step (``0``: no bound). Heavy tenants alone together are not bounded: they share the batch by
+  the counters and the seats above.
 
 With one tenant it schedules as ``fcfs`` does.
 """
@@ -30,6 +37,11 @@ from pagoda.step import RunnerOutput, SchedulerOutput
 # the cost of a token, in counter units: an output token costs more than a prompt token (it takes a whole step)
 PROMPT_TOKEN_COST = 1.0
 OUTPUT_TOKEN_COST = 2.0
+# steps a tenant still counts as active after its last sequence ended: a client that sends its next request as
+# soon as one is answered finds the steps still bounded, not one full step of the other tenants' sequences
+IDLE_GRACE_STEPS = 16
+# a tenant with at most 1/LIGHT_SHARE of the sequences of the largest tenant counts as light for the step bound
+LIGHT_SHARE = 4
 
 
 class FairScheduler(TokenBudgetScheduler):
@@ -42,6 +54,11 @@ class FairScheduler(TokenBudgetScheduler):
         self.service: dict[Optional[str], float] = {}
         # live sequences (waiting, running or swapped) per tenant
         self._live: Counter = Counter()
+        self.fair_step_seqs = scheduler_config.fair_step_seqs
+        # tenants whose last sequence ended recently -> steps they still count as active
+        self._idle_grace: dict[Optional[str], int] = {}
+        # this step's sequences per tenant while the step bound is in force (None: no bound this step)
+        self._step_seats: Optional[dict[Optional[str], int]] = None
 
     def weight(self, tenant: Optional[str]) -> float:
         return self.weights.get(tenant, 1.0)
@@ -63,6 +80,7 @@ class FairScheduler(TokenBudgetScheduler):
             self._live[req.tenant] -= 1
             if not self._live[req.tenant]:
                 del self._live[req.tenant]
+                self._idle_grace[req.tenant] = IDLE_GRACE_STEPS
         super().finish(req, status)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
@@ -94,9 +112,62 @@ class FairScheduler(TokenBudgetScheduler):
 
     def _running_order(self) -> list[Sequence]:
         order = super()._running_order()
-        if len(self._live) < 2:
+        if len(self._live) >= 2:
+            order = sorted(order, key=self._counter)
+        seats = self._step_seats
+        if seats is None:
             return order
-        return sorted(order, key=self._counter)
+        # each tenant's first sequences in running order, as many as its part of the step
+        taken: Counter = Counter()
+        kept = []
+        for req in order:
+            if taken[req.tenant] < seats.get(req.tenant, 0):
+                taken[req.tenant] += 1
+                kept.append(req)
+        return kept
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_seats = self._split_step() if self.fair_step_seqs else None
+        for tenant in list(self._idle_grace):
+            self._idle_grace[tenant] -= 1
+            if self._idle_grace[tenant] <= 0 or tenant in self._live:
+                del self._idle_grace[tenant]
+        return super().schedule()
+
+    def may_admit(self, request: Sequence) -> bool:
+        if not super().may_admit(request):
+            return False
+        seats = self._step_seats
+        if seats is None:
+            return True
+        # a tenant that runs its part of the step already starts nothing more in it
+        tenant = request.tenant
+        requests = self.requests
+        num_now = sum(1 for rid in self._scheduled_now if requests[rid].tenant == tenant)
+        return num_now < seats.get(tenant, 0)
+
+    def _split_step(self) -> Optional[dict[Optional[str], int]]:
+        """This step's sequences per tenant with work (running and waiting), or None for no bound. A light tenant
+        (at most ``fair_step_seqs`` sequences, or at most a quarter of the largest tenant's) runs all of its; the
+        heavy tenants share what is left of ``fair_step_seqs`` by weight, each at least one. No bound unless a
+        light tenant is active beside the others (with work, or within ``IDLE_GRACE_STEPS`` steps of its last):
+        heavy tenants alone together share seats by the counters, each step as large as the batch."""
+        if len(self._live.keys() | self._idle_grace.keys()) < 2:
+            return None
+        demand = Counter(r.tenant for r in self.running)
+        demand.update(r.tenant for r in self.waiting)
+        if not demand:
+            return None
+        largest = max(demand.values())
+        seats = {t: n for t, n in demand.items() if n <= self.fair_step_seqs or LIGHT_SHARE * n <= largest}
+        if not seats and not any(t not in demand for t in self._idle_grace):
+            return None
+        heavy = [t for t in demand if t not in seats]
+        if heavy:
+            capacity = max(0, self.fair_step_seqs - sum(seats.values()))
+            total_weight = sum(self.weight(t) for t in heavy)
+            seats.update((t, max(1, int(capacity * self.weight(t) / total_weight))) for t in heavy)
+        return seats
 
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         if len(self._live) < 2 or not self.waiting or not self.running:

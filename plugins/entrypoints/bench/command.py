@@ -12,6 +12,7 @@ WORKLOADS = {
     "kernels": "pagoda.plugins.entrypoints.bench.kernels",
     "serve": "pagoda.plugins.entrypoints.bench.serve",
     "all-reduce": "pagoda.plugins.entrypoints.bench.all_reduce",
+    "fairness": "pagoda.plugins.entrypoints.bench.fairness",
 }
 
 

@@ -67,7 +67,8 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                              max_request_bytes=ns.max_request_bytes,
                              default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
-                             max_request_chars=max_request_chars_option(ns.max_request_chars))
+                             max_request_chars=max_request_chars_option(ns.max_request_chars),
+                             tenant_source=getattr(ns, "tenant_source", "api-key"))
 
 
 def run_replicas(ns: argparse.Namespace) -> int:

@@ -48,6 +48,9 @@ class ReplicaSetOptions:
     default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     # as pagoda serve's --max-request-chars (None: its default)
     max_request_chars: Optional[int] = None
+    # as pagoda serve's --tenant-source: where each replica's server reads a request's tenant (the ingress forwards
+    # the headers and body as they came, so each replica sees the same tenant)
+    tenant_source: str = "api-key"
     # requests Serve lets a replica have at once; the engine queues and refuses (503) beyond its own limits
     max_ongoing_requests: int = 1024
 
@@ -66,7 +69,7 @@ class EngineReplica:
         self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args, get_plugin_manager()))
         self.app = build_app(self.engine, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
                              allowed_hosts=options.allowed_hosts, default_max_tokens=options.default_max_tokens,
-                             max_request_chars=options.max_request_chars)
+                             max_request_chars=options.max_request_chars, tenant_source=options.tenant_source)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.started = False
 

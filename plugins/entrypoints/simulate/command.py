@@ -23,8 +23,11 @@ def register(sub) -> None:
                                    "machine (--calibrate), and print the serving report. See docs/simulator.md.")
     src = p.add_argument_group("trace (exactly one)")
     src.add_argument("--trace", default=None, help="a JSON-lines trace file")
-    src.add_argument("--workload", default=None, choices=["W1", "W2", "W4"],
-                     help="a benchmark workload of BENCHMARK.md (W4: W1 at --rate)")
+    src.add_argument("--workload", default=None, choices=["W1", "W2", "W4", "FLOOD"],
+                     help="a benchmark workload of BENCHMARK.md (W4: W1 at --rate), or FLOOD: tenant 'flood' sends "
+                          "13 x n=8 requests of --output-len tokens (default 1000) at once while tenant 'small' "
+                          "sends --num-requests (default 20) of 5 + 16 tokens at --rate (default 1/s); compare "
+                          "--scheduling-policy fair --compare-policy fcfs (what `pagoda bench fairness` measures)")
     src.add_argument("--generate", action="store_true", help="a synthetic trace: Poisson/bursty arrivals, W1 "
                                                              "lengths, optional prefix groups and priorities")
     src.add_argument("--from-request-log", default=None, metavar="LOG",
@@ -76,7 +79,7 @@ def register(sub) -> None:
 
 def load_trace_from(ns: argparse.Namespace):
     from pagoda.plugins.entrypoints.simulate.request_log import trace_from_request_log
-    from pagoda.plugins.entrypoints.simulate.trace import generate_trace, load_trace
+    from pagoda.plugins.entrypoints.simulate.trace import flood_trace, generate_trace, load_trace
     from pagoda.plugins.entrypoints.simulate.workloads import workload_trace
 
     given = [flag for flag, value in (("--trace", ns.trace), ("--workload", ns.workload),
@@ -90,6 +93,10 @@ def load_trace_from(ns: argparse.Namespace):
     if ns.from_request_log:
         trace, skipped = trace_from_request_log(ns.from_request_log)
         return trace, f"request log {ns.from_request_log} ({skipped} requests without output skipped)"
+    if ns.workload == "FLOOD":
+        rate = 1.0 if ns.rate is None else ns.rate
+        return (flood_trace(ns.num_requests or 20, rate, flood_output_len=ns.output_len or 1000),
+                f"workload FLOOD: 13 x 8 flooding sequences, small requests at {rate:g} req/s")
     if ns.workload:
         rate = math.inf if ns.rate is None else ns.rate
         return (workload_trace(ns.workload, ns.model, rate, ns.num_requests or 64, ns.trace_seed),

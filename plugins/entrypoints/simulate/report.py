@@ -48,6 +48,17 @@ def summarize_run(record: RunRecord, rate: float, label: str) -> dict:
     if len(np.unique(levels)) > 1:
         summary["ttft_ms_by_priority"] = {int(p): percentiles(first[ok & (levels == p)] - arrival[ok & (levels == p)])
                                           for p in np.unique(levels)}
+    # per tenant (when the trace has more than one): what the fair policy shares between them
+    tenants = record.tenant
+    if len(set(tenants)) > 1:
+        summary["by_tenant"] = {}
+        for tenant in sorted(set(tenants), key=str):
+            mine = ok & np.array([t == tenant for t in tenants])
+            several = mine & (num_out > 1)
+            summary["by_tenant"][str(tenant)] = {
+                "completed": int(mine.sum()),
+                "ttft_ms": percentiles(first[mine] - arrival[mine]),
+                "tpot_ms": percentiles((finish[several] - first[several]) / (num_out[several] - 1))}
     return summary
 
 
@@ -81,6 +92,10 @@ def format_run(s: dict) -> str:
     for level, row in s.get("ttft_ms_by_priority", {}).items():
         lines.append(f"{'TTFT p=' + str(level):<10}" + "".join(f"{row[c]:>10.1f}" for c in ("mean", "p50", "p90",
                                                                                           "p99")))
+    for tenant, row in s.get("by_tenant", {}).items():
+        for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
+            lines.append(f"{label + ' ' + tenant:<10}" + "".join(f"{row[key][c]:>10.1f}"
+                                                                 for c in ("mean", "p50", "p90", "p99")))
     u = s["kv_usage"]
     lines += [
         f"{'steps':<30}{s['num_steps']}",

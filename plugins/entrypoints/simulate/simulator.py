@@ -37,6 +37,7 @@ class RunRecord:
         self.arrival = array("d", (r.arrival for r in trace))
         self.prompt_len = array("q", (r.prompt_len for r in trace))
         self.priority = array("q", (r.priority for r in trace))
+        self.tenant = [r.tenant for r in trace]
         self.first_scheduled = array("d", [math.nan]) * n
         self.first_token = array("d", [math.nan]) * n
         self.last_token = array("d", [math.nan]) * n
@@ -90,7 +91,8 @@ class SimulatedEngine:
             self.record.errors[index] = str(exc)
             return
         rid = str(index)
-        seq = Sequence(rid, token_ids, params, None, req.arrival, None, req.priority, parent_id=rid)
+        seq = Sequence(rid, token_ids, params, None, req.arrival, None, req.priority, parent_id=rid,
+                       tenant=req.tenant)
         self._index[rid] = index
         self.scheduler.add_request(seq)
 

@@ -1,7 +1,9 @@
 """Request traces for ``pagoda simulate``: JSON lines, one request a line, in arrival order.
 
 A line holds ``arrival`` (seconds from the trace's start), ``output_len`` (tokens to generate),
-optionally ``priority`` (lower runs first under the ``priority`` policy, default 0), and the
+optionally ``priority`` (lower runs first under the ``priority`` policy, default 0) and ``tenant`` (who
+sent it: the ``fair`` policy shares the engine between tenants; the report gives each tenant's TTFT and
+TPOT when the trace has more than one), and the
 prompt either as ``prompt_token_ids`` or as ``prompt_len`` plus, for prompts that share a prefix,
 ``prefix_group`` (any integer) and ``prefix_len`` (how many leading tokens the group shares).
 Synthetic prompts get token ids drawn once per group and a per-request suffix that nothing else
@@ -22,6 +24,8 @@ from typing import Iterable, Optional
 
 from pagoda.errors import ConfigError
 
+# the longest tenant name a trace line may give
+MAX_TENANT_CHARS = 256
 # synthetic token ids are drawn from [FIRST_TOKEN_ID, vocab_size): the low ids of most tokenizers are special
 FIRST_TOKEN_ID = 100
 
@@ -37,11 +41,14 @@ class TraceRequest:
     prompt_token_ids: Optional[list[int]] = None
     prefix_group: Optional[int] = None
     prefix_len: int = 0
+    tenant: Optional[str] = None
 
     def to_json(self) -> dict:
         line = {"arrival": self.arrival, "output_len": self.output_len}
         if self.priority:
             line["priority"] = self.priority
+        if self.tenant is not None:
+            line["tenant"] = self.tenant
         if self.prompt_token_ids is not None:
             line["prompt_token_ids"] = self.prompt_token_ids
         else:
@@ -122,11 +129,15 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     arrival = number("arrival", float)
     output_len = number("output_len", int, minimum=1)
     priority = number("priority", int, default=0, minimum=-(2 ** 31))
+    tenant = d.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_CHARS):
+        raise ConfigError(f"{where}: tenant={tenant!r}; expected a name (a string of 1 to {MAX_TENANT_CHARS} "
+                          "characters), or no tenant field for the shared tenant")
     ids = d.get("prompt_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise ConfigError(f"{where}: prompt_token_ids must be a non-empty list of token ids (integers >= 0)")
-        return TraceRequest(arrival, output_len, len(ids), priority, prompt_token_ids=ids)
+        return TraceRequest(arrival, output_len, len(ids), priority, prompt_token_ids=ids, tenant=tenant)
     if "prompt_len" not in d:
         raise ConfigError(f"{where}: give the prompt as prompt_token_ids or as prompt_len (with prefix_group and "
                           "prefix_len for a shared prefix)")
@@ -137,7 +148,8 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     prefix_len = number("prefix_len", int, default=0) if group is not None else 0
     if prefix_len > prompt_len:
         raise ConfigError(f"{where}: prefix_len {prefix_len} exceeds prompt_len {prompt_len}")
-    return TraceRequest(arrival, output_len, prompt_len, priority, prefix_group=group, prefix_len=prefix_len)
+    return TraceRequest(arrival, output_len, prompt_len, priority, prefix_group=group, prefix_len=prefix_len,
+                        tenant=tenant)
 
 
 def save_trace(requests: Iterable[TraceRequest], path: str | Path) -> int:
@@ -194,3 +206,19 @@ def generate_trace(num_requests: int, rate: float = 4.0, burstiness: float = 1.0
         else:
             requests.append(TraceRequest(arrival, out, own, priority))
     return requests
+
+
+def flood_trace(num_small: int = 20, small_rate: float = 1.0, small_prompt_len: int = 5, small_output_len: int = 16,
+                flood_requests: int = 13, flood_n: int = 8, flood_output_len: int = 1000) -> list[TraceRequest]:
+    """One tenant floods, another sends small requests: ``flood_requests`` x ``flood_n`` one-token prompts asking
+    for ``flood_output_len`` tokens each at time 0 (tenant ``flood``; the probe of the server sent thirteen of
+    n=8, max_tokens 8000), then ``num_small`` requests of ``small_prompt_len`` + ``small_output_len`` tokens,
+    ``1 / small_rate`` seconds apart from one second on (tenant ``small``)."""
+    if min(num_small, flood_requests, flood_n, flood_output_len, small_prompt_len, small_output_len) < 1 or \
+            not small_rate > 0:
+        raise ConfigError("the flood workload needs at least one request and one token of each kind and a "
+                          f"positive rate (got {num_small} small requests at {small_rate} req/s)")
+    flood = [TraceRequest(0.0, flood_output_len, 1, tenant="flood") for _ in range(flood_requests * flood_n)]
+    small = [TraceRequest(1.0 + i / small_rate, small_output_len, small_prompt_len, tenant="small")
+             for i in range(num_small)]
+    return flood + small

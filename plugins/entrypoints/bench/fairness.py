@@ -1,0 +1,210 @@
+"""``pagoda bench fairness``: one tenant floods the server while another sends small requests one after another.
+
+For each ``--scheduling-policies`` entry the benchmark builds the engine in this process, serves it on
+127.0.0.1 with ``--tenant-source header`` (the real server: uvicorn, streaming, HTTP), and measures the small
+tenant's TTFT and TPOT twice: unloaded (alone), then while the flooding tenant's requests (by default those of
+the denial-of-service probe: thirteen of ``{"prompt": "x", "n": 8, "max_tokens": 8000, "ignore_eos": true}``)
+fill the batch. The flood starts before the small requests, and is cancelled (its streams closed, so the server
+aborts it) once they are done. With ``--rounds`` above 1 the policies alternate, round after round, so a busy
+machine's noise falls on each of them alike; every round's figures are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Optional
+
+from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.bench.serve import RequestTiming, percentiles, send_one
+from pagoda.plugins.entrypoints.bench.workloads import BenchRequest
+
+FLOOD_TENANT, SMALL_TENANT = "flood", "small"
+# the small tenant's prompt: a short sentence (its token ids come from the model's tokenizer)
+SMALL_PROMPT = "The capital of France is"
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="a flooding tenant beside a small one: the small tenant's TTFT and TPOT unloaded "
+                                  "and under each scheduling policy",
+                       description=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--scheduling-policies", nargs="+", default=["fcfs", "fair"], metavar="POLICY",
+                   help="the policies compared, one engine each (default: fcfs fair)")
+    p.add_argument("--flood-requests", type=int, default=13, help="the flooding tenant's concurrent requests")
+    p.add_argument("--flood-n", type=int, default=8, help="sequences per flooding request (its n)")
+    p.add_argument("--flood-max-tokens", type=int, default=8000, help="max_tokens of a flooding request "
+                                                                       "(ignore_eos: it runs until cancelled)")
+    p.add_argument("--small-requests", type=int, default=5, help="small requests measured, unloaded and loaded")
+    p.add_argument("--small-max-tokens", type=int, default=16, help="output tokens of a small request")
+    p.add_argument("--rounds", type=int, default=1, help="rounds over the policies, alternating")
+    p.add_argument("--result-file", default=None, help="write every round's per-request timings as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=run_bench_fairness)
+
+
+class FairnessServer:
+    """One engine under one scheduling policy, served on 127.0.0.1 with tenants from the x-pagoda-tenant header."""
+
+    def __init__(self, ns: argparse.Namespace, policy: str) -> None:
+        from pagoda.engine.async_engine import AsyncLLMEngine
+        from pagoda.engine.llm import LLM
+        from pagoda.plugins.entrypoints.server import ServerThread, build_app
+
+        values = engine_args_from(ns, scheduling_policy=policy).model_dump(exclude_defaults=True)
+        self.policy = policy
+        self.llm = LLM(**values, plugin_manager=ns.plugin_manager)
+        self.server = ServerThread(build_app(AsyncLLMEngine(self.llm.engine), tenant_source="header")).start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def num_unfinished(self) -> int:
+        scheduler = self.llm.engine.scheduler
+        return scheduler.num_running + scheduler.num_waiting + scheduler.num_swapped
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        """Until the engine has no request left (the cancelled flood aborted)."""
+        deadline = time.monotonic() + timeout
+        while self.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.llm.engine.shutdown()
+
+
+async def small_requests(url: str, model: str, request: BenchRequest, count: int) -> list[RequestTiming]:
+    """``count`` small requests one after another (each sent when the previous one is answered)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers={"x-pagoda-tenant": SMALL_TENANT}) as client:
+        return [await send_one(client, url + "/v1/completions", model, request) for _ in range(count)]
+
+
+async def flood_one(client, url: str, model: str, ns: argparse.Namespace, started: asyncio.Event,
+                    num_started: list[int]) -> None:
+    body = {"model": model, "prompt": "x", "n": ns.flood_n, "max_tokens": ns.flood_max_tokens, "ignore_eos": True,
+            "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"a flooding request was refused: HTTP {resp.status_code}: "
+                               f"{(await resp.aread()).decode()[:300]}")
+        counted = False
+        async for line in resp.aiter_lines():
+            if not counted and line.startswith("data: {"):
+                counted = True
+                num_started[0] += 1
+                if num_started[0] == ns.flood_requests:
+                    started.set()
+
+
+async def loaded_run(server: FairnessServer, model: str, request: BenchRequest,
+                     ns: argparse.Namespace) -> tuple[list[RequestTiming], int]:
+    """The small requests while the flood runs; also the sequences the engine ran when they started."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
+                                 headers={"x-pagoda-tenant": FLOOD_TENANT}) as client:
+        started, num_started = asyncio.Event(), [0]
+        flood = [asyncio.create_task(flood_one(client, server.url, model, ns, started, num_started))
+                 for _ in range(ns.flood_requests)]
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait([waiter, *flood], return_when=asyncio.FIRST_COMPLETED)
+        for task in flood:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        num_running = server.llm.engine.scheduler.num_running
+        timings = await small_requests(server.url, model, request, ns.small_requests)
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    return timings, num_running
+
+
+def summarize(timings: list[RequestTiming]) -> dict:
+    """The small tenant's TTFT and TPOT; TTFT also without the first request, which under a flood that ran alone
+    until then waits for the rest of one of its whole steps (no policy can shorten a step that has started)."""
+    ok = [t for t in timings if t.ok]
+    errors = sorted({t.error for t in timings if t.error})
+    return {"completed": len(ok), "failed": len(timings) - len(ok), "errors": errors[:3],
+            "ttft_ms": percentiles([t.ttft for t in ok]),
+            "ttft_after_first_ms": percentiles([t.ttft for t in ok[1:]]),
+            "tpot_ms": percentiles([t.tpot for t in ok if t.tpot is not None]),
+            "ttft_each_ms": [round(t.ttft * 1e3, 1) for t in ok]}
+
+
+def format_table(rows: list[dict]) -> str:
+    """One line per (round, policy, phase): the small tenant's TTFT (all requests, and after the first) and TPOT,
+    and their ratio to its unloaded values under the same policy."""
+    head = (f"{'round':<6}{'policy':<8}{'phase':<9}{'seqs':>5}{'TTFT mean':>11}{'p90':>9}{'2nd+ mean':>11}"
+            f"{'TPOT mean':>11}{'p90':>9}{'TTFT x':>9}{'2nd+ x':>9}{'TPOT x':>9}")
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        ttft, later, tpot, base = row["ttft_ms"], row["ttft_after_first_ms"], row["tpot_ms"], row.get("unloaded")
+        ratios = "" if base is None else "".join(
+            f"{row[key]['mean'] / base[key]['mean']:>8.1f}x" for key in ("ttft_ms", "ttft_after_first_ms", "tpot_ms"))
+        lines.append(f"{row['round']:<6}{row['policy']:<8}{row['phase']:<9}{row['num_running']:>5}"
+                     f"{ttft['mean']:>9.0f}ms{ttft['p90']:>7.0f}ms{later['mean']:>9.0f}ms"
+                     f"{tpot['mean']:>9.1f}ms{tpot['p90']:>7.1f}ms" + ratios)
+        for err in row["errors"]:
+            lines.append(f"  error: {err}")
+    return "\n".join(lines)
+
+
+def small_request(model_dir: Optional[str], output_len: int) -> BenchRequest:
+    from transformers import AutoTokenizer
+
+    from pagoda.modeling.default_model import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model_dir)))
+    return BenchRequest(tokenizer(SMALL_PROMPT, add_special_tokens=False)["input_ids"], output_len)
+
+
+def run_bench_fairness(ns: argparse.Namespace) -> int:
+    from pagoda.errors import ConfigError
+
+    for flag in ("flood_requests", "flood_n", "flood_max_tokens", "small_requests", "rounds"):
+        if getattr(ns, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: pass at least 1")
+    if ns.small_max_tokens < 2:
+        raise ConfigError(f"--small-max-tokens {ns.small_max_tokens}: pass at least 2 (TPOT needs two tokens)")
+    request = small_request(ns.model, ns.small_max_tokens)
+    print(f"flood: {ns.flood_requests} requests x n={ns.flood_n}, max_tokens {ns.flood_max_tokens}, ignore_eos "
+          f"(tenant {FLOOD_TENANT!r}); small: {ns.small_requests} requests one after another, "
+          f"{len(request.prompt_token_ids)} prompt + {ns.small_max_tokens} output tokens (tenant {SMALL_TENANT!r})",
+          flush=True)
+    servers = {}
+    rows = []
+    try:
+        for policy in ns.scheduling_policies:
+            servers[policy] = FairnessServer(ns, policy)
+        for round_index in range(1, ns.rounds + 1):
+            for policy, server in servers.items():
+                import httpx
+
+                model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                asyncio.run(small_requests(server.url, model, request, 1))  # warm-up, not counted
+                unloaded = summarize(asyncio.run(small_requests(server.url, model, request, ns.small_requests)))
+                unloaded.update(round=round_index, policy=policy, phase="unloaded", num_running=1)
+                timings, num_running = asyncio.run(loaded_run(server, model, request, ns))
+                loaded = summarize(timings)
+                loaded.update(round=round_index, policy=policy, phase="flooded", num_running=num_running,
+                              unloaded=unloaded)
+                server.wait_idle()
+                rows += [unloaded, loaded]
+                print(format_table([unloaded, loaded]).split("\n", 2)[2], flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"==== pagoda bench fairness: the small tenant's TTFT and TPOT, and their ratio to its unloaded values "
+          f"under the same policy ====\n{format_table(rows)}")
+    if ns.result_file:
+        with open(ns.result_file, "w") as f:
+            json.dump({"rows": rows}, f, indent=2)
+        print(f"results written to {ns.result_file}")
+    return 0 if all(row["failed"] == 0 for row in rows) else 1
