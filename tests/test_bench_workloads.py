@@ -32,10 +32,13 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path):
     from tiny_models import write_tiny_llama
 
     # a 2-layer model with random weights in a real checkpoint: the command, the roofline over the model's own
-    # shapes, the profile and the HF baseline (which loads the same files) run as on the default model
+    # shapes, the profile and the HF baseline (which loads the same files) run as on the default model. In
+    # float32, as the HF baseline: the roofline's bf16 GEMMs (its LM head at 2048 rows) take over a minute on an AVX2
+    # CPU without bf16 instructions (the bf16 roofline is measured in the quantized-model test below)
     write_tiny_llama(tmp_path)
     cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", "--model", str(tmp_path), "--num-requests", "4",
-           "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--cpu-threads", "1"]
+           "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--cpu-threads", "1", "--dtype", "float32",
+           "--kv-cache-memory-bytes", str(64 << 20)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout

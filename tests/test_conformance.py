@@ -471,12 +471,19 @@ def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
     """A plugin package's tests use the kit's fixture with no conftest.py; the broken scheduler's failure
     says what broke."""
     (tmp_path / "test_plugin_user.py").write_text(PLUGIN_USER_TESTS)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pagoda-seeds", "1",
-                             str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    out = result.stdout + result.stderr
+    # both pytest runs at once: each spends most of its time importing
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pagoda-seeds", "1",
+                            str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    fixtures = subprocess.Popen([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    try:
+        out, header = run.communicate(timeout=300)[0], fixtures.communicate(timeout=300)[0]
+    finally:
+        for proc in (run, fixtures):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert "1 failed, 1 passed" in out, out
     assert "ContractError" in out and "max_num_batched_tokens" in out, out
-    header = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path).stdout
     assert f"plugin API {PLUGIN_API_VERSION}" in header
     assert all(f"{name} -- " in header or f"{name} [" in header for name in ("pagoda_conformance", "pagoda_strict_llm"))

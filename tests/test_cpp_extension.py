@@ -16,6 +16,15 @@ def test_a_kernel_builds_name_changes_with_its_source_and_its_flags(tmp_path):
     assert _source_digest(a, ["-O3"]) != _source_digest(a, ["-O3", "-mavx2"])
 
 
+def test_the_same_source_in_two_checkouts_builds_under_two_names(tmp_path):
+    """torch's build file names the source's path: one name for both would rebuild at every switch between them."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    for checkout in ("one", "two"):
+        (tmp_path / checkout / "k.cpp").write_text("int f() { return 1; }\n")
+    assert _source_digest(tmp_path / "one" / "k.cpp", ["-O3"]) != _source_digest(tmp_path / "two" / "k.cpp", ["-O3"])
+
+
 def test_a_live_build_is_waited_for_and_the_lock_of_a_killed_one_removed(tmp_path, monkeypatch):
     import os
     import subprocess

@@ -47,11 +47,14 @@ def start_replicas(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while True:
-        try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
+        # Ray Serve says so once every replica has started (an engine replica answers /v1/models before the
+        # other is up, and a workload sent then would all go to it)
+        if "Application 'pagoda' is ready" in log.read_text():
+            try:
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"pagoda serve --replicas 2 did not come up:\n{log.read_text()[-4000:]}")
@@ -151,14 +154,23 @@ def test_the_fleet_metrics_page_has_every_replica_s_engine_metrics_and_the_route
 
 
 def test_bad_replica_flags_fail_before_anything_starts():
-    for flags, message in ((["--router", "nearest"], "unknown request router 'nearest'"),
-                           (["--replicas", "0"], "--replicas 0: pass 1 or more"),
-                           (["--replicas", "2", "--max-replicas", "1"], "autoscaling needs"),
-                           (["--router-options", '{"imbalance": 1}'], "does not take the options")):
-        run = subprocess.run([PAGODA, "serve", "--replicas", "2", *flags], capture_output=True, text=True,
-                             timeout=120)
-        assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
-        assert "Started a local Ray instance" not in run.stderr
+    cases = ((["--router", "nearest"], "unknown request router 'nearest'"),
+             (["--replicas", "0"], "--replicas 0: pass 1 or more"),
+             (["--replicas", "2", "--max-replicas", "1"], "autoscaling needs"),
+             (["--router-options", '{"imbalance": 1}'], "does not take the options"))
+    # the four commands at once: each spends its time importing, before it reads its flags
+    runs = [subprocess.Popen([PAGODA, "serve", "--replicas", "2", *flags], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True) for flags, _ in cases]
+    try:
+        for run, (_, message) in zip(runs, cases):
+            _, stderr = run.communicate(timeout=120)
+            assert run.returncode != 0 and message in stderr, stderr[-2000:]
+            assert "Started a local Ray instance" not in stderr
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 def test_the_autoscaling_policy_asks_for_replicas_by_waiting_plus_running_requests():

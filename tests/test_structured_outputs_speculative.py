@@ -135,6 +135,7 @@ def test_a_refused_draft_ends_the_rows_and_the_end_of_the_grammar_rolls_back_too
 # ---- end to end ---------------------------------------------------------------------------------------------
 
 
+# the other temperature of each backend runs without speculation in test_structured_outputs.py
 @pytest.mark.parametrize("backend, temperature", [("xgrammar", 0.0), ("guidance", 1.0)])
 def test_every_output_of_fifty_json_schemas_validates_with_ngram_speculation(ngram, backend, temperature):
     conversations = [prompt_for(description) for description, _ in SCHEMAS]
@@ -148,17 +149,33 @@ def test_every_output_of_fifty_json_schemas_validates_with_ngram_speculation(ngr
     assert_counters_consistent(ngram)
 
 
+# greedy decoding under a grammar: ten of the fifty schemas, then a regex, a choice and a digits-only regex
+GREEDY_CONVERSATIONS = [prompt_for(description) for description, _ in SCHEMAS[::5]]
+GREEDY_PROMPTS = ["Today's date is", "The capital of France is", REPEATING]
+
+
+def greedy_params() -> tuple[list[SamplingParams], list[SamplingParams]]:
+    return ([structured(0.0, MAX_TOKENS, json=schema) for _, schema in SCHEMAS[::5]],
+            [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS)])
+
+
+@pytest.fixture(scope="module")
+def plain_greedy_tokens(plain) -> tuple[list[list[int]], list[list[int]]]:
+    """The tokens of decoding without speculation, computed once for both proposers (greedy: they do not
+    depend on what ran before)."""
+    schema_params, other_params = greedy_params()
+    return (token_ids(plain.chat(GREEDY_CONVERSATIONS, schema_params, use_tqdm=False)),
+            token_ids(plain.generate(GREEDY_PROMPTS, other_params, use_tqdm=False)))
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
-def test_greedy_tokens_under_a_grammar_are_those_of_decoding_without_speculation(plain, proposer, request):
+def test_greedy_tokens_under_a_grammar_are_those_of_decoding_without_speculation(plain_greedy_tokens, proposer,
+                                                                                 request):
     speculative = request.getfixturevalue(proposer)
-    conversations = [prompt_for(description) for description, _ in SCHEMAS[::5]]
-    params = [structured(0.0, MAX_TOKENS, json=schema) for _, schema in SCHEMAS[::5]]
-    prompts = ["Today's date is", "The capital of France is", REPEATING]
-    others = [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS)]
-    assert token_ids(speculative.chat(conversations, params, use_tqdm=False)) == \
-        token_ids(plain.chat(conversations, params, use_tqdm=False))
-    assert token_ids(speculative.generate(prompts, others, use_tqdm=False)) == \
-        token_ids(plain.generate(prompts, others, use_tqdm=False))
+    schema_params, other_params = greedy_params()
+    plain_schema_tokens, plain_other_tokens = plain_greedy_tokens
+    assert token_ids(speculative.chat(GREEDY_CONVERSATIONS, schema_params, use_tqdm=False)) == plain_schema_tokens
+    assert token_ids(speculative.generate(GREEDY_PROMPTS, other_params, use_tqdm=False)) == plain_other_tokens
     assert speculative.engine.spec_stats.num_accepted_tokens > 0
     assert_counters_consistent(speculative)
 

@@ -92,14 +92,17 @@ def _load_or_none(name: str, source: Path, extra_cflags: tuple[str, ...], fallba
 
 
 def _source_digest(source: Path, flags: Sequence[str]) -> str:
-    """A short hash of the kernel source, its flags and the torch it builds against, part of the module name:
-    two checkouts (or versions) of pagoda, or two environments, on one machine share torch's extension cache.
-    Under one name a process that finds another building it waits and then imports that build, whatever source
-    it came from; and a build from another environment (its torch's include and library paths are in the build
-    file) would be rebuilt on every switch between the two."""
+    """A short hash of the kernel source, where it lies, its flags and the torch it builds against, part of the
+    module name: two checkouts (or versions) of pagoda, or two environments, on one machine share torch's
+    extension cache. Under one name a process that finds another building it waits and then imports that build,
+    whatever source it came from; a build from another environment (its torch's include and library paths are
+    in the build file) would be rebuilt on every switch between the two; and so would a build of the same source
+    from another checkout (the source's path is in the build file too), so each checkout builds once, under a
+    name of its own."""
     import torch
 
     digest = hashlib.sha256(source.read_bytes())
+    digest.update(str(source.resolve()).encode())
     digest.update(" ".join(flags).encode())
     digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
     return digest.hexdigest()[:12]
