@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -514,9 +515,13 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
   // the AVX2 path's shapes (the generic loops take the rest)
   const bool avx2_fast = kHasAvx2Kernel && head_dim % 8 == 0 && block_size % 8 == 0 && q.stride(2) == 1;
 
-  at::parallel_for(0, num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // the threads take the next (token, kv head) item as they finish the last: items differ in cost by their
+  // context length, and a thread the OS holds up then computes fewer instead of making the others wait
+  const int64_t num_items = num_tokens * num_kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next++; item < num_items; item = next++) {
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = len_ptr[t];
       if (len <= 0) continue;  // left to the caller (fresh prefills use SDPA)

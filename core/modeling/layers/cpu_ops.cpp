@@ -9,6 +9,7 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +43,22 @@ template <> inline at::Half from_f<at::Half>(float f) { return static_cast<at::H
 
 // the value an fp32 result takes once stored in T and read back
 template <typename T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
+
+// Runs fn(begin, end) over [0, total) in chunks of `chunk` that the threads take one at a time as they finish
+// the last. A static split makes every thread wait at the end for one the OS held up (a server's event loop,
+// tokenizer or another process ran on its core); here that thread takes fewer chunks instead.
+template <typename F>
+void parallel_chunks(int64_t total, int64_t chunk, const F& fn) {
+  const int64_t num_chunks = (total + chunk - 1) / chunk;
+  if (num_chunks <= 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    fn(int64_t{0}, total);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next++; c < num_chunks; c = next++) fn(c * chunk, std::min(total, (c + 1) * chunk));
+  });
+}
 
 // exp for the SiLU: range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial, about 1 ulp,
 // written so the compiler vectorises the loop around it.
@@ -479,7 +496,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::o
   const int64_t xs = x.stride(0);
   // about 64 KiB of weights per chunk, in whole 4-row tiles
   const int64_t grain_rows = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k)) / 4 * 4);
-  at::parallel_for(0, n, grain_rows, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n, grain_rows, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += 4) {
       const at::BFloat16* xm = xp + m0 * xs;
       at::BFloat16* ym = yp + m0 * n;
@@ -498,7 +515,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::o
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t grain_rows = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k)) / 4 * 4);
-  at::parallel_for(0, n, grain_rows, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n, grain_rows, [&](int64_t begin, int64_t end) {
     // rows of x two at a time: the chunk's weights (about 64 KiB) stay in L2 for the next pair
     for (int64_t m0 = 0; m0 < m; m0 += 2) {
       if (m - m0 >= 2) gemv_rows_f32<2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
@@ -538,16 +555,24 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
   auto y = at::empty({m, n}, x.options());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  // tiles of at most tile_rows, as many per thread: 576 rows on 2 threads are 6 tiles of 96, not 5 of 128
+  // (of which one thread would compute 3 and the other 2)
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t per_thread = (n + threads * tile_rows - 1) / (threads * tile_rows);
+  const int64_t even_rows = (n + threads * per_thread - 1) / (threads * per_thread);
+  tile_rows = std::min(tile_rows, (even_rows + 7) / 8 * 8);
   const int64_t num_tiles = (n + tile_rows - 1) / tile_rows;
   const at::ThreadLocalState caller_state;  // inference / grad mode, for the tensor ops of the worker threads
-  at::parallel_for(0, num_tiles, 1, [&](int64_t first, int64_t last) {
+  // tiles go to the threads one at a time as they finish the last (see parallel_chunks)
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, num_tiles), 1, [&](int64_t, int64_t) {
     at::ThreadLocalStateGuard state_guard(caller_state);
     const int64_t max_rows = std::min(tile_rows, n);
     auto tile = at::empty({max_rows, k}, xf.options());  // widened weight rows
     auto tile_y = at::empty({max_rows, mp}, xf.options());  // their outputs, transposed
     float* tp = tile.data_ptr<float>();
     const float* ty = tile_y.data_ptr<float>();
-    for (int64_t t = first; t < last; ++t) {
+    for (int64_t t = next++; t < num_tiles; t = next++) {
       const int64_t t0 = t * tile_rows, rows = std::min(tile_rows, n - t0);
       const uint16_t* src = wp + t0 * k;
       int64_t i = 0;
