@@ -3,12 +3,14 @@ every rank and returns rank 0's result.
 
 - ``uni``: one process, the model whole (``tensor_parallel_size`` 1).
 - ``ray``: the same ranks as Ray actors (see :class:`RayExecutor`).
-- ``mp``: ``tensor_parallel_size`` processes on this machine. The driver is rank 0 and runs its shard
-  in-process; ranks 1.. are spawned workers, each building its shard of the same model. Every step the
-  driver sends the workers what they need to run it too (the step's layout and, for each sequence, the
-  tokens they have not seen yet), then all ranks run it in lockstep: the collectives inside the model
-  (one all-reduce per row-parallel projection, the vocab all-gather) join them. Every rank samples the
-  same tokens from the same logits and seeds; the workers' results are dropped.
+- ``mp``: ``tensor_parallel_size x pipeline_parallel_size`` processes on this machine. The driver is rank 0
+  and runs its shard in-process; ranks 1.. are spawned workers, each building its shard of the same model.
+  Every step the driver sends the workers what they need to run it too (the step's layout and, for each
+  sequence, the tokens they have not seen yet), then all ranks run it in lockstep: the collectives inside the
+  model (one all-reduce per row-parallel projection, the vocab all-gather) join a stage's ranks, and each
+  stage hands its hidden states to the next (:mod:`pagoda.execution.pipeline`). Every rank of the last stage
+  samples the same tokens from the same logits and seeds; with one stage the driver's result is the step's,
+  with more the last stage's first rank sends its result back to the driver, and the others are dropped.
 
 Workers build their components from their own plugin manager, loaded from the installed entry points
 (a plugin registered by hand in the driver process does not reach them).
@@ -48,9 +50,10 @@ class UniExecutor:
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
         from pagoda.execution.build import build_runner
 
-        if config.parallel.tensor_parallel_size != 1:
+        if config.parallel.world_size != 1:
             raise ConfigError(f"the uni executor runs one process; tensor_parallel_size="
-                              f"{config.parallel.tensor_parallel_size} needs distributed_executor_backend='mp'")
+                              f"{config.parallel.tensor_parallel_size} x pipeline_parallel_size="
+                              f"{config.parallel.pipeline_parallel_size} needs distributed_executor_backend='mp'")
         self.runner = build_runner(config, plugin_manager)
         self.execute: Callable[[SchedulerOutput], RunnerOutput] = self.runner.execute
         self.move_blocks: Callable[[SchedulerOutput], list[int]] = self.runner.move_blocks
@@ -94,21 +97,23 @@ class _Driver:
 
 
 class MultiprocExecutor(_Driver):
-    """``tensor_parallel_size`` ranks on this machine: rank 0 here, the others in spawned processes."""
+    """``tensor_parallel_size x pipeline_parallel_size`` ranks on this machine: rank 0 here, the others in
+    spawned processes."""
 
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
         from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
         super().__init__()
-        size = config.parallel.tensor_parallel_size
+        size = config.parallel.world_size
+        self.output_rank = output_rank(config)
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.pipes, self.workers = [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
             worker = context.Process(target=_worker_main, args=(config, rank, size, address, theirs), daemon=True,
-                                     name=f"pagoda-tp-rank{rank}")
+                                     name=f"pagoda-rank{rank}")
             worker.start()
             self.pipes.append(ours)
             self.workers.append(worker)
@@ -127,7 +132,19 @@ class MultiprocExecutor(_Driver):
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._send("execute", self._message(sched))
-        return self.runner.execute(sched)
+        result = self.runner.execute(sched)
+        return result if self.output_rank == 0 else self._receive_output()
+
+    def _receive_output(self) -> RunnerOutput:
+        """The step's result, from the last pipeline stage's first rank."""
+        pipe, worker = self.pipes[self.output_rank - 1], self.workers[self.output_rank - 1]
+        try:
+            return pipe.recv()
+        except (EOFError, OSError):
+            worker.join(timeout=1)
+            raise WorkerLostError(f"rank {self.output_rank} (process {worker.pid}, the last pipeline stage) exited "
+                                  f"with code {worker.exitcode}; the model cannot run without it: restart the engine "
+                                  "(a signal -9 is usually the kernel's out-of-memory killer)") from None
 
     def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         self._send("move_blocks", StepMessage(sched, []))
@@ -168,7 +185,8 @@ class RayExecutor(_Driver):
         from pagoda.execution import distributed
 
         super().__init__()
-        size = config.parallel.tensor_parallel_size
+        size = config.parallel.world_size
+        self.output_rank = output_rank(config)
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"))
         threads = _threads_per_rank(config, size)
@@ -192,8 +210,8 @@ class RayExecutor(_Driver):
         message = self._message(sched)  # once: it records what the ranks now hold
         pending = [a.execute.remote(message) for a in self.actors]
         result = self.runner.execute(sched)
-        self._ray.get(pending)  # a rank's failure surfaces with this step
-        return result
+        results = self._ray.get(pending)  # a rank's failure surfaces with this step
+        return result if self.output_rank == 0 else results[self.output_rank - 1]
 
     def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         pending = [a.move_blocks.remote(StepMessage(sched, [])) for a in self.actors]
@@ -225,8 +243,8 @@ class RayWorker:
     def ready(self) -> bool:
         return True
 
-    def execute(self, message: StepMessage) -> None:
-        self.rank.execute(message)
+    def execute(self, message: StepMessage) -> RunnerOutput:
+        return self.rank.execute(message)
 
     def move_blocks(self, message: StepMessage) -> None:
         self.rank.move_blocks(message)
@@ -266,7 +284,7 @@ class WorkerRank:
         self.runner = build_runner(config, plugin_manager)
         self.mirror: dict[str, Sequence] = {}
 
-    def execute(self, message: StepMessage) -> None:
+    def execute(self, message: StepMessage) -> RunnerOutput:
         for rid in message.finished:
             self.mirror.pop(rid, None)
         sched = message.layout
@@ -280,7 +298,7 @@ class WorkerRank:
             seq.all_token_ids.extend(tokens)
             seq.output_token_ids.extend(tokens)
             sched.requests.append(seq)
-        self.runner.execute(sched)
+        return self.runner.execute(sched)
 
     def move_blocks(self, message: StepMessage) -> None:
         self.runner.move_blocks(message.layout)
@@ -296,6 +314,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
         pipe.send(traceback.format_exc())
         return
     pipe.send("ready")
+    sends_output = rank == output_rank(config)
     while True:
         try:
             kind, message = pipe.recv()
@@ -303,10 +322,17 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
             break
         if kind == "shutdown":
             break
-        getattr(worker, kind)(message)
+        result = getattr(worker, kind)(message)
+        if kind == "execute" and sends_output:
+            pipe.send(result)
     if worker.runner.kv_tiers is not None:
         worker.runner.kv_tiers.flush()  # block files still being written
     distributed.shutdown()
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose step result is the engine's: rank 0, or the last pipeline stage's first rank."""
+    return (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
 
 
 def _threads_per_rank(config: EngineConfig, size: int) -> int:
@@ -324,7 +350,7 @@ def select_executor(config: EngineConfig) -> str:
     """``auto``: ``uni`` for one rank, ``mp`` for more."""
     name = config.parallel.distributed_executor_backend
     if name == "auto":
-        return "uni" if config.parallel.tensor_parallel_size == 1 else "mp"
+        return "uni" if config.parallel.world_size == 1 else "mp"
     return name
 
 
