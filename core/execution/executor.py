@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
+from pagoda.execution import pipeline
 from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
@@ -132,8 +133,15 @@ class MultiprocExecutor(_Driver):
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self._send("execute", self._message(sched))
-        result = self.runner.execute(sched)
-        return result if self.output_rank == 0 else self._receive_output()
+        if self.output_rank == 0:
+            return self.runner.execute(sched)
+        pipeline.timed_execute(self.runner, sched)
+        return self._receive_output()
+
+    def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
+        """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
+        self._send("stats", StepMessage(SchedulerOutput(), []))
+        return [pipeline.stats_snapshot()] + [pipe.recv() for pipe in self.pipes]
 
     def _receive_output(self) -> RunnerOutput:
         """The step's result, from the last pipeline stage's first rank."""
@@ -209,9 +217,13 @@ class RayExecutor(_Driver):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         message = self._message(sched)  # once: it records what the ranks now hold
         pending = [a.execute.remote(message) for a in self.actors]
-        result = self.runner.execute(sched)
+        result = pipeline.timed_execute(self.runner, sched)
         results = self._ray.get(pending)  # a rank's failure surfaces with this step
         return result if self.output_rank == 0 else results[self.output_rank - 1]
+
+    def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
+        """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
+        return [pipeline.stats_snapshot()] + self._ray.get([a.stats.remote() for a in self.actors])
 
     def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         pending = [a.move_blocks.remote(StepMessage(sched, [])) for a in self.actors]
@@ -245,6 +257,9 @@ class RayWorker:
 
     def execute(self, message: StepMessage) -> RunnerOutput:
         return self.rank.execute(message)
+
+    def stats(self) -> dict[str, tuple[int, float]]:
+        return self.rank.stats(None)
 
     def move_blocks(self, message: StepMessage) -> None:
         self.rank.move_blocks(message)
@@ -298,7 +313,10 @@ class WorkerRank:
             seq.all_token_ids.extend(tokens)
             seq.output_token_ids.extend(tokens)
             sched.requests.append(seq)
-        return self.runner.execute(sched)
+        return pipeline.timed_execute(self.runner, sched)
+
+    def stats(self, message: Any) -> dict[str, tuple[int, float]]:
+        return pipeline.stats_snapshot()
 
     def move_blocks(self, message: StepMessage) -> None:
         self.runner.move_blocks(message.layout)
@@ -323,7 +341,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
         if kind == "shutdown":
             break
         result = getattr(worker, kind)(message)
-        if kind == "execute" and sends_output:
+        if kind == "stats" or (kind == "execute" and sends_output):
             pipe.send(result)
     if worker.runner.kv_tiers is not None:
         worker.runner.kv_tiers.flush()  # block files still being written

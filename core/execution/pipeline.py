@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -66,7 +66,9 @@ class PipelineStage:
         _record("send", start)
 
 
-# calls and seconds of this process's stage hand-offs ("send", "receive"); ``--profile`` reads them
+# calls and seconds of this process's stage work: "execute" (its runner's whole step, hand-offs included),
+# "send" and "receive" (the hand-offs; a receive includes the wait for the previous stage); ``--profile`` reads
+# every rank's through the executor's ``stage_stats``
 handoff_stats: dict[str, list] = defaultdict(lambda: [0, 0.0])
 
 
@@ -74,6 +76,20 @@ def _record(kind: str, start: float) -> None:
     entry = handoff_stats[kind]
     entry[0] += 1
     entry[1] += time.perf_counter() - start
+
+
+def timed_execute(runner: Any, sched: Any) -> Any:
+    """``runner.execute(sched)``, its seconds added to this process's "execute" entry."""
+    start = time.perf_counter()
+    try:
+        return runner.execute(sched)
+    finally:
+        _record("execute", start)
+
+
+def stats_snapshot() -> dict[str, tuple[int, float]]:
+    """This process's stage work so far (see ``handoff_stats``)."""
+    return {kind: (n, seconds) for kind, (n, seconds) in handoff_stats.items()}
 
 
 def layer_partition(num_layers: int, num_stages: int, explicit: Optional[list[int]] = None) -> tuple[int, ...]:
