@@ -101,10 +101,11 @@ def three_layers(tmp_path_factory):
     return str(directory)
 
 
-@pytest.mark.parametrize("partition", [None, "1,2"])
-def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, partition):
+@pytest.mark.parametrize("partition, micro_batches", [(None, 1), ("1,2", 1), (None, 2)])
+def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, partition, micro_batches):
     worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
-                               run(three_layers, pp=2, prompts=TOKEN_PROMPTS, pipeline_layer_partition=partition))
+                               run(three_layers, pp=2, prompts=TOKEN_PROMPTS, pipeline_layer_partition=partition,
+                                   pipeline_micro_batches=micro_batches))
     assert worst < 1e-4
 
 
@@ -132,7 +133,8 @@ def ray_cluster():
 
 def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
     worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
-                               run(three_layers, pp=2, prompts=TOKEN_PROMPTS, distributed_executor_backend="ray"))
+                               run(three_layers, pp=2, prompts=TOKEN_PROMPTS, distributed_executor_backend="ray",
+                                   pipeline_micro_batches=2))
     assert worst < 1e-4
     assert all(g["state"] == "REMOVED" for g in ray_cluster.util.placement_group_table().values())
 
@@ -143,6 +145,7 @@ def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
     (dict(pipeline_parallel_size=2, pipeline_layer_partition="2"), "has 1 stage"),
     (dict(pipeline_parallel_size=2, pipeline_layer_partition="one,one"), "is not comma-separated layer counts"),
     (dict(pipeline_layer_partition="1,1"), "needs --pipeline-parallel-size > 1"),
+    (dict(pipeline_micro_batches=2), "needs --pipeline-parallel-size > 1"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding does not run over pipeline stages"),

@@ -124,6 +124,11 @@ class EngineArgs(HostOptions):
     pipeline_layer_partition: Optional[str] = Field(default=None, description=(
         "decoder layers per pipeline stage, comma-separated, summing to the model's layer count (e.g. 12,18); "
         "default: an even split, the first stages one layer more when the count does not divide"))
+    pipeline_micro_batches: int = Field(default=1, gt=0, description=(
+        "with pipeline_parallel_size > 1: the parts each step's requests are split into, run through the stages "
+        "one behind the other so that stage 2 runs part 1 while stage 1 runs part 2 (1: the step whole, one stage "
+        "at a time); each stage then reads its weights once per part, so decode steps bound by weight reads gain "
+        "little: see docs/distributed.md"))
     distributed_executor_backend: str = Field(default="auto", description=(
         "the processes a model runs in: uni (one), mp (tensor_parallel_size x pipeline_parallel_size processes "
         "on this machine), ray (Ray actors, on one machine or a cluster), or an executor plugin; auto picks uni "
@@ -214,6 +219,9 @@ class EngineArgs(HostOptions):
             if self.pipeline_layer_partition is not None:
                 raise ConfigError(f"pipeline_layer_partition {self.pipeline_layer_partition!r} needs "
                                   "--pipeline-parallel-size > 1; pass the stage count, or drop the partition")
+            if self.pipeline_micro_batches > 1:
+                raise ConfigError(f"pipeline_micro_batches={self.pipeline_micro_batches} needs "
+                                  "--pipeline-parallel-size > 1; pass the stage count, or drop it")
             return ()
         explicit = None if self.pipeline_layer_partition is None else parse_partition(self.pipeline_layer_partition)
         partition = layer_partition(model_cfg.num_layers, size, explicit)
@@ -417,7 +425,8 @@ class EngineArgs(HostOptions):
             cache=cache_cfg,
             scheduler=sched_cfg,
             parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend,
-                                    self.all_reduce_backend, self.pipeline_parallel_size, partition),
+                                    self.all_reduce_backend, self.pipeline_parallel_size, partition,
+                                    self.pipeline_micro_batches),
             host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,

@@ -77,9 +77,25 @@ class _Driver:
 
     runner: Any
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         # request id -> (the sequence, how many of its tokens the other ranks hold)
         self.sent: dict[str, tuple[Sequence, int]] = {}
+        self.output_rank = output_rank(config)
+        self.num_micro_batches = config.parallel.pipeline_micro_batches if self.output_rank else 1
+
+    def _micro_batches(self, sched: SchedulerOutput) -> list[list[int]]:
+        """The step's requests in up to ``num_micro_batches`` contiguous parts of about equal token counts."""
+        n = len(sched.requests)
+        parts = min(self.num_micro_batches, n)
+        if parts <= 1:
+            return [list(range(n))]
+        total, bounds, done = sched.num_batched_tokens, [], 0
+        for i, count in enumerate(sched.num_new_tokens):
+            done += count
+            if len(bounds) < parts - 1 and done * parts >= total * (len(bounds) + 1) and i < n - 1:
+                bounds.append(i + 1)
+        edges = [0, *bounds, n]
+        return [list(range(a, b)) for a, b in zip(edges, edges[1:]) if b > a]
 
     def _message(self, sched: SchedulerOutput) -> StepMessage:
         finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
@@ -105,9 +121,8 @@ class MultiprocExecutor(_Driver):
         from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
-        super().__init__()
+        super().__init__(config)
         size = config.parallel.world_size
-        self.output_rank = output_rank(config)
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.pipes, self.workers = [], []
@@ -132,11 +147,19 @@ class MultiprocExecutor(_Driver):
         self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._send("execute", self._message(sched))
         if self.output_rank == 0:
+            self._send("execute", self._message(sched))
             return self.runner.execute(sched)
-        pipeline.timed_execute(self.runner, sched)
-        return self._receive_output()
+        # pipeline stages: each part goes through the first stage here and on to the next while the first
+        # runs the part after it; the last stage returns the parts' results in order
+        parts = self._micro_batches(sched)
+        for indices in parts:
+            part = sched if len(parts) == 1 else sched.select(indices)
+            self._send("execute", self._message(part))
+            pipeline.timed_execute(self.runner, part)
+        if len(parts) == 1:
+            return self._receive_output()
+        return RunnerOutput.merge(len(sched.requests), [(indices, self._receive_output()) for indices in parts])
 
     def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
         """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
@@ -192,9 +215,8 @@ class RayExecutor(_Driver):
         from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
-        super().__init__()
+        super().__init__(config)
         size = config.parallel.world_size
-        self.output_rank = output_rank(config)
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"))
         threads = _threads_per_rank(config, size)
@@ -215,11 +237,18 @@ class RayExecutor(_Driver):
         self._ray, self._remove_group = ray, remove_placement_group
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        message = self._message(sched)  # once: it records what the ranks now hold
-        pending = [a.execute.remote(message) for a in self.actors]
-        result = pipeline.timed_execute(self.runner, sched)
-        results = self._ray.get(pending)  # a rank's failure surfaces with this step
-        return result if self.output_rank == 0 else results[self.output_rank - 1]
+        parts = self._micro_batches(sched)
+        outputs = []
+        for indices in parts:  # the parts one behind the other through the stages (see MultiprocExecutor)
+            part = sched if len(parts) == 1 else sched.select(indices)
+            message = self._message(part)  # once: it records what the ranks now hold
+            outputs.append([a.execute.remote(message) for a in self.actors])
+            result = pipeline.timed_execute(self.runner, part)
+        if self.output_rank == 0:
+            self._ray.get(outputs[0])  # a rank's failure surfaces with this step
+            return result
+        results = [self._ray.get(pending)[self.output_rank - 1] for pending in outputs]
+        return results[0] if len(parts) == 1 else RunnerOutput.merge(len(sched.requests), list(zip(parts, results)))
 
     def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
         """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
