@@ -544,7 +544,11 @@ class ModelLoaderFactory(Protocol):
 
 class ModelArchitectureFactory(Protocol):
     """The model class. With ``supports_tensor_parallel = True`` it builds the rank's shard that
-    ``pagoda.execution.distributed.current()`` describes; without it the engine refuses more than one rank."""
+    ``pagoda.execution.distributed.current()`` describes; without it the engine refuses more than one rank.
+    With ``supports_pipeline_parallel = True`` (1.7) it builds only the layers of the pipeline stage
+    ``pagoda.execution.distributed.current_stage()`` describes, and its ``forward`` takes ``intermediate``
+    (the previous stage's ``(hidden_states, residual)``) and returns its own pair before the last stage;
+    without it the engine refuses more than one stage."""
 
     def __call__(self, model_config: "ModelConfig", attention_backend: AttentionBackend,
                  quant_method: Optional[QuantMethod]) -> CausalLM: ...
