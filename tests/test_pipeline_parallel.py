@@ -29,11 +29,14 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logpro
 TOKEN_PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 17, 44, 45, 46, 250, 12, 90, 91, 300], list(range(3, 60, 3))]
 
 
-def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts: bool = False, **options) -> list:
+def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts: bool = False,
+        params: object = None, **options) -> list:
     llm = LLM(model=model, dtype="float32", max_model_len=256, cpu_threads=1, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, swap_space=0, **options)
     try:
-        outputs = llm.generate(prompts, (PARAMS * 4)[:len(prompts)], use_tqdm=False)
+        if prompts and isinstance(prompts[0], list):
+            prompts = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(prompts, params or (PARAMS * 4)[:len(prompts)], use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0 or not preempts
         return outputs
     finally:
@@ -155,3 +158,36 @@ def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
 def test_what_pipeline_parallelism_cannot_run_is_refused_before_any_process_starts(options, message):
     with pytest.raises(ConfigError, match=message):
         LLM(str(TINY), dtype="float32", **options)
+
+
+def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_step(three_layers):
+    """A fault raised in the driver's stage mid-step: the later stage is handed a placeholder, the engine re-runs
+    the step in parts, the faulty request ends with an error and the others get the tokens of a clean run."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
+    used = {t for p in TOKEN_PROMPTS for t in p} | {t for ids in clean for t in ids}
+    poison = next(t for t in range(3, 512) if t not in used)
+    llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,
+              swap_space=0, pipeline_micro_batches=2)
+    seen = []
+
+    def maybe_raise(module, args, output):
+        if bool((seen[-1] == poison).any()):
+            raise RuntimeError("injected fault")
+
+    model = llm.engine.model
+    hooks = [model.register_forward_pre_hook(lambda module, args: seen.append(args[0])),
+             model.layers[0].register_forward_hook(maybe_raise)]
+    engine = llm.engine
+    try:
+        for i, prompt in enumerate([*TOKEN_PROMPTS, [1, poison, 7]]):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        engine.shutdown()
+    assert done["r3"].outputs[0].finish_reason == "error" and "injected fault" in done["r3"].error
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == clean

@@ -152,14 +152,21 @@ class MultiprocExecutor(_Driver):
             return self.runner.execute(sched)
         # pipeline stages: each part goes through the first stage here and on to the next while the first
         # runs the part after it; the last stage returns the parts' results in order
-        parts = self._micro_batches(sched)
-        for indices in parts:
-            part = sched if len(parts) == 1 else sched.select(indices)
-            self._send("execute", self._message(part))
-            pipeline.timed_execute(self.runner, part)
-        if len(parts) == 1:
-            return self._receive_output()
-        return RunnerOutput.merge(len(sched.requests), [(indices, self._receive_output()) for indices in parts])
+        parts, num_sent, error = self._micro_batches(sched), 0, None
+        try:
+            for indices in parts:
+                part = sched if len(parts) == 1 else sched.select(indices)
+                self._send("execute", self._message(part))
+                num_sent += 1
+                pipeline.timed_execute(self.runner, part)
+        except WorkerLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the later stages ran the parts sent; their results are dropped
+            error = exc
+        results = [self._receive_output() for _ in range(num_sent)]
+        if error is not None:
+            raise error
+        return results[0] if len(parts) == 1 else RunnerOutput.merge(len(sched.requests), list(zip(parts, results)))
 
     def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
         """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""

@@ -63,6 +63,8 @@ class ModelRunner:
         self._failed_load_blocks: list[int] = []
         # multi-LoRA serving: the adapters and their slots (a pagoda.execution.lora.LoRAManager), when enabled
         self.lora: Any = None
+        # pipeline stages: whether this step's hand-offs happened (a failed step completes them with placeholders)
+        self._has_received = self._has_sent = False
         # seconds the last execute spent per part: draft, metadata, model, logits, grammar (the structured-output
         # mask), sampling
         self.timings: dict[str, float] = {}
@@ -167,7 +169,28 @@ class ModelRunner:
 
         Writes K/V only at the step's new positions, so running the same schedule again gives the
         same result: the engine re-runs parts of a step whose execution raised.
+
+        On a pipeline stage that raises, the stage still takes the previous stage's hand-off and gives the
+        next one a placeholder, so the stages stay in step for the re-run (the step's result is dropped).
         """
+        if self.stage.num_stages == 1:
+            return self._execute(sched)
+        self._has_received = self._has_sent = False
+        try:
+            return self._execute(sched)
+        except BaseException:
+            self._hand_off_placeholder(sched.num_batched_tokens)
+            raise
+
+    def _hand_off_placeholder(self, num_tokens: int) -> None:
+        stage, mc = self.stage, self.config.model
+        if not stage.is_first and not self._has_received:
+            stage.receive(num_tokens, mc.hidden_size, mc.dtype, self.device)
+        if not stage.is_last and not self._has_sent:
+            zeros = torch.zeros((num_tokens, mc.hidden_size), dtype=mc.dtype, device=self.device)
+            stage.send(zeros, zeros)
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         n = len(sched.requests)
         out = RunnerOutput.empty(n)
         clock = time.perf_counter
@@ -260,10 +283,12 @@ class ModelRunner:
         if not stage.is_first:
             received = stage.receive(batch.attention.num_tokens, self.config.model.hidden_size,
                                      self.config.model.dtype, self.device)
+            self._has_received = True
         hidden = self.model(*args, intermediate=received)
         if stage.is_last:
             return hidden
         stage.send(*hidden)  # (hidden states, residual)
+        self._has_sent = True
         return None
 
     def _prompt_logprobs(self, sched: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor,
