@@ -128,6 +128,9 @@ class LlamaForCausalLM(nn.Module):
                 self.embed_tokens.weight.weight_loader = self._load_vocab_rows
         self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i, kernels) if stage.owns_layer(i)
                                     else MissingLayer() for i in range(cfg.num_layers))
+        # the layers forward runs, and whether it ends the model (a tuple: not registered as submodules again)
+        self._stage_layers = tuple(self.layers[stage.layer_start:stage.layer_end])
+        self._is_last_stage = stage.is_last
         self.norm = self.lm_head = None
         if stage.is_last:
             self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype, kernels)
@@ -155,9 +158,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             x, residual = intermediate
         rope = self.rotary.at(positions)  # once per step, not per layer
-        for layer, kv_cache in zip(self.layers[self.stage.layer_start:], kv_caches):
+        for layer, kv_cache in zip(self._stage_layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, metadata)
-        if not self.stage.is_last:
+        if not self._is_last_stage:
             return x, residual
         x, _ = self.norm(x, residual)
         return x
