@@ -398,7 +398,10 @@ class Executor(Protocol):
     """``pagoda_executors``: runs each step on every rank of the model; the driver alone schedules.
 
     Invariants: every rank runs the same steps in the same order, with the same sequences' tokens; the
-    result is rank 0's; a step's block moves happen on every rank before its execution.
+    result is rank 0's (under pipeline parallelism, ``config.parallel.world_size`` ranks: the last stage's
+    first rank's); a step's block moves happen on every rank before its execution. An executor may add
+    ``stage_stats()`` (every rank's :func:`pagoda.execution.pipeline.stats_snapshot`), which ``--profile``
+    reads for its per-stage table.
     """
 
     # rank 0's runner (the whole model without tensor parallelism)

@@ -99,8 +99,8 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
     phases = _PhaseTotals()
     engine.observers.append(phases)
     before = {k: list(v) for k, v in distributed.collective_stats.items()}
-    num_stages = engine.config.parallel.pipeline_parallel_size
-    stages_before = engine.executor.stage_stats() if num_stages > 1 else None
+    has_stages = engine.config.parallel.pipeline_parallel_size > 1 and hasattr(engine.executor, "stage_stats")
+    stages_before = engine.executor.stage_stats() if has_stages else None
     output_seconds = 0.0
     steps_run = 0
     try:
@@ -114,7 +114,7 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
         engine.abort_request([f"profile-{i}" for i in range(len(requests))])
         engine.step()
     num_steps = max(1, steps_run)
-    stages = _stage_seconds(engine, stages_before) if num_stages > 1 else None
+    stages = _stage_seconds(engine, stages_before) if has_stages else None
     # the driver's wait for the later stages (its own stage's work is its runner's execute)
     waiting = phases.seconds["execute"] - stages[0]["execute"] if stages else 0.0
     s, m = phases.seconds, modules.seconds
