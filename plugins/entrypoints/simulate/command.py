@@ -14,10 +14,10 @@ from typing import Optional
 from pagoda.cli import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
 
-# the defaults of a hand-off between pipeline stages: gloo send/recv between two processes of one machine
-# (docs/distributed.md has the measurement)
-PIPELINE_LATENCY_US = 150.0
-PIPELINE_GBPS = 10.0
+# the defaults of a hand-off between pipeline stages: gloo send/recv between two processes of one machine,
+# measured on a 2-core EPYC (docs/distributed.md): about 170 us for a decode step's few KiB, 3 ms for 2.3 MiB
+PIPELINE_LATENCY_US = 170.0
+PIPELINE_GBPS = 6.0
 
 
 def register(sub) -> None:
