@@ -65,7 +65,8 @@ def test_an_even_split_gives_the_earlier_stages_the_extra_layers_and_each_rank_i
 def test_two_stages_give_the_default_model_s_tokens_through_preemption():
     model = str(ensure_default_model())
     # a pool this small preempts; the same block count on both sides keeps the schedules alike
-    pool = dict(num_gpu_blocks_override=10, max_num_batched_tokens=48, max_num_seqs=4, preempts=True)
+    pool = dict(num_gpu_blocks_override=9, max_num_batched_tokens=48, max_num_seqs=8, preempts=True,
+                prompts=PROMPTS * 2)
     worst = assert_same_tokens(run(model, **pool), run(model, pp=2, **pool))
     print(f"default model, PP=2 vs PP=1: largest logprob difference {worst:.2e}")
     assert worst < 1e-3
