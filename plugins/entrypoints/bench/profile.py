@@ -175,7 +175,9 @@ def _print_stages(engine, stages: list[dict[str, float]], step_seconds: float, n
     partition = engine.config.parallel.pipeline_layer_partition
     compute = [st["execute"] - st["send"] - st["receive"] for st in stages]
     bubble = 1 - sum(compute) / (len(stages) * step_seconds) if step_seconds else 0.0
-    print(f"pipeline: {len(stages)} stages (layers {'/'.join(map(str, partition))}), one batch in flight; "
+    parts = engine.config.parallel.pipeline_micro_batches
+    print(f"pipeline: {len(stages)} stages (layers {'/'.join(map(str, partition))}), "
+          f"{'the step whole' if parts == 1 else f'steps in up to {parts} parts'}; "
           f"bubble {bubble:.1%} of the stages' time")
     result = {"pipeline bubble fraction": bubble}
     for i, (st, busy) in enumerate(zip(stages, compute)):
