@@ -100,6 +100,16 @@ class ParallelConfig:
     cpu_threads: Optional[int]  # per rank
     distributed_executor_backend: str = "auto"
     all_reduce_backend: str = "auto"
+    # pipeline parallelism: stages of tensor_parallel_size ranks each, and the decoder layers of each stage
+    pipeline_parallel_size: int = 1
+    pipeline_layer_partition: tuple[int, ...] = ()  # filled when pipeline_parallel_size > 1
+    # the parts a step's requests are split into, run through the stages one behind the other (1: serial)
+    pipeline_micro_batches: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

@@ -398,7 +398,10 @@ class Executor(Protocol):
     """``pagoda_executors``: runs each step on every rank of the model; the driver alone schedules.
 
     Invariants: every rank runs the same steps in the same order, with the same sequences' tokens; the
-    result is rank 0's; a step's block moves happen on every rank before its execution.
+    result is rank 0's (under pipeline parallelism, ``config.parallel.world_size`` ranks: the last stage's
+    first rank's); a step's block moves happen on every rank before its execution. An executor may add
+    ``stage_stats()`` (every rank's :func:`pagoda.execution.pipeline.stats_snapshot`), which ``--profile``
+    reads for its per-stage table.
     """
 
     # rank 0's runner (the whole model without tensor parallelism)
@@ -544,7 +547,11 @@ class ModelLoaderFactory(Protocol):
 
 class ModelArchitectureFactory(Protocol):
     """The model class. With ``supports_tensor_parallel = True`` it builds the rank's shard that
-    ``pagoda.execution.distributed.current()`` describes; without it the engine refuses more than one rank."""
+    ``pagoda.execution.distributed.current()`` describes; without it the engine refuses more than one rank.
+    With ``supports_pipeline_parallel = True`` (1.7) it builds only the layers of the pipeline stage
+    ``pagoda.execution.distributed.current_stage()`` describes, and its ``forward`` takes ``intermediate``
+    (the previous stage's ``(hidden_states, residual)``) and returns its own pair before the last stage;
+    without it the engine refuses more than one stage."""
 
     def __call__(self, model_config: "ModelConfig", attention_backend: AttentionBackend,
                  quant_method: Optional[QuantMethod]) -> CausalLM: ...

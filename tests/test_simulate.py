@@ -307,3 +307,22 @@ def test_pagoda_simulate_reports_each_tenant_of_the_flood_workload(tmp_path, cap
     out = capsys.readouterr().out
     assert "pagoda simulate: fair" in out and "pagoda simulate: fcfs" in out
     assert out.count("TTFT small") == 2 and out.count("TPOT flood") == 2
+
+
+def test_pipeline_stages_add_their_hand_offs_to_each_step_and_hold_more_kv_blocks(pm):
+    from pagoda.plugins.entrypoints.simulate.cost_model import PipelineHandoff
+    from pagoda.plugins.entrypoints.simulate.simulator import kv_cache_blocks
+
+    staged = EngineArgs.build(pipeline_parallel_size=2).create_engine_config()
+    whole = EngineArgs.build().create_engine_config()
+    # each stage keeps the K/V of 15 of the 30 layers in the same memory
+    assert abs(kv_cache_blocks(staged)[0] - 2 * kv_cache_blocks(whole)[0]) <= 1
+    trace = [TraceRequest(0.0, output_len=3, prompt_len=100)]
+    # 1 ms a hand-off plus 4 kB a token at 1 GB/s
+    engines, record = build_engines(staged, pm, COST, trace, handoff=PipelineHandoff(2, 0.001, 1e9, 4000))
+    run_trace(trace, engines)
+    summary = summarize_run(record, float("inf"), "2 stages")
+    assert summary["ttft_ms"]["p50"] == pytest.approx(110 + 1 + 0.4)
+    assert summary["itl_ms"]["p50"] == pytest.approx(17 + 1 + 0.004)
+    handoffs, steps = 1.4 + 2 * 1.004, 111.4 + 2 * 18.004  # ms
+    assert summary["pipeline_handoff_share"] == pytest.approx(handoffs / steps)

@@ -42,6 +42,9 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     if config.parallel.tensor_parallel_size > 1 and not getattr(arch.factory, "supports_tensor_parallel", False):
         raise ConfigError(f"the {mc.architecture} architecture ({arch.dist}) does not shard itself for tensor "
                           "parallelism (its class does not set supports_tensor_parallel); use tensor_parallel_size=1")
+    if config.parallel.pipeline_parallel_size > 1 and not getattr(arch.factory, "supports_pipeline_parallel", False):
+        raise ConfigError(f"the {mc.architecture} architecture ({arch.dist}) does not build pipeline stages (its class "
+                          "does not set supports_pipeline_parallel); use pipeline_parallel_size=1")
     pm.get("pagoda_model_loaders", mc.load_format, "load_format")
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
     scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory

@@ -117,9 +117,22 @@ class EngineArgs(HostOptions):
                                         "start; beyond it that tenant alone gets 503 (default: no bound)")
     tensor_parallel_size: int = Field(default=1, gt=0, description=(
         "ranks the model is split over (its heads, MLP columns and vocabulary), each a process"))
+    pipeline_parallel_size: int = Field(default=1, gt=0, description=(
+        "pipeline stages the model's decoder layers are split over, each of tensor_parallel_size ranks "
+        "(tensor_parallel_size x pipeline_parallel_size processes; stages pass one activation hand-off per step, "
+        "so they may sit on machines joined by a slow link: see docs/distributed.md)"))
+    pipeline_layer_partition: Optional[str] = Field(default=None, description=(
+        "decoder layers per pipeline stage, comma-separated, summing to the model's layer count (e.g. 12,18); "
+        "default: an even split, the first stages one layer more when the count does not divide"))
+    pipeline_micro_batches: int = Field(default=1, gt=0, description=(
+        "with pipeline_parallel_size > 1: the parts each step's requests are split into, run through the stages "
+        "one behind the other so that stage 2 runs part 1 while stage 1 runs part 2 (1: the step whole, one stage "
+        "at a time); each stage then reads its weights once per part, so decode steps bound by weight reads gain "
+        "little: see docs/distributed.md"))
     distributed_executor_backend: str = Field(default="auto", description=(
-        "the processes a model runs in: uni (one), mp (tensor_parallel_size processes on this machine), or an "
-        "executor plugin; auto picks uni for one rank, mp for more"))
+        "the processes a model runs in: uni (one), mp (tensor_parallel_size x pipeline_parallel_size processes "
+        "on this machine), ray (Ray actors, on one machine or a cluster), or an executor plugin; auto picks uni "
+        "for one rank, mp for more"))
     all_reduce_backend: str = Field(default="auto", description=(
         "how tensor-parallel ranks sum their parts: gloo (torch.distributed; NCCL on GPUs), shm (shared memory, "
         "ranks on one host, CPU), or an all-reduce plugin; auto picks shm when every rank is on this host and "
@@ -196,6 +209,34 @@ class EngineArgs(HostOptions):
             raise ConfigError("a draft checkpoint is not sharded for tensor parallelism yet; with "
                               "tensor_parallel_size > 1 use the ngram method or a self-draft (\"self:layers=N\")")
 
+    def _pipeline_partition(self, model_cfg: "ModelConfig", spec_cfg: Optional[SpeculativeConfig]) -> tuple[int, ...]:
+        """The decoder layers of each pipeline stage (empty with one stage); what pipeline parallelism cannot
+        run is refused here, before any process starts."""
+        from pagoda.execution.pipeline import layer_partition, parse_partition
+
+        size = self.pipeline_parallel_size
+        if size == 1:
+            if self.pipeline_layer_partition is not None:
+                raise ConfigError(f"pipeline_layer_partition {self.pipeline_layer_partition!r} needs "
+                                  "--pipeline-parallel-size > 1; pass the stage count, or drop the partition")
+            if self.pipeline_micro_batches > 1:
+                raise ConfigError(f"pipeline_micro_batches={self.pipeline_micro_batches} needs "
+                                  "--pipeline-parallel-size > 1; pass the stage count, or drop it")
+            return ()
+        explicit = None if self.pipeline_layer_partition is None else parse_partition(self.pipeline_layer_partition)
+        partition = layer_partition(model_cfg.num_layers, size, explicit)
+        if self.distributed_executor_backend == "uni":
+            raise ConfigError(f"the uni executor runs one process; pipeline_parallel_size={size} needs "
+                              "distributed_executor_backend='mp' or 'ray' (or auto)")
+        if spec_cfg is not None:
+            raise ConfigError("speculative decoding does not run over pipeline stages yet (a draft model needs every "
+                              "layer in one process, and each stage would propose drafts of its own); drop "
+                              "speculative_config or use pipeline_parallel_size=1")
+        if self.kv_offload_ram or self.kv_offload_disk:
+            raise ConfigError("the --kv-offload-* tiers do not keep K/V per pipeline stage yet; drop them or use "
+                              "pipeline_parallel_size=1")
+        return partition
+
     def _check_kv_offload(self) -> None:
         """The offload flags go together, extend the prefix cache, and name a directory pagoda can write."""
         disk, size = self.kv_offload_disk, self.kv_offload_disk_size
@@ -223,9 +264,10 @@ class EngineArgs(HostOptions):
             if self.lora_modules:
                 raise ConfigError("--lora-modules needs --enable-lora: add it, or drop the adapters")
             return None
-        if self.tensor_parallel_size > 1 or self.distributed_executor_backend in ("mp", "ray"):
-            raise ConfigError("LoRA runs in the engine's process for now: use tensor_parallel_size=1 and the uni "
-                              "executor, or drop --enable-lora")
+        if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+                or self.distributed_executor_backend in ("mp", "ray")):
+            raise ConfigError("LoRA runs in the engine's process for now: use tensor_parallel_size=1, "
+                              "pipeline_parallel_size=1 and the uni executor, or drop --enable-lora")
         if self.speculative_config:
             raise ConfigError("speculative decoding does not apply LoRA adapters to its drafts yet; drop "
                               "speculative_config or --enable-lora")
@@ -253,9 +295,10 @@ class EngineArgs(HostOptions):
         # first: a malformed variable fails before the model is read
         host = self.host_config()
         cpu_threads = host.cpu_threads
-        if self.tensor_parallel_size > 1 and cpu_threads is None:
+        num_ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if num_ranks > 1 and cpu_threads is None:
             # ranks on one machine share its cores; no rank measures for itself
-            cpu_threads = max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
+            cpu_threads = max(1, (os.cpu_count() or 1) // num_ranks)
         model_dir = resolve_model_path(self.model)
         hf_config = load_hf_config(model_dir)
         text_config = hf_config.get("text_config", hf_config)
@@ -357,6 +400,7 @@ class EngineArgs(HostOptions):
                 )
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(model_cfg, spec_cfg)
+        partition = self._pipeline_partition(model_cfg, spec_cfg)
         lora_cfg = self._lora_config()
         sched_cfg = SchedulerConfig(
             policy=self.scheduling_policy,
@@ -381,7 +425,8 @@ class EngineArgs(HostOptions):
             cache=cache_cfg,
             scheduler=sched_cfg,
             parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend,
-                                    self.all_reduce_backend),
+                                    self.all_reduce_backend, self.pipeline_parallel_size, partition,
+                                    self.pipeline_micro_batches),
             host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,

@@ -59,7 +59,9 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     loader.load_weights(model)
     model.eval()
 
-    bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * mc.num_layers
+    # a pipeline stage keeps its own layers' K/V; every stage has the block count of the one with the most layers
+    num_layers = max(config.parallel.pipeline_layer_partition or (mc.num_layers,))
+    bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * num_layers
     # every rank has the same block count: the one the rank with the most KV heads can hold
     most = max(distributed.head_shard(mc.num_heads, mc.num_kv_heads, distributed.TensorParallel(r, tp.size))
                .num_kv_heads for r in range(tp.size))

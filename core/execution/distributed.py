@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pagoda.errors import ConfigError
+from pagoda.execution.pipeline import PipelineStage, stage_of
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -67,6 +68,7 @@ def _record(where: str, start: float) -> None:
 
 
 _current = TensorParallel()
+_stage = PipelineStage()
 
 
 def current() -> TensorParallel:
@@ -74,12 +76,21 @@ def current() -> TensorParallel:
     return _current
 
 
+def current_stage() -> PipelineStage:
+    """The pipeline stage of the model being built or run in this process (stage 0 of 1 alone)."""
+    return _stage
+
+
 def init(rank: int, size: int, address: str, timeout_seconds: float = 600.0,
          engine_config: Optional["EngineConfig"] = None, plugin_manager: Any = None) -> TensorParallel:
     """Join the ``size`` processes at ``address`` (``tcp://host:port``) as ``rank`` over torch.distributed
     (gloo on CPUs, NCCL on GPUs), build the all-reduce backend ``engine_config`` selects (torch.distributed's
-    own without one), and make this the place models are built for."""
-    global _current
+    own without one), and make this the place models are built for.
+
+    With pipeline parallelism (``engine_config.parallel.pipeline_parallel_size`` > 1) the ``size`` ranks are
+    stages of ``tensor_parallel_size`` ranks each (:mod:`pagoda.execution.pipeline`); each stage's ranks get a
+    process group of their own for their collectives."""
+    global _current, _stage
     from pagoda.execution.collectives import TorchAllReduce, build_all_reduce
 
     if torch.distributed.is_initialized():
@@ -88,27 +99,39 @@ def init(rank: int, size: int, address: str, timeout_seconds: float = 600.0,
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, init_method=address, rank=rank, world_size=size,
                                          timeout=datetime.timedelta(seconds=timeout_seconds))
-    group = torch.distributed.group.WORLD
+    group, tp_rank, tp_size = torch.distributed.group.WORLD, rank, size
     try:
-        if engine_config is None:
-            name, comm = "gloo", TorchAllReduce(engine_config, rank, size, group, timeout_seconds)
+        if engine_config is not None and engine_config.parallel.pipeline_parallel_size > 1:
+            tp_size = engine_config.parallel.tensor_parallel_size
+            tp_rank = rank % tp_size
+            # every rank creates every stage's group, in the same order (torch.distributed requires it)
+            groups = [torch.distributed.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+                      for s in range(size // tp_size)]
+            group = groups[rank // tp_size]
+            _stage = stage_of(rank, tp_size, engine_config.parallel.pipeline_layer_partition)
+        if tp_size == 1:  # one rank per stage: no collective to join
+            name, comm = "", None
+        elif engine_config is None:
+            name, comm = "gloo", TorchAllReduce(engine_config, tp_rank, tp_size, group, timeout_seconds)
         else:
-            name, comm = build_all_reduce(engine_config, plugin_manager, rank, size, group, timeout_seconds)
+            name, comm = build_all_reduce(engine_config, plugin_manager, tp_rank, tp_size, group, timeout_seconds)
     except BaseException:
+        _stage = PipelineStage()
         torch.distributed.destroy_process_group()
         raise
-    _current = TensorParallel(rank, size, group, comm, name)
+    _current = TensorParallel(tp_rank, tp_size, group, comm, name)
     return _current
 
 
 def shutdown() -> None:
     """Close the all-reduce backend and leave the process group."""
-    global _current
+    global _current, _stage
     if _current.comm is not None:
         _current.comm.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _current = TensorParallel()
+    _stage = PipelineStage()
 
 
 def split(total: int, parts: int, index: int) -> tuple[int, int]:

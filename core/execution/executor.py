@@ -3,12 +3,14 @@ every rank and returns rank 0's result.
 
 - ``uni``: one process, the model whole (``tensor_parallel_size`` 1).
 - ``ray``: the same ranks as Ray actors (see :class:`RayExecutor`).
-- ``mp``: ``tensor_parallel_size`` processes on this machine. The driver is rank 0 and runs its shard
-  in-process; ranks 1.. are spawned workers, each building its shard of the same model. Every step the
-  driver sends the workers what they need to run it too (the step's layout and, for each sequence, the
-  tokens they have not seen yet), then all ranks run it in lockstep: the collectives inside the model
-  (one all-reduce per row-parallel projection, the vocab all-gather) join them. Every rank samples the
-  same tokens from the same logits and seeds; the workers' results are dropped.
+- ``mp``: ``tensor_parallel_size x pipeline_parallel_size`` processes on this machine. The driver is rank 0
+  and runs its shard in-process; ranks 1.. are spawned workers, each building its shard of the same model.
+  Every step the driver sends the workers what they need to run it too (the step's layout and, for each
+  sequence, the tokens they have not seen yet), then all ranks run it in lockstep: the collectives inside the
+  model (one all-reduce per row-parallel projection, the vocab all-gather) join a stage's ranks, and each
+  stage hands its hidden states to the next (:mod:`pagoda.execution.pipeline`). Every rank of the last stage
+  samples the same tokens from the same logits and seeds; with one stage the driver's result is the step's,
+  with more the last stage's first rank sends its result back to the driver, and the others are dropped.
 
 Workers build their components from their own plugin manager, loaded from the installed entry points
 (a plugin registered by hand in the driver process does not reach them).
@@ -27,6 +29,7 @@ from typing import Any, Callable
 
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
+from pagoda.execution import pipeline
 from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
@@ -48,9 +51,10 @@ class UniExecutor:
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
         from pagoda.execution.build import build_runner
 
-        if config.parallel.tensor_parallel_size != 1:
+        if config.parallel.world_size != 1:
             raise ConfigError(f"the uni executor runs one process; tensor_parallel_size="
-                              f"{config.parallel.tensor_parallel_size} needs distributed_executor_backend='mp'")
+                              f"{config.parallel.tensor_parallel_size} x pipeline_parallel_size="
+                              f"{config.parallel.pipeline_parallel_size} needs distributed_executor_backend='mp'")
         self.runner = build_runner(config, plugin_manager)
         self.execute: Callable[[SchedulerOutput], RunnerOutput] = self.runner.execute
         self.move_blocks: Callable[[SchedulerOutput], list[int]] = self.runner.move_blocks
@@ -73,9 +77,25 @@ class _Driver:
 
     runner: Any
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         # request id -> (the sequence, how many of its tokens the other ranks hold)
         self.sent: dict[str, tuple[Sequence, int]] = {}
+        self.output_rank = output_rank(config)
+        self.num_micro_batches = config.parallel.pipeline_micro_batches if self.output_rank else 1
+
+    def _micro_batches(self, sched: SchedulerOutput) -> list[list[int]]:
+        """The step's requests in up to ``num_micro_batches`` contiguous parts of about equal token counts."""
+        n = len(sched.requests)
+        parts = min(self.num_micro_batches, n)
+        if parts <= 1:
+            return [list(range(n))]
+        total, bounds, done = sched.num_batched_tokens, [], 0
+        for i, count in enumerate(sched.num_new_tokens):
+            done += count
+            if len(bounds) < parts - 1 and done * parts >= total * (len(bounds) + 1) and i < n - 1:
+                bounds.append(i + 1)
+        edges = [0, *bounds, n]
+        return [list(range(a, b)) for a, b in zip(edges, edges[1:]) if b > a]
 
     def _message(self, sched: SchedulerOutput) -> StepMessage:
         finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
@@ -94,21 +114,22 @@ class _Driver:
 
 
 class MultiprocExecutor(_Driver):
-    """``tensor_parallel_size`` ranks on this machine: rank 0 here, the others in spawned processes."""
+    """``tensor_parallel_size x pipeline_parallel_size`` ranks on this machine: rank 0 here, the others in
+    spawned processes."""
 
     def __init__(self, config: EngineConfig, plugin_manager: Any) -> None:
         from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
-        super().__init__()
-        size = config.parallel.tensor_parallel_size
+        super().__init__(config)
+        size = config.parallel.world_size
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
         self.pipes, self.workers = [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
             worker = context.Process(target=_worker_main, args=(config, rank, size, address, theirs), daemon=True,
-                                     name=f"pagoda-tp-rank{rank}")
+                                     name=f"pagoda-rank{rank}")
             worker.start()
             self.pipes.append(ours)
             self.workers.append(worker)
@@ -126,8 +147,42 @@ class MultiprocExecutor(_Driver):
         self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self._send("execute", self._message(sched))
-        return self.runner.execute(sched)
+        if self.output_rank == 0:
+            self._send("execute", self._message(sched))
+            return self.runner.execute(sched)
+        # pipeline stages: each part goes through the first stage here and on to the next while the first
+        # runs the part after it; the last stage returns the parts' results in order
+        parts, num_sent, error = self._micro_batches(sched), 0, None
+        try:
+            for indices in parts:
+                part = sched if len(parts) == 1 else sched.select(indices)
+                self._send("execute", self._message(part))
+                num_sent += 1
+                pipeline.timed_execute(self.runner, part)
+        except WorkerLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the later stages ran the parts sent; their results are dropped
+            error = exc
+        results = [self._receive_output() for _ in range(num_sent)]
+        if error is not None:
+            raise error
+        return results[0] if len(parts) == 1 else RunnerOutput.merge(len(sched.requests), list(zip(parts, results)))
+
+    def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
+        """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
+        self._send("stats", StepMessage(SchedulerOutput(), []))
+        return [pipeline.stats_snapshot()] + [pipe.recv() for pipe in self.pipes]
+
+    def _receive_output(self) -> RunnerOutput:
+        """The step's result, from the last pipeline stage's first rank."""
+        pipe, worker = self.pipes[self.output_rank - 1], self.workers[self.output_rank - 1]
+        try:
+            return pipe.recv()
+        except (EOFError, OSError):
+            worker.join(timeout=1)
+            raise WorkerLostError(f"rank {self.output_rank} (process {worker.pid}, the last pipeline stage) exited "
+                                  f"with code {worker.exitcode}; the model cannot run without it: restart the engine "
+                                  "(a signal -9 is usually the kernel's out-of-memory killer)") from None
 
     def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         self._send("move_blocks", StepMessage(sched, []))
@@ -167,8 +222,8 @@ class RayExecutor(_Driver):
         from pagoda.execution.build import build_runner
         from pagoda.execution import distributed
 
-        super().__init__()
-        size = config.parallel.tensor_parallel_size
+        super().__init__(config)
+        size = config.parallel.world_size
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"))
         threads = _threads_per_rank(config, size)
@@ -189,11 +244,22 @@ class RayExecutor(_Driver):
         self._ray, self._remove_group = ray, remove_placement_group
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        message = self._message(sched)  # once: it records what the ranks now hold
-        pending = [a.execute.remote(message) for a in self.actors]
-        result = self.runner.execute(sched)
-        self._ray.get(pending)  # a rank's failure surfaces with this step
-        return result
+        parts = self._micro_batches(sched)
+        outputs = []
+        for indices in parts:  # the parts one behind the other through the stages (see MultiprocExecutor)
+            part = sched if len(parts) == 1 else sched.select(indices)
+            message = self._message(part)  # once: it records what the ranks now hold
+            outputs.append([a.execute.remote(message) for a in self.actors])
+            result = pipeline.timed_execute(self.runner, part)
+        if self.output_rank == 0:
+            self._ray.get(outputs[0])  # a rank's failure surfaces with this step
+            return result
+        results = [self._ray.get(pending)[self.output_rank - 1] for pending in outputs]
+        return results[0] if len(parts) == 1 else RunnerOutput.merge(len(sched.requests), list(zip(parts, results)))
+
+    def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
+        """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
+        return [pipeline.stats_snapshot()] + self._ray.get([a.stats.remote() for a in self.actors])
 
     def move_blocks(self, sched: SchedulerOutput) -> list[int]:
         pending = [a.move_blocks.remote(StepMessage(sched, [])) for a in self.actors]
@@ -225,8 +291,11 @@ class RayWorker:
     def ready(self) -> bool:
         return True
 
-    def execute(self, message: StepMessage) -> None:
-        self.rank.execute(message)
+    def execute(self, message: StepMessage) -> RunnerOutput:
+        return self.rank.execute(message)
+
+    def stats(self) -> dict[str, tuple[int, float]]:
+        return self.rank.stats(None)
 
     def move_blocks(self, message: StepMessage) -> None:
         self.rank.move_blocks(message)
@@ -266,7 +335,7 @@ class WorkerRank:
         self.runner = build_runner(config, plugin_manager)
         self.mirror: dict[str, Sequence] = {}
 
-    def execute(self, message: StepMessage) -> None:
+    def execute(self, message: StepMessage) -> RunnerOutput:
         for rid in message.finished:
             self.mirror.pop(rid, None)
         sched = message.layout
@@ -280,7 +349,10 @@ class WorkerRank:
             seq.all_token_ids.extend(tokens)
             seq.output_token_ids.extend(tokens)
             sched.requests.append(seq)
-        self.runner.execute(sched)
+        return pipeline.timed_execute(self.runner, sched)
+
+    def stats(self, message: Any) -> dict[str, tuple[int, float]]:
+        return pipeline.stats_snapshot()
 
     def move_blocks(self, message: StepMessage) -> None:
         self.runner.move_blocks(message.layout)
@@ -296,6 +368,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
         pipe.send(traceback.format_exc())
         return
     pipe.send("ready")
+    sends_output = rank == output_rank(config)
     while True:
         try:
             kind, message = pipe.recv()
@@ -303,10 +376,17 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
             break
         if kind == "shutdown":
             break
-        getattr(worker, kind)(message)
+        result = getattr(worker, kind)(message)
+        if kind == "stats" or (kind == "execute" and sends_output):
+            pipe.send(result)
     if worker.runner.kv_tiers is not None:
         worker.runner.kv_tiers.flush()  # block files still being written
     distributed.shutdown()
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose step result is the engine's: rank 0, or the last pipeline stage's first rank."""
+    return (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
 
 
 def _threads_per_rank(config: EngineConfig, size: int) -> int:
@@ -324,7 +404,7 @@ def select_executor(config: EngineConfig) -> str:
     """``auto``: ``uni`` for one rank, ``mp`` for more."""
     name = config.parallel.distributed_executor_backend
     if name == "auto":
-        return "uni" if config.parallel.tensor_parallel_size == 1 else "mp"
+        return "uni" if config.parallel.world_size == 1 else "mp"
     return name
 
 

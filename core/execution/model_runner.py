@@ -37,10 +37,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = backend.kv_cache_shape(num_blocks)
         kv_dtype = stored_kv_dtype(backend, config.model.dtype)
+        # pipeline parallelism: this process's stage, which keeps the K/V of its own layers only
+        self.stage = distributed.current_stage()
         # zeroed (masked-out slots are multiplied by 0 and must not hold NaN), after asking for huge
         # pages so the first touch already gets them
         self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
-                          for _ in range(config.model.num_layers)]
+                          for _ in range(self.stage.num_layers(config.model.num_layers))]
         if config.host.huge_pages:
             hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
         for cache in self.kv_caches:
@@ -61,6 +63,8 @@ class ModelRunner:
         self._failed_load_blocks: list[int] = []
         # multi-LoRA serving: the adapters and their slots (a pagoda.execution.lora.LoRAManager), when enabled
         self.lora: Any = None
+        # pipeline stages: whether this step's hand-offs happened (a failed step completes them with placeholders)
+        self._has_received = self._has_sent = False
         # seconds the last execute spent per part: draft, metadata, model, logits, grammar (the structured-output
         # mask), sampling
         self.timings: dict[str, float] = {}
@@ -165,7 +169,28 @@ class ModelRunner:
 
         Writes K/V only at the step's new positions, so running the same schedule again gives the
         same result: the engine re-runs parts of a step whose execution raised.
+
+        On a pipeline stage that raises, the stage still takes the previous stage's hand-off and gives the
+        next one a placeholder, so the stages stay in step for the re-run (the step's result is dropped).
         """
+        if self.stage.num_stages == 1:
+            return self._execute(sched)
+        self._has_received = self._has_sent = False
+        try:
+            return self._execute(sched)
+        except BaseException:
+            self._hand_off_placeholder(sched.num_batched_tokens)
+            raise
+
+    def _hand_off_placeholder(self, num_tokens: int) -> None:
+        stage, mc = self.stage, self.config.model
+        if not stage.is_first and not self._has_received:
+            stage.receive(num_tokens, mc.hidden_size, mc.dtype, self.device)
+        if not stage.is_last and not self._has_sent:
+            zeros = torch.zeros((num_tokens, mc.hidden_size), dtype=mc.dtype, device=self.device)
+            stage.send(zeros, zeros)
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         n = len(sched.requests)
         out = RunnerOutput.empty(n)
         clock = time.perf_counter
@@ -201,6 +226,8 @@ class ModelRunner:
                 self.lora.end_pass()
         t2 = clock()
         timings["metadata"], timings["model"] = t1 - t, t2 - t1
+        if hidden is None:  # a pipeline stage before the last: its hidden states went on to the next
+            return out
 
         # one token for each request that reached its last known token and has no drafts
         plain = [i for i in range(n) if not drafts[i]
@@ -238,18 +265,31 @@ class ModelRunner:
 
     def forward(self, batch: FlatBatch, model: Optional[torch.nn.Module] = None,
                 kv_caches: Optional[list[torch.Tensor]] = None, backend: Any = None, metadata: Any = None
-                ) -> torch.Tensor:
+                ) -> Optional[torch.Tensor]:
         """Run the model over one flattened batch; returns hidden states ``[num_tokens, hidden]`` in the
         batch's row order (:meth:`FlatBatch.rows`). ``model``, ``kv_caches`` and ``backend`` default to
-        the target's (a speculative draft passes its own); ``metadata`` to the backend's for ``batch``."""
+        the target's (a speculative draft passes its own); ``metadata`` to the backend's for ``batch``.
+
+        On a pipeline stage, the stage's layers only: a stage after the first starts from the previous
+        one's hidden states and residual, and a stage before the last sends its own on and returns None."""
         if metadata is None:
             metadata = (self.backend if backend is None else backend).build_metadata(batch.attention)
-        return (self.model if model is None else model)(
-            torch.from_numpy(batch.input_ids).to(self.device),
-            torch.from_numpy(batch.positions).to(self.device),
-            self.kv_caches if kv_caches is None else kv_caches,
-            metadata,
-        )
+        args = (torch.from_numpy(batch.input_ids).to(self.device), torch.from_numpy(batch.positions).to(self.device),
+                self.kv_caches if kv_caches is None else kv_caches, metadata)
+        stage = self.stage
+        if stage.num_stages == 1:
+            return (self.model if model is None else model)(*args)
+        received = None
+        if not stage.is_first:
+            received = stage.receive(batch.attention.num_tokens, self.config.model.hidden_size,
+                                     self.config.model.dtype, self.device)
+            self._has_received = True
+        hidden = self.model(*args, intermediate=received)
+        if stage.is_last:
+            return hidden
+        stage.send(*hidden)  # (hidden states, residual)
+        self._has_sent = True
+        return None
 
     def _prompt_logprobs(self, sched: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor,
                          out: RunnerOutput) -> None:

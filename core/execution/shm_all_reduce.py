@@ -81,7 +81,7 @@ class ShmAllReduce:
                 error = (f"cannot make a {total / 2**20:.0f} MiB shared-memory file in {shm_directory()}: {exc}; "
                          "free space there, lower --max-num-batched-tokens, or pass --all-reduce-backend gloo")
         shared = [path, error]
-        torch.distributed.broadcast_object_list(shared, src=0, group=group)
+        torch.distributed.broadcast_object_list(shared, group=group, group_src=0)  # the group's first rank
         path, error = shared
         try:
             if error is None:

@@ -79,6 +79,13 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
+class MissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no weights, never run."""
+
+    def forward(self, *args: Any) -> None:
+        raise RuntimeError("a decoder layer of another pipeline stage was run on this one")
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 causal LM. ``forward`` takes one step's flattened tokens."""
 
@@ -87,6 +94,9 @@ class LlamaForCausalLM(nn.Module):
     runs_first_layers_of_caches = True
     # builds this rank's shard under tensor parallelism (pagoda.execution.distributed.current())
     supports_tensor_parallel = True
+    # builds only its pipeline stage's layers (pagoda.execution.distributed.current_stage()); forward takes
+    # ``intermediate`` and returns (hidden states, residual) before the last stage
+    supports_pipeline_parallel = True
     # fused layer -> the checkpoint projections it stacks, in output order (a LoRA adapter's q_proj is slice 0)
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -105,37 +115,53 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels = CpuKernels(cfg.host)
         # vocab parallelism: this rank's rows of the embedding and the LM head (all of them alone)
         self.tp = tp = distributed.current()
+        # pipeline parallelism: this stage's layers; the embedding on the first, the norm and LM head on the last
+        self.stage = stage = distributed.current_stage()
         self.vocab_parts = [distributed.split(cfg.vocab_size, tp.size, r)[1] for r in range(tp.size)]
         self.vocab_start, vocab_rows = distributed.split(cfg.vocab_size, tp.size, tp.rank)
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, dtype=cfg.dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        if tp.size > 1:
-            self.embed_tokens.weight.weight_loader = self._load_vocab_rows
-        self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i, kernels)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype, kernels)
         self.tie_word_embeddings = bool(text_cfg.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head",
-                                  tp_rows=[(self.vocab_start, vocab_rows)] if tp.size > 1 else None, kernels=kernels)
+        self.embed_tokens = None
+        if stage.is_first or (stage.is_last and self.tie_word_embeddings):
+            self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, dtype=cfg.dtype)
+            self.embed_tokens.weight.requires_grad_(False)
+            if tp.size > 1:
+                self.embed_tokens.weight.weight_loader = self._load_vocab_rows
+        self.layers = nn.ModuleList(DecoderLayer(cfg, text_cfg, backend, quant, i, kernels) if stage.owns_layer(i)
+                                    else MissingLayer() for i in range(cfg.num_layers))
+        # the layers forward runs, and whether it ends the model (a tuple: not registered as submodules again)
+        self._stage_layers = tuple(self.layers[stage.layer_start:stage.layer_end])
+        self._is_last_stage = stage.is_last
+        self.norm = self.lm_head = None
+        if stage.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, float(text_cfg.get("rms_norm_eps", 1e-6)), cfg.dtype, kernels)
+            if not self.tie_word_embeddings:
+                self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype, None, "lm_head",
+                                      tp_rows=[(self.vocab_start, vocab_rows)] if tp.size > 1 else None,
+                                      kernels=kernels)
         rope = text_cfg.get("rope_parameters") or {}
         theta = float(text_cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         scaling = text_cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         self.rotary = RotaryEmbedding(cfg.head_dim, max(cfg.max_model_len, int(text_cfg.get(
             "max_position_embeddings", cfg.max_model_len))), theta, scaling, cfg.dtype, kernels)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata: Any,
+                intermediate: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Any:
         """``input_ids``, ``positions``: ``[num_tokens]``. Returns hidden states ``[num_tokens, hidden]``.
 
         Runs one decoder layer per entry of ``kv_caches`` (all of them normally; the first N for a
-        self-speculation draft)."""
-        x = self.embed_tokens(input_ids) if self.tp.size == 1 else self._embed_parallel(input_ids)
+        self-speculation draft). On a pipeline stage, ``kv_caches`` are the stage's layers'; a stage after the
+        first starts from ``intermediate`` (the previous stage's hidden states and residual), and a stage
+        before the last returns its own ``(hidden states, residual)`` instead of the normed hidden states."""
+        if intermediate is None:
+            x = self.embed_tokens(input_ids) if self.tp.size == 1 else self._embed_parallel(input_ids)
+            residual = None
+        else:
+            x, residual = intermediate
         rope = self.rotary.at(positions)  # once per step, not per layer
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self._stage_layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, metadata)
+        if not self._is_last_stage:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -181,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or self._on_another_stage(name):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to the embedding
@@ -220,8 +246,19 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if self.lm_head is None:
+        if self.lm_head is None and self.stage.is_last:
             self._tied_head()  # packed now, not in the first request's step
+
+    def _on_another_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a part of the model another pipeline stage holds."""
+        if self.stage.num_stages == 1:
+            return False
+        if name.startswith("model.layers."):
+            index = name.split(".")[2]
+            return index.isdigit() and not self.stage.owns_layer(int(index))
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens is None
+        return name.startswith(("model.norm.", "lm_head.")) and not self.stage.is_last
 
     def _load_kv_scale(self, name: str, tensor: torch.Tensor, layer_idx: int, which: str) -> None:
         """A per-layer fp8 KV cache scale (used only with kv_cache_dtype fp8)."""

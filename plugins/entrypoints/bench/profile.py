@@ -9,6 +9,11 @@ from the step's new tokens) follows the step, outside it: it is timed apart.
 Under a JSON schema the grammar mask has a row of its own: the engine filling
 the step's bitmask, and the runner filling the rows after speculative drafts
 and applying the mask to the logits.
+
+With pipeline parallelism the driver runs the first stage: the engine's rows are that stage's, the time it
+waits for the later stages to return the step's tokens has a row of its own, and a table per stage follows
+(each stage's first rank): its compute, its hand-offs (a receive includes the wait for the stage before) and
+its bubble, the share of the step it sat idle.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
     phases = _PhaseTotals()
     engine.observers.append(phases)
     before = {k: list(v) for k, v in distributed.collective_stats.items()}
+    has_stages = engine.config.parallel.pipeline_parallel_size > 1 and hasattr(engine.executor, "stage_stats")
+    stages_before = engine.executor.stage_stats() if has_stages else None
     output_seconds = 0.0
     steps_run = 0
     try:
@@ -107,6 +114,9 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
         engine.abort_request([f"profile-{i}" for i in range(len(requests))])
         engine.step()
     num_steps = max(1, steps_run)
+    stages = _stage_seconds(engine, stages_before) if has_stages else None
+    # the driver's wait for the later stages (its own stage's work is its runner's execute)
+    waiting = phases.seconds["execute"] - stages[0]["execute"] if stages else 0.0
     s, m = phases.seconds, modules.seconds
     total = s["step"] + output_seconds
     # rank 0's collectives (tensor parallelism): inside the linear layers, the LM head and the embedding
@@ -120,9 +130,10 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
         "matmuls (linear layers + LM head)": m["matmul"] + s["runner logits"] - in_matmuls,
         collectives_row: collectives,
         "attention (K/V write + kernel)": m["attention"],
+        "waiting for the later pipeline stages": waiting,
         "other model ops + input building": s["execute"] - m["matmul"] - m["attention"] - s["runner metadata"]
         - s["runner logits"] - s["runner sampling"] - s["runner draft"] - s["runner grammar"] - s["grammar fill"]
-        - (collectives - in_matmuls),
+        - (collectives - in_matmuls) - waiting,
         "attention metadata": s["runner metadata"],
         "drafting (speculative decoding)": s["runner draft"],
         "grammar mask (fill + apply)": s["grammar fill"] + s["runner grammar"],
@@ -134,10 +145,46 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
     }
     if not calls:  # one rank
         del rows[collectives_row]
+    if not stages:
+        del rows["waiting for the later pipeline stages"]
     rows["unaccounted (engine Python)"] = total - sum(rows.values())
     print(f"profile: {num_steps} decode steps at batch {batch}"
           f"{' under a JSON schema' if json_schema is not None else ''}, {total / num_steps * 1e3:.1f} ms per step "
           f"({torch.get_num_threads()} threads)")
     for name, seconds in rows.items():
         print(f"  {name:<36} {seconds / num_steps * 1e3:8.2f} ms  {seconds / total:6.1%}")
-    return {name: seconds / num_steps * 1e3 for name, seconds in rows.items()}
+    result = {name: seconds / num_steps * 1e3 for name, seconds in rows.items()}
+    if stages:
+        result.update(_print_stages(engine, stages, s["step"], num_steps))
+    return result
+
+
+def _stage_seconds(engine, before: list[dict]) -> list[dict[str, float]]:
+    """Each stage's (its first rank's) seconds of execute, send and receive since ``before``."""
+    after = engine.executor.stage_stats()
+    tp = engine.config.parallel.tensor_parallel_size
+    stages = []
+    for rank in range(0, len(after), tp):
+        stages.append({kind: after[rank].get(kind, (0, 0.0))[1] - before[rank].get(kind, (0, 0.0))[1]
+                       for kind in ("execute", "send", "receive")})
+    return stages
+
+
+def _print_stages(engine, stages: list[dict[str, float]], step_seconds: float, num_steps: int) -> dict[str, float]:
+    """The per-stage table: compute, hand-offs and bubble (idle share of the steps' wall time)."""
+    partition = engine.config.parallel.pipeline_layer_partition
+    compute = [st["execute"] - st["send"] - st["receive"] for st in stages]
+    bubble = 1 - sum(compute) / (len(stages) * step_seconds) if step_seconds else 0.0
+    parts = engine.config.parallel.pipeline_micro_batches
+    print(f"pipeline: {len(stages)} stages (layers {'/'.join(map(str, partition))}), "
+          f"{'the step whole' if parts == 1 else f'steps in up to {parts} parts'}; "
+          f"bubble {bubble:.1%} of the stages' time")
+    result = {"pipeline bubble fraction": bubble}
+    for i, (st, busy) in enumerate(zip(stages, compute)):
+        idle = 1 - busy / step_seconds if step_seconds else 0.0
+        print(f"  stage {i}: compute {busy / num_steps * 1e3:7.2f} ms, send {st['send'] / num_steps * 1e3:6.2f} ms, "
+              f"receive (with the wait) {st['receive'] / num_steps * 1e3:7.2f} ms, idle {idle:6.1%}")
+        result[f"stage {i} compute"] = busy / num_steps * 1e3
+        result[f"stage {i} send"] = st["send"] / num_steps * 1e3
+        result[f"stage {i} receive"] = st["receive"] / num_steps * 1e3
+    return result

@@ -14,6 +14,11 @@ from typing import Optional
 from pagoda.cli import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
 
+# the defaults of a hand-off between pipeline stages: gloo send/recv between two processes of one machine,
+# measured on a 2-core EPYC (docs/distributed.md): about 170 us for a decode step's few KiB, 3 ms for 2.3 MiB
+PIPELINE_LATENCY_US = 170.0
+PIPELINE_GBPS = 6.0
+
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="replay a request trace through the scheduler and KV allocator with a "
@@ -71,6 +76,13 @@ def register(sub) -> None:
                                                               "pagoda_routers name, as for pagoda serve --replicas)")
     run.add_argument("--router-options", type=json.loads, default=None, metavar="JSON",
                      help='the router\'s options, e.g. \'{"imbalance_threshold": 4}\'')
+    run.add_argument("--pipeline-link-latency-us", type=float, default=PIPELINE_LATENCY_US, metavar="US",
+                     help="with --pipeline-parallel-size: microseconds one hand-off between stages costs besides its "
+                          f"bytes (default {PIPELINE_LATENCY_US:g}: gloo between two processes of this machine, "
+                          "measured; a network link between machines costs more)")
+    run.add_argument("--pipeline-link-gbps", type=float, default=PIPELINE_GBPS, metavar="GBPS",
+                     help="with --pipeline-parallel-size: the link's gigabits per second between stages (default "
+                          f"{PIPELINE_GBPS:g}; 10 or 25 for a data-centre Ethernet link)")
     run.add_argument("--json", action="store_true", help="print the reports as one JSON object")
     run.add_argument("--result-file", default=None, help="also write the JSON reports to this file")
     add_engine_args(p)
@@ -125,9 +137,14 @@ def run_simulate(ns: argparse.Namespace) -> int:
             return 0
     args = engine_args_from(ns)
     config = args.create_engine_config()
+    if config.parallel.pipeline_parallel_size > 1 and ns.calibrate:
+        raise ConfigError("--calibrate times the model whole, and the simulation adds the pipeline stages' "
+                          "hand-offs to it: calibrate with --pipeline-parallel-size 1, then simulate with it")
+    ns.handoff = pipeline_handoff(config, ns)
     dtype = str(config.model.dtype).removeprefix("torch.")
-    cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(
-        config.model.model, dtype, config.parallel.cpu_threads)
+    # pipeline stages are simulated from the cost model of the model whole, calibrated with the threads given
+    threads = config.parallel.cpu_threads if ns.handoff is None else config.host.cpu_threads
+    cost_path = Path(ns.cost_model) if ns.cost_model else default_cost_model_path(config.model.model, dtype, threads)
     log = (lambda msg: print(msg, file=sys.stderr)) if ns.json else print
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.simulate.calibrate import FULL_GRID, QUICK_GRID, calibrate, rescale_refusal
@@ -142,8 +159,13 @@ def run_simulate(ns: argparse.Namespace) -> int:
             if trace is None:
                 return 0
         cost_model = CostModel.load(cost_path)
+        if ns.handoff is not None and ns.rescale and ns.compare_real:
+            log("--compare-real with pipeline stages: the speed probe would count the real hand-offs into the "
+                "machine's speed, so the cost model is used as calibrated (--no-rescale)")
+            ns.rescale = False
         if engine is None and (ns.compare_real or (ns.rescale and rescale_refusal(cost_model) is None)):
-            engine = LLMEngine(config, ns.plugin_manager)  # for the speed probe and the real run
+            # for the speed probe (the model whole, as calibrated) and the real run (as configured)
+            engine = LLMEngine(config if ns.compare_real else whole_model(config), ns.plugin_manager)
         # with --calibrate and --compare-real, the calibrated engine runs the real replay too
         return _simulate_and_report(ns, config, cost_path, cost_model, trace, source, engine)
     finally:
@@ -174,7 +196,7 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibr
     reports = []
     for policy in [config.scheduler.policy, *ns.compare_policy]:
         summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
-                                         ns.trace_seed, ns.rate, ns.router, ns.router_options)
+                                         ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff)
         summary["simulator_wall_seconds"] = round(seconds, 3)
         reports.append(summary)
     errors = unscaled_errors = check = None
@@ -183,7 +205,8 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibr
         errors = relative_errors(reports[0], real)
         if cost_model is not calibrated:
             unscaled, _ = simulate_once(config, ns.plugin_manager, calibrated, trace, config.scheduler.policy,
-                                        ns.replicas, ns.trace_seed, ns.rate, ns.router, ns.router_options)
+                                        ns.replicas, ns.trace_seed, ns.rate, ns.router, ns.router_options,
+                                        ns.handoff)
             unscaled_errors = relative_errors(unscaled, real)
         check = step_time_check(config, ns, calibrated, trace, samples, real)
     result = {"trace": source, "num_requests": len(trace), "cost_model": str(cost_path),
@@ -208,19 +231,43 @@ def step_time_check(config, ns: argparse.Namespace, cost_model, trace, samples, 
     predicted = sum(cost_model.predict(f) for f, _ in samples)
     refitted = fit(samples, {"fitted_to": "the real run's steps"})
     summary, _ = simulate_once(config, ns.plugin_manager, refitted, trace, config.scheduler.policy, ns.replicas,
-                               ns.trace_seed, ns.rate, ns.router, ns.router_options)
+                               ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff)
     return {"real_over_predicted_step_seconds": sum(s for _, s in samples) / predicted,
             "errors_with_model_fitted_to_real_steps": relative_errors(summary, real)}
 
 
+def whole_model(config):
+    """``config`` on one pipeline stage, with the threads given (what the cost model was calibrated on)."""
+    import dataclasses
+
+    parallel = dataclasses.replace(config.parallel, pipeline_parallel_size=1, pipeline_layer_partition=(),
+                                   cpu_threads=config.host.cpu_threads)
+    return dataclasses.replace(config, parallel=parallel)
+
+
+def pipeline_handoff(config, ns: argparse.Namespace):
+    """The stages' hand-offs the simulation adds to each step (None with one stage)."""
+    from pagoda.plugins.entrypoints.simulate.cost_model import PipelineHandoff
+
+    stages = config.parallel.pipeline_parallel_size
+    if stages == 1:
+        return None
+    if ns.pipeline_link_latency_us < 0 or ns.pipeline_link_gbps <= 0:
+        raise ConfigError(f"--pipeline-link-latency-us {ns.pipeline_link_latency_us:g} / --pipeline-link-gbps "
+                          f"{ns.pipeline_link_gbps:g}: pass a latency >= 0 and a positive bandwidth")
+    element = config.model.dtype.itemsize
+    return PipelineHandoff(stages, ns.pipeline_link_latency_us * 1e-6, ns.pipeline_link_gbps * 1e9 / 8,
+                           2 * config.model.hidden_size * element)
+
+
 def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate,
-                  router_name: str = "least-loaded", router_options: Optional[dict] = None):
+                  router_name: str = "least-loaded", router_options: Optional[dict] = None, handoff=None):
     from pagoda.execution.routing import make_router
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
     from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route, run_trace, with_policy
 
     started = time.perf_counter()
-    engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed)
+    engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed, handoff)
     route = None
     if replicas > 1:
         try:
@@ -231,6 +278,8 @@ def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, see
     run_trace(trace, engines, route)
     seconds = time.perf_counter() - started
     label = f"pagoda simulate: {policy}" + (f" x{replicas} replicas, {router_name} router" if replicas > 1 else "")
+    if handoff is not None:
+        label += f", {handoff.num_stages} pipeline stages"
     return summarize_run(record, math.inf if rate is None else rate, label), seconds
 
 

@@ -190,3 +190,21 @@ def default_cost_model_path(model_dir: str, dtype: str, threads: Optional[int]) 
     """``$XDG_CACHE_HOME/pagoda/cost_models/<model>_<dtype>_<cpu>_<threads>.json`` (``~/.cache`` by default)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "pagoda" / "cost_models" / machine_key(model_dir, dtype, threads)
+
+
+@dataclass(frozen=True)
+class PipelineHandoff:
+    """What pipeline parallelism adds to a step of a model whose cost model was calibrated whole: each of the
+    ``num_stages - 1`` hand-offs sends the step's hidden states and residual (``2 x hidden_size`` values per
+    token) over a link of ``latency_seconds`` and ``bytes_per_second``. With one batch in flight (what pagoda
+    runs), the stages run one after another, so the step's compute is the whole model's, as calibrated."""
+
+    num_stages: int
+    latency_seconds: float
+    bytes_per_second: float
+    bytes_per_token: int
+
+    def seconds(self, num_tokens: int) -> float:
+        """The hand-offs of one step of ``num_tokens`` tokens."""
+        one = self.latency_seconds + num_tokens * self.bytes_per_token / self.bytes_per_second
+        return (self.num_stages - 1) * one

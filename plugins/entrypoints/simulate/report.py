@@ -42,6 +42,8 @@ def summarize_run(record: RunRecord, rate: float, label: str) -> dict:
     summary["prefix_cache_hit_rate"] = (record.prefix_hits / record.prefix_queries if record.prefix_queries
                                         else math.nan)  # nan: no prefix cache (or an allocator without stats)
     summary["num_steps"] = len(record.step_end)
+    step_total = float(sum(record.step_seconds))
+    summary["pipeline_handoff_share"] = record.handoff_seconds / step_total if step_total else 0.0
     summary["kv_usage"] = _usage(record)
     # per priority level (when the trace has more than one): TTFT, the measure priorities exist for
     levels = np.frombuffer(record.priority, dtype=np.int64)
@@ -103,6 +105,8 @@ def format_run(s: dict) -> str:
         f"{s['blocks_swapped']} blocks moved)",
         f"{'KV usage mean/p50/p90/max':<30}{u['mean']:.1%} / {u['p50']:.1%} / {u['p90']:.1%} / {u['max']:.1%}",
     ]
+    if s.get("pipeline_handoff_share"):
+        lines.append(f"{'pipeline hand-offs':<30}{s['pipeline_handoff_share']:.1%} of the step time")
     if u["series"]:
         lines.append(f"{'KV usage over time':<30}" + " ".join(f"{v:.0%}" for _, v in u["series"]))
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence as Seq
 from pagoda.config import EngineConfig
 from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import ConfigError, InvalidRequestError
-from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, PipelineHandoff
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
@@ -54,14 +54,16 @@ class RunRecord:
         self.num_blocks_swapped = 0  # blocks moved out plus blocks moved in
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.handoff_seconds = 0.0  # pipeline stages' hand-offs, summed over the steps
 
 
 class SimulatedEngine:
     """One simulated replica: a scheduler plugin over a KV allocator plugin, timed by a cost model."""
 
     def __init__(self, scheduler, kv_manager, cost_model: CostModel, limits: RequestLimits, record: RunRecord,
-                 prompts: PromptMaker) -> None:
+                 prompts: PromptMaker, handoff: Optional[PipelineHandoff] = None) -> None:
         self.scheduler = scheduler
+        self.handoff = handoff  # pipeline parallelism's hand-offs between stages (None: one stage)
         self.kv = kv_manager
         self.cost_model = cost_model
         self.limits = limits  # what the real engine checks each request against
@@ -112,6 +114,10 @@ class SimulatedEngine:
             self._drain_finished()
             return False
         seconds = self.cost_model.step_seconds(sched.num_new_tokens, sched.num_computed_before, num_moved)
+        if self.handoff is not None:
+            handoff = self.handoff.seconds(sum(sched.num_new_tokens))
+            rec.handoff_seconds += handoff
+            seconds += handoff
         start_time = self.clock
         first_scheduled = rec.first_scheduled
         index = self._index
@@ -234,9 +240,11 @@ def router_route(router, block_size: int) -> Route:
 
 
 def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[TraceRequest],
-                  num_replicas: int = 1, seed: int = 0) -> tuple[list[SimulatedEngine], RunRecord]:
+                  num_replicas: int = 1, seed: int = 0, handoff: Optional[PipelineHandoff] = None
+                  ) -> tuple[list[SimulatedEngine], RunRecord]:
     """``num_replicas`` simulated engines with the configured scheduler and KV allocator plugins, sized as the
-    real engine would size its KV cache from ``config``; one record they all write to."""
+    real engine would size its KV cache from ``config`` (per pipeline stage with several); one record they all
+    write to. ``handoff``: the stages' hand-offs each step adds."""
     from pagoda.registry.adapt import adapt_component
 
     mc, cc = config.model, config.cache
@@ -255,19 +263,21 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
         if cc.preemption_mode == "swap":
             kv.init_swap_pool(num_swap_blocks)
         limits = RequestLimits(mc.max_model_len, mc.vocab_size, num_blocks, kv.blocks_needed)
-        engines.append(SimulatedEngine(scheduler, kv, cost_model, limits, record, prompts))
+        engines.append(SimulatedEngine(scheduler, kv, cost_model, limits, record, prompts, handoff))
     return engines, record
 
 
 def kv_cache_blocks(config: EngineConfig) -> tuple[int, int]:
-    """KV blocks and swap blocks the real engine would have: its memory over one block's K and V in every layer."""
+    """KV blocks and swap blocks the real engine would have: its memory over one block's K and V in every layer
+    (every layer of the largest pipeline stage: each stage keeps its own layers' K/V in that memory)."""
     import torch
 
     from pagoda.config import resolve_kv_cache_dtype
 
     mc, cc = config.model, config.cache
     element = torch.empty(0, dtype=resolve_kv_cache_dtype(cc.kv_cache_dtype, mc.dtype)).element_size()
-    bytes_per_block = 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * element * mc.num_layers
+    num_layers = max(config.parallel.pipeline_layer_partition or (mc.num_layers,))
+    bytes_per_block = 2 * cc.block_size * mc.num_kv_heads * mc.head_dim * element * num_layers
     num_blocks = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes} holds no KV block ({bytes_per_block} "

@@ -1,0 +1,194 @@
+"""Pipeline parallelism: the decoder layers split over stages (each of tensor_parallel_size ranks) give the
+tokens of the model whole.
+
+The default model's 30 layers split 15/15 over 2 stages; a tiny random model of 3 layers splits 2/1 (and 1/2
+when asked), with an LM head of its own on the last stage; the tiny quantized checkpoints of the quant tests
+split 1/1, and run on 2 x 2 ranks (tensor parallelism inside each stage). Each rank runs one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagoda import LLM, SamplingParams
+from pagoda.errors import ConfigError
+from pagoda.execution.pipeline import PipelineStage, layer_partition, stage_of
+from pagoda.modeling.default_model import ensure_default_model
+
+from quant_helpers import TINY, gptq_checkpoint
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
+           " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 8)), "Hello"]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+          SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True, logprobs=1)]
+TOKEN_PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 17, 44, 45, 46, 250, 12, 90, 91, 300], list(range(3, 60, 3))]
+
+
+def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts: bool = False,
+        params: object = None, **options) -> list:
+    llm = LLM(model=model, dtype="float32", max_model_len=256, cpu_threads=1, tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, swap_space=0, **options)
+    try:
+        if prompts and isinstance(prompts[0], list):
+            prompts = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(prompts, params or (PARAMS * 4)[:len(prompts)], use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0 or not preempts
+        return outputs
+    finally:
+        llm.engine.shutdown()
+
+
+def assert_same_tokens(one: list, two: list) -> float:
+    """Identical tokens; returns the largest difference of the sampled tokens' logprobs."""
+    worst = 0.0
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for token, la, lb in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            worst = max(worst, abs(la[token].logprob - lb[token].logprob))
+    return worst
+
+
+def test_an_even_split_gives_the_earlier_stages_the_extra_layers_and_each_rank_its_neighbours():
+    assert layer_partition(30, 2) == (15, 15)
+    assert layer_partition(7, 3) == (3, 2, 2)
+    # rank = stage x tensor_parallel_size + tensor-parallel index
+    assert stage_of(3, 2, (3, 2, 2)) == PipelineStage(1, 3, 3, 5, prev_rank=1, next_rank=5)
+    assert stage_of(0, 2, (3, 2, 2)) == PipelineStage(0, 3, 0, 3, prev_rank=None, next_rank=2)
+    assert stage_of(5, 2, (3, 2, 2)).is_last
+
+
+def test_two_stages_give_the_default_model_s_tokens_through_preemption():
+    model = str(ensure_default_model())
+    # a pool this small preempts; the same block count on both sides keeps the schedules alike
+    pool = dict(num_gpu_blocks_override=9, max_num_batched_tokens=48, max_num_seqs=8, preempts=True,
+                prompts=PROMPTS * 2)
+    worst = assert_same_tokens(run(model, **pool), run(model, pp=2, **pool))
+    print(f"default model, PP=2 vs PP=1: largest logprob difference {worst:.2e}")
+    assert worst < 1e-3
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    """3 decoder layers (they split unevenly over 2 stages), 4 query heads on 2 KV heads, untied LM head."""
+    directory = tmp_path_factory.mktemp("three-layers")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, directory / name)
+    hidden, heads, head_dim, inter, vocab, layers = 64, 4, 16, 96, 512, 3
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": 2, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 256, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    (directory / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
+               "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen), "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({p + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+                        p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+                        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+                        p + "self_attn.k_proj.weight": w(2 * head_dim, hidden),
+                        p + "self_attn.v_proj.weight": w(2 * head_dim, hidden),
+                        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+                        p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+                        p + "mlp.down_proj.weight": w(hidden, inter)})
+    save_file(tensors, str(directory / "model.safetensors"))
+    return str(directory)
+
+
+@pytest.mark.parametrize("partition, micro_batches", [(None, 1), ("1,2", 1), (None, 2)])
+def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, partition, micro_batches):
+    worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
+                               run(three_layers, pp=2, prompts=TOKEN_PROMPTS, pipeline_layer_partition=partition,
+                                   pipeline_micro_batches=micro_batches))
+    assert worst < 1e-4
+
+
+def test_two_by_two_ranks_give_the_tokens_of_one(three_layers):
+    worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
+                               run(three_layers, pp=2, tp=2, prompts=TOKEN_PROMPTS))
+    assert worst < 1e-4
+
+
+def test_a_quantized_checkpoint_splits_by_stage(tmp_path):
+    gptq_checkpoint(tmp_path, group=32)
+    worst = assert_same_tokens(run(str(tmp_path), prompts=TOKEN_PROMPTS),
+                               run(str(tmp_path), pp=2, prompts=TOKEN_PROMPTS))
+    assert worst < 1e-4
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
+    worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
+                               run(three_layers, pp=2, prompts=TOKEN_PROMPTS, distributed_executor_backend="ray",
+                                   pipeline_micro_batches=2))
+    assert worst < 1e-4
+    assert all(g["state"] == "REMOVED" for g in ray_cluster.util.placement_group_table().values())
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(pipeline_parallel_size=3), r"pipeline_parallel_size=3 is more than the model's 2 decoder layers"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_partition="1,2"), "sums to 3 layers but the model has 2"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_partition="2"), "has 1 stage"),
+    (dict(pipeline_parallel_size=2, pipeline_layer_partition="one,one"), "is not comma-separated layer counts"),
+    (dict(pipeline_layer_partition="1,1"), "needs --pipeline-parallel-size > 1"),
+    (dict(pipeline_micro_batches=2), "needs --pipeline-parallel-size > 1"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative decoding does not run over pipeline stages"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA runs in the engine's process"),
+    (dict(pipeline_parallel_size=2, kv_offload_ram=0.1), "do not keep K/V per pipeline stage"),
+])
+def test_what_pipeline_parallelism_cannot_run_is_refused_before_any_process_starts(options, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(TINY), dtype="float32", **options)
+
+
+def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_step(three_layers):
+    """A fault raised in the driver's stage mid-step: the later stage is handed a placeholder, the engine re-runs
+    the step in parts, the faulty request ends with an error and the others get the tokens of a clean run."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
+    used = {t for p in TOKEN_PROMPTS for t in p} | {t for ids in clean for t in ids}
+    poison = next(t for t in range(3, 512) if t not in used)
+    llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,
+              swap_space=0, pipeline_micro_batches=2)
+    seen = []
+
+    def maybe_raise(module, args, output):
+        if bool((seen[-1] == poison).any()):
+            raise RuntimeError("injected fault")
+
+    model = llm.engine.model
+    hooks = [model.register_forward_pre_hook(lambda module, args: seen.append(args[0])),
+             model.layers[0].register_forward_hook(maybe_raise)]
+    engine = llm.engine
+    try:
+        for i, prompt in enumerate([*TOKEN_PROMPTS, [1, poison, 7]]):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        engine.shutdown()
+    assert done["r3"].outputs[0].finish_reason == "error" and "injected fault" in done["r3"].error
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == clean
