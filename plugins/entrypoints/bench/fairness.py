@@ -192,8 +192,9 @@ def format_table(rows: list[dict]) -> str:
         first = row["ttft_each_ms"][0] if row["ttft_each_ms"] else float("nan")
         ratios = flood = ""
         if base is not None:
-            ratios = (f"{ttft['mean'] / base['ttft_ms']['mean']:>8.1f}x{first / base['ttft_ms']['mean']:>7.1f}x"
-                      f"{later['mean'] / base['ttft_ms']['mean']:>8.1f}x{tpot['mean'] / base['tpot_ms']['mean']:>8.1f}x")
+            base_ttft, base_tpot = base["ttft_ms"]["mean"], base["tpot_ms"]["mean"]
+            ratios = (f"{ttft['mean'] / base_ttft:>8.1f}x{first / base_ttft:>7.1f}x{later['mean'] / base_ttft:>8.1f}x"
+                      f"{tpot['mean'] / base_tpot:>8.1f}x")
         if "flood_tokens_per_s" in row:
             flood = f"{row['flood_tokens_per_s']['alone']:>19.1f}{row['flood_tokens_per_s']['beside_small']:>8.1f}"
         lines.append(f"{row['round']:<6}{row['policy']:<{width}}{row['phase']:<9}{row['num_running']:>5}"
