@@ -169,7 +169,8 @@ async def loaded_run(server: FairnessServer, model: str, request: BenchRequest,
 
 def summarize(timings: list[RequestTiming]) -> dict:
     """The small tenant's TTFT and TPOT; TTFT also without the first request, which under a flood that ran alone
-    until then waits for the rest of one of its whole steps (no policy can shorten a step that has started)."""
+    until then waits for the rest of one of its steps (a step that has started runs to its end; ``fair`` bounds a
+    lone tenant's steps by ``--fair-step-ms``)."""
     ok = [t for t in timings if t.ok]
     errors = sorted({t.error for t in timings if t.error})
     return {"completed": len(ok), "failed": len(timings) - len(ok), "errors": errors[:3],
