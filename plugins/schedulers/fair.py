@@ -188,9 +188,13 @@ class FairScheduler(TokenBudgetScheduler):
         return self._scheduled_per_tenant[tenant] < self._step_seats.get(tenant, 0)
 
     def may_admit(self, request: Sequence) -> bool:
-        if not super().may_admit(request):
+        if self._step_seats is None:
+            return super().may_admit(request)
+        # swapped-out sequences come back first, except those the bound holds back (their tenant ran its part):
+        # they do not hold up another tenant's start
+        if any(r.tenant == request.tenant or self._has_seat(r.tenant) for r in self.swapped):
             return False
-        if self._step_seats is None or self._step_is_timed:
+        if self._step_is_timed:
             return True
         # a tenant that runs its part of the step already starts nothing more in it
         return self._has_seat(request.tenant)
