@@ -74,8 +74,9 @@ class FairScheduler(TokenBudgetScheduler):
         # the time bound: milliseconds a step may take (0: none), and the measured seconds per decoding sequence
         self.fair_step_ms = scheduler_config.fair_step_ms
         self._seconds_per_seq: Optional[float] = None
-        # steps run so far, and request id -> the step it last ran in (the bounds rotate sequences by it)
-        self._num_steps = 0
+        # sequences run so far (over all steps), and request id -> the count when it last ran: the bounds run
+        # the least recently run first
+        self._num_runs = 0
         self._last_run: dict[str, int] = {}
 
     def weight(self, tenant: Optional[str]) -> float:
@@ -112,11 +113,12 @@ class FairScheduler(TokenBudgetScheduler):
             cost = PROMPT_TOKEN_COST * num_prompt + OUTPUT_TOKEN_COST * len(token_ids)
             if cost:
                 service[req.tenant] = service.get(req.tenant, 0.0) + cost / self.weight(req.tenant)
-        self._num_steps += 1
-        step = self._num_steps
+        # a new ticket per sequence run, handed out in the order of the old ones: the bounds run the lowest
+        # tickets first, so the sequences of a tenant take turns as in a queue (a round robin)
         last_run = self._last_run
-        for req in sched.requests:
-            last_run[req.request_id] = step
+        for req in sorted(sched.requests, key=lambda r: last_run.get(r.request_id, 0)):
+            self._num_runs += 1
+            last_run[req.request_id] = self._num_runs
         self._measure_step(sched, result)
         return super().update(sched, result)
 
