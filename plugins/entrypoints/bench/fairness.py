@@ -8,8 +8,8 @@ fill the batch. The flood starts before the small requests, and is cancelled (it
 aborts it) once they are done. With ``--rounds`` above 1 the policies alternate, round after round, so a busy
 machine's noise falls on each of them alike; every round's figures are printed. A policy may carry engine options
 of its own (``fair:fair-step-ms=0``), to compare settings of one policy side by side. The flooding tenant's
-throughput (its streamed tokens per second) is measured alone, for ``--flood-alone-seconds`` before the small
-requests start, and beside them: what a bound on the steps costs it.
+throughput (its streamed tokens per second) is measured alone, for ``--flood-alone-seconds`` once all its
+sequences have started and before the small requests start, and beside them: what a bound on the steps costs it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--scheduling-policies", nargs="+", default=["fcfs", "fair"], metavar="POLICY[:OPTION=VALUE]",
                    help="the policies compared, one engine each (default: fcfs fair); engine options of one policy's "
                         "engine follow its name, separated by colons: fair:fair-step-ms=0:fair-step-seqs=4")
-    p.add_argument("--flood-alone-seconds", type=float, default=5.0,
-                   help="seconds the flooding tenant's throughput is measured alone, before the small requests")
+    p.add_argument("--flood-alone-seconds", type=float, default=10.0,
+                   help="seconds the flooding tenant's throughput is measured alone (once all its sequences have "
+                        "started), before the small requests")
     p.add_argument("--flood-requests", type=int, default=13, help="the flooding tenant's concurrent requests")
     p.add_argument("--flood-n", type=int, default=8, help="sequences per flooding request (its n)")
     p.add_argument("--flood-max-tokens", type=int, default=8000, help="max_tokens of a flooding request "
@@ -154,6 +155,10 @@ async def loaded_run(server: FairnessServer, model: str, request: BenchRequest,
         for task in flood:
             if task.done() and task.exception() is not None:
                 raise task.exception()
+        # the flood's throughput alone once every one of its sequences has started (its prompts are not counted)
+        scheduler = server.llm.engine.scheduler
+        while scheduler.num_waiting:
+            await asyncio.sleep(0.05)
         tokens0, t0 = progress.num_tokens, time.perf_counter()
         await asyncio.sleep(ns.flood_alone_seconds)
         tokens1, t1 = progress.num_tokens, time.perf_counter()
