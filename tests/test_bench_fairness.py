@@ -22,10 +22,11 @@ def test_the_fairness_bench_measures_the_small_tenant_unloaded_and_flooded_under
     for row in rows:
         assert row["completed"] == 2 and row["failed"] == 0
         assert row["ttft_ms"]["mean"] > 0 and row["tpot_ms"]["mean"] > 0
-    # the small requests started while the flood's six sequences ran; the flood streamed tokens alone and beside
+    # the small requests started while the flood's six sequences ran; the flood streamed tokens beside them (every
+    # step of theirs ran flood sequences too; alone, a window as short as this one may fall inside one long step)
     flooded = [r for r in rows if r["phase"] == "flooded"]
     assert all(r["num_running"] == 6 for r in flooded)
-    assert all(r["flood_tokens_per_s"]["alone"] > 0 and r["flood_tokens_per_s"]["beside_small"] > 0 for r in flooded)
+    assert all(r["flood_tokens_per_s"]["alone"] >= 0 and r["flood_tokens_per_s"]["beside_small"] > 0 for r in flooded)
     # the table gives the flooded figures as ratios to the unloaded ones, then the flood's tokens per second
     for policy in ("fcfs", fair):
         assert re.search(rf"^1\s+{re.escape(policy)}\s+flooded\s.*\d\.\dx\s+\d+\.\dx\s+[\d.]+\s+[\d.]+$", out,
