@@ -25,7 +25,8 @@ from pagoda.errors import ConfigError
 FAIR_STEP_SEQS = 2
 # --fair-step-ms by default: a tenant arriving while another runs alone waits for the rest of that tenant's step;
 # a first token unloaded took 120-300 ms on the CPU measured (docs/fairness.md), so a step of at most 250 ms keeps
-# that wait (half a step on average) within the unloaded time, and the lone tenant keeps most of its throughput
+# that wait (half a step on average) within the unloaded time; what it costs the lone tenant's throughput grows as
+# its steps get slower (at least --fair-step-seqs sequences run), measured in docs/fairness.md
 FAIR_STEP_MS = 250.0
 
 
@@ -106,8 +107,8 @@ class EngineArgs(HostOptions):
         "the fair scheduling policy: while a light tenant (at most this many sequences, or a quarter of the "
         "largest tenant's) is active beside others, it runs all its sequences and the heavy tenants share what is "
         "left of this many per step by weight (each at least one), so a tenant with many sequences cannot slow "
-        "the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "
-        "(every running sequence runs each step, as under fcfs)"))
+        "the light tenant's tokens; its own throughput drops meanwhile. 0: no such bound "
+        "(the time bound, --fair-step-ms, still applies)"))
     fair_step_ms: float = Field(default=FAIR_STEP_MS, ge=0, description=(
         "the fair scheduling policy: while no light tenant is active (one tenant alone, or heavy tenants "
         "together), a step runs only as many of the running sequences as fit in this many milliseconds at the "
