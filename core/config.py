@@ -90,6 +90,9 @@ class SchedulerConfig:
     # the ``fair`` policy: while more than one tenant is active, the most sequences one step runs, split between
     # the tenants by weight (each active tenant at least one); 0: no such bound
     fair_step_seqs: int = 0
+    # the ``fair`` policy: while no light tenant is active (one tenant alone, or heavy tenants together), the
+    # milliseconds a step may take, at the measured seconds per decoding sequence; 0: no such bound
+    fair_step_ms: float = 0.0
     # LoRA: the most distinct adapters the running requests may use at once (0: LoRA is off)
     max_loras: int = 0
 

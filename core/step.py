@@ -144,7 +144,9 @@ class RunnerOutput:
     logprobs never speculate); ``prompt_logprobs[i]`` covers the prompt
     positions computed this step. ``failed[i]`` says why request ``i``'s
     execution failed (the engine ran it alone and it failed again): ``update``
-    ends it with that error.
+    ends it with that error. ``execute_seconds`` is the wall-clock time the
+    step's execution took, set by the engine (the simulator sets its cost
+    model's time); None where nothing measured it.
     """
 
     sampled_token_ids: list[list[int]]
@@ -152,6 +154,7 @@ class RunnerOutput:
     prompt_logprobs: list[Optional[list[TokenLogprobs]]]
     num_draft_tokens: list[int]
     failed: dict[int, str] = field(default_factory=dict)
+    execute_seconds: Optional[float] = None
 
     @classmethod
     def empty(cls, num_requests: int) -> "RunnerOutput":

@@ -16,12 +16,14 @@ from pagoda.step import RunnerOutput
 from pagoda.testing import check_scheduler
 
 
-def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64, step_seqs=0):
+def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64, step_seqs=0, step_ms=0.0, num_swap_blocks=0):
     sched_cfg = SchedulerConfig(policy="fair", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=256, enable_chunked_prefill=True, long_prefill_token_threshold=0,
-                                max_waiting_requests=None, tenant_weights=weights, fair_step_seqs=step_seqs)
-    cache_cfg = CacheConfig(4, 0, "auto", False, num_blocks, 0, "recompute", "paged")
-    return FairScheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False))
+                                max_waiting_requests=None, tenant_weights=weights, fair_step_seqs=step_seqs,
+                                fair_step_ms=step_ms)
+    mode = "swap" if num_swap_blocks else "recompute"
+    cache_cfg = CacheConfig(4, 0, "auto", False, num_blocks, 0, mode, "paged")
+    return FairScheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False, num_swap_blocks))
 
 
 _ids = iter(range(10 ** 6))
@@ -32,12 +34,16 @@ def seq(tenant, prompt_len=4, max_tokens=50):
                     ignore_eos=True), tenant=tenant)
 
 
-def step(s):
+def step(s, seconds_per_step=None, seconds_per_seq=None):
+    """One step; with the two costs given, its execution is reported to have taken
+    ``seconds_per_step + seconds_per_seq * sequences`` (``RunnerOutput.execute_seconds``)."""
     out = s.schedule()
     result = RunnerOutput.empty(len(out.requests))
     for i, r in enumerate(out.requests):
         if out.num_computed_before[i] + out.num_new_tokens[i] >= r.num_tokens:
             result.sampled_token_ids[i] = [7]
+    if seconds_per_step is not None:
+        result.execute_seconds = seconds_per_step + seconds_per_seq * len(out.requests)
     s.update(out, result)
     return out
 
@@ -258,3 +264,66 @@ def test_a_tenant_with_a_few_sequences_beside_a_flood_runs_them_all():
         s.add_request(seq("light", max_tokens=100))
     step(s)
     assert tenants_of(step(s)) == {"light": 3, "heavy": 1}
+
+
+def test_a_lone_tenant_s_steps_take_the_time_bound_and_its_sequences_take_turns():
+    # 10 ms a step plus 10 ms a sequence: a bound of 100 ms fits about 9 sequences of the 20
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=2, step_ms=100.0)
+    flood = [seq("heavy", max_tokens=200) for _ in range(20)]
+    for r in flood:
+        s.add_request(r)
+    assert tenants_of(step(s, 0.01, 0.01)) == {"heavy": 20}  # the prompts: nothing measured yet
+    assert len(step(s, 0.01, 0.01).requests) == 20  # the first decode step is measured
+    sizes = [len(step(s, 0.01, 0.01).requests) for _ in range(30)]
+    assert all(2 <= n <= 10 for n in sizes), sizes
+    assert all(0.01 + 0.01 * n <= 0.1 + 0.011 for n in sizes[3:]), sizes  # within one sequence of the bound
+    # no sequence stalls: each ran its turn, none more than a turn ahead of another
+    outputs = [r.num_output_tokens for r in flood]
+    assert min(outputs) >= 10 and max(outputs) - min(outputs) <= 2, outputs
+    assert s.num_running == 20 and s.num_preemptions == 0
+
+
+def test_without_a_measured_step_time_a_lone_tenant_runs_its_whole_batch():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=2, step_ms=100.0)
+    for _ in range(20):
+        s.add_request(seq("heavy", max_tokens=200))
+    for _ in range(5):
+        assert tenants_of(step(s)) == {"heavy": 20}
+
+
+def test_a_tenant_arriving_beside_a_time_bounded_one_gets_the_sequence_bound():
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=2, step_ms=100.0)
+    for _ in range(20):
+        s.add_request(seq("heavy", max_tokens=200))
+    for _ in range(6):
+        step(s, 0.01, 0.01)
+    light = seq("light", max_tokens=3)
+    s.add_request(light)
+    while not light.is_finished:
+        assert tenants_of(step(s, 0.01, 0.01)) == {"light": 1, "heavy": 1}
+
+
+def test_swapped_out_sequences_of_a_heavy_tenant_come_back_only_within_its_part_of_the_step():
+    from pagoda.step import SchedulerOutput
+
+    s = make(max_num_seqs=32, num_blocks=256, budget=256, step_seqs=2, num_swap_blocks=64)
+    heavy = [seq("heavy", max_tokens=200) for _ in range(6)]
+    for r in heavy:
+        s.add_request(r)
+    step(s)
+    out = SchedulerOutput()
+    for victim in s.running[-2:]:
+        s.preempt(victim, out)
+    s.update(out, RunnerOutput.empty(0))
+    assert s.num_swapped == 2
+    light = seq("light", max_tokens=3)
+    s.add_request(light)
+    while not light.is_finished:
+        # there is room to swap both back, but the heavy tenant's part of the step is one sequence
+        out = step(s)
+        assert tenants_of(out) == {"light": 1, "heavy": 1} and not out.blocks_to_swap_in
+        assert s.num_swapped == 2
+    for _ in range(IDLE_GRACE_STEPS):
+        step(s)
+    out = step(s)  # the light tenant is gone: the whole batch, the swapped sequences back in it
+    assert s.num_swapped == 0 and tenants_of(out) == {"heavy": 6}

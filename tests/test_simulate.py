@@ -6,6 +6,7 @@ The scheduler and KV allocator are the real plugins; only the model is replaced 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_the_request_log_records_finished_requests_and_converts_to_a_trace(tmp_p
     writer = RequestLogWriter(log)
     for i, (arrival, num_out) in enumerate(((100.0, 3), (100.5, 0), (101.25, 2))):
         seq = Sequence(f"r{i}", [5, 6, 7 + i], SamplingParams(max_tokens=3), arrival_time=arrival, priority=i,
-                       parent_id=f"r{i}")
+                       parent_id=f"r{i}", tenant="alice" if i else None)
         for _ in range(num_out):
             seq.append_output_tokens([11], 1 << 20)
         seq.first_token_time = arrival + 0.2 if num_out else None
@@ -90,8 +91,36 @@ def test_the_request_log_records_finished_requests_and_converts_to_a_trace(tmp_p
     assert first["prompt_token_ids"] == [5, 6, 7] and first["num_output_tokens"] == 3 and first["ttft"] == 0.2
     trace, skipped = trace_from_request_log(log)
     assert skipped == 1  # aborted before its first token
-    assert [(r.arrival, r.output_len, r.priority, r.prompt_token_ids) for r in trace] == [
-        (0.0, 3, 0, [5, 6, 7]), (1.25, 2, 2, [5, 6, 9])]
+    assert [(r.arrival, r.output_len, r.priority, r.prompt_token_ids, r.tenant) for r in trace] == [
+        (0.0, 3, 0, [5, 6, 7], None), (1.25, 2, 2, [5, 6, 9], "alice")]
+
+
+def test_a_request_log_replays_its_tenants_under_fair(pm, tmp_path):
+    """A log of a flooding tenant beside a small one: the replay keeps the tenants, so under ``fair`` the small
+    tenant's tokens come faster than under ``fcfs``, and the report names both tenants."""
+    log = tmp_path / "requests.jsonl"
+    writer = RequestLogWriter(log)
+    lines = [(f"f{i}", "flood", 0.0, 64) for i in range(12)] + [(f"s{i}", "small", 0.01 * (i + 1), 4) for i in range(3)]
+    for rid, tenant, arrival, num_out in lines:
+        seq = Sequence(rid, [5, 6, 7, 8], SamplingParams(max_tokens=num_out), arrival_time=arrival, parent_id=rid,
+                       tenant=tenant)
+        for _ in range(num_out):
+            seq.append_output_tokens([11], 1 << 20)
+        seq.first_token_time = arrival + 0.1
+        seq.status = SequenceStatus.FINISHED_LENGTH
+        writer.pagoda_request_finished(seq)
+    writer.close()
+    trace, _ = trace_from_request_log(log)
+    assert Counter(r.tenant for r in trace) == {"flood": 12, "small": 3}
+    fcfs, _ = simulate(pm, trace, "fcfs")
+    fair, _ = simulate(pm, trace, "fair")
+    assert set(fair["by_tenant"]) == {"flood", "small"}
+    # fcfs runs the small requests in steps of all fifteen sequences, fair in bounded steps beside one of the flood
+    assert fair["by_tenant"]["small"]["tpot_ms"]["mean"] < fcfs["by_tenant"]["small"]["tpot_ms"]["mean"]
+    with pytest.raises(ConfigError, match="tenant=5"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({**json.loads(log.read_text().splitlines()[0]), "tenant": 5}) + "\n")
+        trace_from_request_log(bad)
 
 
 def test_the_fit_recovers_the_coefficients_that_made_the_step_times():

@@ -23,6 +23,11 @@ from pagoda.errors import ConfigError
 # default model took about twice the time of a step of one, and at times more; a step of two stays well within
 # twice, so a light tenant's tokens stay within 2x of their unloaded time beside a flooding tenant
 FAIR_STEP_SEQS = 2
+# --fair-step-ms by default: a tenant arriving while another runs alone waits for the rest of that tenant's step;
+# a first token unloaded took 120-300 ms on the CPU measured (docs/fairness.md), so a step of at most 250 ms keeps
+# that wait (half a step on average) within the unloaded time; what it costs the lone tenant's throughput grows as
+# its steps get slower (at least --fair-step-seqs sequences run), measured in docs/fairness.md
+FAIR_STEP_MS = 250.0
 
 
 def _host_field(option: HostOption) -> tuple[Any, Any]:
@@ -102,8 +107,14 @@ class EngineArgs(HostOptions):
         "the fair scheduling policy: while a light tenant (at most this many sequences, or a quarter of the "
         "largest tenant's) is active beside others, it runs all its sequences and the heavy tenants share what is "
         "left of this many per step by weight (each at least one), so a tenant with many sequences cannot slow "
-        "the light tenant's tokens; its own throughput drops meanwhile. 0: no bound "
-        "(every running sequence runs each step, as under fcfs)"))
+        "the light tenant's tokens; its own throughput drops meanwhile. 0: no such bound "
+        "(the time bound, --fair-step-ms, still applies)"))
+    fair_step_ms: float = Field(default=FAIR_STEP_MS, ge=0, description=(
+        "the fair scheduling policy: while no light tenant is active (one tenant alone, or heavy tenants "
+        "together), a step runs only as many of the running sequences as fit in this many milliseconds at the "
+        "measured time per sequence (at least --fair-step-seqs; the sequences take turns), so a tenant that "
+        "arrives waits at most about this long for the running step to end; the lone tenant's throughput drops "
+        "somewhat. 0: no bound (a lone tenant's whole batch runs each step)"))
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
     enable_chunked_prefill: bool = True
@@ -413,6 +424,7 @@ class EngineArgs(HostOptions):
             max_waiting_tokens=self.max_waiting_tokens,
             max_waiting_per_tenant=self.max_waiting_per_tenant,
             fair_step_seqs=self.fair_step_seqs,
+            fair_step_ms=self.fair_step_ms,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
             tenant_weights=parse_tenant_weights(self.tenant_weights) if self.tenant_weights else (),
             max_loras=lora_cfg.max_loras if lora_cfg else 0,

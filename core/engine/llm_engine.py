@@ -251,6 +251,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self._execute(sched)
         t2 = time.perf_counter()
+        if result is not None:
+            result.execute_seconds = t2 - t1
         progressed = self._update(sched, result)
         t3 = time.perf_counter()
         outputs = self._emit(progressed)

@@ -332,8 +332,12 @@ class TokenBudgetScheduler:
         return k
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.swapped[0]
+        idx = 0
+        while idx < len(self.swapped) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[idx]
+            if not self._may_swap_in(req):
+                idx += 1  # the policy keeps it out of this step; the ones behind it may come back
+                continue
             if not self._fits_lora_slots(req):
                 break
             num_new = self._num_new_tokens(req, budget)
@@ -342,7 +346,7 @@ class TokenBudgetScheduler:
                 continue
             if num_new == 0 or not self.kv.can_swap_in(req, num_new):
                 break
-            self.swapped.pop(0)
+            self.swapped.pop(idx)
             out.blocks_to_swap_in.extend(self.kv.swap_in(req))
             if not self.kv.allocate_slots(req, num_new):
                 raise RuntimeError(f"KV bookkeeping error: {req.request_id} swapped in without room to run")
@@ -351,6 +355,10 @@ class TokenBudgetScheduler:
             self._add_to_output(out, req, num_new, req.num_computed_tokens)
             budget -= num_new
         return budget
+
+    def _may_swap_in(self, req: Sequence) -> bool:
+        """Whether the policy lets swapped-out ``req`` run in this step (room permitting): by default always."""
+        return True
 
     def _outgrows_cache(self, req: Sequence, num_new: int) -> bool:
         return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks

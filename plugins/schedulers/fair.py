@@ -19,9 +19,15 @@ Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), on the to
   each at least one sequence a step. A step's time grows with the sequences it runs, so this keeps a tenant
   with many sequences from slowing a light tenant's tokens; its sequences beyond its part keep their KV blocks
   and wait a step (``0``: no bound). Heavy tenants alone together are not bounded: they share the batch by
-  the counters and the seats above.
+  the counters and the seats above;
+- otherwise (one tenant alone, or heavy tenants alone together) a step is bounded by time when
+  ``SchedulerConfig.fair_step_ms`` is set: it runs as many running sequences as fit in that many milliseconds
+  at the seconds per sequence measured over recent decode steps (``RunnerOutput.execute_seconds``), shared by
+  weight. A step that has started cannot be cut short, so a tenant that arrives while another runs alone waits
+  for the rest of that step before its prompt is computed: this bounds that wait. Requests still start as
+  room allows; the bound rotates the running sequences, least recently run first, so none stalls.
 
-With one tenant it schedules as ``fcfs`` does.
+With one tenant and no time bound it schedules as ``fcfs`` does.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ OUTPUT_TOKEN_COST = 2.0
 IDLE_GRACE_STEPS = 16
 # a tenant with at most 1/LIGHT_SHARE of the sequences of the largest tenant counts as light for the step bound
 LIGHT_SHARE = 4
+# the weight of the newest decode step in the running estimate of seconds per sequence
+STEP_TIME_SMOOTHING = 0.3
 
 
 class FairScheduler(TokenBudgetScheduler):
@@ -59,6 +67,17 @@ class FairScheduler(TokenBudgetScheduler):
         self._idle_grace: dict[Optional[str], int] = {}
         # this step's sequences per tenant while the step bound is in force (None: no bound this step)
         self._step_seats: Optional[dict[Optional[str], int]] = None
+        # whether this step's seats come from the time bound (it rotates running sequences; starts are not bound)
+        self._step_is_timed = False
+        # sequences per tenant scheduled in the step being built
+        self._scheduled_per_tenant: Counter = Counter()
+        # the time bound: milliseconds a step may take (0: none), and the measured seconds per decoding sequence
+        self.fair_step_ms = scheduler_config.fair_step_ms
+        self._seconds_per_seq: Optional[float] = None
+        # sequences run so far (over all steps), and request id -> the count when it last ran: the bounds run
+        # the least recently run first
+        self._num_runs = 0
+        self._last_run: dict[str, int] = {}
 
     def weight(self, tenant: Optional[str]) -> float:
         return self.weights.get(tenant, 1.0)
@@ -81,6 +100,7 @@ class FairScheduler(TokenBudgetScheduler):
             if not self._live[req.tenant]:
                 del self._live[req.tenant]
                 self._idle_grace[req.tenant] = IDLE_GRACE_STEPS
+            self._last_run.pop(req.request_id, None)
         super().finish(req, status)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Sequence]:
@@ -93,7 +113,27 @@ class FairScheduler(TokenBudgetScheduler):
             cost = PROMPT_TOKEN_COST * num_prompt + OUTPUT_TOKEN_COST * len(token_ids)
             if cost:
                 service[req.tenant] = service.get(req.tenant, 0.0) + cost / self.weight(req.tenant)
+        # a new ticket per sequence run, handed out in the order of the old ones: the bounds run the lowest
+        # tickets first, so the sequences of a tenant take turns as in a queue (a round robin)
+        last_run = self._last_run
+        for req in sorted(sched.requests, key=lambda r: last_run.get(r.request_id, 0)):
+            self._num_runs += 1
+            last_run[req.request_id] = self._num_runs
+        self._measure_step(sched, result)
         return super().update(sched, result)
+
+    def _measure_step(self, sched: SchedulerOutput, result: RunnerOutput) -> None:
+        """Fold a decode step's measured time into the estimate of seconds per sequence (prefill chunks cost by
+        their tokens, not their sequences: steps with one are not counted)."""
+        seconds = result.execute_seconds
+        num_seqs = len(sched.requests)
+        if seconds is None or not num_seqs or sched.has_block_moves:
+            return
+        if any(n - d != 1 for n, d in zip(sched.num_new_tokens, sched.num_draft_slots)):
+            return
+        per_seq = seconds / num_seqs
+        old = self._seconds_per_seq
+        self._seconds_per_seq = per_seq if old is None else old + STEP_TIME_SMOOTHING * (per_seq - old)
 
     def _counter(self, req: Sequence) -> float:
         return self.service.get(req.tenant, 0.0)
@@ -117,45 +157,70 @@ class FairScheduler(TokenBudgetScheduler):
         seats = self._step_seats
         if seats is None:
             return order
-        # each tenant's first sequences in running order, as many as its part of the step
+        # each tenant's least recently run sequences, as many as its part of the step, kept in running order
+        last_run = self._last_run
         taken: Counter = Counter()
-        kept = []
-        for req in order:
+        chosen = set()
+        for req in sorted(order, key=lambda r: last_run.get(r.request_id, 0)):
             if taken[req.tenant] < seats.get(req.tenant, 0):
                 taken[req.tenant] += 1
-                kept.append(req)
-        return kept
+                chosen.add(req.request_id)
+        return [req for req in order if req.request_id in chosen]
 
     def schedule(self) -> SchedulerOutput:
+        self._scheduled_per_tenant = Counter()
+        self._step_is_timed = False
         self._step_seats = self._split_step() if self.fair_step_seqs else None
+        if self._step_seats is None and self.fair_step_ms:
+            self._step_seats = self._split_step_by_time()
+            self._step_is_timed = self._step_seats is not None
         for tenant in list(self._idle_grace):
             self._idle_grace[tenant] -= 1
             if self._idle_grace[tenant] <= 0 or tenant in self._live:
                 del self._idle_grace[tenant]
         return super().schedule()
 
+    def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int,
+                       num_drafts: int = 0) -> None:
+        super()._add_to_output(out, req, num_new, num_computed, num_drafts)
+        self._scheduled_per_tenant[req.tenant] += 1
+
+    def _has_seat(self, tenant: Optional[str]) -> bool:
+        """Whether ``tenant`` has not yet run its part of this step's bound."""
+        return self._scheduled_per_tenant[tenant] < self._step_seats.get(tenant, 0)
+
     def may_admit(self, request: Sequence) -> bool:
-        if not super().may_admit(request):
+        if self._step_seats is None:
+            return super().may_admit(request)
+        # swapped-out sequences come back first, except those the bound holds back (their tenant ran its part):
+        # they do not hold up another tenant's start
+        if any(r.tenant == request.tenant or self._has_seat(r.tenant) for r in self.swapped):
             return False
-        seats = self._step_seats
-        if seats is None:
+        if self._step_is_timed:
             return True
         # a tenant that runs its part of the step already starts nothing more in it
-        tenant = request.tenant
-        requests = self.requests
-        num_now = sum(1 for rid in self._scheduled_now if requests[rid].tenant == tenant)
-        return num_now < seats.get(tenant, 0)
+        return self._has_seat(request.tenant)
+
+    def _may_swap_in(self, req: Sequence) -> bool:
+        # a swapped-out sequence comes back only within its tenant's part of a bounded step
+        return self._step_seats is None or self._has_seat(req.tenant)
+
+    def _demand(self) -> Counter:
+        """Sequences per tenant with work: running, swapped out and waiting."""
+        demand = Counter(r.tenant for r in self.running)
+        demand.update(r.tenant for r in self.swapped)
+        demand.update(r.tenant for r in self.waiting)
+        return demand
 
     def _split_step(self) -> Optional[dict[Optional[str], int]]:
-        """This step's sequences per tenant with work (running and waiting), or None for no bound. A light tenant
-        (at most ``fair_step_seqs`` sequences, or at most a quarter of the largest tenant's) runs all of its; the
-        heavy tenants share what is left of ``fair_step_seqs`` by weight, each at least one. No bound unless a
-        light tenant is active beside the others (with work, or within ``IDLE_GRACE_STEPS`` steps of its last):
-        heavy tenants alone together share seats by the counters, each step as large as the batch."""
+        """This step's sequences per tenant with work, or None for no bound. A light tenant (at most
+        ``fair_step_seqs`` sequences, or at most a quarter of the largest tenant's) runs all of its; the heavy
+        tenants share what is left of ``fair_step_seqs`` by weight, each at least one. No bound unless a light
+        tenant is active beside the others (with work, or within ``IDLE_GRACE_STEPS`` steps of its last): heavy
+        tenants alone together share seats by the counters, each step as large as the batch."""
         if len(self._live.keys() | self._idle_grace.keys()) < 2:
             return None
-        demand = Counter(r.tenant for r in self.running)
-        demand.update(r.tenant for r in self.waiting)
+        demand = self._demand()
         if not demand:
             return None
         largest = max(demand.values())
@@ -165,9 +230,25 @@ class FairScheduler(TokenBudgetScheduler):
         heavy = [t for t in demand if t not in seats]
         if heavy:
             capacity = max(0, self.fair_step_seqs - sum(seats.values()))
-            total_weight = sum(self.weight(t) for t in heavy)
-            seats.update((t, max(1, int(capacity * self.weight(t) / total_weight))) for t in heavy)
+            seats.update(self._share(heavy, capacity))
         return seats
+
+    def _split_step_by_time(self) -> Optional[dict[Optional[str], int]]:
+        """The time bound: as many running sequences as fit in ``fair_step_ms`` at the measured seconds per
+        sequence (at least ``fair_step_seqs``), shared by weight; None while they all fit or nothing is measured."""
+        if self._seconds_per_seq is None:
+            return None
+        running = Counter(r.tenant for r in self.running)
+        running.update(r.tenant for r in self.swapped)
+        capacity = max(1, self.fair_step_seqs, int(self.fair_step_ms / 1000 / self._seconds_per_seq))
+        if sum(running.values()) <= capacity:
+            return None
+        return self._share(list(running), capacity)
+
+    def _share(self, tenants: list[Optional[str]], capacity: int) -> dict[Optional[str], int]:
+        """``capacity`` sequences split between ``tenants`` by weight, each at least one."""
+        total_weight = sum(self.weight(t) for t in tenants)
+        return {t: max(1, int(capacity * self.weight(t) / total_weight)) for t in tenants}
 
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         if len(self._live) < 2 or not self.waiting or not self.running:

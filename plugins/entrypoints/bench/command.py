@@ -13,6 +13,7 @@ WORKLOADS = {
     "serve": "pagoda.plugins.entrypoints.bench.serve",
     "all-reduce": "pagoda.plugins.entrypoints.bench.all_reduce",
     "fairness": "pagoda.plugins.entrypoints.bench.fairness",
+    "soak": "pagoda.plugins.entrypoints.bench.soak",
 }
 
 

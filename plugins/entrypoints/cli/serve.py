@@ -51,7 +51,7 @@ def register(sub) -> None:
                    help="seconds open requests may take to finish after SIGTERM before they are failed")
     p.add_argument("--request-log", default=None, metavar="PATH",
                    help="append one JSON line per finished request (arrival, prompt token ids, output tokens, "
-                        "priority, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
+                        "priority, tenant, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
     p.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_RESPONSES,
                    help="responses of /v1/responses kept in memory for previous_response_id and GET "
                         "/v1/responses/{id}, the least recently used dropped first (default %(default)s; 0: keep none)")

@@ -4,6 +4,8 @@ The log is written by an observer of ``pagoda_request_finished`` (it runs on the
 after the request's blocks are freed, and only appends a line). Times in a line are the engine's
 monotonic clock in seconds; ``ttft``, ``queue`` and ``e2e`` are measured from the request's arrival.
 Each of the ``n`` sequences of a request is a line of its own, with the user request in ``parent_id``.
+``tenant`` is who sent it, as the server identified it (``--tenant-source``; an API key only as its hash), so a
+replay under the ``fair`` policy shares the engine between the same tenants.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Optional, TextIO
 
 import pagoda
 from pagoda.errors import ConfigError
-from pagoda.plugins.entrypoints.simulate.trace import TraceRequest
+from pagoda.plugins.entrypoints.simulate.trace import MAX_TENANT_CHARS, TraceRequest
 
 
 class RequestLogWriter:
@@ -43,6 +45,7 @@ class RequestLogWriter:
             "parent_id": request.parent_id,
             "arrival_time": request.arrival_time,
             "priority": request.priority,
+            "tenant": request.tenant,
             "prompt_token_ids": request.prompt_token_ids,
             "num_output_tokens": request.num_output_tokens,
             "max_tokens": request.sampling_params.max_tokens,
@@ -83,10 +86,14 @@ def trace_from_request_log(path: str | Path) -> tuple[list[TraceRequest], int]:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{path}:{lineno}: not a `pagoda serve --request-log` line ({type(exc).__name__}: "
                                   f"{exc})") from None
+            tenant = d.get("tenant")  # logs written before tenants were recorded have none: one shared tenant
+            if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_CHARS):
+                raise ConfigError(f"{path}:{lineno}: tenant={tenant!r}; expected a name of 1 to {MAX_TENANT_CHARS} "
+                                  "characters, or null for the shared tenant")
             if out < 1 or not ids:
                 skipped += 1
                 continue
-            rows.append((arrival, TraceRequest(arrival, out, len(ids), priority, prompt_token_ids=ids)))
+            rows.append((arrival, TraceRequest(arrival, out, len(ids), priority, prompt_token_ids=ids, tenant=tenant)))
     if not rows:
         raise ConfigError(f"request log {path} holds no request that produced a token")
     rows.sort(key=lambda row: row[0])

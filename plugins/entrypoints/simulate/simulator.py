@@ -131,7 +131,8 @@ class SimulatedEngine:
                 if i is not None and first_scheduled[i] != first_scheduled[i]:  # NaN: not scheduled before
                     first_scheduled[i] = start_time
         num = len(requests)
-        progressed = self.scheduler.update(sched, RunnerOutput(sampled, [None] * num, [None] * num, [0] * num))
+        progressed = self.scheduler.update(
+            sched, RunnerOutput(sampled, [None] * num, [None] * num, [0] * num, execute_seconds=seconds))
         self.clock = now = start_time + seconds
         self.num_steps += 1
         first_token, last_token, itl = rec.first_token, rec.last_token, rec.itl
