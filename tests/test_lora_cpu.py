@@ -15,7 +15,7 @@ from torch.utils.cpp_extension import include_paths
 
 from pagoda.config import LoRAConfig, ModelConfig
 from pagoda.execution import lora_backends
-from pagoda.execution.lora_backends import CpuLoRABackend, TorchLoRABackend, lora_kernels_or_none
+from pagoda.execution.lora_backends import CpuLoRABackend, TorchLoRABackend, lora_isa_path, lora_kernels_or_none
 from pagoda.host import cpu_isa
 from pagoda.step import LoRABatch
 from pagoda.testing import check_lora_backend
@@ -141,10 +141,9 @@ def test_the_cpu_backend_falls_back_to_torch_for_float16():
     assert torch.equal(y, want)
 
 
-def test_the_cpu_backend_reports_its_isa_path():
-    backend = CpuLoRABackend(LoRAConfig(max_loras=4, max_lora_rank=8, max_cpu_loras=4), _model_config())
-    level = cpu_isa.cpu_isa()
-    assert backend.isa_path == {"generic": "scalar", "avx2": "avx2"}.get(level, "avx512")
+def test_the_benchmark_header_names_the_cpu_backends_isa_path():
+    path = {"generic": "scalar", "avx2": "avx2"}.get(cpu_isa.cpu_isa(), "avx512")
+    assert lora_isa_path("cpu") == f"cpu {path}" and lora_isa_path("torch") == "torch"
 
 
 GXX = shutil.which("g++")

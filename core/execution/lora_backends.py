@@ -63,6 +63,15 @@ def lora_kernels_or_none(host: Optional[HostConfig] = None) -> Optional[Any]:
     return load_cpu_extension_or_none("pagoda_lora_cpu", _SOURCE, fallback="the torch LoRA backend", host=host)
 
 
+def lora_isa_path(backend: str, host: Optional[HostConfig] = None) -> str:
+    """What computes the LoRA terms under the backend named ``backend``: ``cpu avx2`` (the kernel's ISA path), ``cpu
+    torch`` where the kernel cannot be built, or the backend's name."""
+    if backend != "cpu":
+        return backend
+    kernels = lora_kernels_or_none(host)
+    return f"cpu {'torch' if kernels is None else kernels.isa_path()}"
+
+
 class CpuLoRABackend:
     """The C++ kernel: one call per layer computes every adapter's shrink and expand (the ``torch`` backend where
     the kernel cannot be built or the dtype is neither fp32 nor bf16)."""
@@ -70,11 +79,6 @@ class CpuLoRABackend:
     def __init__(self, lora_config: LoRAConfig, model_config: ModelConfig) -> None:
         self.kernels = lora_kernels_or_none(model_config.host)
         self.fallback = TorchLoRABackend(lora_config, model_config)
-
-    @property
-    def isa_path(self) -> str:
-        """``avx512``, ``avx2`` or ``scalar``: the kernel's ISA path; ``torch`` where it could not be built."""
-        return "torch" if self.kernels is None else str(self.kernels.isa_path())
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
               batch: LoRABatch) -> None:

@@ -215,8 +215,10 @@ def kernel_isa_paths(llm) -> dict[str, str]:
     from pagoda.modeling.layers.fused_ops import CpuKernels
 
     paths = dict(llm.engine.backend.isa_paths())
-    if cfg.lora is not None:  # the LoRA backend's kernel path, where it has one (the torch backend: torch)
-        paths["LoRA"] = f"{cfg.lora.backend} {getattr(llm.engine.runner.lora.backend, 'isa_path', 'torch')}"
+    if cfg.lora is not None:
+        from pagoda.execution.lora_backends import lora_isa_path
+
+        paths["LoRA"] = lora_isa_path(cfg.lora.backend, cfg.host)
     # the CPU kernels pagoda's own architectures choose from these host settings (the same choice as the model's)
     paths.update(CpuKernels(cfg.host).isa_paths(cfg.model.dtype))
     if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
