@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"base", "top", "host", "registry", "kv", "sampling", "execution", "modeling", "engine"},
 }
 CORE_UNITS = set(ALLOWED) - {"testing"}
-PLUGIN_KINDS = ("schedulers", "attention", "quant", "spec_decode", "entrypoints")
+PLUGIN_KINDS = ("schedulers", "attention", "quant", "spec_decode", "lora", "entrypoints")
 for kind in PLUGIN_KINDS:  # a plugin uses core (not the conformance kit) and no other plugin kind
     ALLOWED[f"plugins.{kind}"] = set(CORE_UNITS)
 ALLOWED["plugins"] = {"base"}  # the plugins package itself
