@@ -149,6 +149,7 @@ def test_the_benchmark_header_names_the_cpu_backends_isa_path():
 GXX = shutil.which("g++")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GXX is None, reason="no g++ to compile the AVX-512 path with")
 def test_the_avx512_path_compiles(tmp_path):
     """Compiled (not run: this CPU may lack AVX-512) with the flags of pagoda's avx512 level; the object holds
@@ -159,7 +160,7 @@ def test_the_avx512_path_compiles(tmp_path):
         return
     obj = tmp_path / "lora_cpu.o"
     includes = [f"-I{d}" for d in (*include_paths(), sysconfig.get_paths()["include"])]
-    run = subprocess.run([GXX, "-std=c++17", "-O2", "-fPIC", "-fopenmp", "-DTORCH_EXTENSION_NAME=lora_avx512_check",
+    run = subprocess.run([GXX, "-std=c++20", "-O2", "-fPIC", "-fopenmp", "-DTORCH_EXTENSION_NAME=lora_avx512_check",
                           *cpu_isa._CFLAGS["avx512"], *includes, "-c", str(lora_backends._SOURCE), "-o", str(obj)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]

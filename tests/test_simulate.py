@@ -313,15 +313,15 @@ def test_pagoda_simulate_reports_each_tenant_of_the_flood_workload(tmp_path, cap
 
 
 def lora_trace(num_adapters: int, num_requests: int = 16, gap: float = 0.0) -> list[TraceRequest]:
-    """Requests cycling through ``num_adapters`` adapters; every fourth request is the base model's."""
-    return [TraceRequest(i * gap, 4, 40, lora_name=None if i % 4 == 3 else f"lora-{i % num_adapters}")
+    """Requests cycling through ``num_adapters`` adapters; every fifth request is the base model's."""
+    return [TraceRequest(i * gap, 4, 40, lora_name=None if i % 5 == 4 else f"lora-{i % num_adapters}")
             for i in range(num_requests)]
 
 
 def test_a_trace_line_keeps_its_adapter_and_a_bad_adapter_name_is_named(tmp_path):
     path = tmp_path / "trace.jsonl"
     save_trace(lora_trace(2, 4), path)
-    assert [r.lora_name for r in load_trace(path)] == ["lora-0", "lora-1", "lora-0", None]
+    assert [r.lora_name for r in load_trace(path)] == ["lora-0", "lora-1", "lora-0", "lora-1"]
     path.write_text('{"arrival": 0, "prompt_len": 4, "output_len": 2, "lora_name": 7}\n')
     with pytest.raises(ConfigError, match=r"trace.jsonl:1: lora_name=7; expected the LoRA adapter's name"):
         load_trace(path)
@@ -352,7 +352,7 @@ def test_a_trace_with_adapters_needs_lora_on(pm):
 def test_adapter_loads_cost_step_time_and_max_loras_holds_requests_back(pm):
     from pagoda.plugins.entrypoints.simulate.lora import LoRACosts
 
-    trace = lora_trace(4)  # 12 adapter requests of 4 adapters and 4 base-model requests, all at once
+    trace = lora_trace(4)  # 13 adapter requests of 4 adapters and 3 base-model requests, all at once
     costs = LoRACosts(load_seconds=0.5, slot_seconds=0.1)
 
     def run(**options):

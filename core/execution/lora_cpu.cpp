@@ -6,10 +6,11 @@
 //   expand: y[rows[i], :] += lora_b[slot_i] @ t[i]          rounded once to y's dtype
 // Both dot rows of activations with rows of a weight ([N, K], K contiguous), in tiles of kTileRows tokens x 4
 // weight rows held in fp32 accumulators. The tokens are grouped by slot first, so a tile of weight rows is read
-// once per adapter and serves every token of it (Punica's SGMV for a prefill; for decodes each adapter's few
+// once per adapter and chunk of 16 of its tokens (Punica's SGMV for a prefill; for decodes each adapter's few
 // tokens share its rows). bf16 weights stay bf16 in memory and are widened in registers; bf16 activations are
-// widened once into a scratch by the shrink. Work is split over tiles of weight rows (the output rows of each
-// product) with at::parallel_for (OpenMP), and small products stay on the calling thread.
+// widened once into a scratch by the shrink. Work items (a chunk of one adapter's tokens x a block of 64 weight
+// rows, the product's output rows) are split over OpenMP threads with at::parallel_for; small products stay on
+// the calling thread.
 //
 // The ISA path is fixed when the file is compiled (AVX-512, AVX2 + FMA + F16C, or portable scalar code);
 // pagoda builds it for the CPU it runs on, so the path is chosen at run time by which build is loaded.
@@ -228,10 +229,36 @@ Groups group_by_slot(const at::Tensor& rows, const at::Tensor& row_slots, int64_
   return g;
 }
 
-// work items of one product per parallel chunk: about 64k multiply-adds each, so decodes stay on one thread
-int64_t grain(int64_t num_items, int64_t total_macs) {
-  const int64_t per_item = std::max<int64_t>(1, total_macs / std::max<int64_t>(1, num_items));
-  return std::max<int64_t>(1, 65536 / per_item);
+// A product's work item: tokens [m0, m1) of one segment (positions in Groups::order) x weight rows [n0, n1).
+// Items cut the tokens into chunks and the weight rows into blocks small enough for L1 (the chunk's activation
+// rows and the block's weight rows are read once per item, the tiles loop inside it).
+struct Item {
+  int64_t seg, m0, m1, n0, n1;
+};
+
+constexpr int64_t kChunkTokens = 16;
+constexpr int64_t kBlockRows = 64;
+// multiply-adds per parallel chunk of items: about this many, so decodes stay on one thread
+constexpr int64_t kMacsPerTask = 65536;
+
+std::vector<Item> make_items(const Groups& g, int64_t N) {
+  std::vector<Item> items;
+  for (int64_t n0 = 0; n0 < N; n0 += kBlockRows)  // output rows outermost: threads take ranges of them
+    for (size_t seg = 0; seg < g.slots.size(); ++seg)
+      for (int64_t m0 = g.starts[seg]; m0 < g.starts[seg + 1]; m0 += kChunkTokens)
+        items.push_back({static_cast<int64_t>(seg), m0, std::min(m0 + kChunkTokens, g.starts[seg + 1]), n0,
+                         std::min(n0 + kBlockRows, N)});
+  return items;
+}
+
+// fn(item) for every item, over OpenMP threads when the product (n tokens x N rows x K) is large enough
+template <typename Fn>
+void run_items(const std::vector<Item>& items, int64_t n, int64_t N, int64_t K, Fn&& fn) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t per_item = std::max<int64_t>(1, n * N * K / std::max<int64_t>(1, num_items));
+  at::parallel_for(0, num_items, std::max<int64_t>(1, kMacsPerTask / per_item), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(items[i]);
+  });
 }
 
 void check_weight(const at::Tensor& w, const char* name, const at::Tensor& act) {
@@ -271,16 +298,10 @@ void shrink_impl(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
     }
   }
   const T* ap = lora_a.data_ptr<T>();
-  const int64_t num_segments = static_cast<int64_t>(g.slots.size()), blocks = (R + 3) / 4;
-  const int64_t items = blocks * num_segments;  // item = block of 4 rank rows x one adapter's tokens
-  at::parallel_for(0, items, grain(items, n * R * K), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seg = item % num_segments, n0 = (item / num_segments) * 4;
-      const int64_t first = g.starts[seg], count = g.starts[seg + 1] - first;
-      const int64_t* order = g.order.data() + first;
-      dot_rows(xr.data() + first, count, ap + g.slots[seg] * R * K, n0, std::min(n0 + 4, R), K,
-               [&](int64_t m, int64_t r, float v) { tp[order[m] * R + r] = v; });
-    }
+  const int64_t* order = g.order.data();
+  run_items(make_items(g, R), n, R, K, [&](const Item& it) {
+    dot_rows(xr.data() + it.m0, it.m1 - it.m0, ap + g.slots[it.seg] * R * K, it.n0, it.n1, K,
+             [&](int64_t m, int64_t r, float v) { tp[order[it.m0 + m] * R + r] = v; });
   });
 }
 
@@ -294,19 +315,13 @@ void expand_impl(const at::Tensor& t, const at::Tensor& lora_b, const at::Tensor
   for (int64_t p = 0; p < n; ++p) tr[p] = tp + g.order[p] * R;
   const T* bp = lora_b.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  const int64_t num_segments = static_cast<int64_t>(g.slots.size()), blocks = (N + 3) / 4;
-  const int64_t items = blocks * num_segments;  // item = block of 4 output rows x one adapter's tokens
-  at::parallel_for(0, items, grain(items, n * N * R), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seg = item % num_segments, n0 = (item / num_segments) * 4;
-      const int64_t first = g.starts[seg], count = g.starts[seg + 1] - first;
-      const int64_t* order = g.order.data() + first;
-      dot_rows(tr.data() + first, count, bp + g.slots[seg] * N * R, n0, std::min(n0 + 4, N), R,
-               [&](int64_t m, int64_t o, float v) {
-                 T* out = yp + rp[order[m]] * ldy + o;
-                 *out = from_f<T>(to_f(*out) + v);
-               });
-    }
+  const int64_t* order = g.order.data();
+  run_items(make_items(g, N), n, N, R, [&](const Item& it) {
+    dot_rows(tr.data() + it.m0, it.m1 - it.m0, bp + g.slots[it.seg] * N * R, it.n0, it.n1, R,
+             [&](int64_t m, int64_t o, float v) {
+               T* out = yp + rp[order[it.m0 + m]] * ldy + o;
+               *out = from_f<T>(to_f(*out) + v);
+             });
   });
 }
 
