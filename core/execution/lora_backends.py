@@ -6,9 +6,9 @@ its slot's A and B and one batched matmul computes all of them; more tokens take
 adapter of the pass (at most ``max_loras`` segments) as one matrix product each. Base-model tokens are skipped.
 
 ``cpu``: ``lora_cpu.cpp``, the shrink and the expand of every adapter of a pass in one C++ call, tokens grouped
-by adapter, fp32 accumulation (AVX-512, AVX2 or scalar code, built for the CPU it runs on). Compiled on first use
-and cached by torch's extension loader; where it cannot be built, or for another dtype than fp32 and bf16, the
-``torch`` backend computes the terms instead.
+by adapter, fp32 accumulation (AVX-512, AVX2 or scalar code, built for the CPU it runs on); the default. Compiled on
+first use and cached by torch's extension loader; where it cannot be built, on a GPU, or for another dtype than fp32
+and bf16, the ``torch`` backend computes the terms instead.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def lora_isa_path(backend: str, host: Optional[HostConfig] = None) -> str:
 
 class CpuLoRABackend:
     """The C++ kernel: one call per layer computes every adapter's shrink and expand (the ``torch`` backend where
-    the kernel cannot be built or the dtype is neither fp32 nor bf16)."""
+    the kernel cannot be built, off the CPU, or for a dtype other than fp32 and bf16)."""
 
     def __init__(self, lora_config: LoRAConfig, model_config: ModelConfig) -> None:
         self.kernels = lora_kernels_or_none(model_config.host)
@@ -84,7 +84,8 @@ class CpuLoRABackend:
               batch: LoRABatch) -> None:
         if batch.lora_rows.numel() == 0:
             return
-        if self.kernels is None or x.dtype not in KERNEL_DTYPES or x.stride(-1) != 1 or y.stride(-1) != 1:
+        if (self.kernels is None or not x.is_cpu or x.dtype not in KERNEL_DTYPES or x.stride(-1) != 1
+                or y.stride(-1) != 1):
             self.fallback.apply(y, x, lora_a, lora_b, batch)
             return
         self.kernels.lora_apply(y, x, lora_a, lora_b, batch.lora_rows, batch.lora_row_slots)
