@@ -17,10 +17,11 @@ from typing import Iterable
 
 from pagoda.config import LoRAConfig
 
-# measured with `pagoda bench latency --lora-adapters 1` on this project's CI machine (see docs/lora.md): reading
-# and checking a rank-16 adapter of the default model from disk, copying it into a slot
-DEFAULT_LOAD_MS = 25.0
-DEFAULT_SLOT_MS = 2.0
+# what `pagoda bench latency --lora-adapters 1` printed for a rank-16 adapter of the default model (every projection)
+# on a 2-core AVX2 EPYC shared with other heavy jobs (docs/lora.md): reading and checking it from disk, copying it
+# into a slot. A quiet machine is faster: measure yours and pass --lora-load-ms / --lora-slot-ms.
+DEFAULT_LOAD_MS = 140.0
+DEFAULT_SLOT_MS = 17.0
 
 
 @dataclass(frozen=True)
