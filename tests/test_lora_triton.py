@@ -39,7 +39,7 @@ def test_each_adapter_token_gets_its_slots_term_and_base_tokens_none(dtype, toke
     TritonLoRABackend(CONFIG, None).apply(got, x, lora_a, lora_b, batch)
     base = slots < 0
     assert torch.equal(got[base], y[base])
-    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7  # one bf16 ulp: the interpreter's conversion may truncate
     assert ((got.double() - want).abs() <= want.abs() * tol + 1e-3).all()
 
 
