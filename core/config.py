@@ -132,7 +132,7 @@ class LoRAConfig:
     max_loras: int  # adapters the requests of one step may use together (slots of the stacked weights)
     max_lora_rank: int
     max_cpu_loras: int  # adapters kept loaded in memory, the least recently used evicted
-    backend: str = "torch"  # the pagoda_lora_backends component that computes the LoRA terms
+    backend: str = "cpu"  # the pagoda_lora_backends component that computes the LoRA terms
     # name=path adapters registered when the engine starts (ids 1, 2, ... in this order)
     lora_modules: tuple[tuple[str, str], ...] = ()
 

@@ -16,7 +16,8 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = sorted(p for d in ("core/layers", "plugins/attention", "plugins/quant") for p in (ROOT / d).glob("*.cpp"))
+KERNEL_DIRS = ("core/modeling/layers", "core/execution", "plugins/attention", "plugins/quant")
+KERNELS = sorted(p for d in KERNEL_DIRS for p in (ROOT / d).glob("*.cpp"))
 CROSS = shutil.which("aarch64-linux-gnu-g++")
 
 # parsing torch's headers for ARM costs about a minute of CPU per kernel: run by `make check-arm`, not by

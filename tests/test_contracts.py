@@ -71,7 +71,8 @@ class ContractChecked:
 
     @hookimpl
     def pagoda_lora_backends(self):
-        return self._wrap("pagoda_lora_backends", "torch", interfaces.LoRABackend)
+        return {**self._wrap("pagoda_lora_backends", "torch", interfaces.LoRABackend),
+                **self._wrap("pagoda_lora_backends", "cpu", interfaces.LoRABackend)}
 
     @hookimpl
     def pagoda_proposers(self):
@@ -180,7 +181,9 @@ def test_speculation_stays_inside_the_contracts(seen, checked_model_dir, spec):
     assert all(o.finished for o in outputs)
 
 
-def test_lora_adapters_in_a_mixed_batch_stay_inside_the_contracts(seen, tiny_checked_model_dir, tmp_path):
+@pytest.mark.parametrize("lora_backend", ["checked-torch", "checked-cpu"])
+def test_lora_adapters_in_a_mixed_batch_stay_inside_the_contracts(seen, tiny_checked_model_dir, tmp_path,
+                                                                   lora_backend):
     from lora_helpers import make_adapter
 
     from pagoda import LoRARequest
@@ -189,7 +192,7 @@ def test_lora_adapters_in_a_mixed_batch_stay_inside_the_contracts(seen, tiny_che
     adapters = [make_adapter(Path(tiny_checked_model_dir), tmp_path / name, seed=i, r=4, alpha=8)
                 for i, name in enumerate(("a", "b"))]
     llm = checked_llm(seen, tiny_checked_model_dir, enable_lora=True, max_loras=1, max_lora_rank=4,
-                      lora_backend="checked-torch", kv_cache_memory_bytes=8 << 20)
+                      lora_backend=lora_backend, kv_cache_memory_bytes=8 << 20)
     loras = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(zip("ab", adapters))]
     outputs = llm.generate(PROMPTS * 2, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                            lora_request=[loras[0], None, loras[1], loras[0], None, loras[1], loras[0], None],

@@ -81,11 +81,14 @@ def tiny_adapters(tiny_dir, tmp_path_factory):
 TINY_PROMPTS = [[5, 17, 923, 4001, 77], list(range(100, 160, 3)), [42] * 9 + [1000, 2000, 3000]]
 
 
-def test_a_mixed_batch_gives_each_adapter_the_merged_models_greedy_tokens_on_a_tiny_model(tiny_dir, tiny_adapters):
+@pytest.mark.parametrize("lora_backend", ["torch", "cpu"])
+def test_a_mixed_batch_gives_each_adapter_the_merged_models_greedy_tokens_on_a_tiny_model(tiny_dir, tiny_adapters,
+                                                                                        lora_backend):
     # two slots for three adapters and two adapters in memory: the scheduler holds the third adapter's
     # requests back until a slot frees, and adapters are evicted and read again
     llm = LLM(str(tiny_dir), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
-              kv_cache_memory_bytes=8 << 20, cpu_threads=1, max_num_batched_tokens=32, max_num_seqs=8)
+              kv_cache_memory_bytes=8 << 20, cpu_threads=1, max_num_batched_tokens=32, max_num_seqs=8,
+              lora_backend=lora_backend)
     loras = [LoRARequest(f"tiny-{i}", i + 1, str(path)) for i, path in enumerate(tiny_adapters)]
     prompts, requests = [], []
     for p in TINY_PROMPTS:  # each prompt with the base model and each adapter, interleaved

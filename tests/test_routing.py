@@ -149,3 +149,64 @@ def test_replica_metrics_merge_into_one_page_with_a_replica_label():
     assert waiting == {"r1": 2.0, "r2": 0.0}
     assert [s.labels for s in families["up"].samples] == [{"replica": "r1"}, {"replica": "r2"}]
     assert merged.count("# TYPE pagoda:num_requests_waiting") == 1
+
+
+# ---- LoRA adapters ------------------------------------------------------------------------------
+
+
+def lora_request(tokens: list[int], lora_name, rid: str = "r") -> RoutingRequest:
+    return RoutingRequest(rid, tuple(prompt_block_hashes(tokens, BLOCK, lora_name)), len(tokens), lora_name)
+
+
+def test_an_adapters_prompt_hashes_apart_from_the_base_models_and_other_adapters():
+    tokens = prefix(0)
+    base, a, b = (prompt_block_hashes(tokens, BLOCK, name) for name in (None, "a", "b"))
+    assert len(base) == len(a) == len(b) == 4
+    assert not set(base) & set(a) and not set(a) & set(b)
+    assert a == prompt_block_hashes(tokens, BLOCK, "a")
+
+
+def test_the_prefix_aware_router_sends_an_adapters_requests_to_a_replica_that_has_it():
+    router = PrefixAwareRouter(seed=0)
+    first = route_and_record(router, lora_request(prefix(1), "sql"), idle("r1", "r2"))
+    other = "r2" if first.replica_id == "r1" else "r1"
+    # a new prompt for the same adapter: its replica is busier but has the adapter
+    loads = [ReplicaLoad(first.replica_id, 3), ReplicaLoad(other, 0)]
+    again = route_and_record(router, lora_request(prefix(2), "sql"), loads)
+    assert (again.replica_id, again.reason, again.num_matched_blocks) == (first.replica_id, "lora", 0)
+    # another adapter, on no replica yet: the least loaded; the base model: the least loaded too
+    chat = route_and_record(router, lora_request(prefix(3), "chat"), loads)
+    assert (chat.replica_id, chat.reason) == (other, "least_loaded")
+    assert router.route(request(prefix(4)), loads).replica_id == other
+    # a prompt routed before with the adapter: prefix among the replicas holding it
+    repeat = router.route(lora_request(prefix(2), "sql"), loads)
+    assert (repeat.replica_id, repeat.reason, repeat.num_matched_blocks) == (first.replica_id, "prefix", 4)
+
+
+def test_imbalanced_loads_override_the_adapter_preference():
+    router = PrefixAwareRouter(imbalance_threshold=4, seed=0)
+    first = route_and_record(router, lora_request(prefix(1), "sql"), idle("r1", "r2"))
+    other = "r2" if first.replica_id == "r1" else "r1"
+    decision = router.route(lora_request(prefix(2), "sql"), [ReplicaLoad(first.replica_id, 9), ReplicaLoad(other, 0)])
+    assert (decision.replica_id, decision.reason) == (other, "imbalance")
+
+
+def test_a_replica_remembers_only_its_last_max_loras_per_replica_adapters():
+    router = PrefixAwareRouter(max_loras_per_replica=2, seed=0)
+    for name in ("a", "b", "c"):
+        route_and_record(router, lora_request(prefix(1), name), idle("only"))
+    assert not router.has_lora("only", "a") and router.has_lora("only", "b") and router.has_lora("only", "c")
+    router.on_replica_removed("only")
+    assert not router.has_lora("only", "c")
+    with pytest.raises(ValueError, match="max_loras_per_replica >= 1"):
+        PrefixAwareRouter(max_loras_per_replica=0)
+
+
+def test_the_ingress_reads_the_adapter_from_the_requests_model():
+    from pagoda.plugins.entrypoints.replicas.deployments import requested_lora
+
+    base = {"HuggingFaceTB/SmolLM2-135M-Instruct", "/models/smollm2"}
+    assert requested_lora({"model": "sql", "prompt": "x"}, base) == "sql"
+    assert requested_lora({"model": "/models/smollm2"}, base) is None
+    assert requested_lora({"prompt": "x"}, base) is None
+    assert requested_lora({"model": "sql"}, None) is None  # LoRA off: every model name is the base model's

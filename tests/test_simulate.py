@@ -17,7 +17,7 @@ from pagoda.registry.plugin_manager import get_plugin_manager
 from pagoda.plugins.entrypoints.simulate.calibrate import (PROBE_ROUNDS, PROBE_SHAPE, fit_block_moves,
                                                             measure_speed, probe_reference)
 from pagoda.plugins.entrypoints.simulate.cost_model import FEATURES, CostModel, fit
-from pagoda.plugins.entrypoints.simulate.report import summarize_run
+from pagoda.plugins.entrypoints.simulate.report import format_run, summarize_run
 from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter, trace_from_request_log
 from pagoda.plugins.entrypoints.simulate.simulator import build_engines, least_loaded, run_trace
 from pagoda.plugins.entrypoints.simulate.trace import (PromptMaker, TraceRequest, flood_trace, generate_trace,
@@ -355,3 +355,91 @@ def test_pipeline_stages_add_their_hand_offs_to_each_step_and_hold_more_kv_block
     assert summary["itl_ms"]["p50"] == pytest.approx(17 + 1 + 0.004)
     handoffs, steps = 1.4 + 2 * 1.004, 111.4 + 2 * 18.004  # ms
     assert summary["pipeline_handoff_share"] == pytest.approx(handoffs / steps)
+
+
+# ---- LoRA adapters ------------------------------------------------------------------------------
+
+
+def lora_trace(num_adapters: int, num_requests: int = 16, gap: float = 0.0) -> list[TraceRequest]:
+    """Requests cycling through ``num_adapters`` adapters; every fifth request is the base model's."""
+    return [TraceRequest(i * gap, 4, 40, lora_name=None if i % 5 == 4 else f"lora-{i % num_adapters}")
+            for i in range(num_requests)]
+
+
+def test_a_trace_line_keeps_its_adapter_and_a_bad_adapter_name_is_named(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    save_trace(lora_trace(2, 4), path)
+    assert [r.lora_name for r in load_trace(path)] == ["lora-0", "lora-1", "lora-0", "lora-1"]
+    path.write_text('{"arrival": 0, "prompt_len": 4, "output_len": 2, "lora_name": 7}\n')
+    with pytest.raises(ConfigError, match=r"trace.jsonl:1: lora_name=7; expected the LoRA adapter's name"):
+        load_trace(path)
+
+
+def test_the_request_log_carries_each_requests_adapter_into_the_trace(tmp_path):
+    from pagoda import LoRARequest
+
+    log = tmp_path / "requests.jsonl"
+    writer = RequestLogWriter(log)
+    for i, lora in enumerate((LoRARequest("sql", 1, "/adapters/sql"), None)):
+        seq = Sequence(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=1), arrival_time=10.0 + i, parent_id=f"r{i}",
+                       lora_request=lora)
+        seq.append_output_tokens([11], 1 << 20)
+        seq.first_token_time = 10.1 + i
+        seq.status = SequenceStatus.FINISHED_LENGTH
+        writer.pagoda_request_finished(seq)
+    writer.close()
+    trace, _ = trace_from_request_log(log)
+    assert [r.lora_name for r in trace] == ["sql", None]
+
+
+def test_a_trace_with_adapters_needs_lora_on(pm):
+    with pytest.raises(ConfigError, match="the trace names LoRA adapters; pass --enable-lora"):
+        simulate(pm, lora_trace(2))
+
+
+def test_adapter_loads_cost_step_time_and_max_loras_holds_requests_back(pm):
+    from pagoda.plugins.entrypoints.simulate.lora import LoRACosts
+
+    costs = LoRACosts(load_seconds=0.5, slot_seconds=0.1)
+
+    def run(trace, **options):
+        config = EngineArgs.build(enable_lora=True, **options).create_engine_config()
+        engines, record = build_engines(config, pm, COST, trace, 1, lora_costs=costs)
+        run_trace(trace, engines)
+        return summarize_run(record, float("inf"), "lora")
+
+    at_once = lora_trace(4)  # 13 adapter requests of 4 adapters and 3 base-model requests
+    roomy = run(at_once, max_loras=4, max_cpu_loras=4)
+    assert roomy["completed"] == 16
+    assert (roomy["lora"]["adapters"], roomy["lora"]["loads_from_disk"], roomy["lora"]["slot_loads"]) == (4, 4, 4)
+    assert roomy["lora"]["load_seconds"] == pytest.approx(4 * 0.6)
+    # two slots for four adapters: the scheduler holds the other two adapters' requests back until the first two
+    # adapters' requests finish
+    tight = run(at_once, max_loras=2, max_cpu_loras=2)
+    assert tight["completed"] == 16 and tight["lora"]["slot_loads"] == 4
+    assert tight["lora"]["ttft_ms_adapters"]["p90"] > roomy["lora"]["ttft_ms_adapters"]["p90"]
+    assert "LoRA adapters" in format_run(tight)
+    # one request at a time cycling through four adapters: with two slots (and two in memory) every adapter request
+    # loads its adapter from disk again; with four, each adapter is loaded once
+    spaced = lora_trace(4, gap=1.0)
+    cycled = run(spaced, max_loras=2, max_cpu_loras=2)["lora"]
+    assert cycled["slot_loads"] == cycled["loads_from_disk"] == 13
+    kept = run(spaced, max_loras=2, max_cpu_loras=4)["lora"]
+    assert (kept["slot_loads"], kept["loads_from_disk"]) == (13, 4)
+
+
+def test_the_prefix_aware_router_keeps_each_adapter_on_one_replica_in_the_simulator(pm):
+    from pagoda.execution.routing import make_router
+    from pagoda.plugins.entrypoints.simulate.lora import LoRACosts
+    from pagoda.plugins.entrypoints.simulate.simulator import router_route
+
+    trace = lora_trace(4, num_requests=64, gap=0.05)
+    config = EngineArgs.build(enable_lora=True, max_loras=2, max_cpu_loras=2, max_num_seqs=4).create_engine_config()
+    slot_loads = {}
+    for name in ("least-loaded", "prefix-aware"):
+        engines, record = build_engines(config, pm, COST, trace, 2, lora_costs=LoRACosts(0.05, 0.01))
+        run_trace(trace, engines, router_route(make_router(name, {"seed": 0}, pm), config.cache.block_size))
+        summary = summarize_run(record, 20.0, name)
+        assert summary["completed"] == 64
+        slot_loads[name] = summary["lora"]["slot_loads"]
+    assert slot_loads["prefix-aware"] <= 4 < slot_loads["least-loaded"]

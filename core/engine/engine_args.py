@@ -165,8 +165,9 @@ class EngineArgs(HostOptions):
     max_lora_rank: int = Field(default=16, gt=0, le=64, description="the largest LoRA rank served (at most 64)")
     max_cpu_loras: Optional[int] = Field(default=None, gt=0, description=(
         "LoRA adapters kept loaded in memory, the least recently used evicted (default: --max-loras)"))
-    lora_backend: str = Field(default="torch", description=(
-        "what computes the LoRA terms of a step's adapters: torch (built in) or a pagoda_lora_backends plugin"))
+    lora_backend: str = Field(default="cpu", description=(
+        "what computes the LoRA terms of a step's adapters: cpu (a C++ kernel computing every adapter of a layer in "
+        "one call; torch's matmuls off the CPU), torch, triton, or a pagoda_lora_backends plugin"))
     disable_log_stats: bool = Field(default=False, description=(
         "keep no request counters or latency histograms (/metrics then shows only the live gauges: running, "
         "waiting, KV cache use, prefix cache, preemptions); the offline LLM keeps none unless given "

@@ -17,6 +17,7 @@ import torch
 
 from pagoda.cli import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
+from pagoda.plugins.entrypoints.bench.lora import add_lora_args, apply_lora_args
 from pagoda.plugins.entrypoints.bench.workloads import BenchRequest, latency_1, random_64
 
 
@@ -44,6 +45,7 @@ def add_parser(sub, name: str) -> None:
                    help="constrain every request's output to this JSON schema (structured outputs; each request "
                         "then ends where its JSON does, or at its output length); --profile then shows the "
                         "grammar mask's share of a decode step")
+    add_lora_args(p)
     add_engine_args(p)
 
 
@@ -65,6 +67,7 @@ class Result:
 def _make_llm(ns: argparse.Namespace):
     from pagoda.engine.llm import LLM
 
+    apply_lora_args(ns)
     args = engine_args_from(ns)
     llm = LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
     # one configuration for the whole run: pagoda, the roofline, the profile and the baseline all get the
@@ -111,12 +114,15 @@ def _print_compile_times(llm, json_schema: dict) -> None:
           f"compile cold {(t2 - t1) * 1e3:.1f} ms, cached {(t3 - t2) * 1e3:.3f} ms")
 
 
-def run_pagoda(llm, requests: list[BenchRequest], json_schema: Optional[dict] = None) -> tuple[Result, dict]:
+def run_pagoda(llm, requests: list[BenchRequest], json_schema: Optional[dict] = None,
+               lora_requests: Optional[list] = None) -> tuple[Result, dict]:
     """Submit every request at once and step to completion; tracks KV use at its peak (and, under a JSON
-    schema, the seconds each step spent filling and applying the token mask)."""
+    schema, the seconds each step spent filling and applying the token mask). ``lora_requests``: each request's
+    LoRA adapter (None: the base model for all)."""
     engine = llm.engine
     for i, r in enumerate(requests):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len, json_schema))
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.output_len, json_schema),
+                           lora_request=None if lora_requests is None else lora_requests[i])
     kv, sched = engine.kv_manager, engine.scheduler
     peak = {"blocks": 0, "tokens": 0, "steps": [], "mask": []}
 
@@ -209,6 +215,10 @@ def kernel_isa_paths(llm) -> dict[str, str]:
     from pagoda.modeling.layers.fused_ops import CpuKernels
 
     paths = dict(llm.engine.backend.isa_paths())
+    if cfg.lora is not None:
+        from pagoda.execution.lora_backends import lora_isa_path
+
+        paths["LoRA"] = lora_isa_path(cfg.lora.backend, cfg.host)
     # the CPU kernels pagoda's own architectures choose from these host settings (the same choice as the model's)
     paths.update(CpuKernels(cfg.host).isa_paths(cfg.model.dtype))
     if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
@@ -249,6 +259,10 @@ def run_throughput(ns: argparse.Namespace) -> int:
               f"{apply * 1e3:.2f} ms per step (apply: with the rows after speculative drafts) "
               f"({(fill + apply) * len(peak['mask']) / mine.seconds:.1%} of the run)")
     _print_speculation(llm)
+    if ns.lora_adapters:
+        from pagoda.plugins.entrypoints.bench.lora import throughput_with_adapters
+
+        throughput_with_adapters(llm, ns, requests, json_schema, mine)
     from pagoda.plugins.entrypoints.bench.roofline import measure_roofline, report
 
     roofline = measure_roofline(llm.engine.model, llm.engine.config.model.num_layers)
@@ -283,6 +297,10 @@ def run_latency(ns: argparse.Namespace) -> int:
     tpot = statistics.median(r[1] for r in runs)
     print(f"pagoda: TTFT {ttft * 1e3:8.1f} ms  TPOT {tpot * 1e3:8.2f} ms/token")
     _print_speculation(llm)
+    if ns.lora_adapters:
+        from pagoda.plugins.entrypoints.bench.lora import latency_with_adapters
+
+        latency_with_adapters(llm, ns, req, json_schema)
     if ns.profile:
         from pagoda.plugins.entrypoints.bench.profile import profile_decode
 
@@ -295,12 +313,13 @@ def run_latency(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _pagoda_latency(llm, req: BenchRequest, json_schema: Optional[dict] = None) -> tuple[float, float]:
+def _pagoda_latency(llm, req: BenchRequest, json_schema: Optional[dict] = None,
+                    lora_request=None) -> tuple[float, float]:
     """TTFT and TPOT of one request (TPOT over the tokens it produced: a JSON schema may end it sooner)."""
     engine = llm.engine
     start = time.perf_counter()
     engine.add_request(f"lat-{time.monotonic_ns()}", {"prompt_token_ids": req.prompt_token_ids},
-                       _params(req.output_len, json_schema))
+                       _params(req.output_len, json_schema), lora_request=lora_request)
     first, num_tokens = None, 0
     while engine.has_unfinished_requests():
         outs = engine.step()

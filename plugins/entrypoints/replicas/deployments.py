@@ -101,6 +101,8 @@ class Ingress:
         self.engine = engine
         self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.chat_template)
         self.block_size = config.cache.block_size
+        # the names a request's "model" gives the base model by; any other names a LoRA adapter (with LoRA on)
+        self.base_model_names = {config.model.served_model_name, config.model.model} if config.lora else None
         self.max_request_bytes = options.max_request_bytes
         self.router_name = options.router
         self.num_routed: Counter[tuple[str, str]] = Counter()  # (replica, reason) -> requests
@@ -146,10 +148,13 @@ class Ingress:
         """The prompt's block hashes; a body that does not parse routes as no prompt (the replica
         then answers with the error)."""
         try:
-            token_ids = self.prompt_token_ids(path, json.loads(body))
+            payload = json.loads(body)
+            token_ids = self.prompt_token_ids(path, payload)
         except Exception:  # malformed JSON or messages: the replica's validation reports it
             return RoutingRequest("", (), 0)
-        return RoutingRequest("", tuple(prompt_block_hashes(token_ids, self.block_size)), len(token_ids))
+        lora_name = requested_lora(payload, self.base_model_names)
+        return RoutingRequest("", tuple(prompt_block_hashes(token_ids, self.block_size, lora_name)), len(token_ids),
+                              lora_name)
 
     def prompt_token_ids(self, path: str, payload: dict) -> list[int]:
         if path == "/v1/chat/completions":
@@ -172,7 +177,7 @@ class Ingress:
 
     def metrics_text(self) -> str:
         lines = ["# HELP pagoda:router_requests_total Requests the ingress sent to each replica, by why it "
-                 "was chosen (prefix, least_loaded, imbalance, fallback).",
+                 "was chosen (prefix, lora, least_loaded, imbalance, fallback).",
                  "# TYPE pagoda:router_requests_total counter"]
         for (replica, reason), n in sorted(self.num_routed.items()):
             lines.append(f'pagoda:router_requests_total{{replica="{replica}",reason="{reason}",'
@@ -182,6 +187,15 @@ class Ingress:
                   "# TYPE pagoda:router_matched_prompt_tokens_total counter",
                   f"pagoda:router_matched_prompt_tokens_total {self.num_matched_tokens}"]
         return "\n".join(lines) + "\n"
+
+
+def requested_lora(payload: Any, base_model_names: Optional[set[str]]) -> Optional[str]:
+    """The LoRA adapter a request's ``model`` names: None for the base model's names, or where LoRA is off
+    (``base_model_names`` None); an unknown name routes as an adapter too, and its replica answers 404."""
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if base_model_names is None or not isinstance(model, str) or not model or model in base_model_names:
+        return None
+    return model
 
 
 class RelayedResponse(Response):
@@ -209,9 +223,13 @@ def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> An
     from pagoda.plugins.entrypoints.replicas.autoscaling import autoscaling_config
     from pagoda.plugins.entrypoints.replicas.ray_router import PagodaRequestRouter
 
+    router_options = dict(options.router_options or {})
+    lora = engine_args.create_engine_config().lora
+    if lora is not None and options.router == "prefix-aware":  # the adapters each replica keeps loaded
+        router_options.setdefault("max_loras_per_replica", lora.max_cpu_loras)
     router_config = RequestRouterConfig(request_router_class=PagodaRequestRouter,
                                         request_router_kwargs={"router": options.router,
-                                                               "router_options": options.router_options or {}})
+                                                               "router_options": router_options})
     scaling: dict[str, Any] = ({"autoscaling_config": autoscaling_config(options)} if options.max_replicas
                                else {"num_replicas": options.num_replicas})
     engine = serve.deployment(EngineReplica, name="pagoda-engine").options(

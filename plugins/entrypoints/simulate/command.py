@@ -83,6 +83,17 @@ def register(sub) -> None:
     run.add_argument("--pipeline-link-gbps", type=float, default=PIPELINE_GBPS, metavar="GBPS",
                      help="with --pipeline-parallel-size: the link's gigabits per second between stages (default "
                           f"{PIPELINE_GBPS:g}; 10 or 25 for a data-centre Ethernet link)")
+    run.add_argument("--lora-load-ms", type=float, default=None, metavar="MS",
+                     help="LoRA (a trace with lora_name, and --enable-lora): milliseconds of reading an adapter "
+                          "from disk when a step needs one that is not in memory (default: "
+                          "the default model's rank-16 figure, see docs/lora.md)")
+    run.add_argument("--lora-slot-ms", type=float, default=None, metavar="MS",
+                     help="LoRA: milliseconds of copying an adapter into a slot when a step needs one that is not "
+                          "in a slot")
+    run.add_argument("--lora-step-overhead", type=float, default=0.0, metavar="FRACTION",
+                     help="LoRA: the extra fraction of a step's time when it has adapter tokens (the cost model "
+                          "is calibrated on the base model; `pagoda bench throughput --lora-adapters N` measures "
+                          "it; default 0)")
     run.add_argument("--json", action="store_true", help="print the reports as one JSON object")
     run.add_argument("--result-file", default=None, help="also write the JSON reports to this file")
     add_engine_args(p)
@@ -135,6 +146,9 @@ def run_simulate(ns: argparse.Namespace) -> int:
         if ns.save_trace:
             print(f"{save_trace(trace, ns.save_trace)} requests written to {ns.save_trace}")
             return 0
+        if ns.compare_real and any(r.lora_name is not None for r in trace):
+            raise ConfigError("--compare-real cannot replay a trace that names LoRA adapters (the simulator knows "
+                              "their names, not their weights); drop --compare-real")
     args = engine_args_from(ns)
     config = args.create_engine_config()
     if config.parallel.pipeline_parallel_size > 1 and ns.calibrate:
@@ -196,7 +210,8 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibr
     reports = []
     for policy in [config.scheduler.policy, *ns.compare_policy]:
         summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
-                                         ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff)
+                                         ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff,
+                                         lora_costs_from(ns))
         summary["simulator_wall_seconds"] = round(seconds, 3)
         reports.append(summary)
     errors = unscaled_errors = check = None
@@ -206,7 +221,7 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibr
         if cost_model is not calibrated:
             unscaled, _ = simulate_once(config, ns.plugin_manager, calibrated, trace, config.scheduler.policy,
                                         ns.replicas, ns.trace_seed, ns.rate, ns.router, ns.router_options,
-                                        ns.handoff)
+                                        ns.handoff, lora_costs_from(ns))
             unscaled_errors = relative_errors(unscaled, real)
         check = step_time_check(config, ns, calibrated, trace, samples, real)
     result = {"trace": source, "num_requests": len(trace), "cost_model": str(cost_path),
@@ -231,7 +246,7 @@ def step_time_check(config, ns: argparse.Namespace, cost_model, trace, samples, 
     predicted = sum(cost_model.predict(f) for f, _ in samples)
     refitted = fit(samples, {"fitted_to": "the real run's steps"})
     summary, _ = simulate_once(config, ns.plugin_manager, refitted, trace, config.scheduler.policy, ns.replicas,
-                               ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff)
+                               ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff, lora_costs_from(ns))
     return {"real_over_predicted_step_seconds": sum(s for _, s in samples) / predicted,
             "errors_with_model_fitted_to_real_steps": relative_errors(summary, real)}
 
@@ -260,14 +275,28 @@ def pipeline_handoff(config, ns: argparse.Namespace):
                            2 * config.model.hidden_size * element)
 
 
+def lora_costs_from(ns: argparse.Namespace):
+    """The LoRA costs the options give (their defaults where not given); a negative one is refused."""
+    from pagoda.plugins.entrypoints.simulate.lora import DEFAULT_LOAD_MS, DEFAULT_SLOT_MS, LoRACosts
+
+    load_ms = DEFAULT_LOAD_MS if ns.lora_load_ms is None else ns.lora_load_ms
+    slot_ms = DEFAULT_SLOT_MS if ns.lora_slot_ms is None else ns.lora_slot_ms
+    if min(load_ms, slot_ms, ns.lora_step_overhead) < 0 or not math.isfinite(load_ms + slot_ms + ns.lora_step_overhead):
+        raise ConfigError(f"--lora-load-ms {load_ms}, --lora-slot-ms {slot_ms} and --lora-step-overhead "
+                          f"{ns.lora_step_overhead} must be finite and >= 0")
+    return LoRACosts(load_ms / 1e3, slot_ms / 1e3, ns.lora_step_overhead)
+
+
 def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate,
-                  router_name: str = "least-loaded", router_options: Optional[dict] = None, handoff=None):
+                  router_name: str = "least-loaded", router_options: Optional[dict] = None, handoff=None,
+                  lora_costs=None):
     from pagoda.execution.routing import make_router
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
     from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route, run_trace, with_policy
 
     started = time.perf_counter()
-    engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed, handoff)
+    engines, record = build_engines(with_policy(config, policy), pm, cost_model, trace, replicas, seed, handoff,
+                                    lora_costs)
     route = None
     if replicas > 1:
         try:

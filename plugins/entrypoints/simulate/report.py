@@ -61,6 +61,15 @@ def summarize_run(record: RunRecord, rate: float, label: str) -> dict:
                 "completed": int(mine.sum()),
                 "ttft_ms": percentiles(first[mine] - arrival[mine]),
                 "tpot_ms": percentiles((finish[several] - first[several]) / (num_out[several] - 1))}
+    # LoRA (when the trace names adapters): their loads, and TTFT with an adapter against the base model's
+    if any(name is not None for name in record.lora_name):
+        with_lora = np.array([name is not None for name in record.lora_name])
+        summary["lora"] = {
+            "adapters": len({name for name in record.lora_name if name is not None}),
+            "loads_from_disk": record.num_lora_loads, "slot_loads": record.num_lora_slot_loads,
+            "load_seconds": round(record.lora_load_seconds, 4),
+            "ttft_ms_adapters": percentiles(first[ok & with_lora] - arrival[ok & with_lora]),
+            "ttft_ms_base": percentiles(first[ok & ~with_lora] - arrival[ok & ~with_lora])}
     return summary
 
 
@@ -98,6 +107,12 @@ def format_run(s: dict) -> str:
         for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
             lines.append(f"{label + ' ' + tenant:<10}" + "".join(f"{row[key][c]:>10.1f}"
                                                                  for c in ("mean", "p50", "p90", "p99")))
+    lora = s.get("lora")
+    if lora:
+        for key, label in (("ttft_ms_adapters", "TTFT LoRA"), ("ttft_ms_base", "TTFT base")):
+            lines.append(f"{label:<10}" + "".join(f"{lora[key][c]:>10.1f}" for c in ("mean", "p50", "p90", "p99")))
+        lines.append(f"{'LoRA adapters':<30}{lora['adapters']}: {lora['loads_from_disk']} loads from disk, "
+                     f"{lora['slot_loads']} into a slot, {lora['load_seconds']:.3f} s of steps")
     u = s["kv_usage"]
     lines += [
         f"{'steps':<30}{s['num_steps']}",

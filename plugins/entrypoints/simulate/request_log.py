@@ -83,6 +83,9 @@ def trace_from_request_log(path: str | Path) -> tuple[list[TraceRequest], int]:
                 d = json.loads(line)
                 arrival, ids, out = float(d["arrival_time"]), list(d["prompt_token_ids"]), int(d["num_output_tokens"])
                 priority = int(d.get("priority") or 0)
+                lora_name = d.get("lora_name")
+                if lora_name is not None and not isinstance(lora_name, str):
+                    raise TypeError(f"lora_name {lora_name!r} is not a name")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{path}:{lineno}: not a `pagoda serve --request-log` line ({type(exc).__name__}: "
                                   f"{exc})") from None
@@ -93,7 +96,8 @@ def trace_from_request_log(path: str | Path) -> tuple[list[TraceRequest], int]:
             if out < 1 or not ids:
                 skipped += 1
                 continue
-            rows.append((arrival, TraceRequest(arrival, out, len(ids), priority, prompt_token_ids=ids, tenant=tenant)))
+            rows.append((arrival, TraceRequest(arrival, out, len(ids), priority, prompt_token_ids=ids, tenant=tenant,
+                                               lora_name=lora_name or None)))
     if not rows:
         raise ConfigError(f"request log {path} holds no request that produced a token")
     rows.sort(key=lambda row: row[0])

@@ -17,7 +17,9 @@ from typing import Callable, Optional, Sequence as Seq
 from pagoda.config import EngineConfig
 from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import ConfigError, InvalidRequestError
+from pagoda.lora_request import LoRARequest
 from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, PipelineHandoff
+from pagoda.plugins.entrypoints.simulate.lora import AdapterResidency, LoRACosts
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
@@ -38,6 +40,7 @@ class RunRecord:
         self.prompt_len = array("q", (r.prompt_len for r in trace))
         self.priority = array("q", (r.priority for r in trace))
         self.tenant = [r.tenant for r in trace]
+        self.lora_name = [r.lora_name for r in trace]
         self.first_scheduled = array("d", [math.nan]) * n
         self.first_token = array("d", [math.nan]) * n
         self.last_token = array("d", [math.nan]) * n
@@ -55,13 +58,17 @@ class RunRecord:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.handoff_seconds = 0.0  # pipeline stages' hand-offs, summed over the steps
+        self.num_lora_loads = 0  # adapters read from disk
+        self.num_lora_slot_loads = 0  # adapters copied into a slot
+        self.lora_load_seconds = 0.0  # the step time both took
 
 
 class SimulatedEngine:
     """One simulated replica: a scheduler plugin over a KV allocator plugin, timed by a cost model."""
 
     def __init__(self, scheduler, kv_manager, cost_model: CostModel, limits: RequestLimits, record: RunRecord,
-                 prompts: PromptMaker, handoff: Optional[PipelineHandoff] = None) -> None:
+                 prompts: PromptMaker, handoff: Optional[PipelineHandoff] = None,
+                 adapters: Optional[AdapterResidency] = None) -> None:
         self.scheduler = scheduler
         self.handoff = handoff  # pipeline parallelism's hand-offs between stages (None: one stage)
         self.kv = kv_manager
@@ -73,6 +80,8 @@ class SimulatedEngine:
         self.num_steps = 0
         self._index: dict[str, int] = {}  # request id -> trace index, while the request runs here
         self._params: dict[int, SamplingParams] = {}  # one SamplingParams per output length
+        self.adapters = adapters  # None: LoRA off
+        self._loras: dict[str, LoRARequest] = {}  # adapter name -> the request naming it (ids 1, 2, ...)
 
     @property
     def num_unfinished(self) -> int:
@@ -93,8 +102,11 @@ class SimulatedEngine:
             self.record.errors[index] = str(exc)
             return
         rid = str(index)
+        lora = None
+        if req.lora_name is not None:  # the path is never read: the simulator loads no weights
+            lora = self._loras.setdefault(req.lora_name, LoRARequest(req.lora_name, len(self._loras) + 1, "simulated"))
         seq = Sequence(rid, token_ids, params, None, req.arrival, None, req.priority, parent_id=rid,
-                       tenant=req.tenant)
+                       tenant=req.tenant, lora_request=lora)
         self._index[rid] = index
         self.scheduler.add_request(seq)
 
@@ -114,6 +126,8 @@ class SimulatedEngine:
             self._drain_finished()
             return False
         seconds = self.cost_model.step_seconds(sched.num_new_tokens, sched.num_computed_before, num_moved)
+        if self.adapters is not None:
+            seconds += self._lora_seconds(requests, seconds)
         if self.handoff is not None:
             handoff = self.handoff.seconds(sum(sched.num_new_tokens))
             rec.handoff_seconds += handoff
@@ -151,6 +165,19 @@ class SimulatedEngine:
         rec.step_seconds.append(seconds)
         rec.kv_usage.append(self.kv.usage)
         return True
+
+    def _lora_seconds(self, requests, step_seconds: float) -> float:
+        """What a step's adapters add: loading those not in a slot, and the LoRA terms' share of the step."""
+        names = list(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
+        if not names:
+            return 0.0
+        adapters, rec = self.adapters, self.record
+        loads, slot_loads = adapters.num_loads, adapters.num_slot_loads
+        load_seconds = adapters.step_seconds(names)
+        rec.num_lora_loads += adapters.num_loads - loads
+        rec.num_lora_slot_loads += adapters.num_slot_loads - slot_loads
+        rec.lora_load_seconds += load_seconds
+        return load_seconds + step_seconds * adapters.costs.step_overhead
 
     def _drain_finished(self) -> None:
         rec = self.record
@@ -232,7 +259,8 @@ def router_route(router, block_size: int) -> Route:
 
     def route(index: int, request: TraceRequest, engines: list[SimulatedEngine]) -> int:
         tokens = engines[0].prompts.tokens(index, request)
-        routing_request = RoutingRequest(str(index), tuple(prompt_block_hashes(tokens, block_size)), len(tokens))
+        hashes = prompt_block_hashes(tokens, block_size, request.lora_name)
+        routing_request = RoutingRequest(str(index), tuple(hashes), len(tokens), request.lora_name)
         decision = router.route(routing_request, [ReplicaLoad(k, e.num_unfinished) for k, e in enumerate(engines)])
         router.on_routed(routing_request, decision.replica_id)
         return decision.replica_id
@@ -241,11 +269,12 @@ def router_route(router, block_size: int) -> Route:
 
 
 def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[TraceRequest],
-                  num_replicas: int = 1, seed: int = 0, handoff: Optional[PipelineHandoff] = None
-                  ) -> tuple[list[SimulatedEngine], RunRecord]:
+                  num_replicas: int = 1, seed: int = 0, handoff: Optional[PipelineHandoff] = None,
+                  lora_costs: Optional[LoRACosts] = None) -> tuple[list[SimulatedEngine], RunRecord]:
     """``num_replicas`` simulated engines with the configured scheduler and KV allocator plugins, sized as the
     real engine would size its KV cache from ``config`` (per pipeline stage with several); one record they all
-    write to. ``handoff``: the stages' hand-offs each step adds."""
+    write to. ``handoff``: the stages' hand-offs each step adds. A trace naming LoRA adapters needs LoRA on in
+    ``config`` (its ``max_loras`` and ``max_cpu_loras`` bound each replica's)."""
     from pagoda.registry.adapt import adapt_component
 
     mc, cc = config.model, config.cache
@@ -253,6 +282,9 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
     scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
     if config.speculative is not None:
         raise ConfigError("the simulator has no cost model for speculative decoding; drop --speculative-config")
+    if config.lora is None and any(r.lora_name is not None for r in trace):
+        raise ConfigError("the trace names LoRA adapters; pass --enable-lora (and --max-loras N, --max-cpu-loras M "
+                          "as the served engine has them) to simulate them")
     num_blocks, num_swap_blocks = kv_cache_blocks(config)
     record = RunRecord(trace)
     prompts = PromptMaker(mc.vocab_size, seed)
@@ -264,7 +296,8 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
         if cc.preemption_mode == "swap":
             kv.init_swap_pool(num_swap_blocks)
         limits = RequestLimits(mc.max_model_len, mc.vocab_size, num_blocks, kv.blocks_needed)
-        engines.append(SimulatedEngine(scheduler, kv, cost_model, limits, record, prompts, handoff))
+        adapters = AdapterResidency(config.lora, lora_costs or LoRACosts()) if config.lora is not None else None
+        engines.append(SimulatedEngine(scheduler, kv, cost_model, limits, record, prompts, handoff, adapters))
     return engines, record
 
 

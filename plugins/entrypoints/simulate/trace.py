@@ -3,7 +3,7 @@
 A line holds ``arrival`` (seconds from the trace's start), ``output_len`` (tokens to generate),
 optionally ``priority`` (lower runs first under the ``priority`` policy, default 0) and ``tenant`` (who
 sent it: the ``fair`` policy shares the engine between tenants; the report gives each tenant's TTFT and
-TPOT when the trace has more than one), and the
+TPOT when the trace has more than one), ``lora_name`` (the LoRA adapter it names; absent: the base model), and the
 prompt either as ``prompt_token_ids`` or as ``prompt_len`` plus, for prompts that share a prefix,
 ``prefix_group`` (any integer) and ``prefix_len`` (how many leading tokens the group shares).
 Synthetic prompts get token ids drawn once per group and a per-request suffix that nothing else
@@ -42,6 +42,7 @@ class TraceRequest:
     prefix_group: Optional[int] = None
     prefix_len: int = 0
     tenant: Optional[str] = None
+    lora_name: Optional[str] = None  # the LoRA adapter it names (None: the base model)
 
     def to_json(self) -> dict:
         line = {"arrival": self.arrival, "output_len": self.output_len}
@@ -49,6 +50,8 @@ class TraceRequest:
             line["priority"] = self.priority
         if self.tenant is not None:
             line["tenant"] = self.tenant
+        if self.lora_name is not None:
+            line["lora_name"] = self.lora_name
         if self.prompt_token_ids is not None:
             line["prompt_token_ids"] = self.prompt_token_ids
         else:
@@ -133,11 +136,16 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_CHARS):
         raise ConfigError(f"{where}: tenant={tenant!r}; expected a name (a string of 1 to {MAX_TENANT_CHARS} "
                           "characters), or no tenant field for the shared tenant")
+    lora_name = d.get("lora_name")
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise ConfigError(f"{where}: lora_name={lora_name!r}; expected the LoRA adapter's name (a non-empty "
+                          "string), or no lora_name field for the base model")
     ids = d.get("prompt_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise ConfigError(f"{where}: prompt_token_ids must be a non-empty list of token ids (integers >= 0)")
-        return TraceRequest(arrival, output_len, len(ids), priority, prompt_token_ids=ids, tenant=tenant)
+        return TraceRequest(arrival, output_len, len(ids), priority, prompt_token_ids=ids, tenant=tenant,
+                            lora_name=lora_name)
     if "prompt_len" not in d:
         raise ConfigError(f"{where}: give the prompt as prompt_token_ids or as prompt_len (with prefix_group and "
                           "prefix_len for a shared prefix)")
@@ -149,7 +157,7 @@ def _parse_line(line: str, where: str) -> TraceRequest:
     if prefix_len > prompt_len:
         raise ConfigError(f"{where}: prefix_len {prefix_len} exceeds prompt_len {prompt_len}")
     return TraceRequest(arrival, output_len, prompt_len, priority, prefix_group=group, prefix_len=prefix_len,
-                        tenant=tenant)
+                        tenant=tenant, lora_name=lora_name)
 
 
 def save_trace(requests: Iterable[TraceRequest], path: str | Path) -> int:
