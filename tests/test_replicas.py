@@ -111,17 +111,26 @@ async def run_workload(url: str) -> dict:
 @pytest.fixture(scope="module")
 def routing_runs(tmp_path_factory):
     """The workload through prefix-aware routing, then through power-of-two routing; and the fleet
-    metrics page after the prefix-aware run."""
+    metrics page after the prefix-aware run. Both runs join one local Ray cluster of 2 CPUs with
+    ``--ray-address`` (starting Ray is a good part of a run's start-up); each starts and shuts down its own
+    Ray Serve application."""
+    import ray
+
+    address = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False).address_info["gcs_address"]
     runs, pages = {}, {}
-    for router in ("prefix-aware", "power-of-two"):
-        log = tmp_path_factory.mktemp("replicas") / f"{router}.log"
-        proc, url = start_replicas(log, "--router", router, "--router-options", '{"seed": 0}')
-        try:
-            runs[router] = asyncio.run(run_workload(url))
-            pages[router] = httpx.get(url + "/metrics", timeout=30).text
-        finally:
-            stop(proc)
-        assert proc.returncode == 0, log.read_text()[-4000:]
+    try:
+        for router in ("prefix-aware", "power-of-two"):
+            log = tmp_path_factory.mktemp("replicas") / f"{router}.log"
+            proc, url = start_replicas(log, "--router", router, "--router-options", '{"seed": 0}',
+                                       "--ray-address", address)
+            try:
+                runs[router] = asyncio.run(run_workload(url))
+                pages[router] = httpx.get(url + "/metrics", timeout=30).text
+            finally:
+                stop(proc)
+            assert proc.returncode == 0, log.read_text()[-4000:]
+    finally:
+        ray.shutdown()
     return runs, pages
 
 
@@ -153,24 +162,25 @@ def test_the_fleet_metrics_page_has_every_replica_s_engine_metrics_and_the_route
     assert all(s.value == 0 for s in usage)  # every finished request gave its blocks back
 
 
-def test_bad_replica_flags_fail_before_anything_starts():
+def test_bad_replica_flags_fail_before_anything_starts(capsys):
+    import ray
+
+    from pagoda.cli import main
+
+    assert not ray.is_initialized()
     cases = ((["--router", "nearest"], "unknown request router 'nearest'"),
              (["--replicas", "0"], "--replicas 0: pass 1 or more"),
              (["--replicas", "2", "--max-replicas", "1"], "autoscaling needs"),
              (["--router-options", '{"imbalance": 1}'], "does not take the options"))
-    # the four commands at once: each spends its time importing, before it reads its flags
-    runs = [subprocess.Popen([PAGODA, "serve", "--replicas", "2", *flags], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True) for flags, _ in cases]
+    # the command's own entry point, in this process: the flags are read before Ray would start here
     try:
-        for run, (_, message) in zip(runs, cases):
-            _, stderr = run.communicate(timeout=120)
-            assert run.returncode != 0 and message in stderr, stderr[-2000:]
-            assert "Started a local Ray instance" not in stderr
+        for flags, message in cases:
+            assert main(["serve", "--replicas", "2", *flags]) != 0
+            stderr = capsys.readouterr().err
+            assert message in stderr, stderr[-2000:]
+            assert not ray.is_initialized(), flags
     finally:
-        for run in runs:
-            if run.poll() is None:
-                run.kill()
-                run.wait()
+        ray.shutdown()
 
 
 def test_the_autoscaling_policy_asks_for_replicas_by_waiting_plus_running_requests():

@@ -98,12 +98,14 @@ def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file (via transformers' GGUF reader) into an HF safetensors checkpoint."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
+    # the model's own config, read from the file as it loaded: reading the GGUF again for it takes as long as
+    # reading the tokenizer
+    config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "float32"
