@@ -259,11 +259,14 @@ def assert_linears_match(model, ref: dict[str, torch.Tensor], rows: int = 5, rto
 
 
 def small_llm(path: Optional[Path] = None, **kwargs):
-    """An engine with a small KV cache and no swap space (the defaults reserve gigabytes, slow to zero)."""
+    """An engine with a small KV cache and no swap space (the defaults reserve gigabytes, slow to zero), on one
+    compute thread (an engine told no thread count times matmuls on one and on every core first: 18 s for each
+    engine measured on a loaded 2-core machine)."""
     from pagoda import LLM
 
     kwargs.setdefault("kv_cache_memory_bytes", 32 << 20)
     kwargs.setdefault("swap_space", 0)
+    kwargs.setdefault("cpu_threads", 1)
     return LLM(None if path is None else str(path), **kwargs)
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagoda.host.cpp_extension import KERNEL_INCLUDE_DIR
+
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_DIRS = ("core/modeling/layers", "core/execution", "plugins/attention", "plugins/quant")
@@ -31,7 +33,8 @@ def test_every_kernel_compiles_for_aarch64(source):
     torch_dir = Path(torch.__file__).parent
     # semantic analysis and template instantiation, no code generation: what an x86-only intrinsic breaks
     run = subprocess.run([CROSS, "-fsyntax-only", "-std=c++20", "-fopenmp", "-march=armv8.2-a", "-fPIC",
-                          "-DTORCH_EXTENSION_NAME=arm_check", "-isystem", str(torch_dir / "include"),
+                          "-DTORCH_EXTENSION_NAME=arm_check", "-I", str(KERNEL_INCLUDE_DIR),
+                          "-isystem", str(torch_dir / "include"),
                           "-isystem", str(torch_dir / "include/torch/csrc/api/include"),
                           "-isystem", sysconfig.get_paths()["include"], str(source)],
                          capture_output=True, text=True, timeout=600)

@@ -16,6 +16,21 @@ def test_a_kernel_builds_name_changes_with_its_source_and_its_flags(tmp_path):
     assert _source_digest(a, ["-O3"]) != _source_digest(a, ["-O3", "-mavx2"])
 
 
+def test_a_kernel_builds_name_changes_with_the_shared_headers_it_may_include(tmp_path, monkeypatch):
+    """An edited pagoda_torch.h or pagoda_float.h builds every kernel anew instead of importing a build of the old."""
+    from pagoda.host import cpp_extension
+
+    source = tmp_path / "k.cpp"
+    source.write_text('#include "pagoda_float.h"\n')
+    headers = tmp_path / "include"
+    headers.mkdir()
+    (headers / "pagoda_float.h").write_text("inline float to_f(float x) { return x; }\n")
+    monkeypatch.setattr(cpp_extension, "KERNEL_INCLUDE_DIR", headers)
+    before = _source_digest(source, ["-O3"])
+    (headers / "pagoda_float.h").write_text("inline float to_f(float x) { return 2 * x; }\n")
+    assert _source_digest(source, ["-O3"]) != before
+
+
 def test_the_same_source_in_two_checkouts_builds_under_two_names(tmp_path):
     """torch's build file names the source's path: one name for both would rebuild at every switch between them."""
     (tmp_path / "one").mkdir()

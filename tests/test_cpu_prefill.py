@@ -7,13 +7,19 @@ import torch.nn.functional as F
 from pagoda.host import cpu_isa
 from pagoda.plugins.attention.cpu_backend import load_prefill_kernel
 
-kernel = load_prefill_kernel()
 # on a CPU with AVX2 or more a kernel that fails to build is a failure, not a skip
 pytestmark = pytest.mark.skipif(cpu_isa.cpu_isa() == "generic",
                                 reason=f"the prefill kernel needs AVX2 at least; this CPU runs {cpu_isa.describe()}")
 
 
-def test_the_kernel_builds_on_this_cpu():
+@pytest.fixture(scope="module")
+def kernel():
+    """The build an engine loads, compiled when a test first asks for it (not while pytest collects the file, so
+    the test workers compile different kernels at the same time)."""
+    return load_prefill_kernel()
+
+
+def test_the_kernel_builds_on_this_cpu(kernel):
     assert kernel is not None and kernel.supports_head_dim(64)
 
 
@@ -42,7 +48,7 @@ def _reference(q, k, v, ranges, scale):
     (16, 2, 32, [31, 64, 3]),
     (4, 1, 64, [129]),
 ])
-def test_prompts_match_float32_causal_attention(heads, kv_heads, head_dim, lengths):
+def test_prompts_match_float32_causal_attention(heads, kv_heads, head_dim, lengths, kernel):
     gen = torch.Generator().manual_seed(sum(lengths) + head_dim)
     ranges, start = [], 0
     for n in lengths:
@@ -58,7 +64,7 @@ def test_prompts_match_float32_causal_attention(heads, kv_heads, head_dim, lengt
         assert (out[s:e].float() - ref).abs().mean() < 2e-3
 
 
-def test_tokens_outside_the_ranges_are_left_alone_and_ranges_need_not_touch():
+def test_tokens_outside_the_ranges_are_left_alone_and_ranges_need_not_touch(kernel):
     gen = torch.Generator().manual_seed(7)
     q, k, v = _qkv(60, 9, 3, 64, gen)
     out = torch.full((60, 9, 64), 5.0, dtype=torch.bfloat16)
@@ -74,7 +80,7 @@ def test_tokens_outside_the_ranges_are_left_alone_and_ranges_need_not_touch():
     torch.testing.assert_close(out[30].float(), v[30].float().repeat_interleave(3, 0), atol=1e-2, rtol=1e-2)
 
 
-def test_k_and_v_may_have_different_token_strides():
+def test_k_and_v_may_have_different_token_strides(kernel):
     gen = torch.Generator().manual_seed(11)
     q, k, _ = _qkv(40, 9, 3, 64, gen)
     v = torch.randn(40, 3, 64, generator=gen).to(torch.bfloat16)  # its own contiguous tensor
@@ -83,7 +89,7 @@ def test_k_and_v_may_have_different_token_strides():
     torch.testing.assert_close(out.float(), _reference(q, k, v, [(0, 40)], 0.125)[(0, 40)], atol=2e-2, rtol=2e-2)
 
 
-def test_bad_arguments_are_refused_with_what_was_wrong():
+def test_bad_arguments_are_refused_with_what_was_wrong(kernel):
     gen = torch.Generator().manual_seed(3)
     q, k, v = _qkv(10, 9, 3, 64, gen)
     out = torch.empty(10, 9, 64, dtype=torch.bfloat16)

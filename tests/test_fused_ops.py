@@ -10,9 +10,22 @@ from pagoda.modeling.layers.fused_ops import CpuKernels, cpu_ops
 from pagoda.modeling.layers.norm import RMSNorm
 from pagoda.modeling.layers.rotary import RotaryEmbedding
 
-ops = cpu_ops()
-kernels = CpuKernels(resolve_host_config())  # as an engine with the environment's settings chooses them
-pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be compiled here")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops():
+    """The kernels, compiled when the first test here runs: not while pytest collects the file, so the test
+    workers compile different kernels at the same time instead of one after the other."""
+    built = cpu_ops()
+    if built is None:
+        pytest.skip("the fused CPU kernels could not be compiled here")
+    return built
+
+
+@pytest.fixture(scope="module")
+def kernels(ops):
+    return CpuKernels(resolve_host_config())  # as an engine with the environment's settings chooses them
+
 
 SHAPES = [(1, 576), (7, 100), (64, 576), (300, 33)]
 
@@ -27,7 +40,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,hidden", SHAPES)
-def test_add_rms_norm_matches_torch_add_then_rms_norm(dtype, rows, hidden):
+def test_add_rms_norm_matches_torch_add_then_rms_norm(dtype, rows, hidden, ops):
     g = torch.Generator().manual_seed(rows * hidden)
     x, res = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
     w = torch.randn(hidden, generator=g).to(dtype)
@@ -40,7 +53,7 @@ def test_add_rms_norm_matches_torch_add_then_rms_norm(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype):
+def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype, kernels):
     norm, plain = RMSNorm(96, 1e-5, dtype, kernels), RMSNorm(96, 1e-5, dtype)  # plain: torch ops
     for layer in (norm, plain):
         layer.weight.copy_(torch.linspace(0.5, 1.5, 96))
@@ -53,7 +66,7 @@ def test_rms_norm_layer_gives_the_same_values_with_and_without_the_kernel(dtype)
     _close(fused_plain, plain(x.clone()))
 
 
-def test_rms_norm_without_residual_leaves_its_input_untouched():
+def test_rms_norm_without_residual_leaves_its_input_untouched(kernels):
     norm = RMSNorm(64, 1e-5, torch.bfloat16, kernels)
     x = torch.randn(3, 64).to(torch.bfloat16)
     before = x.clone()
@@ -63,21 +76,21 @@ def test_rms_norm_without_residual_leaves_its_input_untouched():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (9, 50), (64, 1536), (3, 7)])
-def test_silu_and_mul_matches_torch(dtype, rows, inter):
+def test_silu_and_mul_matches_torch(dtype, rows, inter, kernels):
     g = torch.Generator().manual_seed(rows + inter)
     gate_up = (torch.randn(rows, 2 * inter, generator=g) * 6).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     _close(kernels.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
-def test_silu_and_mul_reads_rows_of_a_wider_tensor():
+def test_silu_and_mul_reads_rows_of_a_wider_tensor(ops):
     wide = torch.randn(6, 80).to(torch.bfloat16)
     gate_up = wide[:, :64]  # row stride 80
     gate, up = gate_up.chunk(2, dim=-1)
     _close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
-def test_silu_and_mul_saturates_cleanly_at_extreme_inputs():
+def test_silu_and_mul_saturates_cleanly_at_extreme_inputs(ops):
     gate = torch.tensor([[-1e4, -100.0, -88.0, 0.0, 88.0, 100.0, 1e4, float("inf")]])
     out = ops.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=-1))
     _close(out, F.silu(gate))
@@ -85,7 +98,7 @@ def test_silu_and_mul_saturates_cleanly_at_extreme_inputs():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(9, 3, 64, 37), (4, 4, 32, 1), (2, 1, 128, 5)])
-def test_rotary_rotates_q_and_k_in_place_as_the_torch_formula_does(dtype, heads, kv_heads, head_dim, tokens):
+def test_rotary_rotates_q_and_k_in_place_as_the_torch_formula_does(dtype, heads, kv_heads, head_dim, tokens, kernels):
     rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, kernels)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(tokens))
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
@@ -98,7 +111,7 @@ def test_rotary_rotates_q_and_k_in_place_as_the_torch_formula_does(dtype, heads,
     assert torch.equal(fused_v, v.reshape(tokens, kv_heads, head_dim))
 
 
-def test_kernels_refuse_tensors_they_cannot_read():
+def test_kernels_refuse_tensors_they_cannot_read(ops):
     with pytest.raises(RuntimeError, match="weight must be"):
         x = torch.randn(2, 8)
         ops.add_rms_norm(x, None, torch.ones(4), 1e-5, torch.empty_like(x))
@@ -107,29 +120,32 @@ def test_kernels_refuse_tensors_they_cannot_read():
                     1, 64)
 
 
-gemv = pytest.mark.skipif(ops is None or not ops.has_bf16_gemv(),
-                          reason=f"the bf16 GEMV needs AVX2 at least; this CPU runs {cpu_isa.describe()}")
+@pytest.fixture
+def gemv(ops):
+    if not ops.has_bf16_gemv():
+        pytest.skip(f"the bf16 GEMV needs AVX2 at least; this CPU runs {cpu_isa.describe()}")
+    return ops.gemv_bf16
 
 
-@gemv
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("out_features,in_features", [(7, 100), (13, 576), (96, 33), (1728, 576), (5, 1536)])
-def test_bf16_gemv_matches_an_fp32_matmul_of_the_same_values(rows, out_features, in_features):
+def test_bf16_gemv_matches_an_fp32_matmul_of_the_same_values(rows, out_features, in_features, gemv):
     g = torch.Generator().manual_seed(rows * out_features + in_features)
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
     for bias, expected in ((b, ref), (None, ref - b.float())):
-        y = ops.gemv_bf16(x, w, bias)
+        y = gemv(x, w, bias)
         # fp32 sums in another order, then one bf16 rounding
         torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
-@pytest.mark.skipif(ops is None or ops.gemv_path() != "avx512_bf16",
-                    reason=f"the AVX-512 BF16 GEMV; this CPU runs {cpu_isa.describe()} (AVX2: the test below)")
-def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond():
+def test_linear_takes_the_gemv_for_a_few_rows_and_torch_beyond(ops):
     from pagoda.modeling.layers import fused_ops
+
+    if ops.gemv_path() != "avx512_bf16":
+        pytest.skip(f"the AVX-512 BF16 GEMV; this CPU runs {cpu_isa.describe()} (AVX2: the tests of its build below)")
 
     calls = []
 

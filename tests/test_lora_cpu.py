@@ -17,13 +17,23 @@ from pagoda.config import LoRAConfig, ModelConfig
 from pagoda.execution import lora_backends
 from pagoda.execution.lora_backends import CpuLoRABackend, TorchLoRABackend, lora_isa_path, lora_kernels_or_none
 from pagoda.host import cpu_isa
+from pagoda.host.cpp_extension import KERNEL_INCLUDE_DIR
 from pagoda.step import LoRABatch
 from pagoda.testing import check_lora_backend
 from isa_builds import build_at
 
 NAME = "pagoda_lora_cpu"
-NATIVE = lora_kernels_or_none()
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="the cpu LoRA kernel could not be compiled here")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    """The build an engine loads, compiled when the first test here runs: not while pytest collects the file, so
+    the test workers compile different kernels at the same time instead of one after the other."""
+    kernels = lora_kernels_or_none()
+    if kernels is None:
+        pytest.skip("the cpu LoRA kernel could not be compiled here")
+    return kernels
+
 
 # (tokens, in, out, rank rows): widths that are not multiples of 8 or 16, ranks 1 to 64 and 3 slices of 64
 CASES = [(1, 576, 960, 48), (1, 37, 23, 1), (3, 100, 50, 7), (5, 64, 33, 16), (8, 129, 70, 64), (17, 576, 1536, 32),
@@ -31,7 +41,7 @@ CASES = [(1, 576, 960, 48), (1, 37, 23, 1), (3, 100, 50, 7), (5, 64, 33, 16), (8
 
 
 BUILDS = {  # the build an engine loads; the AVX2 path (where the CPU runs it); the portable scalar path
-    "native": lambda: NATIVE,
+    "native": lora_kernels_or_none,
     "avx2": lambda: build_at("avx2", NAME, lora_backends._SOURCE),
     "generic": lambda: build_at("generic", NAME, lora_backends._SOURCE),
 }
@@ -106,26 +116,26 @@ def test_shrink_and_expand_are_one_call_each_and_compose_to_apply(build, dtype):
     assert torch.equal(got, fused)
 
 
-def test_the_kernel_reads_rows_of_wider_tensors():
+def test_the_kernel_reads_rows_of_wider_tensors(native):
     x_wide, y_wide = torch.randn(6, 80), torch.randn(6, 50)
     x, y = x_wide[:, :64], y_wide[:, 10:40]  # row strides 80 and 50
     lora_a, lora_b = torch.randn(2, 8, 64), torch.randn(2, 30, 8)
     batch = LoRABatch.from_token_slots(torch.tensor([1, -1, 0, 0, -1, 1]))
     want = exact(y, x, lora_a, lora_b, batch)
     before = y_wide.clone()
-    NATIVE.lora_apply(y, x, lora_a, lora_b, batch.lora_rows, batch.lora_row_slots)
+    native.lora_apply(y, x, lora_a, lora_b, batch.lora_rows, batch.lora_row_slots)
     assert_close(y, want, torch.float32)
     assert torch.equal(y_wide[:, :10], before[:, :10]) and torch.equal(y_wide[:, 40:], before[:, 40:])
 
 
-def test_a_wrong_call_is_refused_with_what_is_wrong():
+def test_a_wrong_call_is_refused_with_what_is_wrong(native):
     x, y, lora_a, lora_b, batch = random_case(4, 32, 16, 8, torch.float32)
     with pytest.raises(RuntimeError, match="lora_a is BFloat16 but the activations are Float"):
-        NATIVE.lora_apply(y, x, lora_a.bfloat16(), lora_b, batch.lora_rows, batch.lora_row_slots)
+        native.lora_apply(y, x, lora_a.bfloat16(), lora_b, batch.lora_rows, batch.lora_row_slots)
     with pytest.raises(RuntimeError, match=r"row_slots\[0\] = 7 is not a slot in \[0, 4\)"):
-        NATIVE.lora_apply(y, x, lora_a, lora_b, torch.tensor([0]), torch.tensor([7]))
+        native.lora_apply(y, x, lora_a, lora_b, torch.tensor([0]), torch.tensor([7]))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        NATIVE.lora_apply(y.half(), x.half(), lora_a.half(), lora_b.half(), batch.lora_rows, batch.lora_row_slots)
+        native.lora_apply(y.half(), x.half(), lora_a.half(), lora_b.half(), batch.lora_rows, batch.lora_row_slots)
 
 
 def test_the_cpu_backend_meets_the_lora_backend_contract():
@@ -159,7 +169,7 @@ def test_the_avx512_path_compiles(tmp_path):
         assert kernels.isa_path() == "avx512"
         return
     obj = tmp_path / "lora_cpu.o"
-    includes = [f"-I{d}" for d in (*include_paths(), sysconfig.get_paths()["include"])]
+    includes = [f"-I{d}" for d in (KERNEL_INCLUDE_DIR, *include_paths(), sysconfig.get_paths()["include"])]
     run = subprocess.run([GXX, "-std=c++20", "-O2", "-fPIC", "-fopenmp", "-DTORCH_EXTENSION_NAME=lora_avx512_check",
                           *cpu_isa._CFLAGS["avx512"], *includes, "-c", str(lora_backends._SOURCE), "-o", str(obj)],
                          capture_output=True, text=True, timeout=900)

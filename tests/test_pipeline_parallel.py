@@ -8,12 +8,7 @@ split 1/1, and run on 2 x 2 ranks (tensor parallelism inside each stage). Each r
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ConfigError
@@ -21,6 +16,7 @@ from pagoda.execution.pipeline import PipelineStage, layer_partition, stage_of
 from pagoda.modeling.default_model import ensure_default_model
 
 from quant_helpers import TINY, gptq_checkpoint
+from tiny_models import write_tiny_llama
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
            " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 8)), "Hello"]
@@ -75,34 +71,8 @@ def test_two_stages_give_the_default_model_s_tokens_through_preemption():
 @pytest.fixture(scope="module")
 def three_layers(tmp_path_factory):
     """3 decoder layers (they split unevenly over 2 stages), 4 query heads on 2 KV heads, untied LM head."""
-    directory = tmp_path_factory.mktemp("three-layers")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY / name, directory / name)
-    hidden, heads, head_dim, inter, vocab, layers = 64, 4, 16, 96, 512, 3
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": 2, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-              "max_position_embeddings": 256, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-    (directory / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(0)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
-
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
-               "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen), "lm_head.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors.update({p + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
-                        p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
-                        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-                        p + "self_attn.k_proj.weight": w(2 * head_dim, hidden),
-                        p + "self_attn.v_proj.weight": w(2 * head_dim, hidden),
-                        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-                        p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-                        p + "mlp.down_proj.weight": w(hidden, inter)})
-    save_file(tensors, str(directory / "model.safetensors"))
-    return str(directory)
+    return str(write_tiny_llama(tmp_path_factory.mktemp("three-layers"), hidden=64, heads=4, kv_heads=2, head_dim=16,
+                                inter=96, vocab=512, layers=3, norm_noise=0.1, tokenizer_dir=TINY))
 
 
 @pytest.mark.parametrize("partition, micro_batches", [(None, 1), ("1,2", 1), (None, 2)])

@@ -14,8 +14,16 @@ from quant_helpers import (
     DATA, FUSED, PROMPTS, assert_linears_match, gptq_checkpoint, greedy, small_llm, write_dense,
 )
 
-KERNELS = int_kernels_or_none()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler for the int kernel on this machine")
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    """The int kernel, compiled when the first test here runs (not while pytest collects the file, so the test
+    workers compile different kernels at the same time)."""
+    built = int_kernels_or_none()
+    if built is None:
+        pytest.skip("no C++ compiler for the int kernel on this machine")
+    return built
+
 
 DIRECT, GEMM = 1 << 30, 1  # gemm_min_rows that force one path or the other
 
@@ -113,7 +121,8 @@ def test_the_avx2_path_equals_the_dequantized_weight_for_every_batch_size(out_fe
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_kernel_equals_the_dequantized_weight_for_every_batch_size(out_features, in_features, group, bits, dtype):
+def test_kernel_equals_the_dequantized_weight_for_every_batch_size(out_features, in_features, group, bits, dtype,
+                                                                  kernels):
     # in 100 pads the last group of every group size; 576 / 128 leaves a partial group too
     layer = packed_layer(out_features, in_features, bits, group, dtype, parts=2, seed=out_features + group)
     w = reference_weight(layer)
@@ -122,7 +131,7 @@ def test_kernel_equals_the_dequantized_weight_for_every_batch_size(out_features,
         x = torch.randn(rows, in_features).to(dtype)
         expected = x.float() @ w.t() + bias.float()
         for gemm_min_rows in (DIRECT, GEMM):
-            y = cpu_int_linear(KERNELS, layer, x, bias, IMPL_AUTO, gemm_min_rows)
+            y = cpu_int_linear(kernels, layer, x, bias, IMPL_AUTO, gemm_min_rows)
             assert y.dtype == dtype and y.shape == (rows, out_features)
             assert_matches(y, expected, dtype)
 
@@ -130,7 +139,7 @@ def test_kernel_equals_the_dequantized_weight_for_every_batch_size(out_features,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits,group,in_features", [(4, 32, 100), (8, 64, 576), (4, 16, 80), (4, 100, 100),
                                                      (4, 8, 64)])
-def test_portable_scalar_path_equals_the_dequantized_weight(bits, group, in_features, dtype):
+def test_portable_scalar_path_equals_the_dequantized_weight(bits, group, in_features, dtype, kernels):
     # the loop machines without AVX-512 run, and odd group sizes (8, 16, a whole 100-column row)
     layer = packed_layer(40, in_features, bits, group, dtype, parts=2)
     w = reference_weight(layer)
@@ -138,22 +147,22 @@ def test_portable_scalar_path_equals_the_dequantized_weight(bits, group, in_feat
         x = torch.randn(rows, in_features).to(dtype)
         for impl in (IMPL_SCALAR, IMPL_AUTO):
             for gemm_min_rows in (DIRECT, GEMM):
-                assert_matches(cpu_int_linear(KERNELS, layer, x, None, impl, gemm_min_rows), x.float() @ w.t(), dtype)
+                assert_matches(cpu_int_linear(kernels, layer, x, None, impl, gemm_min_rows), x.float() @ w.t(), dtype)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gemm_path_multiplies_the_torch_paths_bf16_weight(bits):
+def test_gemm_path_multiplies_the_torch_paths_bf16_weight(bits, kernels):
     # large batches dequantize tiles to bf16 exactly as the torch path does, so both round alike
     layer = packed_layer(300, 576, bits, 64, torch.bfloat16)
     x = torch.randn(40, 576).to(torch.bfloat16)
     torch_weight = dequantize_int_rows(layer, 0, 300)
     expected = F.linear(x, torch_weight)
-    one_tile = cpu_int_linear(KERNELS, layer, x, None, IMPL_AUTO, GEMM, 1024)
-    if KERNELS.isa_path() == "avx2":  # torch has no fast bf16 GEMM there: fp32 GEMM over widened tiles
+    one_tile = cpu_int_linear(kernels, layer, x, None, IMPL_AUTO, GEMM, 1024)
+    if kernels.isa_path() == "avx2":  # torch has no fast bf16 GEMM there: fp32 GEMM over widened tiles
         assert_one_bf16_rounding_of(one_tile, x.float() @ torch_weight.float().t())
     else:  # one tile: the same GEMM as F.linear on the same weight, so the same bits
         torch.testing.assert_close(one_tile, expected, rtol=0, atol=0)
-    assert_matches(cpu_int_linear(KERNELS, layer, x, None, IMPL_AUTO, GEMM, 64), expected.float(), torch.bfloat16)
+    assert_matches(cpu_int_linear(kernels, layer, x, None, IMPL_AUTO, GEMM, 64), expected.float(), torch.bfloat16)
 
 
 def test_leading_dimensions_and_bias_follow_f_linear():

@@ -9,12 +9,9 @@ not tied to the embedding. Each rank runs one thread.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.engine.components import build_components
@@ -23,6 +20,7 @@ from pagoda.errors import ConfigError
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.modeling.models.llama import LlamaForCausalLM
 from pagoda.registry.plugin_manager import PluginManager
+from tiny_models import write_tiny_llama
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
            " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 10)), "Hello"]
@@ -86,35 +84,8 @@ def test_ray_actors_as_ranks_give_the_default_model_s_tokens(ray_cluster):
 @pytest.fixture(scope="module")
 def uneven_model(tmp_path_factory):
     """3 query heads sharing 1 KV head, MLP 99 wide, an odd vocabulary, untied LM head: random weights."""
-    directory = tmp_path_factory.mktemp("uneven")
-    default = ensure_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (directory / name).write_bytes((default / name).read_bytes())
-    hidden, heads, head_dim, inter, vocab, layers = 96, 3, 32, 99, 49153, 2
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": 1, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
-              "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-    (directory / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(0)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
-
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
-               "model.norm.weight": torch.ones(hidden), "lm_head.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors.update({p + "input_layernorm.weight": torch.ones(hidden),
-                        p + "post_attention_layernorm.weight": torch.ones(hidden),
-                        p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
-                        p + "self_attn.k_proj.weight": w(head_dim, hidden),
-                        p + "self_attn.v_proj.weight": w(head_dim, hidden),
-                        p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
-                        p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-                        p + "mlp.down_proj.weight": w(hidden, inter)})
-    save_file(tensors, str(directory / "model.safetensors"))
-    return str(directory)
+    return str(write_tiny_llama(tmp_path_factory.mktemp("uneven"), hidden=96, heads=3, kv_heads=1, head_dim=32,
+                                inter=99, vocab=49153))
 
 
 def test_two_ranks_give_the_tokens_of_one_when_heads_divide_unevenly(uneven_model):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -41,15 +42,20 @@ def tiny_llm(model_dir, **kwargs):
     return LLM(model=str(model_dir), **{**options, **kwargs})
 
 
-def write_tiny_llama(model_dir, seed: int = 0) -> None:
-    """A 2-layer Llama (hidden 64, 4 heads / 2 KV heads of 64) with random weights, as real safetensors files.
+def write_tiny_llama(model_dir, seed: int = 0, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int = 64, inter: int = 128, vocab: int = 49152, layers: int = 2,
+                     norm_noise: float = 0.0, tokenizer_dir: Optional[Path] = None) -> Path:
+    """A small Llama with random weights, as real safetensors files, in the existing directory ``model_dir``: by
+    default 2 layers, hidden 64, 4 heads / 2 KV heads of 64, and the default model's tokenizer (or
+    ``tokenizer_dir``'s, whose vocabulary ``vocab`` must then cover).
 
     The LM head is not tied: with tied random embeddings every token would predict itself and attention
-    would not show in the tokens."""
-    default_dir = ensure_default_model()
+    would not show in the tokens. The norms' weights are 1, or ``1 + norm_noise * randn`` (a test where the norms
+    must matter)."""
+    model_dir = Path(model_dir)
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else ensure_default_model()
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_dir / name, model_dir / name)
-    hidden, heads, kv_heads, head_dim, inter, vocab, layers = 64, 4, 2, 64, 128, 49152, 2
+        shutil.copy(source / name, model_dir / name)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -64,8 +70,11 @@ def write_tiny_llama(model_dir, seed: int = 0) -> None:
         # scaled so activations keep unit size and the greedy choice is not a near-tie
         return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
 
+    def norm() -> torch.Tensor:
+        return 1 + norm_noise * torch.randn(hidden, generator=gen) if norm_noise else torch.ones(hidden)
+
     tensors = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
-               "model.norm.weight": torch.ones(hidden), "lm_head.weight": w(vocab, hidden)}
+               "lm_head.weight": w(vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors.update({
@@ -76,7 +85,9 @@ def write_tiny_llama(model_dir, seed: int = 0) -> None:
             p + "mlp.gate_proj.weight": w(inter, hidden),
             p + "mlp.up_proj.weight": w(inter, hidden),
             p + "mlp.down_proj.weight": w(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm(),
         })
+    tensors["model.norm.weight"] = norm()
     save_file(tensors, str(model_dir / "model.safetensors"))
+    return model_dir

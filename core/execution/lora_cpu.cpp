@@ -15,8 +15,9 @@
 // The ISA path is fixed when the file is compiled (AVX-512, AVX2 + FMA + F16C, or portable scalar code);
 // pagoda builds it for the CPU it runs on, so the path is chosen at run time by which build is loaded.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "pagoda_torch.h"
+#include "pagoda_float.h"
+#include <ATen/ops/empty.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -36,25 +37,8 @@
 
 namespace {
 
-inline float to_f(float v) { return v; }
-inline float to_f(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// fp32 -> T, round to nearest even (NaN kept a NaN)
-template <typename T> inline T from_f(float f);
-template <> inline float from_f<float>(float f) { return f; }
-template <> inline at::BFloat16 from_f<at::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  at::BFloat16 out;
-  out.x = std::isnan(f) ? static_cast<uint16_t>(0x7FC0)
-                        : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  return out;
-}
+using pagoda::from_f;
+using pagoda::to_f;
 
 // ---- one ISA's vector: kLanes fp32 lanes; sum4 reduces four of them to four floats ---------------
 

@@ -12,6 +12,10 @@ from typing import Any, Iterator, Optional, Sequence
 from pagoda.host.cpu_isa import extension_build
 from pagoda.host.env import HostConfig, resolve_host_config
 
+# the headers every kernel may include (``#include "pagoda_torch.h"``: the part of torch a kernel binds with;
+# ``"pagoda_float.h"``: dtype <-> fp32 conversions), on the include path of every build
+KERNEL_INCLUDE_DIR = Path(__file__).with_name("include")
+
 
 def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = (),
                        host: Optional[HostConfig] = None) -> Any:
@@ -19,11 +23,11 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
     once per process for each build: engines whose host settings differ only in what a build does not depend
     on share one module.
 
-    Built with ``-O3 -fopenmp`` for the CPU's ISA level (``-march=native``; the flags of a lower level
-    when the ``cpu_isa`` host setting of ``host`` caps it, under a name of its own) unless its
-    ``cpu_native_build`` setting is off, which builds for the compiler's default target. ``host`` is the
-    engine's settings (None: the environment's, for kernels used without an engine). Raises whatever the build
-    raises (a missing compiler or ninja surfaces as many exception types).
+    Built with ``-O3 -fopenmp`` and :data:`KERNEL_INCLUDE_DIR` on the include path, for the CPU's ISA level
+    (``-march=native``; the flags of a lower level when the ``cpu_isa`` host setting of ``host`` caps it, under a
+    name of its own) unless its ``cpu_native_build`` setting is off, which builds for the compiler's default
+    target. ``host`` is the engine's settings (None: the environment's, for kernels used without an engine).
+    Raises whatever the build raises (a missing compiler or ninja surfaces as many exception types).
     """
     settings = host if host is not None else resolve_host_config()
     return _load(name, Path(source), tuple(extra_cflags), settings.cpu_isa, settings.cpu_native_build)
@@ -41,7 +45,8 @@ def _load(name: str, source: Path, extra_cflags: tuple[str, ...], cpu_isa: str, 
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
     full_name = f"{module_name}_{_source_digest(source, flags)}"
     with _one_builder(full_name):
-        return load(name=full_name, sources=[str(source)], extra_cflags=flags, verbose=False)
+        return load(name=full_name, sources=[str(source)], extra_cflags=flags,
+                    extra_include_paths=[str(KERNEL_INCLUDE_DIR)], verbose=False)
 
 
 @contextmanager
@@ -92,16 +97,18 @@ def _load_or_none(name: str, source: Path, extra_cflags: tuple[str, ...], fallba
 
 
 def _source_digest(source: Path, flags: Sequence[str]) -> str:
-    """A short hash of the kernel source, where it lies, its flags and the torch it builds against, part of the
-    module name: two checkouts (or versions) of pagoda, or two environments, on one machine share torch's
-    extension cache. Under one name a process that finds another building it waits and then imports that build,
-    whatever source it came from; a build from another environment (its torch's include and library paths are
-    in the build file) would be rebuilt on every switch between the two; and so would a build of the same source
-    from another checkout (the source's path is in the build file too), so each checkout builds once, under a
-    name of its own."""
+    """A short hash of the kernel source, the shared headers it may include, where it lies, its flags and the
+    torch it builds against, part of the module name: two checkouts (or versions) of pagoda, or two environments,
+    on one machine share torch's extension cache. Under one name a process that finds another building it waits
+    and then imports that build, whatever source it came from; a build from another environment (its torch's
+    include and library paths are in the build file) would be rebuilt on every switch between the two; and so
+    would a build of the same source from another checkout (the source's path is in the build file too), so each
+    checkout builds once, under a name of its own."""
     import torch
 
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(KERNEL_INCLUDE_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update(str(source.resolve()).encode())
     digest.update(" ".join(flags).encode())
     digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())

@@ -8,8 +8,8 @@
 // Stored K/V are multiplied by k_scale / v_scale on read: k_scale is folded into the query
 // scale and v_scale into the output, so no row is ever rescaled.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "pagoda_torch.h"
+#include <ATen/ops/empty.h>
 #include <c10/util/Float8_e4m3fn.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>

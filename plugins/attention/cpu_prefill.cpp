@@ -17,8 +17,7 @@
 // (kt[h][block][d][16 keys], vt[h][block][16 keys][head_dim]), probabilities stay fp32, and the output is
 // rounded to the prompt dtype once.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "pagoda_torch.h"
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -179,7 +178,7 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
 }
 
 template <int D>
-void prefill_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   const std::vector<int64_t>& ranges, double scale) {
   constexpr int R = D <= 64 ? 4 : 2;  // rows per sweep: R * (D / 16 + 2) registers of sums and scores
   const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;
@@ -347,7 +346,7 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
 }
 
 template <int D, typename T>
-void prefill_impl_f32(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                       const std::vector<int64_t>& ranges, double scale) {
   constexpr int R = 4;  // rows per sweep: 8 score registers, 8 output registers while values are added
   const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;
@@ -403,7 +402,7 @@ void prefill_impl_f32(const torch::Tensor& q, const torch::Tensor& k, const torc
 }
 
 template <typename T>
-void prefill_avx2(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+void prefill_avx2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   const std::vector<int64_t>& ranges, double scale) {
   const int64_t d = q.size(2);
   if (d == 64) return prefill_impl_f32<64, T>(q, k, v, out, ranges, scale);
@@ -417,7 +416,7 @@ void prefill_avx2(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 // q [T, H, D], k/v [T, Hkv, D] bf16 with unit dim stride and heads packed; out [T, H, D] likewise.
 // ranges: [begin_0, end_0, begin_1, end_1, ...], the tokens of each prompt, which attends causally to
 // itself only; tokens outside every range are left alone.
-void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor out,
+void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
                        const std::vector<int64_t>& ranges, double scale) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
@@ -430,7 +429,7 @@ void prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const tor
 #endif
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [T, heads, D]");
   const int64_t d = q.size(2);
-  for (const torch::Tensor* t : {&q, &k, &v, static_cast<const torch::Tensor*>(&out)})
+  for (const at::Tensor* t : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == d, "each token's heads must be packed rows of head_dim");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && out.size(0) == q.size(0) &&

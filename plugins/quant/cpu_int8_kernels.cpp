@@ -20,8 +20,8 @@
 // - scalar: the same sums in plain loops.
 // Every path gives the same int32 sums, so they differ only in float rounding of the epilogue.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "pagoda_torch.h"
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

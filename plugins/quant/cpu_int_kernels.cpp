@@ -24,9 +24,11 @@
 // own buffer and multiplies them by the fp32 activations (run_gemm_widened; what the dense layers'
 // gemm_bf16_fp32 does with bf16 weights).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "pagoda_torch.h"
 #include <ATen/ThreadLocalState.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>

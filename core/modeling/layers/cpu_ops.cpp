@@ -4,9 +4,12 @@
 // Every op rounds to the tensor dtype exactly where the torch ops it replaces do, so a bf16
 // model computes the same values either way (up to the order of the RMS sum and a 1-ulp fp32 exp).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "pagoda_torch.h"
+#include "pagoda_float.h"
 #include <ATen/ThreadLocalState.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,32 +20,9 @@
 
 namespace {
 
-// ---- dtype <-> fp32 -----------------------------------------------------------------------
-
-inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_f(at::Half x) { return static_cast<float>(x); }
-
-// fp32 -> dtype, round to nearest even (NaN kept a NaN)
-template <typename T> inline T from_f(float f);
-template <> inline float from_f<float>(float f) { return f; }
-template <> inline at::BFloat16 from_f<at::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  at::BFloat16 out;
-  out.x = std::isnan(f) ? static_cast<uint16_t>(0x7FC0)
-                        : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  return out;
-}
-template <> inline at::Half from_f<at::Half>(float f) { return static_cast<at::Half>(f); }
-
-// the value an fp32 result takes once stored in T and read back
-template <typename T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
+using pagoda::from_f;
+using pagoda::round_to;
+using pagoda::to_f;
 
 // Runs fn(begin, end) over [0, total) in chunks of `chunk` that the threads take one at a time as they finish
 // the last. A static split makes every thread wait at the end for one the OS held up (a server's event loop,

@@ -1,6 +1,7 @@
 // Torch binding of pagoda's PagedAttention CUDA kernels. No CUDA headers here: the
 // current stream arrives from Python as an integer (torch.cuda.current_stream().cuda_stream).
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 
@@ -8,18 +9,18 @@
 
 namespace {
 
-int dtype_code(const torch::Tensor& t) {
+int dtype_code(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return pagoda::kFloat32;
-    case torch::kFloat16: return pagoda::kFloat16;
-    case torch::kBFloat16: return pagoda::kBFloat16;
+    case at::kFloat: return pagoda::kFloat32;
+    case at::kHalf: return pagoda::kFloat16;
+    case at::kBFloat16: return pagoda::kBFloat16;
     default:
       TORCH_CHECK(false, "pagoda cuda attention: dtype ", t.scalar_type(), " is not float32, float16 or bfloat16");
   }
   return -1;
 }
 
-void check_cuda(const torch::Tensor& t, const char* name) {
+void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "pagoda cuda attention: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.stride(-1) == 1, "pagoda cuda attention: ", name, " must be contiguous in its last dimension");
 }
@@ -32,9 +33,9 @@ int log2_exact(int64_t n) {
 }
 
 // out, q: [num_seqs, num_heads, head_dim]; kv_cache: [2, num_blocks, num_kv_heads, block_size, head_dim]
-void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor part_out, torch::Tensor part_max,
-                            torch::Tensor part_sum, int64_t partition_size, int64_t max_parts, double scale,
+void paged_attention_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables,
+                            at::Tensor seq_lens, at::Tensor part_out, at::Tensor part_max,
+                            at::Tensor part_sum, int64_t partition_size, int64_t max_parts, double scale,
                             int64_t stream) {
   check_cuda(out, "out");
   check_cuda(q, "q");
@@ -44,9 +45,9 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv
               "[2, num_blocks, num_kv_heads, block_size, head_dim]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "pagoda cuda attention: q, out and kv_cache must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(),
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "pagoda cuda attention: block_tables must be contiguous int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
               "pagoda cuda attention: seq_lens must be contiguous int32");
   TORCH_CHECK(q.size(1) % kv_cache.size(2) == 0,
               "pagoda cuda attention: num_heads must be a multiple of num_kv_heads");
@@ -54,8 +55,8 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   if (max_parts > 1) {
     const int64_t slots = q.size(0) * q.size(1) * max_parts;
     TORCH_CHECK(part_out.is_contiguous() && part_max.is_contiguous() && part_sum.is_contiguous() &&
-                    part_out.scalar_type() == torch::kFloat32 && part_max.scalar_type() == torch::kFloat32 &&
-                    part_sum.scalar_type() == torch::kFloat32 && part_out.numel() >= slots * q.size(2) &&
+                    part_out.scalar_type() == at::kFloat && part_max.scalar_type() == at::kFloat &&
+                    part_sum.scalar_type() == at::kFloat && part_out.numel() >= slots * q.size(2) &&
                     part_max.numel() >= slots && part_sum.numel() >= slots,
                 "pagoda cuda attention: partition buffers must be contiguous float32 "
                 "[num_seqs, num_heads, max_parts(, head_dim)]");
@@ -90,14 +91,14 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv
 }
 
 // k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64, -1 = skip
-void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t stream) {
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slot_mapping, int64_t stream) {
   check_cuda(k, "k");
   check_cuda(v, "v");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5,
               "pagoda cuda attention: kv_cache must be contiguous 5-d");
   TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
               "pagoda cuda attention: k, v and kv_cache must share a dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(),
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
               "pagoda cuda attention: slot_mapping must be contiguous int64");
   pagoda::KVWriteParams p{};
   p.k = k.data_ptr();
