@@ -41,15 +41,17 @@ def tiny_llm(model_dir, **kwargs):
     return LLM(model=str(model_dir), **{**options, **kwargs})
 
 
-def write_tiny_llama(model_dir, seed: int = 0) -> None:
-    """A 2-layer Llama (hidden 64, 4 heads / 2 KV heads of 64) with random weights, as real safetensors files.
+def write_tiny_llama(model_dir, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int = 64, inter: int = 128) -> None:
+    """A 2-layer Llama (by default hidden 64, 4 heads / 2 KV heads of 64, MLP 128 wide) with random weights, as
+    real safetensors files.
 
     The LM head is not tied: with tied random embeddings every token would predict itself and attention
     would not show in the tokens."""
     default_dir = ensure_default_model()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_dir / name, model_dir / name)
-    hidden, heads, kv_heads, head_dim, inter, vocab, layers = 64, 4, 2, 64, 128, 49152, 2
+    vocab, layers = 49152, 2
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
