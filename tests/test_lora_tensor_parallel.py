@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
@@ -75,6 +76,28 @@ def assert_same_tokens(one: list, two: list, num_loras: int) -> None:
     base = [one[k][0] for k in range(0, len(one), num_loras + 1)]
     for j in range(1, num_loras + 1):  # else the comparison proves nothing
         assert [one[k][0] for k in range(j, len(one), num_loras + 1)] != base, f"adapter {j - 1} changed no token"
+
+
+def test_an_adapter_goes_to_the_other_ranks_by_value(model):
+    """Pickled for a worker process, an adapter carries its weights itself, not a shared-memory handle (a file
+    descriptor) per tensor."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from pagoda.execution.lora_adapter import load_adapter
+
+    model_dir, loras = model
+    llm = LLM(str(model_dir), **ENGINE)
+    manager = llm.engine.runner.lora
+    adapter = load_adapter(loras[0], manager.targets, manager.packed, 16, torch.float32)
+    data = bytes(ForkingPickler.dumps(adapter))
+    tensors = [t for parts in (adapter.lora_a, adapter.lora_b) for ts in parts.values() for t in ts if t is not None]
+    assert len(data) > sum(t.numel() * t.element_size() for t in tensors)
+    copy = pickle.loads(data)
+    assert copy.request == adapter.request and copy.scaling == adapter.scaling
+    for prefix, parts in adapter.lora_b.items():
+        for mine, theirs in zip(parts, copy.lora_b[prefix]):
+            assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 
 
 def test_two_ranks_give_one_ranks_tokens_for_adapters_and_the_base_model_in_one_batch(model):
