@@ -110,7 +110,7 @@ def test_two_ranks_give_one_ranks_tokens_with_an_adapter_on_the_default_model(tm
     default_dir = ensure_default_model()
     adapter = make_adapter(default_dir, tmp_path / "a", seed=41, r=8, alpha=16, strength=0.5)
     lora = [LoRARequest("a", 1, str(adapter))]
-    options = dict(max_loras=1, max_cpu_loras=1, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=256)
+    options = dict(max_loras=1, max_cpu_loras=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
     assert_same_tokens(generate(default_dir, lora, 1, **options), generate(default_dir, lora, 2, **options), 1)
 
 
