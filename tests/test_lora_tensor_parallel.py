@@ -32,7 +32,7 @@ PROMPTS = [[5, 17, 923, 4001, 77], list(range(100, 160, 3)), [42] * 9 + [1000, 2
 ENGINE = dict(dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16,
               kv_cache_memory_bytes=8 << 20, cpu_threads=1, max_num_batched_tokens=32, max_num_seqs=8)
 SHAPES = {"tiny": dict(),  # 4 query heads over 2 KV heads: one KV head per rank
-          "uneven": dict(heads=3, kv_heads=1, head_dim=32, inter=99)}
+          "uneven": dict(hidden=96, heads=3, kv_heads=1, head_dim=32, inter=99)}
 
 
 def model_with_adapters(tmp_path_factory, shape: str) -> tuple[Path, list[LoRARequest]]:
@@ -126,7 +126,7 @@ def served(tmp_path_factory):
     slot on both ranks, each return to one reads it again), ``first`` served from the start; the references come
     from one rank, offline."""
     model_dir = tmp_path_factory.mktemp("lora-tp-server")
-    write_tiny_llama(model_dir, seed=6, heads=3, kv_heads=1, head_dim=32, inter=99)
+    write_tiny_llama(model_dir, seed=6, hidden=96, heads=3, kv_heads=1, head_dim=32, inter=99)
     root = tmp_path_factory.mktemp("lora-tp-server-adapters")
     first = make_adapter(model_dir, root / "first", seed=51, r=8, alpha=16)
     second = make_adapter(model_dir, root / "second", seed=52, r=4, alpha=8, targets=["q_proj", "o_proj", "up_proj",
