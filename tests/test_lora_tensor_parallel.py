@@ -114,6 +114,25 @@ def test_two_ranks_give_one_ranks_tokens_with_an_adapter_on_the_default_model(tm
     assert_same_tokens(generate(default_dir, lora, 1, **options), generate(default_dir, lora, 2, **options), 1)
 
 
+# ---- Ray actors as the ranks --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_actors_as_ranks_give_one_ranks_tokens_with_adapters(ray_cluster, tmp_path_factory):
+    model_dir, loras = model_with_adapters(tmp_path_factory, "tiny")
+    two = loras[:2]  # a Ray step costs a remote call per rank: two adapters, both in slots throughout
+    assert_same_tokens(generate(model_dir, two, 1), generate(model_dir, two, 2, distributed_executor_backend="ray"),
+                       len(two))
+
+
 # ---- a server on two ranks: adapters loaded and unloaded while it serves -----------------------------------
 
 
@@ -122,7 +141,8 @@ PROMPT = [5, 17, 923, 4001, 77, 311]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A server on two ranks with one slot and one adapter in memory (each change of adapter copies it into the
+    """(Last in this file: its engine keeps this process's tensor-parallel place until the module ends.) A server
+    on two ranks with one slot and one adapter in memory (each change of adapter copies it into the
     slot on both ranks, each return to one reads it again), ``first`` served from the start; the references come
     from one rank, offline."""
     model_dir = tmp_path_factory.mktemp("lora-tp-server")
@@ -191,22 +211,3 @@ def test_a_bad_adapter_is_refused_as_on_one_rank_and_the_ranks_keep_serving(serv
         assert r.status_code == 400 and "is not a directory" in r.json()["error"]["message"]
     assert complete(srv.url, "tiny") == refs["tiny"]
     assert complete(srv.url, "first") == refs["first"]
-
-
-# ---- Ray actors as the ranks --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-def test_ray_actors_as_ranks_give_one_ranks_tokens_with_adapters(ray_cluster, tmp_path_factory):
-    model_dir, loras = model_with_adapters(tmp_path_factory, "tiny")
-    two = loras[:2]  # a Ray step costs a remote call per rank: two adapters, both in slots throughout
-    assert_same_tokens(generate(model_dir, two, 1), generate(model_dir, two, 2, distributed_executor_backend="ray"),
-                       len(two))
