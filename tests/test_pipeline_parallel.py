@@ -123,7 +123,7 @@ def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding does not run over pipeline stages"),
-    (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA runs in the engine's process"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), "LoRA does not run with pipeline parallelism"),
     (dict(pipeline_parallel_size=2, kv_offload_ram=0.1), "do not keep K/V per pipeline stage"),
 ])
 def test_what_pipeline_parallelism_cannot_run_is_refused_before_any_process_starts(options, message):

@@ -276,10 +276,9 @@ class EngineArgs(HostOptions):
             if self.lora_modules:
                 raise ConfigError("--lora-modules needs --enable-lora: add it, or drop the adapters")
             return None
-        if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
-                or self.distributed_executor_backend in ("mp", "ray")):
-            raise ConfigError("LoRA runs in the engine's process for now: use tensor_parallel_size=1, "
-                              "pipeline_parallel_size=1 and the uni executor, or drop --enable-lora")
+        if self.pipeline_parallel_size > 1:
+            raise ConfigError("LoRA does not run with pipeline parallelism yet (tensor parallelism it does): use "
+                              "pipeline_parallel_size=1, or drop --enable-lora")
         if self.speculative_config:
             raise ConfigError("speculative decoding does not apply LoRA adapters to its drafts yet; drop "
                               "speculative_config or --enable-lora")

@@ -14,7 +14,7 @@ from pagoda.config import EngineConfig
 from pagoda.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
-from pagoda.execution.lora import LoRAManager
+from pagoda.execution.lora import LoRAFollower, LoRAManager, LoRASlots
 from pagoda.execution.model_runner import ModelRunner
 from pagoda.interfaces import AttentionBackend
 from pagoda.registry.adapt import adapt_component
@@ -91,15 +91,20 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
 
 
 def build_lora_manager(config: EngineConfig, pm: PluginManager, model: torch.nn.Module,
-                       device: torch.device) -> LoRAManager:
-    """The adapter slots of every adaptable layer of ``model``, computed by the configured LoRA backend."""
+                       device: torch.device) -> LoRAManager | LoRAFollower:
+    """The adapter slots of every adaptable layer of ``model``, computed by the configured LoRA backend: with
+    the books of the adapters on rank 0 (the only rank without tensor parallelism), following rank 0's on the
+    others."""
     lc = config.lora
     factory = pm.get("pagoda_lora_backends", lc.backend, "lora_backend").factory
     lora_backend = adapt_component(factory(lc, config.model), "pagoda_lora_backends", lc.backend)
-    manager = LoRAManager(lc, config.model, model, lora_backend, device)
+    slots = LoRASlots(lc, config.model, model, lora_backend, device)
+    is_driver = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if not is_driver:
+        return LoRAFollower(slots)
     logger.info("LoRA: %d adapter slot(s) of rank %d in %d layers, %d adapter(s) kept in memory (backend %s)",
-                lc.max_loras, lc.max_lora_rank, len(manager.layers), lc.max_cpu_loras, lc.backend)
-    return manager
+                lc.max_loras, lc.max_lora_rank, len(slots.layers), lc.max_cpu_loras, lc.backend)
+    return LoRAManager(lc, config.model, slots)
 
 
 def init_offload_tiers(runner: ModelRunner, cc: Any, bytes_per_block: int, num_ranks: int) -> None:

@@ -25,7 +25,7 @@ import os
 import socket
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
@@ -33,6 +33,9 @@ from pagoda.execution import pipeline
 from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.execution.lora import LoRAStep
 
 logger = logging.getLogger("pagoda")
 
@@ -64,12 +67,15 @@ class UniExecutor:
 
 
 class StepMessage:
-    """A step as the workers need it: the layout, and per sequence what they do not know yet."""
+    """A step as the workers need it: the layout, per sequence what they do not know yet, and with LoRA on,
+    rank 0's adapter decisions (the slot of each sequence, the adapters copied into slots since the last step)."""
 
-    def __init__(self, sched: SchedulerOutput, sequences: list[tuple], finished: list[str] = ()) -> None:
+    def __init__(self, sched: SchedulerOutput, sequences: list[tuple], finished: list[str] = (),
+                 lora: Optional[LoRAStep] = None) -> None:
         self.sequences = sequences  # (request id, new tokens, (prompt length, params, eos, seed) or None)
         self.finished = list(finished)  # request ids the workers may forget
         self.layout = dataclasses.replace(sched, requests=[], preempted=[])
+        self.lora = lora
 
 
 class _Driver:
@@ -98,6 +104,9 @@ class _Driver:
         return [list(range(a, b)) for a, b in zip(edges, edges[1:]) if b > a]
 
     def _message(self, sched: SchedulerOutput) -> StepMessage:
+        # first: an adapter that cannot be read again fails the step before the ranks are told anything
+        lora_manager = self.runner.lora
+        lora = None if lora_manager is None else lora_manager.plan([seq.lora_request for seq in sched.requests])
         finished = [rid for rid, (seq, _) in self.sent.items() if seq.status.is_finished]
         for rid in finished:
             del self.sent[rid]
@@ -110,7 +119,7 @@ class _Driver:
             else:
                 sequences.append((seq.request_id, seq.all_token_ids[known[1]:], None))
             self.sent[seq.request_id] = (seq, seq.num_tokens)
-        return StepMessage(sched, sequences, finished)
+        return StepMessage(sched, sequences, finished, lora)
 
 
 class MultiprocExecutor(_Driver):
@@ -349,6 +358,8 @@ class WorkerRank:
             seq.all_token_ids.extend(tokens)
             seq.output_token_ids.extend(tokens)
             sched.requests.append(seq)
+        if message.lora is not None:
+            self.runner.lora.receive(message.lora)
         return pipeline.timed_execute(self.runner, sched)
 
     def stats(self, message: Any) -> dict[str, tuple[int, float]]:

@@ -8,9 +8,18 @@ of an adapter occupies rank rows ``[i * R, i * R + r)`` of A and the matching co
 rows only, so one shrink and one expand compute every slice. A slot is empty (zeros) where its adapter does
 not adapt a layer.
 
-Per forward pass, :meth:`LoRAManager.begin_pass` gives each request's adapter a slot (loading it into the
-slot if it is not there) and sets the :class:`pagoda.step.LoRABatch` all layers read; the backend then adds
-every adapter's terms in one call per layer.
+Under tensor parallelism each rank holds its shard of every adapter, cut as the layer's base weight is: a
+column-parallel layer (QKV, gate/up) keeps A whole and the rows of B its output rows are (per slice, with the
+head sharding of the base weight); a row-parallel one (o_proj, down_proj) keeps the input columns of A its
+weight has and B whole, and adds its partial term before the layer's all-reduce, which sums them into the
+whole term.
+
+The books are rank 0's: its :class:`LoRAManager` keeps the adapters in memory and decides which slot each
+adapter of a step takes. :meth:`LoRAManager.plan` returns that as a :class:`LoRAStep` (the slot of each
+request, and the adapters written into slots since the last step); the executor sends it with the step, and
+the other ranks' :class:`LoRAFollower` copy the same adapters into the same slots. Every rank's
+:class:`LoRASlots` then sets the :class:`pagoda.step.LoRABatch` all its layers read, and the backend adds every
+adapter's terms in one call per layer.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import logging
 import typing
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -39,15 +49,34 @@ class LoRAPass:
         self.batch: Optional[LoRABatch] = None
 
 
-class LoRALayer:
-    """One linear layer's adapter slots; ``add(x, y)`` adds the pass's LoRA terms to ``y`` in place."""
+@dataclass
+class LoRAStep:
+    """Rank 0's adapter decisions for one step, which every other rank applies as they are.
 
-    def __init__(self, target: LoRATarget, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+    ``slots[i]``: the slot request ``i`` of the step uses (-1: the base model); ``writes``: slot -> the adapter
+    rank 0 copied into it since the last step it planned (None: the slot was emptied), the later write of a
+    slot replacing the earlier."""
+
+    slots: list[int]
+    writes: dict[int, Optional[LoRAAdapter]] = field(default_factory=dict)
+
+
+class LoRALayer:
+    """One linear layer's adapter slots, this rank's shard of them; ``add(x, y)`` adds the pass's LoRA terms to
+    ``y`` in place.
+
+    ``module``: the layer (``in_features`` and ``output_sizes`` this rank's; ``tp_rows``: per output slice the
+    ``(start, size)`` rows it holds under column parallelism; ``tp_cols``: the ``(start, size)`` input columns
+    under row parallelism; None when not sharded that way)."""
+
+    def __init__(self, module: Any, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
                  current: LoRAPass, backend: Any) -> None:
-        self.output_sizes = target.output_sizes
+        self.output_sizes = list(module.output_sizes)
+        self.tp_rows = module.tp_rows
+        self.tp_cols = module.tp_cols
         self.rank = config.max_lora_rank
-        num_slices, out = len(target.output_sizes), sum(target.output_sizes)
-        self.lora_a = torch.zeros(config.max_loras, num_slices * self.rank, target.in_features, dtype=dtype,
+        num_slices, out = len(self.output_sizes), sum(self.output_sizes)
+        self.lora_a = torch.zeros(config.max_loras, num_slices * self.rank, module.in_features, dtype=dtype,
                                   device=device)
         self.lora_b = torch.zeros(config.max_loras, out, num_slices * self.rank, dtype=dtype, device=device)
         self.current = current
@@ -60,15 +89,18 @@ class LoRALayer:
         return y
 
     def set_slot(self, slot: int, a: list[Optional[torch.Tensor]], b: list[Optional[torch.Tensor]]) -> None:
-        """Write one adapter's slices into ``slot`` (zeros where it has none); a: ``[r, in]``, b: ``[out_i, r]``."""
+        """Write this rank's shard of one adapter's slices into ``slot`` (zeros where it has none); a: ``[r, in]``,
+        b: ``[out_i, r]``, whole (as the checkpoint's projections are)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         start = 0
         for i, size in enumerate(self.output_sizes):
             if a[i] is not None:  # rank r <= R: load_adapter refuses larger ones
-                cols = slice(i * self.rank, i * self.rank + a[i].shape[0])
-                self.lora_a[slot, cols].copy_(a[i])
-                self.lora_b[slot, start:start + size, cols].copy_(b[i])
+                a_i = a[i] if self.tp_cols is None else a[i].narrow(1, *self.tp_cols)  # row parallel: my columns
+                b_i = b[i] if self.tp_rows is None else b[i].narrow(0, *self.tp_rows[i])  # column parallel: my rows
+                cols = slice(i * self.rank, i * self.rank + a_i.shape[0])
+                self.lora_a[slot, cols].copy_(a_i)
+                self.lora_b[slot, start:start + size, cols].copy_(b_i)
             start += size
 
     def clear_slot(self, slot: int) -> None:
@@ -76,35 +108,72 @@ class LoRALayer:
         self.lora_b[slot].zero_()
 
 
-class LoRAManager:
-    """The runner's adapters: up to ``max_cpu_loras`` loaded in memory (least recently used evicted) and up to
-    ``max_loras`` of them in slots, the ones the current pass's requests use. Keeps no request state."""
+class LoRASlots:
+    """One rank's adapter slots in every adaptable layer of its model, and the slot index of the current pass.
+    Keeps no books: which adapter a slot holds is for rank 0's :class:`LoRAManager` to say."""
 
     def __init__(self, config: LoRAConfig, model_config: ModelConfig, model: torch.nn.Module, backend: Any,
                  device: torch.device) -> None:
         self.config = config
-        self.dtype = model_config.dtype
-        self.backend = backend
         self.current = LoRAPass()
         # the model's fused layers and the checkpoint projections each stacks (vLLM's packed_modules_mapping)
         self.packed: dict[str, list[str]] = dict(model.packed_modules_mapping)
         self.layers: dict[str, LoRALayer] = {}
+        # each adaptable layer's whole shape (before tensor-parallel sharding): what an adapter is checked against
         self.targets: dict[str, LoRATarget] = {}
         for module in model.modules():
             prefix = getattr(module, "prefix", None)
             if not hasattr(module, "lora") or not prefix or not _is_adaptable(prefix, self.packed):
                 continue
-            if getattr(module, "tp_rows", None) is not None or getattr(module, "tp_cols", None) is not None:
-                raise ConfigError("LoRA does not run with tensor parallelism yet; drop --enable-lora or use "
-                                  "tensor_parallel_size=1")
-            target = LoRATarget(module.in_features, tuple(module.output_sizes))
-            self.targets[prefix] = target
-            module.lora = self.layers[prefix] = LoRALayer(target, config, self.dtype, device, self.current, backend)
+            self.targets[prefix] = LoRATarget(module.full_in_features, tuple(module.full_output_sizes))
+            module.lora = self.layers[prefix] = LoRALayer(module, config, model_config.dtype, device, self.current,
+                                                          backend)
         if not self.layers:
             raise ConfigError(f"{model_config.architecture} has no linear layer LoRA can adapt; drop --enable-lora")
+
+    def write(self, slot: int, adapter: Optional[LoRAAdapter]) -> None:
+        """Copy ``adapter`` into ``slot`` of every layer (this rank's shard; zeros in the layers it leaves
+        alone), or empty the slot (None)."""
+        for prefix, layer in self.layers.items():
+            if adapter is not None and prefix in adapter.lora_a:
+                layer.set_slot(slot, adapter.lora_a[prefix], adapter.lora_b[prefix])
+            else:
+                layer.clear_slot(slot)
+
+    def begin_pass(self, slots: typing.Sequence[int], token_counts: typing.Sequence[int],
+                   order: typing.Sequence[int]) -> None:
+        """Set the slot index of a pass whose request ``i`` uses slot ``slots[i]`` (-1: the base model) for
+        ``token_counts[i]`` tokens, laid out in ``order`` (the batch's rows: request ``order[0]``'s tokens
+        first)."""
+        if all(s < 0 for s in slots):
+            self.current.batch = None
+            return
+        token_slots = torch.repeat_interleave(torch.tensor([slots[i] for i in order], dtype=torch.int64),
+                                              torch.tensor([token_counts[i] for i in order], dtype=torch.int64))
+        self.current.batch = LoRABatch.from_token_slots(token_slots)
+
+    def end_pass(self) -> None:
+        self.current.batch = None
+
+
+class LoRAManager:
+    """Rank 0's adapters: up to ``max_cpu_loras`` loaded in memory (least recently used evicted) and up to
+    ``max_loras`` of them in slots, the ones the current pass's requests use. Keeps no request state.
+
+    The adapters in memory are whole; each rank's :class:`LoRASlots` cuts its shard when it copies one into a
+    slot. An adapter is read and checked here only, once, so a bad one is refused before any rank sees it."""
+
+    def __init__(self, config: LoRAConfig, model_config: ModelConfig, slots: LoRASlots) -> None:
+        self.config = config
+        self.dtype = model_config.dtype
+        self.slots = slots
+        self.packed = slots.packed
+        self.targets = slots.targets
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, oldest use first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, oldest use first
         self._free_slots = list(range(config.max_loras))
+        # slot -> what was copied into it since the last plan (None: emptied), for the other ranks
+        self._writes: dict[int, Optional[LoRAAdapter]] = {}
 
     # ---- adapters in memory ----------------------------------------------------------------
 
@@ -139,32 +208,38 @@ class LoRAManager:
         slot = self._slot_of.pop(lora_int_id, None)
         if slot is None:
             return False
-        for layer in self.layers.values():
-            layer.clear_slot(slot)
+        self._write(slot, None)
         self._free_slots.append(slot)
         return True
+
+    def _write(self, slot: int, adapter: Optional[LoRAAdapter]) -> None:
+        self.slots.write(slot, adapter)
+        self._writes[slot] = adapter
 
     def loaded_ids(self) -> list[int]:
         return list(self._loaded)
 
-    # ---- a forward pass --------------------------------------------------------------------
+    # ---- a step ----------------------------------------------------------------------------
+
+    def plan(self, lora_requests: typing.Sequence[Optional[LoRARequest]]) -> LoRAStep:
+        """The slot of each request of a step (``lora_requests[i]``, None for the base model), loading adapters
+        into slots as needed, with every slot write since the last plan: what the other ranks apply. Planning
+        the same step again changes no slot."""
+        wanted = [r for r in lora_requests if r is not None]
+        slot_of = self._assign_slots(wanted) if wanted else {}
+        step = LoRAStep([-1 if r is None else slot_of[r.lora_int_id] for r in lora_requests], self._writes)
+        self._writes = {}
+        return step
 
     def begin_pass(self, lora_requests: typing.Sequence[Optional[LoRARequest]], token_counts: typing.Sequence[int],
                    order: typing.Sequence[int]) -> None:
         """Set the slot index of a pass whose request ``i`` (``lora_requests[i]``, None for the base model)
         computes ``token_counts[i]`` tokens, laid out in ``order`` (the batch's rows: request ``order[0]``'s
         tokens first). Loads adapters into slots as needed."""
-        if all(r is None for r in lora_requests):
-            self.current.batch = None
-            return
-        slots = self._assign_slots([r for r in lora_requests if r is not None])
-        per_request = [-1 if r is None else slots[r.lora_int_id] for r in lora_requests]
-        token_slots = torch.repeat_interleave(torch.tensor([per_request[i] for i in order], dtype=torch.int64),
-                                              torch.tensor([token_counts[i] for i in order], dtype=torch.int64))
-        self.current.batch = LoRABatch.from_token_slots(token_slots)
+        self.slots.begin_pass(self.plan(lora_requests).slots, token_counts, order)
 
     def end_pass(self) -> None:
-        self.current.batch = None
+        self.slots.end_pass()
 
     def _assign_slots(self, requests: list[LoRARequest]) -> dict[int, int]:
         wanted: dict[int, LoRARequest] = {}
@@ -185,13 +260,39 @@ class LoRAManager:
             else:  # the least recently used slot no adapter of this pass holds
                 victim = next(i for i in self._slot_of if i not in wanted)
                 slot = self._slot_of.pop(victim)
-            for prefix, layer in self.layers.items():
-                if prefix in adapter.lora_a:
-                    layer.set_slot(slot, adapter.lora_a[prefix], adapter.lora_b[prefix])
-                else:
-                    layer.clear_slot(slot)
+            self._write(slot, adapter)
             self._slot_of[lora_id] = slot
         return {lora_id: self._slot_of[lora_id] for lora_id in wanted}
+
+
+class LoRAFollower:
+    """The adapters of a tensor-parallel rank other than 0: its slots hold what rank 0's :class:`LoRAManager`
+    put into its own, copied from the :class:`LoRAStep` sent with each step (:meth:`receive`); it reads no
+    adapter itself."""
+
+    def __init__(self, slots: LoRASlots) -> None:
+        self.slots = slots
+        self._step: Optional[LoRAStep] = None
+
+    def receive(self, step: LoRAStep) -> None:
+        """Apply rank 0's slot writes, and keep its slot index for the step's pass."""
+        for slot, adapter in step.writes.items():
+            self.slots.write(slot, adapter)
+        self._step = step
+
+    def begin_pass(self, lora_requests: typing.Sequence[Optional[LoRARequest]], token_counts: typing.Sequence[int],
+                   order: typing.Sequence[int]) -> None:
+        """Set the slot index of the pass from the step :meth:`receive` got (``lora_requests``: the step's
+        requests, whose count it must match)."""
+        step, self._step = self._step, None
+        if step is None or len(step.slots) != len(lora_requests):
+            got = "none" if step is None else f"one for {len(step.slots)} requests"
+            raise RuntimeError(f"this rank runs a step of {len(lora_requests)} requests but got {got} from rank 0's "
+                               "LoRA manager; the executor must send each step's LoRAStep (StepMessage.lora)")
+        self.slots.begin_pass(step.slots, token_counts, order)
+
+    def end_pass(self) -> None:
+        self.slots.end_pass()
 
 
 def _is_adaptable(prefix: str, packed: dict[str, list[str]]) -> bool:

@@ -9,6 +9,7 @@ adapter's pieces as slices of their output: ``q_proj`` is slice 0 of ``qkv_proj`
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -46,6 +47,18 @@ class LoRAAdapter:
     scaling: float
     lora_a: dict[str, list[Optional[torch.Tensor]]] = field(default_factory=dict)
     lora_b: dict[str, list[Optional[torch.Tensor]]] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict:
+        # sent to the other tensor-parallel ranks by value, its tensors in one buffer: pickled for another process,
+        # each tensor would otherwise become a shared-memory handle, a file descriptor each (hundreds per adapter)
+        buffer = io.BytesIO()
+        torch.save({"lora_a": self.lora_a, "lora_b": self.lora_b}, buffer)
+        return {**self.__dict__, "lora_a": None, "lora_b": None, "weights": buffer.getvalue()}
+
+    def __setstate__(self, state: dict) -> None:
+        weights = torch.load(io.BytesIO(state.pop("weights")), weights_only=True)
+        self.__dict__.update(state)
+        self.lora_a, self.lora_b = weights["lora_a"], weights["lora_b"]
 
 
 def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], packed: dict[str, list[str]],

@@ -61,7 +61,8 @@ class ModelRunner:
         self.kv_tiers: Optional[KVTierStore] = None
         # cache blocks a tier load of this step failed to fill: recomputed before the step's forward pass
         self._failed_load_blocks: list[int] = []
-        # multi-LoRA serving: the adapters and their slots (a pagoda.execution.lora.LoRAManager), when enabled
+        # multi-LoRA serving, when enabled: the adapters and their slots (pagoda.execution.lora: a LoRAManager on
+        # rank 0, a LoRAFollower of it on the other ranks)
         self.lora: Any = None
         # pipeline stages: whether this step's hand-offs happened (a failed step completes them with placeholders)
         self._has_received = self._has_sent = False

@@ -118,6 +118,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:  # row parallel: partial sums over this rank's columns, the bias added once
             y = onednn.packed_linear(x, self.weight, None) if self.packed else self.quant_method.apply(self, x, None)
+            if self.lora is not None:  # this rank's part of the LoRA term too: the all-reduce sums the parts
+                self.lora.add(x, y)
             self.tp.all_reduce(y)
             return y if self.bias is None else y + self.bias
         if self.packed:  # the hot path of a bf16 model on a CPU, 121 calls a decode step here: no detours
