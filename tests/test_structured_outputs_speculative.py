@@ -19,7 +19,7 @@ from pagoda.engine.engine_args import EngineArgs
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.sampling.structured import pagoda_structured_output_backends
 from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
-from pagoda.sampling.structured.speculative import fill_draft_rows
+from pagoda.sampling.structured.speculative import DraftGrammars, fill_draft_rows
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 3}
@@ -132,6 +132,27 @@ def test_a_refused_draft_ends_the_rows_and_the_end_of_the_grammar_rolls_back_too
     # (guidance's matcher counts as terminated once only the end may follow: it stops before the end)
     assert fill_draft_rows(matcher, drafts, allocate_bitmask(5, vocab), 0) in (3, 4)
     assert torch.equal(rows_of(matcher, vocab), start) and not matcher.is_terminated()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_draft_grammars_mask_each_position_with_a_fork_and_leave_the_matcher_alone(tokenizer_and_backends, backend):
+    tokenizer, eos, vocab, backends = tokenizer_and_backends
+    compiled = backends[backend].compile(StructuredOutputsParams(json=PERSON))
+    matcher, reference = backends[backend].new_matcher(compiled), backends[backend].new_matcher(compiled)
+    committed = tokenizer.encode('{"name": "Ann', add_special_tokens=False)
+    assert matcher.accept_tokens(committed) and reference.accept_tokens(committed)
+    before = rows_of(matcher, vocab)
+    grammars = DraftGrammars([None, matcher], vocab)  # row 0 has no grammar
+    logits = torch.zeros(2, vocab)
+    grammars.mask_(logits, [0, 1])
+    assert (logits[0] == 0).all() and torch.equal(logits[1] == 0, before) and (logits[1] == float("-inf")).any()
+    for token_id in tokenizer.encode('", "age": 4', add_special_tokens=False):
+        assert grammars.accept(1, token_id) and reference.accept_tokens([token_id])
+        logits = torch.zeros(1, vocab)
+        grammars.mask_(logits, [1])
+        assert torch.equal(logits[0] == 0, rows_of(reference, vocab))
+    assert not grammars.accept(1, tokenizer.encode("x", add_special_tokens=False)[0])  # refused: no more drafts
+    assert torch.equal(rows_of(matcher, vocab), before)  # the sequence's matcher never moved
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------
