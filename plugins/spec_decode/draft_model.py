@@ -149,6 +149,8 @@ class DraftModelProposer:
         end = max(max_drafts) + (1 if self.has_own_cache else 0)
         for j in range(first, end):
             active = [a for a in range(len(rows)) if max_drafts[a] > j or (self.has_own_cache and max_drafts[a] == j)]
+            if not active:  # every row's grammar ended its drafts early
+                break
             # one-token decode pass: row a feeds its newest token at position num_tokens - 1 + j
             batch = FlatBatch([[int(tokens[a])] for a in active], [lengths[a] - 1 + j for a in active],
                               [tables[a] for a in active], self.runner.block_size)
