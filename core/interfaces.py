@@ -355,6 +355,13 @@ class StructuredOutputMatcher(Protocol):
     def may_end(self) -> bool:
         """True when the tokens accepted so far are a complete match (an end-of-sequence token is allowed)."""
 
+    def fork(self) -> Optional["StructuredOutputMatcher"]:
+        """A new matcher at this one's place in the grammar, advanced and rolled back independently of it; None
+        if this matcher cannot be copied (1.8). A draft model steers its speculative drafts with a fork of each
+        sequence's matcher and drops the fork after drafting. Optional: a matcher without it (its backend's
+        ``new_matcher`` made it) gets one returning None, and its drafts are proposed unconstrained
+        (verification still masks them: only their acceptance suffers)."""
+
 
 @runtime_checkable
 class StructuredOutputBackend(Protocol):

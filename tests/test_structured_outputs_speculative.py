@@ -1,23 +1,25 @@
 """Structured outputs with speculative decoding, on the real default model: the grammar masks every scored
 position of a verified run (``pagoda.sampling.structured.speculative``), a draft the grammar forbids is
 rejected, greedy tokens are those of decoding without speculation, and the matchers stand at the committed
-tokens through preemption and a retried step."""
+tokens through preemption and a retried step. A draft model drafts inside the grammar (a fork of each matcher),
+which raises its acceptance; a matcher that cannot fork leaves its drafts unsteered."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
-from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches
+from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, validator
 
-from pagoda import LLM, SamplingParams, StructuredOutputsParams
+from pagoda import LLM, SamplingParams, StructuredOutputsParams, hookimpl
 from pagoda.engine.components import eos_token_id, load_tokenizer
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.sampling.structured import pagoda_structured_output_backends
 from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
-from pagoda.sampling.structured.speculative import fill_draft_rows
+from pagoda.sampling.structured.speculative import DraftGrammars, fill_draft_rows
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 3}
@@ -130,6 +132,27 @@ def test_a_refused_draft_ends_the_rows_and_the_end_of_the_grammar_rolls_back_too
     # (guidance's matcher counts as terminated once only the end may follow: it stops before the end)
     assert fill_draft_rows(matcher, drafts, allocate_bitmask(5, vocab), 0) in (3, 4)
     assert torch.equal(rows_of(matcher, vocab), start) and not matcher.is_terminated()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_draft_grammars_mask_each_position_with_a_fork_and_leave_the_matcher_alone(tokenizer_and_backends, backend):
+    tokenizer, eos, vocab, backends = tokenizer_and_backends
+    compiled = backends[backend].compile(StructuredOutputsParams(json=PERSON))
+    matcher, reference = backends[backend].new_matcher(compiled), backends[backend].new_matcher(compiled)
+    committed = tokenizer.encode('{"name": "Ann', add_special_tokens=False)
+    assert matcher.accept_tokens(committed) and reference.accept_tokens(committed)
+    before = rows_of(matcher, vocab)
+    grammars = DraftGrammars([None, matcher], vocab)  # row 0 has no grammar
+    logits = torch.zeros(2, vocab)
+    grammars.mask_(logits, [0, 1])
+    assert (logits[0] == 0).all() and torch.equal(logits[1] == 0, before) and (logits[1] == float("-inf")).any()
+    for token_id in tokenizer.encode('", "age": 4', add_special_tokens=False):
+        assert grammars.accept(1, token_id) and reference.accept_tokens([token_id])
+        logits = torch.zeros(1, vocab)
+        grammars.mask_(logits, [1])
+        assert torch.equal(logits[0] == 0, rows_of(reference, vocab))
+    assert not grammars.accept(1, tokenizer.encode("x", add_special_tokens=False)[0])  # refused: no more drafts
+    assert torch.equal(rows_of(matcher, vocab), before)  # the sequence's matcher never moved
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------
@@ -277,3 +300,108 @@ def test_a_step_retried_after_a_fault_leaves_the_matchers_at_the_committed_token
     assert fault.raised == 1
     assert token_ids(faulty) == token_ids(clean)
     assert all(o.outputs[0].finish_reason == "stop" for o in faulty)
+
+
+# ---- drafts steered by the grammar -------------------------------------------------------------------------
+
+
+class MatcherWithoutFork:
+    """A matcher as a backend written for plugin API 1.7 makes it: every member but ``fork``."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def fill_bitmask(self, bitmask, row) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+
+    def accept_tokens(self, token_ids) -> bool:
+        return self.inner.accept_tokens(token_ids)
+
+    def rollback(self, num_tokens) -> None:
+        self.inner.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def may_end(self) -> bool:
+        return self.inner.may_end()
+
+
+class BackendWithoutFork:
+    """xgrammar's grammars behind matchers that cannot fork, registered as ``xgrammar-1.7``: its requests' drafts
+    are proposed unsteered, as before plugin API 1.8."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def supports(self, spec):
+        return self.inner.supports(spec)
+
+    def compile(self, spec):
+        return self.inner.compile(spec)
+
+    def new_matcher(self, compiled) -> MatcherWithoutFork:
+        return MatcherWithoutFork(self.inner.new_matcher(compiled))
+
+
+class UnforkedXgrammarPlugin:
+    @hookimpl
+    def pagoda_structured_output_backends(self, plugin_manager):
+        def factory(model_config, tokenizer, eos_token_ids):
+            xgrammar = plugin_manager.factory("pagoda_structured_output_backends", "xgrammar")
+            return BackendWithoutFork(xgrammar(model_config, tokenizer, eos_token_ids))
+
+        return {"xgrammar-1.7": factory}
+
+
+def test_steered_drafts_give_the_same_tokens_and_more_of_them_are_accepted(self_draft, plain_greedy_tokens):
+    if "xgrammar-1.7" not in self_draft.engine.pm.names("pagoda_structured_output_backends"):
+        self_draft.engine.pm.register(UnforkedXgrammarPlugin(), name="unforked-xgrammar")
+    stats = self_draft.engine.spec_stats
+
+    def run(backend: str) -> tuple[list[list[int]], int, int]:
+        drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+        params = [structured(0.0, MAX_TOKENS, json=schema, backend=backend) for _, schema in SCHEMAS[::5]]
+        outputs = self_draft.chat(GREEDY_CONVERSATIONS, params, use_tqdm=False)
+        return token_ids(outputs), stats.num_accepted_tokens - accepted, stats.num_draft_tokens - drafted
+
+    steered_tokens, steered_accepted, steered_drafted = run("xgrammar")
+    unsteered_tokens, unsteered_accepted, unsteered_drafted = run("xgrammar-1.7")
+    assert steered_tokens == unsteered_tokens == plain_greedy_tokens[0]
+    steered_rate, unsteered_rate = steered_accepted / steered_drafted, unsteered_accepted / unsteered_drafted
+    print(f"steered drafts: {steered_accepted} of {steered_drafted} accepted; unsteered: {unsteered_accepted} of "
+          f"{unsteered_drafted}")
+    # the first 8 of 30 layers guess the target's next token badly, but a schema's keys, quotes and braces
+    # leave the grammar one choice, which only a steered draft takes
+    assert steered_rate > 2 * unsteered_rate, (steered_accepted, steered_drafted, unsteered_accepted,
+                                               unsteered_drafted)
+    assert_counters_consistent(self_draft)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_draft_of_a_checkpoint_draft_fits_the_grammar(temperature):
+    # the target as its own checkpoint draft: the own-cache path, whose first draft comes from the catch-up pass
+    llm = llm_with({"method": "draft_model", "model": str(ensure_default_model()), "num_speculative_tokens": 3})
+    log = DraftLog(llm)
+    vocab = llm.engine.config.model.vocab_size
+    conversation = [{"role": "user", "content": "Describe a person as JSON."}]
+    out = llm.chat([conversation], structured(temperature, 60, seed=7, json=PERSON), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and schema_mismatches_of(out.text, PERSON) == []
+    matcher = llm.engine.structured_outputs.compiled(StructuredOutputsParams(json=PERSON)).new_matcher()
+    num_drafts = 0
+    for (drafts, committed), in log.steps:
+        assert fill_draft_rows(matcher, drafts, allocate_bitmask(len(drafts) + 1, vocab), 0) == len(drafts), drafts
+        num_drafts += len(drafts)
+        for token_id in committed:
+            if not matcher.is_terminated():
+                assert matcher.accept_tokens([token_id])
+    assert num_drafts > 0
+    stats = llm.engine.spec_stats
+    if temperature == 0.0:  # the same model drafting inside the same grammar: its greedy drafts are the target's
+        assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, (stats.num_accepted_tokens,
+                                                                           stats.num_draft_tokens)
+    assert_counters_consistent(llm)
+
+
+def schema_mismatches_of(text: str, schema: dict) -> list[str]:
+    return [error.message for error in validator(schema).iter_errors(json.loads(text))]

@@ -1,10 +1,9 @@
-"""Tool-calling client libraries against a real server on 127.0.0.1: the openai client's ``chat.completions.parse``
-with a pydantic function tool, LangChain's ``bind_tools`` and ``with_structured_output(method="function_calling")``,
-and an OpenAI Agents SDK agent with one function tool. Each forces a call (``tool_choice`` ``required`` or a named
-function), which structured outputs enforce: the tests run once the engine serves them.
-
-(instructor is left out: every release that supports openai 2 and later pins jiter below the version the installed
-openai requires, so it cannot be installed beside it.)
+"""Tool-calling and structured-output client libraries against a real server on 127.0.0.1: the openai client's
+``chat.completions.parse`` with a pydantic function tool, LangChain's ``bind_tools`` and
+``with_structured_output(method="function_calling")``, an OpenAI Agents SDK agent with one function tool, and
+instructor in its TOOLS and JSON_SCHEMA modes, streamed too, and JSON mode. Each forces a call (``tool_choice``
+``required`` or a named function) or a JSON answer, which structured outputs enforce: the tests run once the engine
+serves them.
 """
 
 from __future__ import annotations
@@ -81,3 +80,68 @@ def test_an_agents_sdk_agent_calls_its_function_tool_and_uses_the_result(server)
                   tool_use_behavior="stop_on_first_tool")
     result = Runner.run_sync(agent, "What is the weather in Paris?", run_config=RunConfig(tracing_disabled=True))
     assert len(asked) == 1 and json.loads(result.final_output) == {"city": asked[0], "weather": "18 degrees, sunny"}
+
+
+# ---- instructor -------------------------------------------------------------------------------------------
+
+
+class Weather(BaseModel):
+    """The weather in a city."""
+
+    city: str = Field(description="the city's name")
+    degrees: int = Field(description="the temperature in degrees Celsius")
+
+
+def instructor_client(server, mode: str):
+    import instructor
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+
+
+# TOOLS: a named function tool; JSON_SCHEMA: response_format json_schema; both held to the model's schema
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_returns_a_validated_pydantic_object(server, mode):
+    client = instructor_client(server, mode)
+    weather, completion = client.chat.completions.create_with_completion(
+        model=MODEL, response_model=Weather, messages=[{"role": "user", "content": "It is 18 degrees in Paris."}],
+        temperature=0, max_tokens=60, max_retries=1)
+    assert isinstance(weather, Weather) and weather.city
+    assert completion.choices[0].finish_reason == ("tool_calls" if mode == "TOOLS" else "stop")
+
+
+def test_instructor_json_mode_gets_one_complete_json_object(server):
+    # JSON: response_format json_object and the schema in the system message. The grammar holds the answer to a
+    # JSON object, the prompt alone to the schema: SmolLM2-135M writes the schema back (instructor then fails its
+    # validation), a model that follows the prompt fills it in
+    from instructor.core import InstructorRetryException
+
+    client = instructor_client(server, "JSON")
+    try:
+        weather, completion = client.chat.completions.create_with_completion(
+            model=MODEL, response_model=Weather, messages=[{"role": "user", "content": "It is 18 degrees in Paris."}],
+            temperature=0, max_tokens=160, max_retries=1)
+        assert isinstance(weather, Weather)
+    except InstructorRetryException as exc:
+        completion = exc.last_completion
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(completion.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_streams_partial_objects_that_end_complete(server, mode):
+    client = instructor_client(server, mode)
+    partials = list(client.chat.completions.create_partial(
+        model=MODEL, response_model=Weather, messages=[{"role": "user", "content": "It is 18 degrees in Paris."}],
+        temperature=0, max_tokens=60, max_retries=1))
+    assert len(partials) > 1  # the object grows as its arguments stream
+    final = Weather.model_validate(partials[-1].model_dump())
+    assert final.city and isinstance(final.degrees, int)
+
+
+def test_instructor_streams_an_iterable_of_objects(server):
+    client = instructor_client(server, "JSON_SCHEMA")
+    cities = list(client.chat.completions.create_iterable(
+        model=MODEL, response_model=Weather, temperature=0, max_tokens=120, max_retries=1,
+        messages=[{"role": "user", "content": "It is 18 degrees in Paris and 12 degrees in London."}]))
+    assert cities and all(isinstance(c, Weather) and c.city for c in cities)

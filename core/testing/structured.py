@@ -37,7 +37,9 @@ def check_structured_output_backend(factory: StructuredOutputBackendFactory, mod
     - a token the grammar refuses is refused by ``accept_tokens`` and leaves the matcher as it was;
     - ``rollback(k)`` returns to the bitmask of k tokens earlier, also over a whole match and its
       end-of-sequence token (as speculative decoding rolls back a step's drafts);
-    - two matchers of one compiled constraint do not share their place.
+    - two matchers of one compiled constraint do not share their place;
+    - a matcher's ``fork()`` (optional, 1.8), when it has one and it returns a matcher, starts at the
+      matcher's place, and each of the two then moves without the other.
 
     Raises ContractError.
     """
@@ -105,6 +107,7 @@ def _check_case(backend: Any, spec: StructuredOutputsParams, good: str, bad: str
     if not torch.equal(_allowed(other, vocab), masks[0]):
         raise where.fail("new_matcher()", "a second matcher of the same constraint is not at its start",
                          "each matcher has its own place in the grammar", "the backend's new_matcher()")
+    _check_fork(backend.new_matcher(compiled), token_ids, masks, vocab, where)
     back = min(2, len(token_ids))
     matcher.rollback(back)
     if not torch.equal(_allowed(matcher, vocab), masks[len(token_ids) - back]):
@@ -126,6 +129,28 @@ def _check_case(backend: Any, spec: StructuredOutputsParams, good: str, bad: str
         raise where.fail("rollback()", f"after accepting {good!r} and the end, rollback({num_accepted}) does not "
                          "return to the start", "rollback(k) undoes any k tokens accepted, the end included",
                          "the matcher's rollback()")
+
+
+def _check_fork(matcher: Any, token_ids: list[int], masks: list[torch.Tensor], vocab: int, where: Where) -> None:
+    """A fork taken halfway through a match starts where the matcher stands; advancing either one leaves the other
+    where it was. ``masks[k]``: the tokens allowed after the first k tokens."""
+    half = len(token_ids) // 2
+    matcher.accept_tokens(token_ids[:half])
+    fork = matcher.fork() if hasattr(matcher, "fork") else None
+    if fork is None:
+        return
+    if not torch.equal(_allowed(fork, vocab), masks[half]):
+        raise where.fail("fork()", f"a fork taken after {half} tokens does not allow what the matcher allows",
+                         "a fork starts at its matcher's place", "the matcher's fork()")
+    if half + 1 < len(token_ids):
+        fork.accept_tokens(token_ids[half:half + 1])
+        if not torch.equal(_allowed(matcher, vocab), masks[half]):
+            raise where.fail("fork()", "advancing a fork moved the matcher it was forked from",
+                             "a fork and its matcher move independently", "the matcher's fork()")
+        matcher.accept_tokens(token_ids[half:])
+        if not torch.equal(_allowed(fork, vocab), masks[half + 1]):
+            raise where.fail("fork()", "advancing a matcher moved its fork", "a fork and its matcher move "
+                             "independently", "the matcher's fork()")
 
 
 def _allowed(matcher: Any, vocab: int) -> torch.Tensor:

@@ -21,6 +21,11 @@ Drafting runs k one-token decode passes of the draft over the requests being
 speculated. Greedy requests take the draft's argmax; sampled ones draw from
 the draft's distribution after the request's temperature / top-k / top-p /
 min-p and hand those probabilities to the rejection sampler.
+
+A request under a grammar (structured outputs) drafts inside it: a fork of its
+matcher masks the draft's logits at each position before the draft is chosen,
+as the target's are masked when it verifies, and drafting stops at the
+grammar's end. The fork is dropped after the step.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pagoda.execution.model_runner import FlatBatch
 from pagoda.registry.adapt import adapt_component
 from pagoda.sampling.rejection_sampler import target_probs, with_bias
 from pagoda.sampling.sampler import _generator_for
+from pagoda.sampling.structured.speculative import DraftGrammars
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 
@@ -53,6 +59,10 @@ class DraftModelProposer:
         self.runner = runner
         # draft noise for unseeded sampled requests (seeded ones use their own generator)
         self.generator = torch.Generator().manual_seed(engine_config.model.seed)
+        self.vocab_size = engine_config.model.vocab_size
+        # every rank drafts the same tokens: only rank 0 holds the matchers, so drafts are steered by the
+        # grammar only when there is no other rank
+        self.steers_drafts = engine_config.parallel.world_size == 1
         name = speculative_config.model
         if not name:
             raise ConfigError(
@@ -122,11 +132,12 @@ class DraftModelProposer:
         tables = [sched.block_tables[i] for i in rows]
         row_drafts = [drafts[i] for i in rows]
         row_probs = [probs[i] for i in rows]
+        grammars = DraftGrammars([r.grammar if self.steers_drafts else None for r in reqs], self.vocab_size)
         if self.has_own_cache:
             logits = self._catch_up(sched, rows)  # [len(rows), vocab], the first draft position
             if not rows:
                 return drafts, [None] * n
-            tokens = self._choose(logits, reqs, list(range(len(rows))), row_drafts, row_probs)
+            tokens = self._choose(logits, reqs, list(range(len(rows))), row_drafts, row_probs, grammars, max_drafts)
         elif not rows:
             return drafts, [None] * n
         else:
@@ -138,6 +149,8 @@ class DraftModelProposer:
         end = max(max_drafts) + (1 if self.has_own_cache else 0)
         for j in range(first, end):
             active = [a for a in range(len(rows)) if max_drafts[a] > j or (self.has_own_cache and max_drafts[a] == j)]
+            if not active:  # every row's grammar ended its drafts early
+                break
             # one-token decode pass: row a feeds its newest token at position num_tokens - 1 + j
             batch = FlatBatch([[int(tokens[a])] for a in active], [lengths[a] - 1 + j for a in active],
                               [tables[a] for a in active], self.runner.block_size)
@@ -146,12 +159,14 @@ class DraftModelProposer:
             if choosing:
                 logits = self.model.compute_logits(hidden[torch.tensor([batch.last_row(c) for c in choosing])])
                 rows_now = [active[c] for c in choosing]
-                tokens[rows_now] = self._choose(logits, reqs, rows_now, row_drafts, row_probs)
+                tokens[rows_now] = self._choose(logits, reqs, rows_now, row_drafts, row_probs, grammars, max_drafts)
         return drafts, [torch.stack(p) if p else None for p in probs]
 
     def _choose(self, logits: torch.Tensor, reqs: list[Sequence], active: list[int], drafts: list[list[int]],
-                probs: list[list[torch.Tensor]]) -> np.ndarray:
-        """Pick each active row's next draft token from ``logits`` ``[len(active), vocab]``."""
+                probs: list[list[torch.Tensor]], grammars: DraftGrammars, max_drafts: list[int]) -> np.ndarray:
+        """Pick each active row's next draft token from ``logits`` ``[len(active), vocab]``, inside its grammar
+        if it has one; a row whose grammar allows nothing after its draft gets no more (``max_drafts``)."""
+        grammars.mask_(logits, active)
         chosen = logits.argmax(dim=-1).tolist()
         for j, a in enumerate(active):
             params = reqs[a].sampling_params
@@ -164,6 +179,8 @@ class DraftModelProposer:
                 chosen[j] = int((q / noise).argmax())
                 probs[a].append(q)
             drafts[a].append(chosen[j])
+            if not grammars.accept(a, chosen[j]):
+                max_drafts[a] = len(drafts[a])
         return np.array(chosen, dtype=np.int64)
 
     def _catch_up(self, sched: SchedulerOutput, rows: list[int]) -> torch.Tensor:

@@ -87,3 +87,6 @@ class GuidanceMatcher:
 
     def may_end(self) -> bool:
         return self.matcher.is_accepting()
+
+    def fork(self) -> "GuidanceMatcher":
+        return GuidanceMatcher(self.matcher.deep_copy(), self._fill)

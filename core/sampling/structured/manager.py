@@ -33,7 +33,14 @@ class Compiled:
         self.grammar = grammar
 
     def new_matcher(self) -> Any:
-        return self.backend.new_matcher(self.grammar)
+        matcher = self.backend.new_matcher(self.grammar)
+        if not hasattr(matcher, "fork"):  # the optional member's default: a matcher that cannot be copied
+            matcher.fork = _cannot_fork
+        return matcher
+
+
+def _cannot_fork() -> None:
+    return None
 
 
 class StructuredOutputs:

@@ -103,3 +103,6 @@ class XgrammarMatcher:
 
     def may_end(self) -> bool:
         return self.matcher.is_completed()
+
+    def fork(self) -> "XgrammarMatcher":
+        return XgrammarMatcher(self.matcher.fork())
