@@ -5,4 +5,4 @@ __version__ = "0.1.0"
 # working with a DeprecationWarning until the removal version pagoda.registry.deprecation records for it.
 # docs/plugin-api-changelog.md lists every change. A plugin declares the range it supports in its module
 # attribute PAGODA_PLUGIN_API (for example ">=1.0,<2").
-PLUGIN_API_VERSION = "1.7"
+PLUGIN_API_VERSION = "1.8"
