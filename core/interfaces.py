@@ -426,8 +426,8 @@ class Executor(Protocol):
         """(1.8) Start the step on every rank and return a handle for :meth:`collect` once the first pipeline
         stage has run it, so that the engine can schedule and submit the next step while the later stages run
         this one. Steps run on every rank in the order submitted; a block move (:meth:`move_blocks`) made
-        between two submits runs on every rank between those steps. Optional: None (the engine then calls
-        :meth:`execute`, one step at a time)."""
+        between two submits runs on every rank between those steps. Optional (executors are not adapted: the
+        engine reads a missing one as None): None, and the engine calls :meth:`execute`, one step at a time."""
 
     def collect(self, handle: Any) -> "RunnerOutput":
         """(1.8) The result of a step started with :meth:`submit`, as :meth:`execute` returns it (raises what

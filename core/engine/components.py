@@ -63,8 +63,7 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
             pm.get("pagoda_all_reduce_backends", name, "all_reduce_backend")
 
     tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
-    # builds the model on every rank
-    executor = adapt_component(executor_factory(config, pm), "pagoda_executors", executor_name)
+    executor = executor_factory(config, pm)  # builds the model on every rank
     runner = executor.runner
     # every component is built through adapt_renamed_methods: one that has a renamed method only under its
     # deprecated name is called through that name, with a warning

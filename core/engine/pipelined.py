@@ -89,7 +89,8 @@ class BatchesInFlight:
             logger.warning("pipeline_batches_in_flight=%d: the %r scheduler has no schedule_excluding(), so steps "
                            "run one at a time", n, engine.config.scheduler.policy)
             return None
-        if engine.executor.submit is None or engine.executor.collect is None:
+        executor = engine.executor
+        if getattr(executor, "submit", None) is None or getattr(executor, "collect", None) is None:
             logger.warning("pipeline_batches_in_flight=%d: the %r executor has no submit()/collect(), so steps run "
                            "one at a time", n, engine.config.parallel.distributed_executor_backend)
             return None

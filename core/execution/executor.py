@@ -59,6 +59,7 @@ class UniExecutor:
         self.runner = build_runner(config, plugin_manager)
         self.execute: Callable[[SchedulerOutput], RunnerOutput] = self.runner.execute
         self.move_blocks: Callable[[SchedulerOutput], list[int]] = self.runner.move_blocks
+        self.submit = self.collect = None  # one process: no later stage to keep a step in flight in
 
     def shutdown(self) -> None:
         pass

@@ -50,10 +50,6 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "fail": lambda component, name: _fail_through_finish(component),
         "schedule_excluding": lambda component, name: None,  # the engine runs one step at a time
     },
-    "pagoda_executors": {  # None: the engine runs one step at a time
-        "submit": lambda component, name: None,
-        "collect": lambda component, name: None,
-    },
     "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
     "pagoda_model_architectures": {
         "runs_first_layers_of_caches": lambda component, name: False,
