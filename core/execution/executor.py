@@ -12,6 +12,11 @@ every rank and returns rank 0's result.
   samples the same tokens from the same logits and seeds; with one stage the driver's result is the step's,
   with more the last stage's first rank sends its result back to the driver, and the others are dropped.
 
+With pipeline stages, ``mp`` and ``ray`` also split a step in two: ``submit`` sends it and runs the driver's
+stage, ``collect`` receives the last stage's result, so the engine can submit the next step while the later
+stages run this one (:mod:`pagoda.engine.pipelined`). Every rank takes the steps (and block moves) in the order
+sent, so steps pass the stages in order and are collected in that order.
+
 Workers build their components from their own plugin manager, loaded from the installed entry points
 (a plugin registered by hand in the driver process does not reach them).
 """
