@@ -10,9 +10,10 @@ update) holds per step.
 
 - A lane has at most one step in flight, so no sequence is in two steps at once, and one that is in flight is
   invisible to the next schedule: it is neither scheduled, preempted nor admitted there.
-- New requests join the lane with the fewest sequences; before a lane is scheduled, the sequences it holds
-  beyond its share (the live sequences over ``n``) move to the smallest lane, so that lanes stay even as
-  requests finish. A sequence moves only while it is in no step in flight.
+- New requests join the lane with the fewest sequences; before a lane is scheduled, the running sequences it
+  holds beyond its share (the running ones over ``n``) move to the lanes with the fewest, and so do its others
+  beyond their share (waiting, swapped out): the lanes stay even as requests finish and as seats
+  (``max_num_seqs``) free up. A sequence moves only while it is in no step in flight.
 - An abort of a request whose sequence is in a step in flight takes effect when that step is collected: its
   blocks are freed then, not while the later stages may still write them.
 - A fault in a step's execution is isolated as in the one-step loop (:meth:`LLMEngine._isolate_fault`), once
@@ -30,7 +31,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Optional
 
 from pagoda.outputs import EngineOutput
-from pagoda.sequence import Sequence
+from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -118,21 +119,37 @@ class BatchesInFlight:
         return now
 
     def _even_out(self, lane: int) -> None:
-        """Forget finished sequences; then lane ``lane`` (no step of it in flight) gives its sequences beyond
-        its share to the smallest lanes."""
+        """Forget finished sequences; then lane ``lane`` (no step of it in flight) gives the running sequences it
+        holds beyond its share of the running ones to the lanes with the fewest, and likewise the others
+        (waiting, swapped out): each step holds about ``1/num_lanes`` of the running sequences, and each lane
+        has as many to start as the others."""
         for members in self.lanes:
             for rid in [rid for rid, seq in members.items() if seq.is_finished]:
                 del members[rid]
                 self.lane_of.pop(rid, None)
+        self._give_away(lane, True)
+        self._give_away(lane, False)
+
+    def _give_away(self, lane: int, running: bool) -> None:
+        """Move lane ``lane``'s running (or not running) sequences beyond its share of them, newest first, to the
+        lanes holding the fewest."""
+        def counts(members: dict[str, Sequence]) -> int:
+            return sum(1 for seq in members.values() if (seq.status is SequenceStatus.RUNNING) is running)
+
+        sizes = [counts(members) for members in self.lanes]
+        share = -(-sum(sizes) // self.num_lanes)  # ceil
+        if sizes[lane] <= share:
+            return
         members = self.lanes[lane]
-        share = -(-sum(len(m) for m in self.lanes) // self.num_lanes)  # ceil
-        while len(members) > share:
-            target = min(range(self.num_lanes), key=lambda i: len(self.lanes[i]))
-            if len(self.lanes[target]) + 1 >= len(members):
-                break
-            rid = next(reversed(members))
+        movable = [rid for rid in reversed(members) if (members[rid].status is SequenceStatus.RUNNING) is running]
+        for rid in movable:
+            target = min(range(self.num_lanes), key=sizes.__getitem__)
+            if sizes[lane] <= share or sizes[target] + 1 >= sizes[lane]:
+                return
             self.lanes[target][rid] = members.pop(rid)
             self.lane_of[rid] = target
+            sizes[target] += 1
+            sizes[lane] -= 1
 
     # ---- the loop ----------------------------------------------------------------------------
 
