@@ -119,11 +119,14 @@ def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, parti
     assert worst < 1e-4
 
 
-def test_many_more_requests_than_the_cache_holds_give_the_tokens_of_one_with_steps_in_flight(three_layers):
-    """Four blocks of 16 tokens for nine requests of up to 31 tokens: requests are preempted and computed again,
-    in each lane of steps, and still give the tokens of one stage."""
-    pool = dict(prompts=TOKEN_PROMPTS * 3, num_gpu_blocks_override=4, preempts=True)
-    worst = assert_same_tokens(run(three_layers, **pool), run(three_layers, pp=2, in_flight=2, **pool))
+@pytest.mark.parametrize("limits", [dict(num_gpu_blocks_override=4, preempts=True), dict(max_num_seqs=3)],
+                         ids=["four-blocks", "three-seats"])
+def test_many_more_requests_than_fit_give_the_tokens_of_one_with_steps_in_flight(three_layers, limits):
+    """Nine requests of up to 31 tokens in four blocks of 16 (they are preempted and computed again, in each lane
+    of steps), or with three seats (one lane takes them all at first, then shares them): the tokens of one
+    stage, with two steps in flight."""
+    options = dict(prompts=TOKEN_PROMPTS * 3, **limits)
+    worst = assert_same_tokens(run(three_layers, **options), run(three_layers, pp=2, in_flight=2, **options))
     assert worst < 1e-4
 
 
