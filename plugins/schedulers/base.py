@@ -20,6 +20,11 @@ preemption, its failure); it writes no request's progress. ``update`` commits
 the step from the runner's result: computed tokens, sampled tokens, the reset
 of a request preempted by recompute, the end of a failed one. A step whose
 execution raises is undone by :meth:`TokenBudgetScheduler.rollback` instead.
+
+With pipeline stages the engine keeps steps in flight and builds the next one
+with :meth:`TokenBudgetScheduler.schedule_excluding`: the requests it names busy
+(those of steps in flight, and of the other steps' lanes) are passed over
+everywhere: not scheduled, admitted, swapped in, preempted or failed.
 """
 
 from __future__ import annotations
