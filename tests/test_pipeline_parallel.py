@@ -125,7 +125,7 @@ def test_many_more_requests_than_fit_give_the_tokens_of_one_with_steps_in_flight
     """Nine requests of up to 31 tokens in four blocks of 16 (they are preempted and computed again, in each lane
     of steps), or with three seats (one lane takes them all at first, then shares them): the tokens of one
     stage, with two steps in flight."""
-    options = dict(prompts=TOKEN_PROMPTS * 3, **limits)
+    options = dict(prompts=TOKEN_PROMPTS * 3, params=(PARAMS * 5)[:9], **limits)
     worst = assert_same_tokens(run(three_layers, **options), run(three_layers, pp=2, in_flight=2, **options))
     assert worst < 1e-4
 
