@@ -15,7 +15,6 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.plugins.schedulers.base import FCFSScheduler
 from pagoda.plugins.schedulers.fair import FairScheduler
 from pagoda.sequence import SequenceStatus
-from pagoda.step import RunnerOutput
 from scheduling_sim import SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler
 
 NUM_BLOCKS, BLOCK_SIZE = 14, 4
@@ -41,8 +40,8 @@ def run_two_in_flight(scheduler, runner: SimRunner, requests: list, abort_in_fli
         assert not touched(sched) & busy, f"the step touched busy requests {touched(sched) & busy}"
         if sched.requests:
             in_flight.append((sched, runner.execute(sched), []))
-        elif sched.preempted or sched.failed:
-            scheduler.update(sched, RunnerOutput.empty(0))
+        else:  # nothing to keep in flight: its block moves (a swap-out) run now, its decisions commit now
+            scheduler.update(sched, runner.execute(sched))
         victim = requests[abort_in_flight] if abort_in_flight >= 0 else None
         if victim is not None and victim.request_id not in aborted and victim.request_id in in_flight_ids \
                 and not victim.is_finished:

@@ -201,6 +201,8 @@ class BatchesInFlight:
             for observer in engine.observers:
                 observer.before_step(engine, sched)
             if not sched.requests:
+                if sched.has_block_moves:  # its swaps and copies run on every rank after the steps in flight
+                    engine._prepare(sched)
                 engine._update(sched, None)  # commits its failures and preemptions: nothing of this lane is in flight
                 for observer in engine.observers:
                     observer.after_step(engine, sched, None, time.perf_counter() - t0)

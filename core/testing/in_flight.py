@@ -89,8 +89,8 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
                           "method that picks requests without self.is_busy())")
         if sched.requests:
             in_flight.append((sched, _execute(runner, sched, at), []))
-        elif sched.preempted or sched.failed:
-            scheduler.update(sched, RunnerOutput.empty(0))
+        else:  # no step to keep in flight: its block moves (a swap-out) run now, its decisions commit now
+            scheduler.update(sched, _execute(runner, sched, at))
         if len(in_flight) == 2 or (in_flight and not sched.requests):
             _commit(scheduler, kv, *in_flight.popleft(), aborted, at)
     else:
