@@ -108,6 +108,9 @@ class ParallelConfig:
     pipeline_layer_partition: tuple[int, ...] = ()  # filled when pipeline_parallel_size > 1
     # the parts a step's requests are split into, run through the stages one behind the other (1: serial)
     pipeline_micro_batches: int = 1
+    # steps in the stages at once (1: one step at a time): while the later stages run one step, the first runs the
+    # next, scheduled from sequences that are in no step in flight (docs/distributed.md)
+    pipeline_batches_in_flight: int = 1
 
     @property
     def world_size(self) -> int:

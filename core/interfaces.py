@@ -250,6 +250,14 @@ class Scheduler(Protocol):
     def schedule(self) -> "SchedulerOutput":
         """The next step's batch (prefill chunks, decodes, draft slots), block moves and preemptions."""
 
+    def schedule_excluding(self, busy: typing.Container[str]) -> "SchedulerOutput":
+        """(1.8) The next step's batch as :meth:`schedule` makes it, leaving alone every sequence whose request
+        id is in ``busy``: none of them is scheduled, admitted, swapped, preempted or failed, and their blocks
+        stay as they are. Under pipeline parallelism the engine keeps steps in flight and calls this with the
+        sequences of those steps (and of the other steps' share of the work) busy; each step is then updated,
+        in the order scheduled, with :meth:`update` as usual. Optional: None, and the engine runs one step at a
+        time."""
+
     def update(self, sched: "SchedulerOutput", result: "RunnerOutput") -> list["Sequence"]:
         """Commit the step, the only place a sequence's progress moves: its computed tokens (the
         step's known tokens plus accepted drafts, from ``sched.num_computed_before``), the tokens it
@@ -420,6 +428,18 @@ class Executor(Protocol):
     def move_blocks(self, sched: "SchedulerOutput") -> Optional[list[int]]:
         """Perform the step's swaps, offload-tier moves and copies on every rank. Returns the block hashes of
         tier loads that failed their check on any rank (``ModelRunner.move_blocks``), or None/empty."""
+
+    def submit(self, sched: "SchedulerOutput") -> Any:
+        """(1.8) Start the step on every rank and return a handle for :meth:`collect` once the first pipeline
+        stage has run it, so that the engine can schedule and submit the next step while the later stages run
+        this one. Steps run on every rank in the order submitted; a block move (:meth:`move_blocks`) made
+        between two submits runs on every rank between those steps. Optional (executors are not adapted: the
+        engine reads a missing one as None): None, and the engine calls :meth:`execute`, one step at a time."""
+
+    def collect(self, handle: Any) -> "RunnerOutput":
+        """(1.8) The result of a step started with :meth:`submit`, as :meth:`execute` returns it (raises what
+        its execution raised); the engine collects steps in the order it submitted them. An :meth:`execute`
+        call between a submit and its collect is allowed and runs after the steps submitted. Optional: None."""
 
     def shutdown(self) -> None:
         """Stop the other ranks; the executor runs nothing after it."""

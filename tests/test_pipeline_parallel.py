@@ -26,7 +26,8 @@ TOKEN_PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 17, 44, 45, 46, 250, 12, 90, 91, 
 
 
 def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts: bool = False,
-        params: object = None, **options) -> list:
+        params: object = None, in_flight: int = 1, **options) -> list:
+    """The outputs of ``prompts``; ``in_flight``: the steps that must have been in the stages at once."""
     llm = LLM(model=model, dtype="float32", max_model_len=256, cpu_threads=1, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, swap_space=0, **options)
     try:
@@ -34,6 +35,8 @@ def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts:
             prompts = [{"prompt_token_ids": p} for p in prompts]
         outputs = llm.generate(prompts, params or (PARAMS * 4)[:len(prompts)], use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0 or not preempts
+        batches = llm.engine.batches
+        assert (1 if batches is None else batches.max_in_flight) == in_flight
         return outputs
     finally:
         llm.engine.shutdown()
@@ -63,7 +66,8 @@ def test_two_stages_give_the_default_model_s_tokens_through_preemption():
     # a pool this small preempts; the same block count on both sides keeps the schedules alike
     pool = dict(num_gpu_blocks_override=9, max_num_batched_tokens=48, max_num_seqs=8, preempts=True,
                 prompts=PROMPTS * 2)
-    worst = assert_same_tokens(run(model, **pool), run(model, pp=2, **pool))
+    # two steps in flight (the default with two stages), each of other sequences
+    worst = assert_same_tokens(run(model, **pool), run(model, pp=2, in_flight=2, **pool))
     print(f"default model, PP=2 vs PP=1: largest logprob difference {worst:.2e}")
     assert worst < 1e-3
 
@@ -75,24 +79,65 @@ def three_layers(tmp_path_factory):
                                 inter=96, vocab=512, layers=3, norm_noise=0.1, tokenizer_dir=TINY))
 
 
-@pytest.mark.parametrize("partition, micro_batches", [(None, 1), ("1,2", 1), (None, 2)])
-def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, partition, micro_batches):
+@pytest.mark.parametrize("partition, micro_batches, in_flight", [(None, 1, 2), ("1,2", 1, 2), (None, 2, 2),
+                                                                (None, 1, 1)])
+def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, partition, micro_batches, in_flight):
     worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
                                run(three_layers, pp=2, prompts=TOKEN_PROMPTS, pipeline_layer_partition=partition,
-                                   pipeline_micro_batches=micro_batches))
+                                   pipeline_micro_batches=micro_batches, pipeline_batches_in_flight=in_flight,
+                                   in_flight=in_flight))
     assert worst < 1e-4
+
+
+@pytest.mark.parametrize("limits", [dict(num_gpu_blocks_override=4, preempts=True), dict(max_num_seqs=3)],
+                         ids=["four-blocks", "three-seats"])
+def test_many_more_requests_than_fit_give_the_tokens_of_one_with_steps_in_flight(three_layers, limits):
+    """Nine requests of up to 31 tokens in four blocks of 16 (they are preempted and computed again, in each lane
+    of steps), or with three seats (one lane takes them all at first, then shares them): the tokens of one
+    stage, with two steps in flight."""
+    options = dict(prompts=TOKEN_PROMPTS * 3, params=(PARAMS * 5)[:9], **limits)
+    worst = assert_same_tokens(run(three_layers, **options), run(three_layers, pp=2, in_flight=2, **options))
+    assert worst < 1e-4
+
+
+def test_an_abort_in_flight_frees_the_request_s_blocks_when_its_step_is_collected(three_layers):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
+    llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,
+              swap_space=0)
+    engine, kv = llm.engine, llm.engine.kv_manager
+    try:
+        for i, prompt in enumerate(TOKEN_PROMPTS):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
+        done = {}
+        while "r1" not in engine.batches.step_of:
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        held = kv.num_blocks_held("r1")
+        engine.abort_request("r1")
+        assert held > 0 and kv.num_blocks_held("r1") == held  # the later stage may still write them
+        while "r1" in engine.batches.step_of:
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert kv.num_blocks_held("r1") == 0
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert engine.batches.max_in_flight == 2
+        assert kv.num_free_blocks == engine.num_blocks
+    finally:
+        engine.shutdown()
+    assert "r1" not in done
+    assert [done["r0"].outputs[0].token_ids, done["r2"].outputs[0].token_ids] == [clean[0], clean[2]]
 
 
 def test_two_by_two_ranks_give_the_tokens_of_one(three_layers):
     worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
-                               run(three_layers, pp=2, tp=2, prompts=TOKEN_PROMPTS))
+                               run(three_layers, pp=2, tp=2, prompts=TOKEN_PROMPTS, in_flight=2))
     assert worst < 1e-4
 
 
 def test_a_quantized_checkpoint_splits_by_stage(tmp_path):
     gptq_checkpoint(tmp_path, group=32)
     worst = assert_same_tokens(run(str(tmp_path), prompts=TOKEN_PROMPTS),
-                               run(str(tmp_path), pp=2, prompts=TOKEN_PROMPTS))
+                               run(str(tmp_path), pp=2, prompts=TOKEN_PROMPTS, in_flight=2))
     assert worst < 1e-4
 
 
@@ -108,7 +153,7 @@ def ray_cluster():
 def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
     worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
                                run(three_layers, pp=2, prompts=TOKEN_PROMPTS, distributed_executor_backend="ray",
-                                   pipeline_micro_batches=2))
+                                   pipeline_micro_batches=2, in_flight=2))
     assert worst < 1e-4
     assert all(g["state"] == "REMOVED" for g in ray_cluster.util.placement_group_table().values())
 
@@ -120,6 +165,8 @@ def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
     (dict(pipeline_parallel_size=2, pipeline_layer_partition="one,one"), "is not comma-separated layer counts"),
     (dict(pipeline_layer_partition="1,1"), "needs --pipeline-parallel-size > 1"),
     (dict(pipeline_micro_batches=2), "needs --pipeline-parallel-size > 1"),
+    (dict(pipeline_batches_in_flight=2), "needs --pipeline-parallel-size > 1"),
+    (dict(pipeline_parallel_size=2, pipeline_batches_in_flight=3), "is more than the 2 pipeline stages"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "uni executor runs one process"),
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "speculative decoding does not run over pipeline stages"),
@@ -133,7 +180,8 @@ def test_what_pipeline_parallelism_cannot_run_is_refused_before_any_process_star
 
 def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_step(three_layers):
     """A fault raised in the driver's stage mid-step: the later stage is handed a placeholder, the engine re-runs
-    the step in parts, the faulty request ends with an error and the others get the tokens of a clean run."""
+    the step in parts (once the step in flight ahead of it is collected), the faulty request ends with an error
+    and the others get the tokens of a clean run."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
     used = {t for p in TOKEN_PROMPTS for t in p} | {t for ids in clean for t in ids}
@@ -156,6 +204,7 @@ def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_
         done = {}
         while engine.has_unfinished_requests():
             done.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert engine.batches.max_in_flight == 2  # the faulty request's step was in flight beside another
     finally:
         for hook in hooks:
             hook.remove()

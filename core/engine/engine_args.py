@@ -140,6 +140,9 @@ class EngineArgs(HostOptions):
         "one behind the other so that stage 2 runs part 1 while stage 1 runs part 2 (1: the step whole, one stage "
         "at a time); each stage then reads its weights once per part, so decode steps bound by weight reads gain "
         "little: see docs/distributed.md"))
+    pipeline_batches_in_flight: Optional[int] = Field(default=None, gt=0, description=(
+        "with pipeline_parallel_size > 1: steps in the stages at once, each of other sequences, so that stage 2 "
+        "runs one step while stage 1 runs the next (1: one step at a time); default pipeline_parallel_size"))
     distributed_executor_backend: str = Field(default="auto", description=(
         "the processes a model runs in: uni (one), mp (tensor_parallel_size x pipeline_parallel_size processes "
         "on this machine), ray (Ray actors, on one machine or a cluster), or an executor plugin; auto picks uni "
@@ -234,7 +237,14 @@ class EngineArgs(HostOptions):
             if self.pipeline_micro_batches > 1:
                 raise ConfigError(f"pipeline_micro_batches={self.pipeline_micro_batches} needs "
                                   "--pipeline-parallel-size > 1; pass the stage count, or drop it")
+            if (self.pipeline_batches_in_flight or 1) > 1:
+                raise ConfigError(f"pipeline_batches_in_flight={self.pipeline_batches_in_flight} needs "
+                                  "--pipeline-parallel-size > 1; pass the stage count, or drop it")
             return ()
+        if (self.pipeline_batches_in_flight or 1) > size:
+            raise ConfigError(f"pipeline_batches_in_flight={self.pipeline_batches_in_flight} is more than the "
+                              f"{size} pipeline stages: a stage runs one step at a time, so more steps in flight "
+                              f"only wait; pass --pipeline-batches-in-flight <= {size}")
         explicit = None if self.pipeline_layer_partition is None else parse_partition(self.pipeline_layer_partition)
         partition = layer_partition(model_cfg.num_layers, size, explicit)
         if self.distributed_executor_backend == "uni":
@@ -438,7 +448,8 @@ class EngineArgs(HostOptions):
             scheduler=sched_cfg,
             parallel=ParallelConfig(self.tensor_parallel_size, cpu_threads, self.distributed_executor_backend,
                                     self.all_reduce_backend, self.pipeline_parallel_size, partition,
-                                    self.pipeline_micro_batches),
+                                    self.pipeline_micro_batches,
+                                    self.pipeline_batches_in_flight or self.pipeline_parallel_size),
             host=host,
             speculative=spec_cfg,
             attention_backend=self.attention_backend,

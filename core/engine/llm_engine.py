@@ -71,6 +71,12 @@ class LLMEngine:
         # seconds each phase of the last step took: schedule, execute, update, emit
         self.last_step_timings: dict[str, float] = {}
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
+        # pipeline parallelism: the steps kept in the stages at once (None: one step at a time, step() below)
+        self.batches = None
+        if config.parallel.pipeline_batches_in_flight > 1:
+            from pagoda.engine.pipelined import BatchesInFlight
+
+            self.batches = BatchesInFlight.for_engine(self)
         self._ids = itertools.count()
         # the LoRA adapters served by name (--lora-modules, and those added at run time): name -> request
         self.loras: dict[str, LoRARequest] = {}
@@ -152,6 +158,8 @@ class LLMEngine:
             self.output_processor.add(request_id, text, token_ids, params, output_kind)
         for child in children:
             self.scheduler.add_request(child)
+        if self.batches is not None:
+            self.batches.add(children)
         if self.stats is not None:
             self.stats.on_arrival(len(token_ids))
         return request_id
@@ -207,14 +215,18 @@ class LLMEngine:
         self.runner.lora.add_adapter(lora_request)
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
-        """Cancel requests (by the id given to add_request) in any state; their blocks are freed at once."""
+        """Cancel requests (by the id given to add_request) in any state; their blocks are freed at once (a
+        sequence in a pipeline step still in flight: once that step is collected)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             self.output_processor.abort(rid)
             parent = self.requests.parents.get(rid)
             if parent is None:
                 continue
-            self.scheduler.abort_requests([c.request_id for c in parent.children if not c.is_finished])
+            children = [c.request_id for c in parent.children if not c.is_finished]
+            if self.batches is not None:
+                children = self.batches.defer_aborts(children)
+            self.scheduler.abort_requests(children)
             self.requests.forget(rid)
 
     def sequences_of(self, request_id: str) -> list[Sequence]:
@@ -244,6 +256,8 @@ class LLMEngine:
         Raises :class:`StepFailedError` (after rolling the step back) only when the step's execution
         fails for every request in it; a request whose execution fails alone ends with an error.
         """
+        if self.batches is not None:  # steps in flight: each call commits one of them (pagoda.engine.pipelined)
+            return self.batches.step()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         for observer in self.observers:
@@ -267,6 +281,15 @@ class LLMEngine:
     def _execute(self, sched: SchedulerOutput) -> Optional[RunnerOutput]:
         if sched.is_empty:
             return None
+        self._prepare(sched)
+        try:
+            return self.executor.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
+            return self._isolate_fault(sched, exc)
+
+    def _prepare(self, sched: SchedulerOutput) -> None:
+        """What runs before the step: its block moves (on every rank) and its grammar rows' bitmask. A failed
+        block move rolls the step back and raises :class:`StepFailedError`."""
         try:
             failed_loads = self.executor.move_blocks(sched) if sched.has_block_moves else []
         except Exception as exc:
@@ -277,13 +300,9 @@ class LLMEngine:
             # offload-tier blocks that failed their check: the runner recomputes them; the books forget them
             self.kv_manager.drop_failed_loads(failed_loads)
         if any(r.grammar is not None for r in sched.requests):
-            # the grammar rows' allowed tokens, filled once: a re-run of the step (below) reuses them, and only
-            # update() advances the matchers
+            # the grammar rows' allowed tokens, filled once: a re-run of the step (_isolate_fault) reuses them, and
+            # only update() advances the matchers
             self.structured_outputs.fill_bitmask(sched)
-        try:
-            return self.executor.execute(sched)
-        except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
-            return self._isolate_fault(sched, exc)
 
     def _isolate_fault(self, sched: SchedulerOutput, first: Exception) -> RunnerOutput:
         """The step's execution raised. Run it once more (a passing fault costs one retry), then in halves

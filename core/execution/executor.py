@@ -12,12 +12,18 @@ every rank and returns rank 0's result.
   samples the same tokens from the same logits and seeds; with one stage the driver's result is the step's,
   with more the last stage's first rank sends its result back to the driver, and the others are dropped.
 
+With pipeline stages, ``mp`` and ``ray`` also split a step in two: ``submit`` sends it and runs the driver's
+stage, ``collect`` receives the last stage's result, so the engine can submit the next step while the later
+stages run this one (:mod:`pagoda.engine.pipelined`). Every rank takes the steps (and block moves) in the order
+sent, so steps pass the stages in order and are collected in that order.
+
 Workers build their components from their own plugin manager, loaded from the installed entry points
 (a plugin registered by hand in the driver process does not reach them).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import multiprocessing
@@ -61,6 +67,7 @@ class UniExecutor:
         self.runner = build_runner(config, plugin_manager)
         self.execute: Callable[[SchedulerOutput], RunnerOutput] = self.runner.execute
         self.move_blocks: Callable[[SchedulerOutput], list[int]] = self.runner.move_blocks
+        self.submit = self.collect = None  # one process: no later stage to keep a step in flight in
 
     def shutdown(self) -> None:
         pass
@@ -76,6 +83,29 @@ class StepMessage:
         self.finished = list(finished)  # request ids the workers may forget
         self.layout = dataclasses.replace(sched, requests=[], preempted=[])
         self.lora = lora
+
+
+class PendingStep:
+    """A step submitted to the pipeline stages (``MultiprocExecutor.submit``, ``RayExecutor.submit``): its parts,
+    how many reached the later stages, the error the driver's stage raised, and the parts' results once
+    received (from the last stage's first rank)."""
+
+    def __init__(self, sched: SchedulerOutput, parts: list[list[int]], num_sent: int,
+                 error: Optional[Exception]) -> None:
+        self.sched = sched
+        self.parts = parts
+        self.num_sent = num_sent
+        self.error = error
+        self.results: Optional[list] = None
+        self.refs: list = []  # Ray: each part's object refs, one per actor
+
+    def output(self) -> RunnerOutput:
+        """The step's result, its parts merged; raises the driver's error instead if its stage raised."""
+        if self.error is not None:
+            raise self.error
+        if len(self.parts) == 1:
+            return self.results[0]
+        return RunnerOutput.merge(len(self.sched.requests), list(zip(self.parts, self.results)))
 
 
 class _Driver:
@@ -131,6 +161,8 @@ class MultiprocExecutor(_Driver):
         from pagoda.execution import distributed
 
         super().__init__(config)
+        # submitted steps whose results are not received yet, oldest first
+        self._pending: collections.deque[PendingStep] = collections.deque()
         size = config.parallel.world_size
         address = f"tcp://127.0.0.1:{_free_port()}"
         context = multiprocessing.get_context("spawn")
@@ -159,6 +191,12 @@ class MultiprocExecutor(_Driver):
         if self.output_rank == 0:
             self._send("execute", self._message(sched))
             return self.runner.execute(sched)
+        return self.collect(self.submit(sched))
+
+    def submit(self, sched: SchedulerOutput) -> PendingStep:
+        """Start the step: the workers are sent it and the driver runs its stage (the first); the later stages
+        run it while this returns. Its result comes from :meth:`collect`, steps being collected in the order
+        they were submitted."""
         # pipeline stages: each part goes through the first stage here and on to the next while the first
         # runs the part after it; the last stage returns the parts' results in order
         parts, num_sent, error = self._micro_batches(sched), 0, None
@@ -172,13 +210,22 @@ class MultiprocExecutor(_Driver):
             raise
         except Exception as exc:  # noqa: BLE001 - the later stages ran the parts sent; their results are dropped
             error = exc
-        results = [self._receive_output() for _ in range(num_sent)]
-        if error is not None:
-            raise error
-        return results[0] if len(parts) == 1 else RunnerOutput.merge(len(sched.requests), list(zip(parts, results)))
+        step = PendingStep(sched, parts, num_sent, error)
+        self._pending.append(step)
+        return step
+
+    def collect(self, step: PendingStep) -> RunnerOutput:
+        """The result of a submitted step (raises what its execution raised on the driver's stage). Steps
+        submitted before it are received first and kept for their own collect."""
+        while step.results is None:
+            oldest = self._pending.popleft()
+            oldest.results = [self._receive_output() for _ in range(oldest.num_sent)]
+        return step.output()
 
     def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
         """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""
+        if self._pending:
+            self.collect(self._pending[-1])  # the steps in flight answer first: their results are kept
         self._send("stats", StepMessage(SchedulerOutput(), []))
         return [pipeline.stats_snapshot()] + [pipe.recv() for pipe in self.pipes]
 
@@ -253,18 +300,34 @@ class RayExecutor(_Driver):
         self._ray, self._remove_group = ray, remove_placement_group
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        parts = self._micro_batches(sched)
-        outputs = []
-        for indices in parts:  # the parts one behind the other through the stages (see MultiprocExecutor)
-            part = sched if len(parts) == 1 else sched.select(indices)
-            message = self._message(part)  # once: it records what the ranks now hold
-            outputs.append([a.execute.remote(message) for a in self.actors])
-            result = pipeline.timed_execute(self.runner, part)
         if self.output_rank == 0:
-            self._ray.get(outputs[0])  # a rank's failure surfaces with this step
+            pending = [a.execute.remote(self._message(sched)) for a in self.actors]
+            result = self.runner.execute(sched)
+            self._ray.get(pending)  # a rank's failure surfaces with this step
             return result
-        results = [self._ray.get(pending)[self.output_rank - 1] for pending in outputs]
-        return results[0] if len(parts) == 1 else RunnerOutput.merge(len(sched.requests), list(zip(parts, results)))
+        return self.collect(self.submit(sched))
+
+    def submit(self, sched: SchedulerOutput) -> PendingStep:
+        """Start the step (see :meth:`MultiprocExecutor.submit`): the actors are sent it, the driver runs the
+        first stage; an actor runs its calls in the order sent, so steps pass the stages in order."""
+        parts, refs, error = self._micro_batches(sched), [], None
+        try:
+            for indices in parts:  # the parts one behind the other through the stages (see MultiprocExecutor)
+                part = sched if len(parts) == 1 else sched.select(indices)
+                message = self._message(part)  # once: it records what the ranks now hold
+                refs.append([a.execute.remote(message) for a in self.actors])
+                pipeline.timed_execute(self.runner, part)
+        except Exception as exc:  # noqa: BLE001 - the later stages ran the parts sent; their results are dropped
+            error = exc
+        step = PendingStep(sched, parts, len(refs), error)
+        step.refs = refs
+        return step
+
+    def collect(self, step: PendingStep) -> RunnerOutput:
+        """The result of a submitted step (raises what its execution raised on any rank)."""
+        if step.results is None:  # every rank's reply is awaited: a rank's failure surfaces with its step
+            step.results = [self._ray.get(part)[self.output_rank - 1] for part in step.refs]
+        return step.output()
 
     def stage_stats(self) -> list[dict[str, tuple[int, float]]]:
         """Every rank's stage work so far, by rank (see :func:`pagoda.execution.pipeline.stats_snapshot`)."""

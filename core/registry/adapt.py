@@ -46,7 +46,10 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "isa_paths": lambda component, name: _no_isa_paths,
     },
     "pagoda_kv_allocators": {"is_swapped": lambda component, name: _never_swapped},
-    "pagoda_schedulers": {"fail": lambda component, name: _fail_through_finish(component)},
+    "pagoda_schedulers": {
+        "fail": lambda component, name: _fail_through_finish(component),
+        "schedule_excluding": lambda component, name: None,  # the engine runs one step at a time
+    },
     "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
     "pagoda_model_architectures": {
         "runs_first_layers_of_caches": lambda component, name: False,

@@ -9,7 +9,8 @@ One check per component kind; each raises :class:`ContractError` saying what bro
 
 - :func:`check_scheduler` and :func:`check_kv_allocator`: randomised request streams (shared prefixes,
   ``n > 1``, aborts, a pool small enough to preempt, recompute and swap) through :class:`SimRunner`, a
-  model-free runner that records which token each KV slot holds;
+  model-free runner that records which token each KV slot holds; :func:`check_scheduler` also runs them with two
+  steps in flight (:func:`check_steps_in_flight`) when the scheduler has ``schedule_excluding``;
 - :func:`check_attention_backend`: paged attention against dense attention on shuffled block layouts with
   odd sizes;
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;
@@ -40,6 +41,7 @@ _EXPORTS = {
     "check_sampler": "sampler",
     "check_structured_output_backend": "structured",
     "SimRunner": "scheduling", "check_kv_allocator": "scheduling", "check_scheduler": "scheduling",
+    "check_steps_in_flight": "in_flight",
     "expected_output": "scheduling", "next_token": "scheduling",
     "Proxy": "strict", "StrictContracts": "strict", "contract_names": "strict",
     "ToolParserCase": "tool_parser", "check_tool_parser": "tool_parser",

@@ -137,11 +137,15 @@ SETTINGS = [
 def check_scheduler(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
                     num_requests: int = 24) -> None:
     """Drive ``factory(scheduler_config, cache_config, kv_manager)`` (a ``pagoda_schedulers`` factory) through
-    randomised request streams; ``allocator`` (a ``pagoda_kv_allocators`` factory) defaults to ``paged``.
-    Raises :class:`ContractError` on the first broken rule."""
+    randomised request streams, then (if it has ``schedule_excluding``) the same with two steps in flight
+    (:func:`pagoda.testing.in_flight.check_steps_in_flight`); ``allocator`` (a ``pagoda_kv_allocators``
+    factory) defaults to ``paged``. Raises :class:`ContractError` on the first broken rule."""
+    from pagoda.testing.in_flight import check_steps_in_flight
+
     for settings in SETTINGS:
         for seed in range(seeds):
             _run_stream(factory, allocator, settings, seed, num_requests)
+    check_steps_in_flight(factory, allocator, seeds, num_requests)
 
 
 def check_kv_allocator(factory: AllocatorFactory, seeds: int = 3) -> None:

@@ -20,13 +20,18 @@ preemption, its failure); it writes no request's progress. ``update`` commits
 the step from the runner's result: computed tokens, sampled tokens, the reset
 of a request preempted by recompute, the end of a failed one. A step whose
 execution raises is undone by :meth:`TokenBudgetScheduler.rollback` instead.
+
+With pipeline stages the engine keeps steps in flight and builds the next one
+with :meth:`TokenBudgetScheduler.schedule_excluding`: the requests it names busy
+(those of steps in flight, and of the other steps' lanes) are passed over
+everywhere: not scheduled, admitted, swapped in, preempted or failed.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Container, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv.tiers import has_offload_tiers
@@ -62,6 +67,8 @@ class TokenBudgetScheduler:
         self._scheduled_now: dict[str, int] = {}
         # requests preempted in the step being built: none starts again before update() commits that
         self._preempted_now: set[str] = set()
+        # the step being built leaves these request ids alone (schedule_excluding: steps still in flight)
+        self._busy: Container[str] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # a policy overriding a renamed method is warned about (or, once the old name is removed, refused)
@@ -83,8 +90,8 @@ class TokenBudgetScheduler:
         return None
 
     def choose_victim(self, candidates: list[Sequence]) -> Sequence:
-        """The request to preempt when blocks run out, among ``candidates`` (running requests not yet
-        scheduled this step, in running order): by default the newest one."""
+        """The request to preempt when blocks run out, among ``candidates`` (running requests neither
+        scheduled this step nor busy, in running order): by default the newest one."""
         return candidates[-1]
 
     def may_admit(self, request: Sequence) -> bool:
@@ -94,7 +101,7 @@ class TokenBudgetScheduler:
 
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         """Called first in every step: preempt running work in favour of waiting requests, with
-        :meth:`preempt`. By default never (first come, first served)."""
+        :meth:`preempt`, never a busy one (:meth:`is_busy`). By default never (first come, first served)."""
 
     def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
         """Called in every step before waiting requests are admitted, with the waiting queue in its
@@ -106,10 +113,19 @@ class TokenBudgetScheduler:
 
     # ---- actions a policy may take -------------------------------------------------------------
 
+    def is_busy(self, request: Sequence) -> bool:
+        """Whether the step being built must leave ``request`` alone: it is in a step still in flight
+        (pipeline parallelism, :meth:`schedule_excluding`), so it is neither scheduled nor preempted now."""
+        return request.request_id in self._busy
+
     def preempt(self, request: Sequence, out: SchedulerOutput) -> None:
         """Preempt a running request: its blocks are swapped out if configured and there is room, else
         freed to recompute it later (it waits again; :meth:`update` resets its computed tokens).
-        Recorded in ``out.preempted``; it starts again in a later step, not this one."""
+        Recorded in ``out.preempted``; it starts again in a later step, not this one. Refuses a busy
+        request (:meth:`is_busy`): its blocks are in use by a step in flight."""
+        if request.request_id in self._busy:
+            raise RuntimeError(f"{type(self).__name__} preempted {request.request_id}, which is in a step still in "
+                               "flight; a policy must pass over busy requests (self.is_busy(request))")
         self.running.remove(request)
         if self.preemption_mode == "swap" and self.kv.can_swap_out(request):
             out.blocks_to_swap_out.extend(self.kv.swap_out(request))
@@ -149,6 +165,8 @@ class TokenBudgetScheduler:
 
     def _running_order(self) -> list[Sequence]:
         running = self.running
+        if self._busy:
+            running = [r for r in running if r.request_id not in self._busy]
         if running and self.running_key(running[0]) is not None:
             return list(running)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -178,6 +196,9 @@ class TokenBudgetScheduler:
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[idx]
+            if req.request_id in self._busy:
+                idx += 1  # another step's, in flight or next
+                continue
             if req.request_id in self._preempted_now or not self.may_admit(req):
                 break
             if not self._fits_lora_slots(req):
@@ -270,6 +291,14 @@ class TokenBudgetScheduler:
         request.status = SequenceStatus.WAITING
         self._insert_waiting(request)
 
+    def schedule_excluding(self, busy: Container[str]) -> SchedulerOutput:
+        """:meth:`schedule`, leaving alone the requests whose ids are in ``busy`` (see :meth:`is_busy`)."""
+        self._busy = busy
+        try:
+            return self.schedule()
+        finally:
+            self._busy = ()
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._scheduled_now = {}
@@ -308,7 +337,8 @@ class TokenBudgetScheduler:
                 self._fail_unfittable(req, out)
                 continue
             while not self.kv.allocate_slots(req, num_new):
-                candidates = [r for r in self.running if r.request_id not in self._scheduled_now]
+                candidates = [r for r in self.running
+                              if r.request_id not in self._scheduled_now and r.request_id not in self._busy]
                 victim = self.choose_victim(candidates)
                 self.preempt(victim, out)
                 if victim is req:
@@ -335,7 +365,7 @@ class TokenBudgetScheduler:
         idx = 0
         while idx < len(self.swapped) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.swapped[idx]
-            if not self._may_swap_in(req):
+            if req.request_id in self._busy or not self._may_swap_in(req):
                 idx += 1  # the policy keeps it out of this step; the ones behind it may come back
                 continue
             if not self._fits_lora_slots(req):

@@ -253,8 +253,8 @@ class FairScheduler(TokenBudgetScheduler):
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
         if len(self._live) < 2 or not self.waiting or not self.running:
             return
-        head = self.order_waiting(self.waiting)[0]
-        if head.request_id in self._preempted_now or not self.may_admit(head):
+        head = next((r for r in self.order_waiting(self.waiting) if not self.is_busy(r)), None)
+        if head is None or head.request_id in self._preempted_now or not self.may_admit(head):
             return
         tenant = head.tenant
         seats = Counter(r.tenant for r in self.running)
@@ -267,7 +267,10 @@ class FairScheduler(TokenBudgetScheduler):
             if not over:
                 return
             donor = max(over, key=lambda t: seats[t] - share[t])
-            victim = self.choose_victim([r for r in self.running if r.tenant == donor])
+            candidates = [r for r in self.running if r.tenant == donor and not self.is_busy(r)]
+            if not candidates:
+                return
+            victim = self.choose_victim(candidates)
             self.preempt(victim, out)
             seats[donor] -= 1
 

@@ -33,11 +33,11 @@ class PriorityScheduler(TokenBudgetScheduler):
         return not self.swapped or priority_key(request) < priority_key(self.swapped[0])
 
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
-        if not self.waiting or not self.running:
+        head = next((r for r in self.waiting if not self.is_busy(r)), None)
+        if head is None or not self.running:
             return
-        head = self.waiting[0]
         head_key = priority_key(head)
-        lower = [r for r in self.running if priority_key(r) > head_key]
+        lower = [r for r in self.running if priority_key(r) > head_key and not self.is_busy(r)]
         if not lower or self._fits(head):
             return
         # preempt only if evicting all lower-ranked work would make room; otherwise it gains nothing

@@ -13,7 +13,9 @@ and applying the mask to the logits.
 With pipeline parallelism the driver runs the first stage: the engine's rows are that stage's, the time it
 waits for the later stages to return the step's tokens has a row of its own, and a table per stage follows
 (each stage's first rank): its compute, its hand-offs (a receive includes the wait for the stage before) and
-its bubble, the share of the step it sat idle.
+its bubble, the share of the step it sat idle. With steps in flight (``--pipeline-batches-in-flight``) each
+engine step schedules and submits the next step and commits an earlier one, so a stage's compute can fill what
+was its bubble.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def profile_decode(llm, requests: list[BenchRequest], num_steps: int = 8,
         engine.observers.remove(phases)
         modules.close()
         engine.abort_request([f"profile-{i}" for i in range(len(requests))])
-        engine.step()
+        while engine.has_unfinished_requests():  # pipeline steps still in flight end their aborts when collected
+            engine.step()
     num_steps = max(1, steps_run)
     stages = _stage_seconds(engine, stages_before) if has_stages else None
     # the driver's wait for the later stages (its own stage's work is its runner's execute)
@@ -176,10 +179,12 @@ def _print_stages(engine, stages: list[dict[str, float]], step_seconds: float, n
     compute = [st["execute"] - st["send"] - st["receive"] for st in stages]
     bubble = 1 - sum(compute) / (len(stages) * step_seconds) if step_seconds else 0.0
     parts = engine.config.parallel.pipeline_micro_batches
+    in_flight = engine.batches.max_in_flight if engine.batches is not None else 1
     print(f"pipeline: {len(stages)} stages (layers {'/'.join(map(str, partition))}), "
-          f"{'the step whole' if parts == 1 else f'steps in up to {parts} parts'}; "
+          f"{'the step whole' if parts == 1 else f'steps in up to {parts} parts'}, "
+          f"{'one step at a time' if in_flight == 1 else f'{in_flight} steps in flight'}; "
           f"bubble {bubble:.1%} of the stages' time")
-    result = {"pipeline bubble fraction": bubble}
+    result = {"pipeline bubble fraction": bubble, "pipeline steps in flight": in_flight}
     for i, (st, busy) in enumerate(zip(stages, compute)):
         idle = 1 - busy / step_seconds if step_seconds else 0.0
         print(f"  stage {i}: compute {busy / num_steps * 1e3:7.2f} ms, send {st['send'] / num_steps * 1e3:6.2f} ms, "

@@ -129,12 +129,18 @@ def run_pagoda(llm, requests: list[BenchRequest], json_schema: Optional[dict] = 
     class StepRecorder:
         """Per step: linear-layer tokens and LM-head rows (for the roofline), and KV use at its peak."""
 
+        def __init__(self) -> None:
+            # id of a step scheduled -> its sequences' output tokens then (with pipeline steps in flight, the next
+            # steps are scheduled before one is committed)
+            self.outputs_before: dict[int, int] = {}
+
         def before_step(self, engine, sched) -> None:
-            self.outputs_before = sum(r.num_output_tokens for r in sched.requests)
+            self.outputs_before[id(sched)] = sum(r.num_output_tokens for r in sched.requests)
 
         def after_step(self, engine, sched_out, result, seconds) -> None:
+            before = self.outputs_before.pop(id(sched_out))
             peak["steps"].append((sched_out.num_batched_tokens,
-                                  sum(r.num_output_tokens for r in sched_out.requests) - self.outputs_before))
+                                  sum(r.num_output_tokens for r in sched_out.requests) - before))
             if sched_out.grammar_rows:
                 peak["mask"].append((len(sched_out.grammar_rows), engine.structured_outputs.last_fill_seconds,
                                      engine.runner.timings.get("grammar", 0.0)))

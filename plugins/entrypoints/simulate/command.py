@@ -256,7 +256,7 @@ def whole_model(config):
     import dataclasses
 
     parallel = dataclasses.replace(config.parallel, pipeline_parallel_size=1, pipeline_layer_partition=(),
-                                   cpu_threads=config.host.cpu_threads)
+                                   pipeline_batches_in_flight=1, cpu_threads=config.host.cpu_threads)
     return dataclasses.replace(config, parallel=parallel)
 
 

@@ -1,0 +1,134 @@
+"""Steps in flight, without a model: a scheduler's ``schedule_excluding`` (pipeline stages, plugin API 1.8).
+
+The engine with pipeline stages (:mod:`pagoda.engine.pipelined`) schedules a step while the step ahead of it is
+still in the later stages, from one lane of sequences, every other lane's and every sequence in flight busy;
+it commits each step with ``update`` one step later, in order. This drives a scheduler the same way: two lanes
+(by request), each step run on :class:`SimRunner` as soon as it is scheduled (the stages run steps in the order
+submitted) and committed after the next one is scheduled, with aborts of requests in flight held back until
+their step is committed. It raises :class:`ContractError` when a step touches a busy sequence (schedules,
+admits, swaps, preempts or fails it), when a sequence attends to K/V not its own, when an abort in flight
+finds its blocks already freed, when a sequence ends with the wrong tokens, or when blocks are not given back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import Optional
+
+from pagoda.interfaces import SchedulerFactory
+from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.step import RunnerOutput, SchedulerOutput
+from pagoda.testing.contract import ContractError, Where
+from pagoda.testing.scheduling import (SETTINGS, AllocatorFactory, SimRunner, _add_request, _configs, _make_kv,
+                                       expected_output)
+
+
+def check_steps_in_flight(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
+                          num_requests: int = 24) -> None:
+    """Drive ``factory``'s scheduler through randomised request streams with two steps in flight (see the
+    module docstring); a scheduler without ``schedule_excluding`` is not checked. Raises ContractError."""
+    for settings in SETTINGS:
+        for seed in range(seeds):
+            _run_stream(factory, allocator, settings, seed, num_requests)
+
+
+def _touched(sched: SchedulerOutput) -> set[str]:
+    return {r.request_id for r in (*sched.requests, *sched.preempted, *(req for req, _ in sched.failed))}
+
+
+def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
+                num_requests: int) -> None:
+    rng = random.Random(seed)
+    block_size, num_blocks, budget, max_num_seqs = 4, 24, 16, 6
+    swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
+    sched_cfg, cache_cfg = _configs(block_size, num_blocks, budget, max_num_seqs, settings["preemption_mode"],
+                                    settings["prefix_caching"], settings["chunked"])
+    kv = _make_kv(allocator, cache_cfg, num_blocks)
+    kv.init_swap_pool(swap_blocks)
+    scheduler = factory(sched_cfg, cache_cfg, kv)
+    if getattr(scheduler, "schedule_excluding", None) is None:
+        return  # it runs one step at a time under pipeline parallelism
+    runner = SimRunner(num_blocks, block_size, swap_blocks)
+    where = Where(str(getattr(factory, "__name__", factory)), seed,
+                  ", ".join(f"{k}={v}" for k, v in settings.items()) + ", two steps in flight")
+    prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
+    added: list[Sequence] = []
+    lane_of: dict[str, int] = {}
+    aborted: dict[str, int] = {}  # request id -> blocks it held when its abort was held back
+    in_flight: deque = deque()  # (step, its result, request ids whose abort waits for it)
+    longest = sched_cfg.max_model_len if settings["chunked"] else budget
+    for step in range(5000):
+        at = where.at(step)
+        if len({r.parent_id for r in added}) < num_requests and rng.random() < 0.5:
+            new = _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
+            for seq in new:
+                lane_of[seq.request_id] = len({r.parent_id for r in added}) % 2
+            added += new
+        flying = set().union(*(_touched(s) for s, _, _ in in_flight))
+        if added and rng.random() < 0.03:
+            victim = rng.choice(added)
+            if not victim.is_finished and victim.request_id not in aborted:
+                waits = next((w for s, _, w in in_flight if victim.request_id in _touched(s)), None)
+                if waits is None:
+                    scheduler.abort_requests([victim.request_id])
+                else:  # its step may still write its blocks: the engine aborts it when the step is committed
+                    waits.append(victim.request_id)
+                aborted[victim.request_id] = kv.num_blocks_held(victim.request_id)
+        if not scheduler.has_unfinished_requests() and not in_flight:
+            if len({r.parent_id for r in added}) >= num_requests:
+                break
+            continue
+        lane = step % 2
+        busy = {rid for rid, other in lane_of.items() if other != lane} | flying
+        sched = scheduler.schedule_excluding(busy)
+        if _touched(sched) & busy:
+            raise at.fail("schedule_excluding()", f"the step touched busy requests {sorted(_touched(sched) & busy)}",
+                          "a busy sequence (in a step in flight, or another lane's) is neither scheduled, admitted, "
+                          "swapped, preempted nor failed", "the scheduler's schedule_excluding() (or a policy "
+                          "method that picks requests without self.is_busy())")
+        if sched.requests:
+            in_flight.append((sched, _execute(runner, sched, at), []))
+        else:  # no step to keep in flight: its block moves (a swap-out) run now, its decisions commit now
+            scheduler.update(sched, _execute(runner, sched, at))
+        if len(in_flight) == 2 or (in_flight and not sched.requests):
+            _commit(scheduler, kv, *in_flight.popleft(), aborted, at)
+    else:
+        raise where.fail("the whole stream", "requests still unfinished after 5000 steps", "every request finishes",
+                         "the scheduler's schedule_excluding() (a request never scheduled)")
+    end = where.at("end", "at the")
+    for req in added:
+        if req.request_id in aborted or req.status == SequenceStatus.FINISHED_ERROR:
+            continue
+        want = expected_output(req.prompt_token_ids, req.sampling_params.max_tokens)
+        if req.status != SequenceStatus.FINISHED_LENGTH or req.output_token_ids != want:
+            raise end.fail("the finished requests", f"{req.request_id} ended {req.status.value} with "
+                           f"{req.output_token_ids[:6]}..., not {want[:6]}...", "a sequence ends with exactly the "
+                           "tokens of its prompt's continuation, with steps in flight as with one",
+                           "the scheduler's update() or schedule_excluding()")
+    if kv.num_free_blocks != num_blocks:
+        raise end.fail("the KV allocator's books", f"{num_blocks - kv.num_free_blocks} of {num_blocks} KV blocks "
+                       "were not given back", "every ended sequence gives back its blocks",
+                       "the scheduler's finish()/preempt()")
+
+
+def _execute(runner: SimRunner, sched: SchedulerOutput, at: Where) -> RunnerOutput:
+    try:
+        return runner.execute(sched)
+    except ContractError as exc:
+        raise at.fail("the model runner's execute() of the step", str(exc), "a sequence attends only to K/V its "
+                      "own tokens wrote, with another step's sequences in flight", "the scheduler's "
+                      "schedule_excluding() (a busy sequence's blocks given to this step)") from None
+
+
+def _commit(scheduler, kv, sched: SchedulerOutput, result: RunnerOutput, waits: list[str], aborted: dict[str, int],
+            at: Where) -> None:
+    """Commit a step in flight: the aborts that waited for it first, then ``update``."""
+    for rid in waits:
+        if kv.num_blocks_held(rid) != aborted[rid]:
+            raise at.fail("an abort held back for a step in flight", f"{rid} held {aborted[rid]} blocks at its "
+                          f"abort and {kv.num_blocks_held(rid)} before its step was committed", "the blocks of a "
+                          "sequence in flight stay its own until its step is committed",
+                          "the scheduler's schedule_excluding() (a busy sequence's blocks freed)")
+    scheduler.abort_requests(waits)
+    scheduler.update(sched, result)
