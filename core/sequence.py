@@ -203,6 +203,10 @@ class Sequence:
         for token_id in token_ids:
             is_end = token_id == self.eos_token_id and not self.sampling_params.ignore_eos
             if not (is_end and grammar.may_end()) and not grammar.accept_tokens([token_id]):
+                if grammar.may_end():
+                    # the grammar allowed nothing but its end, and the end was banned (min_tokens or a stop
+                    # token id not yet allowed): the grammar is the hard constraint, so the output ends here
+                    return SequenceStatus.FINISHED_STOPPED
                 self.output_token_ids.append(token_id)
                 self.all_token_ids.append(token_id)
                 self.error = (f"token {token_id} does not fit the structured output's grammar after "

@@ -107,6 +107,16 @@ def test_the_grammar_allows_the_end_only_where_the_match_is_complete(llm):
     assert out.finish_reason == "stop" and re.fullmatch("[a-z]{12}", out.text), out.text
 
 
+@pytest.mark.parametrize("choices, text", [(["yes", "no"], {"yes", "no"}), ([""], {""})])
+def test_the_grammar_ends_the_output_where_min_tokens_would_ban_its_end(llm, choices, text):
+    # min_tokens bans EOS for longer than any choice lasts: the grammar, the hard constraint, ends the output
+    # (finish_reason stop), and the request is not failed for a token the mask could not allow
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    out = llm.generate("Answer yes or no:", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in text, (out.finish_reason, out.text)
+
+
 def test_unconstrained_requests_in_the_same_batch_are_untouched(llm):
     plain = SamplingParams(temperature=0.0, max_tokens=12)
     alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0].outputs[0].token_ids
