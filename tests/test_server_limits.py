@@ -99,6 +99,11 @@ def maximal_request_seconds(http, maximal_request):
 def test_a_small_request_is_answered_while_a_maximal_one_is_tokenized(http, client, maximal_request,
                                                                       maximal_request_seconds):
     finished: dict[str, float] = {}
+    # the small request alone first: the client's first call (its lazy imports, a connection) is not counted
+    # against the turns, and what the small request costs unhindered is known
+    start = time.monotonic()
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=1)
+    small_alone_seconds = time.monotonic() - start
 
     def send_maximal():
         resp = http.post(C, json=maximal_request)
@@ -118,7 +123,8 @@ def test_a_small_request_is_answered_while_a_maximal_one_is_tokenized(http, clie
     assert finished["status"] == 400
     # without turns the small request would wait for the rest of the 64 prompts: three quarters of the time
     assert small_finished < finished["maximal"], (small_seconds, maximal_request_seconds)
-    assert small_seconds < maximal_request_seconds / 3, (small_seconds, maximal_request_seconds)
+    assert small_seconds < small_alone_seconds + maximal_request_seconds / 3, \
+        (small_seconds, small_alone_seconds, maximal_request_seconds)
 
 
 def test_a_request_over_the_request_character_limit_is_refused_before_it_is_tokenized(
