@@ -20,8 +20,8 @@ from pagoda.interfaces import SchedulerFactory
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.testing.contract import ContractError, Where
-from pagoda.testing.scheduling import (SETTINGS, AllocatorFactory, SimRunner, _add_request, _configs, _make_kv,
-                                       expected_output)
+from pagoda.testing.scheduling import (SETTINGS, STREAM_BUDGET, STREAM_NUM_BLOCKS, AllocatorFactory, SimRunner,
+                                       _add_request, _stream_setup, expected_output)
 
 
 def check_steps_in_flight(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
@@ -40,16 +40,10 @@ def _touched(sched: SchedulerOutput) -> set[str]:
 def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
                 num_requests: int) -> None:
     rng = random.Random(seed)
-    block_size, num_blocks, budget, max_num_seqs = 4, 24, 16, 6
-    swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
-    sched_cfg, cache_cfg = _configs(block_size, num_blocks, budget, max_num_seqs, settings["preemption_mode"],
-                                    settings["prefix_caching"], settings["chunked"])
-    kv = _make_kv(allocator, cache_cfg, num_blocks)
-    kv.init_swap_pool(swap_blocks)
-    scheduler = factory(sched_cfg, cache_cfg, kv)
+    num_blocks, budget = STREAM_NUM_BLOCKS, STREAM_BUDGET
+    scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings)
     if getattr(scheduler, "schedule_excluding", None) is None:
         return  # it runs one step at a time under pipeline parallelism
-    runner = SimRunner(num_blocks, block_size, swap_blocks)
     where = Where(str(getattr(factory, "__name__", factory)), seed,
                   ", ".join(f"{k}={v}" for k, v in settings.items()) + ", two steps in flight")
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]

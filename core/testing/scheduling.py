@@ -165,17 +165,27 @@ def _make_kv(allocator: Optional[AllocatorFactory], cache_cfg: CacheConfig, num_
     return allocator(cache_cfg, num_blocks)
 
 
+# the small engine a stream runs on: blocks of 4 tokens, 24 of them, a 16-token budget, 6 seats
+STREAM_BLOCK_SIZE, STREAM_NUM_BLOCKS, STREAM_BUDGET, STREAM_MAX_NUM_SEQS = 4, 24, 16, 6
+
+
+def _stream_setup(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict):
+    """The scheduler under test, its KV allocator (with a swap pool when preempting by swap), its scheduler
+    config and the simulated runner of one stream."""
+    swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
+    sched_cfg, cache_cfg = _configs(STREAM_BLOCK_SIZE, STREAM_NUM_BLOCKS, STREAM_BUDGET, STREAM_MAX_NUM_SEQS,
+                                    settings["preemption_mode"], settings["prefix_caching"], settings["chunked"])
+    kv = _make_kv(allocator, cache_cfg, STREAM_NUM_BLOCKS)
+    kv.init_swap_pool(swap_blocks)
+    scheduler = factory(sched_cfg, cache_cfg, kv)
+    return scheduler, kv, sched_cfg, SimRunner(STREAM_NUM_BLOCKS, STREAM_BLOCK_SIZE, swap_blocks)
+
+
 def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
                 num_requests: int) -> None:
     rng = random.Random(seed)
-    block_size, num_blocks, budget, max_num_seqs = 4, 24, 16, 6
-    swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
-    sched_cfg, cache_cfg = _configs(block_size, num_blocks, budget, max_num_seqs, settings["preemption_mode"],
-                                    settings["prefix_caching"], settings["chunked"])
-    kv = _make_kv(allocator, cache_cfg, num_blocks)
-    kv.init_swap_pool(swap_blocks)
-    scheduler = factory(sched_cfg, cache_cfg, kv)
-    runner = SimRunner(num_blocks, block_size, swap_blocks)
+    num_blocks, budget = STREAM_NUM_BLOCKS, STREAM_BUDGET
+    scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings)
     where = Where(str(getattr(factory, "__name__", factory)), seed, ", ".join(f"{k}={v}" for k, v in settings.items()))
     watch = PolicyWatch(scheduler, kv, num_blocks, where)
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
