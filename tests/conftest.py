@@ -33,3 +33,12 @@ def pytest_terminal_summary(terminalreporter):
     level = cpu_isa.cpu_isa()
     hint = "" if cpu_isa.is_capped() or level in ("generic", "avx2") else " (make test-avx2 runs the AVX2 path here)"
     terminalreporter.write_line(f"pagoda CPU kernels ran at ISA level: {cpu_isa.describe()}{hint}")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of 2 CPUs, shared by the tests of a module that run ranks as Ray actors."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -117,15 +117,6 @@ def test_two_ranks_give_one_ranks_tokens_with_an_adapter_on_the_default_model(tm
 # ---- Ray actors as the ranks --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_actors_as_ranks_give_one_ranks_tokens_with_adapters(ray_cluster, tmp_path_factory):
     model_dir, loras = model_with_adapters(tmp_path_factory, "tiny")
     two = loras[:2]  # a Ray step costs a remote call per rank: two adapters, both in slots throughout

@@ -141,15 +141,6 @@ def test_a_quantized_checkpoint_splits_by_stage(tmp_path):
     assert worst < 1e-4
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
     worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
                                run(three_layers, pp=2, prompts=TOKEN_PROMPTS, distributed_executor_backend="ray",

@@ -61,15 +61,6 @@ def test_two_ranks_give_the_default_model_s_tokens(preemption_mode):
     assert worst < 1e-3
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs, shared by the tests that need one."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_actors_as_ranks_give_the_default_model_s_tokens(ray_cluster):
     model = str(ensure_default_model())
     # a Ray step costs a remote call per rank: a short run (the mp tests cover preemption and more requests)
