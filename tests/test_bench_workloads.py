@@ -1,4 +1,4 @@
-"""The benchmark workloads are drawn exactly as BENCHMARK.md specifies, and the bench commands run."""
+"""The benchmark workloads are drawn exactly as docs/benchmarks.md says, and the bench commands run."""
 
 import subprocess
 import sys

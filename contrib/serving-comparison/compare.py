@@ -1,6 +1,6 @@
 """pagoda serve against vllm serve, one server at a time, both driven by vLLM's own serving benchmark client.
 
-Usage (the vLLM venv as described in docs/serving.md; nothing of it goes into pagoda's environment):
+Usage (the vLLM venv as described in docs/serving_speed.md; nothing of it goes into pagoda's environment):
 
     python contrib/serving-comparison/compare.py --vllm-venv /path/to/vllm-venv \\
         --rates 2 4 8 inf --output results.md

@@ -1,4 +1,4 @@
-"""``pagoda bench WORKLOAD``: the fixed workloads of BENCHMARK.md, each in its own module."""
+"""``pagoda bench WORKLOAD``: the fixed workloads of docs/benchmarks.md, each in its own module."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ WORKLOADS = {
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark a fixed workload (see BENCHMARK.md)")
+    p = sub.add_parser("bench", help="benchmark a fixed workload (see docs/benchmarks.md)")
     workloads = p.add_subparsers(dest="workload", metavar="WORKLOAD")
     for name, module_name in WORKLOADS.items():
         try:

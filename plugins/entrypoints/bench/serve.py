@@ -1,4 +1,5 @@
-"""``pagoda bench serve``: W4 of BENCHMARK.md against a running ``pagoda serve`` (or any OpenAI-compatible server).
+"""``pagoda bench serve``: W4 of docs/benchmarks.md against a running ``pagoda serve`` (or any OpenAI-compatible
+server).
 
 The W1 requests go to ``/v1/completions`` with streaming, their arrivals a
 Poisson process at each ``--request-rate`` (``inf``: all at once). Per request

@@ -1,4 +1,4 @@
-"""The fixed benchmark workloads of BENCHMARK.md, drawn exactly as specified there."""
+"""The fixed benchmark workloads of docs/benchmarks.md, drawn exactly as specified there."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def register(sub) -> None:
     src = p.add_argument_group("trace (exactly one)")
     src.add_argument("--trace", default=None, help="a JSON-lines trace file")
     src.add_argument("--workload", default=None, choices=["W1", "W2", "W4", "FLOOD"],
-                     help="a benchmark workload of BENCHMARK.md (W4: W1 at --rate), or FLOOD: tenant 'flood' sends "
+                     help="a workload of docs/benchmarks.md (W4: W1 at --rate), or FLOOD: tenant 'flood' sends "
                           "13 x n=8 requests of --output-len tokens (default 1000) at once while tenant 'small' "
                           "sends --num-requests (default 20) of 5 + 16 tokens at --rate (default 1/s); compare "
                           "--scheduling-policy fair --compare-policy fcfs (what `pagoda bench fairness` measures)")

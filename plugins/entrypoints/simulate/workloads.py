@@ -1,4 +1,4 @@
-"""The benchmark workloads of BENCHMARK.md as traces, drawn with the model's tokenizer exactly as
+"""The benchmark workloads of docs/benchmarks.md as traces, drawn with the model's tokenizer exactly as
 ``pagoda bench`` draws them."""
 
 from __future__ import annotations
