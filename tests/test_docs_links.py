@@ -1,5 +1,6 @@
 """The README and docs/ point only at what exists: every relative link (and its #anchor), every docs/... path
-and every *.md file they name resolves; the README keeps its two set-up commands and stays short."""
+and every *.md file they name resolves, and so does every docs page the code names; the README keeps its two
+set-up commands and stays short."""
 
 from __future__ import annotations
 
@@ -86,6 +87,19 @@ def test_every_relative_link_resolves(page):
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_every_docs_path_and_md_file_named_exists(page):
     assert missing_files(page) == [], f"{page_id(page)} names files that do not exist"
+
+
+def test_every_docs_page_the_code_names_exists():
+    """Code, tests and contrib name docs pages by path (docstrings, help texts, errors): each one exists."""
+    missing = []
+    for folder in ("core", "plugins", "tests", "contrib"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in {".py", ".md", ".toml", ".yaml", ".yml", ".cpp", ".h"} or path == Path(__file__):
+                continue
+            for name in set(DOCS_PATH.findall(path.read_text(errors="replace"))):
+                if name.endswith(".md") and not (ROOT / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert missing == []
 
 
 def test_the_readme_has_the_two_set_up_commands_and_is_short():
