@@ -68,9 +68,9 @@ def test_the_installed_plugin_registers_sjf_with_its_distribution(sjf_site):
     component = pm.get("pagoda_schedulers", "sjf", "scheduling_policy")
     assert component.dist == "pagoda-sjf 0.1.0"
     assert component.plugin == "sjf"
-    from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+    from pagoda.scheduling import SchedulingPolicy
 
-    assert issubclass(component.factory, TokenBudgetScheduler)
+    assert issubclass(component.factory, SchedulingPolicy)
     assert not pm.failures
 
 
