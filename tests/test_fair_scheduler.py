@@ -212,8 +212,8 @@ def test_a_fair_flag_with_another_policy_says_which_policy_it_belongs_to():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"step_sqes": 4}, "the 'fair' scheduling policy has no option 'step_sqes' .*it takes: tenant_weights, "
-                       "step_seqs, step_ms"),
+    ({"step_sqes": 4}, "the 'fair' scheduling policy has no option 'step_sqes' .*its options are "
+                       "tenant_weights, step_seqs, step_ms"),
     ({"step_seqs": -1}, "option step_seqs is -1; give an integer >= 0"),
     ({"step_ms": "fast"}, "option step_ms is 'fast'; give a number >= 0"),
     ({"tenant_weights": {"alice": 0}}, "the weight of 'alice' is 0; give a positive number"),

@@ -27,9 +27,9 @@ def check_policy_options(name: str, factory: PolicyFactory, options: dict[str, A
                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        takes = ", ".join(accepted) if accepted else "no options"
+        takes = f"its options are {', '.join(accepted)}" if accepted else "it takes no options"
         raise ConfigError(f"the {name!r} scheduling policy has no option {unknown[0]!r} (in --scheduler-options / "
-                          f"scheduler_options); it takes: {takes}")
+                          f"scheduler_options); {takes}")
 
 
 def build_scheduler(plugin_manager: Any, scheduler_config: SchedulerConfig, cache_config: CacheConfig, kv_manager,

@@ -14,6 +14,7 @@ Each hook's docstring starts with when it is called and ends with its default; d
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
@@ -123,13 +124,25 @@ HOOKS = ("waiting_key", "running_key", "order_waiting", "order_running", "choose
          "on_step_executed", "on_request_finished")
 
 
+def _docstring(name: str) -> str:
+    return " ".join(getattr(SchedulingPolicy, name).__doc__.split())
+
+
 def hook_default(name: str) -> str:
-    """The documented default of hook ``name``: the last paragraph of its docstring after ``Default:``."""
-    doc = " ".join(getattr(SchedulingPolicy, name).__doc__.split())
-    return doc.rpartition("Default: ")[2]
+    """The documented default of hook ``name``: its docstring after ``Default:``."""
+    return _docstring(name).rpartition("Default: ")[2]
 
 
 def hook_when(name: str) -> str:
-    """When hook ``name`` is called: the first sentence(s) of its docstring after ``When:``."""
-    doc = " ".join(getattr(SchedulingPolicy, name).__doc__.split())
-    return doc.partition("When: ")[2].partition(" Default: ")[0]
+    """When hook ``name`` is called and what it answers: its docstring from ``When:`` to ``Default:``."""
+    return _docstring(name).partition("When: ")[2].partition(" Default: ")[0]
+
+
+def hooks_markdown() -> str:
+    """The table of docs/plugins.md listing every hook, when it is called and its default, from the docstrings
+    above (tests/test_scheduling_policy.py checks the page holds exactly this)."""
+    rows = ["| hook | when it is called, and what it answers | default (`fcfs`) |", "|---|---|---|"]
+    for name in HOOKS:
+        params = list(inspect.signature(getattr(SchedulingPolicy, name)).parameters)[1:]
+        rows.append(f"| `{name}({', '.join(params)})` | {hook_when(name)} | {hook_default(name)} |")
+    return "\n".join(rows).replace("``", "`") + "\n"
