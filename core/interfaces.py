@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sampling_params import StructuredOutputsParams
-    from pagoda.scheduling.policy import SchedulingPolicy
+    from pagoda.scheduling.scheduler import SchedulingPolicy
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, KVTierMoves, LoRABatch, RunnerOutput, SchedulerOutput
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls

@@ -1,4 +1,4 @@
-"""The scheduling policy hooks (pagoda.scheduling.policy): the table of docs/plugins.md is generated from their
+"""The scheduling policy hooks (pagoda.scheduling.SchedulingPolicy): the table of docs/plugins.md is generated from their
 docstrings, each documented default is what the base policy does, and a policy's options are checked by name."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from pagoda.errors import ConfigError
 from pagoda.scheduling import HOOKS, SchedulingPolicy, check_policy_options
-from pagoda.scheduling.policy import hook_default, hooks_markdown
+from pagoda.scheduling.hook_table import hook_default, hooks_markdown
 from pagoda.step import RunnerOutput, SchedulerOutput
 from scheduling_sim import SimRunner, make_request, make_scheduler, step
 
@@ -21,7 +21,7 @@ def test_the_guide_lists_every_hook_as_the_code_documents_it():
     section = re.search(r"<!-- hooks: .*? -->\n(.*?)<!-- end of hooks -->", GUIDE.read_text(), flags=re.S)
     assert section, "docs/plugins.md lost its generated hook table"
     assert section.group(1) == hooks_markdown(), ("docs/plugins.md's hook table differs from the hooks' docstrings: "
-                                                  "paste pagoda.scheduling.policy.hooks_markdown() between its markers")
+                                                  "paste pagoda.scheduling.hook_table.hooks_markdown() between its markers")
     assert set(HOOKS) == {name for name in vars(SchedulingPolicy) if not name.startswith("_")}
 
 

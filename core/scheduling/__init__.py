@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 from pagoda.config import CacheConfig, LoRAConfig, SchedulerConfig
 from pagoda.errors import ConfigError
-from pagoda.scheduling.policy import HOOKS, SchedulingPolicy
-from pagoda.scheduling.scheduler import PolicyFactory, Scheduler
+from pagoda.scheduling.hook_table import HOOKS
+from pagoda.scheduling.scheduler import PolicyFactory, Scheduler, SchedulingPolicy
 
 __all__ = ["HOOKS", "PolicyFactory", "Scheduler", "SchedulingPolicy", "build_scheduler", "check_policy_options"]
 

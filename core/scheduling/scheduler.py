@@ -1,4 +1,4 @@
-"""The token-budget scheduler: one per engine, calling its policy's hooks (:mod:`pagoda.scheduling.policy`).
+"""The token-budget scheduler, one per engine, and the hooks of the scheduling policy it calls.
 
 Each step spends ``max_num_batched_tokens`` in this order:
 
@@ -20,6 +20,14 @@ failed one. A step whose execution raises is undone by :meth:`Scheduler.rollback
 With steps in flight the engine builds the next one with :meth:`Scheduler.schedule_excluding`: the requests
 it names busy (those of steps in flight, and of the other steps' lanes) are passed over everywhere: not
 scheduled, admitted, swapped in, preempted or failed.
+
+A scheduling policy (the ``pagoda_schedulers`` component) is a :class:`SchedulingPolicy`: ``factory(scheduler,
+**options)`` returns one, usually a subclass overriding a few hooks; ``options`` are its own
+(``scheduler_options`` / ``--scheduler-options`` JSON), passed as keyword arguments. A policy only orders,
+chooses and filters: its hooks read the scheduler's public state and act only through ``scheduler.preempt``.
+Each hook's docstring says when it is called (``When:``) and ends with its default (``Default:``);
+docs/plugins.md lists them from these docstrings (:func:`pagoda.scheduling.hook_table.hooks_markdown`). The
+policy lives in this module with the scheduler so that a step's bookkeeping is one file.
 """
 
 from __future__ import annotations
@@ -31,15 +39,108 @@ from typing import Any, Callable, Container, Iterable, Optional
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.errors import SchedulingPolicyError
 from pagoda.kv.tiers import has_offload_tiers
-from pagoda.scheduling.admission import Admission
-from pagoda.scheduling.policy import SchedulingPolicy
 from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
+
+class SchedulingPolicy:
+    """The default policy (``fcfs``): arrival order, the newest running request preempted first, no arrival
+    preempts running work. A subclass overrides the hooks it needs; its ``__init__`` takes
+    ``(scheduler, **options)``, calls ``super().__init__(scheduler)`` and checks its options, raising
+    ``ValueError`` naming the option that is wrong."""
+
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self.scheduler = scheduler
+
+    # ---- order ---------------------------------------------------------------------------------
+
+    def waiting_key(self, request: "Sequence") -> Optional[Any]:
+        """When: each time a request joins the waiting queue (on arrival and after a preemption by recompute).
+        Returns its sort key: smaller keys are admitted first; the key must not change while the request waits
+        (an order that changes belongs in ``order_waiting``). A policy that returns keys orders preempted
+        requests too (``request.num_preemptions`` tells them apart).
+        Default: None, arrival order, with preempted requests resuming before anything new starts."""
+        return None
+
+    def running_key(self, request: "Sequence") -> Optional[Any]:
+        """When: each time a request joins the running or the swapped queue. Returns its sort key: the order
+        running requests get each step's budget and blocks, and swapped ones come back.
+        Default: None, arrival order, with decodes (one token each) served before prefill chunks, so a long
+        prompt never holds up the sequences already generating."""
+        return None
+
+    def order_waiting(self, waiting: list["Sequence"]) -> list["Sequence"]:
+        """When: once per step, before waiting requests are admitted, with the waiting queue in its current
+        order. Returns the same requests in the order to try them (the queue keeps that order); for orders that
+        change as the KV cache changes, which a key fixed on arrival cannot express.
+        Default: the queue as it is."""
+        return waiting
+
+    def order_running(self, running: list["Sequence"]) -> list["Sequence"]:
+        """When: once per step, before running requests get the budget, with the running requests that are not
+        busy, in the order ``running_key`` (or decodes first) gives. Returns the requests to serve this step, in
+        that order: a policy may reorder them and leave some out (they keep their blocks and wait a step).
+        Default: the order as given."""
+        return running
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def choose_victim(self, candidates: list["Sequence"]) -> "Sequence":
+        """When: a running request needs blocks and the pool is empty, once per preemption; ``candidates`` (never
+        empty) are the running requests neither scheduled in this step nor busy, in running order. Returns one
+        of them, which the scheduler preempts.
+        Default: the newest, ``candidates[-1]``."""
+        return candidates[-1]
+
+    def may_admit(self, request: "Sequence") -> bool:
+        """When: for every waiting request the step tries to start, in order, whether or not others are
+        swapped out. False ends this step's admissions (the requests behind it wait too).
+        Default: True while no request is swapped out (swapped requests come back first), else False."""
+        return not self.scheduler.swapped
+
+    def may_swap_in(self, request: "Sequence") -> bool:
+        """When: for every swapped-out request the step could bring back, in swapped order. False keeps it out
+        of this step; the ones behind it may still come back.
+        Default: True."""
+        return True
+
+    def preempt_for_arrivals(self, out: "SchedulerOutput") -> None:
+        """When: first in every step, before any request is scheduled. May preempt running requests in favour
+        of waiting ones with ``self.scheduler.preempt(request, out)``, never a busy one
+        (``self.scheduler.is_busy(request)``); ``self.scheduler.would_fit(request)`` says whether a waiting
+        request could start now.
+        Default: does nothing (no arrival preempts running work)."""
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def on_step_start(self) -> None:
+        """When: at the start of every ``schedule()``, before ``preempt_for_arrivals``.
+        Default: does nothing."""
+
+    def on_request_added(self, request: "Sequence") -> None:
+        """When: a request arrives, before it joins the waiting queue (so ``waiting_key`` may read what this
+        hook recorded).
+        Default: does nothing."""
+
+    def on_request_scheduled(self, request: "Sequence", num_new_tokens: int) -> None:
+        """When: a request is put in the step being built (running, swapped in or admitted), with the tokens it
+        computes in it. It must not change the request (only ``update()`` commits progress).
+        Default: does nothing."""
+
+    def on_step_executed(self, sched: "SchedulerOutput", result: "RunnerOutput") -> None:
+        """When: in ``update()``, with a step and the runner's result, before the step is committed (so a
+        request that ends in this step is still live here).
+        Default: does nothing."""
+
+    def on_request_finished(self, request: "Sequence") -> None:
+        """When: a request ends (stopped, length, aborted or failed), before its blocks are freed; once per
+        request.
+        Default: does nothing."""
+
 
 PolicyFactory = Callable[..., SchedulingPolicy]
 
 
-class Scheduler(Admission):
+class Scheduler:
     """Continuous batching with chunked prefill, preemption (recompute or swap) and n > 1 forking; the
     decisions of order, victim and admission are its policy's (``policy(self, **options)``).
 
@@ -249,6 +350,136 @@ class Scheduler(Admission):
         out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts)
         self._scheduled_now[req.request_id] = num_new
         self.policy.on_request_scheduled(req, num_new)
+
+    # ---- admission and sizing -----------------------------------------------------------------------
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Start waiting requests in the order the policy's ``order_waiting`` gives, while the budget,
+        ``max_num_seqs`` and the KV pool allow and the policy's ``may_admit`` agrees: a prefix-cache hit is
+        shared, not recomputed, and a sequence of an ``n > 1`` request shares the prompt blocks its sibling (the
+        prompt leader) computed. A request preempted in this step ends the admissions (its reset is not
+        committed)."""
+        now = time.monotonic()
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[idx]
+            if req.request_id in self._busy:
+                idx += 1  # another step's, in flight or next
+                continue
+            if req.request_id in self._preempted_now or not self.policy.may_admit(req):
+                break
+            if not self._fits_lora_slots(req):
+                idx += 1  # its adapter would be one too many this step: it waits for a running one to finish
+                continue
+            leader = self._prompt_leader(req)
+            if leader is not None and leader.num_computed_tokens < req.num_prompt_tokens - 1:
+                idx += 1  # its sibling is still computing the shared prompt: join once that is done
+                continue
+            if leader is not None:
+                start = num_new = self._fork_from(leader, req)
+                if num_new == 0:
+                    break
+                num_new = 1
+            else:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+                num_new = self._num_new_tokens(req, budget, num_cached)
+                if num_new == 0:
+                    break
+                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                    if not self.running:
+                        # the whole pool is free and still too small: waiting would never end
+                        self._fail_unfittable(req, out)
+                        continue
+                    break
+                start = num_cached
+                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+                if req.sampling_params.n > 1 and req.num_output_tokens == 0:
+                    self._prompt_leaders.setdefault(req.parent_id, req)
+            self.waiting.pop(idx)
+            req.status = SequenceStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+            self._insert(self.running, req, self.policy.running_key)
+            self._add_to_output(out, req, num_new, start)
+            budget -= num_new
+
+    def _fits_lora_slots(self, req: Sequence) -> bool:
+        """Whether ``req`` may run beside the running requests without their LoRA adapters exceeding
+        ``max_loras`` (a base-model request always may)."""
+        lora = req.lora_request
+        if lora is None or not self.max_loras:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora.lora_int_id in running or len(running) < self.max_loras
+
+    def _prompt_leader(self, req: Sequence) -> Optional[Sequence]:
+        """The running sibling whose prompt blocks ``req`` (one of ``n`` sequences) can share."""
+        params = req.sampling_params
+        if params.n <= 1 or params.prompt_logprobs is not None or req.num_output_tokens or req.num_prompt_tokens < 2:
+            return None  # (prompt logprobs need every prompt position computed)
+        leader = self._prompt_leaders.get(req.parent_id)
+        if leader is None or leader is req or leader.status != SequenceStatus.RUNNING:
+            self._prompt_leaders.pop(req.parent_id, None)
+            return None
+        return leader
+
+    def _forget_leader(self, req: Sequence) -> None:
+        """``req`` lost its blocks: no sibling forks from it any more."""
+        if self._prompt_leaders.get(req.parent_id) is req:
+            del self._prompt_leaders[req.parent_id]
+
+    def _fork_from(self, leader: Sequence, req: Sequence) -> int:
+        """Share the leader's prompt blocks and make room for the last prompt token, which this sequence
+        computes for its own first sample. Returns the tokens shared (the position it computes from),
+        0 if the pool is short."""
+        num_shared = req.num_prompt_tokens - 1
+        self.kv.fork(leader, req, num_shared)
+        if not self.kv.allocate_slots(req, 1):
+            self.kv.free(req)
+            return 0
+        return num_shared
+
+    def _num_draft_slots(self, req: Sequence, budget: int) -> int:
+        """Draft slots for a decoding request: ``num_speculative_tokens`` when its sampling allows
+        speculation, within its ``max_tokens``, the budget and ``max_model_len``, and only if the blocks
+        are free now (drafts never cost a preemption)."""
+        if not req.may_speculate():
+            return 0
+        k = min(self.num_speculative_tokens, budget, self.max_model_len - req.num_tokens)
+        if req.sampling_params.max_tokens is not None:
+            k = min(k, req.sampling_params.max_tokens - req.num_output_tokens - 1)  # no drafts past the last token
+        if k <= 0 or self._outgrows_cache(req, 1 + k) or not self.kv.can_allocate(req, 1 + k):
+            return 0
+        return k
+
+    def _outgrows_cache(self, req: Sequence, num_new: int) -> bool:
+        return self.kv.blocks_needed(req.num_computed_tokens + num_new) > self.kv.num_blocks
+
+    def _fail_unfittable(self, req: Sequence, out: SchedulerOutput) -> None:
+        """Take a request the whole cache cannot hold out of its queue and give back its blocks (the rest of
+        the step may use them); ``update`` ends it with the error."""
+        need = self.kv.blocks_needed(max(req.num_tokens, req.num_computed_tokens + 1))
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
+        self.kv.free(req)
+        self._forget_leader(req)
+        out.failed.append((req, (
+            f"request {req.request_id} needs {need} KV blocks for its {req.num_tokens} tokens but the whole cache "
+            f"has {self.kv.num_blocks}; raise --kv-cache-memory-bytes (or --num-gpu-blocks-override) or shorten "
+            "the prompt / max_tokens")))
+
+    def _num_new_tokens(self, req: Sequence, budget: int, num_computed: Optional[int] = None) -> int:
+        """Tokens to compute this step: all that remain, or a chunk of them with chunked prefill
+        (at most the budget and ``long_prefill_token_threshold``); 0 if a whole prompt does not fit."""
+        remaining = req.num_tokens - (req.num_computed_tokens if num_computed is None else num_computed)
+        if not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        num_new = min(remaining, budget)
+        if self.long_prefill_token_threshold:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return num_new
 
     # ---- queue order -------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from pagoda import interfaces
 from pagoda.registry.plugin_manager import PluginManager
-from pagoda.scheduling.policy import SchedulingPolicy
+from pagoda.scheduling import SchedulingPolicy
 from pagoda.testing.contract import ContractError
 
 _PROTOCOL_INTERNALS = set(dir(typing.Protocol)) | {"__protocol_attrs__", "__non_callable_proto_members__",
