@@ -42,6 +42,7 @@ from pagoda.kv.tiers import has_offload_tiers
 from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
+
 class SchedulingPolicy:
     """The default policy (``fcfs``): arrival order, the newest running request preempted first, no arrival
     preempts running work. A subclass overrides the hooks it needs; its ``__init__`` takes

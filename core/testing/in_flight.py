@@ -85,7 +85,7 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             raise at.fail("schedule_excluding()", f"the step touched busy requests {sorted(_touched(sched) & busy)}",
                           "a busy sequence (in a step in flight, or another lane's) is neither scheduled, admitted, "
                           "swapped, preempted nor failed", "the scheduler's schedule_excluding() (or a policy "
-                          "method that picks requests without self.is_busy())")
+                          "hook that picks requests without self.scheduler.is_busy())")
         if sched.requests:
             in_flight.append((sched, _execute(runner, sched, at), []))
         else:  # no step to keep in flight: its block moves (a swap-out) run now, its decisions commit now
