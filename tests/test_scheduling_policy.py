@@ -120,3 +120,22 @@ def test_scheduler_options_is_a_json_flag_of_every_engine_command():
     add_engine_args(parser)
     ns = parser.parse_args(["--scheduling-policy", "fair", "--scheduler-options", '{"step_ms": 100}'])
     assert engine_args_from(ns).scheduler_options == {"step_ms": 100}
+
+
+def test_no_built_in_or_contrib_policy_uses_a_private_name_of_pagoda():
+    """A policy uses its own private helpers (``self._x``) and pagoda's public names only."""
+    import ast
+
+    repo = Path(__file__).resolve().parent.parent
+    files = [*(repo / "plugins" / "schedulers").glob("*.py"), *(repo / "contrib").glob("pagoda-*/pagoda_*/*.py")]
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                    found.append(f"{path.relative_to(repo)}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagoda"):
+                found += [f"{path.relative_to(repo)}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("_")]
+    assert len(files) >= 6 and not found, found
