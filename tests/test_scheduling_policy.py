@@ -139,3 +139,36 @@ def test_no_built_in_or_contrib_policy_uses_a_private_name_of_pagoda():
                 found += [f"{path.relative_to(repo)}:{node.lineno} imports {a.name}" for a in node.names
                           if a.name.startswith("_")]
     assert len(files) >= 6 and not found, found
+
+
+class WholeScheduler:
+    """A scheduler written for the plugin API before policies: a whole scheduler, not a policy."""
+
+    def __init__(self, scheduler_config, cache_config, kv_manager):
+        self.kv = kv_manager
+
+
+class NoHooks:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+
+def test_a_factory_that_is_not_a_policy_is_refused_saying_what_a_policy_is():
+    from pagoda.config import CacheConfig, SchedulerConfig
+    from pagoda.errors import SchedulingPolicyError
+    from pagoda.kv.blocks import PagedKVCacheManager
+    from pagoda.scheduling import Scheduler, build_scheduler
+
+    class OnePlugin:
+        def get(self, hook, name, option):
+            return type("Component", (), {"factory": WholeScheduler})
+
+    sched_cfg = SchedulerConfig("whole", 4, 64, 256, True, 0, None)
+    cache_cfg = CacheConfig(4, 0, "auto", False, 16, 0, "recompute", "paged")
+    with pytest.raises(ConfigError, match=r"the 'whole' scheduling policy could not be built as factory\(scheduler, "
+                                          r"\*\*options\) \(.*\); a pagoda_schedulers component is a scheduling "
+                                          r"policy, pagoda.scheduling.SchedulingPolicy"):
+        build_scheduler(OnePlugin(), sched_cfg, cache_cfg, PagedKVCacheManager(16, 4, False))
+    with pytest.raises(SchedulingPolicyError, match=r"'NoHooks' built a NoHooks, which lacks the scheduling policy "
+                                                    r"hooks \['waiting_key', .*subclass it"):
+        Scheduler(sched_cfg, cache_cfg, PagedKVCacheManager(16, 4, False), NoHooks)

@@ -9,8 +9,7 @@ from typing import Any, Optional
 
 from pagoda.config import CacheConfig, LoRAConfig, SchedulerConfig
 from pagoda.errors import ConfigError
-from pagoda.scheduling.hook_table import HOOKS
-from pagoda.scheduling.scheduler import PolicyFactory, Scheduler, SchedulingPolicy
+from pagoda.scheduling.scheduler import HOOKS, PolicyFactory, Scheduler, SchedulingPolicy
 
 __all__ = ["HOOKS", "PolicyFactory", "Scheduler", "SchedulingPolicy", "build_scheduler", "check_policy_options"]
 
@@ -45,5 +44,9 @@ def build_scheduler(plugin_manager: Any, scheduler_config: SchedulerConfig, cach
                          max_loras=lora_config.max_loras if lora_config is not None else 0)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         raise ConfigError(f"the {name!r} scheduling policy refused its options {options}: {exc}") from None
+    except TypeError as exc:
+        raise ConfigError(f"the {name!r} scheduling policy could not be built as factory(scheduler, **options) "
+                          f"({exc}); a pagoda_schedulers component is a scheduling policy, "
+                          "pagoda.scheduling.SchedulingPolicy (see docs/plugins.md)") from None

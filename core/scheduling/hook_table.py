@@ -6,13 +6,7 @@ from __future__ import annotations
 
 import inspect
 
-from pagoda.scheduling.scheduler import SchedulingPolicy
-
-# every hook, in the order docs/plugins.md lists them
-HOOKS = ("waiting_key", "running_key", "order_waiting", "order_running", "choose_victim", "may_admit",
-         "may_swap_in", "preempt_for_arrivals", "on_step_start", "on_request_added", "on_request_scheduled",
-         "on_step_executed", "on_request_finished")
-
+from pagoda.scheduling.scheduler import HOOKS, SchedulingPolicy
 
 def _docstring(name: str) -> str:
     return " ".join(getattr(SchedulingPolicy, name).__doc__.split())

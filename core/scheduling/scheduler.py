@@ -138,6 +138,11 @@ class SchedulingPolicy:
         Default: does nothing."""
 
 
+# every hook, in the order docs/plugins.md lists them
+HOOKS = ("waiting_key", "running_key", "order_waiting", "order_running", "choose_victim", "may_admit",
+         "may_swap_in", "preempt_for_arrivals", "on_step_start", "on_request_added", "on_request_scheduled",
+         "on_step_executed", "on_request_finished")
+
 PolicyFactory = Callable[..., SchedulingPolicy]
 
 
@@ -180,6 +185,12 @@ class Scheduler:
         # the step being built leaves these request ids alone (schedule_excluding: steps still in flight)
         self._busy: Container[str] = ()
         self.policy = policy(self, **(options or {}))
+        missing = [hook for hook in HOOKS if not callable(getattr(self.policy, hook, None))]
+        if missing:
+            raise SchedulingPolicyError(
+                f"{getattr(policy, '__name__', policy)!r} built a {type(self.policy).__name__}, which lacks the "
+                f"scheduling policy hooks {missing}; a pagoda_schedulers component returns a "
+                "pagoda.scheduling.SchedulingPolicy (subclass it: the hooks you leave out keep their defaults)")
 
     # ---- what a policy may ask and do --------------------------------------------------------------
 
