@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pagoda.engine.engine_args import EngineArgs
 
 # flags whose values are JSON objects on the command line
-_JSON_FLAGS = {"speculative_config"}
+_JSON_FLAGS = {"speculative_config", "scheduler_options"}
 # flags that take one or more values
 _LIST_FLAGS = {"lora_modules"}
 
@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif name in _LIST_FLAGS:
             group.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
         elif name in _JSON_FLAGS:
-            group.add_argument(flag, dest=name, type=json.loads, default=None, help="JSON object")
+            group.add_argument(flag, dest=name, type=json.loads, default=None, help=field.description or "JSON object")
         elif base in (int, float):
             group.add_argument(flag, dest=name, type=base, default=None, help=help_text)
         else:

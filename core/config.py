@@ -83,18 +83,10 @@ class SchedulerConfig:
     max_waiting_tokens: Optional[int] = None
     # draft slots a decoding request may get per step (speculative decoding; 0 = off)
     num_speculative_tokens: int = 0
-    # the ``fair`` policy's tenant weights: (tenant, weight) pairs; a tenant not listed weighs 1
-    tenant_weights: tuple[tuple[str, float], ...] = ()
     # sequences one tenant may have waiting to start (the server answers that tenant 503 beyond it; None: no bound)
     max_waiting_per_tenant: Optional[int] = None
-    # the ``fair`` policy: while more than one tenant is active, the most sequences one step runs, split between
-    # the tenants by weight (each active tenant at least one); 0: no such bound
-    fair_step_seqs: int = 0
-    # the ``fair`` policy: while no light tenant is active (one tenant alone, or heavy tenants together), the
-    # milliseconds a step may take, at the measured seconds per decoding sequence; 0: no such bound
-    fair_step_ms: float = 0.0
-    # LoRA: the most distinct adapters the running requests may use at once (0: LoRA is off)
-    max_loras: int = 0
+    # the policy's own options (``scheduler_options``), passed to its factory as keyword arguments
+    policy_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

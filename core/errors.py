@@ -39,3 +39,9 @@ class StepFailedError(PagodaError, RuntimeError):
     def __init__(self, message: str, request_ids: list[str]) -> None:
         super().__init__(message)
         self.request_ids = request_ids
+
+
+class SchedulingPolicyError(PagodaError, RuntimeError):
+    """A scheduling policy broke a rule of the scheduler that calls it (it preempted a request in a step still
+    in flight, returned a victim or an order the scheduler cannot use). The message names the policy, the hook
+    and the rule."""

@@ -87,9 +87,11 @@ def pagoda_kv_allocators(plugin_manager: "PluginManager") -> Mapping[str, "KVAll
 def pagoda_schedulers(plugin_manager: "PluginManager") -> Mapping[str, "SchedulerFactory"]:
     """Return ``{name: factory}`` of scheduling policies.
 
-    ``factory(scheduler_config, cache_config, kv_manager)`` returns a
-    :class:`pagoda.interfaces.Scheduler`. Selected by ``scheduling_policy``
-    (built-ins: ``fcfs``, ``priority``). Called once at start-up.
+    ``factory(scheduler, **options)`` returns a
+    :class:`pagoda.scheduling.SchedulingPolicy`, whose hooks pagoda's one
+    scheduler (``scheduler``) calls; ``options`` come from ``scheduler_options``
+    (``--scheduler-options`` JSON). Selected by ``scheduling_policy``
+    (built-ins: ``fcfs``, ``priority``, ``fair``). Called once at start-up.
     """
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sampling.sampler import SamplerOutput
     from pagoda.sampling_params import StructuredOutputsParams
+    from pagoda.scheduling.scheduler import SchedulingPolicy
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, KVTierMoves, LoRABatch, RunnerOutput, SchedulerOutput
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
@@ -216,8 +217,9 @@ def has_offload_tiers(kv_manager: Any) -> bool:
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """``pagoda_schedulers``: which sequences run each step and how many tokens each, and the one writer
-    of their progress.
+    """What the engine calls on its scheduler, :class:`pagoda.scheduling.Scheduler` (core, not a plugin kind: a
+    ``pagoda_schedulers`` plugin supplies its policy, :class:`pagoda.scheduling.SchedulingPolicy`): which
+    sequences run each step and how many tokens each, and the one writer of their progress.
 
     Invariants: a step's ``SchedulerOutput`` never exceeds ``max_num_batched_tokens`` tokens nor
     ``max_num_seqs`` running sequences; a sequence appears in a step at most once; ``schedule`` decides
@@ -255,8 +257,7 @@ class Scheduler(Protocol):
         id is in ``busy``: none of them is scheduled, admitted, swapped, preempted or failed, and their blocks
         stay as they are. Under pipeline parallelism the engine keeps steps in flight and calls this with the
         sequences of those steps (and of the other steps' share of the work) busy; each step is then updated,
-        in the order scheduled, with :meth:`update` as usual. Optional: None, and the engine runs one step at a
-        time."""
+        in the order scheduled, with :meth:`update` as usual."""
 
     def update(self, sched: "SchedulerOutput", result: "RunnerOutput") -> list["Sequence"]:
         """Commit the step, the only place a sequence's progress moves: its computed tokens (the
@@ -277,8 +278,7 @@ class Scheduler(Protocol):
 
     def fail(self, request: "Sequence", error: str) -> None:
         """End a sequence for an error (``request.error``: what was wrong and how to fix it) through
-        :meth:`finish` with ``FINISHED_ERROR``; the engine ends failed sequences only through this.
-        Optional: a scheduler without it gets exactly that."""
+        :meth:`finish` with ``FINISHED_ERROR``; the engine ends failed sequences only through this."""
 
     def abort_requests(self, request_ids: Iterable[str]) -> list["Sequence"]: ...
 
@@ -589,8 +589,12 @@ class KVAllocatorFactory(Protocol):
 
 
 class SchedulerFactory(Protocol):
-    def __call__(self, scheduler_config: "SchedulerConfig", cache_config: "CacheConfig",
-                 kv_manager: KVCacheManager) -> Scheduler: ...
+    """A ``pagoda_schedulers`` component: ``factory(scheduler, **options)`` returns the policy whose hooks
+    ``scheduler`` calls (a :class:`pagoda.scheduling.SchedulingPolicy`; its hooks, when each is called and its
+    default are documented there); ``options`` are ``scheduler_options``. A ``ValueError`` from it names the
+    option that is wrong."""
+
+    def __call__(self, scheduler: Scheduler, **options: Any) -> "SchedulingPolicy": ...
 
 
 class AttentionBackendFactory(Protocol):

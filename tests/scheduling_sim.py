@@ -7,25 +7,28 @@ from typing import Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv.blocks import PagedKVCacheManager, hash_block
-from pagoda.plugins.schedulers.base import FCFSScheduler
-from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.plugins.schedulers.fair import FairPolicy
+from pagoda.plugins.schedulers.fcfs import FCFSPolicy
+from pagoda.plugins.schedulers.priority import PriorityPolicy
 from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling import Scheduler
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 from pagoda.testing import SimRunner, expected_output, next_token  # noqa: F401 - used by the tests
 
-POLICIES = {"fcfs": FCFSScheduler, "priority": PriorityScheduler}
+POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "fair": FairPolicy}
 
 
 def make_scheduler(policy: str = "fcfs", num_blocks: int = 64, block_size: int = 4, budget: int = 32,
                    max_num_seqs: int = 8, chunked: bool = True, long_prefill_token_threshold: int = 0,
                    prefix_caching: bool = True, preemption_mode: str = "recompute", num_swap_blocks: int = 0,
-                   max_model_len: int = 8192):
+                   max_model_len: int = 8192, policy_cls=None, **options) -> Scheduler:
+    """The scheduler with the policy named ``policy`` (or the class ``policy_cls``) and its ``options``."""
     sched_cfg = SchedulerConfig(policy, max_num_seqs, budget, max_model_len, chunked, long_prefill_token_threshold,
                                 None)
     cache_cfg = CacheConfig(block_size, 0, "auto", prefix_caching, num_blocks, 0, preemption_mode, "paged")
     kv = PagedKVCacheManager(num_blocks, block_size, prefix_caching, num_swap_blocks)
-    return POLICIES[policy](sched_cfg, cache_cfg, kv)
+    return Scheduler(sched_cfg, cache_cfg, kv, policy_cls or POLICIES[policy], options)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,

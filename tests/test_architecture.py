@@ -18,7 +18,7 @@ import pagoda
 REPO = Path(__file__).resolve().parent.parent
 TREES = ((REPO / "core", "pagoda"), (REPO / "plugins", "pagoda.plugins"))
 
-CORE_PACKAGES = ("engine", "registry", "kv", "execution", "modeling", "sampling", "host", "testing")
+CORE_PACKAGES = ("engine", "registry", "kv", "execution", "modeling", "sampling", "host", "testing", "scheduling")
 ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_parsers")
 # the modules at the top of pagoda: the public API (users' and plugins'), all importing only each other
 # and the host layer; base ones import nothing of pagoda's
@@ -34,12 +34,14 @@ ALLOWED: dict[str, set[str]] = {
     "host": {"base"},
     "registry": {"base", "top", "host"},
     "kv": {"base", "top", "host", "registry"},
+    "scheduling": {"base", "top", "kv"},
     "sampling": {"base", "top", "host", "registry"},
     "execution": {"base", "top", "host", "registry", "kv", "sampling"},
     "modeling": {"base", "top", "host", "registry", "execution"},
-    "engine": {"base", "top", "host", "registry", "kv", "sampling", "execution", "modeling"},
+    "engine": {"base", "top", "host", "registry", "kv", "sampling", "execution", "modeling", "scheduling"},
     "cli": {"base", "top", "host", "registry", "engine"},
-    "testing": {"base", "top", "host", "registry", "kv", "sampling", "execution", "modeling", "engine"},
+    "testing": {"base", "top", "host", "registry", "kv", "sampling", "execution", "modeling", "engine",
+                "scheduling"},
 }
 CORE_UNITS = set(ALLOWED) - {"testing"}
 PLUGIN_KINDS = ("schedulers", "attention", "quant", "spec_decode", "entrypoints")
@@ -149,7 +151,7 @@ def test_every_package_imports_only_what_the_rules_allow():
     ("pagoda.engine.llm_engine", "from pagoda.plugins.entrypoints.server import routes\n",
      "core never imports a plugin"),
     ("pagoda.kv.blocks", "def f():\n    from pagoda.engine.llm_engine import LLMEngine\n", "kv may import only"),
-    ("pagoda.plugins.schedulers.base", "from pagoda.plugins.quant import base\n",
+    ("pagoda.plugins.schedulers.fair", "from pagoda.plugins.quant import base\n",
      "a plugin kind does not import another"),
     ("pagoda.host.threads", "from pagoda.config import EngineConfig\n", "host may import only base"),
 ])

@@ -13,8 +13,8 @@ import torch
 from pagoda import hookimpl
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
-from pagoda.plugins.schedulers.base import FCFSScheduler
-from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.plugins.schedulers.fcfs import FCFSPolicy
+from pagoda.plugins.schedulers.priority import PriorityPolicy, priority_key
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling.sampler import Sampler, SamplerOutput
 from pagoda.sequence import SequenceStatus
@@ -29,9 +29,9 @@ def paged(cache_config, num_blocks):
     return PagedKVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
 
 
-@pytest.mark.parametrize("scheduler", [FCFSScheduler, PriorityScheduler])
-def test_the_built_in_schedulers_meet_the_contract(scheduler):
-    check_scheduler(scheduler)
+@pytest.mark.parametrize("policy", [FCFSPolicy, PriorityPolicy])
+def test_the_built_in_policies_meet_the_contract(policy):
+    check_scheduler(policy)
 
 
 def test_the_paged_allocator_meets_the_contract():
@@ -41,46 +41,12 @@ def test_the_paged_allocator_meets_the_contract():
 # ---- broken plugins the kit must catch ---------------------------------------------------------------
 
 
-class OverBudgetScheduler(FCFSScheduler):
-    """Gives the first prefill chunk of each step a few tokens more than the budget allows."""
+class EagerPolicy(FCFSPolicy):
+    """Advances progress as soon as a request is scheduled, before anything ran (what a step that fails cannot
+    undo)."""
 
-    def __init__(self, scheduler_config, cache_config, kv_manager):
-        super().__init__(scheduler_config, cache_config, kv_manager)
-        self.max_num_batched_tokens += 5
-
-
-class EagerScheduler(FCFSScheduler):
-    """Advances progress at schedule time, before anything ran (what a step that fails cannot undo)."""
-
-    def schedule(self):
-        out = super().schedule()
-        for req, n in zip(out.requests, out.num_new_tokens):
-            req.num_computed_tokens += n
-        return out
-
-
-class AdmitsWithProgressScheduler(FCFSScheduler):
-    """Moves each admitted request's computed tokens to its prefix-cache hit inside schedule(), as the
-    built-in scheduler once did: the step's start position is right, so only a check made around
-    schedule() itself (not one against the SchedulerOutput it returns) sees the write."""
-
-    def schedule(self):
-        out = super().schedule()
-        for req, start in zip(out.requests, out.num_computed_before):
-            req.num_computed_tokens = start
-        return out
-
-
-class ForgetfulScheduler(FCFSScheduler):
-    """Never frees the blocks of a finished sequence."""
-
-    def finish(self, req, status):
-        kv_free = self.kv.free
-        self.kv.free = lambda request: None
-        try:
-            super().finish(req, status)
-        finally:
-            self.kv.free = kv_free
+    def on_request_scheduled(self, request, num_new_tokens):
+        request.num_computed_tokens += num_new_tokens
 
 
 class DoubleFreeAllocator(PagedKVCacheManager):
@@ -101,7 +67,7 @@ def double_free(cache_config, num_blocks):
     return DoubleFreeAllocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
 
 
-class EarliestDeadlineFirst(PriorityScheduler):
+class EarliestDeadlineFirst(PriorityPolicy):
     """A deadline policy (the priority is the deadline) whose planted bugs the tests below switch on."""
 
 
@@ -109,34 +75,56 @@ class VictimOutsideCandidates(EarliestDeadlineFirst):
     """Picks the victim among all running requests, scheduled this step or not, and by the wrong end."""
 
     def choose_victim(self, candidates):
-        return min(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return min(self.scheduler.running, key=lambda r: (r.priority, r.arrival_time))
 
 
 class PreemptsByHand(EarliestDeadlineFirst):
     """Makes room for an urgent arrival by moving the latest-deadline running request back by hand."""
 
     def preempt_for_arrivals(self, out):
-        if self.waiting and self.running and self.waiting[0].priority < self.running[-1].priority:
-            victim = self.running.pop()
-            self.kv.free(victim)
+        s = self.scheduler
+        if s.waiting and s.running and s.waiting[0].priority < s.running[-1].priority:
+            victim = s.running.pop()
+            s.kv.free(victim)
             victim.num_computed_tokens = 0
             victim.status = SequenceStatus.PREEMPTED
-            self.waiting.insert(0, victim)
+            s.waiting.insert(0, victim)
 
 
-class AgingKey(FCFSScheduler):
+class PreemptsBusy(EarliestDeadlineFirst):
+    """``priority``'s preemption for arrivals without its is_busy() check: right one step at a time, wrong with
+    steps in flight."""
+
+    def preempt_for_arrivals(self, out):
+        s = self.scheduler
+        head = next(iter(s.waiting), None)
+        if head is None or s.would_fit(head):
+            return
+        for victim in [r for r in s.running if priority_key(r) > priority_key(head)][::-1]:
+            s.preempt(victim, out)
+            if s.would_fit(head):
+                return
+
+
+class AgingKey(FCFSPolicy):
     """Ages waiting requests: a key that changes while its request waits."""
 
-    def __init__(self, scheduler_config, cache_config, kv_manager):
-        super().__init__(scheduler_config, cache_config, kv_manager)
+    def __init__(self, scheduler):
+        super().__init__(scheduler)
         self.num_steps = 0
 
-    def schedule(self):
+    def on_step_start(self):
         self.num_steps += 1
-        return super().schedule()
 
     def waiting_key(self, request):
         return (request.priority - self.num_steps, request.arrival_time)
+
+
+class NeverAdmits(FCFSPolicy):
+    """Reads the default of may_admit as "no": nothing ever starts."""
+
+    def may_admit(self, request):
+        return False
 
 
 class RefreeingAllocator(DoubleFreeAllocator):
@@ -148,23 +136,27 @@ def refreeing(cache_config, num_blocks):
 
 
 WHERE = (r"seed \d+, (step|operation) \d+, in [^:]+: .+\. Rule broken: .+\. Most likely at fault: (the "
-         r"scheduler's|the KV allocator's) \w+\(\)")
+         r"scheduler's|the policy's|the KV allocator's) \w+\(\)")
 
 
 @pytest.mark.parametrize("broken, message", [
-    (OverBudgetScheduler, r"batches \d+ tokens, over max_num_batched_tokens=16"),
-    (EagerScheduler, r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens 0 -> \d+.*only update\(\)"),
-    (AdmitsWithProgressScheduler, r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens 0 -> \d+"),
-    (ForgetfulScheduler, r"in update\(\): p\d+-\d finished \(length\) in this step but still holds blocks "
-                         r"\[.*\]\. Rule broken: a finished sequence gives back its blocks at once"),
+    (EagerPolicy, r"in schedule\(\): schedule\(\) wrote p\d+-\d's progress: num_computed_tokens \d+ -> \d+.*only "
+                  r"update\(\).* at fault: the policy's on_request_scheduled\(\)"),
     (VictimOutsideCandidates, r"in schedule\(\), its call of choose_victim\(\): choose_victim returned p\d+-\d, "
-                              r"which is not one of its \d+ candidates .* at fault: the scheduler's choose_victim\(\)"),
+                              r"which is not one of its \d+ candidates .* at fault: the policy's choose_victim\(\)"),
     # (preempting by hand resets the victim's progress inside schedule(): whichever check sees it first names it)
     (PreemptsByHand, r"in schedule\(\): (p\d+-\d left the running queue \(now preempted\) without a call of "
                      r"preempt\(\)\. Rule broken: a running request is preempted only through preempt\(\)|"
                      r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens \d+ -> 0)"),
     (AgingKey, r"in waiting_key\(\): waiting_key\(p\d+-\d\) was \(.*\) when it joined the waiting queue and is "
                r"\(.*\) now, while it still waits\. Rule broken: a key does not change while its request is queued"),
+    (NeverAdmits, r"in the request stream: p\d+-\d arrived at step \d+ and is still waiting \d+ steps later\. Rule "
+                  r"broken: liveness: every request finishes within \d+ steps of its arrival\. Most likely at "
+                  r"fault: the policy's may_admit\(\)"),
+    (PreemptsBusy, r"two steps in flight\), seed 0, step \d+, in schedule_excluding\(\): the PreemptsBusy policy "
+                   r"preempted p\d+-\d, which is in a step still in flight.*Rule broken: a busy request \(in a step "
+                   r"still in flight\) is never preempted\. Most likely at fault: the policy's "
+                   r"preempt_for_arrivals\(\)"),
 ])
 def test_a_broken_scheduler_is_caught_with_what_broke_where_and_whose_fault(broken, message):
     with pytest.raises(ContractError, match=message) as info:
@@ -175,10 +167,9 @@ def test_a_broken_scheduler_is_caught_with_what_broke_where_and_whose_fault(brok
 def test_the_scheduler_streams_carry_priorities_and_deadlines():
     seen = []
 
-    class Recording(FCFSScheduler):
-        def add_request(self, request):
+    class Recording(FCFSPolicy):
+        def on_request_added(self, request):
             seen.append(request.priority)
-            super().add_request(request)
 
     check_scheduler(Recording, seeds=1)
     assert {0, 1, 2} <= set(seen) and max(seen) > 10 and len(set(seen)) > 10
@@ -188,7 +179,7 @@ def test_a_double_free_in_a_scheduler_stream_is_reported_as_a_double_free_of_fre
     with pytest.raises(ContractError, match=r"seed 0, step \d+, in the KV allocator's free\('p\d+-\d'\): a double "
                                             r"free: free\('p\d+-\d'\), which held no blocks \(already freed\), put "
                                             r"\d+ blocks back .* at fault: the KV allocator's free\(\)"):
-        check_scheduler(FCFSScheduler, allocator=refreeing, seeds=1)
+        check_scheduler(FCFSPolicy, allocator=refreeing, seeds=1)
 
 
 def test_an_allocator_that_gives_blocks_back_twice_is_caught_as_a_double_free():
@@ -222,18 +213,17 @@ def test_an_allocator_whose_free_of_an_unknown_id_raises_is_caught():
 # ---- strict contracts --------------------------------------------------------------------------------
 
 
-class PeekingScheduler(FCFSScheduler):
+class PeekingPolicy(FCFSPolicy):
     """Reads its allocator's private free queue: works with the paged allocator today, breaks tomorrow."""
 
-    def schedule(self):
-        self.num_free_seen = len(self.kv._free)
-        return super().schedule()
+    def on_step_start(self):
+        self.num_free_seen = len(self.scheduler.kv._free)
 
 
 class PeekingPlugin:
     @hookimpl
     def pagoda_schedulers(self):
-        return {"peeking": PeekingScheduler}
+        return {"peeking": PeekingPolicy}
 
 
 def test_strict_contracts_name_an_attribute_a_plugin_uses_outside_a_protocol():
@@ -449,21 +439,20 @@ def test_a_quant_method_that_drops_a_zero_point_is_caught():
 # ---- the pytest plugin -------------------------------------------------------------------------------
 
 PLUGIN_USER_TESTS = '''
-from pagoda.plugins.schedulers.base import FCFSScheduler
+from pagoda.scheduling import SchedulingPolicy
 
 
-class OverBudget(FCFSScheduler):
-    def __init__(self, scheduler_config, cache_config, kv_manager):
-        super().__init__(scheduler_config, cache_config, kv_manager)
-        self.max_num_batched_tokens += 5
+class NeverAdmits(SchedulingPolicy):
+    def may_admit(self, request):
+        return False
 
 
 def test_fcfs(pagoda_conformance):
-    pagoda_conformance.check_scheduler(FCFSScheduler)
+    pagoda_conformance.check_scheduler(SchedulingPolicy)
 
 
-def test_over_budget(pagoda_conformance):
-    pagoda_conformance.check_scheduler(OverBudget)
+def test_never_admits(pagoda_conformance):
+    pagoda_conformance.check_scheduler(NeverAdmits)
 '''
 
 
@@ -484,6 +473,6 @@ def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
                 proc.kill()
                 proc.wait()
     assert "1 failed, 1 passed" in out, out
-    assert "ContractError" in out and "max_num_batched_tokens" in out, out
+    assert "ContractError" in out and "liveness: every request finishes" in out, out
     assert f"plugin API {PLUGIN_API_VERSION}" in header
     assert all(f"{name} -- " in header or f"{name} [" in header for name in ("pagoda_conformance", "pagoda_strict_llm"))

@@ -18,6 +18,7 @@ import pytest
 from pagoda import LLM, SamplingParams, hookimpl, interfaces
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.registry.plugin_manager import PluginManager
+from pagoda.scheduling import SchedulingPolicy
 from pagoda.testing.strict import ExecutorProxy, Proxy, QuantProxy
 
 
@@ -54,8 +55,8 @@ class ContractChecked:
 
     @hookimpl
     def pagoda_schedulers(self):
-        return {**self._wrap("pagoda_schedulers", "fcfs", interfaces.Scheduler),
-                **self._wrap("pagoda_schedulers", "priority", interfaces.Scheduler)}
+        return {**self._wrap("pagoda_schedulers", "fcfs", SchedulingPolicy),
+                **self._wrap("pagoda_schedulers", "priority", SchedulingPolicy)}
 
     @hookimpl
     def pagoda_attention_backends(self):

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.engine.metrics import EngineStats, PrometheusExporter
 from pagoda.kv.blocks import PagedKVCacheManager
-from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+from pagoda.scheduling import Scheduler
 
 CONTRIB = Path(__file__).resolve().parent.parent / "contrib"
 METRIC = re.compile(r"pagoda:[A-Za-z0-9_:]+")
@@ -24,7 +24,7 @@ def exported_names() -> set[str]:
     cache = CacheConfig(16, 1 << 20, "auto", True, None, 0, "recompute", "paged")
     sched_cfg = SchedulerConfig("fcfs", 4, 256, 128, True, 0, None)
     kv = PagedKVCacheManager(8, 16)
-    exporter = PrometheusExporter(EngineStats(), TokenBudgetScheduler(sched_cfg, cache, kv), kv, "m")
+    exporter = PrometheusExporter(EngineStats(), Scheduler(sched_cfg, cache, kv), kv, "m")
     return {s.name for fam in text_string_to_metric_families(exporter.render().decode()) for s in fam.samples}
 
 

@@ -97,7 +97,8 @@ def test_in_a_real_engine_it_reuses_more_cached_prefix_than_fcfs_as_simulated(pm
     real, simulated = {}, {}
     for policy in ("fcfs", "prefix-aware"):
         llm = LLM(load_format="dummy", scheduling_policy=policy, cpu_threads=1, plugin_manager=pm, **options)
-        assert llm.engine.scheduler.__module__.startswith("pagoda_prefix_aware") == (policy == "prefix-aware")
+        policy_module = type(llm.engine.scheduler.policy).__module__
+        assert policy_module.startswith("pagoda_prefix_aware") == (policy == "prefix-aware")
         prompts = PromptMaker(llm.engine.config.model.vocab_size)
         outputs = llm.generate([{"prompt_token_ids": prompts.tokens(i, r)} for i, r in enumerate(trace)],
                                SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -1,6 +1,5 @@
 """The ``fair`` scheduling policy: tenants share the engine by the service each received (virtual token counters)."""
 
-import dataclasses
 from collections import Counter
 
 import pytest
@@ -9,8 +8,9 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.kv.blocks import PagedKVCacheManager
-from pagoda.plugins.schedulers.fair import IDLE_GRACE_STEPS, OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairScheduler
+from pagoda.plugins.schedulers.fair import IDLE_GRACE_STEPS, OUTPUT_TOKEN_COST, PROMPT_TOKEN_COST, FairPolicy
 from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling import Scheduler
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput
 from pagoda.testing import check_scheduler
@@ -19,11 +19,12 @@ from pagoda.testing import check_scheduler
 def make(max_num_seqs=8, num_blocks=64, weights=(), budget=64, step_seqs=0, step_ms=0.0, num_swap_blocks=0):
     sched_cfg = SchedulerConfig(policy="fair", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=256, enable_chunked_prefill=True, long_prefill_token_threshold=0,
-                                max_waiting_requests=None, tenant_weights=weights, fair_step_seqs=step_seqs,
-                                fair_step_ms=step_ms)
+                                max_waiting_requests=None)
     mode = "swap" if num_swap_blocks else "recompute"
     cache_cfg = CacheConfig(4, 0, "auto", False, num_blocks, 0, mode, "paged")
-    return FairScheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False, num_swap_blocks))
+    options = dict(tenant_weights=dict(weights), step_seqs=step_seqs, step_ms=step_ms)
+    return Scheduler(sched_cfg, cache_cfg, PagedKVCacheManager(num_blocks, 4, False, num_swap_blocks), FairPolicy,
+                     options)
 
 
 _ids = iter(range(10 ** 6))
@@ -48,15 +49,12 @@ def step(s, seconds_per_step=None, seconds_per_seq=None):
     return out
 
 
-def test_fair_passes_the_scheduler_kit():
-    check_scheduler(FairScheduler)
+def test_fair_without_bounds_passes_the_scheduler_kit():
+    check_scheduler(FairPolicy, options=dict(step_seqs=0, step_ms=0))
 
 
-def test_fair_with_a_step_bound_passes_the_scheduler_kit():
-    def bounded(scheduler_config, cache_config, kv_manager):
-        return FairScheduler(dataclasses.replace(scheduler_config, fair_step_seqs=2), cache_config, kv_manager)
-
-    check_scheduler(bounded)
+def test_fair_with_its_default_bounds_passes_the_scheduler_kit():
+    check_scheduler(FairPolicy)
 
 
 def test_one_tenant_schedules_as_fcfs_does():
@@ -103,9 +101,9 @@ def test_service_is_counted_in_weighted_tokens():
     s.add_request(plain)
     step(s)  # the prompts, and the first token of each
     per_request = PROMPT_TOKEN_COST * 8 + OUTPUT_TOKEN_COST * 1
-    assert s.tenant_counters() == {"gold": pytest.approx(per_request / 2), "plain": pytest.approx(per_request)}
+    assert s.policy.tenant_counters() == {"gold": pytest.approx(per_request / 2), "plain": pytest.approx(per_request)}
     step(s)
-    assert s.tenant_counters()["plain"] == pytest.approx(per_request + OUTPUT_TOKEN_COST)
+    assert s.policy.tenant_counters()["plain"] == pytest.approx(per_request + OUTPUT_TOKEN_COST)
 
 
 def test_waiting_order_follows_the_counters_and_a_returning_tenant_saves_nothing():
@@ -114,7 +112,7 @@ def test_waiting_order_follows_the_counters_and_a_returning_tenant_saves_nothing
     s.add_request(a)
     while not a.is_finished:
         step(s)
-    served_a = s.tenant_counters()["a"]
+    served_a = s.policy.tenant_counters()["a"]
     # b arrives while c is served: b's counter starts level with c's, not at 0
     c = seq("c", max_tokens=40)
     s.add_request(c)
@@ -122,12 +120,12 @@ def test_waiting_order_follows_the_counters_and_a_returning_tenant_saves_nothing
         step(s)
     b = seq("b")
     s.add_request(b)
-    assert s.tenant_counters()["b"] == pytest.approx(s.tenant_counters()["c"])
+    assert s.policy.tenant_counters()["b"] == pytest.approx(s.policy.tenant_counters()["c"])
     # a comes back: it keeps its own (higher) counter or starts level with the others, whichever is more
     a2 = seq("a")
     s.add_request(a2)
-    assert s.tenant_counters()["a"] >= served_a
-    assert s.order_waiting(list(s.waiting))[0].tenant in ("b", "a")
+    assert s.policy.tenant_counters()["a"] >= served_a
+    assert s.policy.order_waiting(list(s.waiting))[0].tenant in ("b", "a")
 
 
 def tenants_of(out):
@@ -194,10 +192,47 @@ def test_tenant_weights_are_checked():
     assert EngineArgs(tenant_weights="alice=2, bob=0.5").tenant_weights
 
 
+def test_the_older_fair_flags_set_the_policy_s_options():
+    config = EngineArgs.build(scheduling_policy="fair", tenant_weights="alice=2", fair_step_seqs=4,
+                              fair_step_ms=0).create_engine_config()
+    assert config.scheduler.policy_options == {"tenant_weights": {"alice": 2.0}, "step_seqs": 4, "step_ms": 0}
+    config = EngineArgs.build(scheduling_policy="fair",
+                              scheduler_options={"step_seqs": 3}).create_engine_config()
+    assert config.scheduler.policy_options == {"step_seqs": 3}
+
+
+def test_a_fair_flag_with_another_policy_says_which_policy_it_belongs_to():
+    with pytest.raises(ConfigError, match="--fair-step-seqs is an option of the fair scheduling policy, not of "
+                                          "'fcfs'; add --scheduling-policy fair"):
+        EngineArgs.build(fair_step_seqs=4).create_engine_config()
+    with pytest.raises(ConfigError, match="--fair-step-ms and --scheduler-options both set the fair policy's "
+                                          "'step_ms'"):
+        EngineArgs.build(scheduling_policy="fair", fair_step_ms=10,
+                         scheduler_options={"step_ms": 5}).create_engine_config()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"step_sqes": 4}, "the 'fair' scheduling policy has no option 'step_sqes' .*its options are "
+                       "tenant_weights, step_seqs, step_ms"),
+    ({"step_seqs": -1}, "option step_seqs is -1; give an integer >= 0"),
+    ({"step_ms": "fast"}, "option step_ms is 'fast'; give a number >= 0"),
+    ({"tenant_weights": {"alice": 0}}, "the weight of 'alice' is 0; give a positive number"),
+    ({"tenant_weights": [1, 2]}, "option tenant_weights must map tenant names to weights"),
+])
+def test_a_wrong_fair_option_is_refused_naming_it(options, message):
+    from pagoda.registry.plugin_manager import get_plugin_manager
+    from pagoda.scheduling import build_scheduler
+
+    sched_cfg = SchedulerConfig("fair", 4, 64, 256, True, 0, None, policy_options=options)
+    cache_cfg = CacheConfig(4, 0, "auto", False, 16, 0, "recompute", "paged")
+    with pytest.raises(ConfigError, match=message):
+        build_scheduler(get_plugin_manager(), sched_cfg, cache_cfg, PagedKVCacheManager(16, 4, False))
+
+
 def test_fair_is_a_registered_policy():
     from pagoda.registry.plugin_manager import get_plugin_manager
 
-    assert get_plugin_manager().get("pagoda_schedulers", "fair", "scheduling_policy").factory is FairScheduler
+    assert get_plugin_manager().get("pagoda_schedulers", "fair", "scheduling_policy").factory is FairPolicy
 
 
 def test_served_tenants_from_a_header_share_the_engine():

@@ -11,8 +11,8 @@ import pytest
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv.blocks import PagedKVCacheManager, hash_block
 from pagoda.kv.tiers import KVTierIndex
-from pagoda.plugins.schedulers.base import FCFSScheduler
-from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.plugins.schedulers.priority import PriorityPolicy
+from pagoda.scheduling import Scheduler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.testing.scheduling import SimRunner, check_kv_allocator, check_scheduler, expected_output
@@ -96,7 +96,7 @@ def test_the_allocator_with_tiers_passes_the_conformance_kit(ram, disk):
 
 
 def test_the_priority_scheduler_over_tiers_passes_the_conformance_kit():
-    check_scheduler(PriorityScheduler, allocator=tiered(2, 3), seeds=2)
+    check_scheduler(PriorityPolicy, allocator=tiered(2, 3), seeds=2)
 
 
 def test_a_stopping_engine_s_spill_writes_pool_and_ram_blocks_to_disk_once():
@@ -126,7 +126,7 @@ def run_stream(kv: PagedKVCacheManager, seed: int, preemption_mode: str, num_blo
     kv.init_swap_pool(swap)
     sched_cfg = SchedulerConfig("fcfs", 4, 16, 200, True, 0, None)
     cache_cfg = CacheConfig(BS, 0, "auto", True, num_blocks, 0, preemption_mode, "paged")
-    scheduler, runner = FCFSScheduler(sched_cfg, cache_cfg, kv), SimRunner(num_blocks, BS, swap)
+    scheduler, runner = Scheduler(sched_cfg, cache_cfg, kv), SimRunner(num_blocks, BS, swap)
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(6)]
     added = []
     for step in range(3000):

@@ -8,7 +8,7 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.engine.metrics import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineStats, Histogram,
                             PrometheusExporter)
-from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+from pagoda.scheduling import Scheduler
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 
@@ -21,7 +21,7 @@ def make_parts(num_blocks=8):
                                 enable_chunked_prefill=True, long_prefill_token_threshold=0,
                                 max_waiting_requests=None)
     kv = PagedKVCacheManager(num_blocks, 16)
-    return TokenBudgetScheduler(sched_cfg, cache, kv), kv
+    return Scheduler(sched_cfg, cache, kv), kv
 
 
 def scrape(exporter):

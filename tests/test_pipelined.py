@@ -11,9 +11,8 @@ from collections import deque
 
 import pytest
 
-from pagoda.config import CacheConfig, SchedulerConfig
-from pagoda.plugins.schedulers.base import FCFSScheduler
-from pagoda.plugins.schedulers.fair import FairScheduler
+from pagoda.errors import SchedulingPolicyError
+from pagoda.plugins.schedulers.fcfs import FCFSPolicy
 from pagoda.sequence import SequenceStatus
 from scheduling_sim import SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler
 
@@ -74,12 +73,8 @@ def requests_for(seed: int, n: int = 10) -> list:
 
 
 def fair_scheduler(preemption_mode: str = "recompute", num_swap_blocks: int = 0):
-    fcfs = make_scheduler("fcfs", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption_mode=preemption_mode,
-                          num_swap_blocks=num_swap_blocks)
-    sched_cfg = SchedulerConfig("fair", 8, fcfs.max_num_batched_tokens, fcfs.max_model_len, True, 0, None,
-                                fair_step_seqs=2)
-    cache_cfg = CacheConfig(BLOCK_SIZE, 0, "auto", True, NUM_BLOCKS, 0, preemption_mode, "paged")
-    return FairScheduler(sched_cfg, cache_cfg, fcfs.kv)
+    return make_scheduler("fair", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, preemption_mode=preemption_mode,
+                          num_swap_blocks=num_swap_blocks, step_seqs=2, step_ms=0)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
@@ -120,21 +115,21 @@ def test_an_abort_in_flight_frees_the_blocks_when_its_step_is_committed_and_the_
     assert scheduler.kv.num_free_blocks == NUM_BLOCKS
 
 
-class PreemptsAnyone(FCFSScheduler):
+class PreemptsAnyone(FCFSPolicy):
     """A policy that preempts the newest running request for arrivals, busy or not."""
 
     def preempt_for_arrivals(self, out):
-        if self.waiting and self.running:
-            self.preempt(self.running[-1], out)
+        s = self.scheduler
+        if s.waiting and s.running:
+            s.preempt(s.running[-1], out)
 
 
 def test_a_policy_preempting_a_request_in_flight_is_refused_naming_the_rule():
-    base = make_scheduler("fcfs", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    scheduler = PreemptsAnyone(SchedulerConfig("custom", 8, 32, 8192, True, 0, None),
-                               CacheConfig(BLOCK_SIZE, 0, "auto", True, NUM_BLOCKS, 0, "recompute", "paged"), base.kv)
+    scheduler = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, policy_cls=PreemptsAnyone)
     scheduler.add_request(make_request("a", [5, 6, 7]))
     first = scheduler.schedule()
     scheduler.add_request(make_request("b", [8, 9]))
-    with pytest.raises(RuntimeError, match="preempted a, which is in a step still in flight"):
+    with pytest.raises(SchedulingPolicyError, match="PreemptsAnyone policy preempted a, which is in a step still "
+                                                    "in flight"):
         scheduler.schedule_excluding({"a"})
     assert first.requests[0].request_id == "a"

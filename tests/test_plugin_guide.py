@@ -14,7 +14,7 @@ import torch
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.errors import CheckpointError, ConfigError, InvalidRequestError
-from pagoda.plugins.schedulers.base import FCFSScheduler
+from pagoda.scheduling import SchedulingPolicy
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.testing import (ToolParserCase, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler, check_structured_output_backend,
@@ -113,7 +113,7 @@ def test_the_scheduler_example(guide):
 def test_the_kv_allocator_example(guide, plain_tokens):
     allocator = guide["KV allocator"].WatermarkAllocator
     check_kv_allocator(allocator)
-    check_scheduler(FCFSScheduler, allocator=allocator)
+    check_scheduler(SchedulingPolicy, allocator=allocator)
     llm = LLM(**OPTIONS, kv_allocator="watermark")
     assert isinstance(llm.engine.kv_manager, allocator)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens

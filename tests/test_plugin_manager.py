@@ -23,9 +23,9 @@ PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 
 SCHEDULER_PLUGIN = """
 import pagoda
-from pagoda.plugins.schedulers.base import FCFSScheduler
+from pagoda.scheduling import SchedulingPolicy
 
-class {cls}(FCFSScheduler):
+class {cls}(SchedulingPolicy):
     pass
 
 @pagoda.hookimpl
@@ -497,11 +497,11 @@ import pagoda
 
 @pagoda.hookimpl
 def pagoda_schedulers(plugin_manager):
-    def counted(scheduler_config, cache_config, kv_manager):
+    def counted(scheduler):
         inner = plugin_manager.factory("pagoda_schedulers", "priority")
-        scheduler = inner(scheduler_config, cache_config, kv_manager)
-        scheduler.built_by = "counted"
-        return scheduler
+        policy = inner(scheduler)
+        policy.built_by = "counted"
+        return policy
     return {"counted-priority": counted}
 """
 
@@ -518,12 +518,12 @@ def test_a_hook_taking_the_plugin_manager_wraps_a_builtin_by_kind_and_name(site,
     install_fake_dist(site, "wrapper", "1.0", {"wrapper": "wrapper_sched"}, {"wrapper_sched": WRAPPER})
     pm = PluginManager().load()
     assert not pm.failures
-    from pagoda.plugins.schedulers.priority import PriorityScheduler
+    from pagoda.plugins.schedulers.priority import PriorityPolicy
 
-    assert pm.factory("pagoda_schedulers", "priority") is PriorityScheduler
+    assert pm.factory("pagoda_schedulers", "priority") is PriorityPolicy
     llm = tiny_llm(tiny_dir, scheduling_policy="counted-priority")
-    scheduler = llm.engine.scheduler
-    assert isinstance(scheduler, PriorityScheduler) and scheduler.built_by == "counted"
+    policy = llm.engine.scheduler.policy
+    assert isinstance(policy, PriorityPolicy) and policy.built_by == "counted"
     with pytest.raises(ConfigError, match=r"unknown scheduler 'nope' for plugin_manager.factory\('pagoda_schedulers', "
                                           r"'nope'\); available: 'counted-priority' \(wrapper 1.0\), 'fair'"):
         pm.factory("pagoda_schedulers", "nope")

@@ -11,10 +11,10 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.modeling.default_model import ensure_default_model
-from pagoda.plugins.schedulers.base import FCFSScheduler
-from pagoda.plugins.schedulers.priority import PriorityScheduler
+from pagoda.errors import SchedulingPolicyError
+from pagoda.plugins.schedulers.fcfs import FCFSPolicy
+from pagoda.plugins.schedulers.priority import PriorityPolicy
 from pagoda.registry.plugin_manager import get_plugin_manager
 from pagoda.sequence import SequenceStatus
 from scheduling_sim import (SimRunner, assert_kv_consistent, expected_output, make_request, make_scheduler,
@@ -28,8 +28,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 def test_both_policies_are_registered_under_their_names():
     pm = get_plugin_manager()
-    assert pm.get("pagoda_schedulers", "fcfs", "scheduling_policy").factory is FCFSScheduler
-    assert pm.get("pagoda_schedulers", "priority", "scheduling_policy").factory is PriorityScheduler
+    assert pm.get("pagoda_schedulers", "fcfs", "scheduling_policy").factory is FCFSPolicy
+    assert pm.get("pagoda_schedulers", "priority", "scheduling_policy").factory is PriorityPolicy
 
 
 def test_fcfs_admits_in_arrival_order():
@@ -44,22 +44,19 @@ def test_fcfs_admits_in_arrival_order():
     assert order == ["b", "a", "c"]
 
 
-class NewestFirst(FCFSScheduler):
+class NewestFirst(FCFSPolicy):
     def order_waiting(self, waiting):
         return sorted(waiting, key=lambda r: -r.arrival_time)
 
 
-class DropsOne(FCFSScheduler):
+class DropsOne(FCFSPolicy):
     def order_waiting(self, waiting):
         return waiting[1:]
 
 
 def make_policy(cls, max_num_seqs: int = 8):
-    """A policy class over the same configuration and KV manager make_scheduler builds."""
-    fcfs = make_scheduler("fcfs", max_num_seqs=max_num_seqs)
-    sched_cfg = SchedulerConfig("custom", max_num_seqs, fcfs.max_num_batched_tokens, fcfs.max_model_len, True, 0, None)
-    cache_cfg = CacheConfig(fcfs.kv.block_size, 0, "auto", True, fcfs.kv.num_blocks, 0, "recompute", "paged")
-    return cls(sched_cfg, cache_cfg, fcfs.kv)
+    """The scheduler make_scheduler builds, with the policy class ``cls``."""
+    return make_scheduler(max_num_seqs=max_num_seqs, policy_cls=cls)
 
 
 def test_order_waiting_decides_each_step_which_waiting_request_starts_first():
@@ -78,7 +75,8 @@ def test_an_order_waiting_that_loses_a_request_is_refused_with_the_policy_s_name
     s = make_policy(DropsOne)
     s.add_request(make_request("a", prompt(5)))
     s.add_request(make_request("b", prompt(5, 1)))
-    with pytest.raises(RuntimeError, match="DropsOne.order_waiting returned 1 requests that are not a reordering"):
+    with pytest.raises(SchedulingPolicyError, match="DropsOne policy's order_waiting returned 1 requests that are "
+                                                    "not a reordering"):
         s.schedule()
 
 

@@ -19,6 +19,7 @@ from pagoda.execution.model_runner import ModelRunner
 from pagoda.kv.tiers import KVTierIndex, has_offload_tiers
 from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
+from pagoda.scheduling import build_scheduler, check_policy_options
 from pagoda.sampling.structured.manager import check_backend_name
 
 
@@ -47,7 +48,8 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
                           "does not set supports_pipeline_parallel); use pipeline_parallel_size=1")
     pm.get("pagoda_model_loaders", mc.load_format, "load_format")
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
-    scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
+    scheduler_policy = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
+    check_policy_options(config.scheduler.policy, scheduler_policy, config.scheduler.policy_options)
     pm.get("pagoda_samplers", config.sampler, "sampler")
     check_backend_name(config, pm)
     if mc.quantization:
@@ -68,8 +70,7 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     # every component is built through adapt_renamed_methods: one that has a renamed method only under its
     # deprecated name is called through that name, with a warning
     kv_manager = adapt_component(allocator(cc, runner.num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
-    scheduler = adapt_component(scheduler_cls(config.scheduler, cc, kv_manager), "pagoda_schedulers",
-                                config.scheduler.policy)
+    scheduler = build_scheduler(pm, config.scheduler, cc, kv_manager, config.lora)
     if cc.preemption_mode == "swap":
         kv_manager.init_swap_pool(runner.num_swap_blocks)
     if runner.kv_tiers is not None:

@@ -19,15 +19,8 @@ from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cach
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
 
-# --fair-step-seqs by default: on the CPU measured (docs/fairness.md) a decode step of four sequences of the
-# default model took about twice the time of a step of one, and at times more; a step of two stays well within
-# twice, so a light tenant's tokens stay within 2x of their unloaded time beside a flooding tenant
-FAIR_STEP_SEQS = 2
-# --fair-step-ms by default: a tenant arriving while another runs alone waits for the rest of that tenant's step;
-# a first token unloaded took 120-300 ms on the CPU measured (docs/fairness.md), so a step of at most 250 ms keeps
-# that wait (half a step on average) within the unloaded time; what it costs the lone tenant's throughput grows as
-# its steps get slower (at least --fair-step-seqs sequences run), measured in docs/fairness.md
-FAIR_STEP_MS = 250.0
+# the older flags of the fair policy -> its option each sets (the same as --scheduler-options '{"option": ...}')
+FAIR_FLAGS = {"tenant_weights": "tenant_weights", "fair_step_seqs": "step_seqs", "fair_step_ms": "step_ms"}
 
 
 def _host_field(option: HostOption) -> tuple[Any, Any]:
@@ -100,21 +93,22 @@ class EngineArgs(HostOptions):
     kv_offload_disk_size: float = Field(default=0.0, ge=0, description=(
         "GiB the --kv-offload-disk files may take; the least recently used go first"))
     scheduling_policy: str = "fcfs"
+    scheduler_options: Optional[dict[str, Any]] = Field(default=None, description=(
+        "the scheduling policy's own options, a JSON object (e.g. '{\"step_seqs\": 4}' for fair; each "
+        "policy's options are in docs/plugins.md, the fair policy's in docs/fairness.md)"))
     tenant_weights: Optional[str] = Field(default=None, description=(
         "the fair scheduling policy's tenant weights, name=weight pairs separated by commas (a tenant weighing 2 "
-        "gets twice the service of one weighing 1; unlisted tenants weigh 1)"))
-    fair_step_seqs: int = Field(default=FAIR_STEP_SEQS, ge=0, description=(
+        "gets twice the service of one weighing 1; unlisted tenants weigh 1); the same as --scheduler-options "
+        "'{\"tenant_weights\": {\"name\": weight}}'"))
+    fair_step_seqs: Optional[int] = Field(default=None, ge=0, description=(
         "the fair scheduling policy: while a light tenant (at most this many sequences, or a quarter of the "
         "largest tenant's) is active beside others, it runs all its sequences and the heavy tenants share what is "
-        "left of this many per step by weight (each at least one), so a tenant with many sequences cannot slow "
-        "the light tenant's tokens; its own throughput drops meanwhile. 0: no such bound "
-        "(the time bound, --fair-step-ms, still applies)"))
-    fair_step_ms: float = Field(default=FAIR_STEP_MS, ge=0, description=(
-        "the fair scheduling policy: while no light tenant is active (one tenant alone, or heavy tenants "
-        "together), a step runs only as many of the running sequences as fit in this many milliseconds at the "
-        "measured time per sequence (at least --fair-step-seqs; the sequences take turns), so a tenant that "
-        "arrives waits at most about this long for the running step to end; the lone tenant's throughput drops "
-        "somewhat. 0: no bound (a lone tenant's whole batch runs each step)"))
+        "left of this many per step by weight (each at least one). 0: no such bound (default 2); the same as "
+        "--scheduler-options '{\"step_seqs\": N}'"))
+    fair_step_ms: Optional[float] = Field(default=None, ge=0, description=(
+        "the fair scheduling policy: while no light tenant is active, a step runs only as many of the running "
+        "sequences as fit in this many milliseconds at the measured time per sequence (at least step_seqs; the "
+        "sequences take turns). 0: no bound (default 250); the same as --scheduler-options '{\"step_ms\": N}'"))
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: Optional[int] = Field(default=None, gt=0)
     enable_chunked_prefill: bool = True
@@ -310,6 +304,24 @@ class EngineArgs(HostOptions):
                               "adapters of one step must all be in memory: pass --max-cpu-loras >= --max-loras")
         return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu_loras, self.lora_backend, tuple(modules))
 
+    def _scheduler_options(self) -> dict[str, Any]:
+        """``scheduler_options``, with what the fair policy's older flags set; those flags name no option of
+        another policy, so with another policy they are an error saying so."""
+        options = dict(self.scheduler_options or {})
+        for flag, option in FAIR_FLAGS.items():
+            value = getattr(self, flag)
+            if value is None:
+                continue
+            cli_flag = "--" + flag.replace("_", "-")
+            if self.scheduling_policy != "fair":
+                raise ConfigError(f"{cli_flag} is an option of the fair scheduling policy, not of "
+                                  f"{self.scheduling_policy!r}; add --scheduling-policy fair, or drop {cli_flag}")
+            if option in options:
+                raise ConfigError(f"{cli_flag} and --scheduler-options both set the fair policy's {option!r}; "
+                                  "give it once")
+            options[option] = dict(parse_tenant_weights(value)) if flag == "tenant_weights" else value
+        return options
+
     def create_engine_config(self) -> EngineConfig:
         from pagoda.modeling.default_model import resolve_model_path
 
@@ -433,11 +445,8 @@ class EngineArgs(HostOptions):
             max_waiting_requests=self.max_waiting_requests,
             max_waiting_tokens=self.max_waiting_tokens,
             max_waiting_per_tenant=self.max_waiting_per_tenant,
-            fair_step_seqs=self.fair_step_seqs,
-            fair_step_ms=self.fair_step_ms,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
-            tenant_weights=parse_tenant_weights(self.tenant_weights) if self.tenant_weights else (),
-            max_loras=lora_cfg.max_loras if lora_cfg else 0,
+            policy_options=self._scheduler_options(),
         )
         device = self.device
         if device == "auto":

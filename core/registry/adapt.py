@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 from pagoda.interfaces import has_offload_tiers
 from pagoda.registry.deprecation import adapt_renamed_methods
-from pagoda.sequence import SequenceStatus
 from pagoda.step import KVTierMoves
 
 
@@ -30,14 +29,6 @@ def _nothing_to_spill() -> KVTierMoves:
     return KVTierMoves()
 
 
-def _fail_through_finish(scheduler: Any) -> Callable[[Any, str], None]:
-    def fail(request: Any, error: str) -> None:
-        if not request.is_finished:
-            request.error = error
-            scheduler.finish(request, SequenceStatus.FINISHED_ERROR)
-    return fail
-
-
 # hook -> optional member -> its default, given the component and the name it was selected by
 OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "pagoda_attention_backends": {
@@ -46,10 +37,6 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "isa_paths": lambda component, name: _no_isa_paths,
     },
     "pagoda_kv_allocators": {"is_swapped": lambda component, name: _never_swapped},
-    "pagoda_schedulers": {
-        "fail": lambda component, name: _fail_through_finish(component),
-        "schedule_excluding": lambda component, name: None,  # the engine runs one step at a time
-    },
     "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
     "pagoda_model_architectures": {
         "runs_first_layers_of_caches": lambda component, name: False,

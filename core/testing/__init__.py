@@ -2,15 +2,16 @@
 
     from pagoda.testing import check_scheduler
 
-    def test_my_scheduler_meets_the_contract():
-        check_scheduler(MyScheduler)
+    def test_my_policy_meets_the_contract():
+        check_scheduler(MyPolicy)
 
 One check per component kind; each raises :class:`ContractError` saying what broke and where:
 
-- :func:`check_scheduler` and :func:`check_kv_allocator`: randomised request streams (shared prefixes,
-  ``n > 1``, aborts, a pool small enough to preempt, recompute and swap) through :class:`SimRunner`, a
-  model-free runner that records which token each KV slot holds; :func:`check_scheduler` also runs them with two
-  steps in flight (:func:`check_steps_in_flight`) when the scheduler has ``schedule_excluding``;
+- :func:`check_scheduler` (a scheduling policy, on pagoda's scheduler) and :func:`check_kv_allocator`:
+  randomised request streams (shared prefixes, ``n > 1``, aborts, a pool small enough to preempt, recompute and
+  swap) through :class:`SimRunner`, a model-free runner that records which token each KV slot holds, every
+  request finishing within a bounded number of steps; :func:`check_scheduler` also runs them with two steps in
+  flight (:func:`check_steps_in_flight`);
 - :func:`check_attention_backend`: paged attention against dense attention on shuffled block layouts with
   odd sizes;
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;

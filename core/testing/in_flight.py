@@ -1,4 +1,4 @@
-"""Steps in flight, without a model: a scheduler's ``schedule_excluding`` (pipeline stages, plugin API 1.8).
+"""Steps in flight, without a model: a scheduling policy under ``Scheduler.schedule_excluding`` (pipeline stages).
 
 The engine with pipeline stages (:mod:`pagoda.engine.pipelined`) schedules a step while the step ahead of it is
 still in the later stages, from one lane of sequences, every other lane's and every sequence in flight busy;
@@ -6,7 +6,7 @@ it commits each step with ``update`` one step later, in order. This drives a sch
 (by request), each step run on :class:`SimRunner` as soon as it is scheduled (the stages run steps in the order
 submitted) and committed after the next one is scheduled, with aborts of requests in flight held back until
 their step is committed. It raises :class:`ContractError` when a step touches a busy sequence (schedules,
-admits, swaps, preempts or fails it), when a sequence attends to K/V not its own, when an abort in flight
+admits, swaps, preempts or fails it; a policy preempting one is refused by the scheduler and reported so), when a sequence attends to K/V not its own, when an abort in flight
 finds its blocks already freed, when a sequence ends with the wrong tokens, or when blocks are not given back.
 """
 
@@ -16,21 +16,22 @@ import random
 from collections import deque
 from typing import Optional
 
+from pagoda.errors import SchedulingPolicyError
 from pagoda.interfaces import SchedulerFactory
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.testing.contract import ContractError, Where
 from pagoda.testing.scheduling import (SETTINGS, STREAM_BUDGET, STREAM_NUM_BLOCKS, AllocatorFactory, SimRunner,
-                                       _add_request, _stream_setup, expected_output)
+                                       _add_request, _stream_setup, check_liveness, expected_output, policy_error)
 
 
 def check_steps_in_flight(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
-                          num_requests: int = 24) -> None:
-    """Drive ``factory``'s scheduler through randomised request streams with two steps in flight (see the
-    module docstring); a scheduler without ``schedule_excluding`` is not checked. Raises ContractError."""
+                          num_requests: int = 24, options: Optional[dict] = None) -> None:
+    """Drive the scheduler with the policy ``factory(scheduler, **options)`` through randomised request streams
+    with two steps in flight (see the module docstring). Raises ContractError."""
     for settings in SETTINGS:
         for seed in range(seeds):
-            _run_stream(factory, allocator, settings, seed, num_requests)
+            _run_stream(factory, allocator, settings, seed, num_requests, options)
 
 
 def _touched(sched: SchedulerOutput) -> set[str]:
@@ -38,18 +39,17 @@ def _touched(sched: SchedulerOutput) -> set[str]:
 
 
 def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
-                num_requests: int) -> None:
+                num_requests: int, options: Optional[dict] = None) -> None:
     rng = random.Random(seed)
     num_blocks, budget = STREAM_NUM_BLOCKS, STREAM_BUDGET
-    scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings)
-    if getattr(scheduler, "schedule_excluding", None) is None:
-        return  # it runs one step at a time under pipeline parallelism
+    scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings, options)
     where = Where(str(getattr(factory, "__name__", factory)), seed,
                   ", ".join(f"{k}={v}" for k, v in settings.items()) + ", two steps in flight")
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
     added: list[Sequence] = []
     lane_of: dict[str, int] = {}
     aborted: dict[str, int] = {}  # request id -> blocks it held when its abort was held back
+    arrived: dict[str, int] = {}  # request id -> the step it was added at
     in_flight: deque = deque()  # (step, its result, request ids whose abort waits for it)
     longest = sched_cfg.max_model_len if settings["chunked"] else budget
     for step in range(5000):
@@ -58,7 +58,9 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             new = _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
             for seq in new:
                 lane_of[seq.request_id] = len({r.parent_id for r in added}) % 2
+                arrived[seq.request_id] = step
             added += new
+        check_liveness(added, arrived, step, at)
         flying = set().union(*(_touched(s) for s, _, _ in in_flight))
         if added and rng.random() < 0.03:
             victim = rng.choice(added)
@@ -75,12 +77,15 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             continue
         lane = step % 2
         busy = {rid for rid, other in lane_of.items() if other != lane} | flying
-        sched = scheduler.schedule_excluding(busy)
+        try:
+            sched = scheduler.schedule_excluding(busy)
+        except SchedulingPolicyError as exc:
+            raise policy_error(at, "schedule_excluding()", exc) from None
         if _touched(sched) & busy:
             raise at.fail("schedule_excluding()", f"the step touched busy requests {sorted(_touched(sched) & busy)}",
                           "a busy sequence (in a step in flight, or another lane's) is neither scheduled, admitted, "
                           "swapped, preempted nor failed", "the scheduler's schedule_excluding() (or a policy "
-                          "method that picks requests without self.is_busy())")
+                          "hook that picks requests without self.scheduler.is_busy())")
         if sched.requests:
             in_flight.append((sched, _execute(runner, sched, at), []))
         else:  # no step to keep in flight: its block moves (a swap-out) run now, its decisions commit now

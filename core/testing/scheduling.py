@@ -1,17 +1,21 @@
-"""Scheduler and KV allocator checks, without a model.
+"""Scheduling policy and KV allocator checks, without a model.
 
 Each check drives randomised request streams (shared prefixes, ``n > 1``,
-aborts, a pool small enough to preempt, recompute and swap) through the
-component and :class:`SimRunner`, a model-free runner that keeps the token id
+aborts, a pool small enough to preempt, recompute and swap) through pagoda's
+scheduler with the policy under test (or the default policy over the allocator
+under test) and :class:`SimRunner`, a model-free runner that keeps the token id
 written into every KV slot. Requests carry priorities (small ranks and
 deadline-like values), so a policy ordering by them is exercised. It raises
 :class:`ContractError` naming the seed, the step, the operation, the rule
 broken and the method most likely at fault: a step over its token budget or
 ``max_num_seqs``, progress moved outside ``update``, a victim that is not one
 of ``choose_victim``'s candidates, a running request leaving the queue without
-``preempt()``, a waiting key that changes while its request waits, a sequence
-attending to K/V that is not its own, a double free, a block handed out twice,
-blocks not given back, a sequence that never ends or ends with the wrong tokens.
+``preempt()``, a waiting key that changes while its request waits, a hook
+breaking a rule the scheduler enforces (a busy request preempted, an order that
+is not a reordering), a sequence attending to K/V that is not its own, a double
+free, a block handed out twice, blocks not given back, a request not finished
+within ``MAX_STEPS_TO_FINISH`` steps of its arrival (liveness: a policy that
+never admits fails here), a sequence that ends with the wrong tokens.
 
 Progress is checked around each ``schedule()`` call: every sequence's computed
 tokens, output tokens and end are recorded before it and must be unchanged
@@ -24,9 +28,11 @@ import random
 from typing import Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.errors import SchedulingPolicyError
 from pagoda.interfaces import KVAllocatorFactory, SchedulerFactory
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling import Scheduler, SchedulingPolicy, check_policy_options
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.testing.contract import ContractError, Where
@@ -134,29 +140,35 @@ SETTINGS = [
 ]
 
 
+# liveness: every request the kit submits finishes (or is aborted) within this many steps of its arrival. The
+# streams are small (at most 24 requests of at most ~40 tokens and 7 outputs, 6 seats, a 16-token budget): the
+# built-in policies finish each within 80 steps (fcfs 55, priority 75, fair 80 over five seeds)
+MAX_STEPS_TO_FINISH = 400
+
+
 def check_scheduler(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
-                    num_requests: int = 24) -> None:
-    """Drive ``factory(scheduler_config, cache_config, kv_manager)`` (a ``pagoda_schedulers`` factory) through
-    randomised request streams, then (if it has ``schedule_excluding``) the same with two steps in flight
+                    num_requests: int = 24, options: Optional[dict] = None) -> None:
+    """Drive pagoda's scheduler with the policy ``factory(scheduler, **options)`` (a ``pagoda_schedulers``
+    factory) through randomised request streams, one step at a time and then with two steps in flight
     (:func:`pagoda.testing.in_flight.check_steps_in_flight`); ``allocator`` (a ``pagoda_kv_allocators``
     factory) defaults to ``paged``. Raises :class:`ContractError` on the first broken rule."""
     from pagoda.testing.in_flight import check_steps_in_flight
 
+    options = dict(options or {})
+    check_policy_options(str(getattr(factory, "__name__", factory)), factory, options)
     for settings in SETTINGS:
         for seed in range(seeds):
-            _run_stream(factory, allocator, settings, seed, num_requests)
-    check_steps_in_flight(factory, allocator, seeds, num_requests)
+            _run_stream(factory, allocator, settings, seed, num_requests, options)
+    check_steps_in_flight(factory, allocator, seeds, num_requests, options)
 
 
 def check_kv_allocator(factory: AllocatorFactory, seeds: int = 3) -> None:
     """Check ``factory(cache_config, num_blocks)`` (a ``pagoda_kv_allocators`` factory): direct allocation
-    and freeing, then the ``fcfs`` scheduler's request streams over it. Raises ContractError."""
-    from pagoda.registry.plugin_manager import get_plugin_manager
-
-    fcfs = get_plugin_manager().get("pagoda_schedulers", "fcfs", "scheduling_policy").factory
+    and freeing, then request streams over it under the default (first come, first served) policy, whatever
+    scheduling plugins are installed. Raises ContractError."""
     for seed in range(seeds):
         _check_allocation(factory, seed)
-    check_scheduler(fcfs, allocator=factory, seeds=seeds)
+    check_scheduler(SchedulingPolicy, allocator=factory, seeds=seeds)
 
 
 def _make_kv(allocator: Optional[AllocatorFactory], cache_cfg: CacheConfig, num_blocks: int):
@@ -169,33 +181,37 @@ def _make_kv(allocator: Optional[AllocatorFactory], cache_cfg: CacheConfig, num_
 STREAM_BLOCK_SIZE, STREAM_NUM_BLOCKS, STREAM_BUDGET, STREAM_MAX_NUM_SEQS = 4, 24, 16, 6
 
 
-def _stream_setup(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict):
-    """The scheduler under test, its KV allocator (with a swap pool when preempting by swap), its scheduler
-    config and the simulated runner of one stream."""
+def _stream_setup(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict,
+                  options: Optional[dict] = None):
+    """The scheduler with the policy under test, its KV allocator (with a swap pool when preempting by swap), its
+    scheduler config and the simulated runner of one stream."""
     swap_blocks = 16 if settings["preemption_mode"] == "swap" else 0
     sched_cfg, cache_cfg = _configs(STREAM_BLOCK_SIZE, STREAM_NUM_BLOCKS, STREAM_BUDGET, STREAM_MAX_NUM_SEQS,
                                     settings["preemption_mode"], settings["prefix_caching"], settings["chunked"])
     kv = _make_kv(allocator, cache_cfg, STREAM_NUM_BLOCKS)
     kv.init_swap_pool(swap_blocks)
-    scheduler = factory(sched_cfg, cache_cfg, kv)
+    scheduler = Scheduler(sched_cfg, cache_cfg, kv, factory, options)
     return scheduler, kv, sched_cfg, SimRunner(STREAM_NUM_BLOCKS, STREAM_BLOCK_SIZE, swap_blocks)
 
 
 def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
-                num_requests: int) -> None:
+                num_requests: int, options: Optional[dict] = None) -> None:
     rng = random.Random(seed)
     num_blocks, budget = STREAM_NUM_BLOCKS, STREAM_BUDGET
-    scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings)
+    scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings, options)
     where = Where(str(getattr(factory, "__name__", factory)), seed, ", ".join(f"{k}={v}" for k, v in settings.items()))
     watch = PolicyWatch(scheduler, kv, num_blocks, where)
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
     added: list[Sequence] = []
     aborted: set[str] = set()
+    arrived: dict[str, int] = {}  # request id -> the step it was added at
     longest = sched_cfg.max_model_len if settings["chunked"] else budget
     for step in range(5000):
         watch.where = where.at(step)
         if len({r.parent_id for r in added}) < num_requests and rng.random() < 0.5:
-            added += _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
+            new = _add_request(scheduler, rng, prefixes, len(added), longest, kv, num_blocks)
+            arrived.update((r.request_id, step) for r in new)
+            added += new
         if added and rng.random() < 0.03:
             victim = rng.choice(added)
             if not victim.is_finished:
@@ -205,6 +221,7 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
         if done:
             kv.free(rng.choice(done).request_id)  # freeing a finished sequence again (an abort racing its finish)
         watch.check_waiting_keys(set())
+        check_liveness(added, arrived, step, watch.where)
         if not scheduler.has_unfinished_requests():
             if len({r.parent_id for r in added}) >= num_requests:
                 break
@@ -212,7 +229,10 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
         progress = _progress(added)
         was_running = {r.request_id for r in scheduler.running}
         watch.before_schedule()
-        sched = scheduler.schedule()
+        try:
+            sched = scheduler.schedule()
+        except SchedulingPolicyError as exc:
+            raise policy_error(watch.where, "schedule()", exc) from None
         watch.after_schedule(sched)
         _check_no_progress_written(progress, added, watch.where)
         _check_schedule(sched, scheduler, sched_cfg, watch.where, was_running)
@@ -247,6 +267,34 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
                        f"every sequence ended but {num_blocks - kv.num_free_blocks} of {num_blocks} KV blocks were "
                        "not given back", "a finished, aborted or preempted sequence gives back all its blocks",
                        "the scheduler's finish()/preempt() (a free() not called) or the KV allocator's free()")
+
+
+def check_liveness(added: list[Sequence], arrived: dict[str, int], step: int, where: Where) -> None:
+    """Every request finishes within ``MAX_STEPS_TO_FINISH`` steps of its arrival (``arrived``: request id -> the
+    step it was added at)."""
+    for req in added:
+        waited = step - arrived[req.request_id]
+        if not req.is_finished and waited > MAX_STEPS_TO_FINISH:
+            raise where.fail(
+                "the request stream", f"{req.request_id} arrived at step {arrived[req.request_id]} and is still "
+                f"{req.status.value} {waited} steps later",
+                f"liveness: every request finishes within {MAX_STEPS_TO_FINISH} steps of its arrival",
+                "the policy's may_admit(), may_swap_in() or order_running() (a request never let in)")
+
+
+def policy_error(where: Where, operation: str, exc: SchedulingPolicyError):
+    """The ContractError of a rule the scheduler refused a policy's hook for, with the seed and step."""
+    text = str(exc)
+    if "in a step still in flight" in text:
+        rule, suspect = ("a busy request (in a step still in flight) is never preempted",
+                         "the policy's preempt_for_arrivals() or choose_victim() (no self.scheduler.is_busy() check)")
+    elif "choose_victim" in text:
+        rule, suspect = "the victim is one of the candidates", "the policy's choose_victim()"
+    elif "order_" in text:
+        rule, suspect = "an order hook returns the requests it was given, reordered", "the policy's order hooks"
+    else:
+        rule, suspect = "only a running request is preempted", "the policy's preempt_for_arrivals()"
+    return where.fail(operation, text, rule, suspect)
 
 
 def _priority(rng: random.Random, index: int) -> int:
@@ -290,7 +338,7 @@ def _check_no_progress_written(before: dict[str, tuple[int, int, bool]], request
                 "schedule()", f"schedule() wrote {req.request_id}'s progress: num_computed_tokens {computed} -> "
                 f"{req.num_computed_tokens}", "schedule() records where a sequence computes from in the "
                 "SchedulerOutput (num_computed_before); only update() moves num_computed_tokens",
-                "the scheduler's schedule() (or a policy method it calls)")
+                "the policy's on_request_scheduled() (or another hook schedule() calls)")
         if len(req.output_token_ids) != num_output:
             raise where.fail("schedule()", f"schedule() appended tokens to {req.request_id} ({num_output} -> "
                              f"{len(req.output_token_ids)})", "only update() appends sampled tokens",

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from pagoda import interfaces
 from pagoda.registry.plugin_manager import PluginManager
+from pagoda.scheduling import SchedulingPolicy
 from pagoda.testing.contract import ContractError
 
 _PROTOCOL_INTERNALS = set(dir(typing.Protocol)) | {"__protocol_attrs__", "__non_callable_proto_members__",
@@ -86,7 +87,7 @@ STRICT_HOOKS: dict[str, tuple[type, type]] = {
     "pagoda_model_loaders": (interfaces.ModelLoader, Proxy),
     "pagoda_quant_methods": (interfaces.QuantMethod, QuantProxy),
     "pagoda_kv_allocators": (interfaces.KVCacheManager, Proxy),
-    "pagoda_schedulers": (interfaces.Scheduler, Proxy),
+    "pagoda_schedulers": (SchedulingPolicy, Proxy),
     "pagoda_attention_backends": (interfaces.AttentionBackend, Proxy),
     "pagoda_samplers": (interfaces.Sampler, Proxy),
     "pagoda_lora_backends": (interfaces.LoRABackend, Proxy),

@@ -1,5 +1,5 @@
-"""The scheduler check's watch over a scheduler and its allocator while a request stream runs: each call of
-``choose_victim``, ``preempt`` and the allocator's ``free`` is checked as it happens, and the waiting keys and
+"""The scheduler check's watch over a scheduler, its policy and its allocator while a request stream runs: each
+call of the policy's ``choose_victim``, the scheduler's ``preempt`` and the allocator's ``free`` is checked as it happens, and the waiting keys and
 the block counts between operations (see :func:`pagoda.testing.check_scheduler`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pagoda.testing.contract import Where
 
 
 class PolicyWatch:
-    """Wraps the scheduler's ``choose_victim`` and ``preempt`` and the allocator's ``free`` (instance
+    """Wraps the policy's ``choose_victim``, the scheduler's ``preempt`` and the allocator's ``free`` (instance
     attributes over the methods, where the component allows it) to check each call as it happens, and
     checks the waiting keys and the allocator's block count between operations."""
 
@@ -20,7 +20,7 @@ class PolicyWatch:
         self.running_before: list[Sequence] = []
         self.waiting_keys: dict[str, object] = {}  # request id -> its waiting key when it joined the queue
         self.is_watching_preempt = _wrap(scheduler, "preempt", self._preempt)
-        _wrap(scheduler, "choose_victim", self._choose_victim)
+        _wrap(scheduler.policy, "choose_victim", self._choose_victim)
         _wrap(kv, "free", self._free)
 
     def _choose_victim(self, choose_victim, candidates):
@@ -32,7 +32,7 @@ class PolicyWatch:
                                   f"choose_victim returned {name}, which is not one of its {len(offered)} candidates "
                                   f"{[c.request_id for c in offered]}",
                                   "the victim is one of the candidates (running requests not yet scheduled this step)",
-                                  "the scheduler's choose_victim()")
+                                  "the policy's choose_victim()")
         return victim
 
     def _preempt(self, preempt, request, out):
@@ -68,16 +68,14 @@ class PolicyWatch:
                 "schedule()", f"{req.request_id} left the running queue (now {req.status.value}) without a call "
                 "of preempt()", "a running request is preempted only through preempt(), which frees or swaps "
                 "its blocks and records it in the step's output",
-                "the scheduler's preempt_for_arrivals() or schedule() (a request moved by hand)")
+                "the policy's preempt_for_arrivals() (a request moved by hand)")
         self.check_waiting_keys(by_preempt | {r.request_id for r in sched.requests})
         self.check_books((), "schedule()")
 
     def check_waiting_keys(self, left_queue: set[str]) -> None:
         """Each waiting request's key against the key it had when it joined the queue (``left_queue``: ids
         that left the waiting queue since the last look, whatever the queue holds now)."""
-        waiting_key = getattr(self.scheduler, "waiting_key", None)
-        if waiting_key is None:
-            return
+        waiting_key = self.scheduler.policy.waiting_key
         keys: dict[str, object] = {}
         for req in self.scheduler.waiting:
             key = waiting_key(req)
@@ -87,7 +85,7 @@ class PolicyWatch:
                     "waiting_key()", f"waiting_key({req.request_id}) was {joined!r} when it joined the waiting "
                     f"queue and is {key!r} now, while it still waits",
                     "a key does not change while its request is queued (an order that changes as requests wait "
-                    "belongs in order_waiting())", "the scheduler's waiting_key()")
+                    "belongs in order_waiting())", "the policy's waiting_key()")
             keys[req.request_id] = key
         self.waiting_keys = keys
 

@@ -1,12 +1,13 @@
-"""Built-in scheduling policies, registered through ``pagoda_schedulers``."""
+"""Built-in scheduling policies, registered through ``pagoda_schedulers``: each is a
+:class:`pagoda.scheduling.SchedulingPolicy` answering the hooks of pagoda's one scheduler."""
 
 from pagoda.markers import hookimpl
 
 
 @hookimpl
 def pagoda_schedulers():
-    from pagoda.plugins.schedulers.base import FCFSScheduler
-    from pagoda.plugins.schedulers.fair import FairScheduler
-    from pagoda.plugins.schedulers.priority import PriorityScheduler
+    from pagoda.plugins.schedulers.fair import FairPolicy
+    from pagoda.plugins.schedulers.fcfs import FCFSPolicy
+    from pagoda.plugins.schedulers.priority import PriorityPolicy
 
-    return {"fcfs": FCFSScheduler, "priority": PriorityScheduler, "fair": FairScheduler}
+    return {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "fair": FairPolicy}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+from pagoda.scheduling import SchedulingPolicy
 from pagoda.sequence import Sequence
 from pagoda.step import SchedulerOutput
 
@@ -11,7 +11,7 @@ def priority_key(req: Sequence) -> tuple:
     return (req.priority, req.arrival_time, req.request_id)
 
 
-class PriorityScheduler(TokenBudgetScheduler):
+class PriorityPolicy(SchedulingPolicy):
     """Every queue is kept in priority order, so the most important work is scheduled first.
 
     When blocks run out, the lowest-priority, latest-arrived running request is
@@ -30,31 +30,25 @@ class PriorityScheduler(TokenBudgetScheduler):
         return max(candidates, key=priority_key)
 
     def may_admit(self, request: Sequence) -> bool:
-        return not self.swapped or priority_key(request) < priority_key(self.swapped[0])
+        swapped = self.scheduler.swapped
+        return not swapped or priority_key(request) < priority_key(swapped[0])
 
     def preempt_for_arrivals(self, out: SchedulerOutput) -> None:
-        head = next((r for r in self.waiting if not self.is_busy(r)), None)
-        if head is None or not self.running:
+        scheduler = self.scheduler
+        head = next((r for r in scheduler.waiting if not scheduler.is_busy(r)), None)
+        if head is None or not scheduler.running:
             return
         head_key = priority_key(head)
-        lower = [r for r in self.running if priority_key(r) > head_key and not self.is_busy(r)]
-        if not lower or self._fits(head):
+        lower = [r for r in scheduler.running if priority_key(r) > head_key and not scheduler.is_busy(r)]
+        if not lower or scheduler.would_fit(head):
             return
         # preempt only if evicting all lower-ranked work would make room; otherwise it gains nothing
-        reclaimable = sum(self.kv.num_exclusive_blocks(r.request_id) for r in lower)
-        need = self._blocks_for_first_chunk(head)
-        seats = self.max_num_seqs - len(self.running) + len(lower)
-        if need > self.kv.num_free_blocks + reclaimable or seats < 1:
+        reclaimable = sum(scheduler.kv.num_exclusive_blocks(r.request_id) for r in lower)
+        need = scheduler.num_blocks_to_start(head)
+        seats = scheduler.max_num_seqs - len(scheduler.running) + len(lower)
+        if need > scheduler.kv.num_free_blocks + reclaimable or seats < 1:
             return
         for victim in reversed(lower):  # lowest rank first
-            self.preempt(victim, out)
-            if self._fits(head):
+            scheduler.preempt(victim, out)
+            if scheduler.would_fit(head):
                 return
-
-    def _fits(self, req: Sequence) -> bool:
-        return len(self.running) < self.max_num_seqs and self._blocks_for_first_chunk(req) <= self.kv.num_free_blocks
-
-    def _blocks_for_first_chunk(self, req: Sequence) -> int:
-        computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-        num_new = self._num_new_tokens(req, self.max_num_batched_tokens, num_cached)
-        return self.kv.num_blocks_to_take(req, num_new, computed_blocks)

@@ -5,8 +5,7 @@ Select it with ``LLM(scheduling_policy="prefix-aware")`` or ``pagoda serve --sch
 
 import pagoda
 
-# the pagoda plugin API versions this package is written for (it also needs the scheduler's
-# ``order_waiting``, an addition listed under 1.2 in pagoda's changelog: the module checks for it)
+# the pagoda plugin API versions this package is written for (scheduling policies on pagoda.scheduling's hooks)
 PAGODA_PLUGIN_API = ">=1.1,<2"
 
 

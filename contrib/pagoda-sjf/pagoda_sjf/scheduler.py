@@ -7,12 +7,12 @@ this policy trades tail latency of long requests for mean latency.
 
 from __future__ import annotations
 
-from pagoda.plugins.schedulers.base import TokenBudgetScheduler
+from pagoda.scheduling import SchedulingPolicy
 from pagoda.sequence import Sequence
 
 
-class ShortestJobFirstScheduler(TokenBudgetScheduler):
-    """The token-budget scheduler with its waiting queue ordered by prompt length."""
+class ShortestJobFirstScheduler(SchedulingPolicy):
+    """pagoda's scheduler with its waiting queue ordered by prompt length (the ``waiting_key`` hook)."""
 
     def waiting_key(self, request: Sequence) -> tuple[bool, int, float]:
         # a preempted request already holds its place: it resumes before anything new starts;

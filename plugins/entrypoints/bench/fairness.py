@@ -59,7 +59,11 @@ class FairnessServer:
         from pagoda.engine.llm import LLM
         from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
+        from pagoda.engine.engine_args import FAIR_FLAGS
+
         name, options = parse_policy(policy)
+        if name != "fair":  # --fair-step-seqs and the like, given for the fair runs, are no options of this policy
+            ns = argparse.Namespace(**{**vars(ns), **dict.fromkeys(FAIR_FLAGS)})
         values = engine_args_from(ns, scheduling_policy=name, **options).model_dump(exclude_defaults=True)
         self.policy = policy
         self.llm = LLM(**values, plugin_manager=ns.plugin_manager)

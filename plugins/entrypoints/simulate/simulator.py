@@ -276,10 +276,10 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
     write to. ``handoff``: the stages' hand-offs each step adds. A trace naming LoRA adapters needs LoRA on in
     ``config`` (its ``max_loras`` and ``max_cpu_loras`` bound each replica's)."""
     from pagoda.registry.adapt import adapt_component
+    from pagoda.scheduling import build_scheduler
 
     mc, cc = config.model, config.cache
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
-    scheduler_cls = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory
     if config.speculative is not None:
         raise ConfigError("the simulator has no cost model for speculative decoding; drop --speculative-config")
     if config.lora is None and any(r.lora_name is not None for r in trace):
@@ -291,8 +291,7 @@ def build_engines(config: EngineConfig, pm, cost_model: CostModel, trace: Seq[Tr
     engines = []
     for _ in range(num_replicas):
         kv = adapt_component(allocator(cc, num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
-        scheduler = adapt_component(scheduler_cls(config.scheduler, cc, kv), "pagoda_schedulers",
-                                    config.scheduler.policy)
+        scheduler = build_scheduler(pm, config.scheduler, cc, kv, config.lora)
         if cc.preemption_mode == "swap":
             kv.init_swap_pool(num_swap_blocks)
         limits = RequestLimits(mc.max_model_len, mc.vocab_size, num_blocks, kv.blocks_needed)
@@ -320,5 +319,9 @@ def kv_cache_blocks(config: EngineConfig) -> tuple[int, int]:
 
 
 def with_policy(config: EngineConfig, policy: str) -> EngineConfig:
-    """The same configuration under another scheduling policy (for side-by-side runs)."""
-    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+    """The same configuration under another scheduling policy (for side-by-side runs); the options given belong
+    to the configured policy, so another one runs with its defaults."""
+    if policy == config.scheduler.policy:
+        return config
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy,
+                                                                     policy_options={}))
