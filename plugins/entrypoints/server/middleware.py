@@ -82,6 +82,14 @@ class GuardMiddleware:
                 if not message.get("more_body", False):
                     break
             body = b"".join(chunks)
+            charset = _json_charset(scope)
+            if charset not in (None, b"utf-8", b"utf8"):
+                # JSON over HTTP is UTF-8 (RFC 8259); a body read as UTF-8 against its own declaration could mean
+                # something other than its sender meant
+                await send_error(send, 415, f"the request body declares charset={charset.decode('latin-1')[:40]}; "
+                                             "this server reads JSON as UTF-8 only: send it as UTF-8 (charset=utf-8 "
+                                             "or none)")
+                return
             if _is_json(scope) and json_nesting_exceeds(body, MAX_JSON_DEPTH):
                 await send_error(send, 400, "the request body nests JSON arrays and objects more than "
                                              f"{MAX_JSON_DEPTH} levels deep, which no request of this API needs; "
@@ -134,6 +142,19 @@ def _is_json(scope) -> bool:
             return media_type == b"application/json" or (media_type.startswith(b"application/")
                                                           and media_type.endswith(b"+json"))
     return True
+
+
+def _json_charset(scope) -> Optional[bytes]:
+    """The charset a JSON body's Content-Type declares, lower-case (None: none declared, or not JSON)."""
+    if not _is_json(scope):
+        return None
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            for param in value.split(b";")[1:]:
+                key, _, given = param.partition(b"=")
+                if key.strip().lower() == b"charset":
+                    return given.strip().strip(b'"').lower()
+    return None
 
 
 def _replay(body: bytes, receive):
