@@ -149,5 +149,11 @@ class EngineConfig:
     log_stats: bool = True
     # the structured-output backend of requests that name none (auto: per request, the first that supports it)
     structured_outputs_backend: str = "auto"
+    # a constraint's characters (a schema's compact JSON) compiled at most; longer ones are refused
+    structured_outputs_max_chars: int = 65536
+    # seconds one compile may take before it is stopped (and its request refused)
+    structured_outputs_compile_timeout: float = 10.0
+    # bytes of compiled grammars kept for reuse
+    structured_outputs_cache_bytes: int = 512 << 20
     # multi-LoRA serving (None: off)
     lora: Optional[LoRAConfig] = None

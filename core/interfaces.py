@@ -377,6 +377,11 @@ class StructuredOutputBackend(Protocol):
 
     ``compile`` may run on a thread of the engine's compile pool while the engine steps; the compiled grammar
     it returns is shared by every sequence (and request) with the same constraint, each with its own matcher.
+    A backend whose compile can be stopped may also offer ``compile_until(spec, should_stop)``, which the engine
+    then calls instead: it gives up (raising
+    :class:`pagoda.sampling.structured.compile_process.CompileStopped`) once ``should_stop(seconds spent
+    compiling)`` is true, which happens past the compile timeout or when no request waits any more; without it
+    a compile runs to its end.
     ``pagoda.testing.check_structured_output_backend`` checks a backend.
     """
 

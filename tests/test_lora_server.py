@@ -15,12 +15,16 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
+from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
 from lora_helpers import make_adapter
 from tiny_models import write_tiny_llama
 
 PROMPT = [5, 17, 923, 4001, 77, 311]
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+MAX_ADAPTERS = 3  # "first" given at start, room for two more
+ADMIN_KEY = "operator-key"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,8 @@ def setup(tmp_path_factory):
             for name, lora in (("tiny", None), ("first", llm.engine.loras["first"]),
                                ("second", LoRARequest("second-offline", 99, str(second))))}
     assert len(set(refs.values())) == 3, "the adapters must change the greedy text, or the test proves nothing"
-    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), allow_runtime_lora_updating=True)).start()
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), allow_runtime_lora_updating=True,
+                                 lora_admin=LoRAAdminOptions(max_adapters=MAX_ADAPTERS, admin_api_key=ADMIN_KEY))).start()
     yield srv, refs, second
     srv.stop()
 
@@ -96,7 +101,7 @@ def test_an_unknown_model_is_a_404_naming_the_served_models(client):
 
 def test_an_adapter_loaded_at_run_time_is_served_and_gone_once_unloaded(setup, client):
     srv, refs, second = setup
-    with httpx.Client(base_url=srv.url, timeout=60) as http:
+    with httpx.Client(base_url=srv.url, timeout=60, headers=ADMIN) as http:
         r = http.post("/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": str(second)})
         assert r.status_code == 200, r.text
         assert complete(client, "second") == refs["second"]
@@ -104,7 +109,7 @@ def test_an_adapter_loaded_at_run_time_is_served_and_gone_once_unloaded(setup, c
 
         again = http.post("/v1/load_lora_adapter", json={"lora_name": "second", "lora_path": str(second)})
         assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
-        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent/adapter"})
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(second) + "-missing"})
         assert bad.status_code == 400 and "is not a directory" in bad.json()["error"]["message"]
 
         r = http.post("/v1/unload_lora_adapter", json={"lora_name": "second"})
@@ -114,6 +119,49 @@ def test_an_adapter_loaded_at_run_time_is_served_and_gone_once_unloaded(setup, c
         missing = http.post("/v1/unload_lora_adapter", json={"lora_name": "second"})
         assert missing.status_code == 404
     assert complete(client, "first") == refs["first"]  # still serving
+
+
+def test_models_names_no_path_of_the_server(setup):
+    srv, _, second = setup
+    text = httpx.get(srv.url + "/v1/models", timeout=30).text
+    assert str(second.parent) not in text and "/tmp" not in text
+
+
+def test_the_operator_routes_need_the_admin_key(setup):
+    srv, _, second = setup
+    for headers in ({}, {"authorization": "Bearer someone-else"}):
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(second)},
+                       headers=headers, timeout=30)
+        assert r.status_code == 401 and "--admin-api-key" in r.json()["error"]["message"]
+    r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "first"}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_paths_outside_the_allowed_roots_are_refused_without_saying_whether_they_exist(setup):
+    srv, _, second = setup
+    messages = set()
+    with httpx.Client(base_url=srv.url, timeout=60, headers=ADMIN) as http:
+        for path in ("/etc", "/nonexistent/adapter", "/proc/self", str(second) + "/../../..", "/etc/passwd"):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+            messages.add(r.json()["error"]["message"])
+    assert len(messages) == 1 and "--lora-allowed-roots" in messages.pop()
+
+
+def test_adapter_names_and_the_number_of_adapters_are_bounded(setup):
+    srv, _, second = setup
+    with httpx.Client(base_url=srv.url, timeout=60, headers=ADMIN) as http:
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "n" * (1 << 20), "lora_path": str(second)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+        try:
+            for i in range(MAX_ADAPTERS - 1):
+                assert http.post("/v1/load_lora_adapter", json={"lora_name": f"extra{i}",
+                                                                "lora_path": str(second)}).status_code == 200
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "one-too-many", "lora_path": str(second)})
+            assert r.status_code == 400 and "--max-lora-adapters" in r.json()["error"]["message"]
+        finally:
+            for i in range(MAX_ADAPTERS - 1):
+                http.post("/v1/unload_lora_adapter", json={"lora_name": f"extra{i}"})
 
 
 def test_the_lora_requests_gauge_is_exported(setup):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.plugins.entrypoints.server.response_store import ResponseNotStored, ResponseStore, StoredResponse
+from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, ResponseNotStored, ResponseStore,
+                                                              StoredResponse)
 
 
 class Clock:
@@ -57,7 +58,7 @@ def test_a_missing_link_names_the_response_that_is_gone():
 
 
 def test_past_the_count_the_least_recently_used_response_is_dropped():
-    store = ResponseStore(max_responses=2)
+    store = ResponseStore(max_responses=2, max_per_owner=2)
     store.store("a", entry("1", "x"))
     store.store("b", entry("2", "y"))
     store.get("a")  # a is now used more recently than b
@@ -69,7 +70,7 @@ def test_past_the_count_the_least_recently_used_response_is_dropped():
 
 
 def test_continuing_a_conversation_keeps_its_oldest_responses_the_longest():
-    store = ResponseStore(max_responses=3)
+    store = ResponseStore(max_responses=3, max_per_owner=3)
     store.store("r1", entry("1", "x"))
     store.store("r2", entry("2", "y", previous="r1"))
     store.store("other", entry("3", "z"))
@@ -82,7 +83,7 @@ def test_continuing_a_conversation_keeps_its_oldest_responses_the_longest():
 
 def test_past_the_character_budget_old_responses_are_dropped_and_a_too_large_one_is_not_kept():
     small = entry("a" * 10, "b" * 10)
-    store = ResponseStore(max_chars=3 * small.num_chars)
+    store = ResponseStore(max_chars=3 * small.num_chars, max_per_owner=DEFAULT_MAX_RESPONSES)
     for i in range(5):
         store.store(f"r{i}", entry("a" * 10, "b" * 10))
     assert len(store) == 3
@@ -115,3 +116,29 @@ def test_a_store_of_size_zero_keeps_nothing_and_bad_bounds_are_refused():
     assert not store.is_enabled and len(store) == 0
     with pytest.raises(ValueError, match="ttl_seconds > 0"):
         ResponseStore(ttl_seconds=0)
+
+
+def test_another_owner_s_response_reads_as_not_stored():
+    store = ResponseStore()
+    alice, bob = store.for_owner("alice"), store.for_owner("bob")
+    alice.store("r1", entry("Hi", "Hello!"))
+    alice.store("r2", entry("More", "Sure", previous="r1"))
+    for action in (bob.get, bob.delete, bob.conversation, store.for_owner(None).get):
+        with pytest.raises(ResponseNotStored):
+            action("r2")
+    assert len(alice.conversation("r2")) == 4
+    alice.delete("r2")
+    with pytest.raises(ResponseNotStored):
+        alice.get("r2")
+
+
+def test_an_owner_past_its_quota_evicts_its_own_responses_not_others():
+    store = ResponseStore(max_responses=10)  # a tenth each: one response per owner
+    assert store.max_per_owner == 1
+    store.for_owner("alice").store("a", entry("1", "x"))
+    for i in range(20):
+        store.for_owner("mallory").store(f"m{i}", entry("2", "y"))
+    assert store.for_owner("alice").get("a")
+    assert store.for_owner("mallory").get("m19")
+    with pytest.raises(ResponseNotStored):
+        store.for_owner("mallory").get("m18")

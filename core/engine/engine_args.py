@@ -151,6 +151,14 @@ class EngineArgs(HostOptions):
     structured_outputs_backend: str = Field(default="auto", description=(
         "the structured-output backend of requests that name none: xgrammar, guidance (llguidance), a plugin's, "
         "or auto (per request, the first that can compile its constraint: xgrammar, then guidance)"))
+    structured_outputs_max_chars: int = Field(default=65536, gt=0, description=(
+        "the longest constraint compiled, in characters (a JSON schema as compact JSON, a regex, a grammar); "
+        "longer ones are refused with a 400"))
+    structured_outputs_compile_timeout: float = Field(default=10.0, gt=0, description=(
+        "seconds one constraint may take to compile; a compile past it (or one whose client left) is stopped, "
+        "and its request refused with a 400"))
+    structured_outputs_cache_mb: int = Field(default=512, ge=0, description=(
+        "MiB of compiled grammars kept for reuse (least recently used dropped first)"))
     device: str = "auto"
     enable_lora: bool = Field(default=False, description=(
         "serve LoRA adapters (PEFT directories) on the base model: requests name one (the OpenAI 'model' field, "
@@ -466,6 +474,9 @@ class EngineArgs(HostOptions):
             device=device,
             log_stats=not self.disable_log_stats,
             structured_outputs_backend=self.structured_outputs_backend,
+            structured_outputs_max_chars=self.structured_outputs_max_chars,
+            structured_outputs_compile_timeout=self.structured_outputs_compile_timeout,
+            structured_outputs_cache_bytes=self.structured_outputs_cache_mb << 20,
             lora=lora_cfg,
         )
 

@@ -4,18 +4,21 @@ grammars compiled to a token-level pushdown automaton; masks are filled from its
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from pagoda.config import ModelConfig
 from pagoda.errors import BackendUnavailable, InvalidRequestError
+from pagoda.sampling.structured.compile_process import CompileProcesses
 from pagoda.sampling.structured.spec import is_ebnf, kind_of, param_of, schema_of
 from pagoda.sampling_params import StructuredOutputsParams
 
 
 # what xgrammar drops from a string schema that has a format
 _FORMAT_OVERRIDES = ("minLength", "maxLength", "pattern")
+# compile processes: the engine runs two compiles at once
+NUM_COMPILE_PROCESSES = 2
 
 
 def _subschemas(node: Any) -> Iterator[dict]:
@@ -42,6 +45,7 @@ class XgrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_config.vocab_size,
                                                        stop_token_ids=list(eos_token_ids))
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self.processes = CompileProcesses(info, NUM_COMPILE_PROCESSES)
 
     def supports(self, spec: StructuredOutputsParams) -> Optional[str]:
         if spec.json is None:
@@ -54,24 +58,46 @@ class XgrammarBackend:
         return None
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        kind = kind_of(spec)
+        method, args, kwargs = self._call_of(spec)
         try:
-            if kind in ("json", "json_object"):
-                # one space after ',' and ':' and none elsewhere: a model cannot loop on whitespace
-                return self.compiler.compile_json_schema(json.dumps(schema_of(spec)), any_whitespace=False,
-                                                         strict_mode=kind == "json")
-            if kind == "regex":
-                return self.compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
-            if is_ebnf(spec.grammar):
-                return self.compiler.compile_grammar(spec.grammar)
-            return self.compiler.compile_lark(spec.grammar)
-        except InvalidRequestError:
-            raise
+            return getattr(self.compiler, method)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and its own types for bad input
-            raise InvalidRequestError(f"{param_of(spec)} does not compile with xgrammar: "
-                                      f"{str(exc).strip() or type(exc).__name__}", param=param_of(spec)) from None
+            raise self._refusal(spec, exc) from None
+
+    def compile_until(self, spec: StructuredOutputsParams, should_stop: Callable[[float], bool]) -> Any:
+        """:meth:`compile` in a worker process, killed (CompileStopped) once ``should_stop(seconds spent
+        compiling)`` is true."""
+        method, args, kwargs = self._call_of(spec)
+        try:
+            return self.processes.compile(method, args, kwargs, should_stop)
+        except RuntimeError as exc:
+            raise self._refusal(spec, exc) from None
+
+    def shutdown(self) -> None:
+        self.processes.shutdown()
+
+    @staticmethod
+    def _call_of(spec: StructuredOutputsParams) -> tuple[str, tuple, dict]:
+        """The GrammarCompiler method and arguments that compile ``spec``."""
+        kind = kind_of(spec)
+        if kind in ("json", "json_object"):
+            # one space after ',' and ':' and none elsewhere: a model cannot loop on whitespace
+            return "compile_json_schema", (json.dumps(schema_of(spec)),), {"any_whitespace": False,
+                                                                             "strict_mode": kind == "json"}
+        if kind == "regex":
+            return "compile_regex", (spec.regex,), {}
+        if kind == "choice":
+            return "compile_grammar", ("root ::= " + " | ".join(json.dumps(c) for c in spec.choice),), {}
+        if is_ebnf(spec.grammar):
+            return "compile_grammar", (spec.grammar,), {}
+        return "compile_lark", (spec.grammar,), {}
+
+    @staticmethod
+    def _refusal(spec: StructuredOutputsParams, exc: Exception) -> InvalidRequestError:
+        if isinstance(exc, InvalidRequestError):
+            return exc
+        return InvalidRequestError(f"{param_of(spec)} does not compile with xgrammar: "
+                                   f"{str(exc).strip() or type(exc).__name__}", param=param_of(spec))
 
     def new_matcher(self, compiled: Any) -> "XgrammarMatcher":
         return XgrammarMatcher(self._xgr.GrammarMatcher(compiled))

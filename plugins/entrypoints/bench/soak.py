@@ -9,7 +9,11 @@ resident set size (VmRSS of it and its child processes, read from /proc once it 
 2. ``fuzzing``: schemathesis generates requests from the server's OpenAPI document (``--fuzz-max-examples`` per
    operation; needs schemathesis, in pagoda's ``test`` extra);
 3. ``storm 1`` .. ``storm N``: ``--storm-requests`` streamed completions, ``--storm-concurrency`` at a time,
-   each cut after its first few tokens (the client closes the connection; the server aborts the request).
+   each cut after its first few tokens (the client closes the connection; the server aborts the request);
+4. ``hostile``: ``--hostile-rounds`` rounds of what one client may try against the others: expensive JSON schemas
+   abandoned after a second, then another key's tiny schema (its wait recorded); self-referencing and remote
+   ``$ref`` schemas; one key storing responses past its quota while another's stays readable (and a 404 to the
+   flooder); adapter loads with a 1 MiB name and paths outside the adapter roots. Any 5xx is counted.
 
 Idle means the server's /metrics show no running or waiting request and no KV block in use. The report gives each
 phase's RSS and its growth over the warm-up; the soak passes when the end is within ``--max-growth`` of it.
@@ -50,6 +54,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--storms", type=int, default=2, help="disconnect storms after the fuzzing")
     p.add_argument("--storm-requests", type=int, default=300, help="streamed requests cut mid-stream per storm")
     p.add_argument("--storm-concurrency", type=int, default=48, help="storm requests open at once")
+    p.add_argument("--hostile-rounds", type=int, default=1,
+                   help="rounds of the hostile phase (structured outputs, stored responses, adapters; 0: none)")
     p.add_argument("--max-growth", type=float, default=0.10,
                    help="the RSS growth over the warm-up the soak accepts at its end (default 0.10: 10%%)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds the server may take to start")
@@ -232,6 +238,51 @@ async def storm(url: str, model: str, num_requests: int, concurrency: int) -> di
     return counts
 
 
+def hostile(url: str, model: str) -> dict[str, float]:
+    """One round of the hostile phase; the tiny schema's wait in seconds, the responses that went missing and
+    the number of 5xx answers."""
+    import httpx
+
+    def chat(schema: dict, key: str, timeout: float = 300) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout,
+                          headers={"authorization": f"Bearer {key}"})
+
+    statuses = []
+    for tag in "abc":
+        names = [f"{tag}{i}" for i in range(1000)]
+        schema = {"type": "object", "properties": {n: {"type": "string", "pattern": "[a-z]{1,50}"} for n in names},
+                  "required": names}
+        try:
+            statuses.append(chat(schema, "hostile", timeout=1.0).status_code)
+        except httpx.TimeoutException:
+            pass
+    start = time.monotonic()
+    statuses.append(chat({"type": "object", "properties": {"n": {"type": "integer"}}}, "polite").status_code)
+    tiny_seconds = time.monotonic() - start
+    for schema in ({"$ref": "#"}, {"$ref": "http://example.com/s.json"}, {"type": "string", "minLength": 10 ** 9}):
+        statuses.append(chat(schema, "hostile").status_code)
+
+    def respond(key: str) -> httpx.Response:
+        return httpx.post(url + "/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 1},
+                          headers={"authorization": f"Bearer {key}"}, timeout=300)
+
+    kept = respond("polite")
+    statuses.append(kept.status_code)
+    for _ in range(8):
+        statuses.append(respond("hostile").status_code)
+    kept_id = kept.json().get("id", "")
+    statuses.append(httpx.get(url + f"/v1/responses/{kept_id}", headers={"authorization": "Bearer hostile"},
+                              timeout=60).status_code)
+    found = httpx.get(url + f"/v1/responses/{kept_id}", headers={"authorization": "Bearer polite"}, timeout=60)
+    for body in ({"lora_name": "n" * (1 << 20), "lora_path": "/tmp"}, {"lora_name": "x", "lora_path": "/etc"},
+                 {"lora_name": "x", "lora_path": "/proc/self"}):
+        statuses.append(httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60).status_code)
+    return {"tiny_schema_s": round(tiny_seconds, 2), "responses_lost": int(found.status_code != 200),
+            "server_errors": sum(code >= 500 for code in statuses)}
+
+
 def soak_one(ns: argparse.Namespace, malloc_tuning: bool) -> dict:
     """One server through every phase; its RSS after each, in bytes."""
     import httpx
@@ -261,6 +312,8 @@ def soak_one(ns: argparse.Namespace, malloc_tuning: bool) -> dict:
         for k in range(1, ns.storms + 1):
             counts = asyncio.run(storm(server.url, model, ns.storm_requests, ns.storm_concurrency))
             record(f"storm {k}", **counts)
+        for k in range(1, ns.hostile_rounds + 1):
+            record(f"hostile {k}", **hostile(server.url, model))
         alive = server.proc.poll() is None
     finally:
         server.stop()
@@ -286,7 +339,7 @@ def run_bench_soak(ns: argparse.Namespace) -> int:
     for flag in ("warmup_requests", "storm_requests", "storm_concurrency"):
         if getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: pass at least 1")
-    for flag in ("fuzz_max_examples", "storms"):
+    for flag in ("fuzz_max_examples", "storms", "hostile_rounds"):
         if getattr(ns, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: pass 0 or more")
     if not ns.max_growth > 0:

@@ -72,6 +72,13 @@ def register(sub) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and remove LoRA "
                         "adapters while the server runs (needs --enable-lora; anyone who can reach the server can "
                         "then make it read a directory of its machine)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the key the operator routes (load and unload LoRA adapters) need, instead of --api-key")
+    p.add_argument("--lora-allowed-roots", default=None,
+                   help="comma-separated directories the load route may read adapters from (default: the "
+                        "directories of the --lora-modules adapters; none without them)")
+    p.add_argument("--max-lora-adapters", type=int, default=64,
+                   help="LoRA adapters served at once, those of --lora-modules included (default 64)")
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
@@ -111,11 +118,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
                                                    make_uvicorn_server, max_request_chars_option)
+    from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
     from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 
     # a wrong tool-call or request-size option fails before the model loads
     ToolCallingOptions.resolve(ns.plugin_manager, ns.enable_auto_tool_choice, ns.tool_call_parser)
     max_request_chars_option(ns.max_request_chars)
+    if ns.max_lora_adapters < 1:
+        raise ConfigError(f"--max-lora-adapters {ns.max_lora_adapters}: give a number of adapters >= 1")
     if ns.allow_runtime_lora_updating and not ns.enable_lora:
         raise ConfigError("--allow-runtime-lora-updating needs --enable-lora: add it, or drop the flag")
 
@@ -133,7 +143,10 @@ def run_serve(ns: argparse.Namespace) -> int:
                     max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                     tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars,
-                    allow_runtime_lora_updating=ns.allow_runtime_lora_updating)
+                    allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
+                    lora_admin=LoRAAdminOptions(
+                        tuple(r.strip() for r in ns.lora_allowed_roots.split(",") if r.strip())
+                        if ns.lora_allowed_roots else None, ns.max_lora_adapters, ns.admin_api_key))
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)

@@ -25,6 +25,7 @@ from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.server.errors import document_errors, error_body, install_error_handlers
+from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
 from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
                                                               ResponseStore)
@@ -44,7 +45,8 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
               stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
               tool_call_parser: Optional[str] = None, tenant_source: str = "api-key",
-              max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False) -> FastAPI:
+              max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False,
+              lora_admin: Optional[LoRAAdminOptions] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
     ``max_request_chars``: the characters a request may have in all its prompts or messages, refused with a
@@ -55,7 +57,8 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
     (an unknown name is a ConfigError listing the parsers). ``tenant_source``: where a request's tenant comes
     from (``api-key``, ``header`` or ``user``; see ``ServingContext.tenant_of``). ``allow_runtime_lora_updating``
-    adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the engine needs LoRA enabled)."""
+    adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the engine needs LoRA enabled), bounded
+    by ``lora_admin`` (default: :class:`~pagoda.plugins.entrypoints.server.lora.LoRAAdminOptions`)."""
     tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
     max_request_chars = max_request_chars_option(max_request_chars)
 
@@ -75,11 +78,13 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.state.tool_calling = tool_calling  # read by the chat route
     app.state.tenant_source = tenant_source  # read by the routes when they are added
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating  # read when the routes are added
+    app.state.lora_admin = lora_admin or LoRAAdminOptions()  # likewise
     install_error_handlers(app)
     document_errors(app)
     engine.engine.pm.hook.pagoda_add_routes(app=app, engine=engine)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
-                       body_timeout=body_timeout, allowed_hosts=allowed_hosts)
+                       body_timeout=body_timeout, allowed_hosts=allowed_hosts,
+                       admin_api_key=app.state.lora_admin.admin_api_key)
     return app
 
 

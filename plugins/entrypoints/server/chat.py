@@ -91,7 +91,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if structured_outputs is not None and tooling.is_forced:
         raise APIError(400, f"tool_choice {body.tool_choice!r} holds the answer to the tool calls' schema, so it "
                             f"cannot be combined with {field}; send one of them", param="tool_choice")
-    await check_compiles(ctx.engine, structured_outputs, field)
+    await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
     params = tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
                                                     structured_outputs))
     request_id = new_id("chatcmpl")

@@ -65,7 +65,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     engine_prompts, first_texts = [p for p, _ in tokenized], [t for _, t in tokenized]
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     structured_outputs, field = structured_outputs_of(body)
-    await check_compiles(ctx.engine, structured_outputs, field)
+    await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs)
     request_id = new_id("cmpl")
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,

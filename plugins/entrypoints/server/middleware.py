@@ -19,12 +19,15 @@ from pagoda.plugins.entrypoints.server.request_body import MAX_JSON_DEPTH, json_
 
 # what probes and scrapers reach without the API key
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# the operator routes, which need the admin API key when one is set (and then only it)
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class GuardMiddleware:
     def __init__(self, app: Any, api_key: Optional[str], max_request_bytes: int, body_timeout: float,
-                 allowed_hosts: Optional[frozenset[str]] = None) -> None:
+                 allowed_hosts: Optional[frozenset[str]] = None, admin_api_key: Optional[str] = None) -> None:
         self.app = app
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
         self.allowed_hosts = allowed_hosts  # None: any Host header
         self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
@@ -41,8 +44,14 @@ class GuardMiddleware:
                 await send_error(send, 400, f"the Host header {host!r} is not a name this server answers to; "
                                              "add it to --allowed-hosts")
                 return
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            if not self._authorized(scope):
+        if self.admin_api_key is not None and scope["path"] in ADMIN_PATHS:
+            if not self._authorized(scope, self.admin_api_key):
+                await send_error(send, 401, "missing or wrong admin API key: this operator route needs the key of "
+                                             "--admin-api-key as 'Authorization: Bearer KEY'",
+                                  code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+                return
+        elif self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            if not self._authorized(scope, self.api_key):
                 await send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
                 return
@@ -73,6 +82,14 @@ class GuardMiddleware:
                 if not message.get("more_body", False):
                     break
             body = b"".join(chunks)
+            charset = _json_charset(scope)
+            if charset not in (None, b"utf-8", b"utf8"):
+                # JSON over HTTP is UTF-8 (RFC 8259); a body read as UTF-8 against its own declaration could mean
+                # something other than its sender meant
+                await send_error(send, 415, f"the request body declares charset={charset.decode('latin-1')[:40]}; "
+                                             "this server reads JSON as UTF-8 only: send it as UTF-8 (charset=utf-8 "
+                                             "or none)")
+                return
             if _is_json(scope) and json_nesting_exceeds(body, MAX_JSON_DEPTH):
                 await send_error(send, 400, "the request body nests JSON arrays and objects more than "
                                              f"{MAX_JSON_DEPTH} levels deep, which no request of this API needs; "
@@ -81,14 +98,14 @@ class GuardMiddleware:
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
-    def _authorized(self, scope) -> bool:
+    def _authorized(self, scope, key: bytes) -> bool:
         header = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 header = value
         token = header[7:].strip() if header[:7].lower() == b"bearer " else b""
         # constant time in the key's contents: no early exit on the first differing byte
-        return hmac.compare_digest(token, self.api_key)
+        return hmac.compare_digest(token, key)
 
     def _too_large(self, size: int, at_least: bool = False) -> str:
         shown = f"more than {self.max_request_bytes}" if at_least else str(size)
@@ -125,6 +142,19 @@ def _is_json(scope) -> bool:
             return media_type == b"application/json" or (media_type.startswith(b"application/")
                                                           and media_type.endswith(b"+json"))
     return True
+
+
+def _json_charset(scope) -> Optional[bytes]:
+    """The charset a JSON body's Content-Type declares, lower-case (None: none declared, or not JSON)."""
+    if not _is_json(scope):
+        return None
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            for param in value.split(b";")[1:]:
+                key, _, given = param.partition(b"=")
+                if key.strip().lower() == b"charset":
+                    return given.strip().strip(b'"').lower()
+    return None
 
 
 def _replay(body: bytes, receive):

@@ -9,6 +9,8 @@ continues; the chat template renders them, with the request's function tools, as
 
 from __future__ import annotations
 
+import hashlib
+
 import contextlib
 import itertools
 import json
@@ -24,7 +26,8 @@ from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.chat import check_chat_chars, render_chat
 from pagoda.plugins.entrypoints.server.errors import APIError, to_api_error
-from pagoda.plugins.entrypoints.server.response_store import ResponseNotStored, ResponseStore, StoredResponse
+from pagoda.plugins.entrypoints.server.response_store import (OwnedResponses, ResponseNotStored, ResponseStore,
+                                                              StoredResponse)
 from pagoda.plugins.entrypoints.server.responses_input import (chat_messages, input_items,
                                                                plan_response_tools)
 from pagoda.plugins.entrypoints.server.responses_output import Event, ResponseOutput
@@ -56,17 +59,28 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}
 
     @app.get("/v1/responses/{response_id}", responses=not_stored)
-    async def retrieve(response_id: str):
-        return JSONResponse(_stored(store, response_id).response)
+    async def retrieve(response_id: str, request: Request):
+        return JSONResponse(_stored(store.for_owner(owner_of(ctx, request)), response_id).response)
 
     @app.delete("/v1/responses/{response_id}", responses=not_stored)
-    async def delete(response_id: str):
-        _stored(store, response_id)
-        store.delete(response_id)
+    async def delete(response_id: str, request: Request):
+        owned = store.for_owner(owner_of(ctx, request))
+        _stored(owned, response_id)
+        owned.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
+def owner_of(ctx: ServingContext, request: Request) -> Optional[str]:
+    """Whose stored responses a request sees: its tenant under ``--tenant-source header``, else its API key
+    (hashed, as the tenant of ``api-key``); None (one shared owner) for a request with neither."""
+    if ctx.tenant_source == "header":
+        return ctx.tenant_of(request)
+    auth = request.headers.get("authorization", "")
+    return "key:" + hashlib.sha256(auth.encode("utf-8", "surrogatepass")).hexdigest()[:16] if auth else None
+
+
 async def create_response(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+    store = store.for_owner(owner_of(ctx, request))
     lora = ctx.resolve_model(body.model)
     _refuse_unserved(body)
     tooling = plan_response_tools(body, ctx.tool_options)
@@ -173,7 +187,7 @@ class ResponseRecord:
         }
 
 
-async def _events(gen: Generation, record: ResponseRecord, store: Optional[ResponseStore],
+async def _events(gen: Generation, record: ResponseRecord, store: Optional[OwnedResponses],
                   items: list[dict]) -> AsyncIterator[str]:
     """OpenAI's typed events, in order: created, in_progress, then each output item's (added, its text or
     arguments in pieces as the engine produced them, done; see ``responses_output``), then completed
@@ -212,13 +226,13 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Respo
                + event("response.failed", response=record.render()))
 
 
-def _keep(store: Optional[ResponseStore], record: ResponseRecord, items: list[dict]) -> None:
+def _keep(store: Optional[OwnedResponses], record: ResponseRecord, items: list[dict]) -> None:
     if store is not None:
         store.store(record.id, StoredResponse(record.render(), items, record.output.as_input(),
                                               record.body.previous_response_id))
 
 
-def _history(store: ResponseStore, previous_response_id: Optional[str]) -> list[dict]:
+def _history(store: OwnedResponses, previous_response_id: Optional[str]) -> list[dict]:
     if previous_response_id is None:
         return []
     if not store.is_enabled:
@@ -235,7 +249,7 @@ def _history(store: ResponseStore, previous_response_id: Optional[str]) -> list[
                             "whole conversation as input", param="previous_response_id") from None
 
 
-def _stored(store: ResponseStore, response_id: str) -> StoredResponse:
+def _stored(store: OwnedResponses, response_id: str) -> StoredResponse:
     try:
         return store.get(response_id)
     except ResponseNotStored:

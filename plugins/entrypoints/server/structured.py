@@ -104,13 +104,18 @@ def structured_outputs_of(body: Any) -> tuple[Optional[StructuredOutputsParams],
         raise APIError(400, _renamed(str(exc), exc.param, field), param=field) from None
 
 
-async def check_compiles(engine: Any, spec: Optional[StructuredOutputsParams], field: str) -> None:
-    """400 naming the request's own field when the constraint does not compile. The compile runs in the
-    engine's compile pool; the engine then finds it cached."""
+async def check_compiles(engine: Any, spec: Optional[StructuredOutputsParams], field: str, request: Any = None,
+                         owner: Optional[str] = None) -> None:
+    """400 naming the request's own field when the constraint does not compile (or not in time). The compile
+    runs in the engine's compile pool, in ``owner``'s turn; the engine then finds it cached. With ``request``,
+    a client that disconnects meanwhile gives up its wait (a compile nobody waits for is stopped)."""
     if spec is None:
         return
+    from pagoda.plugins.entrypoints.server.serving import unless_disconnected  # serving imports this module
+
     try:
-        await asyncio.wrap_future(engine.engine.structured_outputs.compile(spec))
+        waiting = asyncio.wrap_future(engine.engine.structured_outputs.compile(spec, owner))
+        await (waiting if request is None else unless_disconnected(request, waiting))
     except InvalidRequestError as exc:
         param = field if exc.param != "structured_outputs.backend" else exc.param
         raise APIError(400, _renamed(str(exc), exc.param, param), param=param) from None
