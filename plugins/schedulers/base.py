@@ -35,7 +35,6 @@ from typing import Any, Callable, Container, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv.tiers import has_offload_tiers
-from pagoda.registry.deprecation import adopt_renamed_overrides
 from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 
@@ -69,11 +68,6 @@ class TokenBudgetScheduler:
         self._preempted_now: set[str] = set()
         # the step being built leaves these request ids alone (schedule_excluding: steps still in flight)
         self._busy: Container[str] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # a policy overriding a renamed method is warned about (or, once the old name is removed, refused)
-        super().__init_subclass__(**kwargs)
-        adopt_renamed_overrides(cls, TokenBudgetScheduler)
 
     # ---- policy: the public methods a scheduling policy overrides ----------------------------------
 

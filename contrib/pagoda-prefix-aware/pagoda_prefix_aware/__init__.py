@@ -7,7 +7,7 @@ import pagoda
 
 # the pagoda plugin API versions this package is written for (it also needs the scheduler's
 # ``order_waiting``, an addition listed under 1.2 in pagoda's changelog: the module checks for it)
-PAGODA_PLUGIN_API = ">=1.1,<2"
+PAGODA_PLUGIN_API = ">=0.9,<0.10"
 
 
 @pagoda.hookimpl
