@@ -1,9 +1,8 @@
 """pagoda: an LLM inference and serving engine whose every policy and backend is a plugin.
 
-Importing pagoda loads no torch and changes nothing in the process but one finder on ``sys.meta_path``,
-which answers only for the old names of moved modules (none since plugin API 1.5). The engine classes below
-are imported on first use, and host settings (threads, allocator, huge pages, kernels) are applied when
-an engine is built. To choose how OpenMP threads wait, call
+Importing pagoda loads no torch and changes nothing in the process (no import finder, thread, environment
+variable or setting): the engine classes below are imported on first use, and host settings (threads,
+allocator, huge pages, kernels) are applied when an engine is built. To choose how OpenMP threads wait, call
 ``pagoda.host.settings.set_openmp_wait_policy()`` before importing torch (the ``pagoda`` command does).
 """
 
@@ -12,10 +11,7 @@ from typing import Any
 
 from pagoda.errors import BackendUnavailable, CheckpointError, ConfigError, InvalidRequestError, PagodaError
 from pagoda.markers import hookimpl
-from pagoda.registry.deprecation import install_moved_modules
 from pagoda.version import PLUGIN_API_VERSION, __version__
-
-install_moved_modules()  # a module moved to a new name imports under its old one, with a warning (none now)
 
 # public name -> the module defining it, imported when the name is first used
 _LAZY = {

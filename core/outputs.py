@@ -1,9 +1,11 @@
 """What the engine returns for each request, and how it is built.
 
 A step produces deltas. The engine side (:class:`RequestTracker`) turns a step's progress into one
-:class:`EngineOutput` per touched request: each sequence's new token ids and raw logprobs, no text,
-no tokenizer. The output side (:class:`OutputProcessor`, one :class:`RequestState` per request) turns
-those into :class:`RequestOutput`s: it detokenizes incrementally and decodes each logprob token once.
+:class:`EngineOutput` per touched request: each sequence's new token ids and raw logprobs, and no text,
+except for a sequence with stop strings, whose text the engine follows to find them: its new text comes
+along, so it is decoded once. The output side (:class:`OutputProcessor`, one :class:`RequestState` per
+request) turns those into :class:`RequestOutput`s: it detokenizes the other sequences incrementally and
+decodes each logprob token once.
 Both do work in proportion to what is new, so a request's outputs cost linear time in its length.
 The two sides may run on different threads (the async engine runs the output side on the event loop).
 """
@@ -101,6 +103,10 @@ class SequenceDelta:
     new_logprobs: Optional[list[RawLogprobs]]
     finish_reason: Optional[str]
     stop_reason: Any
+    # a sequence whose text the engine follows (stop strings): its text is the first ``num_kept_chars`` of
+    # the text sent before (cut at a stop string, it can shrink), then ``new_text``; None for the others
+    new_text: Optional[str] = None
+    num_kept_chars: int = 0
 
 
 @dataclass
@@ -125,10 +131,12 @@ class SequenceGroup:
     children: list[Sequence]
     arrival_time: float
     num_emitted: list[int] = field(default_factory=list)  # output tokens of each child already emitted
+    num_emitted_chars: list[int] = field(default_factory=list)  # text of each child already emitted
     has_emitted_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.num_emitted = [0] * len(self.children)
+        self.num_emitted_chars = [0] * len(self.children)
 
     def take_output(self) -> EngineOutput:
         """The tokens each child gained since the last call: O(new tokens)."""
@@ -137,8 +145,14 @@ class SequenceGroup:
             start = self.num_emitted[i]
             end = seq.num_output_tokens
             new_logprobs = seq.logprobs[start:end] if seq.logprobs is not None else None
-            deltas.append(SequenceDelta(i, seq.output_token_ids[start:end], new_logprobs, seq.finish_reason,
-                                        seq.stop_reason))
+            delta = SequenceDelta(i, seq.output_token_ids[start:end], new_logprobs, seq.finish_reason,
+                                  seq.stop_reason)
+            if seq.detokenizer is not None:
+                text = seq.detokenizer.text
+                delta.num_kept_chars = min(self.num_emitted_chars[i], len(text))
+                delta.new_text = text[delta.num_kept_chars:]
+                self.num_emitted_chars[i] = len(text)
+            deltas.append(delta)
             self.num_emitted[i] = end
         first = self.children[0]
         prompt_logprobs = None
@@ -181,7 +195,7 @@ class RequestTracker:
             params = child.sampling_params
             if params.detokenize and params.stop_strings:
                 # a stop string ends the sequence in the step that completes it, so the engine follows the
-                # text of such sequences as tokens are committed; the text the user sees is the output side's
+                # text of such sequences as tokens are committed, and sends it to the output side with them
                 child.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self.parents[request_id] = SequenceGroup(request_id, prompt, prompt_token_ids, children,
                                                children[0].arrival_time)
@@ -275,6 +289,11 @@ class IncrementalDetokenizer:
         self.text = self.text[: idx + len(stop)] if self.params.include_stop_str_in_output else self.text[:idx]
         return stop
 
+    def take_text(self, num_kept_chars: int, new_text: str) -> None:
+        """Take the text another detokenizer of the same sequence made: the first ``num_kept_chars`` of this
+        one's, then ``new_text`` (no decoding here)."""
+        self.text = self.text[:num_kept_chars] + new_text
+
     def num_visible_chars(self, finished: bool) -> int:
         """How much of the text is safe to show: while running, hold back what could still become a stop
         string."""
@@ -311,10 +330,13 @@ class _SequenceState:
                 self.cumulative_logprob += entry[token_id][0]
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         detok = self.detokenizer
+        if detok is not None and delta.new_text is not None:
+            detok.take_text(delta.num_kept_chars, delta.new_text)  # the engine decoded it, finding stop strings
+            return
         if detok is None or not new:
             return
-        # token by token, as the engine followed it: a stop string is found at the token that ended the
-        # sequence (the engine found none before it), and the text is cut there exactly as the engine did
+        # token by token, as the engine follows a text: a stop string (in outputs made elsewhere than by
+        # RequestTracker) is found at the token that ended the sequence, and the text cut there
         ends_at_stop_string = delta.finish_reason == "stop" and isinstance(delta.stop_reason, str)
         last = len(new) - 1
         for i, token_id in enumerate(new):

@@ -10,9 +10,7 @@ conditions (EOS, stop token ids, stop strings, ``max_tokens``,
 from __future__ import annotations
 
 import enum
-import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -86,7 +84,8 @@ class Sequence:
     # opaque state a sampler may keep (e.g. a torch.Generator for seeded requests)
     sampler_state: Any = None
     # follows the text to find stop strings (pagoda.outputs.IncrementalDetokenizer); None without stop
-    # strings (the text users see is made on the output side, from the tokens)
+    # strings. Its text is the one users see (the output side takes it rather than decoding again); without
+    # stop strings the output side makes the text from the tokens
     detokenizer: Any = None
     # structured outputs: the sequence's place in its grammar (a pagoda.interfaces.StructuredOutputMatcher), set
     # by the engine before the sequence is scheduled and advanced here with every token appended; None without
@@ -118,14 +117,6 @@ class Sequence:
     @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
-
-    def append_output_token(self, token_id: int) -> None:
-        """Deprecated in plugin API 1.4, removed in 2.0: call :meth:`append_output_tokens`, the one place a
-        sequence's tokens are appended (this calls it and drops the finished status it returns)."""
-        warnings.warn("Sequence.append_output_token is deprecated in pagoda plugin API 1.4 and removed in 2.0: call "
-                      "append_output_tokens([token_id], max_model_len), which also applies the stop conditions",
-                      DeprecationWarning, stacklevel=2)
-        self.append_output_tokens([token_id], sys.maxsize)
 
     # ---- stop conditions: decided here and nowhere else --------------------------
 
@@ -187,8 +178,10 @@ class Sequence:
             output_token_ids.append(token_id)
             all_token_ids.append(token_id)
             status = self._stop_after(token_id, max_model_len)
-            if detok is not None and status is None:
-                stop = detok.add_tokens([token_id], self.may_stop_at(self.num_output_tokens))
+            if detok is not None:
+                # the text follows every token kept (the output side shows it); a stop string is looked for
+                # only while no other condition has ended the sequence
+                stop = detok.add_tokens([token_id], status is None and self.may_stop_at(self.num_output_tokens))
                 if stop is not None:
                     self.stop_reason = stop
                     status = SequenceStatus.FINISHED_STOPPED

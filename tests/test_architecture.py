@@ -29,7 +29,7 @@ TOP = BASE | {"config", "dtypes", "hookspecs", "interfaces", "sequence", "sampli
 # unit -> the units it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
-    "init": {"base", "registry"},  # pagoda/__init__.py: the public names; the finder of moved modules
+    "init": {"base"},  # pagoda/__init__.py: the public names (the rest loaded on first use)
     "top": {"base", "host"},
     "host": {"base"},
     "registry": {"base", "top", "host"},
@@ -170,3 +170,21 @@ def test_every_core_package_and_plugin_kind_has_a_rule():
         assert unit_of(module) in ALLOWED, module
     packages = {p.name for p in (REPO / "core").iterdir() if (p / "__init__.py").exists()}
     assert packages == set(CORE_PACKAGES), "a new core package needs its row in ALLOWED and docs/architecture.md"
+
+
+def test_the_built_in_entry_points_are_the_table_in_the_architecture_page():
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["pagoda.plugins"]
+    page = (REPO / "docs" / "architecture.md").read_text()
+    section = page[page.index("## Where the built-in components live"):page.index("The modules at the top of")]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            rows[cells[0]] = cells[1]
+    assert rows == declared
+    # a built-in registered from core is a core package's module; the others are the plugin kinds
+    for name, module in declared.items():
+        parts = module.split(".")
+        assert parts[1] in CORE_PACKAGES or (parts[1] == "plugins" and parts[2] in PLUGIN_KINDS), (name, module)

@@ -31,11 +31,15 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 IMPORT_AND_REPORT = """
-import json, os, sys
+import json, os, sys, threading
 env_before, modules_before = dict(os.environ), set(sys.modules)
+finders_before, hooks_before, threads_before = list(sys.meta_path), list(sys.path_hooks), threading.active_count()
 import {module}
 new = set(sys.modules) - modules_before
-print(json.dumps({{"env_changed": dict(os.environ) != env_before, "new_modules": sorted(new)}}))
+print(json.dumps({{"env_changed": dict(os.environ) != env_before, "new_modules": sorted(new),
+                  "new_finders": [repr(f) for f in sys.meta_path if f not in finders_before],
+                  "path_hooks_changed": sys.path_hooks != hooks_before,
+                  "new_threads": threading.active_count() - threads_before}}))
 """
 
 
@@ -46,6 +50,8 @@ def _third_party(modules: list[str]) -> set[str]:
 def test_importing_pagoda_changes_nothing_in_the_process():
     report = json.loads(run_python(IMPORT_AND_REPORT.format(module="pagoda")).stdout)
     assert report["env_changed"] is False
+    assert report["new_finders"] == [] and report["path_hooks_changed"] is False  # no import machinery
+    assert report["new_threads"] == 0
     assert _third_party(report["new_modules"]) <= {"pluggy"}  # the hookimpl marker; no torch, no numpy
     assert "pagoda.host.malloc" not in report["new_modules"] and "pagoda.host.openmp" not in report["new_modules"]
 

@@ -162,3 +162,25 @@ def test_the_engines_delta_outputs_rebuild_its_cumulative_and_final_ones(llm, pa
         assert next(d.prompt_logprobs for d in deltas if d.prompt_logprobs) == final.prompt_logprobs
     assert not engine.has_unfinished_requests()
     assert engine.kv_manager.num_free_blocks == engine.num_blocks
+
+
+
+def test_a_sequence_with_stop_strings_is_detokenized_once_with_the_text_of_one_without(llm, monkeypatch):
+    engine = llm.engine
+    prompt = "1, 2, 3, 4, 5,"
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (want,) = run_engine(engine, prompt, plain, RequestOutputKind.FINAL_ONLY)
+    output_side = CountingTokenizer(engine.output_processor.tokenizer)
+    monkeypatch.setattr(engine.output_processor, "tokenizer", output_side)
+    never_hit = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["never in this text"])
+    for kind in RequestOutputKind:
+        outputs = run_engine(engine, prompt, never_hit, kind)
+        text = "".join(o.outputs[0].text for o in outputs) if kind is RequestOutputKind.DELTA \
+            else outputs[-1].outputs[0].text
+        # the last token (which ended the sequence by its length) is in the text too
+        assert text == want.outputs[0].text and outputs[-1].outputs[0].finish_reason == "length"
+    cut = want.outputs[0].text.index(" 7")
+    (hit,) = run_engine(engine, prompt, SamplingParams(temperature=0.0, max_tokens=12, stop=[" 7"]),
+                        RequestOutputKind.FINAL_ONLY)
+    assert hit.outputs[0].text == want.outputs[0].text[:cut] and hit.outputs[0].stop_reason == " 7"
+    assert output_side.num_decoded_tokens == 0  # the engine's text, found stop strings in, is the one shown

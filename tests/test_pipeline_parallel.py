@@ -35,8 +35,7 @@ def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts:
             prompts = [{"prompt_token_ids": p} for p in prompts]
         outputs = llm.generate(prompts, params or (PARAMS * 4)[:len(prompts)], use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0 or not preempts
-        batches = llm.engine.batches
-        assert (1 if batches is None else batches.max_in_flight) == in_flight
+        assert llm.engine.most_steps_in_flight == in_flight
         return outputs
     finally:
         llm.engine.shutdown()
@@ -110,17 +109,17 @@ def test_an_abort_in_flight_frees_the_request_s_blocks_when_its_step_is_collecte
         for i, prompt in enumerate(TOKEN_PROMPTS):
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy)
         done = {}
-        while "r1" not in engine.batches.step_of:
+        while not engine.is_in_flight("r1"):
             done.update((out.request_id, out) for out in engine.step() if out.finished)
         held = kv.num_blocks_held("r1")
         engine.abort_request("r1")
         assert held > 0 and kv.num_blocks_held("r1") == held  # the later stage may still write them
-        while "r1" in engine.batches.step_of:
+        while engine.is_in_flight("r1"):
             done.update((out.request_id, out) for out in engine.step() if out.finished)
         assert kv.num_blocks_held("r1") == 0
         while engine.has_unfinished_requests():
             done.update((out.request_id, out) for out in engine.step() if out.finished)
-        assert engine.batches.max_in_flight == 2
+        assert engine.most_steps_in_flight == 2
         assert kv.num_free_blocks == engine.num_blocks
     finally:
         engine.shutdown()
@@ -195,7 +194,7 @@ def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_
         done = {}
         while engine.has_unfinished_requests():
             done.update((out.request_id, out) for out in engine.step() if out.finished)
-        assert engine.batches.max_in_flight == 2  # the faulty request's step was in flight beside another
+        assert engine.most_steps_in_flight == 2  # the faulty request's step was in flight beside another
     finally:
         for hook in hooks:
             hook.remove()

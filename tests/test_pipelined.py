@@ -1,7 +1,8 @@
-"""Steps in flight (pagoda.engine.pipelined), at the scheduler's level and without a model: each step is scheduled
-with ``schedule_excluding`` and run on the SimRunner before the step ahead of it is committed, in the engine's
-order, two lanes of sequences taking turns. The SimRunner checks every sequence attends to its own tokens; the
-outputs must be a one-step-at-a-time run's. The engine over real pipeline stages is in test_pipeline_parallel.py.
+"""Steps in flight (LLMEngine over pipeline stages, pagoda.engine.lanes), at the scheduler's level and without a
+model: each step is scheduled with ``schedule_excluding`` and run on the SimRunner before the step ahead of it is
+committed, in the engine's order, two lanes of sequences taking turns. The SimRunner checks every sequence attends
+to its own tokens; the outputs must be a one-step-at-a-time run's. The engine over real pipeline stages is in
+test_pipeline_parallel.py.
 """
 
 from __future__ import annotations

@@ -67,8 +67,6 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     tokenizer = load_tokenizer(mc.tokenizer, mc.chat_template)
     executor = executor_factory(config, pm)  # builds the model on every rank
     runner = executor.runner
-    # every component is built through adapt_renamed_methods: one that has a renamed method only under its
-    # deprecated name is called through that name, with a warning
     kv_manager = adapt_component(allocator(cc, runner.num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
     scheduler = build_scheduler(pm, config.scheduler, cc, kv_manager, config.lora)
     if cc.preemption_mode == "swap":

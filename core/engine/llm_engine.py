@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 from pagoda.config import EngineConfig
 from pagoda.engine.engine_args import EngineArgs
+from pagoda.engine.lanes import Lanes
 from pagoda.engine.metrics import EngineStats, SpecDecodeStats
 from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import ConfigError, InvalidRequestError, StepFailedError
@@ -25,6 +28,27 @@ from pagoda.step import RunnerOutput, SchedulerOutput
 logger = logging.getLogger("pagoda")
 
 PromptType = Union[str, dict[str, Any], list[int]]
+
+
+@dataclass
+class StepInFlight:
+    """A step scheduled and submitted, not yet committed: its lane, its schedule, the executor's handle (None:
+    executed when collected), when it was submitted, and the sequences whose aborts wait for it."""
+
+    lane: int
+    sched: SchedulerOutput
+    handle: Optional[object]
+    submitted: float
+    aborts: list[str] = field(default_factory=list)
+
+    @property
+    def sequences(self) -> tuple[Sequence, ...]:
+        return decided_in(self.sched)
+
+
+def decided_in(sched: SchedulerOutput) -> tuple[Sequence, ...]:
+    """The sequences a schedule decided about: scheduled, preempted or failed in it."""
+    return (*sched.requests, *sched.preempted, *(req for req, _ in sched.failed))
 
 
 class LLMEngine:
@@ -71,12 +95,14 @@ class LLMEngine:
         # seconds each phase of the last step took: schedule, execute, update, emit
         self.last_step_timings: dict[str, float] = {}
         self._has_finish_observers = bool(self.pm.hook.pagoda_request_finished.get_hookimpls())
-        # pipeline parallelism: the steps kept in the stages at once (None: one step at a time, step() below)
-        self.batches = None
-        if config.parallel.pipeline_batches_in_flight > 1:
-            from pagoda.engine.pipelined import BatchesInFlight
-
-            self.batches = BatchesInFlight.for_engine(self)
+        # the steps in flight, oldest first: scheduled and submitted, not yet committed. At most
+        # ``max_steps_in_flight``: 1 (each step committed before the next is scheduled), or with pipeline stages
+        # ``pipeline_batches_in_flight``, the sequences split into that many lanes (pagoda.engine.lanes)
+        self.lanes = self._lanes(config.parallel.pipeline_batches_in_flight)
+        self.max_steps_in_flight = 1 if self.lanes is None else self.lanes.num_lanes
+        self.in_flight: deque[StepInFlight] = deque()
+        self.step_of: dict[str, StepInFlight] = {}  # request id -> the step in flight it is in
+        self.most_steps_in_flight = 0  # the most steps in flight at once so far
         self._ids = itertools.count()
         # the LoRA adapters served by name (--lora-modules, and those added at run time): name -> request
         self.loras: dict[str, LoRARequest] = {}
@@ -97,6 +123,25 @@ class LLMEngine:
             self.runner.kv_tiers.flush()  # every block file whole before the engine stops
         self.structured_outputs.shutdown()
         self.executor.shutdown()
+
+    def _lanes(self, n: int) -> Optional[Lanes]:
+        """The lanes of ``n`` steps in flight, or None: one step at a time (with a warning when ``n`` > 1 and
+        the scheduler or executor cannot keep more than one)."""
+        if n <= 1:
+            return None
+        if self.scheduler.schedule_excluding is None:
+            logger.warning("pipeline_batches_in_flight=%d: the %r scheduler has no schedule_excluding(), so steps "
+                           "run one at a time", n, self.config.scheduler.policy)
+            return None
+        if getattr(self.executor, "submit", None) is None or getattr(self.executor, "collect", None) is None:
+            logger.warning("pipeline_batches_in_flight=%d: the %r executor has no submit()/collect(), so steps run "
+                           "one at a time", n, self.config.parallel.distributed_executor_backend)
+            return None
+        return Lanes(n)
+
+    def is_in_flight(self, request_id: str) -> bool:
+        """Whether a sequence is in a step submitted and not yet committed."""
+        return request_id in self.step_of
 
     @property
     def num_threads(self) -> int:
@@ -158,8 +203,8 @@ class LLMEngine:
             self.output_processor.add(request_id, text, token_ids, params, output_kind)
         for child in children:
             self.scheduler.add_request(child)
-        if self.batches is not None:
-            self.batches.add(children)
+        if self.lanes is not None:
+            self.lanes.add(children)
         if self.stats is not None:
             self.stats.on_arrival(len(token_ids))
         return request_id
@@ -224,9 +269,7 @@ class LLMEngine:
             if parent is None:
                 continue
             children = [c.request_id for c in parent.children if not c.is_finished]
-            if self.batches is not None:
-                children = self.batches.defer_aborts(children)
-            self.scheduler.abort_requests(children)
+            self.scheduler.abort_requests(self._defer_aborts(children))
             self.requests.forget(rid)
 
     def sequences_of(self, request_id: str) -> list[Sequence]:
@@ -253,39 +296,109 @@ class LLMEngine:
     def step_engine_outputs(self) -> list[EngineOutput]:
         """One iteration: schedule, execute, update, emit; each touched request's new tokens, no text.
 
+        With steps in flight (pipeline stages, ``pipeline_batches_in_flight`` > 1), steps are scheduled and
+        submitted until that many are in flight, and the oldest is collected, committed and emitted: its
+        successors run in the later stages meanwhile. With one (the default), that is schedule a step, run it,
+        commit it. Steps are committed in the order scheduled, so the scheduler's contract holds per step.
+
         Raises :class:`StepFailedError` (after rolling the step back) only when the step's execution
         fails for every request in it; a request whose execution fails alone ends with an error.
         """
-        if self.batches is not None:  # steps in flight: each call commits one of them (pagoda.engine.pipelined)
-            return self.batches.step()
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        for observer in self.observers:
-            observer.before_step(self, sched)
+        timings = {"schedule": 0.0, "execute": 0.0}
+        self._schedule_steps(timings)
+        step = self.in_flight.popleft() if self.in_flight else None
         t1 = time.perf_counter()
-        result = self._execute(sched)
+        result = self._collect(step) if step is not None else None
         t2 = time.perf_counter()
-        if result is not None:
-            result.execute_seconds = t2 - t1
-        progressed = self._update(sched, result)
+        progressed = self._update(step.sched, result) if step is not None else []
         t3 = time.perf_counter()
         outputs = self._emit(progressed)
         t4 = time.perf_counter()
-        self.last_step_timings = {"schedule": t1 - t0, "execute": t2 - t1, "update": t3 - t2, "emit": t4 - t3}
-        if result is not None and self.stats is not None:
-            self.stats.on_step_time(t4 - t0)
-        for observer in self.observers:
-            observer.after_step(self, sched, result, t4 - t0)
+        self.last_step_timings = {"schedule": timings["schedule"], "execute": timings["execute"] + t2 - t1,
+                                  "update": t3 - t2, "emit": t4 - t3}
+        if step is not None:
+            if self.stats is not None:
+                self.stats.on_step_time(t4 - t0)
+            for observer in self.observers:
+                observer.after_step(self, step.sched, result, t4 - t0)
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> Optional[RunnerOutput]:
-        if sched.is_empty:
-            return None
-        self._prepare(sched)
+    def _schedule_steps(self, timings: dict[str, float]) -> None:
+        """Schedule steps and submit them until :attr:`max_steps_in_flight` are in flight (one schedule per call
+        without lanes). A schedule that runs no request is committed at once: its block moves run, its failures
+        and preemptions commit (nothing of its lane is in flight)."""
+        for _ in range(self.max_steps_in_flight):
+            if len(self.in_flight) >= self.max_steps_in_flight:
+                return
+            t0 = time.perf_counter()
+            if self.lanes is None:
+                lane, sched = 0, self.scheduler.schedule()
+            else:
+                lane = self.lanes.take_turn({step.lane for step in self.in_flight})
+                if lane is None:
+                    return
+                sched = self.scheduler.schedule_excluding(self.lanes.busy(lane, self.step_of))
+                self._check_in_flight_left_alone(sched)
+            for observer in self.observers:
+                observer.before_step(self, sched)
+            t1 = time.perf_counter()
+            timings["schedule"] += t1 - t0
+            if not sched.requests:
+                if sched.has_block_moves:  # swaps and copies run on every rank (after the steps in flight)
+                    self._prepare(sched)
+                self._update(sched, None)
+                for observer in self.observers:
+                    observer.after_step(self, sched, None, time.perf_counter() - t0)
+                continue
+            self._prepare(sched)  # block moves, grammar rows; raises StepFailedError (rolled back)
+            # without lanes the step runs when collected: execute() is the executor's whole step
+            handle = None if self.lanes is None else self.executor.submit(sched)
+            step = StepInFlight(lane, sched, handle, t1)
+            timings["execute"] += time.perf_counter() - t1
+            self.in_flight.append(step)
+            self.most_steps_in_flight = max(self.most_steps_in_flight, len(self.in_flight))
+            for seq in step.sequences:
+                self.step_of[seq.request_id] = step
+
+    def _check_in_flight_left_alone(self, sched: SchedulerOutput) -> None:
+        """A scheduler that touched a sequence in flight broke :meth:`Scheduler.schedule_excluding`."""
+        for seq in decided_in(sched):
+            if seq.request_id in self.step_of:
+                raise RuntimeError(f"the {self.config.scheduler.policy!r} scheduler's schedule_excluding() "
+                                   f"touched {seq.request_id}, which is in a step still in flight; it must leave "
+                                   "the busy request ids alone")
+
+    def _collect(self, step: StepInFlight) -> RunnerOutput:
+        """The step's result (run now when it was not submitted), its fault isolated if its execution raised;
+        then its sequences are no longer in flight and the aborts that waited for it take effect."""
         try:
-            return self.executor.execute(sched)
-        except Exception as exc:  # noqa: BLE001 - isolated below: one request's fault must not fail the others
-            return self._isolate_fault(sched, exc)
+            try:
+                if step.handle is None:
+                    result = self.executor.execute(step.sched)
+                else:
+                    result = self.executor.collect(step.handle)
+            except Exception as exc:  # noqa: BLE001 - isolated: one request's fault must not fail the others
+                result = self._isolate_fault(step.sched, exc)
+            result.execute_seconds = time.perf_counter() - step.submitted
+            return result
+        finally:
+            for seq in step.sequences:
+                self.step_of.pop(seq.request_id, None)
+            if step.aborts:
+                self.scheduler.abort_requests(step.aborts)
+
+    def _defer_aborts(self, request_ids: list[str]) -> list[str]:
+        """Of ``request_ids`` (sequences to abort), those to abort now; the others are in a step in flight,
+        whose later stages may still write their blocks, and are aborted when it is collected."""
+        now = []
+        for rid in request_ids:
+            step = self.step_of.get(rid)
+            if step is None:
+                now.append(rid)
+            else:
+                step.aborts.append(rid)
+        return now
 
     def _prepare(self, sched: SchedulerOutput) -> None:
         """What runs before the step: its block moves (on every rank) and its grammar rows' bitmask. A failed

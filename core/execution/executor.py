@@ -14,7 +14,7 @@ every rank and returns rank 0's result.
 
 With pipeline stages, ``mp`` and ``ray`` also split a step in two: ``submit`` sends it and runs the driver's
 stage, ``collect`` receives the last stage's result, so the engine can submit the next step while the later
-stages run this one (:mod:`pagoda.engine.pipelined`). Every rank takes the steps (and block moves) in the order
+stages run this one (``LLMEngine.step`` with steps in flight). Every rank takes the steps (and block moves) in the order
 sent, so steps pass the stages in order and are collected in that order.
 
 Workers build their components from their own plugin manager, loaded from the installed entry points

@@ -1,9 +1,7 @@
 """What pagoda does to every component it builds from a plugin's factory, so that core and the built-in plugins
 reach it through its Protocol alone, reading each declared member directly.
 
-- A method renamed in the plugin API that the component has under its old name only is bound under the new
-  one too (:func:`pagoda.registry.deprecation.adapt_renamed_methods`).
-- An *optional* member of its Protocol (``pagoda.interfaces`` says which, and their defaults) that the
+An *optional* member of its Protocol (``pagoda.interfaces`` says which, and their defaults) that the
   component lacks is set on it to the default: a plugin written for an earlier plugin API, or one that
   leaves out what it has no use for, works as it did.
 """
@@ -13,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from pagoda.interfaces import has_offload_tiers
-from pagoda.registry.deprecation import adapt_renamed_methods
 from pagoda.step import KVTierMoves
 
 
@@ -53,9 +50,7 @@ OPTIONAL_OFFLOAD_MEMBERS: dict[str, Callable[[Any, str], Any]] = {
 
 def adapt_component(component: Any, hook_name: str, component_name: str) -> Any:
     """``component``, built by the factory registered as ``component_name`` under ``hook_name``, with its
-    renamed methods bound under their new names and the defaults of the optional members it lacks.
-    Returns ``component``."""
-    adapt_renamed_methods(component, hook_name, component_name)
+    defaults of the optional members it lacks. Returns ``component``."""
     optional = dict(OPTIONAL_MEMBERS.get(hook_name, {}))
     if hook_name == "pagoda_kv_allocators" and has_offload_tiers(component):
         optional.update(OPTIONAL_OFFLOAD_MEMBERS)

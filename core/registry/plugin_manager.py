@@ -15,7 +15,6 @@ import pluggy
 from pagoda import hookspecs
 from pagoda.errors import ConfigError
 from pagoda.host.env import env_bool
-from pagoda.registry.deprecation import RenamingPluggy
 from pagoda.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
@@ -28,7 +27,7 @@ ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
 # the distribution whose entry points are the built-in plugins (pyproject.toml declares them like any package)
 PAGODA_DIST = "pagoda"
-# the module attribute by which a plugin declares the plugin API versions it supports, e.g. ">=1.0,<2"
+# the module attribute by which a plugin declares the plugin API versions it supports, e.g. ">=0.9,<0.10"
 API_ATTRIBUTE = "PAGODA_PLUGIN_API"
 
 # hook name -> human name of the component kind, used in messages and tables
@@ -104,8 +103,7 @@ class PluginManager:
     :meth:`load`; after that, lookups are plain dictionary reads.
     """
 
-    # pluggy's manager, taking a hook implemented under a deprecated name (pagoda.registry.deprecation) as the new one
-    pm: pluggy.PluginManager = field(default_factory=lambda: RenamingPluggy("pagoda"))
+    pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager("pagoda"))
     dists: dict[str, str] = field(default_factory=dict)
     # plugin name -> the API range it declared (PAGODA_PLUGIN_API), where it declared one
     api_ranges: dict[str, str] = field(default_factory=dict)
@@ -179,9 +177,10 @@ class PluginManager:
             if problem is not None:
                 self.failures.append(PluginFailure(
                     name, dist, f"plugin {name!r} from {dist} supports the pagoda plugin API {declared} but "
-                                f"pagoda {__version__} has plugin API {PLUGIN_API_VERSION} ({problem}); install "
-                                f"a release of {dist.split()[0]} made for API {PLUGIN_API_VERSION}, or block it "
-                                f"with PAGODA_DISABLE_PLUGINS={name}"))
+                                f"pagoda {__version__} has plugin API {PLUGIN_API_VERSION} ({problem}; before 1.0 each "
+                                f"minor version of the plugin API may break plugins); install a release of "
+                                f"{dist.split()[0]} made for API {PLUGIN_API_VERSION}, or block it with "
+                                f"PAGODA_DISABLE_PLUGINS={name}"))
                 return
             self.api_ranges[name] = str(declared)
         try:
@@ -323,14 +322,14 @@ class PluginManager:
 
 
 def api_mismatch(declared: str) -> str | None:
-    """None if ``declared`` (a version specifier such as ``">=1.0,<2"``) admits this pagoda's plugin API
+    """None if ``declared`` (a version specifier such as ``">=0.9,<0.10"``) admits this pagoda's plugin API
     version, else what is wrong with it."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     try:
         spec = SpecifierSet(declared)
     except InvalidSpecifier:
-        return f"{declared!r} is not a version range such as '>=1.0,<2'"
+        return f"{declared!r} is not a version range such as '>=0.9,<0.10'"
     return None if spec.contains(PLUGIN_API_VERSION) else f"{PLUGIN_API_VERSION} is outside {declared!r}"
 
 

@@ -10,7 +10,6 @@ import torch
 
 from pagoda.config import ModelConfig
 from pagoda.markers import hookimpl
-from pagoda.registry.deprecation import adopt_renamed_overrides
 from pagoda.sequence import Sequence
 from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
 
@@ -52,11 +51,6 @@ class Sampler:
     def __init__(self, model_config: ModelConfig) -> None:
         self.vocab_size = model_config.vocab_size
         self.generator = torch.Generator().manual_seed(model_config.seed)
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        # a sampler written for plugin API 1.0 overrides the private steps: honoured until 1.3, with a warning
-        super().__init_subclass__(**kwargs)
-        adopt_renamed_overrides(cls, Sampler)
 
     def __call__(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> SamplerOutput:
         # logits: [num_reqs, vocab] float32, one row per request to sample

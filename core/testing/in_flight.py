@@ -1,6 +1,6 @@
 """Steps in flight, without a model: a scheduling policy under ``Scheduler.schedule_excluding`` (pipeline stages).
 
-The engine with pipeline stages (:mod:`pagoda.engine.pipelined`) schedules a step while the step ahead of it is
+The engine over pipeline stages (``LLMEngine.step`` with lanes) schedules a step while the step ahead of it is
 still in the later stages, from one lane of sequences, every other lane's and every sequence in flight busy;
 it commits each step with ``update`` one step later, in order. This drives a scheduler the same way: two lanes
 (by request), each step run on :class:`SimRunner` as soon as it is scheduled (the stages run steps in the order

@@ -10,7 +10,7 @@ fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
 the engine's ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
 Steps with many decodes on the generic loops (no AVX2) use the torch backend's
 batched path, which wins there. ``isa_paths()`` names the path each kernel
-takes. Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update
+takes. Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update, 2^x
 and the 8-lane pieces of their AVX2 paths. The kernels are compiled on first use
 (about a minute) and cached by torch's extension loader, keyed on their source,
 the header and the flags.

@@ -78,42 +78,16 @@ inline void load_row(const c10::Float8_e4m3fn* src, float* dst, int n) {
   for (; i < n; ++i) dst[i] = fp8_e4m3_to_float(s[i]);
 }
 
-// exp(x) for softmax inputs (x <= 0), vectorizable under omp simd: 2^(x log2 e) = 2^n * 2^f with
-// n an integer and f in [-0.5, 0.5]; 2^f by its degree-6 Taylor polynomial (relative error ~1.2e-7),
-// 2^n built in the exponent bits. Inputs below -87 give exp(-87) ~ 1.6e-38 instead of underflowing.
-inline float exp_approx(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.540353e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
+// exp(x) for softmax inputs (x <= 0) = 2^(x log2 e) (pagoda_attention::exp2_1, vectorizable under omp
+// simd); inputs below -87 give exp(-87) ~ 1.6e-38 instead of underflowing
+inline float exp_approx(float x) { return pagoda_attention::exp2_1(std::max(x, -87.f) * 1.44269504088896341f); }
 
 #if defined(__AVX512F__)
-// exp(x) for x <= 0, 16 lanes: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by the polynomial of
-// exp_approx above. GCC leaves exp_approx's loops scalar (floor and the exponent bits), so softmax
+// exp_approx on 16 lanes. GCC leaves exp_approx's loops scalar (floor and the exponent bits), so softmax
 // was 40% of a bf16 decode item; this is the same arithmetic in registers.
 inline __m512 exp_ps(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.540353e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+  return pagoda_attention::exp2_16(
+      _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f)));
 }
 
 // softmax_rows with every pass 16 scores at a time (a masked tail)

@@ -57,22 +57,64 @@ const char* prefill_path() {
 
 bool has_prefill_kernel() { return prefill_path()[0] != '\0'; }
 
+// The blocks of one call's prompts (kBlock tokens each, the last one short), numbered across prompts, and the
+// two parallel passes over them that both kernels make: the re-layout of each kv head's K/V block, then the
+// work items, one per kv head and query block, attending to the prompt's blocks up to the diagonal.
+struct PromptBlocks {
+  explicit PromptBlocks(const std::vector<int64_t>& ranges) : begin(ranges.data()) {
+    const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;  // prompt i: begin[2i] .. begin[2i + 1]
+    first_block.assign(num_prompts + 1, 0);
+    for (int64_t i = 0; i < num_prompts; ++i)
+      first_block[i + 1] = first_block[i] + (begin[2 * i + 1] - begin[2 * i] + kBlock - 1) / kBlock;
+    count = first_block[num_prompts];
+    items.reserve(count);
+    for (int64_t i = 0; i < num_prompts; ++i)
+      for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
+  }
+
+  // fn(h, gb, t0, n) for kv head h and every block gb (its tokens t0 .. t0 + n), in parallel
+  template <typename Fn>
+  void for_each_block(int64_t kv_heads, const Fn& fn) const {
+    at::parallel_for(0, kv_heads * count, 1, [&](int64_t first, int64_t last) {
+      for (int64_t w = first; w < last; ++w) {
+        const int64_t gb = w % count;
+        const auto [i, b] = items[gb];
+        const int64_t t0 = begin[2 * i] + b * kBlock;
+        fn(w / count, gb, t0, std::min(kBlock, begin[2 * i + 1] - t0));
+      }
+    });
+  }
+
+  // fn(h, first, b, t0, n) for kv head h and query block b (tokens t0 .. t0 + n) of the prompt whose blocks
+  // start at block `first`. Items differ in cost by up to the prompt length, so threads take the next one as
+  // they finish, later query blocks (which see more keys) first.
+  template <typename Fn>
+  void for_each_item(int64_t kv_heads, const Fn& fn) const {
+    std::vector<int64_t> order(kv_heads * count);
+    for (int64_t w = 0; w < kv_heads * count; ++w) order[w] = w;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return items[a % count].second > items[b % count].second;
+    });
+    std::atomic<int64_t> next{0};
+    const int64_t num_items = kv_heads * count;
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t w = next++; w < num_items; w = next++) {
+        const auto [i, b] = items[order[w] % count];
+        const int64_t t0 = begin[2 * i] + b * kBlock;
+        fn(order[w] / count, first_block[i], b, t0, std::min(kBlock, begin[2 * i + 1] - t0));
+      }
+    });
+  }
+
+  const int64_t* begin;
+  std::vector<int64_t> first_block;  // prompt i's first block (num_prompts + 1 entries)
+  std::vector<std::pair<int64_t, int64_t>> items;  // block -> (prompt, block within it)
+  int64_t count = 0;
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
-// 2^x for x <= 0 (masked lanes are zeroed by the caller): 2^round(x) * (degree-6 polynomial of the rest)
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.540353e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using pagoda_attention::exp2_16;
 
 inline uint32_t pair(const uint16_t* lo, const uint16_t* hi) {
   return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
@@ -152,10 +194,10 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
       shift[r] = online_softmax_advance(m[r], _mm512_reduce_max_ps(x[r]));  // -inf on the first block
     }
     alignas(64) float alpha[16];
-    _mm512_store_ps(alpha, exp2_ps(_mm512_load_ps(shift)));  // all rows at once
+    _mm512_store_ps(alpha, exp2_16(_mm512_load_ps(shift)));  // all rows at once
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(alpha[r]);
-      const __m512 pr = _mm512_maskz_mov_ps(valid[r], exp2_ps(_mm512_sub_ps(x[r], _mm512_set1_ps(m[r]))));
+      const __m512 pr = _mm512_maskz_mov_ps(valid[r], exp2_16(_mm512_sub_ps(x[r], _mm512_set1_ps(m[r]))));
       l[r] = _mm512_fmadd_ps(l[r], a, pr);
       for (int c = 0; c < C; ++c) o[r][c] = _mm512_mul_ps(o[r][c], a);
       _mm256_store_si256(reinterpret_cast<__m256i*>(probs[r]), to_bf16(pr));
@@ -181,60 +223,31 @@ template <int D>
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   const std::vector<int64_t>& ranges, double scale) {
   constexpr int R = D <= 64 ? 4 : 2;  // rows per sweep: R * (D / 16 + 2) registers of sums and scores
-  const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;
-  const int64_t* begin = ranges.data();  // prompt i: tokens begin[2i] .. begin[2i + 1]
   const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-
-  // every prompt's blocks, numbered across prompts: first block of prompt i, and (prompt, block) pairs
-  std::vector<int64_t> first_block(num_prompts + 1, 0);
-  for (int64_t i = 0; i < num_prompts; ++i)
-    first_block[i + 1] = first_block[i] + (begin[2 * i + 1] - begin[2 * i] + kBlock - 1) / kBlock;
-  const int64_t blocks = first_block[num_prompts];
-  std::vector<std::pair<int64_t, int64_t>> items;  // (prompt, block) in the order of first_block
-  items.reserve(blocks);
-  for (int64_t i = 0; i < num_prompts; ++i)
-    for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
+  const PromptBlocks blocks(ranges);
+  const int64_t count = blocks.count;
 
   const int64_t kt_size = (D / 2) * kBlock, vt_size = (kBlock / 2) * D;  // uint32 per block
   // every entry is written by the re-layout (padding included), so no zero-fill first
-  std::unique_ptr<uint32_t[]> kt(new uint32_t[kv_heads * blocks * kt_size]);
-  std::unique_ptr<uint32_t[]> vt(new uint32_t[kv_heads * blocks * vt_size]);
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t w = first; w < last; ++w) {
-      const int64_t h = w / blocks, gb = w % blocks;
-      const auto [i, b] = items[gb];
-      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
-      relayout_block<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * blocks + gb) * kt_size],
-                        &vt[(h * blocks + gb) * vt_size]);
-    }
-  });
-  // later query blocks see more keys: hand them out first
-  std::vector<int64_t> order(kv_heads * blocks);
-  for (int64_t w = 0; w < kv_heads * blocks; ++w) order[w] = w;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return items[a % blocks].second > items[b % blocks].second;
+  std::unique_ptr<uint32_t[]> kt(new uint32_t[kv_heads * count * kt_size]);
+  std::unique_ptr<uint32_t[]> vt(new uint32_t[kv_heads * count * vt_size]);
+  blocks.for_each_block(kv_heads, [&](int64_t h, int64_t gb, int64_t t0, int64_t n) {
+    relayout_block<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * count + gb) * kt_size],
+                      &vt[(h * count + gb) * vt_size]);
   });
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  // items differ in cost by up to the prompt length, so threads take the next one as they finish
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = kv_heads * blocks;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t w = next++; w < num_items; w = next++) {
-      const int64_t h = order[w] / blocks, gb = order[w] % blocks;
-      const auto [i, b] = items[gb];
-      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
-      const uint32_t* kh = &kt[(h * blocks + first_block[i]) * kt_size];
-      const uint32_t* vh = &vt[(h * blocks + first_block[i]) * vt_size];
-      // rows of this item: its n tokens x the group's heads, token-major
-      for (int64_t r0 = 0; r0 < n * group; r0 += R)
-        attend_rows<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group,
-                          r0, std::min<int64_t>(R, n * group - r0), scale_log2);
-    }
+  blocks.for_each_item(kv_heads, [&](int64_t h, int64_t first, int64_t b, int64_t t0, int64_t n) {
+    const uint32_t* kh = &kt[(h * count + first) * kt_size];
+    const uint32_t* vh = &vt[(h * count + first) * vt_size];
+    // rows of this item: its n tokens x the group's heads, token-major
+    for (int64_t r0 = 0; r0 < n * group; r0 += R)
+      attend_rows<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group, r0,
+                        std::min<int64_t>(R, n * group - r0), scale_log2);
   });
 }
 
@@ -349,55 +362,30 @@ template <int D, typename T>
 void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                       const std::vector<int64_t>& ranges, double scale) {
   constexpr int R = 4;  // rows per sweep: 8 score registers, 8 output registers while values are added
-  const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;
-  const int64_t* begin = ranges.data();
   const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
   const T* qd = q.data_ptr<T>();
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
   T* od = out.data_ptr<T>();
-  std::vector<int64_t> first_block(num_prompts + 1, 0);
-  for (int64_t i = 0; i < num_prompts; ++i)
-    first_block[i + 1] = first_block[i] + (begin[2 * i + 1] - begin[2 * i] + kBlock - 1) / kBlock;
-  const int64_t blocks = first_block[num_prompts];
-  std::vector<std::pair<int64_t, int64_t>> items;
-  items.reserve(blocks);
-  for (int64_t i = 0; i < num_prompts; ++i)
-    for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
+  const PromptBlocks blocks(ranges);
+  const int64_t count = blocks.count;
   const int64_t block_floats = D * kBlock;  // per block, in each of kt and vt
   std::unique_ptr<float[], decltype(&std::free)> kt(
-      static_cast<float*>(std::aligned_alloc(32, sizeof(float) * kv_heads * blocks * block_floats)), &std::free);
+      static_cast<float*>(std::aligned_alloc(32, sizeof(float) * kv_heads * count * block_floats)), &std::free);
   std::unique_ptr<float[], decltype(&std::free)> vt(
-      static_cast<float*>(std::aligned_alloc(32, sizeof(float) * kv_heads * blocks * block_floats)), &std::free);
-  at::parallel_for(0, kv_heads * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t w = first; w < last; ++w) {
-      const int64_t h = w / blocks, gb = w % blocks;
-      const auto [i, b] = items[gb];
-      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
-      relayout_block_f32<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * blocks + gb) * block_floats],
-                            &vt[(h * blocks + gb) * block_floats]);
-    }
-  });
-  std::vector<int64_t> order(kv_heads * blocks);
-  for (int64_t w = 0; w < kv_heads * blocks; ++w) order[w] = w;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return items[a % blocks].second > items[b % blocks].second;
+      static_cast<float*>(std::aligned_alloc(32, sizeof(float) * kv_heads * count * block_floats)), &std::free);
+  blocks.for_each_block(kv_heads, [&](int64_t h, int64_t gb, int64_t t0, int64_t n) {
+    relayout_block_f32<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * count + gb) * block_floats],
+                          &vt[(h * count + gb) * block_floats]);
   });
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  std::atomic<int64_t> next{0};
-  const int64_t num_items = kv_heads * blocks;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t w = next++; w < num_items; w = next++) {
-      const int64_t h = order[w] / blocks, gb = order[w] % blocks;
-      const auto [i, b] = items[gb];
-      const int64_t t0 = begin[2 * i] + b * kBlock, n = std::min(kBlock, begin[2 * i + 1] - t0);
-      const float* kh = &kt[(h * blocks + first_block[i]) * block_floats];
-      const float* vh = &vt[(h * blocks + first_block[i]) * block_floats];
-      for (int64_t r0 = 0; r0 < n * group; r0 += R)
-        attend_rows_f32<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group,
-                              r0, std::min<int64_t>(R, n * group - r0), scale_log2);
-    }
+  blocks.for_each_item(kv_heads, [&](int64_t h, int64_t first, int64_t b, int64_t t0, int64_t n) {
+    const float* kh = &kt[(h * count + first) * block_floats];
+    const float* vh = &vt[(h * count + first) * block_floats];
+    for (int64_t r0 = 0; r0 < n * group; r0 += R)
+      attend_rows_f32<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group,
+                            r0, std::min<int64_t>(R, n * group - r0), scale_log2);
   });
 }
 

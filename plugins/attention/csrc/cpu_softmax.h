@@ -1,7 +1,8 @@
 // What pagoda's two CPU attention kernels share: the online softmax's update (cpu_prefill.cpp's
-// flash-style items, on AVX-512 BF16 and on AVX2) and the 8-lane fp32 pieces of their AVX2 paths
-// (cpu_kernels.cpp's decode softmax and cpu_prefill.cpp's): 2^x, horizontal max and sum, and the
-// widening loads and rounding stores of fp32, bf16 and fp16 rows.
+// flash-style items, on AVX-512 BF16 and on AVX2), 2^x for softmax inputs (one polynomial, for one
+// value, 8 lanes and 16 lanes: cpu_kernels.cpp's decode softmax and cpu_prefill.cpp's items), and the
+// 8-lane fp32 pieces of their AVX2 paths: horizontal max and sum, and the widening loads and rounding
+// stores of fp32, bf16 and fp16 rows.
 //
 // Both sources include it by a path relative to their own directory; the backend puts this file's
 // digest into the build flags, so a change here builds both kernels anew.
@@ -10,12 +11,14 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace pagoda_attention {
 
@@ -33,10 +36,46 @@ inline float online_softmax_advance(float& m, float block_max) {
   return log2_alpha;
 }
 
+// 2^x for x <= 0 as 2^n * 2^f, n = round(x) built in the exponent bits and 2^f (f in [-0.5, 0.5]) by its
+// degree-6 Taylor polynomial (relative error ~1.2e-7); inputs below -126 give 2^-126 instead of a
+// subnormal or zero. One value here (vectorizable under omp simd), then 8 and 16 lanes, same arithmetic.
+inline float exp2_1(float x) {
+  x = std::max(x, -126.f);
+  const float n = std::floor(x + 0.5f);
+  const float f = x - n;
+  float p = 1.540353e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+#if defined(__AVX512F__)
+// exp2_1 on 16 lanes (masked lanes are the caller's to zero)
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.540353e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-// 2^x for x <= 0, 8 lanes: 2^round(x) in the exponent bits times a degree-6 polynomial of the rest
-// (x in [-0.5, 0.5]); inputs below -126 give 2^-126 instead of a subnormal or zero
+// exp2_1 on 8 lanes
 inline __m256 exp2_8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -179,7 +179,7 @@ def _print_stages(engine, stages: list[dict[str, float]], step_seconds: float, n
     compute = [st["execute"] - st["send"] - st["receive"] for st in stages]
     bubble = 1 - sum(compute) / (len(stages) * step_seconds) if step_seconds else 0.0
     parts = engine.config.parallel.pipeline_micro_batches
-    in_flight = engine.batches.max_in_flight if engine.batches is not None else 1
+    in_flight = engine.most_steps_in_flight
     print(f"pipeline: {len(stages)} stages (layers {'/'.join(map(str, partition))}), "
           f"{'the step whole' if parts == 1 else f'steps in up to {parts} parts'}, "
           f"{'one step at a time' if in_flight == 1 else f'{in_flight} steps in flight'}; "
