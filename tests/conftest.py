@@ -41,7 +41,8 @@ def ray_cluster():
 # first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long file that starts
 # last keeps one worker busy while the other has nothing left: these start first, every other file after them in
 # its usual order (the Makefile turns off xdist's own reordering by number of tests per file).
-LONG_FILES_FIRST = ()
+LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_replicas.py", "test_lm_eval.py", "test_tool_calling_clients.py",
+                    "test_pipeline_parallel.py", "test_lora_tensor_parallel.py", "test_server_openapi.py")
 
 
 def pytest_addoption(parser):
@@ -102,7 +103,16 @@ def _release_memory():
     import ctypes
     import ctypes.util
     import gc
+    import sys
 
+    # FastAPI remembers, in module-level lru_caches, whether each route function is a coroutine: the functions
+    # of every app a test file served, and through their closures its engine (half a GB and up), would stay
+    # alive for the rest of the worker's run
+    fastapi_models = sys.modules.get("fastapi.dependencies.models")
+    for name in dir(fastapi_models) if fastapi_models else ():
+        cached = getattr(fastapi_models, name)
+        if callable(getattr(cached, "cache_clear", None)):
+            cached.cache_clear()
     gc.collect()
     name = ctypes.util.find_library("c")
     if name:
@@ -150,9 +160,18 @@ def _memory_lines() -> list[str]:
     for name, memory in sorted(workers.items()):
         # the files that raised this process's peak, highest first: where its memory went
         raised = sorted(((peak, f) for f, (peak, _, _) in memory["files"].items() if peak), reverse=True)[:3]
+        # what stayed held after a file was done and its memory released: a file that leaves much behind leaks
+        held, grew, previous = 0.0, [], None
+        for f, (_, _, after) in memory["files"].items():
+            if previous is not None:
+                grew.append((after - previous, f))
+            previous = held = after
+        grew = sorted(grew, reverse=True)[:3]
         over = f" -- above the {MEMORY_BUDGET_GB:.0f} GB budget" if memory["peak_gb"] > MEMORY_BUDGET_GB else ""
         lines.append(f"{name}: peak RSS {memory['peak_gb']:.2f} GB{over}; peak raised to "
-                     + ", ".join(f"{peak:.2f} GB by {f}" for peak, f in raised))
+                     + ", ".join(f"{peak:.2f} GB by {f}" for peak, f in raised)
+                     + f"; {held:.2f} GB held at the end, most left behind by "
+                     + ", ".join(f"{f} ({d * 1024:+.0f} MB)" for d, f in grew))
     return lines
 
 
