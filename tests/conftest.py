@@ -170,8 +170,9 @@ def _memory_lines() -> list[str]:
         over = f" -- above the {MEMORY_BUDGET_GB:.0f} GB budget" if memory["peak_gb"] > MEMORY_BUDGET_GB else ""
         lines.append(f"{name}: peak RSS {memory['peak_gb']:.2f} GB{over}; peak raised to "
                      + ", ".join(f"{peak:.2f} GB by {f}" for peak, f in raised)
-                     + f"; {held:.2f} GB held at the end, most left behind by "
-                     + ", ".join(f"{f} ({d * 1024:+.0f} MB)" for d, f in grew))
+                     + f"; {held:.2f} GB held at the end"
+                     + (", most left behind by " + ", ".join(f"{f} ({d * 1024:+.0f} MB)" for d, f in grew)
+                        if grew else ""))
     return lines
 
 
