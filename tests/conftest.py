@@ -26,15 +26,6 @@ def host_settings_of_this_test(monkeypatch):
     monkeypatch.setattr(host, "_live_engines", weakref.WeakKeyDictionary())
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Which CPU code paths this run covered: the ISA level pagoda's kernels were built for."""
-    from pagoda.host import cpu_isa
-
-    level = cpu_isa.cpu_isa()
-    hint = "" if cpu_isa.is_capped() or level in ("generic", "avx2") else " (make test-avx2 runs the AVX2 path here)"
-    terminalreporter.write_line(f"pagoda CPU kernels ran at ISA level: {cpu_isa.describe()}{hint}")
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster of 2 CPUs, shared by the tests of a module that run ranks as Ray actors."""
@@ -42,3 +33,166 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+# --- the suite's time and memory: what `make test` prints at its end -------------------------------------------
+
+# Test files whose tests take the most CPU time (measured one file at a time on the 2-core AVX2 EPYC, slowest
+# first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long file that starts
+# last keeps one worker busy while the other has nothing left: these start first, every other file after them in
+# its usual order (the Makefile turns off xdist's own reordering by number of tests per file).
+LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_replicas.py", "test_lm_eval.py", "test_tool_calling_clients.py",
+                    "test_pipeline_parallel.py", "test_lora_tensor_parallel.py", "test_server_openapi.py")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slowest", type=int, default=0, metavar="N",
+                     help="at the end, the N slowest tests (setup, call and teardown together) with what each checks")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def _what_it_checks(item) -> str:
+    """A test's docstring's first line, else its name as a sentence (the suite names tests by what they check)."""
+    doc = getattr(getattr(item, "function", None), "__doc__", None)
+    if doc and doc.strip():
+        return doc.strip().splitlines()[0]
+    return item.originalname.removeprefix("test_").replace("_", " ") if hasattr(item, "originalname") else item.name
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when == "setup":
+        report.user_properties.append(("checks", _what_it_checks(item)))
+    return report
+
+
+_SLOWEST: dict[str, dict] = {}
+
+
+def pytest_runtest_logreport(report):
+    entry = _SLOWEST.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "checks": ""})
+    entry[report.when] += report.duration
+    for name, value in report.user_properties:
+        if name == "checks":
+            entry["checks"] = value
+
+
+def _rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+_MEMORY = {"peak_gb": 0.0, "files": {}}
+
+
+def _release_memory():
+    """Hand back to the kernel what a finished test file's engines and servers held: their module fixtures are
+    torn down by now, so collect the reference cycles that still hold tensors and trim glibc's heaps (an engine
+    tunes malloc to keep up to 1 GB freed memory, per heap, for its own reuse; the next file builds its own)."""
+    import ctypes
+    import ctypes.util
+    import gc
+    import sys
+
+    # FastAPI remembers, in module-level lru_caches, whether each route function is a coroutine: the functions
+    # of every app a test file served, and through their closures its engine (half a GB and up), would stay
+    # alive for the rest of the worker's run
+    fastapi_models = sys.modules.get("fastapi.dependencies.models")
+    for name in dir(fastapi_models) if fastapi_models else ():
+        cached = getattr(fastapi_models, name)
+        if callable(getattr(cached, "cache_clear", None)):
+            cached.cache_clear()
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    if nextitem is None or nextitem.path != item.path:  # the file's last test: its module fixtures are gone
+        peak_before = _MEMORY["peak_gb"]
+        _MEMORY["peak_gb"] = _peak_rss_gb()
+        before = _rss_gb()
+        _release_memory()
+        _MEMORY["files"][item.path.name] = (_MEMORY["peak_gb"] if _MEMORY["peak_gb"] > peak_before else None,
+                                            before, _rss_gb())
+    return result
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller prints it
+        workeroutput["pagoda_memory"] = {"peak_gb": _peak_rss_gb(), "files": _MEMORY["files"]}
+
+
+_WORKERS: dict[str, dict] = {}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the controller hears a worker has finished
+def pytest_testnodedown(node, error):
+    memory = getattr(node, "workeroutput", {}).get("pagoda_memory")
+    if memory:
+        _WORKERS[node.gateway.id] = memory
+
+
+MEMORY_BUDGET_GB = 4.0
+
+
+def _memory_lines() -> list[str]:
+    workers = _WORKERS or {"this process": {"peak_gb": _peak_rss_gb(), "files": _MEMORY["files"]}}
+    lines = []
+    for name, memory in sorted(workers.items()):
+        # the files that raised this process's peak, highest first: where its memory went
+        raised = sorted(((peak, f) for f, (peak, _, _) in memory["files"].items() if peak), reverse=True)[:3]
+        # what stayed held after a file was done and its memory released: a file that leaves much behind leaks
+        held, grew, previous = 0.0, [], None
+        for f, (_, _, after) in memory["files"].items():
+            if previous is not None:
+                grew.append((after - previous, f))
+            previous = held = after
+        grew = sorted(grew, reverse=True)[:3]
+        over = f" -- above the {MEMORY_BUDGET_GB:.0f} GB budget" if memory["peak_gb"] > MEMORY_BUDGET_GB else ""
+        lines.append(f"{name}: peak RSS {memory['peak_gb']:.2f} GB{over}; peak raised to "
+                     + ", ".join(f"{peak:.2f} GB by {f}" for peak, f in raised)
+                     + f"; {held:.2f} GB held at the end"
+                     + (", most left behind by " + ", ".join(f"{f} ({d * 1024:+.0f} MB)" for d, f in grew)
+                        if grew else ""))
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU code paths this run covered: the ISA level pagoda's kernels were built for; with ``--slowest N``
+    the N slowest tests and what each checks, and each worker's peak memory."""
+    from pagoda.host import cpu_isa
+
+    level = cpu_isa.cpu_isa()
+    hint = "" if cpu_isa.is_capped() or level in ("generic", "avx2") else " (make test-avx2 runs the AVX2 path here)"
+    terminalreporter.write_line(f"pagoda CPU kernels ran at ISA level: {cpu_isa.describe()}{hint}")
+    n = terminalreporter.config.getoption("slowest")
+    if not n:
+        return
+    terminalreporter.write_sep("=", f"{n} slowest tests (setup + call + teardown; setup includes module fixtures)")
+    slowest = sorted(_SLOWEST.items(), key=lambda kv: -(kv[1]["setup"] + kv[1]["call"] + kv[1]["teardown"]))[:n]
+    for nodeid, t in slowest:
+        total = t["setup"] + t["call"] + t["teardown"]
+        terminalreporter.write_line(f"{total:7.1f} s (setup {t['setup']:5.1f})  {nodeid}")
+        terminalreporter.write_line(f"{'':27}checks: {t['checks']}")
+    terminalreporter.write_sep("=", "memory per worker process (RSS)")
+    for line in _memory_lines():
+        terminalreporter.write_line(line)

@@ -88,12 +88,14 @@ def served(tmp_path_factory):
 
 
 def evaluate(model: str, model_args: dict, task_dir: Path) -> tuple[float, list[list[float]]]:
-    """lm-eval's accuracy on the task and each item's loglikelihood per choice, in item order."""
+    """lm-eval's accuracy on the task and each item's loglikelihood per choice, in item order. Only the task
+    written here is indexed: lm-eval's own hundreds of task files took 17 s of CPU to index, at every call."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     results = simple_evaluate(model=model, model_args=model_args, tasks=[TASK], batch_size=4, log_samples=True,
-                              task_manager=TaskManager(include_path=str(task_dir)), bootstrap_iters=0)
+                              task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                              bootstrap_iters=0)
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
     loglikelihoods = [[float(resp[0]) for resp in sample["filtered_resps"]] for sample in samples]
     return results["results"][TASK]["acc,none"], loglikelihoods
