@@ -61,9 +61,12 @@ def checkpoint(request, tmp_path_factory, default_dir):
 
 
 def _hf_greedy(model, ids, n):
+    """transformers' greedy tokens and the log-probability of each."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -72,10 +75,14 @@ def test_greedy_tokens_match_transformers(checkpoint, backend):
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20, cpu_threads=1,
               attention_backend=backend, block_size=16)
     prompts = [[5, 17, 923, 4001, 77], list(range(100, 160, 3))]  # 5 and 20 tokens: the window of 8 slides
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12), f"{arch} on {backend}: {len(prompt)} tokens"
+        ref_tokens, ref_logprobs = _hf_greedy(hf, prompt, 12)
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, f"{arch} on {backend}: {len(prompt)} tokens"
+        mine = [step[t].logprob for step, t in zip(got.logprobs, got.token_ids)]
+        assert mine == pytest.approx(ref_logprobs, abs=2e-3), f"{arch} on {backend}: log-probabilities"
 
 
 def test_unsupported_rope_type_fails_naming_the_field(tmp_path):
