@@ -32,6 +32,15 @@ def _config(arch: str, vocab: int):
         return transformers.Gemma3TextConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2,
                                              head_dim=16, sliding_window=8,
                                              layer_types=["sliding_attention", "full_attention"], **BASE)
+    if arch == "olmo2":  # norms after the blocks, q/k norms over the whole projections
+        return transformers.Olmo2Config(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=4, **BASE)
+    if arch == "granite":  # the four multipliers
+        return transformers.GraniteConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=1,
+                                          embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                          logits_scaling=2.0, **BASE)
+    if arch == "smollm3":  # layer 1 without RoPE
+        return transformers.SmolLM3Config(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2,
+                                          no_rope_layers=[1, 0], pad_token_id=0, **BASE)
     raise ValueError(arch)
 
 
@@ -40,7 +49,7 @@ def default_dir():
     return ensure_default_model()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3"])
 def checkpoint(request, tmp_path_factory, default_dir):
     from transformers import AutoTokenizer
 
