@@ -55,6 +55,7 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
 
     with torch.device(config.device):
         model = adapt_component(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
+    check_attention_features(model, backend)
     loader = adapt_component(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
     loader.load_weights(model)
     model.eval()
@@ -145,6 +146,18 @@ def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Attenti
         except BackendUnavailable as exc:
             reasons.append(f"{candidate.name}: {exc}")
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
+
+
+def check_attention_features(model: Any, backend: AttentionBackend) -> None:
+    """Refuse, at start-up, a model whose layers ask for sliding windows, logit soft-caps or sinks of a backend
+    that does not list them in its ``attention_features``."""
+    asks = getattr(model, "attention_features", None)
+    needed = set(asks()) if callable(asks) else set()
+    missing = needed - set(getattr(backend, "attention_features", None) or ())
+    if missing:
+        name = getattr(backend, "name", type(backend).__name__)
+        raise ConfigError(f"this model's attention uses {', '.join(sorted(missing))}, which attention backend "
+                          f"{name!r} does not implement; pass --attention-backend cpu or torch")
 
 
 def auto_backend_order(pm: PluginManager, device: str) -> list:

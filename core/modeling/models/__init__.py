@@ -5,7 +5,12 @@ from pagoda.markers import hookimpl
 
 @hookimpl
 def pagoda_model_architectures():
+    from pagoda.modeling.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
     from pagoda.modeling.models.llama import LlamaForCausalLM
+    from pagoda.modeling.models.granite import GraniteForCausalLM
+    from pagoda.modeling.models.olmo2 import Olmo2ForCausalLM
+    from pagoda.modeling.models.qwen3 import Qwen3ForCausalLM
+    from pagoda.modeling.models.smollm3 import SmolLM3ForCausalLM
 
     # Mistral and Qwen2 checkpoints differ from Llama only in config switches
     # (sliding window, QKV bias) that LlamaForCausalLM reads from config.json.
@@ -13,4 +18,10 @@ def pagoda_model_architectures():
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Gemma2ForCausalLM": Gemma2ForCausalLM,
+        "Gemma3ForCausalLM": Gemma3ForCausalLM,
+        "Olmo2ForCausalLM": Olmo2ForCausalLM,
+        "GraniteForCausalLM": GraniteForCausalLM,
+        "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     }
