@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.host.cpp_extension import load_cpu_extension
 from pagoda.host.env import HostConfig, resolve_host_config
-from pagoda.modeling.layers.moe import (_SOURCE, FusedMoE, RouterSpec, SparseMoeBlock, grouped_experts,
+from pagoda.modeling.layers.moe import (_SOURCE, FusedMoE, RouterSpec, SharedExpert, SparseMoeBlock, grouped_experts,
                                         select_experts)
 
 
@@ -140,12 +140,9 @@ def test_unknown_router_scoring_is_a_config_error():
 
 def _block(host, shared=False):
     torch.manual_seed(0)
-    make = None
-    if shared:
-        def make(inter):
-            return torch.nn.Linear(32, 2 * inter, bias=False), torch.nn.Linear(inter, 32, bias=False)
-    block = SparseMoeBlock(32, 4, 24, RouterSpec(2, renormalize=False), torch.float32, shared_intermediate_size=40 if
-                           shared else 0, shared_gate=shared, make_shared=make, host=host, prefix="layers.0.mlp")
+    expert = SharedExpert(torch.nn.Linear(32, 80, bias=False), torch.nn.Linear(40, 32, bias=False)) if shared else None
+    block = SparseMoeBlock(32, 4, 24, RouterSpec(2, renormalize=False), torch.float32, shared_expert=expert,
+                           shared_gate=shared, host=host, prefix="layers.0.mlp")
     for e in range(4):
         for part, shape in (("gate", (24, 32)), ("up", (24, 32)), ("down", (32, 24))):
             block.experts.load_expert(part, e, torch.randn(shape) * 0.2, f"experts.{e}.{part}")

@@ -228,20 +228,37 @@ class FusedMoE(nn.Module):
         return f"{self.ops.moe_path()} GEMV up to {GEMV_MAX_ROWS} tokens per expert, {gemm} beyond"
 
 
+class SharedExpert(nn.Module):
+    """A dense gated MLP (``gate_up_proj``, ``down_proj``: the architecture's parallel linear layers) that
+    every token goes through beside its routed experts (Qwen2-MoE)."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module, kernels: Any = None) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.kernels = gate_up_proj, down_proj, kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            h = self.kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
+
+
 class SparseMoeBlock(nn.Module):
     """A router, its routed experts and optionally a shared expert, in place of a decoder layer's MLP.
 
-    ``router_bias``: the router's linear layer has a bias (gpt-oss). ``shared_intermediate_size``: a dense
-    gated MLP every token also goes through (Qwen2-MoE), scaled by ``sigmoid(shared_expert_gate(x))`` when
-    ``shared_gate``. The shared expert's layers come from ``make_shared(intermediate_size)``, which returns
-    ``(gate_up, down)`` modules of the architecture's linear-layer kind (their own sharding).
+    ``router_bias``: the router's linear layer has a bias (gpt-oss). ``shared_expert``: a
+    :class:`SharedExpert` every token also goes through, scaled by ``sigmoid(shared_expert_gate(x))`` when
+    ``shared_gate`` (Qwen2-MoE).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, router: RouterSpec,
                  dtype: torch.dtype, *, router_bias: bool = False, activation: str = "silu",
                  expert_bias: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                 shared_intermediate_size: int = 0, shared_gate: bool = False, make_shared: Any = None,
-                 kernels: Any = None, host: Optional[HostConfig] = None, prefix: str = "") -> None:
+                 shared_expert: Optional[SharedExpert] = None, shared_gate: bool = False,
+                 host: Optional[HostConfig] = None, prefix: str = "") -> None:
         super().__init__()
         if router.top_k > num_experts:
             raise ConfigError(f"config.json routes each token to {router.top_k} experts of {num_experts}; "
@@ -251,27 +268,19 @@ class SparseMoeBlock(nn.Module):
         self.router.requires_grad_(False)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, dtype, activation=activation,
                                 has_bias=expert_bias, alpha=alpha, limit=limit, host=host, prefix=f"{prefix}.experts")
-        self.kernels = kernels
-        self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
-        if shared_intermediate_size:
-            self.shared_gate_up, self.shared_down = make_shared(shared_intermediate_size)
-            if shared_gate:
-                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
-                self.shared_expert_gate.requires_grad_(False)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None
+        if shared_expert is not None and shared_gate:
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype)
+            self.shared_expert_gate.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         logits = F.linear(x, self.router.weight, self.router.bias)  # [T, E]
         weights, ids = select_experts(logits, self.router_spec)
         out = self.experts(x, weights, ids)
-        if self.shared_gate_up is not None:
-            gate_up = self.shared_gate_up(x)
-            if self.kernels is not None:
-                h = self.kernels.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                h = F.silu(gate) * up
-            shared = self.shared_down(h)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
             out = out + shared

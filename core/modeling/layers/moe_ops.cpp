@@ -34,35 +34,25 @@ inline float wf(c10::BFloat16 w) { return to_f(w); }
 inline float wf(int8_t w) { return static_cast<float>(w); }
 
 // GCC vector types need a constant size: one definition per width
-#define PAGODA_MOE_VEC(NAME, L)                                                  \
-  struct NAME {                                                                  \
-    typedef float F __attribute__((vector_size(L * 4)));                         \
-    typedef uint16_t H __attribute__((vector_size(L * 2)));                      \
-    typedef uint32_t U __attribute__((vector_size(L * 4)));                      \
-    typedef int8_t B __attribute__((vector_size(L)));                            \
-    static F load(const float* p) {                                              \
-      F v;                                                                       \
-      std::memcpy(&v, p, sizeof(v));                                             \
-      return v;                                                                  \
-    }                                                                            \
-    static F load(const c10::BFloat16* p) {                                      \
-      H h;                                                                       \
-      std::memcpy(&h, p, sizeof(h));                                             \
-      const U u = __builtin_convertvector(h, U) << 16;                           \
-      F v;                                                                       \
-      std::memcpy(&v, &u, sizeof(v));                                            \
-      return v;                                                                  \
-    }                                                                            \
-    static F load(const int8_t* p) {                                             \
-      B b;                                                                       \
-      std::memcpy(&b, p, sizeof(b));                                             \
-      return __builtin_convertvector(b, F);                                      \
-    }                                                                            \
-    static float sum(F v) {                                                      \
-      float s = 0.f;                                                             \
-      for (int i = 0; i < L; ++i) s += v[i];                                     \
-      return s;                                                                  \
-    }                                                                            \
+// (the *U types: unaligned, aliasing loads of the same vectors, one instruction each)
+#define PAGODA_MOE_VEC(NAME, L)                                                                     \
+  struct NAME {                                                                                     \
+    typedef float F __attribute__((vector_size(L * 4)));                                            \
+    typedef uint32_t U __attribute__((vector_size(L * 4)));                                         \
+    typedef float FU __attribute__((vector_size(L * 4), aligned(1), may_alias));                    \
+    typedef uint16_t HU __attribute__((vector_size(L * 2), aligned(1), may_alias));                 \
+    typedef int8_t BU __attribute__((vector_size(L), aligned(1), may_alias));                       \
+    static F load(const float* p) { return *reinterpret_cast<const FU*>(p); }                       \
+    static F load(const c10::BFloat16* p) {                                                         \
+      const U u = __builtin_convertvector(*reinterpret_cast<const HU*>(p), U) << 16;                \
+      return reinterpret_cast<F>(u);                                                                \
+    }                                                                                               \
+    static F load(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const BU*>(p), F); } \
+    static float sum(F v) {                                                                         \
+      float s = 0.f;                                                                                \
+      for (int i = 0; i < L; ++i) s += v[i];                                                        \
+      return s;                                                                                     \
+    }                                                                                               \
   };
 PAGODA_MOE_VEC(Vec8, 8)
 PAGODA_MOE_VEC(Vec16, 16)
