@@ -81,12 +81,19 @@ class CpuAttentionMetadata:
     fresh_prefills: list[tuple[int, int]]
     # large decode groups go through the torch backend's batched gather + matmul instead
     torch_decode: Optional[TorchAttentionMetadata] = None
+    # the step's batch: layers with a sliding window, soft-cap or sinks attend through the torch backend's
+    # path, whose metadata is made from it on the first such layer of the step
+    batch: Optional[AttentionBatch] = None
+    torch_all: Optional[TorchAttentionMetadata] = None
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """Same KV layout as ``torch``; a C++ kernel instead of gathers for cached-context attention."""
 
     name = "cpu"
+    # a layer with a sliding window, logit soft-cap or sinks attends through the torch backend's path (masked
+    # gathers and matmuls); the other layers of the same model keep the C++ kernels
+    attention_features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cpu": 20}
 
@@ -152,10 +159,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         slots, written = batch.slots_to_write()
         token_len[batch.slot_mapping < 0] = 0  # padding tokens attend to nothing
         return CpuAttentionMetadata(slots, written, batch.block_tables, token_req, token_len.to(torch.int32), fresh,
-                                    torch_decode)
+                                    torch_decode, batch)
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
+        if layer.sliding_window or layer.logit_softcap or layer.sinks is not None:
+            # the C++ kernels attend causally over every key: such a layer takes the torch backend's path
+            if md.torch_all is None:
+                md.torch_all = TorchAttentionBackend.build_metadata(self, md.batch)
+            return TorchAttentionBackend.forward(self, layer, q, k, v, kv_cache, md.torch_all)
         k_scale = v_scale = 1.0
         if self.fp8:
             k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)

@@ -11,7 +11,7 @@ request does not depend on how its prompt was chunked or prefix-cached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -65,6 +65,19 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [n * max_blocks] int64
     max_len: int  # padded key length (a multiple of block_size)
     mask: torch.Tensor  # [1, n, 1, max_len] float32, 0 or -inf
+    lens: Optional[torch.Tensor] = None  # [n] int64: each request's keys
+    window_masks: dict = field(default_factory=dict)  # sliding window -> its mask, made on first use
+
+    def mask_for(self, window: Optional[int]) -> torch.Tensor:
+        """The mask of a layer with ``window`` (None: the causal mask): keys before ``len - window`` hidden too."""
+        if not window:
+            return self.mask
+        if window not in self.window_masks:
+            keys = torch.arange(self.max_len)[None, :]
+            hidden = (keys >= self.lens[:, None]) | (keys < self.lens[:, None] - window)
+            self.window_masks[window] = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).view(
+                1, len(self.lens), 1, self.max_len)
+        return self.window_masks[window]
 
 
 # Decodes are sorted by length and gathered this many at a time, so a batch mixing short and
@@ -76,6 +89,8 @@ class TorchAttentionBackend:
     """Paged attention in plain torch: index_copy_ writes, block gathers, matmul/SDPA."""
 
     name = "torch"
+    # what layers may ask beyond causal attention (pagoda.modeling.layers.attention.ATTENTION_FEATURES): all of it
+    attention_features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cuda": 0, "cpu": 0}  # the reference: last on every device
 
@@ -105,7 +120,7 @@ class TorchAttentionBackend:
                 mask = torch.zeros(len(rows), nb * bs)
                 mask.masked_fill_(torch.arange(nb * bs)[None, :] >= lens[:, None], float("-inf"))
                 block_ids = batch.block_tables[rows, :nb].reshape(-1).to(torch.int64)
-                groups.append(DecodeGroup(rows, block_ids, nb * bs, mask.view(1, len(rows), 1, nb * bs)))
+                groups.append(DecodeGroup(rows, block_ids, nb * bs, mask.view(1, len(rows), 1, nb * bs), lens))
         prefills, masks = [], []
         qsl = batch.query_start_loc_list
         for i in range(nd, batch.num_reqs):
@@ -137,8 +152,11 @@ class TorchAttentionBackend:
         k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
         write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         out = torch.empty_like(q)
+        window = getattr(layer, "sliding_window", None)
+        plain = not (getattr(layer, "logit_softcap", None) or getattr(layer, "sinks", None) is not None)
         for group in md.decode_groups:
-            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, layer.scale, k_scale, v_scale)
+            out[group.rows] = self._decode(q[group.rows], k_cache, v_cache, group, layer.scale, k_scale, v_scale,
+                                           layer)
         for (start, end, ctx, seq_len, block_ids), mask in zip(md.prefills, md.prefill_masks):
             # 4-D inputs reach torch's flash kernel; 3-D ones its math path (3x slower at 300 tokens)
             qi = q[start:end].transpose(0, 1)  # [H, n, D]
@@ -146,14 +164,19 @@ class TorchAttentionBackend:
                 ki = dequantize_fp8(k[start:end], k_scale, q.dtype) if self.fp8 else k[start:end]
                 vi = dequantize_fp8(v[start:end], v_scale, q.dtype) if self.fp8 else v[start:end]
                 ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, n, D]
-                oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=layer.scale,
-                                                    enable_gqa=self.group > 1)
+                if plain and not window:
+                    oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True,
+                                                        scale=layer.scale, enable_gqa=self.group > 1)
+                else:
+                    allowed = _allowed(0, end - start, end - start, window)
+                    oi = self._attend(qi, ki, vi, allowed, layer, layer.scale, plain)
             else:
                 ki = self._read(k_cache.index_select(1, block_ids), q.dtype).view(hkv, -1, d)[:, :seq_len]
                 vi = self._read(v_cache.index_select(1, block_ids), q.dtype).view(hkv, -1, d)[:, :seq_len]
+                if window:
+                    mask = _allowed(ctx, seq_len, seq_len, window)
                 # fp8: k_scale folds into the softmax scale, v_scale into the output
-                oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=mask,
-                                                    scale=layer.scale * k_scale, enable_gqa=self.group > 1)
+                oi = self._attend(qi, ki, vi, mask, layer, layer.scale * k_scale, plain)
                 if v_scale != 1.0:
                     oi = oi * v_scale
             out[start:end] = oi[0].transpose(0, 1)
@@ -164,8 +187,22 @@ class TorchAttentionBackend:
         """Gathered cache rows in the compute dtype (fp8 widens exactly; scales are applied by the caller)."""
         return stored if stored.dtype == dtype else widen_fp8(stored, dtype)
 
+    def _attend(self, qi: torch.Tensor, ki: torch.Tensor, vi: torch.Tensor, allowed: torch.Tensor, layer: Any,
+                scale: float, plain: bool) -> torch.Tensor:
+        """``qi [H, n, D]`` over ``ki, vi [Hkv, L, D]`` where ``allowed [n, L]``: ``[1, H, n, D]``. SDPA for a
+        layer without soft-cap or sinks; written out otherwise (scores in float32, as transformers' eager path)."""
+        if plain:
+            return F.scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=allowed, scale=scale,
+                                                  enable_gqa=self.group > 1)
+        if self.group > 1:
+            ki, vi = ki.repeat_interleave(self.group, 0), vi.repeat_interleave(self.group, 0)
+        scores = torch.matmul(qi, ki.transpose(-1, -2)).float() * scale  # [H, n, L]
+        scores = _softcap(scores, layer).masked_fill(~allowed, float("-inf"))
+        probs = _softmax_with_sinks(scores, layer, (-1, 1, 1)).to(vi.dtype)
+        return torch.matmul(probs, vi)[None]
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0, layer: Any = None) -> torch.Tensor:
         # decode only: one query token per request, grouped per KV head so K/V are never repeated
         nd, h, d = q.shape
         hkv = k_cache.shape[0]
@@ -174,8 +211,39 @@ class TorchAttentionBackend:
         values = self._read(v_cache.index_select(1, group.block_ids), q.dtype).view(hkv, nd, length, d)
         qg = q.view(nd, hkv, self.group, d).transpose(0, 1)  # [Hkv, nd, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (scale * k_scale)  # [Hkv, nd, G, L]
-        probs = torch.softmax(scores + group.mask, dim=-1).to(q.dtype)
+        if layer is None:
+            probs = torch.softmax(scores + group.mask, dim=-1).to(q.dtype)
+        else:
+            scores = _softcap(scores, layer) + group.mask_for(getattr(layer, "sliding_window", None))
+            probs = _softmax_with_sinks(scores, layer, (hkv, 1, self.group, 1)).to(q.dtype)
         out = torch.matmul(probs, values)  # [Hkv, nd, G, D]
         if v_scale != 1.0:
             out = out * v_scale
         return out.transpose(0, 1).reshape(nd, h, d)
+
+
+def _allowed(ctx: int, seq_len: int, keys: int, window: Optional[int]) -> torch.Tensor:
+    """``[seq_len - ctx, keys]`` bool: the queries at positions ``ctx..seq_len-1`` see keys at or before their
+    own position, and within ``window`` of it when one is given."""
+    q_pos = torch.arange(ctx, seq_len)[:, None]
+    k_pos = torch.arange(keys)[None, :]
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+def _softcap(scores: torch.Tensor, layer: Any) -> torch.Tensor:
+    cap = getattr(layer, "logit_softcap", None)
+    return scores if not cap else torch.tanh(scores / cap) * cap
+
+
+def _softmax_with_sinks(scores: torch.Tensor, layer: Any, sink_shape: tuple[int, ...]) -> torch.Tensor:
+    """Softmax over the last axis; with the layer's sinks (one logit per head, viewed as ``sink_shape``) in the
+    denominator only."""
+    sinks = getattr(layer, "sinks", None)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().view(sink_shape).expand(*scores.shape[:-1], 1)
+    both = torch.cat((scores, sink), dim=-1)
+    return torch.softmax(both - both.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]

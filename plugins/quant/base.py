@@ -11,7 +11,8 @@ from torch import nn
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.host.env import QUANT_KERNELS, resolve_host_config
 
-# pagoda's fused layers and the checkpoint modules stacked into them, in shard order
+# the Llama family's fused layers and the checkpoint modules stacked into them, in shard order; a model being
+# built sets its own (its architecture's packed_modules_mapping), which checkpoint_modules reads
 FUSED_MODULES = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -19,10 +20,14 @@ FUSED_MODULES = {
 
 
 def checkpoint_modules(prefix: str) -> list[str]:
-    """``model.layers.0.self_attn.qkv_proj`` -> the checkpoint modules fused into it (q/k/v_proj)."""
+    """``model.layers.0.self_attn.qkv_proj`` -> the checkpoint modules fused into it (q/k/v_proj), as the
+    architecture being built packs them (:func:`pagoda.modeling.layers.linear.current_packed_modules`)."""
+    from pagoda.modeling.layers.linear import current_packed_modules
+
+    packed = current_packed_modules()
     parent, _, leaf = prefix.rpartition(".")
-    if leaf in FUSED_MODULES:
-        return [f"{parent}.{name}" for name in FUSED_MODULES[leaf]]
+    if leaf in packed:
+        return [f"{parent}.{name}" for name in packed[leaf]]
     return [prefix]
 
 

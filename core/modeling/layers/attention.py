@@ -23,11 +23,24 @@ def kv_scale_target(name: str) -> Optional[tuple[int, str]]:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
+# what a layer may ask of its attention backend beyond plain causal attention (a backend's
+# ``attention_features`` lists those it implements)
+ATTENTION_FEATURES = ("sliding_window", "logit_softcap", "sinks")
+
+
 class Attention(nn.Module):
-    """Writes this step's K/V into the paged cache and attends, through the selected backend."""
+    """Writes this step's K/V into the paged cache and attends, through the selected backend.
+
+    Each query attends causally to its sequence's keys, scores times ``scale``; a layer may further ask for
+    ``sliding_window`` (a query at position p sees keys at positions > p - window: the window counts the
+    query's own token), ``logit_softcap`` (scores become ``cap * tanh(score / cap)`` before the softmax) and
+    ``sinks`` (one learned logit per query head joins the softmax's denominator and attends to nothing; the
+    parameter ``sinks [num_heads]`` of this rank's heads, loaded from the checkpoint).
+    """
 
     def __init__(self, backend: Any, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 scale: float) -> None:
+                 scale: float, sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None,
+                 sinks: bool = False, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.backend = backend
         self.layer_idx = layer_idx
@@ -35,6 +48,17 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = int(sliding_window) if sliding_window else None
+        self.logit_softcap = float(logit_softcap) if logit_softcap else None
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype), requires_grad=False)
+
+    @property
+    def features(self) -> set[str]:
+        """Which of ``ATTENTION_FEATURES`` this layer uses."""
+        return {name for name, on in (("sliding_window", self.sliding_window), ("logit_softcap", self.logit_softcap),
+                                      ("sinks", self.sinks is not None)) if on}
         # fp8 KV cache: the cache stores k / k_scale and v / v_scale (per tensor; 1.0 unless the
         # checkpoint carries them). Plain floats: a backend reads them on every call without a sync.
         self.k_scale = 1.0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+import contextvars
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -11,6 +13,27 @@ from pagoda.errors import CheckpointError
 from pagoda.execution import distributed
 from pagoda.modeling.layers import onednn
 from pagoda.modeling.layers.fused_ops import CpuKernels
+
+
+# the fused layers of the model being built and the checkpoint modules each stacks, in shard order: its
+# architecture's ``packed_modules_mapping``, which quant configs read to match their per-module entries
+_PACKED_MODULES: contextvars.ContextVar[Mapping[str, Sequence[str]]] = contextvars.ContextVar(
+    "pagoda_packed_modules", default={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")})
+
+
+@contextlib.contextmanager
+def packed_modules(mapping: Mapping[str, Sequence[str]]) -> Iterator[None]:
+    """Within the block, :func:`current_packed_modules` is ``mapping`` (a model sets it while building its layers)."""
+    token = _PACKED_MODULES.set(mapping)
+    try:
+        yield
+    finally:
+        _PACKED_MODULES.reset(token)
+
+
+def current_packed_modules() -> Mapping[str, Sequence[str]]:
+    """The fused layers of the model being built (Llama's qkv_proj and gate_up_proj outside a build)."""
+    return _PACKED_MODULES.get()
 
 
 class UnquantizedLinearMethod:
@@ -127,3 +150,51 @@ class Linear(nn.Module):
         else:
             y = self.quant_method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.add(x, y)  # the adapters' terms, in place
+
+
+# ---- the parallel layers: each computes its own part of the weight under tensor parallelism -----------------
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over the tensor-parallel ranks: each output shard (gate, up, ...) is split evenly and
+    this rank holds its part of every one. Alone, the whole layer."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
+                 quant_method=None, prefix: str = "", kernels: Optional[CpuKernels] = None) -> None:
+        tp = distributed.current()
+        rows = [distributed.split(size, tp.size, tp.rank) for size in output_sizes] if tp.size > 1 else None
+        super().__init__(in_features, output_sizes, bias, dtype, quant_method, prefix, tp_rows=rows, kernels=kernels)
+
+
+class QKVParallelLinear(Linear):
+    """The fused q, k, v projection: this rank's query heads and the KV heads they read (see
+    :func:`pagoda.execution.distributed.head_shard`). ``self.heads`` is the rank's shard."""
+
+    def __init__(self, in_features: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype, quant_method=None, prefix: str = "", kernels: Optional[CpuKernels] = None) -> None:
+        tp = distributed.current()
+        self.heads = heads = distributed.head_shard(num_heads, num_kv_heads, tp)
+        d = head_dim
+        rows = [(heads.q_start * d, heads.num_heads * d)] + [(heads.kv_start * d, heads.num_kv_heads * d)] * 2
+        super().__init__(in_features, [num_heads * d, num_kv_heads * d, num_kv_heads * d], bias, dtype, quant_method,
+                         prefix, tp_rows=rows if tp.size > 1 else None, kernels=kernels)
+
+    @property
+    def q_cols(self) -> tuple[int, int]:
+        """The input columns of the output projection that read this rank's query heads."""
+        start, size = self.tp_rows[0] if self.tp_rows is not None else (0, self.full_output_sizes[0])
+        return start, size
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the ranks, the partial outputs summed (all-reduce), the bias added once.
+    ``input_part``: the ``(start, size)`` columns this rank holds (default: an even split); alone, all."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant_method=None,
+                 prefix: str = "", kernels: Optional[CpuKernels] = None,
+                 input_part: Optional[tuple[int, int]] = None) -> None:
+        tp = distributed.current()
+        cols = None
+        if tp.size > 1:
+            cols = input_part if input_part is not None else distributed.split(in_features, tp.size, tp.rank)
+        super().__init__(in_features, [out_features], bias, dtype, quant_method, prefix, tp_cols=cols, kernels=kernels)
