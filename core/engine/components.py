@@ -46,6 +46,14 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     if config.parallel.pipeline_parallel_size > 1 and not getattr(arch.factory, "supports_pipeline_parallel", False):
         raise ConfigError(f"the {mc.architecture} architecture ({arch.dist}) does not build pipeline stages (its class "
                           "does not set supports_pipeline_parallel); use pipeline_parallel_size=1")
+    if config.lora is not None and not getattr(arch.factory, "supports_lora", True):
+        raise ConfigError(f"the {mc.architecture} architecture ({arch.dist}) does not take LoRA adapters (its class "
+                          "sets supports_lora = False: a Mixture-of-Experts model's experts are not adapted yet); "
+                          "drop --enable-lora")
+    if mc.quantization and not getattr(arch.factory, "supports_quantization", True):
+        raise ConfigError(f"the {mc.architecture} architecture ({arch.dist}) does not load quantized checkpoints "
+                          f"(quantization {mc.quantization!r}; a Mixture-of-Experts model's experts are not quantized "
+                          "yet); use the unquantized checkpoint")
     pm.get("pagoda_model_loaders", mc.load_format, "load_format")
     allocator = pm.get("pagoda_kv_allocators", cc.kv_allocator, "kv_allocator").factory
     scheduler_policy = pm.get("pagoda_schedulers", config.scheduler.policy, "scheduling_policy").factory

@@ -114,6 +114,9 @@ class LoRASlots:
 
     def __init__(self, config: LoRAConfig, model_config: ModelConfig, model: torch.nn.Module, backend: Any,
                  device: torch.device) -> None:
+        if not getattr(model, "supports_lora", True):
+            raise ConfigError(f"{model_config.architecture} is a Mixture-of-Experts model, whose experts pagoda does "
+                              "not adapt with LoRA yet; drop --enable-lora")
         self.config = config
         self.current = LoRAPass()
         # the model's fused layers and the checkpoint projections each stacks (vLLM's packed_modules_mapping)

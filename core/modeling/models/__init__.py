@@ -6,10 +6,13 @@ from pagoda.markers import hookimpl
 @hookimpl
 def pagoda_model_architectures():
     from pagoda.modeling.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-    from pagoda.modeling.models.llama import LlamaForCausalLM
+    from pagoda.modeling.models.gpt_oss import GptOssForCausalLM
     from pagoda.modeling.models.granite import GraniteForCausalLM
+    from pagoda.modeling.models.llama import LlamaForCausalLM
+    from pagoda.modeling.models.mixtral import MixtralForCausalLM
     from pagoda.modeling.models.olmo2 import Olmo2ForCausalLM
     from pagoda.modeling.models.qwen3 import Qwen3ForCausalLM
+    from pagoda.modeling.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     from pagoda.modeling.models.smollm3 import SmolLM3ForCausalLM
 
     # Mistral and Qwen2 checkpoints differ from Llama only in config switches
@@ -24,4 +27,9 @@ def pagoda_model_architectures():
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
         "GraniteForCausalLM": GraniteForCausalLM,
         "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+        # Mixture of Experts (pagoda.modeling.layers.moe)
+        "MixtralForCausalLM": MixtralForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "GptOssForCausalLM": GptOssForCausalLM,
     }

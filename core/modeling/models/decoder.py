@@ -281,6 +281,8 @@ class DecoderForCausalLM(nn.Module):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     # checkpoint name fragment -> pagoda's, applied before the packing (an architecture's own spellings)
     checkpoint_renames: dict[str, str] = {}
+    # the decoder layer class (an MoE architecture's replaces the MLP of its sparse layers)
+    layer_class: type = DecoderLayer
 
     @classmethod
     def spec_from_hf(cls, cfg: dict[str, Any]) -> DecoderSpec:
@@ -312,7 +314,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotaries = nn.ModuleList(tables.values())
         with packed_modules(self.packed_modules_mapping):  # what quant configs read for the fused layers
             self.layers = nn.ModuleList(
-                DecoderLayer(spec, cfg, backend, quant, i, kernels, tables.get(spec.rope(i)))
+                self.layer_class(spec, cfg, backend, quant, i, kernels, tables.get(spec.rope(i)))
                 if stage.owns_layer(i) else MissingLayer() for i in range(spec.num_layers))
         # the layers forward runs, and whether it ends the model (a tuple: not registered as submodules again)
         self._stage_layers = tuple(self.layers[stage.layer_start:stage.layer_end])

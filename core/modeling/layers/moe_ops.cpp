@@ -1,0 +1,418 @@
+// The experts of a Mixture-of-Experts layer on a CPU, in one call per layer: the (token, slot) pairs the
+// router chose are grouped by expert, and each active expert multiplies only its own tokens
+//   h = act(x W13[e]^T + b13[e]),  y = h W2[e]^T + b2[e],  out[t] = sum_j weight[t, j] * y[t, j]
+// with W13 = [gate rows | up rows]. Experts with few tokens (decode) stream their weights once through a
+// GEMV of widened weights; experts with many (prefill) run one GEMM each. fp32 math throughout, one
+// rounding to the activations' dtype at the end.
+//
+// Weights: fp32, bf16 (widened in registers: a bf16 is the top half of an fp32), or int8 with one fp32
+// scale per output row. The vector width is a template parameter written with GCC vector types: 8 lanes
+// compile to AVX2, 16 to AVX-512 (and to pairs of AVX2 registers where the CPU has no AVX-512, which is how
+// an AVX2 machine tests the 16-lane code).
+
+#include "pagoda_torch.h"
+#include "pagoda_float.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+using pagoda::from_f;
+using pagoda::to_f;
+
+inline float wf(float w) { return w; }
+inline float wf(c10::BFloat16 w) { return to_f(w); }
+inline float wf(int8_t w) { return static_cast<float>(w); }
+
+// GCC vector types need a constant size: one definition per width
+// (the *U types: unaligned, aliasing loads of the same vectors, one instruction each)
+#define PAGODA_MOE_VEC(NAME, L)                                                                     \
+  struct NAME {                                                                                     \
+    typedef float F __attribute__((vector_size(L * 4)));                                            \
+    typedef uint32_t U __attribute__((vector_size(L * 4)));                                         \
+    typedef float FU __attribute__((vector_size(L * 4), aligned(1), may_alias));                    \
+    typedef uint16_t HU __attribute__((vector_size(L * 2), aligned(1), may_alias));                 \
+    typedef int8_t BU __attribute__((vector_size(L), aligned(1), may_alias));                       \
+    static F load(const float* p) { return *reinterpret_cast<const FU*>(p); }                       \
+    static F load(const c10::BFloat16* p) {                                                         \
+      const U u = __builtin_convertvector(*reinterpret_cast<const HU*>(p), U) << 16;                \
+      return reinterpret_cast<F>(u);                                                                \
+    }                                                                                               \
+    static F load(const int8_t* p) { return __builtin_convertvector(*reinterpret_cast<const BU*>(p), F); } \
+    static float sum(F v) {                                                                         \
+      float s = 0.f;                                                                                \
+      for (int i = 0; i < L; ++i) s += v[i];                                                        \
+      return s;                                                                                     \
+    }                                                                                               \
+  };
+PAGODA_MOE_VEC(Vec8, 8)
+PAGODA_MOE_VEC(Vec16, 16)
+#undef PAGODA_MOE_VEC
+
+template <int L> struct VecOf;
+template <> struct VecOf<8> { using type = Vec8; };
+template <> struct VecOf<16> { using type = Vec16; };
+template <int L> using Vec = typename VecOf<L>::type;
+
+// sums[m * R + r] = x[m] . w[r] for MB fp32 activation rows (stride k) and R weight rows (stride k)
+template <int L, int R, int MB, typename W>
+inline void dot_tile(const float* x, int64_t k, const W* w, float* sums) {
+  using V = Vec<L>;
+  typename V::F acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = typename V::F{};
+  const int64_t kv = k / L * L;
+  for (int64_t i = 0; i < kv; i += L) {
+    typename V::F wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = V::load(w + r * k + i);
+    for (int m = 0; m < MB; ++m) {
+      const typename V::F xv = V::load(x + m * k + i);
+      for (int r = 0; r < R; ++r) acc[m][r] += wv[r] * xv;
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = V::sum(acc[m][r]);
+      for (int64_t i = kv; i < k; ++i) s += wf(w[r * k + i]) * x[m * k + i];
+      sums[m * R + r] = s;
+    }
+}
+
+// out[m * out_stride + (n - n0)] = (x[m] . w[n]) * scale[n] for MB rows of x and weight rows [n0, n1)
+template <int L, int MB, typename W>
+void dot_rows(const float* x, int64_t k, const W* w, const float* scale, int64_t n0, int64_t n1, float* out,
+              int64_t out_stride) {
+  constexpr int R = MB <= 2 ? 4 : 2;
+  float sums[MB * R];
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    dot_tile<L, R, MB>(x, k, w + n * k, sums);
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) out[m * out_stride + n - n0 + r] = sums[m * R + r] * (scale ? scale[n + r] : 1.f);
+  }
+  for (; n < n1; ++n) {
+    dot_tile<L, 1, MB>(x, k, w + n * k, sums);
+    for (int m = 0; m < MB; ++m) out[m * out_stride + n - n0] = sums[m] * (scale ? scale[n] : 1.f);
+  }
+}
+
+// every row of x ([rows, k], fp32) against weight rows [n0, n1), two rows of x at a time: the weight chunk
+// (a few dozen KiB) stays in L1/L2 for the next pair
+template <int L, typename W>
+void dot_all(const float* x, int64_t rows, int64_t k, const W* w, const float* scale, int64_t n0, int64_t n1,
+             float* out, int64_t out_stride) {
+  int64_t m = 0;
+  for (; m + 2 <= rows; m += 2) dot_rows<L, 2>(x + m * k, k, w, scale, n0, n1, out + m * out_stride, out_stride);
+  if (m < rows) dot_rows<L, 1>(x + m * k, k, w, scale, n0, n1, out + m * out_stride, out_stride);
+}
+
+enum Activation : int64_t { kSiluMul = 0, kClampedSwiglu = 1 };
+
+struct ActParams {
+  int64_t kind;
+  float alpha, limit;
+};
+
+inline float activate(float g, float u, const ActParams& a) {
+  if (a.kind == kSiluMul) return g / (1.f + std::exp(-g)) * u;
+  // gpt-oss: gate clamped from above, up on both sides, gate * sigmoid(alpha * gate) * (up + 1)
+  g = std::min(g, a.limit);
+  u = std::max(-a.limit, std::min(u, a.limit));
+  return (u + 1.f) * (g / (1.f + std::exp(-a.alpha * g)));
+}
+
+// one unit of parallel work: rows [n0, n1) of expert e's gate (phase 1) or down (phase 2) projection
+struct Item {
+  int64_t e, n0, n1;
+};
+
+template <typename F>
+void run_items(const std::vector<Item>& items, const F& fn) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n == 0) return;
+  if (n == 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    for (const auto& it : items) fn(it);
+    return;
+  }
+  // items go to the threads one at a time as they finish the last: a thread the OS holds up takes fewer
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) fn(items[i]);
+  });
+}
+
+// about 32 KiB of weights per work item, in whole 4-row tiles
+inline int64_t chunk_rows(int64_t k, int64_t elem_bytes) {
+  return std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k * elem_bytes)) / 4 * 4);
+}
+
+// expert e's weights [rows, k] as fp32 (dequantised by the row scales), for the GEMM of a many-token expert
+template <typename W>
+at::Tensor widened(const W* w, const float* scale, int64_t rows, int64_t k) {
+  auto out = at::empty({rows, k}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float s = scale ? scale[r] : 1.f;
+      for (int64_t i = 0; i < k; ++i) o[r * k + i] = wf(w[r * k + i]) * s;
+    }
+  });
+  return out;
+}
+
+template <int L, typename W, typename T>
+void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, const float* s13, const W* w2,
+              const float* s2, const float* b13, const float* b2, int64_t num_experts, int64_t inter,
+              const int64_t* ids, const float* weights, int64_t top_k, const ActParams& act, int64_t gemv_max_rows,
+              const at::Tensor& w13_t, const at::Tensor& w2_t, bool bf16_gemm, T* out) {
+  const int64_t slots = num_tokens * top_k;
+  // group the (token, slot) pairs by expert: order[offsets[e] .. offsets[e + 1]) are expert e's slots
+  std::vector<int64_t> offsets(num_experts + 1, 0), order(slots), pos_of_slot(slots);
+  for (int64_t s = 0; s < slots; ++s) {
+    TORCH_CHECK(ids[s] >= 0 && ids[s] < num_experts, "expert id ", ids[s], " out of range [0, ", num_experts, ")");
+    ++offsets[ids[s] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+  {
+    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+    for (int64_t s = 0; s < slots; ++s) {
+      const int64_t p = fill[ids[s]]++;
+      order[p] = s;
+      pos_of_slot[s] = p;
+    }
+  }
+  // activations gathered by expert as fp32, [slots, hidden]; the gated hidden states [slots, inter]; the
+  // experts' outputs [slots, hidden]
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  auto xs = at::empty({slots, hidden}, f32), hs = at::empty({slots, inter}, f32), ys = at::empty({slots, hidden}, f32);
+  float* xsp = xs.data_ptr<float>();
+  float* hsp = hs.data_ptr<float>();
+  float* ysp = ys.data_ptr<float>();
+  at::parallel_for(0, slots, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden)), [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const T* src = x + (order[p] / top_k) * hidden;
+      for (int64_t i = 0; i < hidden; ++i) xsp[p * hidden + i] = to_f(src[i]);
+    }
+  });
+  const int64_t gate_up_rows = 2 * inter;
+  std::vector<Item> gate_items, down_items;
+  std::vector<int64_t> large;
+  // a gate item reads gate and up rows: half as many of each
+  const int64_t chunk1 = std::max<int64_t>(4, chunk_rows(hidden, sizeof(W)) / 2 / 4 * 4);
+  const int64_t chunk2 = chunk_rows(inter, sizeof(W));
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t m = offsets[e + 1] - offsets[e];
+    if (m == 0) continue;
+    if (m > gemv_max_rows) {
+      large.push_back(e);
+      continue;
+    }
+    for (int64_t n = 0; n < inter; n += chunk1) gate_items.push_back({e, n, std::min(inter, n + chunk1)});
+    for (int64_t n = 0; n < hidden; n += chunk2) down_items.push_back({e, n, std::min(hidden, n + chunk2)});
+  }
+  auto finish_gate_up = [&](float* g, float* u, int64_t g_stride, int64_t e, int64_t m, int64_t n0, int64_t n1,
+                            float* h, int64_t h_stride) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t n = n0; n < n1; ++n) {
+        float gv = g[r * g_stride + n - n0], uv = u[r * g_stride + n - n0];
+        if (b13) {
+          gv += b13[e * gate_up_rows + n];
+          uv += b13[e * gate_up_rows + inter + n];
+        }
+        h[r * h_stride + n] = activate(gv, uv, act);
+      }
+  };
+  // phase 1, experts with few tokens: gate and up rows of a chunk together, then the activation
+  run_items(gate_items, [&](const Item& it) {
+    const int64_t m = offsets[it.e + 1] - offsets[it.e], rows = it.n1 - it.n0;
+    const float* xe = xsp + offsets[it.e] * hidden;
+    const W* we = w13 + it.e * gate_up_rows * hidden;
+    const float* se = s13 ? s13 + it.e * gate_up_rows : nullptr;
+    std::vector<float> g(m * rows), u(m * rows);
+    dot_all<L>(xe, m, hidden, we, se, it.n0, it.n1, g.data(), rows);
+    dot_all<L>(xe, m, hidden, we, se, inter + it.n0, inter + it.n1, u.data(), rows);
+    finish_gate_up(g.data(), u.data(), rows, it.e, m, it.n0, it.n1, hsp + offsets[it.e] * inter, inter);
+  });
+  // phase 1, experts with many tokens: one GEMM each
+  for (const int64_t e : large) {
+    const int64_t m = offsets[e + 1] - offsets[e];
+    auto xe = xs.narrow(0, offsets[e], m);
+    at::Tensor gu;  // [m, 2 * inter] fp32
+    if (bf16_gemm && w13_t.scalar_type() == at::kBFloat16) {
+      gu = at::mm(xe.to(at::kBFloat16), w13_t[e].t()).to(at::kFloat);
+    } else if (w13_t.scalar_type() == at::kFloat) {
+      gu = at::mm(xe, w13_t[e].t());
+    } else {
+      gu = at::mm(xe, widened(w13 + e * gate_up_rows * hidden, s13 ? s13 + e * gate_up_rows : nullptr,
+                              gate_up_rows, hidden).t());
+    }
+    gu = gu.contiguous();
+    float* gp = gu.data_ptr<float>();
+    finish_gate_up(gp, gp + inter, gate_up_rows, e, m, 0, inter, hsp + offsets[e] * inter, inter);
+  }
+  // phase 2: the down projection, the same two ways
+  run_items(down_items, [&](const Item& it) {
+    const int64_t m = offsets[it.e + 1] - offsets[it.e];
+    dot_all<L>(hsp + offsets[it.e] * inter, m, inter, w2 + it.e * hidden * inter,
+               s2 ? s2 + it.e * hidden : nullptr, it.n0, it.n1, ysp + offsets[it.e] * hidden + it.n0, hidden);
+  });
+  for (const int64_t e : large) {
+    const int64_t m = offsets[e + 1] - offsets[e];
+    auto he = hs.narrow(0, offsets[e], m);
+    auto ye = ys.narrow(0, offsets[e], m);
+    if (bf16_gemm && w2_t.scalar_type() == at::kBFloat16) {
+      ye.copy_(at::mm(he.to(at::kBFloat16), w2_t[e].t()));
+    } else if (w2_t.scalar_type() == at::kFloat) {
+      at::mm_out(ye, he, w2_t[e].t());
+    } else {
+      at::mm_out(ye, he, widened(w2 + e * hidden * inter, s2 ? s2 + e * hidden : nullptr, hidden, inter).t());
+    }
+  }
+  // combine: out[t] = sum over its slots, in ascending expert order, of weight * (y + b2)
+  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden * top_k)),
+                   [&](int64_t b, int64_t e) {
+    std::vector<int64_t> slot_order(top_k);
+    std::vector<float> acc(hidden);
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t j = 0; j < top_k; ++j) slot_order[j] = t * top_k + j;
+      std::stable_sort(slot_order.begin(), slot_order.end(), [&](int64_t a, int64_t c) { return ids[a] < ids[c]; });
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (const int64_t s : slot_order) {
+        const float* y = ysp + pos_of_slot[s] * hidden;
+        const float* bias = b2 ? b2 + ids[s] * hidden : nullptr;
+        const float wgt = weights[s];
+        for (int64_t i = 0; i < hidden; ++i) acc[i] += (y[i] + (bias ? bias[i] : 0.f)) * wgt;
+      }
+      T* o = out + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(acc[i]);
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+constexpr int64_t kNativeLanes = 16;
+#else
+constexpr int64_t kNativeLanes = 8;
+#endif
+
+template <int L, typename W>
+void dispatch_x(const at::Tensor& x, const W* w13, const float* s13, const W* w2, const float* s2, const float* b13,
+                const float* b2, int64_t num_experts, int64_t inter, const int64_t* ids, const float* weights,
+                int64_t top_k, const ActParams& act, int64_t gemv_max_rows, const at::Tensor& w13_t,
+                const at::Tensor& w2_t, bool bf16_gemm, at::Tensor& out) {
+  const int64_t t = x.size(0), h = x.size(1);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      moe_impl<L>(x.data_ptr<float>(), t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights, top_k, act,
+                  gemv_max_rows, w13_t, w2_t, bf16_gemm, out.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      moe_impl<L>(x.data_ptr<at::BFloat16>(), t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights,
+                  top_k, act, gemv_max_rows, w13_t, w2_t, bf16_gemm, out.data_ptr<at::BFloat16>());
+      break;
+    case at::kHalf:
+      moe_impl<L>(x.data_ptr<at::Half>(), t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights, top_k,
+                  act, gemv_max_rows, w13_t, w2_t, bf16_gemm, out.data_ptr<at::Half>());
+      break;
+    default:
+      TORCH_CHECK(false, "moe_experts: x must be float32, bfloat16 or float16, not ", x.scalar_type());
+  }
+}
+
+const float* opt_f32(const c10::optional<at::Tensor>& t, int64_t numel, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == numel, name,
+              " must be a contiguous float32 tensor of ", numel, " elements");
+  return t->data_ptr<float>();
+}
+
+}  // namespace
+
+// x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I], both float32, bfloat16 or int8
+// (int8: s13 [E, 2I] and s2 [E, H] float32 row scales); b13 [E, 2I], b2 [E, H] float32 or none;
+// topk_ids [T, k] int64, topk_weights [T, k] float32. activation: 0 silu(gate) * up, 1 gpt-oss's clamped
+// SwiGLU (alpha, limit). Experts with at most gemv_max_rows tokens take the GEMV; lanes: 0 (this CPU's
+// width), 8 or 16. bf16_gemm: many-token experts multiply in bf16 (CPUs with bf16 math) instead of fp32.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                       const c10::optional<at::Tensor>& s13, const c10::optional<at::Tensor>& s2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t activation, double alpha,
+                       double limit, int64_t gemv_max_rows, int64_t lanes, bool bf16_gemm) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [T, H] tensor");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous(),
+              "w13 and w2 must be contiguous [E, 2I, H] and [E, H, I] tensors");
+  TORCH_CHECK(w13.scalar_type() == w2.scalar_type(), "w13 and w2 must have one dtype");
+  const int64_t e = w13.size(0), inter = w13.size(1) / 2, h = x.size(1);
+  TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == h && w2.size(0) == e && w2.size(1) == h &&
+                  w2.size(2) == inter,
+              "shapes: x [T, H], w13 [E, 2I, H], w2 [E, H, I]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
+                  topk_ids.size(0) == x.size(0),
+              "topk_ids must be a contiguous int64 [T, k] tensor");
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "topk_weights must be a contiguous float32 tensor shaped like topk_ids");
+  TORCH_CHECK(activation == kSiluMul || activation == kClampedSwiglu, "activation must be 0 or 1");
+  const bool int8 = w13.scalar_type() == at::kChar;
+  TORCH_CHECK(!int8 || (s13.has_value() && s2.has_value()), "int8 experts need the row scales s13 and s2");
+  const float* s13p = int8 ? opt_f32(s13, e * 2 * inter, "s13") : nullptr;
+  const float* s2p = int8 ? opt_f32(s2, e * h, "s2") : nullptr;
+  const float* b13p = opt_f32(b13, e * 2 * inter, "b13");
+  const float* b2p = opt_f32(b2, e * h, "b2");
+  const int64_t k = topk_ids.size(1);
+  const ActParams act{activation, static_cast<float>(alpha), static_cast<float>(limit)};
+  auto out = at::empty(x.sizes(), x.options());
+  if (x.size(0) == 0) return out;
+  if (lanes == 0) lanes = kNativeLanes;
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 0, 8 or 16");
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const float* wts = topk_weights.data_ptr<float>();
+#define PAGODA_MOE_CALL(L, W)                                                                                     \
+  dispatch_x<L>(x, w13.data_ptr<W>(), s13p, w2.data_ptr<W>(), s2p, b13p, b2p, e, inter, ids, wts, k, act,        \
+                gemv_max_rows, w13, w2, bf16_gemm, out)
+#define PAGODA_MOE_WEIGHTS(L)                                                                                     \
+  switch (w13.scalar_type()) {                                                                                    \
+    case at::kFloat: PAGODA_MOE_CALL(L, float); break;                                                            \
+    case at::kBFloat16: PAGODA_MOE_CALL(L, c10::BFloat16); break;                                                 \
+    case at::kChar: PAGODA_MOE_CALL(L, int8_t); break;                                                            \
+    default: TORCH_CHECK(false, "moe_experts: weights must be float32, bfloat16 or int8, not ", w13.scalar_type()); \
+  }
+  if (lanes == 16) {
+    PAGODA_MOE_WEIGHTS(16)
+  } else {
+    PAGODA_MOE_WEIGHTS(8)
+  }
+#undef PAGODA_MOE_WEIGHTS
+#undef PAGODA_MOE_CALL
+  return out;
+}
+
+// the vector width this build's GEMV uses: 16 lanes on AVX-512, else 8 (AVX2, or the compiler's generic code)
+std::string moe_path() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
+  m.def("moe_experts", &moe_experts, "the routed experts of one MoE layer, grouped by expert", no_gil,
+        pybind11::arg("x"), pybind11::arg("w13"), pybind11::arg("w2"), pybind11::arg("s13"), pybind11::arg("s2"),
+        pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"),
+        pybind11::arg("activation") = 0, pybind11::arg("alpha") = 1.702, pybind11::arg("limit") = 7.0,
+        pybind11::arg("gemv_max_rows") = 8, pybind11::arg("lanes") = 0, pybind11::arg("bf16_gemm") = false);
+  m.def("moe_path", &moe_path, "the ISA path of the expert GEMV: avx512, avx2 or generic");
+}

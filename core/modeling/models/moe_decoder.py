@@ -1,0 +1,164 @@
+"""The decoder of Mixture-of-Experts architectures: the dense decoder with a :class:`SparseMoeBlock` in place of
+the MLP on the layers its :class:`MoeSpec` makes sparse, and a loader for the experts' checkpoint tensors
+(one tensor per expert and projection, as Mixtral and Qwen write them, or all experts stacked, as gpt-oss)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from pagoda.errors import CheckpointError, ConfigError
+from pagoda.modeling.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagoda.modeling.layers.moe import FusedMoE, RouterSpec, SharedExpert, SparseMoeBlock
+from pagoda.modeling.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderSpec
+
+# model.layers.N.(mlp|block_sparse_moe).experts.REST
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(.+)$")
+# REST for one expert's projection: E.gate_proj.weight (Qwen), E.w1.weight (Mixtral), ...
+_ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias)$")
+_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """What an architecture's sparse layers do, read from its config.json (``DecoderSpec.extra["moe"]``)."""
+
+    num_experts: int
+    intermediate_size: int  # each routed expert's
+    router: RouterSpec
+    sparse_layers: tuple[bool, ...]  # per layer: an MoE block (True) or the dense MLP
+    router_bias: bool = False
+    activation: str = "silu"  # or "clamped_swiglu" (gpt-oss)
+    expert_bias: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+    shared_intermediate_size: int = 0  # a shared expert's (0: none)
+    shared_gate: bool = False
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A decoder layer whose MLP is an MoE block on the layers the spec makes sparse."""
+
+    def __init__(self, spec: DecoderSpec, cfg: Any, backend: Any, quant: Any, idx: int, kernels: Any,
+                 rotary: Any) -> None:
+        super().__init__(spec, cfg, backend, quant, idx, kernels, rotary)
+        moe: MoeSpec = spec.extra["moe"]
+        self.moe = None
+        if not moe.sparse_layers[idx]:
+            return
+        del self.gate_up_proj, self.down_proj  # never filled: the experts take their place
+        prefix = f"model.layers.{idx}.mlp"
+        shared = None
+        if moe.shared_intermediate_size:
+            inter = moe.shared_intermediate_size
+            shared = SharedExpert(
+                ColumnParallelLinear(spec.hidden_size, [inter, inter], False, cfg.dtype, None,
+                                     f"{prefix}.shared_expert.gate_up_proj", kernels),
+                RowParallelLinear(inter, spec.hidden_size, False, cfg.dtype, None, f"{prefix}.shared_expert.down_proj",
+                                  kernels),
+                kernels)
+        self.moe = SparseMoeBlock(spec.hidden_size, moe.num_experts, moe.intermediate_size, moe.router, cfg.dtype,
+                                  router_bias=moe.router_bias, activation=moe.activation, expert_bias=moe.expert_bias,
+                                  alpha=moe.alpha, limit=moe.limit, shared_expert=shared, shared_gate=moe.shared_gate,
+                                  host=cfg.host, prefix=prefix)
+        for param in self.moe.experts.parameters():
+            param.is_optional = True  # filled through the experts' own loader, checked by FusedMoE.missing
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return super().mlp(x) if self.moe is None else self.moe(x)
+
+
+class MoeDecoderForCausalLM(DecoderForCausalLM):
+    """A decoder with MoE layers; its subclass's ``spec_from_hf`` puts a :class:`MoeSpec` in
+    ``DecoderSpec.extra["moe"]``."""
+
+    layer_class = MoeDecoderLayer
+    # LoRA and quant methods act on linear layers; the experts are not ones (start-up refuses both)
+    supports_lora = False
+    supports_quantization = False
+    # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
+    checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
+                          ".mlp.router.": ".mlp.moe.router.", ".mlp.shared_expert.": ".mlp.moe.shared_expert.",
+                          ".mlp.shared_expert_gate.": ".mlp.moe.shared_expert_gate."}
+
+    def __init__(self, cfg: Any, backend: Any, quant: Any = None) -> None:
+        if quant is not None:
+            raise ConfigError(f"{type(self).__name__}: pagoda does not load quantized Mixture-of-Experts checkpoints "
+                              "yet (GPTQ, AWQ, compressed-tensors, fp8, int8); use the unquantized checkpoint")
+        super().__init__(cfg, backend, quant)
+
+    def experts_of(self, layer: int) -> FusedMoE:
+        module = self.layers[layer]
+        if getattr(module, "moe", None) is None:
+            raise CheckpointError(f"the checkpoint has experts for layer {layer}, which config.json makes dense "
+                                  "(mlp_only_layers / decoder_sparse_step); the checkpoint does not match its config")
+        return module.moe.experts
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The experts' tensors go to their layer's :class:`FusedMoE`; every other tensor to the dense loader."""
+        super().load_weights(self._experts_loaded(weights))
+        missing = [m for layer in self._stage_layers if getattr(layer, "moe", None) is not None
+                   for m in layer.moe.experts.missing()]
+        if missing:
+            raise CheckpointError(f"checkpoint is missing {len(missing)} expert tensor(s) the model needs, "
+                                  f"e.g. {missing[:3]}")
+
+    def _experts_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            match = _EXPERT_TENSOR.match(name)
+            if match is None:
+                yield name, tensor
+                continue
+            if self._on_another_stage(name):
+                continue
+            layer, rest = int(match.group(1)), match.group(2)
+            if layer >= len(self.layers):
+                raise CheckpointError(f"checkpoint tensor {name!r} names layer {layer}, but config.json gives "
+                                      f"{len(self.layers)} layers")
+            experts = self.experts_of(layer)
+            one = _ONE_EXPERT.match(rest)
+            if one is not None:
+                part = _PARTS[one.group(2)] + ("_bias" if one.group(3) == "bias" else "")
+                experts.load_expert(part, int(one.group(1)), tensor, name)
+            else:
+                self._load_stacked(experts, rest, tensor, name)
+
+    @staticmethod
+    def _load_stacked(experts: FusedMoE, rest: str, tensor: torch.Tensor, name: str) -> None:
+        """All experts in one tensor, as gpt-oss writes them: ``gate_up_proj [E, H, 2I]`` with gate and up
+        interleaved column by column, ``down_proj [E, I, H]``, and their biases."""
+        if rest.endswith(("_blocks", "_scales")):
+            raise CheckpointError(f"checkpoint tensor {name!r} holds MXFP4-quantized experts, which pagoda does not "
+                                  "load; use a bf16 checkpoint (dequantize it with transformers first)")
+        if rest == "gate_up_proj":
+            t = tensor.transpose(1, 2)  # [E, 2I, H]
+            experts.load_stacked("gate", t[:, 0::2], name)
+            experts.load_stacked("up", t[:, 1::2], name)
+        elif rest == "gate_up_proj_bias":
+            experts.load_stacked("gate_bias", tensor[:, 0::2], name)
+            experts.load_stacked("up_bias", tensor[:, 1::2], name)
+        elif rest == "down_proj":
+            experts.load_stacked("down", tensor.transpose(1, 2), name)
+        elif rest == "down_proj_bias":
+            experts.load_stacked("down_bias", tensor, name)
+        else:
+            raise CheckpointError(f"checkpoint tensor {name!r} is not an expert tensor pagoda knows")
+
+
+def sparse_layers(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Qwen-MoE's choice of MoE layers: every ``decoder_sparse_step``-th, except ``mlp_only_layers``."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def moe_count(cfg: dict[str, Any], *names: str) -> Optional[int]:
+    """The first of ``names`` config.json sets (architectures and transformers versions spell it apart)."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return int(cfg[name])
+    raise ConfigError(f"config.json has none of {', '.join(names)}, which {cfg.get('architectures', ['an MoE'])[0]} "
+                      "needs")
