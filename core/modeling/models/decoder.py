@@ -3,7 +3,7 @@ config.json says what each layer does; the parallel layers shard themselves; one
 names onto parameters through the architecture's ``packed_modules_mapping``.
 
 An architecture is a subclass of :class:`DecoderForCausalLM` that defines ``spec_from_hf`` (its config.json ->
-a spec) and, where its checkpoint names differ, ``checkpoint_renames``; docs/adding_a_model.md walks through
+a spec) and, where its checkpoint names differ, ``checkpoint_renames``; docs/models.md ("Adding a dense architecture") walks through
 one. Layer layouts:
 
 - ``pre`` (Llama): ``h += attn(norm(h)); h += mlp(norm(h))``;
