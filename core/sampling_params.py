@@ -86,6 +86,13 @@ class SamplingParams:
     detokenize: bool = True
     # what the output must match (a JSON schema, regex, choice, grammar); None: free text
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # the only tokens that may be drawn (None: any)
+    allowed_token_ids: Optional[list[int]] = None
+    # words that must not appear in the output: a word's last token is banned where its earlier tokens end
+    # the output (each word as the tokenizer writes it alone and after a space)
+    bad_words: Optional[list[str]] = None
+    # keep only the last N prompt tokens (-1: the last max_model_len - 1); None: the whole prompt
+    truncate_prompt_tokens: Optional[int] = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +163,17 @@ class SamplingParams:
                     bad("logit_bias", "keys must be non-negative token ids")
                 if not -100 <= bias <= 100:
                     bad("logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                  for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (
+                isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
+                or self.truncate_prompt_tokens < -1 or self.truncate_prompt_tokens == 0):
+            bad("truncate_prompt_tokens", "must be a positive number of tokens, or -1 for as many as the context "
+                                          "holds")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

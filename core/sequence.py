@@ -90,6 +90,8 @@ class Sequence:
     # structured outputs: the sequence's place in its grammar (a pagoda.interfaces.StructuredOutputMatcher), set
     # by the engine before the sequence is scheduled and advanced here with every token appended; None without
     grammar: Any = None
+    # the token ids of the request's bad_words (each as written alone and after a space), set by the engine
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -126,14 +128,21 @@ class Sequence:
         return num_output_tokens > self.sampling_params.min_tokens
 
     def banned_token_ids(self) -> list[int]:
-        """Tokens the next sample must not be: while a stop is not yet allowed, EOS and the stop token ids."""
+        """Tokens the next sample must not be: while a stop is not yet allowed, EOS and the stop token ids; the
+        last token of each bad word whose earlier tokens end the output."""
         params = self.sampling_params
+        banned = self._bad_word_endings() if self.bad_words_token_ids else []
         if self.may_stop_at(self.num_output_tokens + 1):
-            return []
-        banned = list(params.stop_token_ids)
+            return banned
+        banned += params.stop_token_ids
         if self.eos_token_id is not None and not params.ignore_eos:
             banned.append(self.eos_token_id)
         return banned
+
+    def _bad_word_endings(self) -> list[int]:
+        output = self.output_token_ids
+        return [word[-1] for word in self.bad_words_token_ids
+                if len(word) == 1 or (len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1])]
 
     def may_speculate(self) -> bool:
         """Whether drafts verified by rejection sampling reproduce the plain sampler's distribution now.
@@ -143,7 +152,8 @@ class Sequence:
         token per step.
         """
         params = self.sampling_params
-        return not (params.has_penalties or params.logprobs is not None or self.banned_token_ids())
+        return not (params.has_penalties or params.logprobs is not None or params.allowed_token_ids is not None
+                    or self.bad_words_token_ids or self.banned_token_ids())
 
     @property
     def is_prefill_only(self) -> bool:

@@ -36,6 +36,7 @@ def llm():
 @pytest.fixture(scope="module")
 def server(llm):
     srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_request_bytes=MAX_REQUEST_BYTES,
+                                 strict_request_fields=True,
                                  body_timeout=BODY_TIMEOUT), header_timeout=HEADER_TIMEOUT).start()
     yield srv
     srv.stop()

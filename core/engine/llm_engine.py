@@ -183,7 +183,10 @@ class LLMEngine:
         if self.requests.has(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            text, token_ids = self._truncated(text, token_ids, params.truncate_prompt_tokens)
         self.request_limits.check(token_ids, params)
+        bad_words_token_ids = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
         if lora_request is not None:
             self._load_lora(lora_request)
         # waits only if the constraint is still compiling (the server adds a request once it has compiled)
@@ -198,6 +201,7 @@ class LLMEngine:
                                     parent_id=request_id, seed=seed, tenant=tenant, lora_request=lora_request))
             if grammar is not None:
                 children[-1].grammar = grammar.new_matcher()  # each sequence its own place in the grammar
+            children[-1].bad_words_token_ids = bad_words_token_ids
         self.requests.add(request_id, text, token_ids, children)  # also gives stop strings their detokenizer
         if output_kind is not None:
             self.output_processor.add(request_id, text, token_ids, params, output_kind)
@@ -208,6 +212,26 @@ class LLMEngine:
         if self.stats is not None:
             self.stats.on_arrival(len(token_ids))
         return request_id
+
+    def _truncated(self, text: Optional[str], token_ids: list[int], keep: int) -> tuple[Optional[str], list[int]]:
+        """The prompt's last ``keep`` tokens (-1: as many as leave room for one generated token); the text is
+        dropped when tokens were cut (it no longer matches them)."""
+        if keep == -1:
+            keep = self.config.model.max_model_len - 1
+        if len(token_ids) <= keep:
+            return text, token_ids
+        return None, token_ids[len(token_ids) - keep:]
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as the tokenizer writes the word alone and after a space (a word inside a
+        sentence): both spellings are banned."""
+        found: list[list[int]] = []
+        for word in bad_words:
+            for spelling in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     # ---- LoRA adapters --------------------------------------------------------------
 

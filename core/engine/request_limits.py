@@ -44,7 +44,8 @@ class RequestLimits:
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                                       param="prompt")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ()))):
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             out_of_vocab = [t for t in ids if t >= vocab]
             if out_of_vocab:
                 raise InvalidRequestError(f"{name} has token ids {out_of_vocab[:5]} outside the vocabulary "

@@ -59,7 +59,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         banned = [r.banned_token_ids() for r in requests]  # the min_tokens rule, once per row
         if self._plain_argmax and all(p.is_greedy and not p.has_penalties and not p.logit_bias and not b
-                                      for p, b in zip(params, banned)):
+                                      and p.allowed_token_ids is None for p, b in zip(params, banned)):
             token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
         else:
             token_ids = self._sample(logits.clone(), requests, banned)
@@ -133,9 +133,13 @@ class Sampler:
     def apply_bias_and_bans(self, logits: torch.Tensor, requests: typing.Sequence[Sequence],
                             banned: list[list[int]]) -> None:
         """Add each request's ``logit_bias``; set its banned tokens (``Sequence.banned_token_ids``, given as
-        ``banned[i]``) to -inf."""
+        ``banned[i]``) and, with ``allowed_token_ids``, every other token to -inf."""
         for i, r in enumerate(requests):
             p = r.sampling_params
+            if p.allowed_token_ids is not None:
+                keep = torch.full((logits.shape[1],), float("-inf"))
+                keep[torch.tensor([t for t in p.allowed_token_ids if t < self.vocab_size], dtype=torch.int64)] = 0.0
+                logits[i].add_(keep)
             if p.logit_bias:
                 ids = torch.tensor([t for t in p.logit_bias if t < self.vocab_size], dtype=torch.int64)
                 vals = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < self.vocab_size])

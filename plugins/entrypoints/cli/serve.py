@@ -65,6 +65,9 @@ def register(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format the model writes tool calls in: a pagoda_tool_parsers component (built-in: "
                         "hermes, llama3_json; `pagoda plugins` lists all)")
+    p.add_argument("--strict-request-fields", action="store_true",
+                   help="answer a request field of no OpenAI or vLLM schema with a 400, as OpenAI does (by default "
+                        "such a field is ignored, logged once and named in the x-pagoda-ignored-fields header)")
     p.add_argument("--tenant-source", default="api-key", choices=["api-key", "header", "user"],
                    help="who a request counts for under --scheduling-policy fair: its API key (a digest of the "
                         "bearer token), its x-pagoda-tenant header, or the body's user field (default %(default)s)")
@@ -143,6 +146,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                     max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                     tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars,
+                    strict_request_fields=ns.strict_request_fields,
                     allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
                     lora_admin=LoRAAdminOptions(
                         tuple(r.strip() for r in ns.lora_allowed_roots.split(",") if r.strip())

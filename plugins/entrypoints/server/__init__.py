@@ -45,6 +45,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
               stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
               tool_call_parser: Optional[str] = None, tenant_source: str = "api-key",
+              strict_request_fields: bool = False,
               max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False,
               lora_admin: Optional[LoRAAdminOptions] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
@@ -58,7 +59,9 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     (an unknown name is a ConfigError listing the parsers). ``tenant_source``: where a request's tenant comes
     from (``api-key``, ``header`` or ``user``; see ``ServingContext.tenant_of``). ``allow_runtime_lora_updating``
     adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the engine needs LoRA enabled), bounded
-    by ``lora_admin`` (default: :class:`~pagoda.plugins.entrypoints.server.lora.LoRAAdminOptions`)."""
+    by ``lora_admin`` (default: :class:`~pagoda.plugins.entrypoints.server.lora.LoRAAdminOptions`).
+    ``strict_request_fields``: a request field of no OpenAI or vLLM schema is a 400 (otherwise it is ignored,
+    logged once and named in the ``x-pagoda-ignored-fields`` header)."""
     tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
     max_request_chars = max_request_chars_option(max_request_chars)
 
@@ -77,6 +80,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     app.state.tool_calling = tool_calling  # read by the chat route
     app.state.tenant_source = tenant_source  # read by the routes when they are added
+    app.state.strict_request_fields = strict_request_fields  # likewise
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating  # read when the routes are added
     app.state.lora_admin = lora_admin or LoRAAdminOptions()  # likewise
     install_error_handlers(app)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
@@ -12,9 +13,9 @@ from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
-                                                       now_s, output_error, prompt_logprobs_json,
-                                                       unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
+                                                       output_error, prompt_logprobs_json, response_id, token_text,
+                                                       truncated_prompt, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
@@ -47,17 +48,41 @@ def check_chat_chars(ctx: ServingContext, messages: list[dict], tools: Optional[
     ctx.check_request_chars([num_chars], param, param)
 
 
+# apply_chat_template's own parameters and the variables it sets: chat_template_kwargs may not replace them
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: Optional[dict], param: str = "chat_template_kwargs") -> dict:
+    """vLLM's ``chat_template_kwargs``: more variables for the template (``enable_thinking``, ...); 400 for a
+    name that the request's own fields set."""
+    kwargs = kwargs or {}
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise APIError(400, f"{param} may not set {', '.join(reserved)}: the request's own fields (messages, tools, "
+                            "documents, add_generation_prompt, continue_final_message) set them", param=param)
+    return kwargs
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
-                tools: Optional[list[dict]] = None, max_chars: Optional[int] = None) -> tuple[str, list[int]]:
+                tools: Optional[list[dict]] = None, max_chars: Optional[int] = None, *,
+                continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
+                documents: Optional[list[dict]] = None, add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400.
-    ``tools`` (OpenAI's function tools) reach the template as ``tools``. A rendered text of more than
-    ``max_chars`` characters (what no context can hold) is refused before it is encoded."""
+    ``tools`` (OpenAI's function tools) reach the template as ``tools``, ``template_kwargs`` as variables of
+    their names. ``continue_final_message`` leaves the last message open for the answer to continue it. A
+    rendered text of more than ``max_chars`` characters (what no context can hold) is refused before it is
+    encoded; ``add_special_tokens`` adds the tokenizer's special tokens (BOS) to the template's."""
     if not tokenizer.chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tools=tools, documents=documents, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # jinja raises TemplateError, TypeError, ... for messages the template rejects
         raise APIError(400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
                        param="messages") from None
@@ -65,7 +90,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
         raise APIError(400, f"the messages rendered with the chat template have {len(text)} characters, more than "
                             f"this model's context can hold (at most {max_chars}); send fewer or shorter messages",
                        param="messages")
-    return text, tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
@@ -77,11 +102,31 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.prompt_logprobs is not None and body.stream:
         raise APIError(400, "prompt_logprobs is not available with stream=true; send the request without streaming",
                        param="prompt_logprobs")
+    if body.chat_template is not None:
+        raise APIError(400, "a chat template per request is not served: this server renders every chat with its own "
+                            "template (start it with --chat-template FILE); remove chat_template",
+                       param="chat_template")
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    continues = body.continue_final_message
+    if continues and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise APIError(400, "continue_final_message continues the last message, and add_generation_prompt starts a "
+                            "new one: send add_generation_prompt false with it", param="continue_final_message")
+    if continues and body.messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message continues the last message, which must be the assistant's "
+                            f"(it is {body.messages[-1].role!r})", param="continue_final_message")
     tooling = plan_tools(body, ctx.tool_options)
     messages = plain_messages(body.messages)
     check_chat_chars(ctx, messages, tooling.tools)
     text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
-        lambda tok: render_chat(tok, messages, body.add_generation_prompt, tooling.tools, ctx.max_prompt_chars)))
+        lambda tok: render_chat(tok, messages, body.add_generation_prompt and not continues, tooling.tools,
+                                ctx.max_prompt_chars, continue_final_message=continues,
+                                template_kwargs=template_kwargs, documents=body.documents,
+                                add_special_tokens=body.add_special_tokens)))
+    kept = truncated_prompt(body, token_ids, ctx.max_model_len)
+    if len(kept) < len(token_ids):
+        text, token_ids = None, kept
+    # vLLM's echo: the answer continues the last message when that is the assistant's, and its content says so
+    echoed = messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else ""
     if body.max_completion_tokens is not None:
         max_tokens = ctx.resolve_max_tokens(len(token_ids), body.max_completion_tokens, "max_completion_tokens")
     else:
@@ -94,7 +139,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
     params = tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
                                                     structured_outputs))
-    request_id = new_id("chatcmpl")
+    request_id = response_id("chatcmpl", body)
+    extras = _Extras(bool(body.return_token_ids), bool(body.return_tokens_as_token_ids),
+                     text if body.return_prompt_text else None, echoed)
     try:
         gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
                          body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body), lora_request=lora)
@@ -104,7 +151,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling,
-                                         ctx.model_name(lora)), media_type="text/event-stream")
+                                         ctx.model_name(lora), extras), media_type="text/event-stream")
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
     if err is not None:
@@ -112,20 +159,46 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     choices = []
     for c in out.outputs:
         message, reason = tooling.message(c.text, finish_reason(c))
-        choices.append({"index": c.index, "message": message,
-                        "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
-                        "finish_reason": reason, "stop_reason": c.stop_reason})
+        if echoed:
+            message["content"] = echoed + (message["content"] or "")
+        choice = {"index": c.index, "message": message,
+                  "logprobs": _logprobs(c, 0, num_top, extras.as_token_ids) if num_top is not None else None,
+                  "finish_reason": reason, "stop_reason": c.stop_reason}
+        if extras.token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
     num_completion = sum(len(c.token_ids) for c in out.outputs)
     response = {"id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.model_name(lora),
                 "choices": choices, "usage": usage(len(out.prompt_token_ids), num_completion, out.num_cached_tokens)}
+    response.update(extras.prompt_fields(out.prompt_token_ids))
     if body.prompt_logprobs is not None:  # vLLM's field: the rendered prompt's tokens, for the whole response
         response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                            body.prompt_logprobs)
     return JSONResponse(response)
 
 
+@dataclass(frozen=True)
+class _Extras:
+    """What vLLM's fields add to a chat answer: token ids, tokens named by id in logprobs, the rendered prompt,
+    the echoed content of the last message."""
+
+    token_ids: bool = False
+    as_token_ids: bool = False
+    prompt_text: Optional[str] = None
+    echoed: str = ""
+
+    def prompt_fields(self, prompt_token_ids: list[int]) -> dict:
+        """The response's (or the first chunk's) ``prompt_token_ids`` and ``prompt_text`` when asked for."""
+        fields: dict = {}
+        if self.token_ids:
+            fields["prompt_token_ids"] = list(prompt_token_ids)
+        if self.prompt_text is not None:
+            fields["prompt_text"] = self.prompt_text
+        return fields
+
+
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-            include_usage: bool, tooling: ToolRequest, model: str) -> AsyncIterator[str]:
+            include_usage: bool, tooling: ToolRequest, model: str, extras: _Extras) -> AsyncIterator[str]:
     """The SSE body: each choice's new content (and tool call pieces) as a delta, the role with its first one."""
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
     streams: dict[int, StreamedChoice] = {}
@@ -144,23 +217,29 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Opti
                 continue
             if first:  # OpenAI's first delta: the role, and content "" (null when it begins a tool call)
                 content = delta.pop("content", None if "tool_calls" in delta else "")
+                if extras.echoed:
+                    content = extras.echoed + (content or "")
                 delta = {"role": "assistant", "content": content, **delta}
-            result.append({"index": c.index, "delta": delta,
-                           "logprobs": _logprobs(c, 0, num_top) if num_top is not None else None,
-                           "finish_reason": stream.finish_reason(finish_reason(c))})
+            choice = {"index": c.index, "delta": delta,
+                      "logprobs": _logprobs(c, 0, num_top, extras.as_token_ids) if num_top is not None else None,
+                      "finish_reason": stream.finish_reason(finish_reason(c))}
+            if extras.token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            result.append(choice)
         return result
 
-    return stream_sse(gen, head, choices, include_usage)
+    return stream_sse(gen, head, choices, include_usage, lambda out: extras.prompt_fields(out.prompt_token_ids))
 
 
-def _logprobs(c: CompletionOutput, start: int, num_top: int) -> dict:
-    """Chat logprobs (``{"content": [...]}``) for tokens ``start:`` of a choice."""
+def _logprobs(c: CompletionOutput, start: int, num_top: int, as_token_ids: bool = False) -> dict:
+    """Chat logprobs (``{"content": [...]}``) for tokens ``start:`` of a choice (``as_token_ids``: each token
+    named ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids``)."""
     content = []
     for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:]):
         chosen = entry[token_id]
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank or 0)[:num_top]
-        content.append({"token": chosen.decoded_token or "", "logprob": chosen.logprob,
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)[:num_top]
+        content.append({"token": token_text(chosen.decoded_token, token_id, as_token_ids), "logprob": chosen.logprob,
                         "bytes": list((chosen.decoded_token or "").encode()),
-                        "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
-                                          "bytes": list((lp.decoded_token or "").encode())} for lp in ranked]})
+                        "top_logprobs": [{"token": token_text(lp.decoded_token, t, as_token_ids), "logprob": lp.logprob,
+                                          "bytes": list((lp.decoded_token or "").encode())} for t, lp in ranked]})
     return {"content": content, "refusal": None}

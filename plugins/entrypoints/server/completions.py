@@ -16,15 +16,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import CompletionRequest
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, new_id,
-                                                       now_s, output_error, prompt_logprobs_json,
-                                                       unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
+                                                       output_error, prompt_logprobs_json, response_id, token_text,
+                                                       truncated_prompt, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
     lora = ctx.resolve_model(body.model)
+    if body.prompt_embeds is not None:
+        raise APIError(400, "prompt_embeds is not served: pagoda takes prompts as text or token ids; send prompt",
+                       param="prompt_embeds")
     if body.suffix:
         raise APIError(400, "suffix is not supported by this server; put the text in the prompt", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -49,7 +52,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     ctx.check_request_chars([len(text) for text in texts], "prompt", "prompts")
     for p in prompts:
         if not isinstance(p, str):  # a token prompt too long for the context: refused before it is decoded
-            ctx.resolve_max_tokens(len(p), body.max_tokens)
+            ctx.resolve_max_tokens(len(truncated_prompt(body, p, ctx.max_model_len)), body.max_tokens)
 
     def tokenize(tok, p):
         """One prompt, as one turn of the tokenizer thread: its token ids and text; its first token's text when
@@ -58,6 +61,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
             ids, text = tok.encode(p, add_special_tokens=body.add_special_tokens), p
         else:
             ids, text = list(p), tok.decode(p) if body.echo and all(0 <= t < len(tok) for t in p) else None
+        kept = truncated_prompt(body, ids, ctx.max_model_len)
+        if len(kept) < len(ids):  # the echoed text is what the model saw
+            ids, text = kept, tok.decode(kept) if body.echo and all(0 <= t < len(tok) for t in kept) else None
         first_text = tok.decode(ids[:1]) if echoes_logprobs and text is not None else ""
         return {"prompt": text, "prompt_token_ids": ids}, first_text
 
@@ -67,7 +73,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     structured_outputs, field = structured_outputs_of(body)
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs)
-    request_id = new_id("cmpl")
+    request_id = response_id("cmpl", body)
+    as_ids = bool(body.return_tokens_as_token_ids)
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,
                      tenant=ctx.tenant_of(request, body), lora_request=lora)
     await unless_disconnected(request, gen.start())
@@ -75,8 +82,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
             for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage, ctx.model_name(lora)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage, ctx.model_name(lora),
+                                         bool(body.return_token_ids), as_ids), media_type="text/event-stream")
     outputs = await unless_disconnected(request, gen.final())
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for i, out in enumerate(outputs):
@@ -88,8 +95,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         for c in out.outputs:
             num_completion += len(c.token_ids)
             choice = {"index": i * body.n + c.index, "text": (echo[i].text if echo else "") + c.text,
-                      "logprobs": _choice_logprobs(c, echo[i] if echo else None, out, 0),
+                      "logprobs": _choice_logprobs(c, echo[i] if echo else None, out, 0, as_token_ids=as_ids),
                       "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                                  body.prompt_logprobs)
@@ -109,23 +118,25 @@ class _Echo:
 
 
 def _choice_logprobs(c: CompletionOutput, echo: Optional[_Echo], out: RequestOutput, text_offset: int,
-                     prompt_logprobs: Optional[PromptLogprobs] = None) -> Optional[dict]:
+                     prompt_logprobs: Optional[PromptLogprobs] = None, as_token_ids: bool = False) -> Optional[dict]:
     """The logprobs of a choice's new tokens (None without logprobs); the prompt's first when it echoes them
-    (``prompt_logprobs``: the request's, when ``out`` no longer carries them)."""
+    (``prompt_logprobs``: the request's, when ``out`` no longer carries them; ``as_token_ids``: tokens named
+    ``token_id:<id>``)."""
     if c.logprobs is None:
         return None
     if echo is None:
-        return _logprobs(c, text_offset)
+        return _logprobs(c, text_offset, as_token_ids)
     if echo.num_top is None:
-        return _logprobs(c, text_offset + len(echo.text))
+        return _logprobs(c, text_offset + len(echo.text), as_token_ids)
     entries = out.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
     prompt_part = _prompt_logprobs(out.prompt_token_ids, entries, echo.first_token_text, echo.num_top)
-    completion_part = _logprobs(c, len(echo.text))
+    completion_part = _logprobs(c, len(echo.text), as_token_ids)
     return {key: prompt_part[key] + completion_part[key] for key in prompt_part}
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[_Echo]],
-            include_usage: bool, model: str) -> AsyncIterator[str]:
+            include_usage: bool, model: str, return_token_ids: bool = False,
+            as_token_ids: bool = False) -> AsyncIterator[str]:
     """The SSE body: each choice's new text (after the echoed prompt and its logprobs, with its first one)."""
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": model}
     sent_chars: dict[int, int] = {}  # choice index -> characters of text sent (the echoed prompt's included)
@@ -144,9 +155,14 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo:
             if not first and not text and not has_new_tokens and c.finish_reason is None:
                 continue
             start_chars = sent_chars.get(idx, 0)
-            result.append({"index": idx, "text": text,
-                           "logprobs": _choice_logprobs(c, echoed, out, start_chars, prompt_logprobs.get(i)),
-                           "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
+            choice = {"index": idx, "text": text,
+                      "logprobs": _choice_logprobs(c, echoed, out, start_chars, prompt_logprobs.get(i), as_token_ids),
+                      "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+            if return_token_ids:  # the prompt's ids with a choice's first chunk, then each chunk's new ids
+                if first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
+            result.append(choice)
             sent_chars[idx] = start_chars + len(text)
         return result
 
@@ -176,16 +192,18 @@ def _prompt_logprobs(token_ids: list[int], entries: Optional[PromptLogprobs], fi
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _logprobs(c: CompletionOutput, text_offset: int) -> dict:
-    """The legacy completions logprobs object for a choice's (new) tokens."""
+def _logprobs(c: CompletionOutput, text_offset: int, as_token_ids: bool = False) -> dict:
+    """The legacy completions logprobs object for a choice's (new) tokens (``as_token_ids``: each token named
+    ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids``; text offsets still count the text)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = text_offset
     for token_id, entry in zip(c.token_ids, c.logprobs):
         chosen: Logprob = entry[token_id]
         text = chosen.decoded_token or ""
-        tokens.append(text)
+        tokens.append(token_text(text, token_id, as_token_ids))
         token_logprobs.append(chosen.logprob)
-        top.append({lp.decoded_token or "": lp.logprob for lp in sorted(entry.values(), key=lambda x: x.rank or 0)})
+        top.append({token_text(lp.decoded_token, t, as_token_ids): lp.logprob
+                    for t, lp in sorted(entry.items(), key=lambda item: item[1].rank or 0)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -1,18 +1,20 @@
-"""Request bodies of the OpenAI API (plus the sampling fields vLLM adds), validated by pydantic.
+"""Request bodies of the OpenAI API (plus the fields vLLM adds), validated by pydantic.
 
-Every field of OpenAI's completions and chat completions request schemas is accepted: those that mean
-something here are served, and those that cannot (``store``, ``service_tier``, ``audio``, ...) are listed in
-each request's ``IGNORED_FIELDS``: the server logs each such name once and names the ones a request sent in
-the ``x-pagoda-ignored-fields`` response header. A field of no OpenAI or vLLM schema is rejected, as OpenAI
-rejects it. Ranges and sizes live here (the sizes in ``request_body``), so a bad value is a 400 that names
-the field before any engine work happens.
+Every field of OpenAI's completions and chat completions request schemas, and every field vLLM adds to them, is
+accepted: those that mean something here are served, and those that cannot (``store``, ``service_tier``,
+``kv_transfer_params``, ...) are listed in each request's ``IGNORED_FIELDS``. A field of no schema at all is
+accepted too (``extra="allow"`` on the top-level bodies only) unless the server runs with
+``--strict-request-fields``, which answers it with OpenAI's 400. The server logs each ignored or unknown name
+once and names the ones a request sent in the ``x-pagoda-ignored-fields`` response header
+(docs/request_compatibility.md). Ranges and sizes live here (the sizes in ``request_body``), so a bad value is a
+400 that names the field before any engine work happens.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, MAX_ID_CHARS, MAX_LOGIT_BIAS,
                                                             MAX_MESSAGES, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS,
@@ -48,9 +50,32 @@ class StreamOptions(RequestBody):
 _IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities",
                         "audio", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
                         "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation")
+# vLLM's fields of both routes that have no effect here (beam search, disaggregated serving, its extensions)
+_IGNORED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "watermarking", "logprob_token_ids", "session_id",
+                        "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+                        "repetition_detection", "thinking_token_budget", "stream_interval",
+                        "routed_experts_prompt_start", "return_token_offsets", "return_mm_kwargs")
+# vLLM's chat-only fields without effect here: multimodal inputs, reasoning parsers
+_IGNORED_VLLM_CHAT_FIELDS = ("media_io_kwargs", "mm_processor_kwargs", "include_reasoning")
+# the values of ignored fields that ask for nothing (vLLM's defaults): sent, they are not named as ignored
+NO_EFFECT_VALUES = {"use_beam_search": False, "length_penalty": 1.0, "routed_experts_prompt_start": 0,
+                    "return_token_offsets": False, "return_mm_kwargs": True, "include_reasoning": True,
+                    "store": False, "watermarking": False}
+MAX_BAD_WORDS = 256
+AnyJSON = Optional[Any]  # an ignored field: any JSON value
 
 
-class SamplingFields(StructuredOutputFields):
+class TopLevelBody(RequestBody):
+    """A request's top-level body: fields of no schema are kept in ``model_extra`` (ignored and named, or refused
+    with ``--strict-request-fields``); nested objects still refuse them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return list(self.model_extra or ())
+
+
+class SamplingFields(StructuredOutputFields, TopLevelBody):
     """Fields shared by completions and chat completions (the structured-output ones in ``structured.py``)."""
 
     model: Optional[Identifier] = None
@@ -79,8 +104,33 @@ class SamplingFields(StructuredOutputFields):
     priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
     # vLLM's: the logprobs of each prompt token (the first has none), in the response's prompt_logprobs
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], list_bound(MAX_TOKEN_IDS, min_items=1)]] = None
+    bad_words: Optional[Annotated[list[NonEmptyStr], list_bound(MAX_BAD_WORDS)]] = None
+    # keep the prompt's last N tokens (-1: as many as the context holds); truncation_side "right" keeps the first
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=MAX_TOKEN_IDS)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    request_id: Optional[Identifier] = None  # the response's id is the route's prefix and this
+    return_token_ids: Optional[bool] = None  # prompt_token_ids and each choice's token_ids in the response
+    return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
+    # vLLM's, accepted without effect here (IGNORED_FIELDS)
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    watermarking: AnyJSON = None
+    logprob_token_ids: AnyJSON = None
+    session_id: Optional[Identifier] = None
+    cache_salt: AnyJSON = None
+    kv_transfer_params: AnyJSON = None
+    ec_transfer_params: AnyJSON = None
+    vllm_xargs: AnyJSON = None
+    repetition_detection: AnyJSON = None
+    thinking_token_budget: AnyJSON = None
+    stream_interval: AnyJSON = None
+    routed_experts_prompt_start: AnyJSON = None
+    return_token_offsets: AnyJSON = None
+    return_mm_kwargs: AnyJSON = None
 
-    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ()
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = _IGNORED_VLLM_FIELDS
 
 
 class CompletionRequest(SamplingFields):
@@ -94,6 +144,7 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
+    prompt_embeds: AnyJSON = None  # vLLM's embeddings in place of a prompt: refused (token or text prompts only)
 
 
 class TextPart(RequestBody):
@@ -157,8 +208,18 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
+    # vLLM's chat fields: how the messages are rendered
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open for the answer to continue
+    echo: bool = False  # the answer's content starts with the last message's when that is the assistant's
+    add_special_tokens: bool = False  # the tokenizer's special tokens on top of the template's
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the template (enable_thinking)
+    documents: Optional[Annotated[list[dict[str, Any]], list_bound(MAX_MESSAGES)]] = None  # for RAG templates
+    chat_template: Optional[str] = None  # refused: the server renders with its own template
+    return_prompt_text: Optional[bool] = None  # the rendered prompt in the response's prompt_text
+    media_io_kwargs: AnyJSON = None
+    mm_processor_kwargs: AnyJSON = None
+    include_reasoning: AnyJSON = None
     tools: Optional[Annotated[list[ChatTool], list_bound(MAX_TOOLS, min_items=1)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
@@ -178,7 +239,7 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: Optional[Identifier] = None
     moderation: Optional[dict[str, Any]] = None
 
-    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = _IGNORED_CHAT_FIELDS
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = _IGNORED_CHAT_FIELDS + _IGNORED_VLLM_FIELDS + _IGNORED_VLLM_CHAT_FIELDS
 
 
 class TokenizeRequest(RequestBody):

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.plugins.entrypoints.server.chat import check_chat_chars, render_chat
+from pagoda.plugins.entrypoints.server.chat import check_chat_chars, check_template_kwargs, render_chat
 from pagoda.plugins.entrypoints.server.errors import APIError, to_api_error
 from pagoda.plugins.entrypoints.server.response_store import (OwnedResponses, ResponseNotStored, ResponseStore,
                                                               StoredResponse)
@@ -33,7 +33,7 @@ from pagoda.plugins.entrypoints.server.responses_input import (chat_messages, in
 from pagoda.plugins.entrypoints.server.responses_output import Event, ResponseOutput
 from pagoda.plugins.entrypoints.server.responses_protocol import (ResponsesRequest, TextFormatJSONObject,
                                                                   TextFormatJSONSchema, ToolChoiceFunction)
-from pagoda.plugins.entrypoints.server.serving import (ClientGone, ServingContext, output_error,
+from pagoda.plugins.entrypoints.server.serving import (ClientGone, ServingContext, logger, output_error,
                                                        unless_disconnected)
 from pagoda.plugins.entrypoints.server.streaming import Generation
 from pagoda.plugins.entrypoints.server.tools import ToolRequest
@@ -50,6 +50,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
 
     @app.post("/v1/responses", responses=streamed)
     async def create(body: ResponsesRequest, request: Request):
+        ctx.check_unknown_fields(body)
         try:
             return await create_response(ctx, store, body, request)
         except ClientGone:
@@ -92,24 +93,28 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     items = input_items(body)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + chat_messages(_history(store, body.previous_response_id), items)
-    record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser())
+    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body))
     with _in_responses_terms(tooling):
         check_chat_chars(ctx, messages, tooling.tools, param="input")
         text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
             lambda tok: render_chat(tok, messages, add_generation_prompt=True, tools=tooling.tools,
-                                    max_chars=ctx.max_prompt_chars)))
+                                    max_chars=ctx.max_prompt_chars, template_kwargs=template_kwargs)))
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
+                                top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+                                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                                logit_bias=_logit_bias(body), skip_special_tokens=body.skip_special_tokens,
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
                                 logprobs=record.num_top_logprobs, structured_outputs=structured_outputs)
         gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}],
-                         tooling.constrain(params), priority=0, stream=bool(body.stream),
+                         tooling.constrain(params), priority=body.priority, stream=bool(body.stream),
                          tenant=ctx.tenant_of(request, body), lora_request=lora)
         await unless_disconnected(request, gen.start())
-    ignored = body.ignored_fields()
-    headers = {IGNORED_HEADER: ",".join(ignored)} if ignored else None
     keep = store if body.store is not False else None
     if body.stream:
-        return StreamingResponse(_events(gen, record, keep, items), media_type="text/event-stream", headers=headers)
+        response = StreamingResponse(_events(gen, record, keep, items), media_type="text/event-stream")
+        ctx.mark_ignored_fields(body, response, body.ignored_fields())
+        return response
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
     if err is not None:
@@ -117,15 +122,42 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     record.add(out)
     record.finish()
     _keep(keep, record, items)
-    return JSONResponse(record.render(), headers=headers)
+    response = JSONResponse(record.render())
+    ctx.mark_ignored_fields(body, response, body.ignored_fields())
+    return response
+
+
+def _response_id(store: ResponseStore, body: ResponsesRequest) -> str:
+    """The response's id: vLLM's ``request_id`` when the request gives one (400 when a stored response already
+    has it), else a new one."""
+    if body.request_id is None:
+        return f"resp_{uuid.uuid4().hex}"
+    try:
+        store.get(body.request_id)
+    except ResponseNotStored:
+        logger.info("request %s received", body.request_id)
+        return body.request_id
+    raise APIError(400, f"request_id {body.request_id!r} is the id of a stored response; give each request its own "
+                        "id (or none: the server makes one)", param="request_id")
+
+
+def _logit_bias(body: ResponsesRequest) -> Optional[dict[int, float]]:
+    if not body.logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in body.logit_bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids written as strings, e.g. {\"50256\": -100}",
+                       param="logit_bias") from None
 
 
 class ResponseRecord:
     """One response as it is generated: renders OpenAI's response object at any point. ``parser`` reads the
     answer's tool calls (None: the answer is text)."""
 
-    def __init__(self, model: str, body: ResponsesRequest, parser: Any = None) -> None:
-        self.id = f"resp_{uuid.uuid4().hex}"
+    def __init__(self, model: str, body: ResponsesRequest, parser: Any = None, response_id: Optional[str] = None
+                 ) -> None:
+        self.id = response_id or f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model, self.body = model, body
         self.temperature = 1.0 if body.temperature is None else body.temperature
@@ -217,8 +249,10 @@ async def _events(gen: Generation, record: ResponseRecord, store: Optional[Owned
                 yield chunk
         closing = [event(kind, **fields) for kind, fields in record.finish()]
         _keep(store, record, items)
-        final = "response.incomplete" if record.status == "incomplete" else "response.completed"
-        yield "".join(closing) + event(final, response=record.render())
+        # a response cut short ends with OpenAI's response.incomplete, then response.completed carrying the same
+        # response (status "incomplete"): the official SDK's stream helpers wait for response.completed
+        final = event("response.incomplete", response=record.render()) if record.status == "incomplete" else ""
+        yield "".join(closing) + final + event("response.completed", response=record.render())
     except Exception as exc:  # the status line is gone: the error is the last event
         err = to_api_error(exc)
         record.fail(err)
@@ -279,8 +313,21 @@ def _choice_name(body: ResponsesRequest) -> str:
 
 
 def _structured_outputs(body: ResponsesRequest) -> Optional[StructuredOutputsParams]:
-    """``text.format`` as the engine's structured outputs: a JSON schema, or any JSON object."""
+    """``text.format`` as the engine's structured outputs: a JSON schema, or any JSON object; or vLLM's
+    ``structured_outputs`` field (a 400 when both constrain the output)."""
     text_format = body.text.format if body.text is not None else None
+    so = body.structured_outputs
+    if so is not None:
+        if isinstance(text_format, (TextFormatJSONSchema, TextFormatJSONObject)):
+            raise APIError(400, "the output can follow one constraint, and this request has text.format "
+                                f"{text_format.type} and structured_outputs; send only one of them",
+                           param="structured_outputs")
+        given = {k: v for k, v in (("json", so.json_), ("json_object", so.json_object or None), ("regex", so.regex),
+                                    ("choice", so.choice), ("grammar", so.grammar)) if v is not None}
+        try:
+            return StructuredOutputsParams(**given, backend=so.backend)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="structured_outputs") from None
     if isinstance(text_format, TextFormatJSONSchema):
         return StructuredOutputsParams(json=text_format.schema_)
     if isinstance(text_format, TextFormatJSONObject):

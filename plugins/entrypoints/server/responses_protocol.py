@@ -1,7 +1,8 @@
 """The request body of ``POST /v1/responses`` (OpenAI's Responses API, stateless use plus stored responses).
 
-Unknown fields are rejected. OpenAI's fields that change nothing on this server are accepted and listed in
-``IGNORED_FIELDS``; the fields pagoda cannot serve (background runs, stored prompts, conversations,
+A field of no schema is ignored and named (refused with ``--strict-request-fields``), as on the other routes.
+vLLM's extra fields are accepted: the sampling ones are served, the rest listed in ``IGNORED_FIELDS`` with
+OpenAI's fields that change nothing on this server; the fields pagoda cannot serve (background runs, stored prompts, conversations,
 moderation) are accepted by the schema and refused with a 400 by the handler, so the message can say why.
 Tools are function tools, in the Responses API's flat shape; a hosted tool (web search, file search, ...) is a
 400 naming its type.
@@ -13,7 +14,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from pagoda.plugins.entrypoints.server.protocol import FunctionName, Identifier, Metadata
+from pagoda.plugins.entrypoints.server.protocol import (AnyJSON, FunctionName, Identifier, Metadata, TokenIdText,
+                                                        TopLevelBody)
+from pagoda.plugins.entrypoints.server.structured import StructuredOutputsField
+from pagoda.sampling_params import MAX_TOP_K
 from pagoda.plugins.entrypoints.server.request_body import (MAX_ANNOTATIONS, MAX_CONTENT_PARTS, MAX_ID_CHARS,
                                                             MAX_MESSAGES, MAX_SHORT_LIST, MAX_TOKEN_IDS, MAX_TOOLS,
                                                             list_bound, RequestBody)
@@ -24,7 +28,9 @@ CallId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 # OpenAI's fields that have no effect here: accepted, and named in the x-pagoda-ignored-fields header
 IGNORED_FIELDS = ("access_programs", "background_options", "context_management", "image", "include",
                   "max_tool_calls", "metadata", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-                  "reasoning", "safety_identifier", "service_tier", "stream_options", "truncation", "user")
+                  "reasoning", "safety_identifier", "service_tier", "stream_options", "truncation", "user",
+                  # vLLM's
+                  "mm_processor_kwargs", "cache_salt", "enable_response_messages", "previous_input_messages")
 # the one value of ``include`` that means something here: logprobs of the output text
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
@@ -232,7 +238,7 @@ class ResponsesStreamOptions(RequestBody):
     include_obfuscation: Optional[bool] = None  # no effect here: events carry no padding
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesRequest(TopLevelBody):
     """``POST /v1/responses``."""
 
     model: Optional[Identifier] = None
@@ -271,11 +277,27 @@ class ResponsesRequest(RequestBody):
     context_management: Optional[Annotated[list[dict[str, Any]], list_bound(MAX_SHORT_LIST)]] = None
     access_programs: Optional[dict[str, Any]] = None
     image: Optional[dict[str, Any]] = None
+    # vLLM's extra fields: served
+    top_k: Optional[int] = Field(None, ge=-1, le=MAX_TOP_K)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+    logit_bias: Optional[Annotated[dict[TokenIdText, Annotated[float, Field(ge=-100, le=100)]],
+                                   Field(max_length=1024)]] = None
+    skip_special_tokens: bool = True
+    request_id: Optional[Identifier] = None  # the response's id
+    priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
+    # vLLM's, without effect here
+    mm_processor_kwargs: AnyJSON = None
+    cache_salt: AnyJSON = None
+    enable_response_messages: AnyJSON = None
+    previous_input_messages: AnyJSON = None
 
     def ignored_fields(self) -> list[str]:
         """The fields of this request that have no effect here (``include`` only for values other than
         logprobs, ``text.verbosity`` too)."""
-        names = [n for n in IGNORED_FIELDS if getattr(self, n) is not None
+        names = [n for n in IGNORED_FIELDS if getattr(self, n) not in (None, False)
                  and not (n == "include" and set(self.include) <= {INCLUDE_LOGPROBS})]
         if self.text is not None and self.text.verbosity is not None:
             names.append("text.verbosity")

@@ -27,8 +27,9 @@ from pagoda.version import __version__
 _STREAMED = {200: {"description": "The completion as JSON, or with stream=true as server-sent events",
                    "content": {"text/event-stream": {}},
                    "headers": {"x-pagoda-ignored-fields": {
-                       "description": "The OpenAI request fields this request sent that pagoda accepts but ignores "
-                                      "(comma-separated); absent when there are none",
+                       "description": "The request fields this request sent that pagoda accepts but ignores (OpenAI's "
+                                      "and vLLM's without effect here, and fields of no schema; comma-separated); "
+                                      "absent when there are none",
                        "schema": {"type": "string"}}}}}
 
 
@@ -37,11 +38,13 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
                                     getattr(app.state, "max_request_chars", None))
     ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.resolve(engine.engine.pm)
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
+    ctx.strict_request_fields = getattr(app.state, "strict_request_fields", False)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
     created = int(time.time())
 
     @app.post("/v1/completions", responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request):
+        ctx.check_unknown_fields(body)
         try:
             response = await create_completion(ctx, body, request)
         except ClientGone:
@@ -51,6 +54,7 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
 
     @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ctx.check_unknown_fields(body)
         try:
             response = await create_chat_completion(ctx, body, request)
         except ClientGone:

@@ -21,7 +21,7 @@ from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
-from pagoda.plugins.entrypoints.server.protocol import SamplingFields
+from pagoda.plugins.entrypoints.server.protocol import NO_EFFECT_VALUES, SamplingFields
 from pagoda.plugins.entrypoints.server.tokenizer_turns import TokenizerTurns
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -74,6 +74,8 @@ class ServingContext:
     tool_options: Any = field(default=None)
     # where a request's tenant comes from (see tenant_of): "api-key", "header" or "user"
     tenant_source: str = "api-key"
+    # --strict-request-fields: a field of no schema is a 400 (otherwise it is ignored and named)
+    strict_request_fields: bool = False
 
     def tenant_of(self, request: Any, body: Any = None) -> Optional[str]:
         """The tenant a request counts for (the ``fair`` scheduling policy shares the engine between tenants):
@@ -159,21 +161,33 @@ class ServingContext:
         """The ``model`` of a response: the adapter's name, or the base model's."""
         return self.served_model_name if lora is None else lora.lora_name
 
-    def mark_ignored_fields(self, body: SamplingFields, response: Response) -> None:
-        """Name the fields of ``body`` that pagoda accepts but ignores in the response's
+    def check_unknown_fields(self, body: Any) -> None:
+        """With ``--strict-request-fields``, OpenAI's 400 for a field of no OpenAI or vLLM schema."""
+        unknown = body.unknown_fields()
+        if unknown and self.strict_request_fields:
+            raise APIError(400, f"unrecognized request argument supplied: {unknown[0]} (this server runs with "
+                                "--strict-request-fields; remove the field)", param=unknown[0])
+
+    def mark_ignored_fields(self, body: Any, response: Response, names: Optional[list[str]] = None) -> None:
+        """Name the fields of ``body`` that pagoda accepts but ignores (``names``, or its ``IGNORED_FIELDS`` that
+        were sent with a value asking for something), and those of no schema, in the response's
         ``x-pagoda-ignored-fields`` header; log a warning the first time each name is seen."""
-        names = [name for name in body.IGNORED_FIELDS if getattr(body, name) is not None]
-        if body.stream_options is not None and body.stream_options.include_obfuscation:
-            names.append("stream_options.include_obfuscation")
-        if not names:
+        if names is None:
+            names = [name for name in body.IGNORED_FIELDS
+                     if getattr(body, name) is not None and getattr(body, name) != NO_EFFECT_VALUES.get(name)]
+            if body.stream_options is not None and body.stream_options.include_obfuscation:
+                names.append("stream_options.include_obfuscation")
+        unknown = body.unknown_fields()
+        if not names and not unknown:
             return
-        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(names)
-        for name in names:
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(names + unknown)
+        for name in names + unknown:
             if name not in self.logged_ignored_fields:
                 self.logged_ignored_fields.add(name)
-                logger.warning("the request field %r is accepted for OpenAI compatibility but has no effect in "
-                               "pagoda; it is ignored (the %s response header names it; this is logged once)",
-                               name, IGNORED_FIELDS_HEADER)
+                why = ("is accepted for OpenAI and vLLM compatibility but has no effect in pagoda" if name in names
+                       else "belongs to no OpenAI or vLLM request schema (--strict-request-fields refuses it)")
+                logger.warning("the request field %r %s; it is ignored (the %s response header names it; this is "
+                               "logged once)", name, why, IGNORED_FIELDS_HEADER)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], param: str = "max_tokens") -> int:
         """The output budget: the request's (from its field ``param``), or ``default_max_tokens`` cut to what the
@@ -225,7 +239,40 @@ def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Option
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         priority=body.priority,
         structured_outputs=structured_outputs,
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words,
     )
+
+
+def truncated_prompt(body: SamplingFields, token_ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens (``truncation_side`` "right": its first N);
+    -1 keeps as many as leave room for one generated token. The whole prompt without the field."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len - 1
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens=0 would leave no prompt; send a positive number of tokens, or "
+                            "-1 for as many as the context holds", param="truncate_prompt_tokens")
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if body.truncation_side == "right" else token_ids[len(token_ids) - keep:]
+
+
+def response_id(prefix: str, body: Any) -> str:
+    """A response's id: the route's prefix and the request's own ``request_id`` (vLLM's field), or a new one;
+    a request that names its id is logged with it."""
+    given = getattr(body, "request_id", None)
+    if given is None:
+        return new_id(prefix)
+    logger.info("request %s-%s received", prefix, given)
+    return f"{prefix}-{given}"
+
+
+def token_text(decoded: Optional[str], token_id: int, as_token_ids: bool) -> str:
+    """A token as logprobs name it: its text, or ``token_id:<id>`` with ``return_tokens_as_token_ids``."""
+    return f"token_id:{token_id}" if as_token_ids else (decoded or "")
 
 
 def prompt_logprobs_json(prompt_token_ids: list[int], entries: Optional[PromptLogprobs],

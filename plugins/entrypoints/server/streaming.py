@@ -96,10 +96,11 @@ class Generation:
             await gen.aclose()
 
 
-async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker,
-                     include_usage: bool) -> AsyncIterator[str]:
+async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, include_usage: bool,
+                     first_fields: Optional[Callable[[RequestOutput], dict]] = None) -> AsyncIterator[str]:
     """The SSE body of a streamed completion or chat: a chunk per output with choices, the usage chunk if
-    asked for, ``[DONE]``. An error after the status line was sent is the last event."""
+    asked for, ``[DONE]``. An error after the status line was sent is the last event. ``first_fields(output)``:
+    fields of the first chunk (vLLM's ``prompt_token_ids``)."""
     num_prompt: dict[int, int] = {}
     num_cached: dict[int, int] = {}
     num_completion = 0
@@ -116,6 +117,9 @@ async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker,
                 choices = make_choices(i, out)
                 if choices:
                     chunk = dict(head, choices=choices)
+                    if first_fields is not None:
+                        chunk.update(first_fields(out))
+                        first_fields = None
                     if include_usage:
                         chunk["usage"] = None
                     frames.append(sse(chunk))
