@@ -61,6 +61,13 @@ class CausalLM(Protocol):
     # "k_proj", "v_proj"]}``): a LoRA adapter's ``q_proj`` applies to slice 0 of ``qkv_proj``. Optional: {}.
     packed_modules_mapping: dict
 
+    # the attention features its layers ask of the backend (``{"sliding_window", "logit_softcap", "sinks"}``);
+    # a backend that does not list one is refused at start-up. Optional: none.
+    attention_features: set
+
+    # False for an architecture that LoRA adapters cannot apply to (refused at start-up). Optional: True.
+    supports_lora: bool
+
     def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
                  ) -> "torch.Tensor":
         """Runs :meth:`forward` (``nn.Module.__call__``)."""
@@ -295,6 +302,9 @@ class AttentionBackend(Protocol):
     kv_cache_dtype: Optional["torch.dtype"]
     # the backend's name in messages. Optional: the name it was selected by (``attention_backend``).
     name: str
+    # the attention features beyond causal attention it implements (``sliding_window``, ``logit_softcap``,
+    # ``sinks``); a model asking for another is refused at start-up. Optional: none.
+    attention_features: frozenset
 
     def isa_paths(self) -> dict[str, str]:
         """Which code path each of its CPU kernels takes here (``{"decode attention": "avx2"}``), as the

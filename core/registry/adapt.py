@@ -32,12 +32,15 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "name": lambda component, name: name,
         "kv_cache_dtype": lambda component, name: None,  # the model's dtype
         "isa_paths": lambda component, name: _no_isa_paths,
+        "attention_features": lambda component, name: frozenset(),  # plain causal attention only
     },
     "pagoda_kv_allocators": {"is_swapped": lambda component, name: _never_swapped},
     "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
     "pagoda_model_architectures": {
         "runs_first_layers_of_caches": lambda component, name: False,
         "packed_modules_mapping": lambda component, name: {},  # no fused layer: adapters map one to one
+        "attention_features": lambda component, name: set(),  # asks nothing beyond causal attention
+        "supports_lora": lambda component, name: True,
     },
 }
 

@@ -163,7 +163,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
-        if layer.sliding_window or layer.logit_softcap or layer.sinks is not None:
+        if (getattr(layer, "sliding_window", None) or getattr(layer, "logit_softcap", None)
+                or getattr(layer, "sinks", None) is not None):
             # the C++ kernels attend causally over every key: such a layer takes the torch backend's path
             if md.torch_all is None:
                 md.torch_all = TorchAttentionBackend.build_metadata(self, md.batch)

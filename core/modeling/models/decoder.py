@@ -270,6 +270,8 @@ class DecoderForCausalLM(nn.Module):
     # given the caches of its first N layers only, forward runs those N layers, then the final norm:
     # a self-speculation draft ("self:layers=N") is the target itself
     runs_first_layers_of_caches = True
+    # LoRA adapters apply to its projections (an architecture whose layers they cannot reach sets False)
+    supports_lora = True
     # builds this rank's shard under tensor parallelism (pagoda.execution.distributed.current())
     supports_tensor_parallel = True
     # builds only its pipeline stage's layers (pagoda.execution.distributed.current_stage()); forward takes
