@@ -53,16 +53,16 @@ class Attention(nn.Module):
         self.sinks = None
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype), requires_grad=False)
+        # fp8 KV cache: the cache stores k / k_scale and v / v_scale (per tensor; 1.0 unless the
+        # checkpoint carries them). Plain floats: a backend reads them on every call without a sync.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @property
     def features(self) -> set[str]:
         """Which of ``ATTENTION_FEATURES`` this layer uses."""
         return {name for name, on in (("sliding_window", self.sliding_window), ("logit_softcap", self.logit_softcap),
                                       ("sinks", self.sinks is not None)) if on}
-        # fp8 KV cache: the cache stores k / k_scale and v / v_scale (per tensor; 1.0 unless the
-        # checkpoint carries them). Plain floats: a backend reads them on every call without a sync.
-        self.k_scale = 1.0
-        self.v_scale = 1.0
 
     def load_kv_scale(self, which: str, tensor: torch.Tensor, name: str) -> None:
         """Set k_scale / v_scale (or both, for ``kv_scale``) from a one-element checkpoint tensor."""
