@@ -180,7 +180,9 @@ class ServingContext:
         unknown = body.unknown_fields()
         if not names and not unknown:
             return
-        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(names + unknown)
+        # a header holds latin-1 only: a field name outside it is written as its escaped repr
+        response.headers[IGNORED_FIELDS_HEADER] = ", ".join(
+            name if name.isascii() and name.isprintable() else ascii(name) for name in names + unknown)
         for name in names + unknown:
             if name not in self.logged_ignored_fields:
                 self.logged_ignored_fields.add(name)
