@@ -251,7 +251,8 @@ def test_served_tenants_from_a_header_share_the_engine():
               max_num_seqs=2, max_waiting_per_tenant=4)
     alone = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
                          use_tqdm=False)[0].outputs[0].text
-    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), tenant_source="header")).start()
+    served = AsyncLLMEngine(llm.engine)
+    srv = ServerThread(build_app(served, tenant_source="header")).start()
     try:
         async def run():
             def client(tenant):
@@ -266,10 +267,19 @@ def test_served_tenants_from_a_header_share_the_engine():
                 finished.append(name)
                 return resp.choices[0].text
 
+            async def until(condition):
+                for _ in range(1200):
+                    if condition():
+                        return
+                    await asyncio.sleep(0.025)
+                raise AssertionError("the engine never reached the state the test waits for")
+
+            scheduler = llm.engine.scheduler
             flood = [asyncio.create_task(ask(heavy, f"heavy{i}", f"Story {i}:", 24)) for i in range(2)]
-            await asyncio.sleep(1.0)  # the heavy tenant holds both seats...
+            # the heavy tenant holds both seats (its two requests have output: they no longer count as waiting)...
+            await until(lambda: sum(s.has_output for s in list(served._streams.values())) == 2)
             flood += [asyncio.create_task(ask(heavy, f"heavy{i}", f"Story {i}:", 24)) for i in range(2, 6)]
-            await asyncio.sleep(0.5)  # ... and four of its requests wait: as many as it may
+            await until(lambda: scheduler.num_waiting == 4)  # ... and four of its requests wait: as many as it may
             with pytest.raises(openai.APIStatusError) as refused:  # its queue is full: it alone is refused
                 await ask(heavy, "heavy-refused", "One more:", 4)
             text = await ask(light, "light", "The capital of France is", 4)
@@ -285,7 +295,7 @@ def test_served_tenants_from_a_header_share_the_engine():
     # served before the heavy tenant's queued requests: at most the two that held the seats, and the one or
     # two that took a seat first, finish before it
     assert finished.index("light") <= 3, finished
-    counters = llm.engine.scheduler.tenant_counters()
+    counters = llm.engine.scheduler.policy.tenant_counters()
     assert set(counters) >= {"heavy", "light"} and counters["heavy"] > counters["light"]
 
 

@@ -198,7 +198,8 @@ def test_a_bad_adapter_is_refused_as_on_one_rank_and_the_ranks_keep_serving(serv
         assert r.status_code == 400
         assert r.json()["error"]["message"] == one_rank_error
         assert "trained for another model" in one_rank_error
-        r = http.post("/v1/load_lora_adapter", json={"lora_name": "missing", "lora_path": "/nonexistent/adapter"})
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "missing",
+                                                           "lora_path": str(paths["other"].parent / "missing")})
         assert r.status_code == 400 and "is not a directory" in r.json()["error"]["message"]
     assert complete(srv.url, "tiny") == refs["tiny"]
     assert complete(srv.url, "first") == refs["first"]

@@ -28,11 +28,11 @@ from pagoda.errors import CheckpointError, ConfigError
 from pagoda.execution import distributed
 from pagoda.modeling.layers.attention import Attention, kv_scale_target
 from pagoda.modeling.layers.fused_ops import CpuKernels
-from pagoda.modeling.layers.linear import (ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear,
+from pagoda.modeling.layers.linear import (ColumnParallelLinear, Linear, Logits, ParallelLMHead,
+                                           QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                            packed_modules)
 from pagoda.modeling.layers.norm import RMSNorm
 from pagoda.modeling.layers.rotary import RopeSpec, RotaryEmbedding, StepRotary, split_heads
-from pagoda.modeling.layers.vocab import Logits, ParallelLMHead, VocabParallelEmbedding
 
 # HF activation names -> pagoda's gated MLP activations
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",

@@ -216,6 +216,6 @@ def run(ns: argparse.Namespace) -> int:
                 gbps = w.bytes_moved(ns.num_heads, ns.num_kv_heads, ns.head_dim, element_size) / seconds / 1e9
                 share = f"{100 * gbps / peak:.0f}%" if peak else "-"
                 tflops = w.flops(ns.num_heads, ns.head_dim) / seconds / 1e12
-                print(f"{name:<10}{batch_size:>6}{seq_len:>9}{seconds * 1e3:>10.3f}{gbps:>9.1f}{share:>7}"
+                print(f"{name:<10}{batch_size:>6}{seq_len:>9}{seconds * 1e3:>10.3f}{gbps:>9.{3 if gbps < 1 else 1}f}{share:>7}"
                       f"{tflops:>9.2f}")
     return 0
