@@ -308,3 +308,20 @@ def test_top_k_beyond_32_bits_is_refused_with_its_range():
     with pytest.raises(Exception, match=r"top_k=9223372036854775808 is invalid: must be in \[0, 2147483647\]"):
         SamplingParams(top_k=2 ** 63)
     assert SamplingParams(top_k=2 ** 31 - 1).top_k == 2 ** 31 - 1
+
+
+def test_inverse_cdf_draw_never_takes_a_token_of_probability_zero():
+    from pagoda.sampling.sampler import draw_inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.25, 0.25, 0.0, 0.25, 0.25]])
+    for u, expected in [(0.0, [1, 2, 0]), (0.3, [3, 2, 1]), (1 - 2 ** -53, [3, 2, 4])]:
+        picked = draw_inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64))
+        assert picked.tolist() == expected, (u, picked)
+    # an unnormalised row draws from its normalised distribution
+    n = 20_000
+    rows = torch.tensor([2.0, 6.0, 0.0, 2.0]).expand(n, -1).contiguous()
+    counts = torch.bincount(draw_inverse_cdf(rows, torch.rand(n, dtype=torch.float64,
+                                                              generator=torch.Generator().manual_seed(0))),
+                            minlength=4).float()
+    assert counts[2] == 0
+    assert_frequencies_match(counts, torch.tensor([0.2, 0.6, 0.0, 0.2]))

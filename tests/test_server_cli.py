@@ -48,7 +48,8 @@ def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc, url = start_server(log, "--shutdown-timeout", "30", "--max-request-chars", str(MAX_REQUEST_CHARS))
+    proc, url = start_server(log, "--shutdown-timeout", "30", "--max-request-chars", str(MAX_REQUEST_CHARS),
+                             "--step-log", str(log.with_name("steps.jsonl")))
     yield proc, url, log
     if proc.poll() is None:
         proc.kill()
@@ -133,6 +134,48 @@ def test_bench_serve_alternates_offline_runs_and_sets_the_served_token_beside_th
     assert runs[1]["summary"]["prefix_cache_hit_rate"] == 0.0
     first = [q["prompt_len"] for q in runs[0]["requests"]]
     assert first == [40, 40]
+
+
+def test_bench_serve_sends_vllm_s_random_dataset_and_times_it_as_vllm_s_client(server, tmp_path):
+    _, url, _ = server
+    result_file = tmp_path / "vllm-random.json"
+    run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--dataset", "vllm-random", "--input-len", "24",
+                          "--output-len", "4", "--num-prompts", "3", "--request-rate", "50", "--seed", "3",
+                          "--no-progress", "--result-file", str(result_file)],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "vLLM's random dataset, 24 in / 4 out, seed 3: 3 requests" in run.stdout
+    out = json.loads(result_file.read_text())["runs"][0]
+    s, names = out["summary"], out["vllm_names"]
+    # the server tokenized the text prompts to the drawn lengths (usage), and sampled at its default temperature
+    assert s["completed"] == 3 and s["prompt_tokens"] == 72 and s["output_tokens"] == 12
+    assert names["output_throughput"] == s["output_token_throughput"] and names["mean_tpot_ms"] == s["tpot_ms"]["mean"]
+    for r in out["requests"]:  # vLLM's definitions: TPOT over the tokens after the first, E2E at the last event
+        assert r["ttft"] + sum(r["itl"]) == pytest.approx(r["e2e"])
+    # the first prompt went once alone before the run (as vLLM's client sends it): its blocks were cached
+    assert out["requests"][0]["cached_tokens"] == 16
+
+
+def test_the_step_log_says_what_each_step_held_and_where_its_time_went(server, tmp_path):
+    _, _, log = server
+    steps_file = log.with_name("steps.jsonl")
+    steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
+    assert steps, "the earlier tests' requests ran steps"
+    assert any(s["prefill_tokens"] > 0 for s in steps) and any(s["decode_rows"] > 0 for s in steps)
+    for s in steps:
+        assert s["step_ms"] > 0 and s["model_ms"] >= s["attention_ms"] > 0
+        assert s["step_other_ms"] == pytest.approx(s["step_ms"] - s["schedule_ms"] - s["update_ms"] - s["emit_ms"]
+                                                   - s["metadata_ms"] - s["model_ms"] - s["logits_ms"]
+                                                   - s["sampling_ms"], abs=1e-3)
+    run = subprocess.run([PAGODA, "bench", "steps", str(steps_file)], capture_output=True, text=True, env=ENV,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    for label in ("decode only", "with prefill", "per decode token", "attention (K/V write + kernel)", "sampling",
+                  "gap before the step", "attention share of the step"):
+        assert label in run.stdout
+    missing = subprocess.run([PAGODA, "bench", "steps", str(tmp_path / "none.jsonl")], capture_output=True,
+                             text=True, env=ENV, timeout=120)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
 def test_sigterm_lets_the_open_stream_finish_then_exits_cleanly(server):

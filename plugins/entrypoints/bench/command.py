@@ -14,6 +14,7 @@ WORKLOADS = {
     "all-reduce": "pagoda.plugins.entrypoints.bench.all_reduce",
     "fairness": "pagoda.plugins.entrypoints.bench.fairness",
     "soak": "pagoda.plugins.entrypoints.bench.soak",
+    "steps": "pagoda.plugins.entrypoints.bench.step_log",
 }
 
 

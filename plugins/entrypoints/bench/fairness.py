@@ -21,7 +21,7 @@ import time
 from typing import Optional
 
 from pagoda.cli import add_engine_args, engine_args_from
-from pagoda.plugins.entrypoints.bench.serve import RequestTiming, percentiles, send_one
+from pagoda.plugins.entrypoints.bench.serve import RequestTiming, greedy_body, percentiles, send_one
 from pagoda.plugins.entrypoints.bench.workloads import BenchRequest
 
 FLOOD_TENANT, SMALL_TENANT = "flood", "small"
@@ -111,7 +111,8 @@ async def small_requests(url: str, model: str, request: BenchRequest, count: int
     import httpx
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers={"x-pagoda-tenant": SMALL_TENANT}) as client:
-        return [await send_one(client, url + "/v1/completions", model, request) for _ in range(count)]
+        return [await send_one(client, url + "/v1/completions", greedy_body(model, request), request)
+                for _ in range(count)]
 
 
 class FloodProgress:

@@ -5,7 +5,12 @@ The W1 requests go to ``/v1/completions`` with streaming, their arrivals a
 Poisson process at each ``--request-rate`` (``inf``: all at once). Per request
 the client times the first token (TTFT), the gaps between streamed chunks
 (ITL), the time per output token after the first (TPOT) and the whole request
-(E2E); the summary gives their mean and p50/p90/p99 and the throughputs.
+(E2E); the summary gives their mean and p50/p90/p99 and the throughputs. The
+timings are defined as vLLM's serving client defines them (every streamed
+message with choices is a token event; E2E ends at the last one; TPOT is
+``(E2E - TTFT) / (output tokens - 1)``), and ``--workload vllm-random`` sends
+what that client sends: its random dataset's text prompts, its arrival times,
+its request body (see ``vllm_client.py``), so the two clients' figures agree.
 
 What the server costs: from the server's ``/metrics`` before and after each run,
 the engine's mean step time during the run, printed beside the served mean TPOT
@@ -26,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from pagoda.plugins.entrypoints.bench.vllm_client import (SSEReader, completion_body, vllm_arrival_times,
+                                                          vllm_random_requests)
 from pagoda.plugins.entrypoints.bench.workloads import (BenchRequest, draw_token_ids, fixed_lengths, prefix_groups,
                                                         random_64)
 
@@ -41,18 +48,32 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0, math.inf],
                    help="arrival rates in requests/s, one run each; 'inf' sends everything at once")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--workload", choices=["w1", "random", "prefix-groups"], default="w1",
+    p.add_argument("--workload", "--dataset", choices=["w1", "random", "vllm-random", "prefix-groups"], default="w1",
                    help="w1: the W1 requests (W4); random: --input-len random prompt tokens asking for --output-len "
-                        "tokens each (vLLM's random dataset at a fixed length); "
+                        "tokens each, greedy (the shape of vLLM's random dataset); vllm-random: what vLLM's serving "
+                        "client sends with --dataset-name random and the same --seed: its text prompts, arrival "
+                        "times (--burstiness), request body (no temperature unless --temperature: the server's "
+                        "default sampling) and a first request alone before the run; "
                         "prefix-groups: --prefix-groups prompt prefixes of --prefix-len "
                         "tokens, interleaved, each request adding 32 tokens of its own and asking for 32 (the "
                         "summary then gives the prefix-cache hit rate and, behind pagoda serve --replicas, how "
                         "often a request reached the replica that served its prefix first)")
     p.add_argument("--input-len", type=int, default=128, help="--workload random: prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="--workload random: output tokens per request")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="--workload vllm-random: lengths drawn uniformly within this ratio of --input-len and "
+                        "--output-len (vLLM's flag of that name)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="--workload vllm-random: the arrival gaps' gamma shape (1: Poisson; lower: burstier)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="--workload vllm-random: the temperature to send (default: none, as vLLM's client: the "
+                        "server's default, 1.0 for pagoda and vLLM on a model whose generation config sets none)")
+    p.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="--workload vllm-random: more request fields, a JSON object (as vLLM's --extra-body)")
     p.add_argument("--prefix-groups", type=int, default=4)
     p.add_argument("--prefix-len", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrival times (vllm-random: of its "
+                                                       "prompts and arrival times, as vLLM's --seed)")
     p.add_argument("--result-file", default=None, help="write every run's summary and per-request timings as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--offline-output-tok-s", type=float, default=None,
@@ -113,6 +134,9 @@ def bench_requests(ns: argparse.Namespace, draw: int = 0) -> list[BenchRequest]:
         return requests
     if ns.workload == "random":
         return fixed_lengths(vocab, special, ns.num_prompts, ns.input_len, ns.output_len, seed=draw)
+    if ns.workload == "vllm-random":  # another draw is vLLM's client with the next --seed
+        return vllm_random_requests(tokenizer, ns.num_prompts, ns.input_len, ns.output_len, ns.random_range_ratio,
+                                    ns.seed + draw)
     return prefix_groups(len(tokenizer), special, ns.num_prompts, ns.prefix_groups, ns.prefix_len)
 
 
@@ -121,10 +145,16 @@ def w1_requests(model: Optional[str], num_prompts: int) -> list[BenchRequest]:
     return bench_requests(ns)
 
 
-async def send_one(client, url: str, model: str, req: BenchRequest) -> RequestTiming:
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
+def greedy_body(model: str, req: BenchRequest) -> dict:
+    """The body of pagoda's own workloads: the prompt's token ids, greedy, exactly ``output_len`` tokens."""
+    return {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
             "min_tokens": req.output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
+
+
+async def send_one(client, url: str, body: dict, req: BenchRequest) -> RequestTiming:
+    """Stream one completion, timed as vLLM's client times it: each message with choices is a token event,
+    stamped when the read that completed it arrived; the request ends at its last token event."""
     timing = RequestTiming(ok=False, prompt_len=len(req.prompt_token_ids), prefix_group=req.prefix_group)
     start = time.perf_counter()
     last = None
@@ -134,62 +164,88 @@ async def send_one(client, url: str, model: str, req: BenchRequest) -> RequestTi
                 timing.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return timing
             timing.replica = resp.headers.get("x-pagoda-replica")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    timing.error = chunk["error"]["message"]
-                    return timing
-                if chunk.get("usage"):
-                    timing.output_tokens = chunk["usage"]["completion_tokens"]
-                    timing.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
-                    continue
+            reader = SSEReader()
+            async for raw in resp.aiter_raw():
                 now = time.perf_counter()
-                if last is None:
-                    timing.ttft = now - start
-                else:
-                    timing.itl.append(now - last)
-                last = now
+                for message in reader.feed(raw):
+                    if not message.startswith("data: ") or message == "data: [DONE]":
+                        continue
+                    chunk = json.loads(message[6:])
+                    if "error" in chunk:
+                        timing.error = chunk["error"]["message"]
+                        return timing
+                    if chunk.get("choices"):
+                        if last is None:
+                            timing.ttft = now - start
+                        else:
+                            timing.itl.append(now - last)
+                        last = now
+                    elif chunk.get("usage"):
+                        timing.output_tokens = chunk["usage"]["completion_tokens"]
+                        timing.prompt_len = chunk["usage"].get("prompt_tokens", timing.prompt_len)
+                        details = chunk["usage"].get("prompt_tokens_details") or {}
+                        timing.cached_tokens = details.get("cached_tokens", 0)
     except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
         timing.error = f"{type(exc).__name__}: {exc}"
         return timing
-    timing.e2e = time.perf_counter() - start
     timing.ok = timing.output_tokens > 0 and last is not None
+    if timing.ok:
+        timing.e2e = last - start
+    elif timing.error is None:
+        timing.error = "the stream ended without a token or without its usage"
     return timing
 
 
-async def run_rate(base_url: str, model: str, api_key: Optional[str], requests: list[BenchRequest], rate: float,
-                   seed: int, progress: bool) -> tuple[float, list[RequestTiming]]:
+async def run_rate(base_url: str, api_key: Optional[str], requests: list[BenchRequest], bodies: list[dict],
+                   arrivals: list[float], progress: bool, label: str,
+                   first_alone: bool = False) -> tuple[float, list[RequestTiming]]:
+    """Send ``bodies[i]`` at ``arrivals[i]`` seconds after the start; the run's wall time and each request's timing.
+    ``first_alone``: send the first body once, alone, before the run (vLLM's client does)."""
     import httpx
 
-    rng = random.Random(seed)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(requests), desc=f"rate {rate:g} req/s", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=len(requests), desc=label, dynamic_ncols=True, file=sys.stderr)
+    url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits, headers=headers) as client:
-        async def timed(req: BenchRequest) -> RequestTiming:
-            result = await send_one(client, base_url + "/v1/completions", model, req)
+        if first_alone:
+            probe = await send_one(client, url, bodies[0], requests[0])
+            if not probe.ok:
+                raise RuntimeError(f"the first request, sent alone before the run, failed: {probe.error}")
+
+        async def timed(req: BenchRequest, body: dict) -> RequestTiming:
+            result = await send_one(client, url, body, req)
             if bar is not None:
                 bar.update(1)
             return result
 
         start = time.perf_counter()
         tasks = []
-        for req in requests:
-            tasks.append(asyncio.create_task(timed(req)))
-            if math.isfinite(rate):
-                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals: exponential gaps
+        for req, body, at in zip(requests, bodies, arrivals):
+            wait = start + at - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(timed(req, body)))
         timings = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
     return duration, list(timings)
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """pagoda's own arrivals: the first request at once, then exponential gaps from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    return times
 
 
 def percentiles(values) -> dict[str, float]:
@@ -391,8 +447,15 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
     if ns.repeat < 1:
         print("pagoda bench serve: error: --repeat must be at least 1", file=sys.stderr)
         return 2
-    requests = bench_requests(ns)
-    title = {"w1": "W4: W1", "random": f"random {ns.input_len} in / {ns.output_len} out:"}.get(
+    try:
+        sampling = request_fields(ns)
+        requests = bench_requests(ns)
+        vllm_arrival_times(1, 1.0, ns.burstiness)  # a bad --burstiness fails before any run
+    except ValueError as exc:
+        print(f"pagoda bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    title = {"w1": "W4: W1", "random": f"random {ns.input_len} in / {ns.output_len} out:",
+             "vllm-random": f"vLLM's random dataset, {ns.input_len} in / {ns.output_len} out, seed {ns.seed}:"}.get(
         ns.workload, f"{ns.prefix_groups} prefix groups:")
     print(f"{title} {len(requests)} requests ({sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
           f"{sum(r.output_len for r in requests)} output tokens) to {base_url} as model {model!r}")
@@ -405,13 +468,22 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
             offline_tps = ns.offline_output_tok_s
             if offline_llm is not None:
                 offline_tps = _run_offline(offline_llm, requests)
+            like_vllm = ns.workload == "vllm-random"
+            if like_vllm:
+                bodies = [completion_body(model, r, sampling=sampling) for r in requests]
+                arrivals = vllm_arrival_times(len(requests), rate, ns.burstiness, ns.seed + rep)
+            else:
+                bodies = [greedy_body(model, r) for r in requests]
+                arrivals = poisson_arrivals(len(requests), rate, ns.seed)
             before = server_counters(base_url, ns.api_key)
-            duration, timings = asyncio.run(run_rate(base_url, model, ns.api_key, requests, rate, ns.seed,
-                                                     not ns.no_progress))
+            duration, timings = asyncio.run(run_rate(base_url, ns.api_key, requests, bodies, arrivals,
+                                                     not ns.no_progress, f"rate {rate:g} req/s",
+                                                     first_alone=like_vllm))
             summary = summarize(rate, duration, timings)
             add_server_cost(summary, before, server_counters(base_url, ns.api_key), offline_tps)
             print(format_summary(summary, ns.profile), flush=True)
-            results.append({"summary": summary, "requests": [asdict(t) for t in timings]})
+            results.append({"summary": summary, "vllm_names": vllm_metrics(summary),
+                            "requests": [asdict(t) for t in timings]})
     if offline_llm is not None and ns.repeat > 1:
         for rate in ns.request_rate:
             ratios = sorted(r["summary"]["served_over_offline"] for r in results
@@ -424,6 +496,39 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
                       indent=2)
         print(f"results written to {ns.result_file}")
     return 0 if all(r["summary"]["failed"] == 0 for r in results) else 1
+
+
+def request_fields(ns: argparse.Namespace) -> dict:
+    """The sampling fields ``--workload vllm-random`` adds to each request: ``--temperature``, ``--extra-body``."""
+    fields = {}
+    if ns.temperature is not None:
+        fields["temperature"] = ns.temperature
+    if ns.extra_body:
+        try:
+            extra = json.loads(ns.extra_body)
+        except ValueError as exc:
+            raise ValueError(f"--extra-body is not JSON ({exc}); give an object such as '{{\"top_p\": 0.9}}'")
+        if not isinstance(extra, dict):
+            raise ValueError(f"--extra-body must be a JSON object, not {type(extra).__name__}")
+        fields.update(extra)
+    if fields and ns.workload != "vllm-random":
+        raise ValueError("--temperature and --extra-body apply to --workload vllm-random only (the other workloads "
+                         "are greedy, exactly --output-len tokens)")
+    return fields
+
+
+def vllm_metrics(summary: dict) -> dict:
+    """The summary under the names of vLLM's client's result JSON (``--save-result``)."""
+    out = {"completed": summary["completed"], "failed": summary["failed"], "duration": summary["duration_s"],
+           "request_throughput": summary["request_throughput"],
+           "output_throughput": summary["output_token_throughput"],
+           "total_token_throughput": summary["total_token_throughput"],
+           "total_input_tokens": summary["prompt_tokens"], "total_output_tokens": summary["output_tokens"]}
+    for key, name in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("itl_ms", "itl"), ("e2e_ms", "e2el")):
+        row = summary[key]
+        out.update({f"mean_{name}_ms": row["mean"], f"median_{name}_ms": row["p50"], f"p90_{name}_ms": row["p90"],
+                    f"p99_{name}_ms": row["p99"]})
+    return out
 
 
 def _offline_llm(ns: argparse.Namespace):

@@ -13,6 +13,8 @@ class BenchRequest:
     output_len: int
     # the prompt-prefix group of a shared-prefix workload (None: the prompt shares nothing on purpose)
     prefix_group: Optional[int] = None
+    # the prompt as text, sent instead of the ids when set (vLLM's random dataset; the ids are its encoding)
+    prompt_text: Optional[str] = None
 
 
 def random_64(vocab_size: int, special_ids: set[int], num_requests: int = 64, seed: int = 0) -> list[BenchRequest]:

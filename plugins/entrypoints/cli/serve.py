@@ -52,6 +52,9 @@ def register(sub) -> None:
     p.add_argument("--request-log", default=None, metavar="PATH",
                    help="append one JSON line per finished request (arrival, prompt token ids, output tokens, "
                         "priority, tenant, timings) to PATH; `pagoda simulate --from-request-log PATH` replays it")
+    p.add_argument("--step-log", default=None, metavar="PATH",
+                   help="append one JSON line per engine step (prefill and decode rows, phase times, attention, "
+                        "sampling, the gap before it) to PATH; `pagoda bench steps PATH` summarises it")
     p.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_RESPONSES,
                    help="responses of /v1/responses kept in memory for previous_response_id and GET "
                         "/v1/responses/{id}, the least recently used dropped first (default %(default)s; 0: keep none)")
@@ -107,6 +110,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.errors import ConfigError
 
     if ns.replicas != 1 or ns.max_replicas is not None:
+        if ns.step_log:
+            raise ConfigError("--step-log records one engine's steps; it is not available with --replicas or "
+                              "--max-replicas yet")
         if ns.request_log:
             raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
                               "or --max-replicas yet (serve one replica to record a trace)")
@@ -138,6 +144,10 @@ def run_serve(ns: argparse.Namespace) -> int:
 
         ns.plugin_manager.register(RequestLogWriter(ns.request_log), "request-log")
     engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
+    if ns.step_log:
+        from pagoda.plugins.entrypoints.bench.step_log import StepLog
+
+        engine.observers.append(StepLog(engine, ns.step_log))
     async_engine = AsyncLLMEngine(engine)
     app = build_app(async_engine, api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
                     shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
