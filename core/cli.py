@@ -65,12 +65,15 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``pagoda`` parser with every plugin's sub-command. No plugin problem stops it: a command two
-    plugins provide answers with the conflict, and one whose ``register`` raises is recorded as its
-    plugin's failure (``pagoda plugins`` shows both); pagoda's own ``plugins`` command is always there."""
-    from pagoda.registry.plugin_manager import BUILTIN_DIST, get_plugin_manager
+    """The ``pagoda`` parser with every plugin's sub-command. No plugin problem stops it: a command that pagoda
+    and a plugin both provide stays pagoda's, the plugin's is added under its qualified name
+    (``mypkg:generate``); a command two plugins provide answers with the conflict, each of them being reachable
+    by its qualified name; one whose ``register`` raises is recorded as its plugin's failure (``pagoda plugins``
+    shows them all)."""
+    from pagoda.registry.plugin_manager import get_plugin_manager
 
-    parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference and serving")
+    parser = argparse.ArgumentParser(prog="pagoda", description="pagoda: LLM inference and serving",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     pm = get_plugin_manager()
@@ -80,15 +83,34 @@ def build_parser() -> argparse.ArgumentParser:
     for conflict in pm.conflict_list():
         if conflict.kind != "CLI command":
             continue
-        own = next((c for c in conflict.providers if c.dist == BUILTIN_DIST), None)
-        if conflict.name == "plugins" and own is not None:  # the diagnostic command always runs
-            _register_command(pm, sub, own)
-        else:
+        if conflict.chosen is None:
             command = sub.add_parser(conflict.name, help=f"(unavailable: {conflict.reason})", add_help=False)
             command.add_argument("rest", nargs=argparse.REMAINDER)
             command.set_defaults(func=_refuse(conflict.reason))
+        for other in conflict.others:
+            _register_command(pm, _QualifiedSubparsers(sub, other.name, other.qualified_name), other)
+    if pm.failures:  # listed in --help, as in `pagoda plugins`
+        parser.epilog = "plugins that failed to load (`pagoda plugins` prints why):\n" + "\n".join(
+            f"  (failed) {f.name} from {f.dist}: {f.reason}" for f in pm.failures)
     parser.set_defaults(plugin_manager=pm)
     return parser
+
+
+class _QualifiedSubparsers:
+    """The sub-parsers a clashing command's ``register`` is given: the command it adds under its plain name is
+    added under its qualified name; everything else goes to ``sub`` unchanged."""
+
+    def __init__(self, sub: Any, name: str, qualified_name: str) -> None:
+        self.sub, self.name, self.qualified_name = sub, name, qualified_name
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if name == self.name:
+            name = self.qualified_name
+            kwargs.pop("aliases", None)
+        return self.sub.add_parser(name, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.sub, attr)
 
 
 def _register_command(pm: Any, sub: Any, component: Any) -> None:
@@ -131,6 +153,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PagodaError as exc:
         print(f"pagoda: error: {exc}", file=sys.stderr)
         return 2
+    pm = parser.get_default("plugin_manager")
+    if args[:1] != ["plugins"]:  # which prints them in its own listing
+        for conflict in pm.conflict_list():
+            print(f"pagoda: note: {conflict.reason}", file=sys.stderr)
     ns = parser.parse_args(args)
     if not getattr(ns, "func", None):
         parser.print_help()

@@ -158,12 +158,12 @@ def test_an_installed_distribution_adds_its_components_with_its_name_and_version
     assert component.factory.__name__ == "AcmeScheduler"
 
 
-def test_a_name_two_plugins_provide_is_unselectable_with_a_one_line_reason_naming_both(site):
+def test_a_name_two_plugins_provide_is_selected_only_by_its_qualified_names(site):
     install_fake_dist(site, "acme-sched", "1.2.0", {"acme": "acme_sched"},
                       {"acme_sched": scheduler_module("AcmeScheduler", "lottery", "acme-only")})
     install_fake_dist(site, "rival-sched", "0.3.0", {"rival": "rival_sched"},
                       {"rival_sched": scheduler_module("RivalScheduler", "lottery")})
-    pm = PluginManager().load()  # loading does not fail: only selecting the name does
+    pm = PluginManager().load()  # loading does not fail: only selecting the plain name does
     assert pm.get("pagoda_schedulers", "acme-only", "scheduling_policy").dist == "acme-sched 1.2.0"
     assert "lottery" not in pm.names("pagoda_schedulers")
     with pytest.raises(ConfigError) as info:
@@ -171,17 +171,84 @@ def test_a_name_two_plugins_provide_is_unselectable_with_a_one_line_reason_namin
     msg = str(info.value)
     assert "\n" not in msg and "cannot select 'lottery' for scheduling_policy: two plugins provide the scheduler" in msg
     assert "acme-sched 1.2.0" in msg and "rival-sched 0.3.0" in msg
-    assert "PAGODA_DISABLE_PLUGINS=rival" in msg  # and says how to get out of it
+    assert "select one by its qualified name 'acme-sched:lottery' or 'rival-sched:lottery'" in msg  # how to choose
+    assert "PAGODA_DISABLE_PLUGINS=rival" in msg
     [conflict] = pm.conflict_list()
-    assert [c.plugin for c in conflict.providers] == ["acme", "rival"]
+    assert [c.plugin for c in conflict.providers] == ["acme", "rival"] and conflict.chosen is None
+    assert pm.get("pagoda_schedulers", "acme-sched:lottery", "scheduling_policy").factory.__name__ == "AcmeScheduler"
+    # the plugin's name, and the distribution's name as pip spells it, work as the prefix too
+    assert pm.get("pagoda_schedulers", "rival:lottery", "scheduling_policy").factory.__name__ == "RivalScheduler"
+    assert pm.get("pagoda_schedulers", "Rival_Sched:lottery", "scheduling_policy").dist == "rival-sched 0.3.0"
+    with pytest.raises(ConfigError, match=r"no plugin of 'nobody' provides the scheduler 'lottery' for "
+                                          r"scheduling_policy; it is provided as 'acme-sched:lottery' \(acme-sched "
+                                          r"1\.2\.0\), 'rival-sched:lottery' \(rival-sched 0\.3\.0\)"):
+        pm.get("pagoda_schedulers", "nobody:lottery", "scheduling_policy")
 
 
-def test_a_plugin_shadowing_a_builtin_name_is_reported_against_pagoda_and_blocking_it_is_suggested(site):
+def test_a_plugin_shadowing_a_builtin_name_leaves_the_builtin_selected_and_says_how_to_choose_the_other(
+        site, caplog):
     install_fake_dist(site, "shadow", "1.0", {"shadow": "shadow_sched"},
                       {"shadow_sched": scheduler_module("ShadowScheduler", "fcfs")})
     pm = PluginManager().load()
-    with pytest.raises(ConfigError, match=r"'fcfs'.*pagoda \(built-in\).*shadow 1\.0.*PAGODA_DISABLE_PLUGINS=shadow$"):
+    with caplog.at_level("WARNING", logger="pagoda"):
+        assert pm.get("pagoda_schedulers", "fcfs", "scheduling_policy").dist == BUILTIN_DIST  # nothing changed
         pm.get("pagoda_schedulers", "fcfs", "scheduling_policy")
+    [record] = [r for r in caplog.records if "fcfs" in r.getMessage()]  # said once, not at every selection
+    assert record.getMessage() == (
+        "scheduling_policy 'fcfs': two plugins provide the scheduler 'fcfs': plugin 'schedulers' from pagoda "
+        "(built-in) and plugin 'shadow' from shadow 1.0; 'fcfs' selects pagoda's own, select the other by its "
+        "qualified name 'shadow:fcfs'")
+    assert "fcfs" in pm.names("pagoda_schedulers")
+    assert pm.get("pagoda_schedulers", "shadow:fcfs", "scheduling_policy").factory.__name__ == "ShadowScheduler"
+    assert pm.get("pagoda_schedulers", "pagoda:fcfs", "scheduling_policy").dist == BUILTIN_DIST
+    [conflict] = pm.conflict_list()
+    assert conflict.chosen.dist == BUILTIN_DIST and [c.plugin for c in conflict.others] == ["shadow"]
+
+
+def test_the_qualified_name_rule_holds_for_every_component_kind(site):
+    """Architectures, samplers, allocators: a built-in's name stays the built-in's; ``dist:name`` opts in."""
+    install_fake_dist(site, "arch-pkg", "2.0", {"arch_pkg": "arch_pkg"}, {"arch_pkg": """
+        import pagoda
+
+        class MyLlama:
+            pass
+
+        @pagoda.hookimpl
+        def pagoda_model_architectures():
+            return {"LlamaForCausalLM": MyLlama}
+
+        @pagoda.hookimpl
+        def pagoda_samplers():
+            return {"default": MyLlama}
+
+        @pagoda.hookimpl
+        def pagoda_kv_allocators():
+            return {"paged": MyLlama}
+    """})
+    pm = PluginManager().load()
+    for hook, name in [("pagoda_model_architectures", "LlamaForCausalLM"), ("pagoda_samplers", "default"),
+                       ("pagoda_kv_allocators", "paged")]:
+        assert pm.get(hook, name, "option").dist == BUILTIN_DIST
+        assert pm.get(hook, f"arch-pkg:{name}", "option").factory.__name__ == "MyLlama"
+    assert len(pm.conflict_list()) == 3
+
+
+def test_an_engine_and_the_kit_keep_the_builtins_when_a_package_provides_the_same_names(site, tiny_dir):
+    from pagoda.testing import check_kv_allocator
+
+    install_fake_dist(site, "shadow", "1.0", {"shadow": "shadow_sched"},
+                      {"shadow_sched": scheduler_module("ShadowScheduler", "fcfs", "priority")})
+    llm = tiny_llm(tiny_dir)  # the default scheduling_policy 'fcfs'
+    assert type(llm.engine.scheduler.policy).__name__ == "FCFSPolicy"
+    llm = tiny_llm(tiny_dir, scheduling_policy="shadow:fcfs")  # the user opts in
+    assert type(llm.engine.scheduler.policy).__name__ == "ShadowScheduler"
+    check_kv_allocator(paged_allocator, seeds=1)  # checks its component over pagoda's policy, whatever is installed
+
+
+def paged_allocator(cache_config, num_blocks):
+    from pagoda.kv.blocks import PagedKVCacheManager
+
+    return PagedKVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
 
 
 def test_unknown_name_lists_every_available_one_with_its_distribution(acme):
@@ -435,6 +502,17 @@ TROUBLE = {
         def pagoda_cli_commands():
             return {"count-tokens": register}
     """,
+    # a package with its own `generate` command and `fcfs` policy: pagoda's keep their names
+    "cli_generate": scheduler_module("MyFCFS", "fcfs") + """
+
+def register(sub):
+    parser = sub.add_parser("generate", help="the package's own generate")
+    parser.set_defaults(func=lambda ns: print("the package's generate") or 0)
+
+@pagoda.hookimpl
+def pagoda_cli_commands():
+    return {"generate": register}
+""",
 }
 
 
@@ -458,26 +536,44 @@ def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble):
     help_run = run_pagoda(trouble, "--help")
     assert help_run.returncode == 0 and "Traceback" not in help_run.stderr, help_run.stderr
     assert "generate" in help_run.stdout and "plugins" in help_run.stdout
+    assert "trouble-cli-generate:generate" in help_run.stdout  # the package's command, by its qualified name
+    assert "(failed) import_error from trouble-import-error 0.1: ImportError: needs libfrobnicate 2.0" in help_run.stdout
     listing = run_pagoda(trouble, "plugins")
     assert listing.returncode == 0, listing.stderr
     out = listing.stdout
     rows = [line.split() for line in out.splitlines()]
-    assert ["scheduler", "lottery", "dup_a", "trouble-dup-a", "0.1", "CONFLICT", "(see", "below)"] in rows
-    assert ["scheduler", "lottery", "dup_b", "trouble-dup-b", "0.1", "CONFLICT", "(see", "below)"] in rows
+    assert ["scheduler", "trouble-dup-a:lottery", "dup_a", "trouble-dup-a", "0.1", "CONFLICT", "(see", "below)"] in rows
+    assert ["scheduler", "trouble-dup-b:lottery", "dup_b", "trouble-dup-b", "0.1", "CONFLICT", "(see", "below)"] in rows
     assert ("conflict: two plugins provide the scheduler 'lottery': plugin 'dup_a' from trouble-dup-a 0.1 and "
-            "plugin 'dup_b' from trouble-dup-b 0.1; uninstall one, or block one with "
-            "PAGODA_DISABLE_PLUGINS=dup_b") in out
+            "plugin 'dup_b' from trouble-dup-b 0.1; select one by its qualified name 'trouble-dup-a:lottery' or "
+            "'trouble-dup-b:lottery', uninstall one, or block one with PAGODA_DISABLE_PLUGINS=dup_b") in out
+    assert ("conflict: two plugins provide the scheduler 'fcfs': plugin 'schedulers' from pagoda (built-in) and "
+            "plugin 'cli_generate' from trouble-cli-generate 0.1; 'fcfs' selects pagoda's own, select the other by "
+            "its qualified name 'trouble-cli-generate:fcfs'") in out
     assert "conflict: two plugins provide the CLI command 'plugins'" in out
     failed = {row[2] for row in rows if row and row[0] == "(failed)"}
-    assert failed == {"raising_hook", "not_a_mapping", "import_error", "wrong_api"}
+    # cli_clash's register adds a `plugins` command whatever it is asked for: as 'trouble-cli-clash:count-tokens'
+    # it clashes with pagoda's own `plugins`, which argparse refuses
+    assert failed == {"raising_hook", "not_a_mapping", "import_error", "wrong_api", "cli_clash"}
+    assert "conflicting subparser: plugins" in out
     assert "returned list ['oops'], not a {name: factory} mapping" in out
     assert ["scheduler", "fcfs", "schedulers", "pagoda", "(built-in)", "-"] in rows  # the rest is intact
     clash = run_pagoda(trouble, "count-tokens", "x")
     assert clash.returncode == 2 and "Traceback" not in clash.stderr
-    assert clash.stderr.strip().splitlines() == [
+    lines = clash.stderr.strip().splitlines()
+    assert lines[-1] == (
         "pagoda count-tokens: error: two plugins provide the CLI command 'count-tokens': plugin 'cli_clash' from "
-        "trouble-cli-clash 0.1 and plugin 'cli_clash_2' from trouble-cli-clash-2 0.1; uninstall one, or block one "
-        "with PAGODA_DISABLE_PLUGINS=cli_clash_2"]
+        "trouble-cli-clash 0.1 and plugin 'cli_clash_2' from trouble-cli-clash-2 0.1; select one by its qualified "
+        "name 'trouble-cli-clash:count-tokens' or 'trouble-cli-clash-2:count-tokens', uninstall one, or block one "
+        "with PAGODA_DISABLE_PLUGINS=cli_clash_2")
+    # every command says who clashes and how to choose
+    assert ("pagoda: note: two plugins provide the CLI command 'generate': plugin 'entrypoints' from pagoda "
+            "(built-in) and plugin 'cli_generate' from trouble-cli-generate 0.1; 'generate' selects pagoda's own, "
+            "select the other by its qualified name 'trouble-cli-generate:generate'") in lines
+    generate = run_pagoda(trouble, "generate", "--help")  # pagoda's own, with its engine options
+    assert generate.returncode == 0 and "--scheduling-policy" in generate.stdout, generate.stderr
+    theirs = run_pagoda(trouble, "trouble-cli-generate:generate")
+    assert theirs.returncode == 0 and theirs.stdout.strip() == "the package's generate", theirs.stderr
 
 
 def test_pagoda_plugins_shows_every_blocked_plugin_and_a_block_that_matches_none(collide):

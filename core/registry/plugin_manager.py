@@ -4,11 +4,12 @@ declared API range, resolves component names."""
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, overload
 
 import pluggy
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
                                    KVAllocatorFactory, LoRABackendFactory, ModelArchitectureFactory, ModelLoaderFactory,
                                    ProposerFactory, QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
                                    StructuredOutputBackendFactory, ToolParserFactory)
+
+logger = logging.getLogger("pagoda")
 
 ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
@@ -59,6 +62,14 @@ class Component:
     factory: Callable[..., Any]
     plugin: str
     dist: str
+    # the distribution's project name (``pagoda`` for the built-ins): the prefix of the qualified name
+    dist_name: str = ""
+
+    @property
+    def qualified_name(self) -> str:
+        """``<distribution>:<name>`` (``pagoda:fcfs``, ``mypkg:fcfs``): selects this component whoever else
+        provides ``name``."""
+        return f"{self.dist_name or self.plugin}:{self.name}"
 
 
 @dataclass
@@ -78,21 +89,31 @@ class PluginFailure:
 
 @dataclass(frozen=True)
 class Conflict:
-    """Two or more plugins providing one component name: none of them is selectable until one goes."""
+    """Two or more plugins providing one component name. When one of them is pagoda's own (``chosen``), the plain
+    name keeps selecting it and the others are selected by their qualified names; otherwise the plain name selects
+    none of them, and each is selected by its qualified name."""
 
     kind: str
     name: str
     providers: tuple[Component, ...]
+    chosen: Optional[Component] = None
+
+    @property
+    def others(self) -> tuple[Component, ...]:
+        return tuple(c for c in self.providers if c is not self.chosen)
 
     @property
     def reason(self) -> str:
-        """One line: who provides the name, and how to resolve it."""
+        """One line: who provides the name, what the plain name selects, and how to choose."""
         who = " and ".join(f"plugin {c.plugin!r} from {c.dist}" for c in self.providers)
-        # the one to block: a third-party plugin rather than pagoda's own, the last loaded among equals
-        block = next((c for c in reversed(self.providers) if c.dist != BUILTIN_DIST), self.providers[-1])
         count = "two" if len(self.providers) == 2 else str(len(self.providers))
-        return (f"{count} plugins provide the {self.kind} {self.name!r}: {who}; uninstall one, or "
-                f"block one with PAGODA_DISABLE_PLUGINS={block.plugin}")
+        qualified = " or ".join(repr(c.qualified_name) for c in self.others)
+        if self.chosen is not None:
+            return (f"{count} plugins provide the {self.kind} {self.name!r}: {who}; {self.name!r} selects pagoda's "
+                    f"own, select the other by its qualified name {qualified}")
+        # the one to block: the last loaded
+        return (f"{count} plugins provide the {self.kind} {self.name!r}: {who}; select one by its qualified name "
+                f"{qualified}, uninstall one, or block one with PAGODA_DISABLE_PLUGINS={self.providers[-1].plugin}")
 
 
 @dataclass
@@ -105,6 +126,8 @@ class PluginManager:
 
     pm: pluggy.PluginManager = field(default_factory=lambda: pluggy.PluginManager("pagoda"))
     dists: dict[str, str] = field(default_factory=dict)
+    # plugin name -> its distribution's project name (the prefix of its components' qualified names)
+    dist_names: dict[str, str] = field(default_factory=dict)
     # plugin name -> the API range it declared (PAGODA_PLUGIN_API), where it declared one
     api_ranges: dict[str, str] = field(default_factory=dict)
     # plugin name -> distribution, for installed plugins not loaded because PAGODA_DISABLE_PLUGINS names them
@@ -113,8 +136,13 @@ class PluginManager:
     unmatched_blocks: list[str] = field(default_factory=list)
     failures: list[PluginFailure] = field(default_factory=list)
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
-    # hook name -> component name -> the plugins that all provide it (none of them is selectable)
+    # hook name -> component name -> the plugins that all provide it (the plain name selects pagoda's own among
+    # them, or none)
     conflicts: dict[str, dict[str, Conflict]] = field(default_factory=dict)
+    # hook name -> component name -> every provider, for qualified names (``dist:name``)
+    providers: dict[str, dict[str, list[Component]]] = field(default_factory=dict)
+    # (hook name, component name) of the conflicts a selection warned about already
+    noted_conflicts: set[tuple[str, str]] = field(default_factory=set)
     # True while the component hooks are being called (the registry is incomplete)
     is_collecting: bool = False
 
@@ -153,7 +181,7 @@ class PluginManager:
             if name in disabled:
                 self.blocked[name] = dist
                 continue
-            self._register(name, dist, ep.load)
+            self._register(name, dist, ep.load, dist_name)
         self.unmatched_blocks = sorted(disabled - set(self.blocked))
         self._build_registry()
         return self
@@ -163,9 +191,10 @@ class PluginManager:
         rebuild the registry."""
         self.pm.register(plugin, name=name)
         self.dists[name] = dist
+        self.dist_names[name] = dist.split()[0] if dist.strip() else name
         self._build_registry()
 
-    def _register(self, name: str, dist: str, load: Callable[[], Any]) -> None:
+    def _register(self, name: str, dist: str, load: Callable[[], Any], dist_name: str) -> None:
         try:
             plugin = load()
         except Exception:
@@ -189,22 +218,34 @@ class PluginManager:
             self.failures.append(PluginFailure(name, dist, traceback.format_exc()))
             return
         self.dists[name] = dist
+        self.dist_names[name] = dist_name
 
     def _build_registry(self) -> None:
         components: dict[str, dict[str, Component]] = {}
         conflicts: dict[str, dict[str, Conflict]] = {}
+        all_providers: dict[str, dict[str, list[Component]]] = {}
         self.is_collecting = True
         try:
             for hook_name, kind in COMPONENT_HOOKS.items():
                 providers: dict[str, list[Component]] = {}
+                all_providers[hook_name] = providers
                 for component in self._collect(hook_name, kind):
                     providers.setdefault(component.name, []).append(component)
-                components[hook_name] = {name: found[0] for name, found in providers.items() if len(found) == 1}
-                conflicts[hook_name] = {name: Conflict(kind, name, tuple(found))
-                                        for name, found in providers.items() if len(found) > 1}
+                components[hook_name], conflicts[hook_name] = {}, {}
+                for name, found in providers.items():
+                    if len(found) == 1:
+                        components[hook_name][name] = found[0]
+                        continue
+                    # a name pagoda's own plugin provides keeps selecting it: installing a package never changes
+                    # what an unchanged configuration selects
+                    own = [c for c in found if c.dist == BUILTIN_DIST]
+                    chosen = own[0] if len(own) == 1 else None
+                    conflicts[hook_name][name] = Conflict(kind, name, tuple(found), chosen)
+                    if chosen is not None:
+                        components[hook_name][name] = chosen
         finally:
             self.is_collecting = False
-        self.components, self.conflicts = components, conflicts
+        self.components, self.conflicts, self.providers = components, conflicts, all_providers
 
     def _collect(self, hook_name: str, kind: str) -> list[Component]:
         """Every plugin's components of one hook; a hook that raises or returns something other than
@@ -226,7 +267,8 @@ class PluginManager:
                                      f"{type(mapping).__name__} {mapping!r:.80}, not a {{name: factory}} mapping "
                                      "with string names; return a dict such as {'my-name': MyFactory}")
                 continue
-            found += [Component(kind, name, factory, plugin_name, dist) for name, factory in mapping.items()]
+            dist_name = self.dist_names.get(plugin_name, plugin_name)
+            found += [Component(kind, name, factory, plugin_name, dist, dist_name) for name, factory in mapping.items()]
         return found
 
     def _record_failure(self, name: str, dist: str, error: str) -> None:
@@ -238,18 +280,31 @@ class PluginManager:
 
     def get(self, hook_name: str, name: str, option: str) -> Component:
         """The component called ``name``, or a ConfigError listing what exists (and, for a name two plugins
-        provide, the one-line reason it cannot be selected)."""
+        provide, the one-line reason it cannot be selected).
+
+        ``name`` is a component's name, or its qualified name ``<distribution>:<name>`` (``mypkg:fcfs``; the
+        plugin's name works in place of the distribution's), which selects that provider whoever else provides
+        the name. A plain name that pagoda's own plugin and others provide selects pagoda's own.
+        """
         if hook_name not in COMPONENT_HOOKS:
             raise ConfigError(f"{hook_name!r} is not a component hook; use one of {', '.join(COMPONENT_HOOKS)}")
         available = self.components.get(hook_name, {})
-        if name in available:
-            return available[name]
         conflict = self.conflicts.get(hook_name, {}).get(name)
+        if name in available:
+            if conflict is not None and (hook_name, name) not in self.noted_conflicts:
+                self.noted_conflicts.add((hook_name, name))
+                logger.warning("%s %r: %s", option, name, conflict.reason)
+            return available[name]
         if conflict is not None:
             raise ConfigError(f"cannot select {name!r} for {option}: {conflict.reason}")
+        if ":" in name:
+            return self._get_qualified(hook_name, name, option)
         kind = COMPONENT_HOOKS[hook_name]
         listing = ", ".join(f"{c.name!r} ({c.dist})" for c in sorted(available.values(), key=lambda c: c.name))
         msg = f"unknown {kind} {name!r} for {option}; available: {listing or 'none'}"
+        shadowed = [c for found in self.conflicts.get(hook_name, {}).values() for c in found.others]
+        if shadowed:
+            msg += ", and by qualified name " + ", ".join(f"{c.qualified_name!r} ({c.dist})" for c in shadowed)
         if self.blocked:
             msg += ("; PAGODA_DISABLE_PLUGINS blocks the plugins " + ", ".join(
                 f"{plugin} ({dist})" for plugin, dist in sorted(self.blocked.items()))
@@ -259,6 +314,25 @@ class PluginManager:
                                                                   for f in self.failures)
             msg += " (run `pagoda plugins` for the details)"
         raise ConfigError(msg)
+
+    def _get_qualified(self, hook_name: str, qualified: str, option: str) -> Component:
+        """The provider of ``<distribution or plugin>:<name>``."""
+        prefix, _, name = qualified.partition(":")
+        found = self.providers.get(hook_name, {}).get(name, [])
+        matches = [c for c in found if _normalize(prefix) in (_normalize(c.dist_name), _normalize(c.plugin))]
+        if len(matches) == 1:
+            return matches[0]
+        kind = COMPONENT_HOOKS[hook_name]
+        listing = ", ".join(f"{c.qualified_name!r} ({c.dist})" for c in found)
+        if matches:
+            raise ConfigError(f"cannot select {qualified!r} for {option}: {len(matches)} plugins of {prefix!r} "
+                              f"provide the {kind} {name!r} ({', '.join(c.plugin for c in matches)}); block all "
+                              "but one with PAGODA_DISABLE_PLUGINS")
+        if found:
+            raise ConfigError(f"no plugin of {prefix!r} provides the {kind} {name!r} for {option}; it is provided "
+                              f"as {listing}")
+        self.get(hook_name, name, option)  # the unknown plain name: the error lists what is available
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # overloads: the factory's type follows from the hook, as pagoda.interfaces declares it
     @overload
@@ -308,7 +382,7 @@ class PluginManager:
         return self.get(hook_name, name, f"plugin_manager.factory({hook_name!r}, {name!r})").factory
 
     def table(self) -> list[Component]:
-        """Every selectable component, sorted by kind then name (for ``pagoda plugins``)."""
+        """Every component its plain name selects, sorted by kind then name (for ``pagoda plugins``)."""
         rows = [c for by_name in self.components.values() for c in by_name.values()]
         return sorted(rows, key=lambda c: (c.kind, c.name))
 
@@ -347,6 +421,11 @@ def _entry_points() -> tuple[list, list]:
     # entry-point names becomes <distribution>:<name>, and the order in which messages name plugins
     others.sort(key=lambda ep: (ep.dist.name if ep.dist else "", ep.name))
     return own, others
+
+
+def _normalize(name: str) -> str:
+    """A distribution's name as the packaging tools compare it: case, ``_`` and ``.`` do not matter."""
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def _disabled_from_env() -> set[str]:

@@ -125,9 +125,10 @@ class StrictContracts:
         for name, plugin in self.plugins.items():
             pm.register(plugin, name=name)
         for hook, (protocol, proxy) in STRICT_HOOKS.items():
-            pm.components[hook] = {
-                name: dataclasses.replace(c, factory=strict_factory(c.factory, protocol, self.violations, proxy))
-                for name, c in pm.components.get(hook, {}).items()}
+            strict = {id(c): dataclasses.replace(c, factory=strict_factory(c.factory, protocol, self.violations, proxy))
+                      for found in pm.providers.get(hook, {}).values() for c in found}
+            pm.components[hook] = {name: strict[id(c)] for name, c in pm.components.get(hook, {}).items()}
+            pm.providers[hook] = {name: [strict[id(c)] for c in found] for name, found in pm.providers[hook].items()}
         return pm
 
     def llm(self, **options: Any) -> Any:

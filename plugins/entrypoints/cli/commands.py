@@ -49,8 +49,10 @@ def run_plugins(ns: argparse.Namespace) -> int:
     pm = ns.plugin_manager
     print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")
     rows = [(c.kind, c.name, c.plugin, c.dist, pm.api_ranges.get(c.plugin, "-")) for c in pm.table()]
-    rows += [(c.kind, c.name, c.plugin, c.dist, "CONFLICT (see below)")
-             for conflict in pm.conflict_list() for c in conflict.providers]
+    # a name several plugins provide: what its plain name selects is in the rows above (pagoda's own), the others
+    # are listed by the qualified names that select them
+    rows += [(c.kind, c.qualified_name, c.plugin, c.dist, "CONFLICT (see below)")
+             for conflict in pm.conflict_list() for c in conflict.others]
     rows += [("(failed)", "-", f.name, f.dist, f.reason) for f in pm.failures]
     rows += [("(blocked)", "-", name, dist, "PAGODA_DISABLE_PLUGINS") for name, dist in sorted(pm.blocked.items())]
     header = ("KIND", "NAME", "PLUGIN", "DISTRIBUTION", "API")
