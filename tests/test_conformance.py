@@ -476,3 +476,14 @@ def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
     assert "ContractError" in out and "liveness: every request finishes" in out, out
     assert f"plugin API {PLUGIN_API_VERSION}" in header
     assert all(f"{name} -- " in header or f"{name} [" in header for name in ("pagoda_conformance", "pagoda_strict_llm"))
+
+
+def test_the_kit_shows_its_public_checks_and_the_guide_documents_each():
+    import pathlib
+
+    import pagoda.testing
+
+    names = dir(pagoda.testing)
+    assert names == pagoda.testing.__all__ and "check_lora_backend" in names and "importlib" not in names
+    guide = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    assert [n for n in names if n.startswith("check_") and f"`{n}(" not in guide and f"`{n}`" not in guide] == []

@@ -16,7 +16,7 @@ from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.errors import CheckpointError, ConfigError, InvalidRequestError
 from pagoda.scheduling import SchedulingPolicy
 from pagoda.registry.plugin_manager import PluginManager
-from pagoda.testing import (ToolParserCase, check_attention_backend, check_kv_allocator, check_proposer,
+from pagoda.testing import (StrictContracts, ToolParserCase, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler, check_structured_output_backend,
                             check_tool_parser)
 from tiny_models import write_tiny_llama
@@ -159,6 +159,10 @@ def test_the_wrapping_example_runs_the_built_in_it_wraps(guide, plain_tokens):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
     backend = llm.engine.runner.backend
     assert isinstance(backend.inner, TorchAttentionBackend) and backend.seconds > 0
+    # under strict contracts too: pagoda setting the optional isa_paths on the wrapper is not the plugin's doing
+    strict = StrictContracts()
+    strict.llm(**OPTIONS, attention_backend="timed-torch").generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    strict.assert_clean()
 
 
 def test_the_attention_backend_example(guide, plain_tokens):

@@ -50,6 +50,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def __dir__() -> list[str]:
+    """The kit's public checks and classes (loaded on first use), as ``dir(pagoda.testing)`` shows them."""
+    return __all__
+
+
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagoda.testing' has no attribute {name!r}")

@@ -19,6 +19,7 @@ import typing
 from typing import Any, Callable, Optional
 
 from pagoda import interfaces
+from pagoda.registry.adapt import OPTIONAL_MEMBERS, OPTIONAL_OFFLOAD_MEMBERS
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.scheduling import SchedulingPolicy
 from pagoda.testing.contract import ContractError
@@ -41,11 +42,14 @@ class Proxy:
     """Forwards to ``target``; records in ``violations`` every attribute used that ``protocol`` does not
     list (and every attribute set from outside), so one run names them all."""
 
-    def __init__(self, target: Any, protocol: type, violations: set) -> None:
+    def __init__(self, target: Any, protocol: type, violations: set, optional: frozenset = frozenset()) -> None:
+        """``optional``: the Protocol's optional members, which pagoda itself sets on a component lacking them
+        (``pagoda.registry.adapt``): setting one of those the target lacks is no violation."""
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "_protocol", protocol)
         object.__setattr__(self, "_allowed", contract_names(protocol))
         object.__setattr__(self, "_violations", violations)
+        object.__setattr__(self, "_optional", optional)
 
     def __getattr__(self, name: str) -> Any:
         if name not in self._allowed:
@@ -53,7 +57,8 @@ class Proxy:
         return getattr(self._target, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self._violations.add(f"{self._protocol.__name__}.{name} is set from outside the component")
+        if not (name in self._optional and not hasattr(self._target, name)):  # else pagoda sets a default
+            self._violations.add(f"{self._protocol.__name__}.{name} is set from outside the component")
         setattr(self._target, name, value)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -96,12 +101,16 @@ STRICT_HOOKS: dict[str, tuple[type, type]] = {
 }
 
 
-def strict_factory(factory: Callable[..., Any], protocol: type, violations: set, proxy: type = Proxy) -> Callable:
+def strict_factory(factory: Callable[..., Any], protocol: type, violations: set, proxy: type = Proxy,
+                   hook: str = "") -> Callable:
     """``factory``, building its component behind ``proxy``; the factory's public class attributes (such as
-    ``auto_priority``, ``supports_tensor_parallel``) stay readable on it."""
+    ``auto_priority``, ``supports_tensor_parallel``) stay readable on it. ``hook``: the component hook, whose
+    optional members pagoda may set on the component."""
+    optional = frozenset(OPTIONAL_MEMBERS.get(hook, {})) | (
+        frozenset(OPTIONAL_OFFLOAD_MEMBERS) if hook == "pagoda_kv_allocators" else frozenset())
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        return proxy(factory(*args, **kwargs), protocol, violations)
+        return proxy(factory(*args, **kwargs), protocol, violations, optional)
 
     for name in dir(factory):
         if not name.startswith("_") and not callable(getattr(factory, name, None)):
@@ -125,7 +134,8 @@ class StrictContracts:
         for name, plugin in self.plugins.items():
             pm.register(plugin, name=name)
         for hook, (protocol, proxy) in STRICT_HOOKS.items():
-            strict = {id(c): dataclasses.replace(c, factory=strict_factory(c.factory, protocol, self.violations, proxy))
+            strict = {id(c): dataclasses.replace(c, factory=strict_factory(c.factory, protocol, self.violations, proxy,
+                                                                           hook))
                       for found in pm.providers.get(hook, {}).values() for c in found}
             pm.components[hook] = {name: strict[id(c)] for name, c in pm.components.get(hook, {}).items()}
             pm.providers[hook] = {name: [strict[id(c)] for c in found] for name, found in pm.providers[hook].items()}
