@@ -144,10 +144,10 @@ WHERE = (r"seed \d+, (step|operation) \d+, in [^:]+: .+\. Rule broken: .+\. Most
                   r"update\(\).* at fault: the policy's on_request_scheduled\(\)"),
     (VictimOutsideCandidates, r"in schedule\(\), its call of choose_victim\(\): choose_victim returned p\d+-\d, "
                               r"which is not one of its \d+ candidates .* at fault: the policy's choose_victim\(\)"),
-    # (preempting by hand resets the victim's progress inside schedule(): whichever check sees it first names it)
-    (PreemptsByHand, r"in schedule\(\): (p\d+-\d left the running queue \(now preempted\) without a call of "
-                     r"preempt\(\)\. Rule broken: a running request is preempted only through preempt\(\)|"
-                     r"schedule\(\) wrote p\d+-\d's progress: num_computed_tokens \d+ -> 0)"),
+    (PreemptsByHand, r"in schedule\(\), the policy's preempt_for_arrivals\(\): p\d+-\d moved from the running queue "
+                     r"to the waiting queue inside preempt_for_arrivals\(\), without a call of preempt\(\)\. Rule "
+                     r"broken: .*a running request leaves the running queue only through "
+                     r"self\.scheduler\.preempt\(request, out\)"),
     (AgingKey, r"in waiting_key\(\): waiting_key\(p\d+-\d\) was \(.*\) when it joined the waiting queue and is "
                r"\(.*\) now, while it still waits\. Rule broken: a key does not change while its request is queued"),
     (NeverAdmits, r"in the request stream: p\d+-\d arrived at step \d+ and is still waiting \d+ steps later\. Rule "

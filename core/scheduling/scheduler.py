@@ -318,6 +318,12 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 candidates = [r for r in self.running
                               if r.request_id not in self._scheduled_now and r.request_id not in self._busy]
+                if not candidates:  # req itself would be one: it left the running queue by hand
+                    raise SchedulingPolicyError(
+                        f"{req.request_id} is {req.status.value} in the running order but not in the running queue, "
+                        f"so no running request can be preempted to give it blocks (choose_victim has no "
+                        f"candidates); a running request leaves the queue only through "
+                        f"self.scheduler.preempt(request, out)")
                 victim = self.policy.choose_victim(candidates)
                 if not any(victim is c for c in candidates):
                     raise SchedulingPolicyError(

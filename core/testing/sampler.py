@@ -28,7 +28,9 @@ def check_sampler(factory: SamplerFactory, draws: int = 2000, seed: int = 0) -> 
       variation distance below a bound that a sampler ignoring T, top_p or min_p exceeds);
     - a sequence with a seed draws the same tokens alone as in a batch with others;
     - ``logprobs=k`` gives the drawn token's log-probability under the model's distribution, its rank, and
-      the k most likely tokens.
+      the k most likely tokens;
+    - greedy rows whose histories repeat n-grams (so history-dependent code runs) draw the same token alone as
+      in a batch, in either order (a ban of one row never reaches another), with the model's logprobs.
 
     Raises ContractError.
     """
@@ -64,6 +66,56 @@ def check_sampler(factory: SamplerFactory, draws: int = 2000, seed: int = 0) -> 
                    SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=1.0, top_k=5)):
         _check_distribution(sampler, params, draws, gen, where)
     _check_seeds(sampler, gen, where)
+    _check_histories(sampler, gen, where)
+
+
+# token histories (prompt + output) with repeated n-grams, so that history-dependent code (n-gram bans,
+# penalties) runs; each row's argmax is a token another row's history would ban (it completes a repeated n-gram
+# there), so a ban that leaks across rows changes a row's token
+# (history, its argmax, the token completing its own repeated n-gram or None): that token is likely too, so a ban
+# of it changes the row's distribution measurably
+HISTORIES = [
+    ([10, 11, 12, 30, 10, 11], 51, 12),          # tail (10, 11) was followed by 12 before
+    ([40, 41, 42, 40, 41, 42, 40, 41], 12, 42),  # a repeated 3-gram, twice; its tail (40, 41) was followed by 42
+    ([50, 51, 52, 53, 54, 55, 56], 42, None),    # nothing repeated
+    ([12, 50, 51, 12, 50], 57, 51),              # tail (12, 50) was followed by 51
+]
+
+
+def _check_histories(sampler, gen: torch.Generator, where: Where) -> None:
+    """Greedy rows whose histories repeat n-grams: each row draws the same token alone as in the batch (in either
+    order), and its logprobs are the model's (raw) distribution's."""
+    where = where.at("4 (greedy rows whose histories repeat n-grams)", "batch")
+    logits = torch.randn(len(HISTORIES), VOCAB, generator=gen)
+    for row, (_, favourite, repeat) in enumerate(HISTORIES):
+        logits[row, favourite] = 8.0
+        if repeat is not None:
+            logits[row, repeat] = 7.0
+    rows = [SamplingParams(temperature=0.0, logprobs=2) for _ in HISTORIES]
+
+    def run(order: list[int]) -> tuple[list[int], object]:
+        seqs = [_sequence(f"h{i}", rows[i], history=HISTORIES[i][0]) for i in order]
+        try:
+            out = sampler(logits[order].clone(), seqs)
+        except Exception as exc:
+            raise where.fail("the sampler's __call__()", f"it raised {type(exc).__name__}: {exc} on rows "
+                             f"{order} (histories {[HISTORIES[i][0] for i in order]})",
+                             "a sampler handles any token history (repeated n-grams included)",
+                             "the sampler's history-dependent code (process_logits(), apply_penalties())") from exc
+        return _token_ids(out, len(order), where), out
+
+    batch, out = run(list(range(len(HISTORIES))))
+    _check_logprobs(out, logits, batch, rows, where)
+    backwards = run(list(reversed(range(len(HISTORIES)))))[0][::-1]
+    for i in range(len(HISTORIES)):
+        alone = run([i])[0][0]
+        if alone != batch[i] or alone != backwards[i]:
+            raise where.fail(
+                "the sampler's __call__()", f"row {i} (history {HISTORIES[i][0]}) drew {alone} alone, {batch[i]} in "
+                f"the batch of {len(HISTORIES)} and {backwards[i]} in the batch reversed",
+                "a greedy row's token depends on its own history only, never on the other rows of its batch",
+                "the sampler's process_logits() (bans or penalties of one row applied to another: index logits by "
+                "the row of each request)")
 
 
 def _model_config() -> ModelConfig:
@@ -73,9 +125,13 @@ def _model_config() -> ModelConfig:
                        vocab_size=VOCAB, hidden_size=64, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64)
 
 
-def _sequence(request_id: str, params: SamplingParams, seed: Optional[int] = None) -> Sequence:
-    seq = Sequence(request_id, [5, 6, 7], params, eos_token_id=EOS, seed=seed)
-    seq.all_token_ids = list(seq.prompt_token_ids)
+def _sequence(request_id: str, params: SamplingParams, seed: Optional[int] = None,
+              history: Optional[list[int]] = None) -> Sequence:
+    """A sequence whose tokens so far are ``history`` (its first three the prompt, the rest its output)."""
+    history = history or [5, 6, 7]
+    seq = Sequence(request_id, history[:3], params, eos_token_id=EOS, seed=seed)
+    seq.all_token_ids = list(history)
+    seq.output_token_ids = list(history[3:])
     return seq
 
 
@@ -99,7 +155,8 @@ def _token_ids(out, n: int, where: Where) -> list[int]:
 
 
 def _check_logprobs(out, logits: torch.Tensor, ids: list[int], rows: list[SamplingParams], where: Where) -> None:
-    where = where.at("1 (6 rows of mixed settings)", "batch")
+    if where.step is None:
+        where = where.at("1 (6 rows of mixed settings)", "batch")
     rule = "logprobs=k gives the drawn token's log-probability and rank under the model's distribution, and the k " \
            "most likely tokens"
     raw = torch.log_softmax(logits, dim=-1)
@@ -116,7 +173,8 @@ def _check_logprobs(out, logits: torch.Tensor, ids: list[int], rows: list[Sampli
         if not math.isclose(value, float(raw[i, ids[i]]), abs_tol=1e-4) or rank != want_rank:
             raise where.fail("the sampler's __call__()", f"row {i}: token {ids[i]} has logprob {value:.5f} rank "
                              f"{rank}; the model's distribution gives {float(raw[i, ids[i]]):.5f} rank {want_rank}",
-                             rule, "the sampler's logprobs (taken after processing rather than from the raw logits?)")
+                             rule, "the sampler's __call__() (logprobs taken from logits it changed, e.g. "
+                             "before calling super().__call__(), rather than from the model's raw logits)")
         top = raw[i].topk(params.logprobs).indices.tolist() if params.logprobs else []
         missing = [t for t in top if t not in entry]
         if missing:

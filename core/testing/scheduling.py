@@ -25,7 +25,7 @@ after it, since only ``update()`` commits a step.
 from __future__ import annotations
 
 import random
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.errors import SchedulingPolicyError
@@ -147,18 +147,28 @@ MAX_STEPS_TO_FINISH = 400
 
 
 def check_scheduler(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
-                    num_requests: int = 24, options: Optional[dict] = None) -> None:
+                    num_requests: int = 24, options: Optional[dict] = None,
+                    urgency: Optional[Callable[[Sequence], Any]] = None) -> None:
     """Drive pagoda's scheduler with the policy ``factory(scheduler, **options)`` (a ``pagoda_schedulers``
     factory) through randomised request streams, one step at a time and then with two steps in flight
     (:func:`pagoda.testing.in_flight.check_steps_in_flight`); ``allocator`` (a ``pagoda_kv_allocators``
-    factory) defaults to ``paged``. Raises :class:`ContractError` on the first broken rule."""
+    factory) defaults to ``paged``. Raises :class:`ContractError` on the first broken rule.
+
+    ``urgency``: for a policy that promises an order, the key of that promise, smaller first, e.g.
+    ``lambda request: request.priority`` for vLLM's priorities or deadlines (read ``request.priority``: the
+    priority the engine resolved, which ``LLM.generate(priority=...)`` sets over ``SamplingParams.priority``).
+    The check then also fails a victim that is not among the least urgent candidates, a request preempted for
+    arrivals that is not less urgent than the waiting request it makes room for, and a waiting queue out of
+    urgency order."""
     from pagoda.testing.in_flight import check_steps_in_flight
 
     options = dict(options or {})
     check_policy_options(str(getattr(factory, "__name__", factory)), factory, options)
+    if urgency is not None:
+        _check_victim_order(factory, allocator, options, urgency)
     for settings in SETTINGS:
         for seed in range(seeds):
-            _run_stream(factory, allocator, settings, seed, num_requests, options)
+            _run_stream(factory, allocator, settings, seed, num_requests, options, urgency)
     check_steps_in_flight(factory, allocator, seeds, num_requests, options)
 
 
@@ -195,12 +205,13 @@ def _stream_setup(factory: SchedulerFactory, allocator: Optional[AllocatorFactor
 
 
 def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], settings: dict, seed: int,
-                num_requests: int, options: Optional[dict] = None) -> None:
+                num_requests: int, options: Optional[dict] = None,
+                urgency: Optional[Callable[[Sequence], Any]] = None) -> None:
     rng = random.Random(seed)
     num_blocks, budget = STREAM_NUM_BLOCKS, STREAM_BUDGET
     scheduler, kv, sched_cfg, runner = _stream_setup(factory, allocator, settings, options)
     where = Where(str(getattr(factory, "__name__", factory)), seed, ", ".join(f"{k}={v}" for k, v in settings.items()))
-    watch = PolicyWatch(scheduler, kv, num_blocks, where)
+    watch = PolicyWatch(scheduler, kv, num_blocks, where, urgency)
     prefixes = [[rng.randrange(100, 5000) for _ in range(12)] for _ in range(2)]
     added: list[Sequence] = []
     aborted: set[str] = set()
@@ -233,6 +244,10 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             sched = scheduler.schedule()
         except SchedulingPolicyError as exc:
             raise policy_error(watch.where, "schedule()", exc) from None
+        except ContractError:
+            raise
+        except Exception as exc:
+            raise raised(watch.where, "schedule()", exc, scheduler) from exc
         watch.after_schedule(sched)
         _check_no_progress_written(progress, added, watch.where)
         _check_schedule(sched, scheduler, sched_cfg, watch.where, was_running)
@@ -245,7 +260,12 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
                 "the KV allocator (a block given to two sequences, or given back while held: free(), "
                 "allocate_slots()) or the scheduler's block moves (swap, copy-on-write)") from None
         unfinished = [r for r in added if not r.is_finished]
-        scheduler.update(sched, result)
+        try:
+            scheduler.update(sched, result)
+        except ContractError:
+            raise
+        except Exception as exc:
+            raise raised(watch.where, "update()", exc, scheduler) from exc
         watch.check_books(added, "update()")
         watch.check_finished_hold_nothing([r for r in unfinished if r.is_finished])
     else:
@@ -269,6 +289,42 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
                        "the scheduler's finish()/preempt() (a free() not called) or the KV allocator's free()")
 
 
+def _check_victim_order(factory: SchedulerFactory, allocator: Optional[AllocatorFactory], options: dict,
+                        urgency: Callable[[Sequence], Any]) -> None:
+    """A pool of 3 blocks: a request of a late deadline (priority 50) runs, an urgent one (priority 1) arrives and
+    runs beside it, and the first needs a block the pool no longer has: the victim must be the less urgent."""
+    sched_cfg, cache_cfg = _configs(4, 3, 16, 4, "recompute", False, False)
+    kv = _make_kv(allocator, cache_cfg, 3)
+    scheduler = Scheduler(sched_cfg, cache_cfg, kv, factory, options)
+    runner = SimRunner(3, 4)
+    where = Where(str(getattr(factory, "__name__", factory)), 0, "a late-deadline request running, an urgent one "
+                  "arriving beside it, 3 blocks of 4 tokens")
+    watch = PolicyWatch(scheduler, kv, 3, where, urgency)
+    arrivals = {0: Sequence("late", list(range(100, 107)), SamplingParams(max_tokens=3, ignore_eos=True, priority=50),
+                            None, 0.0, None, 50),
+                1: Sequence("urgent", [200, 201, 202], SamplingParams(max_tokens=2, ignore_eos=True, priority=1),
+                            None, 1.0, None, 1)}
+    for step in range(60):
+        watch.where = where.at(step)
+        if step in arrivals:
+            scheduler.add_request(arrivals[step])
+        if not scheduler.has_unfinished_requests():
+            return
+        watch.before_schedule()
+        try:
+            sched = scheduler.schedule()
+        except SchedulingPolicyError as exc:
+            raise policy_error(watch.where, "schedule()", exc) from None
+        except ContractError:
+            raise
+        except Exception as exc:
+            raise raised(watch.where, "schedule()", exc, scheduler) from exc
+        watch.after_schedule(sched)
+        scheduler.update(sched, runner.execute(sched))
+    raise where.fail("the request stream", "2 requests still unfinished after 60 steps", "every request finishes",
+                     "the policy's may_admit() or choose_victim()")
+
+
 def check_liveness(added: list[Sequence], arrived: dict[str, int], step: int, where: Where) -> None:
     """Every request finishes within ``MAX_STEPS_TO_FINISH`` steps of its arrival (``arrived``: request id -> the
     step it was added at)."""
@@ -282,10 +338,43 @@ def check_liveness(added: list[Sequence], arrived: dict[str, int], step: int, wh
                 "the policy's may_admit(), may_swap_in() or order_running() (a request never let in)")
 
 
+def raised(where: Where, operation: str, exc: Exception, scheduler) -> ContractError:
+    """The ContractError of an exception a component raised inside the scheduler, naming the method it came
+    from: the innermost frame of the policy's or the allocator's own code, else the key hook whose keys
+    pagoda's code compared."""
+    import sys
+    import traceback
+
+    # file of each class the policy and the allocator are built from -> whose code it is
+    owners: dict[Optional[str], str] = {}
+    for component, owner in ((scheduler.policy, "the policy's"), (scheduler.kv, "the KV allocator's")):
+        for base in type(component).__mro__[:-1]:
+            if base not in (SchedulingPolicy, PagedKVCacheManager):
+                owners.setdefault(getattr(sys.modules.get(base.__module__), "__file__", None), owner)
+    frames = traceback.extract_tb(exc.__traceback__)
+    theirs = [f"{owners[f.filename]} {f.name}()" for f in frames if f.filename in owners]
+    suspect = theirs[-1] if theirs else None
+    rule = "a component's method answers without raising"
+    if isinstance(exc, TypeError) and "not supported between" in str(exc):
+        rule = "a key hook's keys are comparable with each other (one type for every request or block, no None " \
+               "beside a list)"
+        keys = [f"the policy's {name}()" for name in ("waiting_key", "running_key")
+                if getattr(type(scheduler.policy), name) is not getattr(SchedulingPolicy, name)]
+        if isinstance(scheduler.kv, PagedKVCacheManager) and \
+                type(scheduler.kv).eviction_key is not PagedKVCacheManager.eviction_key:
+            keys.append("the KV allocator's eviction_key()")
+        if keys and not (frames and frames[-1].filename in owners):  # pagoda's code compared the keys
+            suspect = " or ".join(keys)
+    return where.fail(operation, f"{type(exc).__name__}: {exc}", rule, suspect or "the scheduler's schedule()")
+
+
 def policy_error(where: Where, operation: str, exc: SchedulingPolicyError):
     """The ContractError of a rule the scheduler refused a policy's hook for, with the seed and step."""
     text = str(exc)
-    if "in a step still in flight" in text:
+    if "leaves the queue only through" in text:
+        rule, suspect = ("a running request leaves the running queue only through preempt()",
+                         "the policy's preempt_for_arrivals() (a request moved by hand)")
+    elif "in a step still in flight" in text:
         rule, suspect = ("a busy request (in a step still in flight) is never preempted",
                          "the policy's preempt_for_arrivals() or choose_victim() (no self.scheduler.is_busy() check)")
     elif "choose_victim" in text:
@@ -300,7 +389,7 @@ def policy_error(where: Where, operation: str, exc: SchedulingPolicyError):
 def _priority(rng: random.Random, index: int) -> int:
     """A request's priority: a small rank, or a deadline-like value (its arrival plus a slack), so policies
     ordering by priority or by deadline see both ties and spread."""
-    return rng.randrange(3) if rng.random() < 0.5 else index + rng.randrange(2, 40)
+    return rng.randrange(3) if rng.random() < 0.5 else max(3, index + rng.randrange(-20, 40))
 
 
 def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index: int, longest: int, kv,
@@ -311,9 +400,12 @@ def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index
     if kv.blocks_needed(len(ids) + max_tokens) > num_blocks:
         return []  # the engine refuses such a prompt before it reaches the scheduler
     n = 2 if rng.random() < 0.2 else 1
-    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
     parent = f"p{index}"
     priority = _priority(rng, index)
+    # as the engine resolves it: every other request carries its priority in SamplingParams.priority, the others
+    # get it from LLM.generate(priority=...), over a SamplingParams.priority in the opposite order
+    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True,
+                            priority=priority if index % 2 == 0 else 45 - priority)
     # a few tenants (and requests with none), from the index so the streams' random draws stay as they were
     tenant = None if index % 4 == 0 else "abc"[index % 3]
     children = [Sequence(f"{parent}-{i}", ids, params, None, float(index), None, priority, parent_id=parent,

@@ -14,14 +14,50 @@ class PolicyWatch:
     attributes over the methods, where the component allows it) to check each call as it happens, and
     checks the waiting keys and the allocator's block count between operations."""
 
-    def __init__(self, scheduler, kv, num_blocks: int, where: Where) -> None:
+    def __init__(self, scheduler, kv, num_blocks: int, where: Where, urgency=None) -> None:
         self.scheduler, self.kv, self.num_blocks, self.where = scheduler, kv, num_blocks, where
+        self.urgency = urgency  # the order the policy promises (check_scheduler's ``urgency``), or None
+        self.is_in_arrivals = False  # inside the policy's preempt_for_arrivals
         self.preempted: set[str] = set()  # request ids passed to preempt() in the current schedule()
         self.running_before: list[Sequence] = []
         self.waiting_keys: dict[str, object] = {}  # request id -> its waiting key when it joined the queue
         self.is_watching_preempt = _wrap(scheduler, "preempt", self._preempt)
         _wrap(scheduler.policy, "choose_victim", self._choose_victim)
+        _wrap(scheduler.policy, "preempt_for_arrivals", self._preempt_for_arrivals)
+        for hook in GUARDED_HOOKS:  # after the two above, so that the guard sees the whole call
+            _wrap(scheduler.policy, hook, self._guard(hook))
         _wrap(kv, "free", self._free)
+
+    def _queues(self) -> dict[str, str]:
+        s = self.scheduler
+        return {r.request_id: name for name, queue in (("waiting", s.waiting), ("running", s.running),
+                                                       ("swapped", s.swapped)) for r in queue}
+
+    def _guard(self, hook: str):
+        """A check around the policy's ``hook``: no request changes queue inside it except through preempt()."""
+
+        def check(original, *args):
+            before = self._queues()
+            result = original(*args)
+            after = self._queues()
+            for rid, queue in before.items():
+                if after.get(rid) != queue and rid not in self.preempted:
+                    raise self.where.fail(
+                        f"schedule(), the policy's {hook}()", f"{rid} moved from the {queue} queue to "
+                        f"{'the ' + after[rid] + ' queue' if rid in after else 'no queue'} inside {hook}(), without "
+                        "a call of preempt()", "a policy reads the scheduler's queues and never changes them; a "
+                        "running request leaves the running queue only through self.scheduler.preempt(request, out)",
+                        f"the policy's {hook}() (a request moved by hand)")
+            return result
+
+        return check
+
+    def _preempt_for_arrivals(self, preempt_for_arrivals, out):
+        self.is_in_arrivals = True
+        try:
+            return preempt_for_arrivals(out)
+        finally:
+            self.is_in_arrivals = False
 
     def _choose_victim(self, choose_victim, candidates):
         offered = list(candidates)
@@ -33,17 +69,52 @@ class PolicyWatch:
                                   f"{[c.request_id for c in offered]}",
                                   "the victim is one of the candidates (running requests not yet scheduled this step)",
                                   "the policy's choose_victim()")
+        if self.urgency is not None:
+            least = max(offered, key=self.urgency)
+            if self.urgency(victim) < self.urgency(least):
+                raise self.where.fail(
+                    "schedule(), its call of choose_victim()",
+                    f"choose_victim returned {victim.request_id} (urgency {self.urgency(victim)!r}, priority "
+                    f"{victim.priority}) while {least.request_id} (urgency {self.urgency(least)!r}, priority "
+                    f"{least.priority}) is less urgent, of candidates {[c.request_id for c in offered]}",
+                    "the victim is a least urgent candidate, by the urgency the policy promises (read "
+                    "request.priority, the priority the engine resolved; priority 0 is the most urgent)",
+                    "the policy's choose_victim()")
         return victim
 
     def _preempt(self, preempt, request, out):
         self.preempted.add(request.request_id)
+        if self.urgency is not None and self.is_in_arrivals:
+            waiting = [r for r in self.scheduler.waiting if not self.scheduler.is_busy(r)]
+            head = min(waiting, key=self.urgency, default=None)
+            if head is None or not self.urgency(request) > self.urgency(head):
+                what = (f"no request waits" if head is None else f"the most urgent waiting request is "
+                        f"{head.request_id} (urgency {self.urgency(head)!r}, priority {head.priority})")
+                raise self.where.fail(
+                    "schedule(), the policy's preempt_for_arrivals()",
+                    f"it preempted {request.request_id} (urgency {self.urgency(request)!r}, priority "
+                    f"{request.priority}), but {what}",
+                    "a request is preempted for arrivals only in favour of a more urgent waiting one, by the "
+                    "urgency the policy promises (read request.priority)", "the policy's preempt_for_arrivals()")
         return preempt(request, out)
 
     def _free(self, free, request):
         rid = request if isinstance(request, str) else request.request_id
         held, before = self.kv.block_table(rid), self.kv.num_free_blocks
+        s = self.scheduler
+        others = {b for r in (*s.running, *s.waiting, *s.swapped) if r.request_id != rid and not r.is_finished
+                  for b in self.kv.block_table(r.request_id)}
+        exclusive = set(held) - others
         free(request)
         gained = self.kv.num_free_blocks - before
+        if gained < len(exclusive):
+            raise self.where.fail(
+                f"the KV allocator's free({rid!r})",
+                f"free({rid!r}) gave back {gained} blocks, but {len(exclusive)} of its {len(set(held))} blocks were "
+                f"held by no other sequence ({before} -> {self.kv.num_free_blocks} of {self.num_blocks} free): a "
+                "block is lost (a reference count dropped twice, below zero)",
+                "free() gives back every block no other sequence holds; a shared block's reference count drops by "
+                "one per holder", "the KV allocator's free()")
         if gained > len(set(held)):
             what = "which held no blocks (already freed)" if not held else f"which held {len(set(held))} blocks"
             raise self.where.fail(
@@ -71,6 +142,17 @@ class PolicyWatch:
                 "the policy's preempt_for_arrivals() (a request moved by hand)")
         self.check_waiting_keys(by_preempt | {r.request_id for r in sched.requests})
         self.check_books((), "schedule()")
+        if self.urgency is not None:
+            waiting = self.scheduler.waiting
+            for ahead, behind in zip(waiting, waiting[1:]):
+                if self.urgency(behind) < self.urgency(ahead):
+                    raise self.where.fail(
+                        "schedule()", f"the waiting queue holds {ahead.request_id} (urgency "
+                        f"{self.urgency(ahead)!r}, priority {ahead.priority}) ahead of the more urgent "
+                        f"{behind.request_id} (urgency {self.urgency(behind)!r}, priority {behind.priority})",
+                        "waiting requests are queued in the urgency order the policy promises (read "
+                        "request.priority; priority 0 is the most urgent)",
+                        "the policy's waiting_key() or order_waiting()")
 
     def check_waiting_keys(self, left_queue: set[str]) -> None:
         """Each waiting request's key against the key it had when it joined the queue (``left_queue``: ids
@@ -110,6 +192,12 @@ class PolicyWatch:
                     "update()", f"{req.request_id} finished ({req.status.value}) in this step but still holds "
                     f"blocks {held}", "a finished sequence gives back its blocks at once",
                     "the scheduler's finish() (no free() of the sequence) or the KV allocator's free()")
+
+
+# the policy's hooks called once per step or per request (the key hooks are called too often to guard)
+GUARDED_HOOKS = ("order_waiting", "order_running", "choose_victim", "may_admit", "may_swap_in",
+                 "preempt_for_arrivals", "on_step_start", "on_request_added", "on_request_scheduled",
+                 "on_step_executed", "on_request_finished")
 
 
 def _wrap(component, method: str, check) -> bool:

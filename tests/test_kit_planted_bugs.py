@@ -1,0 +1,244 @@
+"""Bugs a plugin author plants without meaning to, one test each: the conformance kit (pagoda.testing) fails each
+with a ContractError naming the rule, the method most likely at fault, the seed and the step."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from pagoda.kv.blocks import PagedKVCacheManager
+from pagoda.sampling.sampler import Sampler
+from pagoda.scheduling import SchedulingPolicy
+from pagoda.sequence import SequenceStatus
+from pagoda.testing import ContractError, check_kv_allocator, check_sampler, check_scheduler
+
+WHERE = r"seed \d+, (step|operation|batch) [^,]+, in [^:]+: .+\. Rule broken: .+\. Most likely at fault: .+\(\)"
+
+
+def caught(check, *args, match: str, **kwargs) -> str:
+    """The ContractError ``check`` raises, which must match ``match`` and say where it happened."""
+    with pytest.raises(ContractError, match=match) as info:
+        check(*args, **kwargs)
+    message = str(info.value)
+    assert re.search(WHERE, message, flags=re.S), message
+    return message
+
+
+def deadline(request):
+    """The urgency an earliest-deadline-first policy promises: the priority is the deadline, smaller first."""
+    return request.priority
+
+
+class EarliestDeadlineFirst(SchedulingPolicy):
+    """A correct EDF policy (the priority is the request's deadline); the bugs below are planted in subclasses."""
+
+    def key(self, request):
+        return (request.priority, request.arrival_time, request.request_id)
+
+    def waiting_key(self, request):
+        return self.key(request)
+
+    # the running order stays the default (decodes first, by arrival): the deadline decides admission and victims
+
+    def choose_victim(self, candidates):
+        return max(candidates, key=self.key)
+
+    def may_admit(self, request):
+        return not self.scheduler.swapped or self.key(request) < self.key(self.scheduler.swapped[0])
+
+
+def test_a_correct_deadline_policy_passes_with_its_urgency_declared():
+    check_scheduler(EarliestDeadlineFirst, seeds=1, urgency=deadline)
+
+
+def test_the_built_in_priority_policy_keeps_its_promised_order():
+    from pagoda.plugins.schedulers.priority import PriorityPolicy
+
+    check_scheduler(PriorityPolicy, seeds=1, urgency=lambda r: r.priority)
+
+
+class IgnoresDeadlinesInChooseVictim(EarliestDeadlineFirst):
+    def choose_victim(self, candidates):
+        return candidates[-1]  # the default's newest, whatever its deadline
+
+
+def test_edf_ignoring_deadlines_in_choose_victim():
+    caught(check_scheduler, IgnoresDeadlinesInChooseVictim, seeds=1, urgency=deadline,
+           match=r"choose_victim returned [\w-]+ \(urgency \d+, priority \d+\) while [\w-]+ .* is less urgent.*"
+                 r"Rule broken: the victim is a least urgent candidate.*Most likely at fault: the policy's "
+                 r"choose_victim\(\)")
+
+
+class PriorityZeroIsNoSLO(EarliestDeadlineFirst):
+    def key(self, request):
+        return (request.priority or math.inf, request.arrival_time, request.request_id)  # 0 read as "no deadline"
+
+
+def test_edf_treating_priority_0_as_no_slo():
+    caught(check_scheduler, PriorityZeroIsNoSLO, seeds=1, urgency=deadline,
+           match=r"(the waiting queue holds p\d+-\d \(urgency \d+, priority \d+\) ahead of the more urgent p\d+-\d "
+                 r"\(urgency 0|choose_victim returned p\d+-\d \(urgency 0).*priority 0 is the most urgent")
+
+
+class ReadsTheWrongPriorityField(EarliestDeadlineFirst):
+    def key(self, request):
+        return (request.sampling_params.priority, request.arrival_time, request.request_id)
+
+
+def test_edf_reading_sampling_params_priority_instead_of_the_resolved_one():
+    caught(check_scheduler, ReadsTheWrongPriorityField, seeds=1, urgency=deadline,
+           match=r"Rule broken: .*read request\.priority")
+
+
+class RemovesRunningWithoutPreempt(EarliestDeadlineFirst):
+    """Makes room for an urgent arrival by moving the latest-deadline running request back by hand."""
+
+    def preempt_for_arrivals(self, out):
+        s = self.scheduler
+        if s.waiting and s.running and s.waiting[0].priority < s.running[-1].priority:
+            victim = s.running.pop()
+            victim.status = SequenceStatus.WAITING
+            s.waiting.insert(0, victim)
+
+
+def test_a_running_request_removed_without_preempt():
+    caught(check_scheduler, RemovesRunningWithoutPreempt, seeds=1,
+           match=r"the policy's preempt_for_arrivals\(\): p\d+-\d moved from the running queue to the waiting queue "
+                 r"inside preempt_for_arrivals\(\), without a call of preempt\(\)")
+
+
+class VictimFromNoCandidates(EarliestDeadlineFirst):
+    """Preempts by hand in order_running, returning the order it was given: the request it took out stays in the
+    order the scheduler walks, with nobody left to offer choose_victim (whose max() of nothing raised a
+    ValueError inside the author's code before)."""
+
+    def order_running(self, running):
+        s = self.scheduler
+        if s.kv.num_free_blocks < 2 and len(s.running) > 1:
+            victim = s.running.pop()
+            s.kv.free(victim)
+            victim.status = SequenceStatus.PREEMPTED
+            s.waiting.insert(0, victim)
+        return running
+
+
+def test_choose_victim_with_no_candidates_after_a_hand_rolled_preemption():
+    caught(check_scheduler, VictimFromNoCandidates, seeds=1,
+           match=r"in schedule\(\), the policy's order_running\(\): p\d+-\d moved from the running queue to the "
+                 r"waiting queue inside order_running\(\), without a call of preempt\(\).*Rule broken: a policy reads "
+                 r"the scheduler's queues and never changes them.*Most likely at fault: the policy's order_running\(\)")
+
+
+def test_the_scheduler_refuses_to_ask_choose_victim_about_no_candidates():
+    """Without the kit's watch, the engine's scheduler says what happened instead of calling choose_victim([])."""
+    from pagoda.errors import SchedulingPolicyError
+    from pagoda.testing.scheduling import SimRunner, _configs, _make_kv
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.scheduling import Scheduler
+    from pagoda.sequence import Sequence
+
+    class TakesEveryoneOut(EarliestDeadlineFirst):
+        def order_running(self, running):
+            self.scheduler.running.clear()
+            return running
+
+    sched_cfg, cache_cfg = _configs(4, 2, 16, 4, "recompute", False, False)
+    scheduler = Scheduler(sched_cfg, cache_cfg, _make_kv(None, cache_cfg, 2), TakesEveryoneOut, {})
+    runner = SimRunner(2, 4)
+    scheduler.add_request(Sequence("a", [1, 2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True)))
+    scheduler.add_request(Sequence("b", [5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True)))
+    with pytest.raises(SchedulingPolicyError, match=r"no running request can be preempted .*choose_victim has no "
+                                                    r"candidates.*only through self\.scheduler\.preempt"):
+        for _ in range(4):
+            sched = scheduler.schedule()
+            scheduler.update(sched, runner.execute(sched))
+
+
+# ---- allocators ---------------------------------------------------------------------------------------------
+
+
+class RefcountBelowZero(PagedKVCacheManager):
+    """Frees a sequence's shared (prefix-cached or forked) blocks twice: their reference count reaches -1."""
+
+    def free(self, request):
+        rid = request if isinstance(request, str) else request.request_id
+        shared = [b for b in (self._tables.get(rid) or []) if b.ref_cnt > 1]
+        super().free(request)
+        for block in shared:
+            block.ref_cnt -= 1
+
+
+def refcount_below_zero(cache_config, num_blocks):
+    return RefcountBelowZero(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+
+
+def test_a_double_free_that_drives_a_reference_count_to_minus_one():
+    caught(check_kv_allocator, refcount_below_zero, seeds=2,
+           match=r"in the KV allocator's free\('p\d+-\d'\): free\('p\d+-\d'\) gave back \d+ blocks, but \d+ of its "
+                 r"\d+ blocks were held by no other sequence.*a reference count dropped twice.*Most likely at fault: "
+                 r"the KV allocator's free\(\)")
+
+
+class MixedEvictionKeys(PagedKVCacheManager):
+    """LFU eviction whose key is None for a block never hit and a list otherwise: the two do not compare."""
+
+    def eviction_key(self, block):
+        hits = getattr(block, "num_hits", 0)
+        return None if not hits else [hits]
+
+
+def mixed_keys(cache_config, num_blocks):
+    return MixedEvictionKeys(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+
+
+def test_an_eviction_key_mixing_none_and_lists():
+    caught(check_kv_allocator, mixed_keys, seeds=1,
+           match=r"TypeError: '<' not supported between .*Rule broken: a key hook's keys are comparable with each "
+                 r"other.*Most likely at fault: the KV allocator's eviction_key\(\)")
+
+
+# ---- samplers -----------------------------------------------------------------------------------------------
+
+
+class LeakingBans(Sampler):
+    """A no-repeat-3-gram sampler that bans every row's n-grams in every row."""
+
+    def process_logits(self, logits, requests):
+        banned = set()
+        for seq in requests:
+            tokens = seq.all_token_ids
+            banned |= {tokens[i + 2] for i in range(len(tokens) - 2) if tokens[i:i + 2] == tokens[-2:]}
+        if banned:
+            logits[:, sorted(banned)] = float("-inf")
+
+
+def test_sampler_bans_leaking_across_rows():
+    caught(check_sampler, LeakingBans, draws=250,
+           match=r"batch 4 .*row \d \(history .*\) drew \d+ alone, \d+ in the batch.*Rule broken: a greedy row's "
+                 r"token depends on its own history only.*Most likely at fault: the sampler's process_logits\(\)")
+
+
+class NgramBeforeSuper(Sampler):
+    """Bans repeated 3-grams in ``__call__`` before handing the logits to ``super()``: the logprobs it reports
+    are then those of the banned distribution, not the model's."""
+
+    def __call__(self, logits, requests):
+        for row, seq in enumerate(requests):
+            tokens = seq.all_token_ids
+            banned = {tokens[i + 2] for i in range(len(tokens) - 2) if tokens[i:i + 2] == tokens[-2:]}
+            if banned:
+                logits[row, sorted(banned)] = float("-inf")
+        return super().__call__(logits, requests)
+
+
+def test_sampler_ngram_logic_before_super():
+    caught(check_sampler, NgramBeforeSuper, draws=250,
+           match=r"batch 4 .*row \d: token \d+ has logprob .*Rule broken: logprobs=k gives the drawn token's "
+                 r"log-probability")
+
+
+def test_the_default_sampler_passes_the_history_batches():
+    check_sampler(Sampler, draws=250)
