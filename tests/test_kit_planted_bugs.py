@@ -242,3 +242,59 @@ def test_sampler_ngram_logic_before_super():
 
 def test_the_default_sampler_passes_the_history_batches():
     check_sampler(Sampler, draws=250)
+
+
+# ---- attention backends ---------------------------------------------------------------------------------------
+
+
+def torch_backend_class():
+    from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend
+
+
+class WritesPaddingSlot(torch_backend_class()):
+    """Writes K/V by advanced indexing with the raw slot_mapping: a padding token's -1 lands in the last slot of
+    the cache, a block nobody holds."""
+
+    def build_metadata(self, batch):
+        md = super().build_metadata(batch)
+        md.raw_slots = batch.slot_mapping.to(torch.int64)
+        return md
+
+    def forward(self, layer, q, k, v, kv_cache, md):
+        hkv, num_blocks, bs, d = kv_cache.shape[1:]
+        kv_cache[0].view(hkv, num_blocks * bs, d)[:, md.raw_slots] = k.transpose(0, 1).to(kv_cache.dtype)
+        return super().forward(layer, q, k, v, kv_cache, md)
+
+
+def test_a_kv_write_to_padding_slot_minus_one():
+    from pagoda.testing import check_attention_backend
+
+    caught(check_attention_backend, WritesPaddingSlot, dtypes=(torch.float32,),
+           match=r"step 2 \(padded: token \d+ has slot -1\), in forward\(\): block \d+, which no sequence holds, was "
+                 r"written .*it is the last block, where slot -1 of the padding token lands.*Rule broken: forward\(\) "
+                 r"writes K/V only into the slots slot_mapping names \(-1: a padding token, written nowhere")
+
+
+class WritesTheNextBlock(torch_backend_class()):
+    """An off-by-one block index: every token's K/V goes one block further than its block table says."""
+
+    def forward(self, layer, q, k, v, kv_cache, md):
+        num_blocks, bs = kv_cache.shape[2], kv_cache.shape[3]
+        md.slot_mapping = (md.slot_mapping + bs) % (num_blocks * bs)
+        return super().forward(layer, q, k, v, kv_cache, md)
+
+
+def test_an_unowned_block_write_is_named_as_such_not_as_a_wrong_output():
+    from pagoda.testing import check_attention_backend
+
+    caught(check_attention_backend, WritesTheNextBlock, dtypes=(torch.float32,),
+           match=r"in forward\(\): block \d+, which no sequence holds, was written.*Most likely at fault: the "
+                 r"backend's forward\(\) \(its K/V write\)")
+
+
+def test_the_torch_backend_passes_the_padded_batches():
+    from pagoda.testing import check_attention_backend
+
+    check_attention_backend(torch_backend_class())

@@ -105,7 +105,8 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
     seq_lens = [c + q for c, q in zip(case.context_lens, case.query_lens)]
     tables_needed = [-(-s // bs) for s in seq_lens]
     num_blocks = sum(tables_needed) + 3  # blocks nobody holds, which must stay untouched
-    pool = list(range(num_blocks))
+    # the last block is one of them: a write to slot -1 (a padding token) indexed from the end lands in it
+    pool = list(range(num_blocks - 1))
     rng.shuffle(pool)
     tables, start = [], 0
     for n in tables_needed:
@@ -132,15 +133,31 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
         if not items:
             continue
         items = sorted(items, key=lambda item: item[2] != 1)
-        batch = _batch(items, tables, bs)
-        q, k, v = (_strided(torch.cat([t[r][s:s + n] for r, s, n in items])) for t in (q_all, k_all, v_all))
+        # the second step is padded: one padding token (slot -1) after its decodes, as a runner may pad a batch
+        pad_at = sum(1 for item in items if item[2] == 1) if step == 1 else None
+        batch = _batch(items, tables, bs, pad_at)
+        q, k, v = (_strided(_pad(torch.cat([t[r][s:s + n] for r, s, n in items]), pad_at, gen))
+                   for t in (q_all, k_all, v_all))
         metadata = backend.build_metadata(batch)
         out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache, metadata)
-        at = where.at(step + 1)
+        at = where.at(f"{step + 1}" + (f" (padded: token {pad_at} has slot -1)" if pad_at is not None else ""))
         want_shape = (batch.num_tokens, case.num_heads * case.head_dim)
         if tuple(out.shape) != want_shape:
             raise at.fail("forward()", f"the output has shape {tuple(out.shape)}", f"forward returns [tokens, heads * "
                           f"head_dim], here {want_shape}", "the backend's forward()")
+        # blocks first: a write outside the block tables also spoils the output, and is the cause to name
+        for b in unowned:
+            if not bool((cache.select(block_axis, b).float() == sentinel.float()).all()):
+                padded = b == num_blocks - 1 and pad_at is not None
+                raise at.fail("forward()", f"block {b}, which no sequence holds, was written (its bytes were all "
+                              f"{UNOWNED_BYTE:#x} before the step)" + (
+                                  "; it is the last block, where slot -1 of the padding token lands when indexed "
+                                  "from the end" if padded else ""),
+                              "forward() writes K/V only into the slots slot_mapping names (-1: a padding token, "
+                              "written nowhere; AttentionBatch.slots_to_write() gives the slots to write)",
+                              "the backend's forward() (its K/V write)")
+        if pad_at is not None:
+            out = torch.cat([out[:pad_at], out[pad_at + 1:]])
         expected = torch.cat([_reference(q_all[r], k_all[r], v_all[r], s, n, layer.scale) for r, s, n in items])
         atol, rtol = TOLERANCE.get(dtype, (2e-2, 2e-2))
         got = out.float().cpu()
@@ -156,15 +173,21 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
                 f"{got[token, :3].tolist()}...", "each token attends causally to its own sequence's K/V in its "
                 "block table, with the layer's softmax scale (layer.scale)",
                 "the backend's forward() (or build_metadata(), which prepares it)")
-        for b in unowned:
-            if not bool((cache.select(block_axis, b).float() == sentinel.float()).all()):
-                raise at.fail("forward()", f"block {b}, which no sequence holds, was written (its bytes were all "
-                              f"{UNOWNED_BYTE:#x} before the step)", "forward() writes K/V only into the slots "
-                              "slot_mapping names (-1: none)", "the backend's forward() (its K/V write)")
 
 
-def _batch(items: list[tuple[int, int, int]], tables: list[list[int]], bs: int) -> AttentionBatch:
-    """One step of ``(sequence, first new position, new tokens)``, decodes first, as the runner builds it."""
+def _pad(t: torch.Tensor, pad_at: Optional[int], gen: torch.Generator) -> torch.Tensor:
+    """``t`` with a random row (a padding token's) inserted at ``pad_at``, if given."""
+    if pad_at is None:
+        return t
+    return torch.cat([t[:pad_at], torch.randn(1, *t.shape[1:], generator=gen).to(t.dtype), t[pad_at:]])
+
+
+def _batch(items: list[tuple[int, int, int]], tables: list[list[int]], bs: int,
+           pad_at: Optional[int] = None) -> AttentionBatch:
+    """One step of ``(sequence, first new position, new tokens)``, decodes first, as the runner builds it;
+    ``pad_at``: the index among the requests (after the decodes) of a padding request of one token, slot -1."""
+    if pad_at is not None:
+        items = items[:pad_at] + [(-1, 0, 1)] + items[pad_at:]
     query_lens = [n for _, _, n in items]
     qsl = [0]
     for n in query_lens:
@@ -174,6 +197,9 @@ def _batch(items: list[tuple[int, int, int]], tables: list[list[int]], bs: int) 
     block_tables = torch.zeros(len(items), max_blocks, dtype=torch.int32)
     slots = []
     for row, (r, s, n) in enumerate(items):
+        if r < 0:  # padding: no blocks, written nowhere
+            slots.append(-1)
+            continue
         used = tables[r][:-(-(s + n) // bs)]
         block_tables[row, :len(used)] = torch.tensor(used, dtype=torch.int32)
         slots += [tables[r][p // bs] * bs + p % bs for p in range(s, s + n)]
