@@ -131,6 +131,10 @@ def layer_windows(cfg: dict[str, Any], num_layers: int, default_all: bool) -> tu
                               "full_attention")
         if "sliding_attention" in types and not window:
             raise ConfigError("config.json has sliding_attention layers but no sliding_window")
+    max_positions = cfg.get("max_position_embeddings")
+    if window and max_positions and int(window) >= int(max_positions):
+        window = None  # wider than any sequence (Phi-4-mini's 262144): it never slides, and no layer needs masks
+    if types:
         return tuple(int(window) if t == "sliding_attention" else None for t in types)
     if window and default_all:
         return (int(window),) * num_layers
@@ -312,7 +316,8 @@ class DecoderForCausalLM(nn.Module):
         for i in range(spec.num_layers):
             rs = spec.rope(i)
             if rs is not None and rs not in tables and stage.owns_layer(i):
-                tables[rs] = RotaryEmbedding(spec.head_dim, max_pos, rs.theta, None, cfg.dtype, kernels, spec=rs)
+                tables[rs] = RotaryEmbedding(spec.head_dim, max_pos, rs.theta, None, cfg.dtype, kernels, spec=rs,
+                                             max_model_len=cfg.max_model_len)
         self.rotaries = nn.ModuleList(tables.values())
         with packed_modules(self.packed_modules_mapping):  # what quant configs read for the fused layers
             self.layers = nn.ModuleList(
