@@ -49,6 +49,11 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_cli_commands": "CLI command",
 }
 
+# component kinds whose built-ins a third-party component of the same name replaces instead of clashing with
+# (vLLM's ModelRegistry.register_model): config.json names the architecture, so a plugin with a better
+# Qwen3ForCausalLM must take that name; two third-party providers of one name still clash
+BUILTIN_OVERRIDE_HOOKS = ("pagoda_model_architectures",)
+
 
 @dataclass(frozen=True)
 class Component:
@@ -115,6 +120,8 @@ class PluginManager:
     components: dict[str, dict[str, Component]] = field(default_factory=dict)
     # hook name -> component name -> the plugins that all provide it (none of them is selectable)
     conflicts: dict[str, dict[str, Conflict]] = field(default_factory=dict)
+    # hook name -> component name -> the built-in a third-party component replaces (BUILTIN_OVERRIDE_HOOKS)
+    overridden: dict[str, dict[str, Component]] = field(default_factory=dict)
     # True while the component hooks are being called (the registry is incomplete)
     is_collecting: bool = False
 
@@ -193,18 +200,26 @@ class PluginManager:
     def _build_registry(self) -> None:
         components: dict[str, dict[str, Component]] = {}
         conflicts: dict[str, dict[str, Conflict]] = {}
+        overridden: dict[str, dict[str, Component]] = {}
         self.is_collecting = True
         try:
             for hook_name, kind in COMPONENT_HOOKS.items():
                 providers: dict[str, list[Component]] = {}
                 for component in self._collect(hook_name, kind):
                     providers.setdefault(component.name, []).append(component)
+                overridden[hook_name] = {}
+                if hook_name in BUILTIN_OVERRIDE_HOOKS:
+                    for name, found in providers.items():
+                        third_party = [c for c in found if c.dist != BUILTIN_DIST]
+                        if len(third_party) == 1 and len(found) > 1:  # the one third-party provider wins
+                            overridden[hook_name][name] = next(c for c in found if c.dist == BUILTIN_DIST)
+                            providers[name] = third_party
                 components[hook_name] = {name: found[0] for name, found in providers.items() if len(found) == 1}
                 conflicts[hook_name] = {name: Conflict(kind, name, tuple(found))
                                         for name, found in providers.items() if len(found) > 1}
         finally:
             self.is_collecting = False
-        self.components, self.conflicts = components, conflicts
+        self.components, self.conflicts, self.overridden = components, conflicts, overridden
 
     def _collect(self, hook_name: str, kind: str) -> list[Component]:
         """Every plugin's components of one hook; a hook that raises or returns something other than
@@ -311,6 +326,13 @@ class PluginManager:
         """Every selectable component, sorted by kind then name (for ``pagoda plugins``)."""
         rows = [c for by_name in self.components.values() for c in by_name.values()]
         return sorted(rows, key=lambda c: (c.kind, c.name))
+
+    def override_list(self) -> list[tuple[Component, Component]]:
+        """``(third-party component used, built-in it replaces)`` for every overridden built-in, by kind and
+        name."""
+        pairs = [(self.components[hook][name], builtin) for hook, by_name in self.overridden.items()
+                 for name, builtin in by_name.items()]
+        return sorted(pairs, key=lambda pair: (pair[0].kind, pair[0].name))
 
     def conflict_list(self) -> list[Conflict]:
         """Every name more than one plugin provides, sorted by kind then name."""
