@@ -416,6 +416,10 @@ class DecoderForCausalLM(nn.Module):
             module = self._module_of(target)
             if shard is None and isinstance(module, Linear) and len(module.full_output_sizes) > 1:
                 # the checkpoint stores the fused layer itself: its shards, one after the other
+                if not target.endswith((".weight", ".bias")):
+                    raise CheckpointError(f"tensor {name!r}: this checkpoint stores {module.prefix} fused and "
+                                          "quantized, which pagoda does not split yet; use the unquantized "
+                                          "checkpoint (or quantize it online, e.g. --quantization int8)")
                 sizes = module.full_output_sizes
                 if tensor.shape[0] != sum(sizes):
                     raise CheckpointError(f"tensor {name!r} has {tensor.shape[0]} rows; {module.prefix} stacks "
