@@ -5,6 +5,7 @@ side of them (tokenizer, KV allocator, scheduler); each rank's runner is built b
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -21,6 +22,8 @@ from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.scheduling import build_scheduler, check_policy_options
 from pagoda.sampling.structured.manager import check_backend_name
+
+logger = logging.getLogger("pagoda")
 
 
 @dataclass
@@ -40,6 +43,9 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     mc, cc = config.model, config.cache
     # resolve every name first, so a typo fails before any weight is read
     arch = pm.get("pagoda_model_architectures", mc.architecture, "the checkpoint's architectures")
+    if mc.architecture in pm.overridden.get("pagoda_model_architectures", {}):
+        logger.info("model architecture %s: plugin %r from %s, which overrides pagoda's built-in", mc.architecture,
+                    arch.plugin, arch.dist)
     if config.parallel.tensor_parallel_size > 1 and not getattr(arch.factory, "supports_tensor_parallel", False):
         raise ConfigError(f"the {mc.architecture} architecture ({arch.dist}) does not shard itself for tensor "
                           "parallelism (its class does not set supports_tensor_parallel); use tensor_parallel_size=1")

@@ -52,6 +52,11 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_cli_commands": "CLI command",
 }
 
+# component kinds whose built-ins a third-party component of the same name replaces instead of clashing with
+# (vLLM's ModelRegistry.register_model): config.json names the architecture, so a plugin with a better
+# Qwen3ForCausalLM must take that name; two third-party providers of one name still clash
+BUILTIN_OVERRIDE_HOOKS = ("pagoda_model_architectures",)
+
 
 @dataclass(frozen=True)
 class Component:
@@ -143,6 +148,8 @@ class PluginManager:
     providers: dict[str, dict[str, list[Component]]] = field(default_factory=dict)
     # (hook name, component name) of the conflicts a selection warned about already
     noted_conflicts: set[tuple[str, str]] = field(default_factory=set)
+    # hook name -> component name -> the built-in a third-party component replaces (BUILTIN_OVERRIDE_HOOKS)
+    overridden: dict[str, dict[str, Component]] = field(default_factory=dict)
     # True while the component hooks are being called (the registry is incomplete)
     is_collecting: bool = False
 
@@ -224,6 +231,7 @@ class PluginManager:
         components: dict[str, dict[str, Component]] = {}
         conflicts: dict[str, dict[str, Conflict]] = {}
         all_providers: dict[str, dict[str, list[Component]]] = {}
+        overridden: dict[str, dict[str, Component]] = {}
         self.is_collecting = True
         try:
             for hook_name, kind in COMPONENT_HOOKS.items():
@@ -231,14 +239,21 @@ class PluginManager:
                 all_providers[hook_name] = providers
                 for component in self._collect(hook_name, kind):
                     providers.setdefault(component.name, []).append(component)
-                components[hook_name], conflicts[hook_name] = {}, {}
+                components[hook_name], conflicts[hook_name], overridden[hook_name] = {}, {}, {}
                 for name, found in providers.items():
                     if len(found) == 1:
                         components[hook_name][name] = found[0]
                         continue
+                    own = [c for c in found if c.dist == BUILTIN_DIST]
+                    third_party = [c for c in found if c.dist != BUILTIN_DIST]
+                    if hook_name in BUILTIN_OVERRIDE_HOOKS and len(own) == 1 and len(third_party) == 1:
+                        # a model architecture is the one kind a package overrides by its name alone: the package
+                        # was installed to run that architecture its own way (the built-in stays as pagoda:name)
+                        components[hook_name][name] = third_party[0]
+                        overridden[hook_name][name] = own[0]
+                        continue
                     # a name pagoda's own plugin provides keeps selecting it: installing a package never changes
                     # what an unchanged configuration selects
-                    own = [c for c in found if c.dist == BUILTIN_DIST]
                     chosen = own[0] if len(own) == 1 else None
                     conflicts[hook_name][name] = Conflict(kind, name, tuple(found), chosen)
                     if chosen is not None:
@@ -246,6 +261,7 @@ class PluginManager:
         finally:
             self.is_collecting = False
         self.components, self.conflicts, self.providers = components, conflicts, all_providers
+        self.overridden = overridden
 
     def _collect(self, hook_name: str, kind: str) -> list[Component]:
         """Every plugin's components of one hook; a hook that raises or returns something other than
@@ -385,6 +401,13 @@ class PluginManager:
         """Every component its plain name selects, sorted by kind then name (for ``pagoda plugins``)."""
         rows = [c for by_name in self.components.values() for c in by_name.values()]
         return sorted(rows, key=lambda c: (c.kind, c.name))
+
+    def override_list(self) -> list[tuple[Component, Component]]:
+        """``(third-party component used, built-in it replaces)`` for every overridden built-in, by kind and
+        name."""
+        pairs = [(self.components[hook][name], builtin) for hook, by_name in self.overridden.items()
+                 for name, builtin in by_name.items()]
+        return sorted(pairs, key=lambda pair: (pair[0].kind, pair[0].name))
 
     def conflict_list(self) -> list[Conflict]:
         """Every name more than one plugin provides, sorted by kind then name."""

@@ -17,6 +17,8 @@ One check per component kind; each raises :class:`ContractError` saying what bro
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;
 - :func:`check_structured_output_backend`: each kind of constraint compiles; its bitmask allows the tokens of a
   matching text and the end only where it may end; refused tokens, rollback, independent matchers;
+- :func:`check_architecture`: a model architecture on a tiny random checkpoint it writes, loaded through the
+  plugin registry; greedy tokens and log-probabilities equal transformers' where transformers knows the name;
 - :func:`check_quant_method`: quantized linear layers against their dequantized (or dense) reference;
 - :func:`check_lora_backend`: every adapter of a mixed batch on its own tokens, base-model rows untouched;
 - :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
@@ -35,6 +37,7 @@ from typing import Any
 # active in every pytest run of the environment) does not import torch for test runs that never use the kit
 _EXPORTS = {
     "AttentionCase": "attention", "check_attention_backend": "attention",
+    "check_architecture": "architecture",
     "ContractError": "contract",
     "check_lora_backend": "lora",
     "check_proposer": "proposer",

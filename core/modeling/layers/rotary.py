@@ -64,6 +64,10 @@ def rope_from_hf(cfg: dict[str, Any], layer_type: Optional[str] = None, theta_ke
         scaling = scaling[layer_type]
     if not scaling and params.get("rope_type", "default") not in ("default", None):
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling and cfg.get("original_max_position_embeddings") and (
+            scaling.get("rope_type") or scaling.get("type")) in ("llama3", "yarn", "longrope"):
+        # a top-level original_max_position_embeddings (Phi-3's place for it) wins, as in transformers
+        scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     theta = params.get("rope_theta") or cfg.get(theta_key) or default_theta
     partial = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
     field_name = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
@@ -155,9 +159,11 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k given each token's position (to the first ``rotary_dim`` dims of each head)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: Optional[dict[str, Any]],
-                 dtype: torch.dtype, kernels: Optional[CpuKernels] = None, spec: Optional[RopeSpec] = None) -> None:
+                 dtype: torch.dtype, kernels: Optional[CpuKernels] = None, spec: Optional[RopeSpec] = None,
+                 max_model_len: Optional[int] = None) -> None:
         """``kernels``: the model's CPU kernels (None: torch ops). ``spec`` (instead of ``theta`` and ``scaling``):
-        the RoPE with its partial rotary factor."""
+        the RoPE with its partial rotary factor. ``max_model_len`` (default ``max_position``): the longest sequence
+        the engine serves, which picks LongRoPE's factors."""
         super().__init__()
         self.kernels = kernels or CpuKernels()
         if spec is None:
@@ -167,7 +173,7 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim % 2 or self.rotary_dim <= 0:
             raise ConfigError(f"partial_rotary_factor {spec.partial_rotary_factor} of head_dim {head_dim} gives "
                               f"{self.rotary_dim} rotary dims; it must be a positive even number")
-        inv_freq, attention_factor = inv_freq_and_scale(spec, self.rotary_dim, max_position)
+        inv_freq, attention_factor = inv_freq_and_scale(spec, self.rotary_dim, max_model_len or max_position)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]

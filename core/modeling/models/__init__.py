@@ -11,6 +11,7 @@ def pagoda_model_architectures():
     from pagoda.modeling.models.llama import LlamaForCausalLM
     from pagoda.modeling.models.mixtral import MixtralForCausalLM
     from pagoda.modeling.models.olmo2 import Olmo2ForCausalLM
+    from pagoda.modeling.models.phi3 import Phi3ForCausalLM
     from pagoda.modeling.models.qwen3 import Qwen3ForCausalLM
     from pagoda.modeling.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
     from pagoda.modeling.models.smollm3 import SmolLM3ForCausalLM
@@ -27,6 +28,7 @@ def pagoda_model_architectures():
         "Olmo2ForCausalLM": Olmo2ForCausalLM,
         "GraniteForCausalLM": GraniteForCausalLM,
         "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+        "Phi3ForCausalLM": Phi3ForCausalLM,
         # Mixture of Experts (pagoda.modeling.layers.moe)
         "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

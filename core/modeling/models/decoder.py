@@ -131,6 +131,10 @@ def layer_windows(cfg: dict[str, Any], num_layers: int, default_all: bool) -> tu
                               "full_attention")
         if "sliding_attention" in types and not window:
             raise ConfigError("config.json has sliding_attention layers but no sliding_window")
+    max_positions = cfg.get("max_position_embeddings")
+    if window and max_positions and int(window) >= int(max_positions):
+        window = None  # wider than any sequence (Phi-4-mini's 262144): it never slides, and no layer needs masks
+    if types:
         return tuple(int(window) if t == "sliding_attention" else None for t in types)
     if window and default_all:
         return (int(window),) * num_layers
@@ -151,6 +155,23 @@ def _offset_loader(offset: float):
                                   f"{tuple(param.shape)}")
         param.data.copy_((loaded.float() + offset).to(param.dtype))
     return load
+
+
+def _narrow_loader(param: nn.Parameter, start: int) -> None:
+    """Load rows ``[start, start + len(param))`` of the checkpoint's tensor (this rank's part), through the loader
+    the parameter already has (a norm offset) or a plain copy."""
+    inner = getattr(param, "weight_loader", None)
+
+    def load(p: nn.Parameter, loaded: torch.Tensor, shard: Optional[int], name: str) -> None:
+        if loaded.dim() != 1 or loaded.shape[0] < start + p.shape[0]:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(loaded.shape)}; this rank needs its rows "
+                                  f"{start}..{start + p.shape[0] - 1} (the checkpoint does not match its config.json)")
+        part = loaded.narrow(0, start, p.shape[0])
+        if inner is not None:
+            inner(p, part, shard, name)
+        else:
+            p.data.copy_(part.to(p.dtype))
+    param.weight_loader = load
 
 
 class DecoderLayer(nn.Module):
@@ -186,11 +207,16 @@ class DecoderLayer(nn.Module):
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = norm(d), norm(d)
         elif spec.qk_norm == "full":
-            if distributed.current().size > 1:
-                raise ConfigError("this model normalises q and k over all heads at once (an RMSNorm of the whole "
-                                  "projection), which pagoda does not split over tensor-parallel ranks; use "
-                                  "tensor_parallel_size=1")
-            self.q_norm, self.k_norm = norm(spec.num_heads * d), norm(spec.num_kv_heads * d)
+            # this rank's part of the norms of the whole q and k projections
+            self.q_norm, self.k_norm = norm(heads.num_heads * d), norm(heads.num_kv_heads * d)
+        self._sharded_qk = None
+        tp = distributed.current()
+        if spec.qk_norm == "full" and tp.size > 1:
+            _narrow_loader(self.q_norm.weight, heads.q_start * d)
+            _narrow_loader(self.k_norm.weight, heads.kv_start * d)
+            # the projections' full widths, and how many ranks hold each KV head (their k counted once)
+            copies = tp.size // spec.num_kv_heads if spec.num_kv_heads < tp.size else 1
+            self._sharded_qk = (tp, spec.num_heads * d, spec.num_kv_heads * d, copies)
         scale = spec.scale if spec.scale is not None else d ** -0.5
         self.attn = Attention(backend, idx, heads.num_heads, heads.num_kv_heads, d, scale, spec.window(idx),
                               spec.attn_softcap, spec.sinks, dtype)
@@ -222,12 +248,28 @@ class DecoderLayer(nn.Module):
             if self.qk_norm == "head":
                 q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
                 k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+            elif self._sharded_qk is not None:
+                q, k = self._sharded_full_qk_norm(q.reshape(t, -1), k.reshape(t, -1))
+                q, k = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d)
             elif self.qk_norm == "full":
                 q = self.q_norm(q.reshape(t, -1)).view(t, self.num_heads, d)
                 k = self.k_norm(k.reshape(t, -1)).view(t, self.num_kv_heads, d)
             if rope is not None:
                 q, k = rope.rotate(q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))  # attention: [num_tokens, h * d]
+
+    def _sharded_full_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of the whole q and k projections (OLMo 2) when this rank holds part of their heads: one
+        all-reduce of each token's two sums of squares. ``q [T, h * d]``, ``k [T, hkv * d]`` of this rank."""
+        tp, q_width, k_width, k_copies = self._sharded_qk
+        qf, kf = q.float(), k.float()
+        sums = torch.stack((qf.pow(2).sum(-1), kf.pow(2).sum(-1) / k_copies), dim=-1)  # [T, 2]
+        tp.all_reduce(sums, "qk_norm")
+        eps = self.spec.rms_norm_eps
+        q_inv = torch.rsqrt(sums[:, :1] / q_width + eps)
+        k_inv = torch.rsqrt(sums[:, 1:] / k_width + eps)
+        return ((qf * q_inv) * self.q_norm.weight.float()).to(q.dtype), \
+            ((kf * k_inv) * self.k_norm.weight.float()).to(k.dtype)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -312,7 +354,8 @@ class DecoderForCausalLM(nn.Module):
         for i in range(spec.num_layers):
             rs = spec.rope(i)
             if rs is not None and rs not in tables and stage.owns_layer(i):
-                tables[rs] = RotaryEmbedding(spec.head_dim, max_pos, rs.theta, None, cfg.dtype, kernels, spec=rs)
+                tables[rs] = RotaryEmbedding(spec.head_dim, max_pos, rs.theta, None, cfg.dtype, kernels, spec=rs,
+                                             max_model_len=cfg.max_model_len)
         self.rotaries = nn.ModuleList(tables.values())
         with packed_modules(self.packed_modules_mapping):  # what quant configs read for the fused layers
             self.layers = nn.ModuleList(
@@ -411,6 +454,10 @@ class DecoderForCausalLM(nn.Module):
             module = self._module_of(target)
             if shard is None and isinstance(module, Linear) and len(module.full_output_sizes) > 1:
                 # the checkpoint stores the fused layer itself: its shards, one after the other
+                if not target.endswith((".weight", ".bias")):
+                    raise CheckpointError(f"tensor {name!r}: this checkpoint stores {module.prefix} fused and "
+                                          "quantized, which pagoda does not split yet; use the unquantized "
+                                          "checkpoint (or quantize it online, e.g. --quantization int8)")
                 sizes = module.full_output_sizes
                 if tensor.shape[0] != sum(sizes):
                     raise CheckpointError(f"tensor {name!r} has {tensor.shape[0]} rows; {module.prefix} stacks "

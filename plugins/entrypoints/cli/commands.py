@@ -49,6 +49,8 @@ def run_plugins(ns: argparse.Namespace) -> int:
     pm = ns.plugin_manager
     print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")
     rows = [(c.kind, c.name, c.plugin, c.dist, pm.api_ranges.get(c.plugin, "-")) for c in pm.table()]
+    rows += [(builtin.kind, builtin.qualified_name, builtin.plugin, builtin.dist, f"OVERRIDDEN by {used.plugin!r}")
+             for used, builtin in pm.override_list()]
     # a name several plugins provide: what its plain name selects is in the rows above (pagoda's own), the others
     # are listed by the qualified names that select them
     rows += [(c.kind, c.qualified_name, c.plugin, c.dist, "CONFLICT (see below)")
@@ -59,6 +61,9 @@ def run_plugins(ns: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+    for used, builtin in pm.override_list():
+        print(f"\noverride: the {used.kind} {used.name!r} is plugin {used.plugin!r} from {used.dist}, used instead "
+              f"of {builtin.dist}'s (block {used.plugin} with PAGODA_DISABLE_PLUGINS to use the built-in)")
     for conflict in pm.conflict_list():
         print(f"\nconflict: {conflict.reason}")
     for name in pm.unmatched_blocks:
