@@ -298,3 +298,23 @@ def test_the_torch_backend_passes_the_padded_batches():
     from pagoda.testing import check_attention_backend
 
     check_attention_backend(torch_backend_class())
+
+
+class CountsUncachedOnly(PagedKVCacheManager):
+    """An allocator whose free count leaves out the free blocks that still cache a prefix."""
+
+    @property
+    def num_free_blocks(self):
+        return sum(1 for block in self._free.values() if block.block_hash is None)
+
+
+def counts_uncached_only(cache_config, num_blocks):
+    return CountsUncachedOnly(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+
+
+def test_a_wrong_free_count_names_the_count_not_allocate_slots():
+    message = caught(check_kv_allocator, counts_uncached_only, seeds=1,
+                     match=r"operation \d+, in free\('s\d+'\): \d+ blocks reported free, not \d+.*Most likely at fault: "
+                           r"the KV allocator's free\(\) \(blocks not given back\) or its num_free_blocks\(\) \(free "
+                           r"blocks that still cache a prefix count as free")
+    assert "allocate_slots" not in message.split("Most likely at fault")[1]

@@ -11,7 +11,7 @@ One check per component kind; each raises :class:`ContractError` saying what bro
   randomised request streams (shared prefixes, ``n > 1``, aborts, a pool small enough to preempt, recompute and
   swap) through :class:`SimRunner`, a model-free runner that records which token each KV slot holds, every
   request finishing within a bounded number of steps; :func:`check_scheduler` also runs them with two steps in
-  flight (:func:`check_steps_in_flight`);
+  flight (:func:`check_steps_in_flight`), and holds a policy that declares an ``urgency`` to that order;
 - :func:`check_attention_backend`: paged attention against dense attention on shuffled block layouts with
   odd sizes;
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;

@@ -496,6 +496,7 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
     freed: list[str] = []
     for op in range(400):
         at = where.at(op, "operation")
+        free_before = kv.num_free_blocks
         if freed and rng.random() < 0.15:
             rid = rng.choice(freed)
             operation, rule = f"free({rid!r}) of a sequence freed before", "freeing a sequence again changes nothing"
@@ -540,8 +541,18 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
                     f"{num_blocks} are held")
             if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
                 seen = f"a double free: {seen}"
-            raise at.fail(operation, seen, rule, "the KV allocator's free()" if operation.startswith("free(")
-                          else "the KV allocator's allocate_slots()")
+            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
+                suspect = "the KV allocator's free()"
+            elif operation.startswith("free("):
+                suspect = ("the KV allocator's free() (blocks not given back) or its num_free_blocks() (free blocks "
+                           "that still cache a prefix count as free: they are taken again when the pool needs them)")
+            else:
+                took = len(kv.block_table(seq.request_id)) if seq.request_id in live else 0
+                fell = free_before - kv.num_free_blocks
+                seen += f"; allocate_slots handed out {took} blocks and num_free_blocks fell by {fell}"
+                suspect = ("the KV allocator's allocate_slots() (its books of free blocks)" if fell != took else
+                           "the KV allocator's num_free_blocks() (it counts other than the blocks no sequence holds)")
+            raise at.fail(operation, seen, rule, suspect)
     for seq in live.values():
         kv.free(seq)
     if kv.num_free_blocks != num_blocks:
