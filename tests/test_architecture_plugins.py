@@ -83,9 +83,12 @@ def test_pagoda_plugins_shows_which_architecture_is_used_and_from_where(site):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([str(Path(sys.executable).with_name("pagoda")), "plugins"], capture_output=True, text=True,
                          env=env, timeout=120, check=True).stdout
-    rows = [line.split() for line in out.splitlines() if "Qwen3ForCausalLM" in line.split()]
+    rows = [line.split() for line in out.splitlines()
+            if {"Qwen3ForCausalLM", "pagoda:Qwen3ForCausalLM"} & set(line.split())]
     assert ["model", "architecture", "Qwen3ForCausalLM", "faster_qwen3", "faster-qwen3", "1.0", ">=0.9,<0.10"] in rows
-    assert any(row[-3:] == ["OVERRIDDEN", "by", "'faster_qwen3'"] for row in rows)
+    # the built-in, under the qualified name that still selects it
+    assert any(row[2] == "pagoda:Qwen3ForCausalLM" and row[-3:] == ["OVERRIDDEN", "by", "'faster_qwen3'"]
+               for row in rows)
     assert ("override: the model architecture 'Qwen3ForCausalLM' is plugin 'faster_qwen3' from faster-qwen3 1.0, "
             "used instead of pagoda (built-in)'s") in out
 

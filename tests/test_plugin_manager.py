@@ -206,7 +206,9 @@ def test_a_plugin_shadowing_a_builtin_name_leaves_the_builtin_selected_and_says_
 
 
 def test_the_qualified_name_rule_holds_for_every_component_kind(site):
-    """Architectures, samplers, allocators: a built-in's name stays the built-in's; ``dist:name`` opts in."""
+    """Samplers, allocators: a built-in's name stays the built-in's; ``dist:name`` opts in. A model architecture is
+    the exception: one package's architecture overrides the built-in of its name, which ``pagoda:name`` still
+    selects."""
     install_fake_dist(site, "arch-pkg", "2.0", {"arch_pkg": "arch_pkg"}, {"arch_pkg": """
         import pagoda
 
@@ -228,9 +230,12 @@ def test_the_qualified_name_rule_holds_for_every_component_kind(site):
     pm = PluginManager().load()
     for hook, name in [("pagoda_model_architectures", "LlamaForCausalLM"), ("pagoda_samplers", "default"),
                        ("pagoda_kv_allocators", "paged")]:
-        assert pm.get(hook, name, "option").dist == BUILTIN_DIST
+        overrides = hook == "pagoda_model_architectures"
+        assert pm.get(hook, name, "option").dist == ("arch-pkg 2.0" if overrides else BUILTIN_DIST)
         assert pm.get(hook, f"arch-pkg:{name}", "option").factory.__name__ == "MyLlama"
-    assert len(pm.conflict_list()) == 3
+        assert pm.get(hook, f"pagoda:{name}", "option").dist == BUILTIN_DIST
+    assert len(pm.conflict_list()) == 2
+    assert [(used.dist, builtin.name) for used, builtin in pm.override_list()] == [("arch-pkg 2.0", "LlamaForCausalLM")]
 
 
 def test_an_engine_and_the_kit_keep_the_builtins_when_a_package_provides_the_same_names(site, tiny_dir):

@@ -246,11 +246,15 @@ class PluginManager:
                         continue
                     own = [c for c in found if c.dist == BUILTIN_DIST]
                     third_party = [c for c in found if c.dist != BUILTIN_DIST]
-                    if hook_name in BUILTIN_OVERRIDE_HOOKS and len(own) == 1 and len(third_party) == 1:
+                    if hook_name in BUILTIN_OVERRIDE_HOOKS:
                         # a model architecture is the one kind a package overrides by its name alone: the package
-                        # was installed to run that architecture its own way (the built-in stays as pagoda:name)
-                        components[hook_name][name] = third_party[0]
-                        overridden[hook_name][name] = own[0]
+                        # was installed to run that architecture its own way (the built-in stays as pagoda:name);
+                        # two packages overriding one name select neither by the plain name
+                        if len(own) == 1 and len(third_party) == 1:
+                            components[hook_name][name] = third_party[0]
+                            overridden[hook_name][name] = own[0]
+                        else:
+                            conflicts[hook_name][name] = Conflict(kind, name, tuple(found))
                         continue
                     # a name pagoda's own plugin provides keeps selecting it: installing a package never changes
                     # what an unchanged configuration selects
