@@ -1,7 +1,8 @@
 """Qwen3 with a quantized checkpoint and with LoRA: a tiny random Qwen3 written by transformers, quantized by
 contrib/quant-tools/quantize_rtn.py (GPTQ 4-bit, group 32), gives transformers' greedy tokens on the weights the
-tool dequantizes them to; a PEFT adapter over every projection gives the tokens of PEFT's merged model. What
-pagoda refuses (LoRA and quantized experts on Mixture-of-Experts models) is tested in test_moe_models.py."""
+tool dequantizes them to; a PEFT adapter over every projection gives the tokens of PEFT's merged model. Phi-3's
+adapters target its fused qkv_proj and gate_up_proj themselves. What pagoda refuses (LoRA and quantized experts on
+Mixture-of-Experts models) is tested in test_moe_models.py."""
 
 from __future__ import annotations
 
@@ -96,3 +97,26 @@ def test_a_lora_adapter_on_qwen3_gives_the_merged_models_tokens(qwen3_dir, adapt
     lora = LoRARequest("qwen3-adapter", 1, str(adapter))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora, lora, None, None])
     assert _tokens(outputs) == expected + base_expected  # adapter and base rows in one batch
+
+
+def test_a_lora_adapter_of_phi3s_fused_projections_gives_the_merged_models_tokens(tmp_path_factory):
+    default_dir = ensure_default_model()
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(default_dir)))
+    config = transformers.Phi3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                     max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,
+                                     eos_token_id=2)
+    torch.manual_seed(8)
+    base = tmp_path_factory.mktemp("phi3")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(base))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_dir / name, base / name)
+    adapter = make_adapter(base, tmp_path_factory.mktemp("phi3-adapter"), seed=4, r=8,
+                           targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    expected = hf_greedy(base, adapter, PROMPTS, MAX_TOKENS)
+    assert expected != hf_greedy(base, None, PROMPTS, MAX_TOKENS)
+    llm = LLM(str(base), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1,
+              enable_lora=True, max_loras=1, max_lora_rank=8)
+    lora = LoRARequest("phi3-adapter", 1, str(adapter))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False, lora_request=lora)
+    assert _tokens(outputs) == expected

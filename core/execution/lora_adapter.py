@@ -115,12 +115,19 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], packed: d
                 f"{where} adapts {module!r}, which this model has no linear layer for; pagoda applies LoRA to the "
                 f"{supported} projections of its decoder layers")
         a, b = pair["lora_A"], pair["lora_B"]
+        slices = len(target.output_sizes)
+        if leaf in packed and slices > 1 and b.shape[0] == sum(target.output_sizes) and tuple(a.shape) == (
+                rank, target.in_features):
+            # an adapter of the fused layer itself (Phi-3's qkv_proj): one A, and B's rows split into the slices
+            adapter.lora_a[prefix] = [a.to(dtype)] * slices
+            adapter.lora_b[prefix] = [(part.float() * scaling).to(dtype)
+                                      for part in b.split(list(target.output_sizes), dim=0)]
+            continue
         want_a, want_b = (rank, target.in_features), (target.output_sizes[index], rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise InvalidRequestError(
                 f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, but this model needs "
                 f"{want_a} and {want_b} (rank {rank}); the adapter was trained for another model")
-        slices = len(target.output_sizes)
         adapter.lora_a.setdefault(prefix, [None] * slices)[index] = a.to(dtype)
         adapter.lora_b.setdefault(prefix, [None] * slices)[index] = (b.float() * scaling).to(dtype)
     if not adapter.lora_a:
