@@ -1,6 +1,6 @@
 """Chat templates and tool calls of the model families through the server: the family table
-(pagoda.plugins.entrypoints.server.tool_families) on its own, and tiny Qwen3, Gemma 2, Gemma 3 and gpt-oss
-checkpoints served on 127.0.0.1.
+(pagoda.plugins.entrypoints.server.tool_families) on its own, gpt-oss's harmony template included, and tiny
+Qwen3, Gemma 2 and Gemma 3 checkpoints served on 127.0.0.1.
 
 Each checkpoint is a config.json that transformers writes from the architecture's own config class, the default
 model's tokenizer, and a chat template in its tokenizer_config.json written in the family's format (the parts
@@ -148,6 +148,8 @@ def test_the_server_options_follow_the_table_and_the_off_switch(tmp_path):
     assert not gemma.enable_auto_tool_choice and "pythonic" in gemma.unread_reason
     with pytest.raises(ConfigError, match="no parser fits this Gemma 3 model"):
         ToolCallingOptions.resolve(pm, True, None, {"model_type": "gemma3_text"}, GEMMA3_TEMPLATE)
+    with pytest.raises(ConfigError, match="vLLM's parser for gpt-oss's harmony format is not in pagoda"):
+        ToolCallingOptions.resolve(pm, None, "openai", {"model_type": "gpt_oss"}, HARMONY_TEMPLATE)
     off = ToolCallingOptions.resolve(pm, False, None, {"model_type": "llama"}, SMOLLM2_TEMPLATE)
     assert not off.enable_auto_tool_choice and off.unread_reason is None and off.tool_template is None
 
@@ -167,12 +169,11 @@ def _config(family: str, vocab: int):
     if family == "gemma3":
         return transformers.Gemma3TextConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2,
                                              head_dim=16, sliding_window=64, **BASE)
-    return transformers.GptOssConfig(vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                     num_local_experts=4, num_experts_per_tok=2, sliding_window=64, **BASE)
+    raise ValueError(family)
 
 
-TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "gemma2": GEMMA2_TEMPLATE, "gemma3": GEMMA3_TEMPLATE,
-             "gpt_oss": HARMONY_TEMPLATE}
+# gpt-oss is left to the table's tests: its experts' kernels take minutes to build in a fresh tree
+TEMPLATES = {"qwen3": QWEN3_TEMPLATE, "gemma2": GEMMA2_TEMPLATE, "gemma3": GEMMA3_TEMPLATE}
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))
@@ -186,7 +187,10 @@ def family_server(request, tmp_path_factory):
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     shutil.copy(default / "tokenizer.json", out / "tokenizer.json")
     vocab = transformers.PreTrainedTokenizerFast(tokenizer_file=str(default / "tokenizer.json")).vocab_size
-    _config(family, vocab).save_pretrained(str(out))
+    config = _config(family, vocab)
+    config.architectures = [{"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                             "gemma3": "Gemma3ForCausalLM"}[family]]
+    config.save_pretrained(str(out))
     engine = LLM(model=str(out), load_format="dummy", dtype="float32", cpu_threads=1, max_model_len=512,
                  kv_cache_memory_bytes=8 << 20).engine
     srv = ServerThread(build_app(AsyncLLMEngine(engine))).start()
@@ -240,11 +244,11 @@ def test_tools_with_auto_are_read_where_a_parser_fits_and_answered_as_text_with_
         assert WARNING_HEADER not in resp.headers and "<tools>" in resp.json()["prompt_text"]
         return
     warning = resp.headers[WARNING_HEADER]
-    assert "answered as text" in warning and ("harmony" if family == "gpt_oss" else "pythonic") in warning
+    assert "answered as text" in warning and "pythonic" in warning
     assert resp.json()["choices"][0]["message"].get("tool_calls") is None
     # a named function still calls it: the answer is held to the call's schema, no parser needed
     named = _chat(server, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                  max_tokens=30)
+                  max_tokens=8)
     assert named.status_code == 200 and WARNING_HEADER not in named.headers
     # the Responses API answers the same way
     responses = httpx.post(server.url + "/v1/responses", timeout=120, json={

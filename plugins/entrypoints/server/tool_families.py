@@ -45,6 +45,14 @@ NO_PARSER_REASONS = {
     "mixtral": "Mixtral writes [TOOL_CALLS] lists (vLLM's 'mistral' parser), which pagoda does not read",
 }
 
+# vLLM's parsers pagoda has none of, and the format each reads, for the error that names one
+VLLM_ONLY_PARSERS = {
+    "openai": "gpt-oss's harmony format",
+    "pythonic": "lists of Python calls (Llama 3.2, Gemma with a pythonic template)",
+    "mistral": "Mistral's [TOOL_CALLS] lists",
+    "granite": "Granite's <|tool_call|> lists",
+}
+
 # the templates pagoda ships, by the parser whose format they write and the turn format they extend
 SHIPPED_TEMPLATES = {("hermes", "chatml"): "chatml_hermes.jinja", ("llama3_json", "llama3"): "llama3_json.jinja"}
 

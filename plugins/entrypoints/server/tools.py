@@ -24,7 +24,7 @@ from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.request_body import UnusableJSON, load_json_text
-from pagoda.plugins.entrypoints.server.tool_families import ToolSetup, detect_tool_setup
+from pagoda.plugins.entrypoints.server.tool_families import VLLM_ONLY_PARSERS, ToolSetup, detect_tool_setup
 from pagoda.plugins.entrypoints.tool_parsers.forced import ForcedToolCallParser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
@@ -72,6 +72,12 @@ class ToolCallingOptions:
                                   "names a parser to read them: give one of the two")
             return cls(available_parsers=available)
         factory = None
+        if tool_call_parser in VLLM_ONLY_PARSERS and tool_call_parser not in available:
+            raise ConfigError(f"--tool-call-parser {tool_call_parser}: vLLM's parser for "
+                              f"{VLLM_ONLY_PARSERS[tool_call_parser]} is not in pagoda (installed: "
+                              f"{', '.join(available) or 'none'}; a plugin can add one, see pagoda_tool_parsers); "
+                              "without the flag, tool_choice \"auto\" is answered as text and \"required\" or a "
+                              "named function still calls tools")
         if tool_call_parser:
             factory = plugin_manager.get(TOOL_PARSERS_HOOK, tool_call_parser, "--tool-call-parser").factory
         if hf_config is None:
