@@ -30,7 +30,12 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
                        "description": "The request fields this request sent that pagoda accepts but ignores (OpenAI's "
                                       "and vLLM's without effect here, and fields of no schema; comma-separated); "
                                       "absent when there are none",
-                       "schema": {"type": "string"}}}}}
+                       "schema": {"type": "string"}},
+                       "x-pagoda-warning": {
+                           "description": "Why the request was answered otherwise than asked: tool_choice \"auto\" "
+                                          "answered as text because no tool-call parser fits the model; absent "
+                                          "otherwise",
+                           "schema": {"type": "string"}}}}}
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
