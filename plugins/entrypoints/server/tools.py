@@ -42,7 +42,7 @@ class ToolCallingOptions:
     are rendered with, and what ``auto`` does without a parser.
 
     ``enable_auto_tool_choice``: ``auto`` is read by ``parser_name``'s parser. Without it, ``unread_reason`` set
-    means no parser fits the model and ``auto`` is answered as text with a warning; None means tool calls were
+    means no parser fits the model and ``auto`` is answered as text with a warning; left None, tool calls were
     turned off (``--no-enable-auto-tool-choice``) and ``auto`` is a 400. ``tool_template``: the text of the
     template for requests with tools (None: the tokenizer's own). ``setup`` says how they were chosen."""
 
