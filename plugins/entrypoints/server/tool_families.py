@@ -33,13 +33,15 @@ FAMILY_PARSERS: dict[str, tuple[str, Optional[str]]] = {
     "mixtral": ("Mixtral", None),
 }
 
+GEMMA_REASON = ("Gemma's own template shows no tools; with one that asks for Python calls, start the server with "
+                "--chat-template FILE --tool-call-parser pythonic")
 # why a family has no parser here, for the start-up log and the answer's warning
 NO_PARSER_REASONS = {
     "gpt_oss": "gpt-oss writes its calls in OpenAI's harmony format (vLLM's 'openai' parser), which pagoda does "
                "not read",
-    "gemma2": "Gemma writes tool calls as Python calls (vLLM's 'pythonic' parser), which pagoda does not read",
-    "gemma3": "Gemma writes tool calls as Python calls (vLLM's 'pythonic' parser), which pagoda does not read",
-    "gemma3_text": "Gemma writes tool calls as Python calls (vLLM's 'pythonic' parser), which pagoda does not read",
+    "gemma2": GEMMA_REASON,
+    "gemma3": GEMMA_REASON,
+    "gemma3_text": GEMMA_REASON,
     "granite": "Granite writes <|tool_call|> lists (vLLM's 'granite' parser), which pagoda does not read",
     "mistral": "Mistral writes [TOOL_CALLS] lists (vLLM's 'mistral' parser), which pagoda does not read",
     "mixtral": "Mixtral writes [TOOL_CALLS] lists (vLLM's 'mistral' parser), which pagoda does not read",
@@ -48,7 +50,6 @@ NO_PARSER_REASONS = {
 # vLLM's parsers pagoda has none of, and the format each reads, for the error that names one
 VLLM_ONLY_PARSERS = {
     "openai": "gpt-oss's harmony format",
-    "pythonic": "lists of Python calls (Llama 3.2, Gemma with a pythonic template)",
     "mistral": "Mistral's [TOOL_CALLS] lists",
     "granite": "Granite's <|tool_call|> lists",
 }
