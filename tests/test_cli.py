@@ -40,7 +40,8 @@ def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME"),
+    (["--no-enable-auto-tool-choice", "--tool-call-parser", "hermes"], "--no-enable-auto-tool-choice turns tool-call "
+                                                                       "parsing off"),
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermez"], "unknown tool-call parser 'hermez' for "
                                                                      "--tool-call-parser; available: 'hermes'"),
     (["--max-request-chars", "0"], "--max-request-chars 0: give a number of characters >= 1"),

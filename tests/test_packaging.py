@@ -86,12 +86,12 @@ def test_the_wheel_holds_no_tests_or_contrib_packages(wheel):
     assert {t for t in top_level if not t.endswith(".dist-info")} == {"pagoda"}
 
 
-def test_the_kernel_sources_compiled_on_first_use_are_in_the_wheel(wheel):
+def test_the_kernel_sources_compiled_on_first_use_and_the_chat_templates_are_in_the_wheel(wheel):
     names = set(wheel.namelist())
     sources = []
     for tree, package in ((REPO / "core", "pagoda"), (REPO / "plugins", "pagoda/plugins")):
         for path in tree.rglob("*"):
-            if path.suffix in (".cpp", ".cu", ".h"):
+            if path.suffix in (".cpp", ".cu", ".h", ".jinja"):  # and the chat templates read at start-up
                 sources.append(f"{package}/{path.relative_to(tree).as_posix()}")
     assert any(s.startswith("pagoda/plugins/attention/") for s in sources)
     assert "pagoda/modeling/layers/cpu_ops.cpp" in sources

@@ -64,6 +64,16 @@ def test_serve_starts_on_the_default_model_with_no_model_flag(server):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
 
 
+def test_serve_announces_the_tool_call_parser_it_chose_and_auto_needs_no_flag(server):
+    _, url, log = server
+    assert "tool calls: tool_choice \"auto\" read by the 'hermes' parser and pagoda's chatml_hermes.jinja" \
+        in log.read_text()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    resp = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "max_tokens": 2})
+    assert resp.status_code == 200 and "x-pagoda-warning" not in resp.headers
+
+
 def test_max_request_chars_bounds_the_characters_of_a_request(server):
     _, url, _ = server
     body = {"prompt": ["a b " * 1000] * 64, "max_tokens": 1}  # 256,000 characters in 64 short prompts

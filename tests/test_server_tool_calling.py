@@ -7,7 +7,7 @@ tiny default model does not call tools of its own accord; given a conversation i
 ``get_weather`` twice, it calls it a third time (greedy), so these tests see a real model write a real
 ``<tool_call>`` that the server parses into ``tool_calls``, streamed and not. What they prove: the request fields,
 the template's view of tools and history, the parser on real output and OpenAI's answer shapes; not that the
-model chooses tools well. A second server, on dummy weights without the flags, answers the 400s.
+model chooses tools well. A second server, on dummy weights with tool calls off, answers the 400s.
 """
 
 from __future__ import annotations
@@ -73,10 +73,11 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def plain_server():
-    """A server without the tool flags, on dummy weights: it answers only the requests refused before generating."""
+    """A server with tool calls off (--no-enable-auto-tool-choice), on dummy weights: it answers only the requests
+    refused before generating."""
     engine = LLM(load_format="dummy", dtype="float32", cpu_threads=1, max_model_len=1024,
                  kv_cache_memory_bytes=16 << 20, chat_template=HERMES_TEMPLATE).engine
-    srv = ServerThread(build_app(AsyncLLMEngine(engine))).start()
+    srv = ServerThread(build_app(AsyncLLMEngine(engine), enable_auto_tool_choice=False)).start()
     yield srv
     srv.stop()
 
@@ -198,11 +199,12 @@ def refusal(server, **fields) -> dict:
     return resp.json()["error"]
 
 
-def test_auto_without_the_server_flags_is_a_400_naming_them(plain_server):
+def test_auto_with_tool_calls_turned_off_is_a_400_naming_the_flags(plain_server):
     for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
         error = refusal(plain_server, messages=PLAIN, **fields)
         assert error["param"] == "tool_choice"
         assert "--enable-auto-tool-choice --tool-call-parser NAME" in error["message"] and "hermes" in error["message"]
+        assert "--no-enable-auto-tool-choice" in error["message"]
 
 
 @pytest.mark.parametrize("fields, param, says", [

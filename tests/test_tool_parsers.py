@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.tool_parsers import HermesToolParser, Llama3JsonToolParser
 from pagoda.plugins.entrypoints.tool_parsers.json_scanner import JsonObjectScanner
+from pagoda.plugins.entrypoints.tool_parsers.pythonic import PythonicToolParser
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.testing import ContractError, ToolParserCase, check_tool_parser
 from pagoda.testing.tool_parser import DEFAULT_TOOLS
@@ -68,6 +69,28 @@ def test_the_llama3_json_parser_meets_the_contract_on_its_format():
     check_tool_parser(Llama3JsonToolParser, LLAMA3_CASES)
 
 
+PYTHONIC_CASES = [
+    # Llama 3.2 and Gemma with a pythonic template write the whole answer as one list of calls
+    ToolParserCase('[get_weather(city="Paris")]', None, [WEATHER]),
+    ToolParserCase(' [get_weather(city="Paris"), add(a=2, b=3.5)]\n', None, [WEATHER, ("add", {"a": 2, "b": 3.5})]),
+    ToolParserCase("[get_weather(city='Paris', when={'day': 'today', 'hours': [9, 12]}, exact=True, note=None)]",
+                   None, [("get_weather", {"city": "Paris", "when": {"day": "today", "hours": [9, 12]},
+                                           "exact": True, "note": None})]),
+    ToolParserCase("[add(a=1, b=true)]", None, [("add", {"a": 1, "b": True})]),
+    # not calls of the request's tools with literal keyword arguments: content, as written
+    ToolParserCase("[search(q='x')]", "[search(q='x')]"),
+    ToolParserCase("[add(1, 2)]", "[add(1, 2)]"),
+    ToolParserCase("[add(a=x, b=2)]", "[add(a=x, b=2)]"),
+    ToolParserCase("[1, 2, 3]", "[1, 2, 3]"),
+    ToolParserCase("[get_weather(city='Paris')", "[get_weather(city='Paris')"),  # cut off
+    ToolParserCase("Call [get_weather(city='Paris')]", "Call [get_weather(city='Paris')]"),
+]
+
+
+def test_the_pythonic_parser_meets_the_contract_on_its_format():
+    check_tool_parser(PythonicToolParser, PYTHONIC_CASES)
+
+
 def test_a_call_cut_off_by_max_tokens_keeps_what_was_written_of_its_arguments():
     found = Llama3JsonToolParser(DEFAULT_TOOLS).extract_tool_calls(CUT_OFF)
     assert found.content is None
@@ -122,7 +145,7 @@ def test_any_split_of_an_answer_streams_to_the_whole_read(data):
 
 def test_the_built_in_parsers_come_through_the_hook():
     pm = PluginManager().load(autoload=False)
-    assert {"hermes", "llama3_json"} <= set(pm.names("pagoda_tool_parsers"))
+    assert {"hermes", "llama3_json", "pythonic"} <= set(pm.names("pagoda_tool_parsers"))
     assert pm.factory("pagoda_tool_parsers", "hermes") is HermesToolParser
     assert pm.get("pagoda_tool_parsers", "hermes", "--tool-call-parser").kind == "tool-call parser"
     with pytest.raises(ConfigError, match=r"unknown tool-call parser 'hermess' for --tool-call-parser; available: "

@@ -62,12 +62,16 @@ def register(sub) -> None:
                    help="how long a stored response is kept after it was last used (default %(default)s)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let chat requests with tools use tool_choice \"auto\" (the default when tools are given): "
-                        "the model decides whether to call a tool, and --tool-call-parser reads its calls")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the model's tool calls when tool_choice is \"auto\" (the default when tools are "
+                        "given). Default: on with the model family's parser and, where the checkpoint's chat template "
+                        "cannot show tools, pagoda's tool-aware template for the family (the start-up log says which); "
+                        "when no parser fits, \"auto\" is answered as text with a warning. "
+                        "--enable-auto-tool-choice: require a parser (fail at start-up without one); "
+                        "--no-enable-auto-tool-choice: off, \"auto\" with tools is a 400")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="the format the model writes tool calls in: a pagoda_tool_parsers component (built-in: "
-                        "hermes, llama3_json; `pagoda plugins` lists all)")
+                   help="the format the model writes tool calls in, instead of its family's: a pagoda_tool_parsers "
+                        "component (built-in: hermes, llama3_json; `pagoda plugins` lists all)")
     p.add_argument("--strict-request-fields", action="store_true",
                    help="answer a request field of no OpenAI or vLLM schema with a 400, as OpenAI does (by default "
                         "such a field is ignored, logged once and named in the x-pagoda-ignored-fields header)")
@@ -131,7 +135,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 
     # a wrong tool-call or request-size option fails before the model loads
-    ToolCallingOptions.resolve(ns.plugin_manager, ns.enable_auto_tool_choice, ns.tool_call_parser)
+    # (whether a parser fits the model is known once it is loaded)
+    ToolCallingOptions.resolve(ns.plugin_manager, False if ns.enable_auto_tool_choice is False else None,
+                               ns.tool_call_parser)
     max_request_chars_option(ns.max_request_chars)
     if ns.max_lora_adapters < 1:
         raise ConfigError(f"--max-lora-adapters {ns.max_lora_adapters}: give a number of adapters >= 1")

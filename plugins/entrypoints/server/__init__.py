@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import socket
 import threading
@@ -32,6 +33,8 @@ from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPON
 from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
+logger = logging.getLogger("pagoda.server")
+
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a request body to arrive in full
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds for a new connection's request line and headers to arrive
@@ -43,7 +46,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 0.0,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, allowed_hosts: Optional[frozenset[str]] = None,
               default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS, max_stored_responses: int = DEFAULT_MAX_RESPONSES,
-              stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: bool = False,
+              stored_response_ttl: float = DEFAULT_TTL_SECONDS, enable_auto_tool_choice: Optional[bool] = None,
               tool_call_parser: Optional[str] = None, tenant_source: str = "api-key",
               strict_request_fields: bool = False,
               max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False,
@@ -55,14 +58,17 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     :data:`~pagoda.plugins.entrypoints.server.serving.REQUEST_CHARS_FACTOR`).
     ``/v1/responses`` keeps up to ``max_stored_responses`` responses in memory (0: none), each for
     ``stored_response_ttl`` seconds after its last use. ``tool_call_parser`` names the ``pagoda_tool_parsers``
-    component that reads chat answers when ``tool_choice`` is ``auto``, which ``enable_auto_tool_choice`` allows
-    (an unknown name is a ConfigError listing the parsers). ``tenant_source``: where a request's tenant comes
+    component that reads chat answers when ``tool_choice`` is ``auto`` (None: the model family's, see
+    :mod:`~pagoda.plugins.entrypoints.server.tool_families`; an unknown name is a ConfigError listing the
+    parsers); ``enable_auto_tool_choice`` False turns that reading off (``auto`` is then a 400), True requires a
+    parser. ``tenant_source``: where a request's tenant comes
     from (``api-key``, ``header`` or ``user``; see ``ServingContext.tenant_of``). ``allow_runtime_lora_updating``
     adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the engine needs LoRA enabled), bounded
     by ``lora_admin`` (default: :class:`~pagoda.plugins.entrypoints.server.lora.LoRAAdminOptions`).
     ``strict_request_fields``: a request field of no OpenAI or vLLM schema is a 400 (otherwise it is ignored,
     logged once and named in the ``x-pagoda-ignored-fields`` header)."""
-    tool_calling = ToolCallingOptions.resolve(engine.engine.pm, enable_auto_tool_choice, tool_call_parser)
+    tool_calling = ToolCallingOptions.for_engine(engine.engine, enable_auto_tool_choice, tool_call_parser)
+    logger.info("%s", tool_calling.describe())
     max_request_chars = max_request_chars_option(max_request_chars)
 
     @contextlib.asynccontextmanager

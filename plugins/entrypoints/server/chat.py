@@ -69,17 +69,20 @@ def check_template_kwargs(kwargs: Optional[dict], param: str = "chat_template_kw
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
                 tools: Optional[list[dict]] = None, max_chars: Optional[int] = None, *,
                 continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
-                documents: Optional[list[dict]] = None, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+                documents: Optional[list[dict]] = None, add_special_tokens: bool = False,
+                chat_template: Optional[str] = None) -> tuple[str, list[int]]:
     """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400.
     ``tools`` (OpenAI's function tools) reach the template as ``tools``, ``template_kwargs`` as variables of
     their names. ``continue_final_message`` leaves the last message open for the answer to continue it. A
     rendered text of more than ``max_chars`` characters (what no context can hold) is refused before it is
-    encoded; ``add_special_tokens`` adds the tokenizer's special tokens (BOS) to the template's."""
-    if not tokenizer.chat_template:
+    encoded; ``add_special_tokens`` adds the tokenizer's special tokens (BOS) to the template's. ``chat_template``:
+    the template to render with instead of the tokenizer's (the server's tool-aware one)."""
+    if not tokenizer.chat_template and chat_template is None:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, documents=documents, tokenize=False,
+                                             chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              **(template_kwargs or {}))
@@ -117,11 +120,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     tooling = plan_tools(body, ctx.tool_options)
     messages = plain_messages(body.messages)
     check_chat_chars(ctx, messages, tooling.tools)
+    template = ctx.tool_options.template_for(tooling.tools, messages)
     text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
         lambda tok: render_chat(tok, messages, body.add_generation_prompt and not continues, tooling.tools,
                                 ctx.max_prompt_chars, continue_final_message=continues,
                                 template_kwargs=template_kwargs, documents=body.documents,
-                                add_special_tokens=body.add_special_tokens)))
+                                add_special_tokens=body.add_special_tokens, chat_template=template)))
     kept = truncated_prompt(body, token_ids, ctx.max_model_len)
     if len(kept) < len(token_ids):
         text, token_ids = None, kept
@@ -150,8 +154,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise tooling.explain_refusal(exc) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling,
-                                         ctx.model_name(lora), extras), media_type="text/event-stream")
+        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling,
+                                             ctx.model_name(lora), extras), media_type="text/event-stream")
+        tooling.warn(response, ctx.logged_ignored_fields)
+        return response
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
     if err is not None:
@@ -174,7 +180,9 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if body.prompt_logprobs is not None:  # vLLM's field: the rendered prompt's tokens, for the whole response
         response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
                                                            body.prompt_logprobs)
-    return JSONResponse(response)
+    answer = JSONResponse(response)
+    tooling.warn(answer, ctx.logged_ignored_fields)
+    return answer
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,11 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body))
     with _in_responses_terms(tooling):
         check_chat_chars(ctx, messages, tooling.tools, param="input")
+        template = ctx.tool_options.template_for(tooling.tools, messages)
         text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
             lambda tok: render_chat(tok, messages, add_generation_prompt=True, tools=tooling.tools,
-                                    max_chars=ctx.max_prompt_chars, template_kwargs=template_kwargs)))
+                                    max_chars=ctx.max_prompt_chars, template_kwargs=template_kwargs,
+                                    chat_template=template)))
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
                                 top_k=body.top_k or 0, min_p=body.min_p or 0.0,
                                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -114,6 +116,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     if body.stream:
         response = StreamingResponse(_events(gen, record, keep, items), media_type="text/event-stream")
         ctx.mark_ignored_fields(body, response, body.ignored_fields())
+        tooling.warn(response, ctx.logged_ignored_fields)
         return response
     (out,) = await unless_disconnected(request, gen.final())
     err = output_error(out)
@@ -124,6 +127,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     _keep(keep, record, items)
     response = JSONResponse(record.render())
     ctx.mark_ignored_fields(body, response, body.ignored_fields())
+    tooling.warn(response, ctx.logged_ignored_fields)
     return response
 
 

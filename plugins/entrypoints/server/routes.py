@@ -30,13 +30,18 @@ _STREAMED = {200: {"description": "The completion as JSON, or with stream=true a
                        "description": "The request fields this request sent that pagoda accepts but ignores (OpenAI's "
                                       "and vLLM's without effect here, and fields of no schema; comma-separated); "
                                       "absent when there are none",
-                       "schema": {"type": "string"}}}}}
+                       "schema": {"type": "string"}},
+                       "x-pagoda-warning": {
+                           "description": "Why the request was answered otherwise than asked: tool_choice \"auto\" "
+                                          "answered as text because no tool-call parser fits the model; absent "
+                                          "otherwise",
+                           "schema": {"type": "string"}}}}}
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx = ServingContext.for_engine(engine, getattr(app.state, "default_max_tokens", DEFAULT_MAX_TOKENS),
                                     getattr(app.state, "max_request_chars", None))
-    ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.resolve(engine.engine.pm)
+    ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.for_engine(engine.engine)
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
     ctx.strict_request_fields = getattr(app.state, "strict_request_fields", False)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)

@@ -2,8 +2,9 @@
 ``tool_choice`` mean for one request.
 
 - ``none`` (the default without tools): the tools reach the chat template, the answer is plain content.
-- ``auto`` (the default with tools): the answer is read by the tool-call parser the server was started with
-  (``--enable-auto-tool-choice --tool-call-parser NAME``) into content and ``tool_calls``.
+- ``auto`` (the default with tools): the answer is read into content and ``tool_calls`` by the server's tool-call
+  parser, the model family's (:mod:`~pagoda.plugins.entrypoints.server.tool_families`) or ``--tool-call-parser
+  NAME``'s; when no parser fits the model, the answer is text and the response carries a warning.
 - ``required``, or a named function: the answer is held to a JSON schema of the calls through structured
   outputs (:func:`tool_choice_schema`), then read back into ``tool_calls``.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -22,34 +24,119 @@ from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.request_body import UnusableJSON, load_json_text
+from pagoda.plugins.entrypoints.server.tool_families import VLLM_ONLY_PARSERS, ToolSetup, detect_tool_setup
 from pagoda.plugins.entrypoints.tool_parsers.forced import ForcedToolCallParser
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
 
+logger = logging.getLogger("pagoda.server")
+
 TOOL_PARSERS_HOOK = "pagoda_tool_parsers"
+# the response header that says a request's tool_choice "auto" was answered as text
+WARNING_HEADER = "x-pagoda-warning"
 
 
 @dataclass(frozen=True)
 class ToolCallingOptions:
-    """What the server was started with: ``--enable-auto-tool-choice`` and ``--tool-call-parser NAME``."""
+    """How the server reads tool calls: the parser that reads ``auto`` answers, the template requests with tools
+    are rendered with, and what ``auto`` does without a parser.
+
+    ``enable_auto_tool_choice``: ``auto`` is read by ``parser_name``'s parser. Without it, ``unread_reason`` set
+    means no parser fits the model and ``auto`` is answered as text with a warning; left None, tool calls were
+    turned off (``--no-enable-auto-tool-choice``) and ``auto`` is a 400. ``tool_template``: the text of the
+    template for requests with tools (None: the tokenizer's own). ``setup`` says how they were chosen."""
 
     enable_auto_tool_choice: bool = False
     parser_name: Optional[str] = None
     parser_factory: Any = None  # a pagoda.interfaces.ToolParserFactory
     available_parsers: tuple[str, ...] = ()
+    tool_template: Optional[str] = None
+    unread_reason: Optional[str] = None
+    setup: Optional[ToolSetup] = None
 
     @classmethod
-    def resolve(cls, plugin_manager: Any, enable_auto_tool_choice: bool = False,
-                tool_call_parser: Optional[str] = None) -> "ToolCallingOptions":
-        """The options, with the parser's factory looked up by name (a ConfigError lists the parsers there are)."""
+    def resolve(cls, plugin_manager: Any, enable_auto_tool_choice: Optional[bool] = None,
+                tool_call_parser: Optional[str] = None, hf_config: Optional[dict] = None,
+                chat_template: Optional[str] = None, template_given: bool = False) -> "ToolCallingOptions":
+        """The options from the server's flags and its checkpoint. ``enable_auto_tool_choice``: None (no flag: the
+        model family's parser and template, see :mod:`~pagoda.plugins.entrypoints.server.tool_families`), True
+        (``--enable-auto-tool-choice``: a parser is required, the family's or ``tool_call_parser``) or False
+        (``--no-enable-auto-tool-choice``: off). ``hf_config`` and ``chat_template`` are the checkpoint's
+        ``config.json`` and the tokenizer's template (None: not known yet, only the flags are checked);
+        ``template_given``: ``--chat-template`` was given, so no template replaces it. A ConfigError lists the
+        parsers there are."""
         available = tuple(plugin_manager.names(TOOL_PARSERS_HOOK))
-        if enable_auto_tool_choice and not tool_call_parser:
-            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME, the format the model writes "
-                              f"its tool calls in; available: {', '.join(available) or 'none'}")
+        if enable_auto_tool_choice is False:
+            if tool_call_parser:
+                raise ConfigError("--no-enable-auto-tool-choice turns tool-call parsing off, and --tool-call-parser "
+                                  "names a parser to read them: give one of the two")
+            return cls(available_parsers=available)
         factory = None
+        if tool_call_parser in VLLM_ONLY_PARSERS and tool_call_parser not in available:
+            raise ConfigError(f"--tool-call-parser {tool_call_parser}: vLLM's parser for "
+                              f"{VLLM_ONLY_PARSERS[tool_call_parser]} is not in pagoda (installed: "
+                              f"{', '.join(available) or 'none'}; a plugin can add one, see pagoda_tool_parsers); "
+                              "without the flag, tool_choice \"auto\" is answered as text and \"required\" or a "
+                              "named function still calls tools")
         if tool_call_parser:
             factory = plugin_manager.get(TOOL_PARSERS_HOOK, tool_call_parser, "--tool-call-parser").factory
-        return cls(enable_auto_tool_choice, tool_call_parser, factory, available)
+        if hf_config is None:
+            if enable_auto_tool_choice and not tool_call_parser:
+                raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME when the model is not known "
+                                  f"(available: {', '.join(available) or 'none'})")
+            return cls(bool(tool_call_parser), tool_call_parser, factory, available)
+        setup = detect_tool_setup(hf_config, chat_template, tool_call_parser, template_given)
+        if setup.parser is None:
+            if enable_auto_tool_choice:
+                raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser NAME: no parser fits this "
+                                  f"{setup.family} model ({setup.reason}); available: {', '.join(available) or 'none'}")
+            return cls(available_parsers=available, unread_reason=setup.reason, setup=setup)
+        if setup.parser not in available:  # the family's parser is not installed (a plugin blocked, say)
+            reason = f"its family's parser {setup.parser!r} is not installed"
+            if enable_auto_tool_choice:
+                raise ConfigError(f"--enable-auto-tool-choice: {reason}; name one with --tool-call-parser NAME "
+                                  f"(available: {', '.join(available) or 'none'})")
+            return cls(available_parsers=available, unread_reason=reason, setup=setup)
+        factory = plugin_manager.get(TOOL_PARSERS_HOOK, setup.parser, "--tool-call-parser").factory
+        return cls(True, setup.parser, factory, available, setup.template, None, setup)
+
+    @classmethod
+    def for_engine(cls, engine: Any, enable_auto_tool_choice: Optional[bool] = None,
+                   tool_call_parser: Optional[str] = None) -> "ToolCallingOptions":
+        """:meth:`resolve` for a built engine (a :class:`~pagoda.engine.llm_engine.LLMEngine`): its checkpoint's
+        config, its tokenizer's template, and whether ``--chat-template`` replaced it."""
+        model = engine.config.model
+        template = engine.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: a "tool_use" one shows tools when the default does not
+            template = "\n".join(template.values())
+        return cls.resolve(engine.pm, enable_auto_tool_choice, tool_call_parser, model.hf_config, template,
+                           template_given=model.chat_template is not None)
+
+    def describe(self) -> str:
+        """One line for the start-up log: the parser, the template and how they were chosen."""
+        if self.setup is None:
+            if self.enable_auto_tool_choice:
+                return f"tool calls: tool_choice \"auto\" read by the {self.parser_name!r} parser"
+            return "tool calls: off (--no-enable-auto-tool-choice): tool_choice \"auto\" is refused with a 400"
+        setup = self.setup
+        if not self.enable_auto_tool_choice:
+            return (f"tool calls: no tool-call parser fits this {setup.family} model ({self.unread_reason}): "
+                    "tool_choice \"auto\" is answered as text with a warning (\"required\" and named functions "
+                    "still call tools); name a parser with --tool-call-parser NAME")
+        template = (f"pagoda's {setup.template_name} template for requests with tools" if setup.template_name
+                    else "the model's chat template")
+        return (f"tool calls: tool_choice \"auto\" read by the {self.parser_name!r} parser and {template} "
+                f"({setup.family}: {setup.reason}); override with --tool-call-parser NAME and --chat-template FILE, "
+                "turn off with --no-enable-auto-tool-choice")
+
+    def template_for(self, tools: Optional[list[dict]], messages: list[dict]) -> Optional[str]:
+        """The template to render a chat with: the tool-aware one when the request has tools or its history has
+        calls or results; None (the tokenizer's own) otherwise."""
+        if self.tool_template is None:
+            return None
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            return self.tool_template
+        return None
 
 
 # ---- the request ------------------------------------------------------------------------------------
@@ -65,6 +152,8 @@ class ToolRequest:
     function_name: Optional[str] = None
     parallel: bool = True
     parser_factory: Any = None  # for auto
+    # why an ``auto`` request is answered as text (no parser fits the model): logged, and sent in WARNING_HEADER
+    warning: Optional[str] = None
 
     @property
     def is_forced(self) -> bool:
@@ -107,6 +196,16 @@ class ToolRequest:
 
     def stream(self) -> "StreamedChoice":
         return StreamedChoice(self.new_parser())
+
+    def warn(self, response: Any, logged: set[str]) -> None:
+        """Put the request's warning (``auto`` answered as text) in the response's ``x-pagoda-warning`` header,
+        and in the log the first time (``logged``: the server's set of warnings already logged)."""
+        if self.warning is None:
+            return
+        response.headers[WARNING_HEADER] = self.warning
+        if WARNING_HEADER not in logged:
+            logged.add(WARNING_HEADER)
+            logger.warning("%s (the %s response header says so; this is logged once)", self.warning, WARNING_HEADER)
 
 
 class StreamedChoice:
@@ -172,9 +271,15 @@ def plan_tool_choice(tools: Optional[list[dict]], choice: Optional[str], functio
         raise APIError(400, f"tools has more than one function named {', '.join(map(repr, repeated))}; give each "
                             "tool a name of its own", param="tools")
     if choice is None or choice == "auto":
+        if options.unread_reason is not None:
+            return ToolRequest(tools, "none", warning=(
+                f"tool_choice \"auto\" was answered as text: no tool-call parser fits this model "
+                f"({options.unread_reason}); send tool_choice \"required\" or {named_choice} to get calls, or "
+                "start the server with --tool-call-parser NAME"))
         if not options.enable_auto_tool_choice:
             default = " (the default when tools are given)" if choice is None else ""
-            raise APIError(400, f"tool_choice \"auto\"{default} needs the server started with "
+            raise APIError(400, f"tool_choice \"auto\"{default} needs a tool-call parser, and this server runs with "
+                                "tool calls off (--no-enable-auto-tool-choice); start it without that flag, or with "
                                 "--enable-auto-tool-choice --tool-call-parser NAME (installed parsers: "
                                 f"{', '.join(options.available_parsers) or 'none'}); or send tool_choice \"none\", "
                                 f"\"required\" or {named_choice}", param="tool_choice")
