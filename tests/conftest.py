@@ -122,9 +122,24 @@ def _release_memory():
             pass
 
 
+# a test whose process grew by more than this much (an engine of its own, a server, a model) has what it held
+# collected and trimmed at its end, so the engines of a file's tests do not pile up until the file ends
+RELEASE_AFTER_GROWTH_GB = 0.5
+_RSS_AT_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_RSS_AT_START] = _rss_gb()
+    return (yield)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     result = yield
+    if _rss_gb() - item.stash.get(_RSS_AT_START, 0.0) > RELEASE_AFTER_GROWTH_GB:
+        # an engine no longer referenced is still held by its reference cycles until the collector runs
+        _release_memory()
     if nextitem is None or nextitem.path != item.path:  # the file's last test: its module fixtures are gone
         peak_before = _MEMORY["peak_gb"]
         _MEMORY["peak_gb"] = _peak_rss_gb()
