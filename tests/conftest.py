@@ -41,8 +41,9 @@ def ray_cluster():
 # first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long file that starts
 # last keeps one worker busy while the other has nothing left: these start first, every other file after them in
 # its usual order (the Makefile turns off xdist's own reordering by number of tests per file).
-LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_replicas.py", "test_lm_eval.py", "test_tool_calling_clients.py",
-                    "test_pipeline_parallel.py", "test_lora_tensor_parallel.py", "test_server_openapi.py")
+LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_replicas.py", "test_structured_outputs_speculative.py",
+                    "test_lm_eval.py", "test_tool_calling_clients.py", "test_pipeline_parallel.py",
+                    "test_lora_tensor_parallel.py", "test_server_openapi.py")
 
 
 def pytest_addoption(parser):
@@ -93,7 +94,7 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-_MEMORY = {"peak_gb": 0.0, "files": {}}
+_MEMORY = {"peak_gb": 0.0, "files": {}, "after_release_gb": 0.0}
 
 
 def _release_memory():
@@ -122,14 +123,27 @@ def _release_memory():
             pass
 
 
+# a test at whose end the process holds more than RELEASE_ABOVE_GB, and this much more than after the last release
+# (engines of its own, a server, a model), has what is no longer referenced collected and trimmed, so the engines of
+# a file's tests do not pile up until the file ends (one collection per test would cost more than it gives back)
+RELEASE_AFTER_GROWTH_GB = 0.5
+RELEASE_ABOVE_GB = 1.5
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     result = yield
+    rss = _rss_gb()
+    if rss > RELEASE_ABOVE_GB and rss - _MEMORY["after_release_gb"] > RELEASE_AFTER_GROWTH_GB:
+        # an engine no longer referenced is still held by its reference cycles until the collector runs
+        _release_memory()
+        _MEMORY["after_release_gb"] = _rss_gb()
     if nextitem is None or nextitem.path != item.path:  # the file's last test: its module fixtures are gone
         peak_before = _MEMORY["peak_gb"]
         _MEMORY["peak_gb"] = _peak_rss_gb()
         before = _rss_gb()
         _release_memory()
+        _MEMORY["after_release_gb"] = _rss_gb()
         _MEMORY["files"][item.path.name] = (_MEMORY["peak_gb"] if _MEMORY["peak_gb"] > peak_before else None,
                                             before, _rss_gb())
     return result
@@ -193,6 +207,14 @@ def pytest_terminal_summary(terminalreporter):
         total = t["setup"] + t["call"] + t["teardown"]
         terminalreporter.write_line(f"{total:7.1f} s (setup {t['setup']:5.1f})  {nodeid}")
         terminalreporter.write_line(f"{'':27}checks: {t['checks']}")
+    # a worker takes a whole file at a time: the longest files are those LONG_FILES_FIRST should start first
+    files: dict[str, float] = {}
+    for nodeid, t in _SLOWEST.items():
+        path = nodeid.split("::")[0]
+        files[path] = files.get(path, 0.0) + t["setup"] + t["call"] + t["teardown"]
+    terminalreporter.write_sep("=", f"{n} longest test files (all their tests)")
+    for path, total in sorted(files.items(), key=lambda kv: -kv[1])[:n]:
+        terminalreporter.write_line(f"{total:7.1f} s  {path}")
     terminalreporter.write_sep("=", "memory per worker process (RSS)")
     for line in _memory_lines():
         terminalreporter.write_line(line)

@@ -187,7 +187,8 @@ def _own_shm_files() -> list[str]:
 def test_two_ranks_over_shm_give_the_tokens_of_gloo_and_leave_nothing_mapped():
     """(tests/test_tensor_parallel.py compares TP=2 with TP=1 under ``auto``, which is ``shm`` on a CPU host.)"""
     model = str(ensure_default_model())
-    llm = LLM(model=model, dtype="float32", max_model_len=512, cpu_threads=1, tensor_parallel_size=2)
+    llm = LLM(model=model, dtype="float32", max_model_len=512, cpu_threads=1, tensor_parallel_size=2,
+              kv_cache_memory_bytes=64 << 20)
     try:
         assert distributed.current().comm_name == "shm"  # auto, on this CPU host
         assert not _own_shm_files(), "the file is unlinked once every rank mapped it"

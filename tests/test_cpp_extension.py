@@ -1,4 +1,5 @@
-"""Kernel builds are named by their source and flags, so checkouts sharing torch's cache never swap builds."""
+"""Kernel builds are named by their text (source, headers, flags, torch), so checkouts sharing torch's cache share
+the builds of the same text and never swap builds of different texts."""
 
 from pathlib import Path
 
@@ -31,13 +32,47 @@ def test_a_kernel_builds_name_changes_with_the_shared_headers_it_may_include(tmp
     assert _source_digest(source, ["-O3"]) != before
 
 
-def test_the_same_source_in_two_checkouts_builds_under_two_names(tmp_path):
-    """torch's build file names the source's path: one name for both would rebuild at every switch between them."""
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    for checkout in ("one", "two"):
-        (tmp_path / checkout / "k.cpp").write_text("int f() { return 1; }\n")
-    assert _source_digest(tmp_path / "one" / "k.cpp", ["-O3"]) != _source_digest(tmp_path / "two" / "k.cpp", ["-O3"])
+def test_a_kernel_builds_name_changes_with_a_header_beside_its_source(tmp_path):
+    """An edited csrc/cpu_softmax.h (included by the attention kernels from their own folder) builds them anew."""
+    source = tmp_path / "k.cpp"
+    source.write_text('#include "csrc/h.h"\n')
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "h.h").write_text("inline int g() { return 1; }\n")
+    before = _source_digest(source, ["-O3"])
+    (tmp_path / "csrc" / "h.h").write_text("inline int g() { return 2; }\n")
+    assert _source_digest(source, ["-O3"]) != before
+
+
+PROBE = ('#include <pybind11/pybind11.h>\nint answer() { return 42; }\n'
+         'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }\n')
+
+
+def test_a_second_checkout_imports_the_build_of_the_same_text_instead_of_compiling_it(tmp_path, monkeypatch):
+    """A fresh clone (or another worktree) compiles no kernel that a checkout on this machine built from the same
+    text: torch's build file names the source's path, so its loader alone would compile it again for each."""
+    import os
+
+    import torch.utils.cpp_extension as torch_extension
+
+    from pagoda.host import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    one, two = tmp_path / "one" / "k.cpp", tmp_path / "two" / "k.cpp"
+    for source in (one, two):
+        source.parent.mkdir()
+        source.write_text(PROBE)
+    os.utime(one, (1, 1))  # the second clone's files are newer than the first one's build
+    assert _source_digest(one, ["-O0"]) == _source_digest(two, ["-O0"])
+    assert cpp_extension._load.__wrapped__("pagoda_probe", one, ("-O0",), "auto", False).answer() == 42
+
+    def compile_again(**kwargs):
+        raise AssertionError(f"compiled {kwargs['sources']} again")
+
+    monkeypatch.setattr(torch_extension, "load", compile_again)
+    assert cpp_extension._load.__wrapped__("pagoda_probe", two, ("-O0",), "auto", False).answer() == 42
+    two.write_text(PROBE.replace("42", "43"))  # another text: its own build, which the loader is asked for
+    with pytest.raises(AssertionError, match="compiled .*two/k.cpp"):
+        cpp_extension._load.__wrapped__("pagoda_probe", two, ("-O0",), "auto", False)
 
 
 def test_a_live_build_is_waited_for_and_the_lock_of_a_killed_one_removed(tmp_path, monkeypatch):

@@ -28,6 +28,9 @@ TOKEN_PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 17, 44, 45, 46, 250, 12, 90, 91, 
 def run(model: str, pp: int = 1, tp: int = 1, prompts: list = PROMPTS, preempts: bool = False,
         params: object = None, in_flight: int = 1, **options) -> list:
     """The outputs of ``prompts``; ``in_flight``: the steps that must have been in the stages at once."""
+    # 128 MiB of KV cache (the default model's ~2,900 tokens): each stage's ranks zero, and so hold, the whole cache
+    # they are given (2 GiB by default)
+    options.setdefault("kv_cache_memory_bytes", 128 << 20)
     llm = LLM(model=model, dtype="float32", max_model_len=256, cpu_threads=1, tensor_parallel_size=tp,
               pipeline_parallel_size=pp, swap_space=0, **options)
     try:
@@ -103,7 +106,7 @@ def test_an_abort_in_flight_frees_the_request_s_blocks_when_its_step_is_collecte
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
     llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,
-              swap_space=0)
+              swap_space=0, kv_cache_memory_bytes=16 << 20)
     engine, kv = llm.engine, llm.engine.kv_manager
     try:
         for i, prompt in enumerate(TOKEN_PROMPTS):
@@ -177,7 +180,7 @@ def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_
     used = {t for p in TOKEN_PROMPTS for t in p} | {t for ids in clean for t in ids}
     poison = next(t for t in range(3, 512) if t not in used)
     llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,
-              swap_space=0, pipeline_micro_batches=2)
+              swap_space=0, pipeline_micro_batches=2, kv_cache_memory_bytes=16 << 20)
     seen = []
 
     def maybe_raise(module, args, output):

@@ -25,8 +25,10 @@ def small_trace(n: int = 16) -> list[TraceRequest]:
 def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_real_run(tiny_dir, tmp_path, capsys):
     trace_path = tmp_path / "trace.jsonl"
     save_trace(small_trace(), trace_path)
+    # a KV cache of 64 MiB (half a million tokens of the tiny model): the default 2 GiB is zeroed, and so held, by
+    # each engine the command builds
     args = ["simulate", "--trace", str(trace_path), "--model", str(tiny_dir), "--load-format", "dummy",
-            "--cpu-threads", "1", "--cost-model", str(tmp_path / "cm.json"), "--calibrate", "--quick-calibration",
+            "--cpu-threads", "1", "--kv-cache-space", "0.0625", "--cost-model", str(tmp_path / "cm.json"), "--calibrate", "--quick-calibration",
             "--compare-real", "--json"]
     assert main(args) == 0
     captured = capsys.readouterr()
@@ -75,7 +77,8 @@ def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_di
     pm = PluginManager().load()
     writer = RequestLogWriter(log)
     pm.register(writer, "request-log")  # what `pagoda serve --request-log` does
-    llm = LLM(model=str(tiny_dir), load_format="dummy", cpu_threads=1, plugin_manager=pm)
+    llm = LLM(model=str(tiny_dir), load_format="dummy", cpu_threads=1, kv_cache_memory_bytes=64 << 20,
+              plugin_manager=pm)
     prompts = [{"prompt_token_ids": [200 + i] * (10 + i)} for i in range(5)]
     llm.generate(prompts, [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(5)], use_tqdm=False,
                  priority=[i % 2 for i in range(5)])
@@ -85,7 +88,8 @@ def test_a_request_log_written_by_a_real_engine_replays_in_the_simulator(tiny_di
     assert all(0 <= line["queue"] <= line["ttft"] <= line["e2e"] for line in lines)
     CostModel({name: 0.001 for name in FEATURES}).save(tmp_path / "cm.json")
     assert main(["simulate", "--from-request-log", str(log), "--model", str(tiny_dir), "--cost-model",
-                 str(tmp_path / "cm.json"), "--load-format", "dummy", "--cpu-threads", "1", "--json"]) == 0
+                 str(tmp_path / "cm.json"), "--load-format", "dummy", "--cpu-threads", "1", "--kv-cache-space",
+                 "0.0625", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     # the engine ran the speed probe's steps (three rounds of four requests); a model calibrated without a
     # probe reference is scaled by the probe's time over the model's prediction for its steps

@@ -9,6 +9,8 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ConfigError
 
+# 128 MiB of KV cache, ample for these prompts: an engine zeroes, and so holds, the whole cache (2 GiB by default)
+KV = 128 << 20
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 4}
 
@@ -28,7 +30,7 @@ def generate(llm: LLM, prompts, params) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain_greedy():
-    llm = LLM(dtype="float32", cpu_threads=1)
+    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=KV)
     params = SamplingParams(temperature=0.0, max_tokens=32)
     return {
         "batch": generate(llm, PROMPTS, params),
@@ -45,7 +47,7 @@ def assert_no_blocks_held(llm: LLM) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft"])
 def test_greedy_speculation_gives_the_plain_tokens_at_batch_sizes_1_and_4(plain_greedy, spec):
-    llm = LLM(dtype="float32", cpu_threads=1, speculative_config=spec)
+    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=KV, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=32)
     assert generate(llm, PROMPTS[:1], params) == plain_greedy["single"]
     assert generate(llm, PROMPTS, params) == plain_greedy["batch"]

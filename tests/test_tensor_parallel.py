@@ -29,6 +29,9 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logpro
 
 
 def run(tp: int, model: str, preempts: bool = False, num_requests: int = 8, **options) -> list:
+    # 128 MiB of KV cache (about 2,900 tokens of the default model; SMALL_POOL's block count overrides it): each
+    # rank zeroes, and so holds, the whole cache it is given (2 GiB by default)
+    options.setdefault("kv_cache_memory_bytes", 128 << 20)
     llm = LLM(model=model, dtype="float32", max_model_len=512, cpu_threads=1, tensor_parallel_size=tp, **options)
     try:
         outputs = llm.generate((PROMPTS * 2)[:num_requests], (PARAMS * 4)[:num_requests], use_tqdm=False)
@@ -171,7 +174,7 @@ def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp
 
     from test_server_cli import start_server
 
-    offline = LLM(dtype="float32", max_model_len=512, cpu_threads=1).generate(
+    offline = LLM(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=64 << 20).generate(
         "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
     def running(pid: int) -> bool:
         try:

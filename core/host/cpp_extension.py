@@ -44,17 +44,30 @@ def _load(name: str, source: Path, extra_cflags: tuple[str, ...], cpu_isa: str, 
         module_name, isa_flags = f"{name}_generic", []
     flags = ["-O3", "-fopenmp", *extra_cflags, *isa_flags]
     full_name = f"{module_name}_{_source_digest(source, flags)}"
-    with _one_builder(full_name):
-        return load(name=full_name, sources=[str(source)], extra_cflags=flags,
-                    extra_include_paths=[str(KERNEL_INCLUDE_DIR)], verbose=False)
+    with _one_builder(full_name) as build_dir:
+        built = build_dir / BUILT_STAMP
+        if built.exists() and (build_dir / f"{full_name}.so").exists():
+            # built before from the same text (maybe by another checkout of pagoda, whose path torch's build file
+            # names: torch's loader would compile it again for this one); import that build
+            from torch.utils.cpp_extension import _import_module_from_library
+
+            return _import_module_from_library(full_name, str(build_dir), True)
+        module = load(name=full_name, sources=[str(source)], extra_cflags=flags,
+                      extra_include_paths=[str(KERNEL_INCLUDE_DIR)], verbose=False)
+        built.write_text(f"{source}\n")
+        return module
+
+
+# written in a build's directory once torch's loader has built and imported it: the build is whole
+BUILT_STAMP = "pagoda-built"
 
 
 @contextmanager
-def _one_builder(name: str) -> Iterator[None]:
+def _one_builder(name: str) -> Iterator[Path]:
     """Hold an OS lock on ``name``'s build directory while torch's loader builds or imports it. The OS lets go of
     the lock when its holder dies, so a torch build lock found by its holder was left by a build that was killed
     (torch's loader would wait on it for ever): it is removed, with a warning. A live build by another process
-    holds the lock, and this one waits for it, then imports what it built."""
+    holds the lock, and this one waits for it, then imports what it built. Yields the build directory."""
     import fcntl
 
     from torch.utils.cpp_extension import _get_build_directory
@@ -69,7 +82,7 @@ def _one_builder(name: str) -> Iterator[None]:
                 warnings.warn(f"removing the build lock of pagoda's C++ kernel {name}, left by a build that did not "
                               f"finish ({stale})", RuntimeWarning, stacklevel=5)
                 stale.unlink(missing_ok=True)
-            yield
+            yield build_dir
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -97,19 +110,18 @@ def _load_or_none(name: str, source: Path, extra_cflags: tuple[str, ...], fallba
 
 
 def _source_digest(source: Path, flags: Sequence[str]) -> str:
-    """A short hash of the kernel source, the shared headers it may include, where it lies, its flags and the
-    torch it builds against, part of the module name: two checkouts (or versions) of pagoda, or two environments,
-    on one machine share torch's extension cache. Under one name a process that finds another building it waits
-    and then imports that build, whatever source it came from; a build from another environment (its torch's
-    include and library paths are in the build file) would be rebuilt on every switch between the two; and so
-    would a build of the same source from another checkout (the source's path is in the build file too), so each
-    checkout builds once, under a name of its own."""
+    """A short hash of everything a build's binary depends on, part of the module name: the kernel source, the
+    headers it may include (the shared ones, and those beside it or below its folder), its flags and the torch it
+    builds against. Not where the source or torch lie: every checkout of the same kernel text (a fresh clone, a
+    second worktree, another virtual environment of the same torch) shares one build in torch's extension cache,
+    and an edited source or header builds under a new name instead of importing the old build."""
     import torch
 
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(KERNEL_INCLUDE_DIR.glob("*.h")):
+    headers = sorted(KERNEL_INCLUDE_DIR.glob("*.h")) + sorted(source.parent.rglob("*.h"))
+    for header in headers:
+        digest.update(header.name.encode())
         digest.update(header.read_bytes())
-    digest.update(str(source.resolve()).encode())
     digest.update(" ".join(flags).encode())
-    digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
+    digest.update(f"{torch.__version__} {torch.version.git_version}".encode())
     return digest.hexdigest()[:12]
