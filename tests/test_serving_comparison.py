@@ -93,3 +93,14 @@ def test_a_dtype_check_runs_each_vllm_dtype_briefly_then_the_faster_at_every_rat
     refused = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path), "--plan",
                               "--dtype-check-prompts", "-1"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--dtype-check-prompts must be" in refused.stderr
+
+
+def test_vllm_in_one_dtype_alone(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path / "venv"), "--plan",
+                          "--vllm-dtypes", "float32", "--rates", "8", "--model", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "--dtype float32" in run.stdout and "--dtype bfloat16" not in run.stdout
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path), "--plan",
+                              "--vllm-dtypes", "float64"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--vllm-dtypes" in refused.stderr

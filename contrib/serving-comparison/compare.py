@@ -92,7 +92,7 @@ def engines(args) -> dict[str, Engine]:
                                                                          f"0-{(os.cpu_count() or 1) - 1}"),
                     VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     out = {"pagoda": pagoda}
-    for dtype in VLLM_DTYPES:
+    for dtype in args.vllm_dtypes:
         out[f"vllm-{dtype}"] = Engine(f"vllm-{dtype}", [
             args.client_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", dtype,
             "--max-model-len", "1024", "--port", str(args.port), *shlex.split(args.vllm_args)], vllm_env)
@@ -116,9 +116,9 @@ def schedule(args) -> list[list[str]]:
     """The engines each round runs, in order: round 1 all three, later rounds the best vLLM (named ``vllm-best``
     until round 1 decides it) and pagoda, the order alternating."""
     if args.dtype_check_prompts:
-        rounds = [[*(f"vllm-{d}" for d in VLLM_DTYPES), "pagoda", "vllm-best"]]
+        rounds = [[*(f"vllm-{d}" for d in args.vllm_dtypes), "pagoda", "vllm-best"]]
     else:
-        rounds = [["pagoda", *(f"vllm-{d}" for d in VLLM_DTYPES)]]
+        rounds = [["pagoda", *(f"vllm-{d}" for d in args.vllm_dtypes)]]
     for r in range(1, args.rounds):
         rounds.append(["vllm-best", "pagoda"] if r % 2 else ["pagoda", "vllm-best"])
     return rounds
@@ -224,9 +224,10 @@ def report(cpu: str, args, dtype_figures: dict[str, float], best: str, pagoda: d
     tried = ", ".join(f"{d} {v:.1f}" for d, v in dtype_figures.items())
     if args.dtype_check_prompts:
         tried += f" with {args.dtype_check_prompts} prompts all at once"
+    chosen = (f"its faster dtype here: geometric mean of output tok/s over the rates, {tried}"
+              if len(dtype_figures) > 1 else f"the only dtype run (--vllm-dtypes): {tried}")
     return (f"CPU: {cpu}\n"
-            f"model {Path(args.model).name}; pagoda with its defaults; vLLM in {best} (its faster dtype here: "
-            f"geometric mean of output tok/s over the rates, {tried}); vLLM's client for both, random 128 in / "
+            f"model {Path(args.model).name}; pagoda with its defaults; vLLM in {best} ({chosen}); vLLM's client for both, random 128 in / "
             f"64 out, {args.num_prompts} prompts per run, seeds {args.seed}..{args.seed + len(args.rates) - 1} by "
             f"rate; {'median of ' + str(num_rounds) + ' alternated rounds' if num_rounds > 1 else 'one round'}\n\n"
             + table(pagoda, vllm, args.rates))
@@ -239,7 +240,7 @@ def print_plan(args, cpu: str) -> None:
     for round_no, tags in enumerate(schedule(args), start=1):
         for tag in tags:
             if tag == "vllm-best":
-                print(f"round {round_no}: vLLM in the dtype round 1 found faster ({' or '.join(VLLM_DTYPES)})")
+                print(f"round {round_no}: vLLM in the dtype round 1 found faster ({' or '.join(args.vllm_dtypes)})")
                 continue
             e = all_engines[tag]
             env = {k: e.env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE") if k in e.env}
@@ -268,6 +269,9 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--seed", type=int, default=0, help="the first rate's seed; rate i uses seed + i")
     p.add_argument("--rounds", type=int, default=1, help="rounds in all: round 1 picks vLLM's dtype, the others "
                                                          "alternate that vLLM and pagoda; figures are medians")
+    p.add_argument("--vllm-dtypes", nargs="+", choices=VLLM_DTYPES, default=list(VLLM_DTYPES),
+                   help="the dtypes vLLM runs in (default: both; one alone skips the check of which is faster, and "
+                        "the report says vLLM ran only in it)")
     p.add_argument("--dtype-check-prompts", type=int, default=0, metavar="N",
                    help="pick vLLM's dtype from N prompts all at once per dtype, then run only the faster at every "
                         "rate (default 0: every dtype at every rate)")
