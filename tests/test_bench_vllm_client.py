@@ -81,3 +81,42 @@ def test_sse_messages_are_split_across_reads_and_completed_without_a_blank_line(
     text = 'data: {"t": "\u00e9"}\n\n'.encode()
     cut = text.index(b"\xc3") + 1
     assert reader.feed(text[:cut]) == [] and reader.feed(text[cut:]) == ['data: {"t": "\u00e9"}']
+
+
+def test_a_run_sends_each_request_once_and_nothing_before_it():
+    """vLLM 0.32's client sends no lone test request by default (its ready check is off), so neither does the
+    run: a lone first request would warm the server and, with prefix caching, cache the first prompt."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pagoda.plugins.entrypoints.bench.serve import run_rate
+
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for message in ({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                            {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}}):
+                self.wfile.write(b"data: " + json.dumps(message).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        requests = [BenchRequest([5, 6], 2, prompt_text=f"prompt {i}") for i in range(3)]
+        bodies = [completion_body("m", r) for r in requests]
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        _, timings = asyncio.run(run_rate(url, None, requests, bodies, [0.0, 0.01, 0.02], False, "test"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert received == ["prompt 0", "prompt 1", "prompt 2"]
+    assert all(t.ok and t.output_tokens == 2 for t in timings)

@@ -78,3 +78,29 @@ def test_the_cpu_description_reads_model_and_flags(compare, tmp_path):
     text = compare.cpu_description(str(info))
     assert text.startswith("Test CPU 9000, ")
     assert "flags: avx2 fma avx512f avx512_bf16" in text and "lacks: f16c" in text
+
+
+def test_a_dtype_check_runs_each_vllm_dtype_briefly_then_the_faster_at_every_rate(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path / "venv"), "--plan",
+                          "--dtype-check-prompts", "8", "--model", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    round1 = [line for line in run.stdout.splitlines() if line.startswith("round 1:")]
+    assert len(round1) == 4
+    assert "--dtype bfloat16" in round1[0] and "--dtype float32" in round1[1]
+    assert all("dtype check: 8 prompts all at once" in line for line in round1[:2])
+    assert ": pagoda: " in round1[2] and "vLLM in the dtype" in round1[3]
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path), "--plan",
+                              "--dtype-check-prompts", "-1"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--dtype-check-prompts must be" in refused.stderr
+
+
+def test_vllm_in_one_dtype_alone(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path / "venv"), "--plan",
+                          "--vllm-dtypes", "float32", "--rates", "8", "--model", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "--dtype float32" in run.stdout and "--dtype bfloat16" not in run.stdout
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--vllm-venv", str(tmp_path), "--plan",
+                              "--vllm-dtypes", "float64"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--vllm-dtypes" in refused.stderr

@@ -12,6 +12,8 @@ What it does:
    alone on 127.0.0.1; waits until ``/v1/models`` answers, warms each up with 8 requests of prompts no run uses,
    runs vLLM's client once per rate and stops the server before the next starts;
 3. takes vLLM's faster dtype (the higher geometric mean of output tok/s over the rates) and says which it was;
+   with ``--dtype-check-prompts N`` each dtype runs only N prompts all at once, and vLLM's faster dtype then runs
+   every rate after pagoda (for a machine where vLLM's slow dtype would take too long at every rate);
 4. rounds 2.. (``--rounds``): that vLLM and pagoda again, the order alternating, so each figure is a median over
    rounds taken in one window;
 5. prints a Markdown table of output tok/s, mean and p99 TTFT and mean and p99 TPOT per rate, pagoda's figure
@@ -90,7 +92,7 @@ def engines(args) -> dict[str, Engine]:
                                                                          f"0-{(os.cpu_count() or 1) - 1}"),
                     VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     out = {"pagoda": pagoda}
-    for dtype in VLLM_DTYPES:
+    for dtype in args.vllm_dtypes:
         out[f"vllm-{dtype}"] = Engine(f"vllm-{dtype}", [
             args.client_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", dtype,
             "--max-model-len", "1024", "--port", str(args.port), *shlex.split(args.vllm_args)], vllm_env)
@@ -113,7 +115,10 @@ def rate_seed(args, rate_index: int) -> int:
 def schedule(args) -> list[list[str]]:
     """The engines each round runs, in order: round 1 all three, later rounds the best vLLM (named ``vllm-best``
     until round 1 decides it) and pagoda, the order alternating."""
-    rounds = [["pagoda", *(f"vllm-{d}" for d in VLLM_DTYPES)]]
+    if args.dtype_check_prompts:
+        rounds = [[*(f"vllm-{d}" for d in args.vllm_dtypes), "pagoda", "vllm-best"]]
+    else:
+        rounds = [["pagoda", *(f"vllm-{d}" for d in args.vllm_dtypes)]]
     for r in range(1, args.rounds):
         rounds.append(["vllm-best", "pagoda"] if r % 2 else ["pagoda", "vllm-best"])
     return rounds
@@ -140,8 +145,11 @@ def run_client(args, model_name: str, rate: str, num_prompts: int, seed: int, re
     return json.loads(Path(result_dir, name).read_text())
 
 
-def bench_engine(engine: Engine, args, result_dir: str, round_no: int) -> dict[str, dict]:
-    """Start the server, warm it up, run the client at every rate, stop it; the client's results by rate."""
+def bench_engine(engine: Engine, args, result_dir: str, round_no: int, rates: Optional[list[str]] = None,
+                 num_prompts: Optional[int] = None) -> dict[str, dict]:
+    """Start the server, warm it up, run the client at every rate (``rates``, default ``--rates``), stop it; the
+    client's results by rate."""
+    rates = args.rates if rates is None else rates
     print(f"== round {round_no}, {engine.tag}: {shlex.join(engine.command)}", flush=True)
     log = open(Path(result_dir, f"{engine.tag}-{round_no}-server.log"), "w")
     proc = subprocess.Popen(engine.command, env=engine.env, stdout=log, stderr=subprocess.STDOUT,
@@ -150,8 +158,8 @@ def bench_engine(engine: Engine, args, result_dir: str, round_no: int) -> dict[s
         model_name = wait_ready(args.port, proc, args.start_timeout)
         run_client(args, model_name, "inf", 8, WARMUP_SEED + round_no, result_dir, f"{engine.tag}-{round_no}-warmup")
         results = {}
-        for i, rate in enumerate(args.rates):
-            r = run_client(args, model_name, rate, args.num_prompts, rate_seed(args, i), result_dir,
+        for i, rate in enumerate(rates):
+            r = run_client(args, model_name, rate, num_prompts or args.num_prompts, rate_seed(args, i), result_dir,
                            f"{engine.tag}-{round_no}-{rate}.json")
             results[rate] = r
             print(f"   rate {rate}: {r['output_throughput']:.1f} output tok/s, TTFT mean {r['mean_ttft_ms']:.0f} "
@@ -176,6 +184,16 @@ def geomean_throughput(results: dict[str, dict]) -> float:
 def best_dtype(by_dtype: dict[str, dict[str, dict]]) -> str:
     """vLLM's faster dtype: the higher geometric mean of output tok/s over the rates."""
     return max(by_dtype, key=lambda d: geomean_throughput(by_dtype[d]))
+
+
+def pick_dtype(by_dtype: dict[str, dict[str, dict]]) -> str:
+    """:func:`best_dtype`, said aloud; an error when no dtype ran."""
+    if not by_dtype:
+        raise RuntimeError("vLLM's server failed in every dtype (see above; --keep keeps its logs)")
+    best = best_dtype(by_dtype)
+    print(f"vLLM is faster in {best} on this CPU: geometric mean output tok/s "
+          + ", ".join(f"{d} {geomean_throughput(r):.1f}" for d, r in by_dtype.items()), flush=True)
+    return best
 
 
 def medians(rounds: list[dict[str, dict]], rates: list[str]) -> dict[str, dict]:
@@ -204,9 +222,12 @@ def table(pagoda: dict[str, dict], vllm: dict[str, dict], rates: list[str]) -> s
 def report(cpu: str, args, dtype_figures: dict[str, float], best: str, pagoda: dict, vllm: dict,
            num_rounds: int) -> str:
     tried = ", ".join(f"{d} {v:.1f}" for d, v in dtype_figures.items())
+    if args.dtype_check_prompts:
+        tried += f" with {args.dtype_check_prompts} prompts all at once"
+    chosen = (f"its faster dtype here: geometric mean of output tok/s over the rates, {tried}"
+              if len(dtype_figures) > 1 else f"the only dtype run (--vllm-dtypes): {tried}")
     return (f"CPU: {cpu}\n"
-            f"model {Path(args.model).name}; pagoda with its defaults; vLLM in {best} (its faster dtype here: "
-            f"geometric mean of output tok/s over the rates, {tried}); vLLM's client for both, random 128 in / "
+            f"model {Path(args.model).name}; pagoda with its defaults; vLLM in {best} ({chosen}); vLLM's client for both, random 128 in / "
             f"64 out, {args.num_prompts} prompts per run, seeds {args.seed}..{args.seed + len(args.rates) - 1} by "
             f"rate; {'median of ' + str(num_rounds) + ' alternated rounds' if num_rounds > 1 else 'one round'}\n\n"
             + table(pagoda, vllm, args.rates))
@@ -219,12 +240,14 @@ def print_plan(args, cpu: str) -> None:
     for round_no, tags in enumerate(schedule(args), start=1):
         for tag in tags:
             if tag == "vllm-best":
-                print(f"round {round_no}: vLLM in the dtype round 1 found faster ({' or '.join(VLLM_DTYPES)})")
+                print(f"round {round_no}: vLLM in the dtype round 1 found faster ({' or '.join(args.vllm_dtypes)})")
                 continue
             e = all_engines[tag]
             env = {k: e.env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE") if k in e.env}
             env_text = " ".join(f"{k}={v}" for k, v in env.items())
-            print(f"round {round_no}: {tag}: {env_text + ' ' if env_text else ''}{shlex.join(e.command)}")
+            check = (f" (dtype check: {args.dtype_check_prompts} prompts all at once)"
+                     if args.dtype_check_prompts and tag.startswith("vllm-") else "")
+            print(f"round {round_no}: {tag}: {env_text + ' ' if env_text else ''}{shlex.join(e.command)}{check}")
     print(f"per server: warm-up of 8 requests at once (seed {WARMUP_SEED} + round), then per rate:")
     for i, rate in enumerate(args.rates):
         cmd = client_command(args, "<served model name>", rate, args.num_prompts, rate_seed(args, i), "<results>",
@@ -246,6 +269,12 @@ def parse_args(argv: Optional[list[str]] = None):
     p.add_argument("--seed", type=int, default=0, help="the first rate's seed; rate i uses seed + i")
     p.add_argument("--rounds", type=int, default=1, help="rounds in all: round 1 picks vLLM's dtype, the others "
                                                          "alternate that vLLM and pagoda; figures are medians")
+    p.add_argument("--vllm-dtypes", nargs="+", choices=VLLM_DTYPES, default=list(VLLM_DTYPES),
+                   help="the dtypes vLLM runs in (default: both; one alone skips the check of which is faster, and "
+                        "the report says vLLM ran only in it)")
+    p.add_argument("--dtype-check-prompts", type=int, default=0, metavar="N",
+                   help="pick vLLM's dtype from N prompts all at once per dtype, then run only the faster at every "
+                        "rate (default 0: every dtype at every rate)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--pagoda-args", default="", help="extra flags for pagoda serve, one string")
     p.add_argument("--vllm-args", default="", help="extra flags for vLLM's server (both dtypes), one string")
@@ -263,6 +292,8 @@ def parse_args(argv: Optional[list[str]] = None):
             p.error(f"--rates: {rate!r} is not a rate in requests/s > 0 (or 'inf')")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.dtype_check_prompts < 0:
+        p.error("--dtype-check-prompts must be 0 (off) or more")
     if args.num_prompts < 1:
         p.error("--num-prompts must be at least 1")
     args.client_python = str(Path(args.vllm_venv, "bin", "python"))
@@ -292,22 +323,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         by_dtype: dict[str, dict] = {}
         for round_no, tags in enumerate(schedule(args), start=1):
             for tag in tags:
-                if tag == "vllm-best":
+                if tag == "vllm-best" and round_no == 1:  # after a dtype check: the faster dtype at every rate
+                    best = pick_dtype(by_dtype)
+                    vllm_rounds.append(bench_engine(all_engines[f"vllm-{best}"], args, result_dir, round_no))
+                elif tag == "vllm-best":
                     vllm_rounds.append(bench_engine(all_engines[f"vllm-{best}"], args, result_dir, round_no))
                 elif tag == "pagoda":
                     pagoda_rounds.append(bench_engine(all_engines[tag], args, result_dir, round_no))
                 else:
+                    check = ["inf"] if args.dtype_check_prompts else None
                     try:
-                        by_dtype[tag[len("vllm-"):]] = bench_engine(all_engines[tag], args, result_dir, round_no)
+                        by_dtype[tag[len("vllm-"):]] = bench_engine(all_engines[tag], args, result_dir, round_no,
+                                                                    check, args.dtype_check_prompts or None)
                     except RuntimeError as exc:  # the other dtype may still run: say why this one did not
                         print(f"   {tag} failed, left out: {exc}", flush=True)
-            if round_no == 1:
-                if not by_dtype:
-                    raise RuntimeError("vLLM's server failed in every dtype (see above; --keep keeps its logs)")
-                best = best_dtype(by_dtype)
+            if round_no == 1 and not args.dtype_check_prompts:
+                best = pick_dtype(by_dtype)
                 vllm_rounds.append(by_dtype[best])
-                print(f"vLLM is faster in {best} on this CPU: geometric mean output tok/s "
-                      + ", ".join(f"{d} {geomean_throughput(r):.1f}" for d, r in by_dtype.items()), flush=True)
     finally:
         if args.keep:
             print(f"results and server logs kept in {result_dir}")

@@ -53,7 +53,7 @@ def add_parser(sub, name: str) -> None:
                         "tokens each, greedy (the shape of vLLM's random dataset); vllm-random: what vLLM's serving "
                         "client sends with --dataset-name random and the same --seed: its text prompts, arrival "
                         "times (--burstiness), request body (no temperature unless --temperature: the server's "
-                        "default sampling) and a first request alone before the run; "
+                        "default sampling); "
                         "prefix-groups: --prefix-groups prompt prefixes of --prefix-len "
                         "tokens, interleaved, each request adding 32 tokens of its own and asking for 32 (the "
                         "summary then gives the prefix-cache hit rate and, behind pagoda serve --replicas, how "
@@ -197,10 +197,10 @@ async def send_one(client, url: str, body: dict, req: BenchRequest) -> RequestTi
 
 
 async def run_rate(base_url: str, api_key: Optional[str], requests: list[BenchRequest], bodies: list[dict],
-                   arrivals: list[float], progress: bool, label: str,
-                   first_alone: bool = False) -> tuple[float, list[RequestTiming]]:
+                   arrivals: list[float], progress: bool, label: str) -> tuple[float, list[RequestTiming]]:
     """Send ``bodies[i]`` at ``arrivals[i]`` seconds after the start; the run's wall time and each request's timing.
-    ``first_alone``: send the first body once, alone, before the run (vLLM's client does)."""
+    Nothing goes before the run: vLLM's client (0.32) skips its lone test request unless given
+    ``--ready-check-timeout-sec``, and a lone request would also put the first prompt in the prefix cache."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -212,11 +212,6 @@ async def run_rate(base_url: str, api_key: Optional[str], requests: list[BenchRe
     url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits, headers=headers) as client:
-        if first_alone:
-            probe = await send_one(client, url, bodies[0], requests[0])
-            if not probe.ok:
-                raise RuntimeError(f"the first request, sent alone before the run, failed: {probe.error}")
-
         async def timed(req: BenchRequest, body: dict) -> RequestTiming:
             result = await send_one(client, url, body, req)
             if bar is not None:
@@ -477,8 +472,7 @@ def run_bench_serve(ns: argparse.Namespace) -> int:
                 arrivals = poisson_arrivals(len(requests), rate, ns.seed)
             before = server_counters(base_url, ns.api_key)
             duration, timings = asyncio.run(run_rate(base_url, ns.api_key, requests, bodies, arrivals,
-                                                     not ns.no_progress, f"rate {rate:g} req/s",
-                                                     first_alone=like_vllm))
+                                                     not ns.no_progress, f"rate {rate:g} req/s"))
             summary = summarize(rate, duration, timings)
             add_server_cost(summary, before, server_counters(base_url, ns.api_key), offline_tps)
             print(format_summary(summary, ns.profile), flush=True)

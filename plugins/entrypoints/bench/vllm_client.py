@@ -13,7 +13,9 @@ The facts, as vLLM 0.32's client has them:
 - **Arrivals**: ``numpy.random.seed(seed)``; per request a gap drawn from a gamma distribution of shape
   ``burstiness`` and scale ``1 / (rate x burstiness)`` (exponential, a Poisson process, at burstiness 1);
   the gaps summed, and the times scaled so that the last request leaves at ``num_requests / rate`` s. The first
-  request waits its own gap. Before the run one request (the first prompt) goes alone.
+  request waits its own gap. Nothing goes before the run: the client's lone test request runs only with
+  ``--ready-check-timeout-sec`` above 0 (its default is 0, which prints "Starting initial single prompt test
+  run..." and then skips it).
 - **Request**: ``/v1/completions`` with the text prompt, ``max_tokens``, ``repetition_penalty: 1.0``,
   ``logprobs: null``, ``stream`` with usage, ``ignore_eos`` when asked, and no temperature unless given: the
   server's default sampling (temperature 1 unless the model's generation config says otherwise).
