@@ -56,6 +56,8 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     with torch.device(config.device):
         model = adapt_component(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
     check_attention_features(model, backend)
+    if mc.batch_invariant:
+        check_batch_invariant(model, backend, sampler, config.sampler)
     loader = adapt_component(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
     loader.load_weights(model)
     model.eval()
@@ -141,11 +143,34 @@ def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Attenti
     reasons = []
     for candidate in auto_backend_order(pm, device):
         try:
-            return adapt_component(candidate.factory(config.model, config.cache), "pagoda_attention_backends",
-                                   candidate.name)
+            backend = adapt_component(candidate.factory(config.model, config.cache), "pagoda_attention_backends",
+                                      candidate.name)
         except BackendUnavailable as exc:
             reasons.append(f"{candidate.name}: {exc}")
+            continue
+        if config.model.batch_invariant and not backend.batch_invariant:
+            reasons.append(f"{candidate.name}: not batch-invariant")
+            continue
+        return backend
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
+
+
+def check_batch_invariant(model: Any, backend: AttentionBackend, sampler: Any, sampler_name: str) -> None:
+    """Refuse, at start-up in the batch-invariant mode, a component that does not claim it (its
+    ``batch_invariant``) and a model with layers whose kernels batch rows together (mixture of experts)."""
+    name = getattr(backend, "name", type(backend).__name__)
+    if not backend.batch_invariant:
+        raise ConfigError(f"--batch-invariant: attention backend {name!r} does not say it is batch-invariant (its "
+                          "batch_invariant is not True); pass --attention-backend cpu or torch, or drop "
+                          "--batch-invariant")
+    if not sampler.batch_invariant:
+        raise ConfigError(f"--batch-invariant: sampler {sampler_name!r} does not say it is batch-invariant (its "
+                          "batch_invariant is not True); pass --sampler default, or drop --batch-invariant")
+    from pagoda.modeling.layers.moe import FusedMoE
+
+    if any(isinstance(m, FusedMoE) for m in model.modules()):
+        raise ConfigError("--batch-invariant covers dense models; this one routes tokens to experts, whose grouped "
+                          "matmuls depend on the batch: drop --batch-invariant")
 
 
 def check_attention_features(model: Any, backend: AttentionBackend) -> None:
