@@ -153,3 +153,12 @@ def test_the_default_model_answers_a_repeated_chat_the_same_from_its_prefix_cach
     assert second.token_ids == first.token_ids
     assert [d[t].logprob for d, t in zip(second.logprobs, second.token_ids)] == \
         [d[t].logprob for d, t in zip(first.logprobs, first.token_ids)]
+
+
+@pytest.mark.parametrize("argv", [["generate", "hello"], ["serve"], ["bench", "latency"]])
+def test_the_commands_take_batch_invariant_into_their_engine_args(argv):
+    from pagoda.cli import build_parser, engine_args_from
+
+    parser = build_parser()
+    assert engine_args_from(parser.parse_args(argv + ["--batch-invariant"])).batch_invariant is True
+    assert engine_args_from(parser.parse_args(argv)).batch_invariant is False
