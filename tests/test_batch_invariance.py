@@ -1,6 +1,6 @@
 """The batch-invariant mode in bf16: a request's tokens and logprobs are bit-identical alone and among others at
 any position, with any step budget (chunked prefill), from a prefix-cache hit or a cold prefill, after
-preemption by recompute, greedy and seeded; on the cpu backend's kernels and the torch reference. The engine
+preemption by recompute or swap, greedy and seeded; on the cpu backend's kernels and the torch reference. The engine
 refuses components that do not claim the mode. Logprobs are compared as floats with ``==``, never within a
 tolerance."""
 
@@ -97,14 +97,20 @@ def test_a_prefix_cache_hit_gives_the_same_bits_as_a_cold_prefill(tiny_model, en
     assert stats.hits - hits == 32 + 48
 
 
-def test_a_request_preempted_by_recompute_gives_the_same_bits(tiny_model, engine, alone):
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_a_preempted_request_gives_the_same_bits(tiny_model, engine, alone, preemption_mode):
     backend = engine.engine.config.attention_backend
     # 8 blocks of 16 tokens: two 31-token prompts (2 blocks each, a third from their second token on) and TARGET
     # (4 blocks) cannot all keep their K/V while they grow; the last to arrive is preempted and recomputed
     fillers = [[rng.randrange(1000, 30000) for _ in range(31)] for _ in range(2)]
-    small = make_llm(tiny_model, backend, num_gpu_blocks_override=8, max_num_seqs=3)
+    small = make_llm(tiny_model, backend, num_gpu_blocks_override=8, max_num_seqs=3, preemption_mode=preemption_mode,
+                     swap_space=0.01)
+    kv = small.engine.scheduler.kv
+    swapped, swap_out = [], kv.swap_out
+    kv.swap_out = lambda request: swapped.append(request.request_id) or swap_out(request)
     got = results(small, fillers + [TARGET], GREEDY)
     assert small.engine.scheduler.num_preemptions > 0
+    assert bool(swapped) == (preemption_mode == "swap")
     assert got[2] == alone["greedy"]
 
 
