@@ -52,12 +52,12 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
         config, model=dataclasses.replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads))
     backend = select_attention_backend(rank_config, pm)
     check_kv_cache_dtype(config, backend)
+    if mc.batch_invariant:
+        check_batch_invariant(backend, sampler, config.sampler)
 
     with torch.device(config.device):
         model = adapt_component(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
     check_attention_features(model, backend)
-    if mc.batch_invariant:
-        check_batch_invariant(model, backend, sampler, config.sampler)
     loader = adapt_component(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
     loader.load_weights(model)
     model.eval()
@@ -155,9 +155,9 @@ def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Attenti
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
 
 
-def check_batch_invariant(model: Any, backend: AttentionBackend, sampler: Any, sampler_name: str) -> None:
+def check_batch_invariant(backend: AttentionBackend, sampler: Any, sampler_name: str) -> None:
     """Refuse, at start-up in the batch-invariant mode, a component that does not claim it (its
-    ``batch_invariant``) and a model with layers whose kernels batch rows together (mixture of experts)."""
+    ``batch_invariant``); Mixture-of-Experts models refuse the mode themselves."""
     name = getattr(backend, "name", type(backend).__name__)
     if not backend.batch_invariant:
         raise ConfigError(f"--batch-invariant: attention backend {name!r} does not say it is batch-invariant (its "
@@ -166,11 +166,6 @@ def check_batch_invariant(model: Any, backend: AttentionBackend, sampler: Any, s
     if not sampler.batch_invariant:
         raise ConfigError(f"--batch-invariant: sampler {sampler_name!r} does not say it is batch-invariant (its "
                           "batch_invariant is not True); pass --sampler default, or drop --batch-invariant")
-    from pagoda.modeling.layers.moe import FusedMoE
-
-    if any(isinstance(m, FusedMoE) for m in model.modules()):
-        raise ConfigError("--batch-invariant covers dense models; this one routes tokens to experts, whose grouped "
-                          "matmuls depend on the batch: drop --batch-invariant")
 
 
 def check_attention_features(model: Any, backend: AttentionBackend) -> None:
