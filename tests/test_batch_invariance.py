@@ -168,3 +168,31 @@ def test_the_commands_take_batch_invariant_into_their_engine_args(argv):
     parser = build_parser()
     assert engine_args_from(parser.parse_args(argv + ["--batch-invariant"])).batch_invariant is True
     assert engine_args_from(parser.parse_args(argv)).batch_invariant is False
+
+
+def test_the_conformance_kit_checks_a_backends_claim_of_batch_invariance():
+    from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
+    from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
+    from pagoda.testing import ContractError, check_batch_invariance
+
+    assert check_batch_invariance(CpuAttentionBackend) and check_batch_invariance(TorchAttentionBackend)
+
+    class ClaimsWithoutTheMode(CpuAttentionBackend):
+        """Says it is invariant but plans its steps as outside the mode (fresh prompts apart)."""
+
+        def build_metadata(self, batch):
+            self.batch_invariant = False
+            try:
+                return super().build_metadata(batch)
+            finally:
+                self.batch_invariant = True
+
+    with pytest.raises(ContractError, match="claims batch_invariant"):
+        check_batch_invariance(ClaimsWithoutTheMode)
+
+    class Unclaimed(CpuAttentionBackend):
+        def __init__(self, model_config, cache_config):
+            super().__init__(model_config, cache_config)
+            self.batch_invariant = False
+
+    assert check_batch_invariance(Unclaimed) is False
