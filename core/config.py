@@ -49,6 +49,9 @@ class ModelConfig:
     # the engine's host settings: which CPU kernels the model's layers, its attention backend and quant method
     # run (each component reads them when it is built; the engine's own, so engines in one process differ)
     host: HostConfig = field(default_factory=resolve_host_config)  # built without one: the environment's
+    # every reduction in an order that does not depend on the batch (``--batch-invariant``): the model's linears,
+    # its attention backend and sampler give a request the same bits whatever else runs (docs/batch_invariance.md)
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -305,6 +305,10 @@ class AttentionBackend(Protocol):
     # the attention features beyond causal attention it implements (``sliding_window``, ``logit_softcap``,
     # ``sinks``); a model asking for another is refused at start-up. Optional: none.
     attention_features: frozenset
+    # True if, as built (``model_config.batch_invariant`` on), a query token's output bits depend only on its
+    # own query and keys: not on the other tokens of the step, their number, nor which keys were cached. The
+    # engine's batch-invariant mode refuses a backend without it. Optional: False.
+    batch_invariant: bool
 
     def isa_paths(self) -> dict[str, str]:
         """Which code path each of its CPU kernels takes here (``{"decode attention": "avx2"}``), as the
@@ -339,6 +343,10 @@ class Sampler(Protocol):
     # rejection sampler, which reproduces that distribution, so the engine refuses speculation with a
     # sampler that says False. Optional: False.
     samples_standard_distribution: bool
+    # True if a row's token and logprobs depend only on that row's logits and its request (a seeded request's
+    # own generator), not on the other rows; the engine's batch-invariant mode refuses a sampler without it.
+    # Optional: False.
+    batch_invariant: bool
 
     def __call__(self, logits: "torch.Tensor", requests: typing.Sequence["Sequence"]) -> "SamplerOutput":
         """``logits [n, vocab]`` float32, row ``i`` for ``requests[i]`` (the sampler may not change them) ->

@@ -30,6 +30,7 @@ def test_a_backend_without_the_optional_members_gets_their_defaults():
     assert backend.name == "bare-by-name"  # the name it was selected by
     assert backend.kv_cache_dtype is None  # the model's dtype
     assert backend.isa_paths() == {}
+    assert backend.batch_invariant is False  # refused by the batch-invariant mode
 
 
 def test_a_backend_keeps_the_optional_members_it_has():
@@ -46,7 +47,8 @@ def test_samplers_and_models_without_the_flags_get_false():
     class Model(torch.nn.Module):
         pass
 
-    assert adapt_component(Sampler(), "pagoda_samplers", "s").samples_standard_distribution is False
+    sampler = adapt_component(Sampler(), "pagoda_samplers", "s")
+    assert sampler.samples_standard_distribution is False and sampler.batch_invariant is False
     assert adapt_component(Model(), "pagoda_model_architectures", "m").runs_first_layers_of_caches is False
 
 

@@ -80,6 +80,10 @@ class EngineArgs(HostOptions):
         "how K/V are stored: auto (the model dtype) or fp8 (alias fp8_e4m3: scaled float8 e4m3, twice the "
         "tokens in the same memory)"))
     enable_prefix_caching: bool = True
+    batch_invariant: bool = Field(default=False, description=(
+        "a request's tokens and logprobs bit-identical whatever else is in its batch, at any position, with any "
+        "chunking, from a prefix-cache hit or a cold prefill, after preemption (every reduction in a fixed order; "
+        "dense models only; see docs/batch_invariance.md)"))
     num_gpu_blocks_override: Optional[int] = Field(default=None, gt=0)
     swap_space: float = Field(default=4.0, ge=0, description="GiB of CPU memory for swapped-out KV blocks")
     preemption_mode: Literal["recompute", "swap"] = "recompute"
@@ -261,6 +265,18 @@ class EngineArgs(HostOptions):
                               "pipeline_parallel_size=1")
         return partition
 
+    def _check_batch_invariant(self, quantization: Optional[str]) -> None:
+        """The batch-invariant mode covers dense unquantized weights without LoRA adapters: refuse the rest."""
+        if not self.batch_invariant:
+            return
+        if quantization:
+            raise ConfigError(f"--batch-invariant covers unquantized models; this one is {quantization}-quantized, "
+                              "whose matmul kernels are not batch-invariant: drop --batch-invariant or load a "
+                              "dense checkpoint")
+        if self.enable_lora:
+            raise ConfigError("--batch-invariant does not cover LoRA adapters (their matmuls are batched across "
+                              "adapters): drop --enable-lora or --batch-invariant")
+
     def _check_kv_offload(self) -> None:
         """The offload flags go together, extend the prefix cache, and name a directory pagoda can write."""
         disk, size = self.kv_offload_disk, self.kv_offload_disk_size
@@ -391,6 +407,7 @@ class EngineArgs(HostOptions):
             num_kv_heads=int(text_config.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             host=host,
+            batch_invariant=self.batch_invariant,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or (
             2048 if self.enable_chunked_prefill else max(2048, max_model_len)
@@ -407,6 +424,7 @@ class EngineArgs(HostOptions):
                 "every running sequence needs at least one token of the step budget"
             )
         resolve_kv_cache_dtype(self.kv_cache_dtype, model_cfg.dtype)  # refuses a float dtype not the model's
+        self._check_batch_invariant(quantization)
         self._check_kv_offload()
         cache_cfg = CacheConfig(
             block_size=self.block_size,

@@ -52,6 +52,8 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
         config, model=dataclasses.replace(mc, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads))
     backend = select_attention_backend(rank_config, pm)
     check_kv_cache_dtype(config, backend)
+    if mc.batch_invariant:
+        check_batch_invariant(backend, sampler, config.sampler)
 
     with torch.device(config.device):
         model = adapt_component(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
@@ -141,11 +143,29 @@ def select_attention_backend(config: EngineConfig, pm: PluginManager) -> Attenti
     reasons = []
     for candidate in auto_backend_order(pm, device):
         try:
-            return adapt_component(candidate.factory(config.model, config.cache), "pagoda_attention_backends",
-                                   candidate.name)
+            backend = adapt_component(candidate.factory(config.model, config.cache), "pagoda_attention_backends",
+                                      candidate.name)
         except BackendUnavailable as exc:
             reasons.append(f"{candidate.name}: {exc}")
+            continue
+        if config.model.batch_invariant and not backend.batch_invariant:
+            reasons.append(f"{candidate.name}: not batch-invariant")
+            continue
+        return backend
     raise ConfigError("no attention backend can run here: " + "; ".join(reasons or ["none installed"]))
+
+
+def check_batch_invariant(backend: AttentionBackend, sampler: Any, sampler_name: str) -> None:
+    """Refuse, at start-up in the batch-invariant mode, a component that does not claim it (its
+    ``batch_invariant``); Mixture-of-Experts models refuse the mode themselves."""
+    name = getattr(backend, "name", type(backend).__name__)
+    if not backend.batch_invariant:
+        raise ConfigError(f"--batch-invariant: attention backend {name!r} does not say it is batch-invariant (its "
+                          "batch_invariant is not True); pass --attention-backend cpu or torch, or drop "
+                          "--batch-invariant")
+    if not sampler.batch_invariant:
+        raise ConfigError(f"--batch-invariant: sampler {sampler_name!r} does not say it is batch-invariant (its "
+                          "batch_invariant is not True); pass --sampler default, or drop --batch-invariant")
 
 
 def check_attention_features(model: Any, backend: AttentionBackend) -> None:

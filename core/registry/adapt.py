@@ -33,9 +33,11 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "kv_cache_dtype": lambda component, name: None,  # the model's dtype
         "isa_paths": lambda component, name: _no_isa_paths,
         "attention_features": lambda component, name: frozenset(),  # plain causal attention only
+        "batch_invariant": lambda component, name: False,
     },
     "pagoda_kv_allocators": {"is_swapped": lambda component, name: _never_swapped},
-    "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False},
+    "pagoda_samplers": {"samples_standard_distribution": lambda component, name: False,
+                        "batch_invariant": lambda component, name: False},
     "pagoda_model_architectures": {
         "runs_first_layers_of_caches": lambda component, name: False,
         "packed_modules_mapping": lambda component, name: {},  # no fused layer: adapters map one to one

@@ -84,6 +84,13 @@ class Sampler:
         return all(getattr(type(self), name) is getattr(Sampler, name) for name in self._EXTENSION_POINTS)
 
     @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's token and logprobs depend on that row alone: every step here is per row (log-softmax,
+        argmax, softmax and the inverse-CDF draw reduce along a row; a seeded request draws from its own
+        generator), so true unless a subclass overrides one of the extension points."""
+        return self.samples_standard_distribution
+
+    @property
     def _plain_argmax(self) -> bool:
         # greedy rows with nothing to apply may skip every step (and the copy of the logits)
         return type(self).process_logits is Sampler.process_logits and \

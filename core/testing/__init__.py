@@ -14,6 +14,8 @@ One check per component kind; each raises :class:`ContractError` saying what bro
   flight (:func:`check_steps_in_flight`), and holds a policy that declares an ``urgency`` to that order;
 - :func:`check_attention_backend`: paged attention against dense attention on shuffled block layouts with
   odd sizes;
+- :func:`check_batch_invariance`: an attention backend that claims ``batch_invariant`` gives a sequence's
+  tokens the same bits alone, in chunks beside others, and after a cached prefix;
 - :func:`check_sampler`: greedy rows, banned tokens, filters, the sampled distribution, seeds, logprobs;
 - :func:`check_structured_output_backend`: each kind of constraint compiles; its bitmask allows the tokens of a
   matching text and the end only where it may end; refused tokens, rollback, independent matchers;
@@ -38,6 +40,7 @@ from typing import Any
 _EXPORTS = {
     "AttentionCase": "attention", "check_attention_backend": "attention",
     "check_architecture": "architecture",
+    "check_batch_invariance": "invariance",
     "ContractError": "contract",
     "check_lora_backend": "lora",
     "check_proposer": "proposer",

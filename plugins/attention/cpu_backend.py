@@ -10,7 +10,10 @@ fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
 the engine's ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
 Steps with many decodes on the generic loops (no AVX2) use the torch backend's
 batched path, which wins there. ``isa_paths()`` names the path each kernel
-takes. Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update, 2^x
+takes. In the engine's batch-invariant mode every token, fresh prompts' included, goes through
+``cpu_kernels.cpp`` (one (token, kv head) item over its keys in a fixed order, whatever else is in the
+step), and layers with a sliding window, soft-cap or sinks through the torch backend's per-token path.
+Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update, 2^x
 and the 8-lane pieces of their AVX2 paths. The kernels are compiled on first use
 (about a minute) and cached by torch's extension loader, keyed on their source,
 the header and the flags.
@@ -133,6 +136,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """The ISA path each of this backend's kernels takes for its model: ``decode attention`` and
         ``prefill attention`` (``sdpa``: torch's, no kernel of ours)."""
         prefill = self.prefill_kernel.isa_path() if self.prefill_kernel is not None else "sdpa"
+        if self.batch_invariant:
+            prefill = f"{self.decode_path} (the decode kernel, batch-invariant)"
         return {"decode attention": self.decode_path, "prefill attention": prefill}
 
     def build_metadata(self, batch: AttentionBatch) -> CpuAttentionMetadata:
@@ -146,14 +151,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         fresh = []
         torch_decode = None
         # an fp8 cache always takes the kernel: torch widens gathered fp8 rows ~10x slower than the kernel reads them
-        batched = batch.num_decodes > MAX_KERNEL_DECODES and torch.get_num_threads() == 1
+        batched = batch.num_decodes > MAX_KERNEL_DECODES and torch.get_num_threads() == 1 and not self.batch_invariant
         if batched and self.decode_path == "generic" and not self.fp8:
             torch_decode = super().build_metadata(batch)
             token_len[:batch.num_decodes] = 0
         qsl, seq_lens = batch.query_start_loc_list, batch.seq_lens_list
         for i in range(batch.num_decodes, n):
             start, end = qsl[i], qsl[i + 1]
-            if seq_lens[i] == end - start and end - start > 1:
+            if seq_lens[i] == end - start and end - start > 1 and not self.batch_invariant:
                 fresh.append((start, end))
                 token_len[start:end] = 0
         slots, written = batch.slots_to_write()

@@ -7,6 +7,9 @@ contiguous ``[seq, head_dim]`` run per request that matmul reads in place.
 With ``kv_cache_dtype="fp8"`` the cache holds scaled float8 e4m3 (see ``kv_fp8``);
 every query, fresh prefills included, attends to K/V as stored, so the output of a
 request does not depend on how its prompt was chunked or prefix-cached.
+
+In the engine's batch-invariant mode (``ModelConfig.batch_invariant``) every query token attends alone, over
+its own keys read from the cache (see ``invariant``), so its bits do not depend on the batch at all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.config import CacheConfig, ModelConfig
+from pagoda.plugins.attention.invariant import attend_per_token
 from pagoda.plugins.attention.kv_fp8 import (dequantize_fp8, kv_cache_dtype_for, kv_scales, quantize_fp8, raw_bytes,
                                              uses_fp8, widen_fp8)
 from pagoda.step import AttentionBatch
@@ -57,6 +61,8 @@ class TorchAttentionMetadata:
     prefills: list[tuple[int, int, int, int, torch.Tensor]]
     # for prefills with cached context: [n, seq_len] bool, True where attention is allowed
     prefill_masks: list[Any]
+    # the batch-invariant mode: the step's batch, every token attending alone (the lists above stay empty)
+    invariant_batch: Optional[AttentionBatch] = None
 
 
 @dataclass
@@ -102,11 +108,16 @@ class TorchAttentionBackend:
         self.group = self.num_heads // self.num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype_for(model_config, cache_config)
         self.fp8 = uses_fp8(cache_config)
+        # the engine's batch-invariant mode: each query token's output depends on nothing but its own keys
+        self.batch_invariant = bool(getattr(model_config, "batch_invariant", False))
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
     def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        if self.batch_invariant:
+            slots, written = batch.slots_to_write()
+            return TorchAttentionMetadata(slots, written, batch.num_decodes, [], [], [], invariant_batch=batch)
         bs = self.block_size
         nd = batch.num_decodes
         groups = []
@@ -151,6 +162,8 @@ class TorchAttentionBackend:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
         write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
+        if md.invariant_batch is not None:
+            return attend_per_token(self, layer, q, kv_cache, md.invariant_batch, k_scale, v_scale).view(q.shape[0], -1)
         out = torch.empty_like(q)
         window = getattr(layer, "sliding_window", None)
         plain = not (getattr(layer, "logit_softcap", None) or getattr(layer, "sinks", None) is not None)

@@ -37,6 +37,12 @@ GEMV_MAX_ROWS = 4
 # 64 rows: tiled GEMM 50-56 (fp32: 44; torch's bf16 matmul: 141).
 AVX2_GEMV_MAX_ROWS = 8
 
+# The batch-invariant mode's rows per matmul where the GEMV does not apply (float32 or float16 weights, no
+# kernels): every product is a [16, K] tile, the last one padded with zero rows, so the BLAS picks the same kernel
+# whatever the batch. Measured here (AVX2, MKL, 1 and 2 threads): a row's output bits did not depend on its place
+# in the tile nor on the other rows, while a 1-row and a 16-row product differed in 5-90% of the outputs.
+INVARIANT_TILE_ROWS = 16
+
 
 def cpu_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
     """The compiled kernels for ``host`` (an engine's settings; None: the environment's), or None when its
@@ -54,12 +60,16 @@ class CpuKernels:
     built: every layer holds the model's ``CpuKernels`` and asks it, so engines with other settings in the same
     process run their own. ``CpuKernels()`` (no settings) runs plain torch ops."""
 
-    def __init__(self, host: Optional[HostConfig] = None) -> None:
+    def __init__(self, host: Optional[HostConfig] = None, batch_invariant: bool = False) -> None:
+        """``batch_invariant``: every row of a linear's output computed in an order that depends on nothing but
+        that row (:meth:`linear`), for the engine's batch-invariant mode."""
         self.ops = cpu_ops(host) if host is not None else None
         # the ISA path of the compiled bf16 GEMV: ``avx512_bf16``, ``avx2``, or ``""`` (none, or turned off)
         self.gemv_path = str(self.ops.gemv_path()) if self.ops is not None else ""
-        # bf16 weights go into oneDNN's blocked layout at load time (see layers.onednn)
-        self.packs_weights = host is not None and onednn.packing_available(host)
+        self.batch_invariant = batch_invariant
+        # bf16 weights go into oneDNN's blocked layout at load time (see layers.onednn); oneDNN picks its kernel
+        # by the number of rows, so not in the batch-invariant mode
+        self.packs_weights = host is not None and not batch_invariant and onednn.packing_available(host)
 
     def for_tensor(self, t: torch.Tensor) -> Optional[Any]:
         """The kernels if they cover ``t`` (a CPU tensor of a supported dtype), else None."""
@@ -77,7 +87,9 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16
-        math (AVX2) through the widened-tile GEMM for larger ones."""
+        math (AVX2) through the widened-tile GEMM for larger ones. Batch-invariant: see :meth:`invariant_linear`."""
+        if self.batch_invariant:
+            return self.invariant_linear(x, weight, bias)
         if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and weight.is_contiguous()):
             path = self.gemv_path
@@ -92,6 +104,25 @@ class CpuKernels:
                     return y.view(*x.shape[:-1], weight.shape[0])
         return torch.nn.functional.linear(x, weight, bias)
 
+    def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
+        """``F.linear`` in which each output row's bits depend on that input row alone, not on how many rows
+        come with it nor where it sits: bf16 through the GEMV kernel for every batch size (each output is one
+        dot product over K in a fixed order: 8 or 32 fp32 lanes, then a fixed lane sum), other dtypes in
+        fixed tiles of ``INVARIANT_TILE_ROWS`` rows."""
+        rows, k = x.numel() // max(1, x.shape[-1]), x.shape[-1]
+        x2 = x.reshape(rows, k)
+        if (self.gemv_path and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+                and x.device.type == "cpu" and weight.is_contiguous()):
+            y = self.ops.gemv_bf16(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight, bias)
+        else:
+            tile = INVARIANT_TILE_ROWS
+            padded = x2.new_zeros((-(-rows // tile) * tile, k))
+            padded[:rows] = x2
+            y = torch.cat([torch.nn.functional.linear(padded[i:i + tile], weight, bias)
+                           for i in range(0, padded.shape[0], tile)])[:rows]
+        return y.view(*x.shape[:-1], weight.shape[0])
+
     def pack_weight(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
         """``weight`` in oneDNN's blocked layout where this model packs it, else None (see layers.onednn)."""
         return onednn.pack_weight(weight) if self.packs_weights else None
@@ -100,7 +131,11 @@ class CpuKernels:
         """The ISA path the decoder layer's elementwise kernels and dense linear layers take for a CPU model
         of ``dtype`` (for benchmarks and logs)."""
         elementwise = str(self.ops.elementwise_path()) if self.ops is not None and dtype in _DTYPES else "torch"
-        if dtype != torch.bfloat16:
+        if self.batch_invariant:
+            dense = (f"batch-invariant: gemv {self.gemv_path} at every batch size"
+                     if dtype == torch.bfloat16 and self.gemv_path else
+                     f"batch-invariant: torch in fixed tiles of {INVARIANT_TILE_ROWS} rows")
+        elif dtype != torch.bfloat16:
             dense = "torch"
         elif self.packs_weights:
             dense = "onednn packed bf16" + (f", gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows (LM head)"

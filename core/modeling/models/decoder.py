@@ -340,7 +340,7 @@ class DecoderForCausalLM(nn.Module):
         self.spec = spec = self.spec_from_hf(text_cfg)
         self.cfg = cfg
         # the CPU kernels of this model's layers, chosen from its engine's host settings
-        self.kernels = kernels = CpuKernels(cfg.host)
+        self.kernels = kernels = CpuKernels(cfg.host, cfg.batch_invariant)
         self.tp = tp = distributed.current()
         # pipeline parallelism: this stage's layers; the embedding on the first, the norm and LM head on the last
         self.stage = stage = distributed.current_stage()

@@ -88,6 +88,9 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         if quant is not None:
             raise ConfigError(f"{type(self).__name__}: pagoda does not load quantized Mixture-of-Experts checkpoints "
                               "yet (GPTQ, AWQ, compressed-tensors, fp8, int8); use the unquantized checkpoint")
+        if getattr(cfg, "batch_invariant", False):
+            raise ConfigError(f"--batch-invariant covers dense models; {type(self).__name__} routes tokens to "
+                              "experts, whose grouped matmuls depend on the batch: drop --batch-invariant")
         super().__init__(cfg, backend, quant)
 
     def experts_of(self, layer: int) -> FusedMoE:

@@ -226,7 +226,7 @@ def kernel_isa_paths(llm) -> dict[str, str]:
 
         paths["LoRA"] = lora_isa_path(cfg.lora.backend, cfg.host)
     # the CPU kernels pagoda's own architectures choose from these host settings (the same choice as the model's)
-    paths.update(CpuKernels(cfg.host).isa_paths(cfg.model.dtype))
+    paths.update(CpuKernels(cfg.host, cfg.model.batch_invariant).isa_paths(cfg.model.dtype))
     if cfg.model.quantization in ("awq", "gptq", "compressed-tensors"):
         from pagoda.plugins.quant.base import kernel_for_device
         from pagoda.plugins.quant.cpu_int_kernel import isa_path
