@@ -201,3 +201,25 @@ def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
     assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == roomy
     assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
+
+
+def test_xgrammar_holds_a_date_format_to_days_that_exist():
+    """xgrammar's own "date" format lets 2023-02-30 through; pagoda gives it a pattern of real calendar dates."""
+    import datetime
+
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from pagoda.sampling.structured.xgrammar_backend import XgrammarBackend
+
+    schema = XgrammarBackend._with_calendar_dates({"type": "object", "properties": {
+        "day": {"type": "string", "format": "date"}}, "required": ["day"]})
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    for day in ["2024-02-29", "2000-02-29", "0004-02-29", "2023-12-31", "0001-01-01", "2023-02-30", "6012-02-30",
+                "1900-02-29", "2023-04-31", "0000-01-01", "2023-13-01", "2023-00-10"]:
+        try:
+            datetime.date.fromisoformat(day)
+            exists = True
+        except ValueError:
+            exists = False
+        assert _is_grammar_accept_string(grammar, json.dumps({"day": day})) == exists, day

@@ -19,6 +19,12 @@ from pagoda.sampling_params import StructuredOutputsParams
 _FORMAT_OVERRIDES = ("minLength", "maxLength", "pattern")
 # compile processes: the engine runs two compiles at once
 NUM_COMPILE_PROCESSES = 2
+# a calendar date that exists (years 0001-9999, each month's days, 29 February in leap years only): xgrammar's
+# own "date" format lets any day 01-31 through, so a sampled "2023-02-30" broke the schema's format
+_YEAR = r"(?:[1-9]\d{3}|0[1-9]\d{2}|00[1-9]\d|000[1-9])"
+_LEAP_YEAR = r"(?:\d{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+CALENDAR_DATE = (rf"^(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
+                 rf"|02-(?:0[1-9]|1\d|2[0-8]))|{_LEAP_YEAR}-02-29)$")
 
 
 def _subschemas(node: Any) -> Iterator[dict]:
@@ -77,12 +83,26 @@ class XgrammarBackend:
         self.processes.shutdown()
 
     @staticmethod
+    def _with_calendar_dates(schema: Any) -> Any:
+        """``schema`` with each string of format "date" held to :data:`CALENDAR_DATE` (a copy where changed)."""
+        if isinstance(schema, list):
+            return [XgrammarBackend._with_calendar_dates(v) for v in schema]
+        if not isinstance(schema, dict):
+            return schema
+        out = {k: XgrammarBackend._with_calendar_dates(v) for k, v in schema.items()}
+        if out.get("format") == "date" and not any(k in out for k in _FORMAT_OVERRIDES):
+            del out["format"]
+            out["pattern"] = CALENDAR_DATE
+        return out
+
+    @staticmethod
     def _call_of(spec: StructuredOutputsParams) -> tuple[str, tuple, dict]:
         """The GrammarCompiler method and arguments that compile ``spec``."""
         kind = kind_of(spec)
         if kind in ("json", "json_object"):
             # one space after ',' and ':' and none elsewhere: a model cannot loop on whitespace
-            return "compile_json_schema", (json.dumps(schema_of(spec)),), {"any_whitespace": False,
+            schema = XgrammarBackend._with_calendar_dates(schema_of(spec))
+            return "compile_json_schema", (json.dumps(schema),), {"any_whitespace": False,
                                                                              "strict_mode": kind == "json"}
         if kind == "regex":
             return "compile_regex", (spec.regex,), {}
