@@ -239,16 +239,7 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             continue
         progress = _progress(added)
         was_running = {r.request_id for r in scheduler.running}
-        watch.before_schedule()
-        try:
-            sched = scheduler.schedule()
-        except SchedulingPolicyError as exc:
-            raise policy_error(watch.where, "schedule()", exc) from None
-        except ContractError:
-            raise
-        except Exception as exc:
-            raise raised(watch.where, "schedule()", exc, scheduler) from exc
-        watch.after_schedule(sched)
+        sched = _schedule_watched(scheduler, watch)
         _check_no_progress_written(progress, added, watch.where)
         _check_schedule(sched, scheduler, sched_cfg, watch.where, was_running)
         try:
@@ -310,16 +301,7 @@ def _check_victim_order(factory: SchedulerFactory, allocator: Optional[Allocator
             scheduler.add_request(arrivals[step])
         if not scheduler.has_unfinished_requests():
             return
-        watch.before_schedule()
-        try:
-            sched = scheduler.schedule()
-        except SchedulingPolicyError as exc:
-            raise policy_error(watch.where, "schedule()", exc) from None
-        except ContractError:
-            raise
-        except Exception as exc:
-            raise raised(watch.where, "schedule()", exc, scheduler) from exc
-        watch.after_schedule(sched)
+        sched = _schedule_watched(scheduler, watch)
         scheduler.update(sched, runner.execute(sched))
     raise where.fail("the request stream", "2 requests still unfinished after 60 steps", "every request finishes",
                      "the policy's may_admit() or choose_victim()")
@@ -413,6 +395,22 @@ def _add_request(scheduler, rng: random.Random, prefixes: list[list[int]], index
     for child in children:
         scheduler.add_request(child)
     return children
+
+
+def _schedule_watched(scheduler, watch):
+    """``scheduler.schedule()`` between the watch's checks; what goes wrong inside is a ContractError naming
+    ``schedule()`` at the watch's step."""
+    watch.before_schedule()
+    try:
+        sched = scheduler.schedule()
+    except SchedulingPolicyError as exc:
+        raise policy_error(watch.where, "schedule()", exc) from None
+    except ContractError:
+        raise
+    except Exception as exc:
+        raise raised(watch.where, "schedule()", exc, scheduler) from exc
+    watch.after_schedule(sched)
+    return sched
 
 
 def _progress(requests: list[Sequence]) -> dict[str, tuple[int, int, bool]]:
