@@ -71,6 +71,18 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              tenant_source=getattr(ns, "tenant_source", "api-key"))
 
 
+def _patient_proxy_checks() -> None:
+    """Give Ray Serve's HTTP proxy time to come up on a small, busy machine.
+
+    Ray Serve marks its proxy unhealthy after three readiness checks of 5 s each and kills it; on a 2-core host
+    that is also starting the replicas, the proxy can take longer than that to import, so ``serve.start`` failed
+    with the proxy "killed by ray.kill". A cluster this command starts inherits these variables; an operator's
+    own values are kept, and a cluster joined with ``--ray-address`` keeps its settings.
+    """
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
+
+
 def run_replicas(ns: argparse.Namespace) -> int:
     try:
         import ray
@@ -86,6 +98,8 @@ def run_replicas(ns: argparse.Namespace) -> int:
         overrides["cpu_threads"] = int(options.cpus_per_replica)
     engine_args = engine_args_from(ns, **overrides)
     engine_args.create_engine_config()  # a bad engine flag fails here, before any replica starts
+    if not ns.ray_address:
+        _patient_proxy_checks()
     ray.init(address=ns.ray_address, num_cpus=None if ns.ray_address else cpus, include_dashboard=False)
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})
