@@ -136,6 +136,17 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class KVConnectorConfig:
+    """A KV connector by name, its own options, and which way blocks go (docs/kv_connectors.md)."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    # "both": save finished prefills and load at admission; "save" (a prefill instance): save only;
+    # "load" (a decode instance): load only
+    role: str = "both"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, validated; passed down whole."""
 
@@ -160,3 +171,5 @@ class EngineConfig:
     structured_outputs_cache_bytes: int = 512 << 20
     # multi-LoRA serving (None: off)
     lora: Optional[LoRAConfig] = None
+    # the pagoda_kv_connectors component that saves and loads prompt blocks outside the engine (None: off)
+    kv_connector: Optional[KVConnectorConfig] = None

@@ -26,9 +26,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
-                                   KVAllocatorFactory, LoRABackendFactory, ModelArchitectureFactory, ModelLoaderFactory,
-                                   ProposerFactory, QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
-                                   StructuredOutputBackendFactory, ToolParserFactory)
+                                   KVAllocatorFactory, KVConnectorFactory, LoRABackendFactory, ModelArchitectureFactory,
+                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, RouterFactory,
+                                   SamplerFactory, SchedulerFactory, StructuredOutputBackendFactory, ToolParserFactory)
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sequence import Sequence
 
@@ -75,6 +75,20 @@ def pagoda_kv_allocators(plugin_manager: "PluginManager") -> Mapping[str, "KVAll
     :class:`pagoda.interfaces.KVCacheManager` that owns block ids, ref counts
     and the prefix cache (never tensors). Selected by ``kv_allocator``
     (built-in: ``paged``). Called once at start-up.
+    """
+
+
+@hookspec
+def pagoda_kv_connectors(plugin_manager: "PluginManager") -> Mapping[str, "KVConnectorFactory"]:
+    """Return ``{name: factory}`` of KV connectors: stores outside the engine that keep full prompt blocks'
+    K/V, so another engine (a decode instance, a replica, the same one restarted) loads them instead of
+    recomputing them.
+
+    ``factory(engine_config, **options)`` returns a :class:`pagoda.interfaces.KVConnector`, a store of
+    opaque byte strings by key; ``options`` come from ``kv_connector_options`` (``--kv-connector-options``
+    JSON). pagoda frames, checksums and verifies every block itself and calls ``load`` and ``save`` on its
+    own threads. Selected by ``kv_connector`` / ``--kv-connector`` (built-ins: ``shared-disk``, ``tcp``;
+    none by default). Called once at start-up.
     """
 
 

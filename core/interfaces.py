@@ -509,6 +509,37 @@ class AllReduce(Protocol):
 
 
 @runtime_checkable
+class KVConnector(Protocol):
+    """``pagoda_kv_connectors``: a store outside the engine holding full prompt blocks' K/V, by key.
+
+    A connector moves opaque byte strings; pagoda decides what to save and load, frames each block with its
+    tokens, the configuration's fingerprint and a crc32, and trusts nothing it loads: a value that is
+    missing, short, of another block or fails its checksum is dropped and the block recomputed. Keys are
+    ``<32 hex digits: the configuration's fingerprint>-<16 hex digits: the block's chain hash>``, the same
+    in every engine of one model, dtype, KV layout and block size.
+
+    Threads: :meth:`lookup` is called on the engine's loop at admission (keep it quick: it holds up the
+    step); :meth:`load` and :meth:`save` on pagoda's connector threads, several at once, so they must be
+    thread-safe. None may raise for a store that is down or slow to answer: an exception counts as a miss
+    (a failed save is logged and dropped). Invariant: a key, once saved, always holds the same bytes or
+    nothing (a reader sees a whole value or none).
+    """
+
+    def lookup(self, keys: "typing.Sequence[str]") -> int:
+        """How many of ``keys``, from the first, the store holds now (0 to ``len(keys)``): the blocks of a
+        prompt, in order, beyond those the engine's own cache has."""
+
+    def load(self, key: str) -> Optional[bytes]:
+        """The bytes saved under ``key``, or None if there are none."""
+
+    def save(self, key: str, value: bytes) -> None:
+        """Keep ``value`` under ``key`` (readers never see it half written)."""
+
+    def close(self) -> None:
+        """Release what the connector holds; called once when the engine shuts down, after every save."""
+
+
+@runtime_checkable
 class Router(Protocol):
     """``pagoda_routers``: picks the engine replica for each request (plain bookkeeping, no I/O).
 
@@ -609,6 +640,13 @@ class ModelArchitectureFactory(Protocol):
 
 class KVAllocatorFactory(Protocol):
     def __call__(self, cache_config: "CacheConfig", num_blocks: int) -> KVCacheManager: ...
+
+
+class KVConnectorFactory(Protocol):
+    """``options``: the ``kv_connector_options`` JSON object, as keyword arguments; a wrong or missing
+    option raises ``ValueError`` naming it."""
+
+    def __call__(self, engine_config: "EngineConfig", **options: Any) -> KVConnector: ...
 
 
 class SchedulerFactory(Protocol):

@@ -53,6 +53,16 @@ class KVTierMoves:
 
 
 @dataclass
+class KVConnectorMoves:
+    """One step's blocks in and out of a KV connector's store (pagoda.kv.connector): the runner copies
+    ``loads`` into the cache before the forward pass and reads ``saves`` out of it after."""
+
+    # (cache block, verified payload: every layer's slice of the block, raw bytes)
+    loads: list[tuple[int, typing.Any]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (cache block, block hash)
+
+
+@dataclass
 class SchedulerOutput:
     """Which requests run this step and how many tokens each computes.
 
@@ -87,6 +97,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # offload tiers (RAM, disk) of the prefix cache: performed after the swap-outs, before the swap-ins
     kv_tier_moves: KVTierMoves = field(default_factory=KVTierMoves)
+    # a KV connector's loads and saves (performed inside the runner's execute)
+    kv_connector: KVConnectorMoves = field(default_factory=KVConnectorMoves)
     # structured outputs: the requests (indices into ``requests``) that sample under a grammar this step, and
     # their rows of allowed tokens, int32 [len(grammar_rows), ceil(vocab / 32)] (see
     # pagoda.sampling.structured.bitmask); filled by the engine after schedule(), applied by the runner
@@ -155,6 +167,8 @@ class RunnerOutput:
     num_draft_tokens: list[int]
     failed: dict[int, str] = field(default_factory=dict)
     execute_seconds: Optional[float] = None
+    # (block hash, bytes) of the blocks in ``SchedulerOutput.kv_connector.saves``, read after the forward pass
+    kv_saved: list[tuple[int, bytes]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, num_requests: int) -> "RunnerOutput":

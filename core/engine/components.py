@@ -17,6 +17,8 @@ from pagoda.errors import ConfigError
 from pagoda.execution.collectives import all_reduce_candidates
 from pagoda.execution.executor import select_executor
 from pagoda.execution.model_runner import ModelRunner
+from pagoda.kv.connector import KVTransfers, block_payload_bytes
+from pagoda.kv.offload import fingerprint
 from pagoda.kv.tiers import KVTierIndex, has_offload_tiers
 from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
@@ -37,6 +39,8 @@ class Components:
     executor: Any
     num_blocks: int
     eos_token_id: Optional[int]
+    # the KV connector's loads and saves (None: no --kv-connector)
+    kv_transfers: Optional[KVTransfers] = None
 
 
 def build_components(config: EngineConfig, pm: PluginManager) -> Components:
@@ -72,6 +76,8 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
         pm.get("pagoda_proposers", config.speculative.method, "speculative_config method")
     if config.lora is not None:
         pm.get("pagoda_lora_backends", config.lora.backend, "lora_backend")
+    if config.kv_connector is not None:
+        pm.get("pagoda_kv_connectors", config.kv_connector.name, "kv_connector")
     executor_name = select_executor(config)
     executor_factory = pm.get("pagoda_executors", executor_name, "distributed_executor_backend").factory
     if config.parallel.tensor_parallel_size > 1:
@@ -92,8 +98,26 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
         store = runner.kv_tiers
         kv_manager.init_offload(KVTierIndex(store.num_ram_slots, store.num_disk_blocks, store.payload_bytes,
                                             store.found))
+    kv_transfers = build_kv_transfers(config, pm, runner) if config.kv_connector is not None else None
+    scheduler.kv_transfers = kv_transfers
     return Components(tokenizer, runner.model, runner.backend, kv_manager, scheduler, runner, executor,
-                      runner.num_blocks, eos_token_id(mc.model, tokenizer))
+                      runner.num_blocks, eos_token_id(mc.model, tokenizer), kv_transfers)
+
+
+def build_kv_transfers(config: EngineConfig, pm: PluginManager, runner: ModelRunner) -> KVTransfers:
+    """The KV connector ``config.kv_connector`` names, built with its options, and the engine's side of it."""
+    kc = config.kv_connector
+    factory = pm.get("pagoda_kv_connectors", kc.name, "kv_connector").factory
+    try:
+        connector = factory(config, **kc.options)
+    except (TypeError, ValueError, OSError) as exc:
+        raise ConfigError(f"the {kc.name!r} KV connector refused its options {kc.options} (--kv-connector-options): "
+                          f"{exc}") from None
+    identity = fingerprint(config, runner.backend, 0, 1)
+    payload_bytes = block_payload_bytes(runner.kv_caches, runner.block_dim)
+    logger.info("KV connector %s (role %s): blocks of %d bytes, keys %s-<block hash>", kc.name, kc.role,
+                payload_bytes, identity.hex())
+    return KVTransfers(connector, identity, payload_bytes, config.cache.block_size, kc.role)
 
 
 def load_tokenizer(path: str, chat_template: Optional[str]) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional
 import torch
 from pydantic import ConfigDict, Field, ValidationError, create_model, field_validator
 
-from pagoda.config import (GiB, CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+from pagoda.config import (GiB, CacheConfig, EngineConfig, KVConnectorConfig, LoRAConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig, SpeculativeConfig)
 from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
@@ -96,6 +96,15 @@ class EngineArgs(HostOptions):
         "checksummed file per block; kept across restarts (needs --kv-offload-disk-size)"))
     kv_offload_disk_size: float = Field(default=0.0, ge=0, description=(
         "GiB the --kv-offload-disk files may take; the least recently used go first"))
+    kv_connector: Optional[str] = Field(default=None, description=(
+        "a KV connector (pagoda_kv_connectors) that saves finished prefills' full prompt blocks outside the "
+        "engine and loads them at admission instead of recomputing them: shared-disk (a folder several engines "
+        "share) or tcp (a block server); see docs/kv_connectors.md (default: none)"))
+    kv_connector_options: Optional[dict[str, Any]] = Field(default=None, description=(
+        "the KV connector's own options, a JSON object (e.g. '{\"path\": \"/shared/kv\"}' for shared-disk)"))
+    kv_role: Literal["both", "prefill", "decode"] = Field(default="both", description=(
+        "which way blocks go through the KV connector: both (save and load), prefill (save only: a prefill "
+        "instance) or decode (load only: a decode instance)"))
     scheduling_policy: str = "fcfs"
     scheduler_options: Optional[dict[str, Any]] = Field(default=None, description=(
         "the scheduling policy's own options, a JSON object (e.g. '{\"step_seqs\": 4}' for fair; each "
@@ -298,6 +307,25 @@ class EngineArgs(HostOptions):
                 raise ConfigError(f"--kv-offload-disk {disk} is not writable ({exc.strerror}); pass a directory "
                                   "pagoda may create files in") from None
 
+    def _kv_connector_config(self) -> Optional[KVConnectorConfig]:
+        """The KV connector's name, options and role, checked together; None when off."""
+        if self.kv_connector is None:
+            if self.kv_connector_options is not None or self.kv_role != "both":
+                raise ConfigError("--kv-connector-options and --kv-role need --kv-connector NAME (shared-disk, tcp): "
+                                  "add it, or drop them")
+            return None
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ConfigError("a KV connector moves one rank's blocks; it does not run with tensor or pipeline "
+                              "parallelism yet: use tensor_parallel_size=1 and pipeline_parallel_size=1, or drop "
+                              "--kv-connector")
+        if self.speculative_config and self.speculative_config.get("method") == "draft_model":
+            raise ConfigError("a KV connector does not move a draft model's own KV cache; drop --kv-connector or "
+                              "use a speculative method without a draft model (ngram)")
+        if self.enable_lora:
+            raise ConfigError("a KV connector does not key blocks by LoRA adapter yet; drop --kv-connector or "
+                              "--enable-lora")
+        return KVConnectorConfig(self.kv_connector, dict(self.kv_connector_options or {}), self.kv_role)
+
     def _lora_config(self) -> Optional[LoRAConfig]:
         """The LoRA options, checked together; None when LoRA is off."""
         if not self.enable_lora:
@@ -496,6 +524,7 @@ class EngineArgs(HostOptions):
             structured_outputs_compile_timeout=self.structured_outputs_compile_timeout,
             structured_outputs_cache_bytes=self.structured_outputs_cache_mb << 20,
             lora=lora_cfg,
+            kv_connector=self._kv_connector_config(),
         )
 
 

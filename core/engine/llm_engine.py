@@ -68,6 +68,8 @@ class LLMEngine:
         self.backend = parts.backend
         self.kv_manager = parts.kv_manager
         self.scheduler = parts.scheduler
+        # a KV connector's loads and saves (None: off); the scheduler calls it, the engine closes it
+        self.kv_transfers = parts.kv_transfers
         self.runner = parts.runner  # rank 0's (the only one without tensor parallelism)
         # runs each step on every rank: the runner itself, or the ranks of a tensor-parallel model
         self.executor = parts.executor
@@ -121,6 +123,8 @@ class LLMEngine:
             if sched.kv_tier_moves:
                 self.executor.move_blocks(sched)
             self.runner.kv_tiers.flush()  # every block file whole before the engine stops
+        if self.kv_transfers is not None:
+            self.kv_transfers.close()  # every queued save written first
         self.structured_outputs.shutdown()
         self.executor.shutdown()
 
@@ -374,6 +378,8 @@ class LLMEngine:
                 self._update(sched, None)
                 for observer in self.observers:
                     observer.after_step(self, sched, None, time.perf_counter() - t0)
+                if self.kv_transfers is not None and self.kv_transfers.has_pending_loads and not self.in_flight:
+                    self.kv_transfers.wait_for_loads(0.005)  # nothing to run but requests whose KV is on its way
                 continue
             self._prepare(sched)  # block moves, grammar rows; raises StepFailedError (rolled back)
             # without lanes the step runs when collected: execute() is the executor's whole step

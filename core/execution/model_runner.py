@@ -15,6 +15,7 @@ from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import ConfigError
 from pagoda.execution import distributed
 from pagoda.host import hugepages
+from pagoda.kv.connector import read_block, write_block
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler
 from pagoda.sampling.structured.bitmask import apply_bitmask_
@@ -198,6 +199,9 @@ class ModelRunner:
         self.timings = timings = dict.fromkeys(("draft", "metadata", "model", "logits", "grammar", "sampling"), 0.0)
         if n == 0:
             return out
+        if sched.kv_connector.loads:  # blocks a KV connector loaded, verified: into the cache first
+            for block, payload in sched.kv_connector.loads:
+                write_block(self.kv_caches, self.block_dim, block, payload)
         if self._failed_load_blocks:
             self._recompute_failed_loads(sched)
         reqs = sched.requests
@@ -227,6 +231,9 @@ class ModelRunner:
                 self.lora.end_pass()
         t2 = clock()
         timings["metadata"], timings["model"] = t1 - t, t2 - t1
+        if sched.kv_connector.saves:  # a finished prefill's blocks, for the KV connector to save
+            out.kv_saved = [(h, read_block(self.kv_caches, self.block_dim, block))
+                            for block, h in sched.kv_connector.saves]
         if hidden is None:  # a pipeline stage before the last: its hidden states went on to the next
             return out
 

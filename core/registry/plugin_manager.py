@@ -20,9 +20,9 @@ from pagoda.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
-                                   KVAllocatorFactory, LoRABackendFactory, ModelArchitectureFactory, ModelLoaderFactory,
-                                   ProposerFactory, QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
-                                   StructuredOutputBackendFactory, ToolParserFactory)
+                                   KVAllocatorFactory, KVConnectorFactory, LoRABackendFactory, ModelArchitectureFactory,
+                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, RouterFactory,
+                                   SamplerFactory, SchedulerFactory, StructuredOutputBackendFactory, ToolParserFactory)
 
 logger = logging.getLogger("pagoda")
 
@@ -38,6 +38,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_model_loaders": "model loader",
     "pagoda_model_architectures": "model architecture",
     "pagoda_kv_allocators": "KV allocator",
+    "pagoda_kv_connectors": "KV connector",
     "pagoda_schedulers": "scheduler",
     "pagoda_attention_backends": "attention backend",
     "pagoda_samplers": "sampler",
@@ -361,6 +362,8 @@ class PluginManager:
     def factory(self, hook_name: Literal["pagoda_model_architectures"], name: str) -> "ModelArchitectureFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_kv_allocators"], name: str) -> "KVAllocatorFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_kv_connectors"], name: str) -> "KVConnectorFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_schedulers"], name: str) -> "SchedulerFactory": ...
     @overload

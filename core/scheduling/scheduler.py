@@ -184,6 +184,8 @@ class Scheduler:
         self._preempted_now: set[str] = set()
         # the step being built leaves these request ids alone (schedule_excluding: steps still in flight)
         self._busy: Container[str] = ()
+        # a KV connector's loads and saves (pagoda.kv.connector.KVTransfers), set by the engine when one is on
+        self.kv_transfers: Any = None
         self.policy = policy(self, **(options or {}))
         missing = [hook for hook in HOOKS if not callable(getattr(self.policy, hook, None))]
         if missing:
@@ -366,6 +368,8 @@ class Scheduler:
     def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int,
                        num_drafts: int = 0) -> None:
         out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts)
+        if self.kv_transfers is not None:
+            self.kv_transfers.note_scheduled(out, req, num_computed, num_new, out.block_tables[-1])
         self._scheduled_now[req.request_id] = num_new
         self.policy.on_request_scheduled(req, num_new)
 
@@ -400,17 +404,25 @@ class Scheduler:
                 num_new = 1
             else:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req)
-                num_new = self._num_new_tokens(req, budget, num_cached)
+                # blocks a KV connector loads instead of this step computing them (see _external_blocks)
+                external = self._external_blocks(req, num_cached)
+                if external is None:
+                    idx += 1  # their reads are still running: it waits, the requests behind it may start
+                    continue
+                num_loaded = len(external) * self.kv.block_size
+                num_new = self._num_new_tokens(req, budget, num_cached + num_loaded)
                 if num_new == 0:
                     break
-                if not self.kv.allocate_slots(req, num_new, computed_blocks):
+                if not self.kv.allocate_slots(req, num_loaded + num_new, computed_blocks):
                     if not self.running:
                         # the whole pool is free and still too small: waiting would never end
                         self._fail_unfittable(req, out)
                         continue
                     break
-                start = num_cached
-                req.num_cached_tokens = max(req.num_cached_tokens, num_cached)
+                if self.kv_transfers is not None:
+                    self._load_external(out, req, num_cached, external)
+                start = num_cached + num_loaded
+                req.num_cached_tokens = max(req.num_cached_tokens, start)
                 if req.sampling_params.n > 1 and req.num_output_tokens == 0:
                     self._prompt_leaders.setdefault(req.parent_id, req)
             self.waiting.pop(idx)
@@ -420,6 +432,21 @@ class Scheduler:
             self._insert(self.running, req, self.policy.running_key)
             self._add_to_output(out, req, num_new, start)
             budget -= num_new
+
+    def _external_blocks(self, req: Sequence, num_cached: int) -> Optional[list]:
+        """With a KV connector: the verified blocks it loads for ``req`` after its ``num_cached`` prefix-cache
+        tokens (``[]``: none), or None while their reads run. Without one: ``[]``."""
+        if self.kv_transfers is None:
+            return []
+        return self.kv_transfers.blocks_for(req, num_cached)
+
+    def _load_external(self, out: SchedulerOutput, req: Sequence, num_cached: int, external: list) -> None:
+        """``req`` started with ``external`` blocks (after its ``num_cached`` tokens) to load: the runner copies
+        them into the blocks it was given for those positions before the step's forward pass."""
+        table = self.kv.block_table(req.request_id)
+        first = num_cached // self.kv.block_size
+        out.kv_connector.loads.extend((table[first + i], payload) for i, (_, payload) in enumerate(external))
+        self.kv_transfers.admitted(req, len(external))
 
     def _fits_lora_slots(self, req: Sequence) -> bool:
         """Whether ``req`` may run beside the running requests without their LoRA adapters exceeding
@@ -559,6 +586,8 @@ class Scheduler:
         requests that gained a token (finished ones included).
         """
         self.policy.on_step_executed(sched, result)
+        if self.kv_transfers is not None and sched.kv_connector.saves:
+            self.kv_transfers.save(sched, result.kv_saved)
         for req in sched.preempted:
             if req.status == SequenceStatus.PREEMPTED:  # by recompute (not swapped, not ended since)
                 req.num_computed_tokens = 0
@@ -614,6 +643,8 @@ class Scheduler:
         """
         for req, error in sched.failed:
             self.fail(req, error)
+        if self.kv_transfers is not None:
+            self.kv_transfers.drop_saves(sched)
         self.kv.reset_prefix_cache()
         for req in list(sched.requests) + list(sched.preempted):
             if req.is_finished or req.status == SequenceStatus.PREEMPTED:
@@ -639,6 +670,8 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self._forget_leader(req)
+        if self.kv_transfers is not None:
+            self.kv_transfers.forget(req)
         self.requests.pop(req.request_id, None)
         self.finished.append(req)
 

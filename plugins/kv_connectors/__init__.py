@@ -1,0 +1,12 @@
+"""Built-in KV connectors, registered through ``pagoda_kv_connectors`` (docs/kv_connectors.md): ``shared-disk``,
+a folder several engines share, and ``tcp``, a block server one engine runs and others reach over TCP."""
+
+from pagoda.markers import hookimpl
+
+
+@hookimpl
+def pagoda_kv_connectors():
+    from pagoda.plugins.kv_connectors.shared_disk import SharedDiskConnector
+    from pagoda.plugins.kv_connectors.tcp import TCPConnector
+
+    return {"shared-disk": SharedDiskConnector.from_config, "tcp": TCPConnector.from_config}
