@@ -216,6 +216,10 @@ class PrometheusExporter:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
         yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
+        transfers = getattr(sched, "kv_transfers", None)
+        if transfers is not None:  # pagoda:kv_connector_*: a KV connector's loads and saves
+            for name, doc in KV_CONNECTOR_COUNTERS:
+                yield counter(f"kv_connector_{name}", doc, getattr(transfers.stats, name))
         yield counter("num_preemptions", "Preemptions of running requests.", sched.num_preemptions)
         if self.lora_info is not None:
             running, waiting = self.lora_info()
@@ -265,6 +269,18 @@ class PrometheusExporter:
         yield histogram("e2e_request_latency_seconds", "Time from arrival to finish.", s.e2e_request_latency)
         yield histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.",
                         s.request_queue_time)
+
+
+KV_CONNECTOR_COUNTERS = (
+    ("lookups", "Requests whose prompt blocks the KV connector's store held some of."),
+    ("blocks_found", "Prompt blocks the store said it held."),
+    ("blocks_loaded", "Prompt blocks loaded from the store instead of computed."),
+    ("blocks_failed", "Blocks found but missing, unreadable or failing their checksum when read: computed."),
+    ("blocks_saved", "Prompt blocks written to the store."),
+    ("save_errors", "Blocks the store refused to save."),
+    ("bytes_loaded", "Bytes of KV loaded from the store."),
+    ("bytes_saved", "Bytes of KV written to the store."),
+)
 
 
 def _kv_offload_metrics(tiers: Any, labels: list[str], values: list[str]) -> Iterator[Any]:

@@ -23,6 +23,8 @@ One check per component kind; each raises :class:`ContractError` saying what bro
   plugin registry; greedy tokens and log-probabilities equal transformers' where transformers knows the name;
 - :func:`check_quant_method`: quantized linear layers against their dequantized (or dense) reference;
 - :func:`check_lora_backend`: every adapter of a mixed batch on its own tokens, base-model rows untouched;
+- :func:`check_kv_connector`: the store keeps values whole by key from many threads, and two real engines hand
+  each other prompt blocks through it with the tokens of an engine alone;
 - :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
 - :func:`check_tool_parser`: answers read whole and streamed in any split agree, and give the calls expected;
 - :class:`StrictContracts` (the fixture ``pagoda_strict_llm``): the engine on the default model with every
@@ -42,6 +44,7 @@ _EXPORTS = {
     "check_architecture": "architecture",
     "check_batch_invariance": "invariance",
     "ContractError": "contract",
+    "check_kv_connector": "kv_connector",
     "check_lora_backend": "lora",
     "check_proposer": "proposer",
     "check_quant_method": "quant",
