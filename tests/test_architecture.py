@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
                 "scheduling"},
 }
 CORE_UNITS = set(ALLOWED) - {"testing"}
-PLUGIN_KINDS = ("schedulers", "attention", "quant", "spec_decode", "entrypoints")
+PLUGIN_KINDS = ("schedulers", "attention", "quant", "spec_decode", "kv_connectors", "entrypoints")
 for kind in PLUGIN_KINDS:  # a plugin uses core (not the conformance kit) and no other plugin kind
     ALLOWED[f"plugins.{kind}"] = set(CORE_UNITS)
 ALLOWED["plugins"] = {"base"}  # the plugins package itself
