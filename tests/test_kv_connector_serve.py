@@ -1,0 +1,89 @@
+"""Two real ``pagoda serve`` processes sharing a KV connector folder: the second answers a prompt the first
+prefilled by loading its blocks, with the same greedy text as the first."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagoda.plugins.entrypoints.server import free_port
+from tiny_models import write_tiny_llama
+
+PAGODA = str(Path(sys.executable).with_name("pagoda"))
+ENV = {**os.environ, "PAGODA_CPU_THREADS": "1"}
+
+pytestmark = pytest.mark.slow
+
+
+def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``pagoda serve`` with ``flags`` on a free port, once /health answers 200."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32",
+                                 "--kv-cache-memory-bytes", str(16 << 20), "--uvicorn-log-level", "warning", *flags],
+                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
+        time.sleep(0.3)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f"pagoda:{name}_total") or line.startswith(f"pagoda:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no pagoda:{name} on {url}/metrics")
+
+
+def test_a_second_server_loads_what_the_first_prefilled_and_answers_the_same(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    write_tiny_llama(model)
+    store = tmp_path / "store"
+    store.mkdir()
+    flags = ("--model", str(model), "--kv-connector", "shared-disk", "--kv-connector-options",
+             f'{{"path": "{store}"}}')
+    servers = []
+    try:
+        servers.append(start_server(tmp_path / "a.log", *flags))
+        servers.append(start_server(tmp_path / "b.log", *flags))
+        (_, url_a), (_, url_b) = servers
+        prompt = "The shared prefix of a long conversation, " * 12
+        answers = []
+        for url in (url_a, url_b):
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+            done = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=12,
+                                             temperature=0.0)
+            answers.append((done.choices[0].text, done.usage))
+            if url == url_a:  # the first server's saves are written off the step: wait for its files
+                deadline = time.monotonic() + 30
+                while metric(url_a, "kv_connector_blocks_saved") < done.usage.prompt_tokens // 16:
+                    assert time.monotonic() < deadline, "the first server saved no blocks"
+                    time.sleep(0.1)
+        (text_a, usage_a), (text_b, usage_b) = answers
+        assert text_b == text_a and text_a
+        loaded = metric(url_b, "kv_connector_blocks_loaded")
+        assert loaded == (usage_b.prompt_tokens - 1) // 16 > 0
+        assert metric(url_b, "kv_connector_blocks_failed") == 0
+        assert metric(url_a, "kv_connector_blocks_loaded") == 0
+        assert len(list(store.glob("*.kvc"))) == usage_a.prompt_tokens // 16
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+        for proc, _ in servers:
+            proc.wait(60)
