@@ -14,7 +14,8 @@ hashes and bytes:
   every block after it, is simply computed: the request's tokens do not change.
 - when a step completes a request's prompt, its full prompt blocks go in ``SchedulerOutput.kv_connector.saves``;
   the runner copies their bytes out after the forward pass (``RunnerOutput.kv_saved``) and :meth:`save` frames
-  and writes them on a connector thread, off the step.
+  and writes them on connector threads, off the step (a prefill instance, role ``prefill``, waits for them
+  before its step ends, so that its answer means the blocks are in the store).
 
 A stored value (the same layout as an offload-tier block file, another magic)::
 
@@ -114,6 +115,9 @@ class KVTransfers:
         self.block_size = block_size
         self.loads_blocks = role in ("both", "decode")
         self.saves_blocks = role in ("both", "prefill")
+        # a prefill instance's step waits for its saves (written in parallel), so that its answer, which sends
+        # the request on to a decode instance, comes once the blocks are there to load
+        self.waits_for_saves = role == "prefill"
         self.stats = KVConnectorStats()
         # request id -> (block hash, key) of its full prompt blocks, in order
         self._chains: dict[str, list[tuple[int, BlockKey]]] = {}
@@ -233,6 +237,7 @@ class KVTransfers:
         """The bytes of the step's saved blocks (``RunnerOutput.kv_saved``): framed and written off the step.
         Blocks of the step's saves that did not come back (a step run again in parts) are not saved."""
         payloads = dict(saved)
+        written = []
         for _, block_hash in sched.kv_connector.saves:
             key = self._save_keys.pop(block_hash, None)
             payload = payloads.get(block_hash)
@@ -243,6 +248,10 @@ class KVTransfers:
             with self._lock:
                 self._saves.add(future)
             future.add_done_callback(self._save_done)
+            written.append(future)
+        if self.waits_for_saves:
+            for future in written:  # a prefill instance answers once its blocks are in the store
+                future.result()
 
     def drop_saves(self, sched: SchedulerOutput) -> None:
         """A step that did not run to the end: its saves are not coming."""
