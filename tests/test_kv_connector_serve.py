@@ -87,3 +87,63 @@ def test_a_second_server_loads_what_the_first_prefilled_and_answers_the_same(tmp
             proc.terminate()
         for proc, _ in servers:
             proc.wait(60)
+
+
+def start_proxy(log: Path, prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PAGODA, "kv-proxy", "--prefill", prefill, "--decode", decode, "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pagoda kv-proxy did not become healthy:\n{log.read_text()}")
+        time.sleep(0.3)
+
+
+def test_the_proxy_prefills_on_one_instance_and_decodes_on_the_other_with_one_engine_s_tokens(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    write_tiny_llama(model)
+    store = tmp_path / "store"
+    store.mkdir()
+    flags = ("--model", str(model), "--kv-connector", "shared-disk", "--kv-connector-options",
+             f'{{"path": "{store}"}}')
+    procs = []
+    try:
+        prefill = start_server(tmp_path / "prefill.log", *flags, "--kv-role", "prefill")
+        procs.append(prefill[0])
+        decode = start_server(tmp_path / "decode.log", *flags, "--kv-role", "decode")
+        procs.append(decode[0])
+        proxy = start_proxy(tmp_path / "proxy.log", prefill[1], decode[1])
+        procs.append(proxy[0])
+        client = openai.OpenAI(base_url=proxy[1] + "/v1", api_key="none")
+        direct = openai.OpenAI(base_url=prefill[1] + "/v1", api_key="none")  # one engine alone, no connector reads
+        name = client.models.list().data[0].id
+        prompt = "A long system prompt that both instances see the same way, " * 10
+        via_proxy = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0.0)
+        other = "Tell me about the shared store, and how the blocks get there. " * 8
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=name, prompt=other, max_tokens=16, temperature=0.0, stream=True) if chunk.choices)
+        alone = direct.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0.0)
+        alone_other = direct.completions.create(model=name, prompt=other, max_tokens=16, temperature=0.0)
+        assert via_proxy.choices[0].text == alone.choices[0].text
+        assert via_proxy.usage.completion_tokens == 16
+        assert streamed == alone_other.choices[0].text and streamed
+        # the decode instance loaded every full prompt block of both requests and computed none of them
+        expected = (via_proxy.usage.prompt_tokens - 1) // 16 + (alone_other.usage.prompt_tokens - 1) // 16
+        assert metric(decode[1], "kv_connector_blocks_loaded") == expected
+        assert metric(decode[1], "kv_connector_blocks_saved") == 0
+        assert metric(prefill[1], "kv_connector_lookups") == 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)

@@ -1,5 +1,6 @@
 """Built-in KV connectors, registered through ``pagoda_kv_connectors`` (docs/kv_connectors.md): ``shared-disk``,
-a folder several engines share, and ``tcp``, a block server one engine runs and others reach over TCP."""
+a folder several engines share, and ``tcp``, a block server one engine runs and others reach over TCP; and the
+``pagoda kv-proxy`` command, which splits each request's prefill and decode between instances sharing one."""
 
 from pagoda.markers import hookimpl
 
@@ -10,3 +11,10 @@ def pagoda_kv_connectors():
     from pagoda.plugins.kv_connectors.tcp import TCPConnector
 
     return {"shared-disk": SharedDiskConnector.from_config, "tcp": TCPConnector.from_config}
+
+
+@hookimpl
+def pagoda_cli_commands():
+    from pagoda.plugins.kv_connectors import proxy
+
+    return {"kv-proxy": proxy.register}
