@@ -277,3 +277,14 @@ def test_a_prefill_instance_only_saves_and_a_decode_instance_only_loads(tiny_mod
     assert generate(decode) == reference
     stats = decode.engine.kv_transfers.stats
     assert stats.blocks_loaded == 3 * BLOCKS_PER_PROMPT and stats.blocks_saved == 0
+
+
+def test_the_connector_example_of_the_docs_meets_the_contract(tiny_model):
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "kv_connectors.md").read_text()
+    source = re.search(r"```python\n(# example: KV connector\n.*?)```", text, flags=re.S).group(1)
+    namespace: dict = {}
+    exec(compile(source, "kv_connectors.md", "exec"), namespace)
+    check_kv_connector(namespace["InProcessConnector"], {"name": "docs-example"}, model=tiny_model)
+    assert namespace["pagoda_kv_connectors"]() == {"in-process": namespace["InProcessConnector"]}
