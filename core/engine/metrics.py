@@ -158,7 +158,8 @@ class PrometheusExporter:
 
     def __init__(self, stats: Optional[EngineStats], scheduler: Any, kv_manager: Any, model_name: str,
                  spec_stats: Any = None, serving_stats: Optional[ServingStats] = None,
-                 lora_info: Optional[Callable[[], tuple[list[str], list[str]]]] = None, max_loras: int = 0) -> None:
+                 lora_info: Optional[Callable[[], tuple[list[str], list[str]]]] = None, max_loras: int = 0,
+                 kv_connector_stats: Any = None) -> None:
         from prometheus_client import CollectorRegistry
 
         self.stats = stats  # None with disable_log_stats: the live gauges and the KV counters only
@@ -169,6 +170,7 @@ class PrometheusExporter:
         self.model_name = model_name
         # LoRA: () -> (running adapters, waiting adapters), and --max-loras; None when LoRA is off
         self.lora_info, self.max_loras = lora_info, max_loras
+        self.kv_connector_stats = kv_connector_stats  # a KV connector's KVConnectorStats, None when off
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -177,7 +179,8 @@ class PrometheusExporter:
         lora = engine.config.lora
         return cls(engine.stats, engine.scheduler, engine.kv_manager, engine.config.model.served_model_name,
                    engine.spec_stats, serving_stats, engine.lora_requests_info if lora is not None else None,
-                   lora.max_loras if lora is not None else 0)
+                   lora.max_loras if lora is not None else 0,
+                   getattr(getattr(engine, "kv_transfers", None), "stats", None))
 
     def render(self) -> bytes:
         """The text exposition format, as served at ``/metrics``."""
@@ -216,10 +219,9 @@ class PrometheusExporter:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)
         yield from _kv_offload_metrics(kv.tiers if has_offload_tiers(kv) else None, labels, values)
-        transfers = getattr(sched, "kv_transfers", None)
-        if transfers is not None:  # pagoda:kv_connector_*: a KV connector's loads and saves
+        if self.kv_connector_stats is not None:  # pagoda:kv_connector_*: a KV connector's loads and saves
             for name, doc in KV_CONNECTOR_COUNTERS:
-                yield counter(f"kv_connector_{name}", doc, getattr(transfers.stats, name))
+                yield counter(f"kv_connector_{name}", doc, getattr(self.kv_connector_stats, name))
         yield counter("num_preemptions", "Preemptions of running requests.", sched.num_preemptions)
         if self.lora_info is not None:
             running, waiting = self.lora_info()
