@@ -288,3 +288,31 @@ def test_the_connector_example_of_the_docs_meets_the_contract(tiny_model):
     exec(compile(source, "kv_connectors.md", "exec"), namespace)
     check_kv_connector(namespace["InProcessConnector"], {"name": "docs-example"}, model=tiny_model)
     assert namespace["pagoda_kv_connectors"]() == {"in-process": namespace["InProcessConnector"]}
+
+
+def test_the_block_server_runs_as_a_process_of_its_own(tmp_path):
+    import subprocess
+    import sys
+
+    from pagoda.plugins.entrypoints.server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("pagoda")), "kv-server", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert f"serving KV blocks on 127.0.0.1:{port}" in proc.stdout.readline()
+        check_kv_connector(TCPConnector.from_config, {"port": port}, engines=False)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_in_bf16_with_the_batch_invariant_mode_the_loading_engine_gives_one_engine_s_tokens(tiny_model, tmp_path):
+    bf16 = dict(OPTIONS, dtype="bfloat16", batch_invariant=True)
+    alone = generate(LLM(model=tiny_model, **bf16))
+    a = disk_engine(tiny_model, tmp_path, **bf16)
+    assert generate(a) == alone
+    a.engine.kv_transfers.flush()
+    b = disk_engine(tiny_model, tmp_path, **bf16)
+    assert generate(b) == alone
+    assert b.engine.kv_transfers.stats.blocks_loaded == 3 * BLOCKS_PER_PROMPT

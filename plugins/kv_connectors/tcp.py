@@ -2,8 +2,8 @@
 one host) that share no folder.
 
 One engine runs the server (``"serve": true``, a thread in its process holding the blocks in memory, the
-least recently used dropped past ``max_size_gb``); every engine, that one included, is a client of
-``host:port``. The protocol is a request and an answer per round trip, each field length-prefixed,
+least recently used dropped past ``max_size_gb``), or ``pagoda kv-server`` runs it as a process of its own;
+every engine is a client of ``host:port``. The protocol is a request and an answer per round trip, each field length-prefixed,
 little-endian::
 
     LOOKUP  b"L", u32 count, count x (u16 length, key)   ->  u32 how many of the keys, from the first, it holds
@@ -218,3 +218,28 @@ class TCPConnector:
             self._local.sock = None  # a broken or half-read connection is never reused
             sock.close()
             raise
+
+
+def register_server_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser("kv-server", help="a block server for the tcp KV connector",
+                                   description="Holds KV blocks in memory for engines started with --kv-connector "
+                                               "tcp (docs/kv_connectors.md).")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=7100, help="port to listen on (default 7100)")
+    parser.add_argument("--max-size-gb", type=float, default=4.0,
+                        help="GiB of blocks kept, the least recently used dropped first (default 4)")
+    parser.set_defaults(func=_serve)
+
+
+def _serve(args: Any) -> int:
+    if args.max_size_gb <= 0:
+        raise SystemExit(f"pagoda kv-server: error: --max-size-gb {args.max_size_gb:g} must be positive")
+    server = BlockServer(args.host, args.port, int(args.max_size_gb * (1 << 30)))
+    print(f"pagoda kv-server: serving KV blocks on {args.host}:{server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
