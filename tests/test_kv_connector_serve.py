@@ -142,6 +142,18 @@ def test_the_proxy_prefills_on_one_instance_and_decodes_on_the_other_with_one_en
         assert metric(decode[1], "kv_connector_blocks_loaded") == expected
         assert metric(decode[1], "kv_connector_blocks_saved") == 0
         assert metric(prefill[1], "kv_connector_lookups") == 0
+
+        # a prefill instance that is gone costs the decode instance the prompt, not the request
+        third = "A prompt the prefill instance never sees, since it stops first. " * 6
+        alone_third = direct.completions.create(model=name, prompt=third, max_tokens=16, temperature=0.0)
+        prefill[0].terminate()
+        prefill[0].wait(60)
+        for path in store.glob("*.kvc"):  # (the direct answer saved the prompt's blocks: the decode must compute)
+            path.unlink()
+        assert httpx.get(proxy[1] + "/health", timeout=30).status_code == 503
+        via_proxy = client.completions.create(model=name, prompt=third, max_tokens=16, temperature=0.0)
+        assert via_proxy.choices[0].text == alone_third.choices[0].text
+        assert metric(decode[1], "kv_connector_blocks_loaded") == expected  # nothing more to load
     finally:
         for proc in procs:
             proc.terminate()
