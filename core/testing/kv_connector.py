@@ -8,7 +8,7 @@ import threading
 from typing import Any, Optional
 
 from pagoda.interfaces import KVConnectorFactory
-from pagoda.testing.contract import ContractError, Where
+from pagoda.testing.contract import Where
 
 _PROMPT_TOKENS = 70  # four full blocks of 16 and a tail: four blocks to save and load
 
@@ -24,7 +24,7 @@ def check_kv_connector(factory: KVConnectorFactory, options: Optional[dict[str, 
     on ``model`` (default: pagoda's default model, float32) run prompts through it: the first saves their
     blocks, the second (or, without ``shared``, the same engine with prefix caching off) must load every full
     prompt block from the store and give exactly the greedy tokens of an engine without a connector.
-    Raises ContractError."""
+    Raises :class:`pagoda.testing.ContractError`."""
     name = getattr(factory, "__name__", repr(factory))
     options = dict(options or {})
     config = _engine_config(model)

@@ -3,8 +3,8 @@ one host) that share no folder.
 
 One engine runs the server (``"serve": true``, a thread in its process holding the blocks in memory, the
 least recently used dropped past ``max_size_gb``), or ``pagoda kv-server`` runs it as a process of its own;
-every engine is a client of ``host:port``. The protocol is a request and an answer per round trip, each field length-prefixed,
-little-endian::
+every engine is a client of ``host:port``. The protocol is a request and an answer per round trip, each field
+length-prefixed, little-endian::
 
     LOOKUP  b"L", u32 count, count x (u16 length, key)   ->  u32 how many of the keys, from the first, it holds
     GET     b"G", u16 length, key                       ->  u64 length (2**64 - 1: none), value
