@@ -1,7 +1,8 @@
 """The architectures beyond Llama with the engine's other features: speculative decoding with a draft of the same
 family (a tiny random one-layer checkpoint of the same config class and vocabulary), structured outputs (alone
-and under speculation), the KV offload tier (on four architectures) and two pipeline stages (on three). Each gives the plain engine's greedy tokens
-on the same checkpoint (float32); the plain engine's tokens are transformers' (test_model_composition.py)."""
+and under speculation), the KV offload tier (on four architectures) and two pipeline stages (on three). Each gives
+the plain engine's greedy tokens on the same checkpoint (float32); the plain engine's tokens are transformers'
+(test_model_composition.py)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Dense architectures with a quantized checkpoint and with LoRA: a tiny random checkpoint of each (Qwen3, Gemma 2
 and 3, OLMo 2, Granite, SmolLM3) written by transformers, quantized by contrib/quant-tools/quantize_rtn.py (GPTQ
 4-bit, or AWQ for some), gives transformers' greedy tokens on the weights the tool dequantizes them to; a PEFT
-adapter over every projection gives the tokens of PEFT's merged model. Phi-3's adapters target its fused qkv_proj
-and gate_up_proj themselves. What pagoda refuses (LoRA on Mixture-of-Experts models) is tested in
+adapter over every projection gives the tokens of PEFT's merged model. Phi-3's checkpoint stores qkv_proj and
+gate_up_proj fused: quantized so (GPTQ and AWQ), pagoda splits the packed tensors, and its adapters target them. What pagoda refuses (LoRA on Mixture-of-Experts models) is tested in
 test_moe_models.py."""
 
 from __future__ import annotations
@@ -71,13 +71,10 @@ def _tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_a_quantized_checkpoint_gives_the_tokens_of_its_dequantized_weights(checkpoint, tmp_path):
-    arch, src = checkpoint
-    fmt, group = FORMATS[arch]
-    out = tmp_path / fmt
-    rtn.main([str(out), "--src", str(src), "--group", str(group), "--format", fmt])
+def _check_against_dequantized(src: Path, out: Path, label: str) -> None:
+    """pagoda on the quantized checkpoint ``out`` gives transformers' tokens on ``src`` with the weights the tool
+    dequantized, and the first step's log-probability."""
     dequant = load_file(str(out / "reference" / "dequant.safetensors"))
-    assert len(dequant) == 2 * 7  # every projection of both layers (not the q/k norms)
     reference = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32,
                                                      attn_implementation="eager").eval()
     with torch.no_grad():
@@ -94,9 +91,47 @@ def test_a_quantized_checkpoint_gives_the_tokens_of_its_dequantized_weights(chec
             ref = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                                      do_sample=False, output_logits=True, return_dict_in_generate=True)
             ref_tokens = ref.sequences[0, len(prompt):].tolist()
-            assert list(got.outputs[0].token_ids) == ref_tokens, f"{arch} ({fmt})"
+            assert list(got.outputs[0].token_ids) == ref_tokens, label
             first = torch.log_softmax(ref.logits[0][0].float(), -1)[ref_tokens[0]].item()
             assert got.outputs[0].logprobs[0][ref_tokens[0]].logprob == pytest.approx(first, abs=2e-3)
+
+
+def test_a_quantized_checkpoint_gives_the_tokens_of_its_dequantized_weights(checkpoint, tmp_path):
+    arch, src = checkpoint
+    fmt, group = FORMATS[arch]
+    out = tmp_path / fmt
+    rtn.main([str(out), "--src", str(src), "--group", str(group), "--format", fmt])
+    assert len(load_file(str(out / "reference" / "dequant.safetensors"))) == 2 * 7  # every projection, not norms
+    _check_against_dequantized(src, out, f"{arch} ({fmt})")
+
+
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory) -> Path:
+    """Phi-4-mini's partial rotary factor; qkv_proj stacks 64 + 32 + 32 rows, gate_up_proj 96 + 96."""
+    default_dir = ensure_default_model()
+    vocab = len(transformers.AutoTokenizer.from_pretrained(str(default_dir)))
+    config = transformers.Phi3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                     max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,
+                                     eos_token_id=2)
+    torch.manual_seed(8)
+    base = tmp_path_factory.mktemp("phi3")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(base))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_dir / name, base / name)
+    return base
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_a_quantized_phi3_stores_its_fused_layers_quantized_and_pagoda_splits_them(phi3_dir, tmp_path, fmt):
+    """GPTQ's qzeros and AWQ's qweight and qzeros pack 8 output channels per int32: each shard is cut at its
+    words; GPTQ's g_idx is every shard's."""
+    out = tmp_path / fmt
+    rtn.main([str(out), "--src", str(phi3_dir), "--group", "32", "--format", fmt])
+    quantized = load_file(str(out / "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.qweight" in quantized
+    assert "model.layers.0.mlp.gate_up_proj.qweight" in quantized
+    _check_against_dequantized(phi3_dir, out, f"phi3 ({fmt})")
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +157,8 @@ def test_a_lora_adapter_gives_the_merged_models_tokens(checkpoint, adapter):
         assert _tokens(outputs) == expected + base_expected, f"{arch} on the {lora_backend} LoRA backend"
 
 
-def test_a_lora_adapter_of_phi3s_fused_projections_gives_the_merged_models_tokens(tmp_path_factory):
-    default_dir = ensure_default_model()
-    vocab = len(transformers.AutoTokenizer.from_pretrained(str(default_dir)))
-    config = transformers.Phi3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
-                                     max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,
-                                     eos_token_id=2)
-    torch.manual_seed(8)
-    base = tmp_path_factory.mktemp("phi3")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(base))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_dir / name, base / name)
+def test_a_lora_adapter_of_phi3s_fused_projections_gives_the_merged_models_tokens(phi3_dir, tmp_path_factory):
+    base = phi3_dir
     adapter = make_adapter(base, tmp_path_factory.mktemp("phi3-adapter"), seed=4, r=8,
                            targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     expected = hf_greedy(base, adapter, PROMPTS, MAX_TOKENS)

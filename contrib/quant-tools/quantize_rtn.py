@@ -41,7 +41,8 @@ from safetensors.torch import load_file, save_file
 from pagoda.plugins.quant.packing import pack_awq, pack_int32
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+           "self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3 stores these two fused
 # a Mixture-of-Experts checkpoint's experts, one tensor per expert and projection (Mixtral's w1/w2/w3, Qwen-MoE's)
 EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
