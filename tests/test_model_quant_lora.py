@@ -2,8 +2,8 @@
 and 3, OLMo 2, Granite, SmolLM3) written by transformers, quantized by contrib/quant-tools/quantize_rtn.py (GPTQ
 4-bit, or AWQ for some), gives transformers' greedy tokens on the weights the tool dequantizes them to; a PEFT
 adapter over every projection gives the tokens of PEFT's merged model. Phi-3's checkpoint stores qkv_proj and
-gate_up_proj fused: quantized so (GPTQ and AWQ), pagoda splits the packed tensors, and its adapters target them. What pagoda refuses (LoRA on Mixture-of-Experts models) is tested in
-test_moe_models.py."""
+gate_up_proj fused: quantized so (GPTQ and AWQ), pagoda splits the packed tensors, and its adapters target them.
+What pagoda refuses (LoRA on Mixture-of-Experts models) is tested in test_moe_models.py."""
 
 from __future__ import annotations
 
