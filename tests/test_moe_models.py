@@ -118,13 +118,50 @@ def test_moe_checkpoints_match_hf_greedy_tokens_and_first_logprobs(write_checkpo
 
 @pytest.mark.parametrize("options, message", [
     (dict(enable_lora=True, max_loras=1, max_lora_rank=8), "supports_lora = False.*--enable-lora"),
-    (dict(quantization="int8"), "does not load quantized checkpoints.*unquantized checkpoint"),
+    (dict(quantization="int8"), "loads GPTQ and AWQ Mixture-of-Experts checkpoints, not Int8Config.*unquantized"),
 ])
-def test_lora_and_quantization_on_a_moe_model_are_refused_at_start_up(write_checkpoint, options, message):
+def test_lora_and_online_quantization_of_a_moe_model_are_refused_at_start_up(write_checkpoint, options, message):
     ckpt_dir, _ = write_checkpoint("mixtral-4x2")
     with pytest.raises(ConfigError, match=message):
         LLM(model=str(ckpt_dir), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1,
             **options)
+
+
+@pytest.mark.parametrize("fmt, group", [("gptq", 32), ("awq", 8)])
+def test_a_quantized_mixtral_gives_the_tokens_of_its_dequantized_weights(write_checkpoint, tmp_path, fmt, group):
+    """contrib/quant-tools/quantize_rtn.py quantizes the attention and every expert (4-bit; GPTQ's group of 32
+    leaves the down projections' 72 inputs a short last group); transformers on the checkpoint with the tool's
+    dequantized weights is the reference."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location(
+        "quantize_rtn", Path(__file__).parents[1] / "contrib" / "quant-tools" / "quantize_rtn.py")
+    rtn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rtn)
+    ckpt_dir, _ = write_checkpoint("mixtral-4x2")
+    out = tmp_path / fmt
+    rtn.main([str(out), "--src", str(ckpt_dir), "--group", str(group), "--format", fmt])
+    dequant = load_file(str(out / "reference" / "dequant.safetensors"))
+    assert sum(".experts." in name for name in dequant) == 2 * 4 * 3  # every expert's three projections
+    reference_dir = tmp_path / "dequantized"
+    reference_dir.mkdir()
+    shutil.copy(ckpt_dir / "config.json", reference_dir / "config.json")
+    save_file({**load_file(str(ckpt_dir / "model.safetensors")), **dequant}, str(reference_dir / "model.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(str(reference_dir), dtype=torch.float32,
+                                                     attn_implementation="eager", experts_implementation="eager")
+    reference.eval().generation_config.eos_token_id = None
+    llm = LLM(model=str(out), dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20, cpu_threads=1)
+    assert llm.engine.runner.model.layers[0].qkv_proj.int_bits == 4  # the attention runs quantized
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, got in zip(PROMPTS, outputs):
+        ref_ids, ref_first = hf_greedy(reference, prompt)
+        assert got.outputs[0].token_ids == ref_ids, f"{fmt}: a prompt of {len(prompt)} tokens"
+        for tid, lp in got.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - float(ref_first[tid])) < LOGPROB_ATOL, (fmt, tid)
 
 
 def test_gpt_oss_mxfp4_checkpoint_is_refused_with_the_field_named():

@@ -4,12 +4,13 @@
         [--asym] [--format gptq|awq] [--reference]
 
 No calibration data and no tool beyond pagoda and torch: every linear of the
-decoder layers is cut into groups of ``--group`` input columns, and each group
-gets one scale (and zero point) from its own minimum and maximum, the way
-GPTQ's ``find_params`` does before any error feedback. Everything else
-(embeddings, norms, a tied or separate LM head) is copied unchanged. SRC
-defaults to the default model (SmolLM2-135M-Instruct, converted into pagoda's
-cache on first use).
+decoder layers (a Mixture-of-Experts model's experts too, not its router) is
+cut into groups of ``--group`` input columns, and each group gets one scale
+(and zero point) from its own minimum and maximum, the way GPTQ's
+``find_params`` does before any error feedback. Everything else (embeddings,
+norms, a tied or separate LM head) is copied unchanged. SRC defaults to the
+default model (SmolLM2-135M-Instruct, converted into pagoda's cache on first
+use).
 
 Formats (the tensors pagoda's loaders, vLLM and transformers read):
 - ``gptq`` (default): ``qweight``/``qzeros``/``scales``/``g_idx``, symmetric by
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -39,7 +41,10 @@ from safetensors.torch import load_file, save_file
 from pagoda.plugins.quant.packing import pack_awq, pack_int32
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+           "self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3 stores these two fused
+# a Mixture-of-Experts checkpoint's experts, one tensor per expert and projection (Mixtral's w1/w2/w3, Qwen-MoE's)
+EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
           "special_tokens_map.json")
 
@@ -123,7 +128,7 @@ def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str) ->
     for file in files:
         for key, value in load_file(str(file)).items():
             module = key[: -len(".weight")]
-            if not (key.endswith(".weight") and module.endswith(LINEARS)):
+            if not (key.endswith(".weight") and (module.endswith(LINEARS) or EXPERT.search(module))):
                 tensors[key] = value
                 continue
             check_shapes(key, value, bits, group, fmt)

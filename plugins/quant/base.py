@@ -116,6 +116,8 @@ def output_sharded_loader(layer: nn.Module, method: str, out_dim: int, pack: int
         target.copy_(loaded.to(target.dtype))
         mark_loaded(layer, name)
 
+    # how a checkpoint that stores the fused layer itself is cut into its shards (the dense loader reads these)
+    load.out_dim, load.out_pack = out_dim, pack
     return load
 
 
@@ -158,6 +160,7 @@ def per_shard_loader(layer: nn.Module, method: str, expected_dtype: Optional[tor
         target.copy_(loaded.to(target.dtype))
         mark_loaded(layer, name)
 
+    load.same_for_every_shard = True  # a fused layer's one tensor (g_idx, a scalar) fills every shard's slot
     return load
 
 

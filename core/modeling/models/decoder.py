@@ -454,15 +454,7 @@ class DecoderForCausalLM(nn.Module):
             module = self._module_of(target)
             if shard is None and isinstance(module, Linear) and len(module.full_output_sizes) > 1:
                 # the checkpoint stores the fused layer itself: its shards, one after the other
-                if not target.endswith((".weight", ".bias")):
-                    raise CheckpointError(f"tensor {name!r}: this checkpoint stores {module.prefix} fused and "
-                                          "quantized, which pagoda does not split yet; use the unquantized "
-                                          "checkpoint (or quantize it online, e.g. --quantization int8)")
-                sizes = module.full_output_sizes
-                if tensor.shape[0] != sum(sizes):
-                    raise CheckpointError(f"tensor {name!r} has {tensor.shape[0]} rows; {module.prefix} stacks "
-                                          f"{sizes} (the checkpoint does not match its config.json)")
-                for i, part in enumerate(tensor.split(sizes, dim=0)):
+                for i, part in enumerate(self._fused_parts(module, param, target, tensor, name)):
                     self._load_one(param, part, i, name)
                     loaded.add(f"{target}#{i}")
                 continue
@@ -485,6 +477,32 @@ class DecoderForCausalLM(nn.Module):
                 module.process_weights_after_loading()
         if self.lm_head is None and self.stage.is_last:
             self._logits.packed_tied(self.embed_tokens)  # packed now, not in the first request's step
+
+    @staticmethod
+    def _fused_parts(module: nn.Module, param: nn.Parameter, target: str, tensor: torch.Tensor,
+                     name: str) -> list[torch.Tensor]:
+        """A fused layer's checkpoint tensor cut into its shards along the output dimension: rows of a dense
+        weight or bias, or a quantized tensor's output entries (``out_pack`` channels per packed int32 word, as
+        its quant method's loader says); a tensor that runs over the inputs only (GPTQ's g_idx) is every shard's."""
+        sizes = module.full_output_sizes
+        loader = getattr(param, "weight_loader", None)
+        if target.endswith((".weight", ".bias")) and not hasattr(loader, "out_dim"):
+            dim, pack = 0, 1
+        elif hasattr(loader, "out_dim"):
+            dim, pack = loader.out_dim, loader.out_pack
+        elif getattr(loader, "same_for_every_shard", False):
+            return [tensor] * len(sizes)
+        else:
+            raise CheckpointError(f"tensor {name!r}: this checkpoint stores {module.prefix} fused and quantized in a "
+                                  "way pagoda does not split; use the unquantized checkpoint (or quantize it "
+                                  "online, e.g. --quantization int8)")
+        if any(size % pack for size in sizes):
+            raise CheckpointError(f"tensor {name!r}: {module.prefix} stacks {sizes} output channels, which do not "
+                                  f"fall on whole words of {pack} packed channels; this fused layer cannot be split")
+        if tensor.dim() <= dim or tensor.shape[dim] * pack != sum(sizes):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}; {module.prefix} stacks {sizes} "
+                                  f"output channels along dim {dim} (the checkpoint does not match its config.json)")
+        return list(tensor.split([size // pack for size in sizes], dim=dim))
 
     def _module_of(self, pname: str) -> nn.Module:
         return self.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else self

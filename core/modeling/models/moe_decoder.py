@@ -17,8 +17,10 @@ from pagoda.modeling.models.decoder import DecoderForCausalLM, DecoderLayer, Dec
 
 # model.layers.N.(mlp|block_sparse_moe).experts.REST
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(.+)$")
-# REST for one expert's projection: E.gate_proj.weight (Qwen), E.w1.weight (Mixtral), ...
-_ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias)$")
+# REST for one expert's projection: E.gate_proj.weight (Qwen), E.w1.weight (Mixtral), ...; a GPTQ/AWQ checkpoint's
+# E.w1.qweight, qzeros, scales and g_idx
+_ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
+_QUANTIZED = ("qweight", "qzeros", "scales", "g_idx")
 _PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -76,18 +78,20 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     ``DecoderSpec.extra["moe"]``."""
 
     layer_class = MoeDecoderLayer
-    # LoRA and quant methods act on linear layers; the experts are not ones (start-up refuses both)
+    # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ or AWQ checkpoint's
+    # attention layers run quantized, and its experts are dequantized at load (see dequantize_expert)
     supports_lora = False
-    supports_quantization = False
     # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
     checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
                           ".mlp.router.": ".mlp.moe.router.", ".mlp.shared_expert.": ".mlp.moe.shared_expert.",
                           ".mlp.shared_expert_gate.": ".mlp.moe.shared_expert_gate."}
 
     def __init__(self, cfg: Any, backend: Any, quant: Any = None) -> None:
-        if quant is not None:
-            raise ConfigError(f"{type(self).__name__}: pagoda does not load quantized Mixture-of-Experts checkpoints "
-                              "yet (GPTQ, AWQ, compressed-tensors, fp8, int8); use the unquantized checkpoint")
+        if quant is not None and type(quant).__name__ not in ("GPTQConfig", "AWQConfig"):
+            raise ConfigError(f"{type(self).__name__}: pagoda loads GPTQ and AWQ Mixture-of-Experts checkpoints, not "
+                              f"{type(quant).__name__} (compressed-tensors, fp8 and online int8 are not applied to "
+                              "experts yet); use the unquantized checkpoint, or a GPTQ or AWQ one")
+        self.quant = quant
         if getattr(cfg, "batch_invariant", False):
             raise ConfigError(f"--batch-invariant covers dense models; {type(self).__name__} routes tokens to "
                               "experts, whose grouped matmuls depend on the batch: drop --batch-invariant")
@@ -110,6 +114,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                                   f"e.g. {missing[:3]}")
 
     def _experts_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        quantized: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}  # (layer, expert, part) -> tensors
         for name, tensor in weights:
             match = _EXPERT_TENSOR.match(name)
             if match is None:
@@ -123,11 +128,20 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                                       f"{len(self.layers)} layers")
             experts = self.experts_of(layer)
             one = _ONE_EXPERT.match(rest)
-            if one is not None:
+            if one is not None and one.group(3) in _QUANTIZED:
+                if self.quant is None:
+                    raise CheckpointError(f"checkpoint tensor {name!r} is a quantized expert's, but config.json has no "
+                                          "quantization_config saying how it is packed")
+                key = (layer, int(one.group(1)), _PARTS[one.group(2)])
+                quantized.setdefault(key, {"name": name[: -len(one.group(3)) - 1]})[one.group(3)] = tensor
+            elif one is not None:
                 part = _PARTS[one.group(2)] + ("_bias" if one.group(3) == "bias" else "")
                 experts.load_expert(part, int(one.group(1)), tensor, name)
             else:
                 self._load_stacked(experts, rest, tensor, name)
+        for (layer, expert, part), tensors in quantized.items():
+            name = tensors.pop("name")
+            self.experts_of(layer).load_expert(part, expert, dequantize_expert(self.quant, tensors, name), name)
 
     @staticmethod
     def _load_stacked(experts: FusedMoE, rest: str, tensor: torch.Tensor, name: str) -> None:
@@ -149,6 +163,37 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             experts.load_stacked("down_bias", tensor, name)
         else:
             raise CheckpointError(f"checkpoint tensor {name!r} is not an expert tensor pagoda knows")
+
+
+def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """One expert projection of a GPTQ or AWQ checkpoint (``qweight``, ``qzeros``, ``scales``, GPTQ's optional
+    ``g_idx``) as float32 ``[out, in]``: ``W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]`` with ``g(i)`` the input
+    column's group. The experts then hold the model's dtype: the attention layers stay quantized, the experts take
+    the unquantized model's memory."""
+    from pagoda.plugins.quant.packing import unpack_awq, unpack_int32
+
+    missing = [t for t in ("qweight", "qzeros", "scales") if t not in tensors]
+    if missing:
+        raise CheckpointError(f"quantized expert {name!r} has no {', '.join(missing)} tensor(s) in the checkpoint")
+    gptq = type(quant).__name__ == "GPTQConfig"
+    if gptq:
+        q = unpack_int32(tensors["qweight"], quant.bits, dim=0)  # [in, out]
+        zeros = unpack_int32(tensors["qzeros"], quant.bits, dim=1) + quant.zero_offset  # [G, out]
+    else:
+        q, zeros = unpack_awq(tensors["qweight"]), unpack_awq(tensors["qzeros"])
+    n_in, scales = q.shape[0], tensors["scales"].float()
+    group = n_in if quant.group_size == -1 else quant.group_size
+    if gptq and "g_idx" in tensors:
+        g_idx = tensors["g_idx"].long()
+    elif gptq and quant.desc_act:
+        raise CheckpointError(f"{name}: the config sets desc_act but the checkpoint has no g_idx tensor")
+    else:
+        g_idx = torch.arange(n_in) // group
+    if scales.shape[0] != zeros.shape[0] or scales.shape[1] != q.shape[1] or int(g_idx.max()) >= scales.shape[0]:
+        raise CheckpointError(f"quantized expert {name!r}: qweight {tuple(tensors['qweight'].shape)}, qzeros "
+                              f"{tuple(tensors['qzeros'].shape)} and scales {tuple(scales.shape)} do not fit together "
+                              f"for {quant.bits}-bit groups of {group}")
+    return ((q.float() - zeros[g_idx].float()) * scales[g_idx]).t().contiguous()
 
 
 def sparse_layers(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
