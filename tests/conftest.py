@@ -13,6 +13,10 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # sleeping, not spinning, OpenMP threads (the pagoda command chooses a policy itself; importing pagoda does not)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# one compute thread per engine, including the `pagoda serve` processes tests start: the two workers share two
+# cores, and the thread count an engine measures when none is set costs each start seconds of bf16 matmuls on an
+# AVX2 CPU (3.5 s of a 4 s start of the default model). The tests of that measurement unset it themselves.
+os.environ.setdefault("PAGODA_CPU_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
