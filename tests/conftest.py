@@ -13,6 +13,10 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # sleeping, not spinning, OpenMP threads (the pagoda command chooses a policy itself; importing pagoda does not)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# one compute thread per engine, including the `pagoda serve` processes tests start: the two workers share two
+# cores, and the thread count an engine measures when none is set costs each start seconds of bf16 matmuls on an
+# AVX2 CPU (3.5 s of a 4 s start of the default model). The tests of that measurement unset it themselves.
+os.environ.setdefault("PAGODA_CPU_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -37,13 +41,19 @@ def ray_cluster():
 
 # --- the suite's time and memory: what `make test` prints at its end -------------------------------------------
 
-# Test files whose tests take the most CPU time (measured one file at a time on the 2-core AVX2 EPYC, slowest
-# first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long file that starts
-# last keeps one worker busy while the other has nothing left: these start first, every other file after them in
-# its usual order (the Makefile turns off xdist's own reordering by number of tests per file).
-LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_replicas.py", "test_structured_outputs_speculative.py",
-                    "test_lm_eval.py", "test_tool_calling_clients.py", "test_pipeline_parallel.py",
-                    "test_lora_tensor_parallel.py", "test_server_openapi.py")
+# Test files whose tests take the most time (the "longest test files" of the last CI run on the 2-core AVX2 EPYC,
+# longest first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long file that
+# starts last keeps one worker busy while the other has nothing left: these start first, longest first, every other
+# file (each under about 75 s there) after them in its usual order, so the two workers end within about a file of
+# each other (the Makefile turns off xdist's own reordering by number of tests per file).
+LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_structured_outputs_speculative.py", "test_replicas.py",
+                    "test_attention_backends.py", "test_pipeline_parallel.py", "test_cli.py", "test_server_cli.py",
+                    "test_spec_decode.py", "test_bench_workloads.py", "test_lora_tensor_parallel.py",
+                    "test_engine.py", "test_model_composition.py", "test_structured_outputs.py",
+                    "test_kv_cache_fp8.py", "test_server_openapi.py", "test_tensor_parallel_quant.py",
+                    "test_all_reduce.py", "test_tool_calling_clients.py", "test_plugin_manager.py",
+                    "test_moe_models.py", "test_plugin_guide.py", "test_moe_layer.py", "test_bench_soak.py",
+                    "test_models.py", "test_lora_cpu.py", "test_lm_eval.py")
 
 
 def pytest_addoption(parser):

@@ -128,7 +128,7 @@ def checked_llm(seen: set, model: str, **kwargs) -> LLM:
                    cpu_threads=1, kv_allocator="checked-paged", scheduling_policy="checked-fcfs",
                    attention_backend="checked-cpu", sampler="checked-default", load_format="checked-safetensors",
                    distributed_executor_backend="checked-uni",
-                   # 64 MiB (the default model's ~1,400 tokens): an engine zeroes, and so holds, its whole KV cache
+                   # 64 MiB (the default model's ~1,400 tokens), ample for these requests
                    kv_cache_memory_bytes=64 << 20)
     options.update(kwargs)
     return LLM(plugin_manager=checked_plugin_manager(seen), **options)

@@ -149,7 +149,8 @@ def test_a_measured_thread_count_is_re_measured_after_steps_that_ran_when_re_che
 
 
 @pytest.mark.skipif(available_cores() == 1, reason="one core: nothing to re-measure")
-def test_held_threads_are_not_re_measured(engine_config):
+def test_held_threads_are_not_re_measured(monkeypatch, engine_config):
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
     tuning = host.HostTuning(engine_config(thread_recheck_seconds=1e-9))
     tuning.governor._measure = lambda: pytest.fail("re-measured held threads")
     tuning.hold_threads()
@@ -159,6 +160,7 @@ def test_held_threads_are_not_re_measured(engine_config):
 
 def test_by_default_the_tuning_has_nothing_to_do_per_step(monkeypatch, engine_config):
     monkeypatch.delenv("PAGODA_THREAD_RECHECK_SECONDS", raising=False)
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
     assert not host.HostTuning(engine_config(cpu_threads=1)).observes_steps  # huge pages on, the default
     assert not host.HostTuning(engine_config()).observes_steps  # a measured count is not re-checked
 

@@ -25,8 +25,7 @@ def small_trace(n: int = 16) -> list[TraceRequest]:
 def test_calibrate_then_compare_real_reports_the_simulator_s_error_against_a_real_run(tiny_dir, tmp_path, capsys):
     trace_path = tmp_path / "trace.jsonl"
     save_trace(small_trace(), trace_path)
-    # a KV cache of 64 MiB (half a million tokens of the tiny model): the default 2 GiB is zeroed, and so held, by
-    # each engine the command builds
+    # a KV cache of 64 MiB (half a million tokens of the tiny model), ample for the trace
     args = ["simulate", "--trace", str(trace_path), "--model", str(tiny_dir), "--load-format", "dummy",
             "--cpu-threads", "1", "--kv-cache-space", "0.0625", "--cost-model", str(tmp_path / "cm.json"), "--calibrate", "--quick-calibration",
             "--compare-real", "--json"]

@@ -9,7 +9,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ConfigError
 
-# 128 MiB of KV cache, ample for these prompts: an engine zeroes, and so holds, the whole cache (2 GiB by default)
+# 128 MiB of KV cache, ample for these prompts
 KV = 128 << 20
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 4}

@@ -14,7 +14,7 @@ from pagoda.config import EngineConfig
 from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import ConfigError
 from pagoda.execution import distributed
-from pagoda.host import hugepages
+from pagoda.host import hugepages, malloc
 from pagoda.kv.connector import read_block, write_block
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler
@@ -40,14 +40,16 @@ class ModelRunner:
         kv_dtype = stored_kv_dtype(backend, config.model.dtype)
         # pipeline parallelism: this process's stage, which keeps the K/V of its own layers only
         self.stage = distributed.current_stage()
-        # zeroed (masked-out slots are multiplied by 0 and must not hold NaN), after asking for huge
-        # pages so the first touch already gets them
-        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
-                          for _ in range(self.stage.num_layers(config.model.num_layers))]
+        # zeros (masked-out slots are multiplied by 0 and must not hold NaN); on the CPU zero pages the kernel
+        # maps on first touch, so a start writes nothing and only the blocks in use become resident; huge pages
+        # are asked for before that first touch
+        num_layers = self.stage.num_layers(config.model.num_layers)
+        if self.device.type == "cpu":
+            self.kv_caches = [malloc.zero_pages(tuple(shape), kv_dtype) for _ in range(num_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
         if config.host.huge_pages:
             hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
-        for cache in self.kv_caches:
-            cache.zero_()
         # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape
         one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
         self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)

@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
+import mmap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when used: pagoda.host.settings imports this module before torch may be loaded
+    import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
@@ -37,3 +43,19 @@ def keep_freed_memory() -> bool:
     ok &= mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     ok &= mallopt(_M_TOP_PAD, TOP_PAD) == 1
     return bool(ok)
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros that costs nothing until it is used: its memory is an anonymous mapping of its own,
+    which the kernel hands out as zero pages on first touch, so nothing is written at allocation and only the
+    pages a program writes become resident (a 2 GiB KV cache of which a short run uses a few blocks holds a few
+    MiB). Reading an untouched page reads zeros, as from a zeroed tensor. The tensor keeps its mapping alive."""
+    import torch
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # private (mmap's default for -1 is shared memory, which gets no transparent huge pages and is shared with
+    # forked children)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)

@@ -42,6 +42,7 @@ from pagoda.dtypes import stored_kv_dtype
 from pagoda.execution.build import select_attention_backend
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
+from pagoda.host import malloc
 from pagoda.execution.model_runner import FlatBatch
 from pagoda.registry.adapt import adapt_component
 from pagoda.sampling.rejection_sampler import target_probs, with_bias
@@ -114,7 +115,10 @@ class DraftModelProposer:
         model.eval()
         kv_dtype = stored_kv_dtype(backend, mc.dtype)
         shape = backend.kv_cache_shape(runner.num_blocks)
-        caches = [torch.zeros(shape, dtype=kv_dtype, device=engine_config.device) for _ in range(mc.num_layers)]
+        if torch.device(engine_config.device).type == "cpu":  # zero pages, as the target's (ModelRunner)
+            caches = [malloc.zero_pages(tuple(shape), kv_dtype) for _ in range(mc.num_layers)]
+        else:
+            caches = [torch.zeros(shape, dtype=kv_dtype, device=engine_config.device) for _ in range(mc.num_layers)]
         return model, caches, backend
 
     # ---- drafting ---------------------------------------------------------------
