@@ -22,6 +22,8 @@ def register(sub) -> None:
                                    "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics, /tokenize, "
                                    "/detokenize, /version). SIGTERM stops accepting requests and lets open ones "
                                    "finish.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the checkpoint folder to serve, as vLLM takes it (the same as --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
@@ -120,6 +122,11 @@ def _seconds(text: str) -> float:
 
 def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.errors import ConfigError
+
+    if ns.model_tag is not None:
+        if getattr(ns, "model", None) not in (None, ns.model_tag):
+            raise ConfigError(f"pagoda serve {ns.model_tag} --model {ns.model}: name the model once")
+        ns.model = ns.model_tag
 
     if ns.replicas != 1 or ns.max_replicas is not None:
         if ns.step_log:
