@@ -85,3 +85,22 @@ def test_an_input_too_long_or_outside_the_vocabulary_is_refused_naming_the_field
         engine.check(PoolingInput([5] * 65), "input")
     with pytest.raises(InvalidRequestError, match=r"token ids \[9999\] are outside the vocabulary"):
         engine.check(PoolingInput([5, 9999]), "input")
+
+
+def test_serve_flags_choose_the_task_like_vllm(tmp_path):
+    import json
+
+    from pagoda.plugins.entrypoints.cli.serve import serving_task
+
+    decoder = tmp_path / "d"
+    decoder.mkdir()
+    (decoder / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    assert serving_task(str(decoder), "auto", None) == "generate"
+    assert serving_task(str(decoder), "auto", "pooling") == "embed"
+    assert serving_task(str(decoder), "score", None) == "score"
+    (decoder / "modules.json").write_text("[]")
+    assert serving_task(str(decoder), "auto", None) == "embed"  # sentence-transformers files: an embedder
+    assert serving_task(str(decoder), "auto", "generate") == "generate"
+    with pytest.raises(ConfigError, match="--runner generate and --task embed disagree"):
+        serving_task(str(decoder), "embed", "generate")
+    assert serving_task(str(tmp_path / "absent"), "auto", None) == "generate"  # the default model, a GGUF, ...
