@@ -44,8 +44,8 @@ class EncoderLayer(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, eps=eps)
         self.act = _ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        # x: [batch, seq, hidden]; key_mask: [batch, 1, 1, seq], True where a key is a real token
+    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # x: [batch, seq, hidden]; key_mask: [batch, 1, 1, seq], True where a key is a real token (None: all are)
         b, s, h = x.shape
         heads = lambda t: t.view(b, s, self.num_heads, h // self.num_heads).transpose(1, 2)  # noqa: E731
         attn = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
@@ -111,7 +111,9 @@ class EncoderModel(nn.Module):
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + \
             self.position_embeddings(positions)
         x = self.embed_norm(x)
-        key_mask = (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+        key_mask = None  # a batch without padding attends without a mask (SDPA's fused kernels)
+        if bool((lengths < s).any()):
+            key_mask = (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
         for layer in self.layers:
             x = layer(x, key_mask)
         return x
