@@ -21,6 +21,13 @@ def pagoda_cli_commands():
 
 @hookimpl
 def pagoda_add_routes(app, engine):
+    from pagoda.engine.pooling import AsyncPoolingEngine
+
+    if isinstance(engine, AsyncPoolingEngine):  # a pooling model: embeddings, scores, reranking
+        from pagoda.plugins.entrypoints.server.pooling import add_pooling_routes
+
+        add_pooling_routes(app, engine)
+        return
     from pagoda.plugins.entrypoints.server.routes import add_openai_routes
 
     add_openai_routes(app, engine)

@@ -22,6 +22,8 @@ def register(sub) -> None:
                                    "/v1/chat/completions, /v1/responses, /v1/models, /health, /metrics, /tokenize, "
                                    "/detokenize, /version). SIGTERM stops accepting requests and lets open ones "
                                    "finish.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the checkpoint folder to serve, as vLLM takes it (the same as --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PAGODA_API_KEY"),
@@ -89,6 +91,14 @@ def register(sub) -> None:
                         "directories of the --lora-modules adapters; none without them)")
     p.add_argument("--max-lora-adapters", type=int, default=64,
                    help="LoRA adapters served at once, those of --lora-modules included (default 64)")
+    p.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "score"],
+                   help="what the model serves: generate (text: completions, chat, responses), embed "
+                        "(/v1/embeddings, /v1/score by cosine, /v1/rerank) or score (a cross-encoder: /v1/score, "
+                        "/v1/rerank). auto: score for a *ForSequenceClassification encoder, embed for other "
+                        "encoders (BertModel, XLMRobertaModel) and for checkpoints with sentence-transformers "
+                        "files (modules.json), generate otherwise")
+    p.add_argument("--runner", default=None, choices=["generate", "pooling"],
+                   help="vLLM's name for the same choice: pooling is --task embed (or score for a cross-encoder)")
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
@@ -113,6 +123,11 @@ def _seconds(text: str) -> float:
 def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.errors import ConfigError
 
+    if ns.model_tag is not None:
+        if getattr(ns, "model", None) not in (None, ns.model_tag):
+            raise ConfigError(f"pagoda serve {ns.model_tag} --model {ns.model}: name the model once")
+        ns.model = ns.model_tag
+
     if ns.replicas != 1 or ns.max_replicas is not None:
         if ns.step_log:
             raise ConfigError("--step-log records one engine's steps; it is not available with --replicas or "
@@ -127,6 +142,10 @@ def run_serve(ns: argparse.Namespace) -> int:
             raise ConfigError("--enable-auto-tool-choice and --tool-call-parser are not available with --replicas or "
                               "--max-replicas yet; serve one replica to read tool calls")
         return run_replicas(ns)
+    args = engine_args_from(ns)
+    task = serving_task(args.model, ns.task, ns.runner)
+    if task != "generate":
+        return run_pooling_serve(ns, args, task)
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
@@ -149,7 +168,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter
 
         ns.plugin_manager.register(RequestLogWriter(ns.request_log), "request-log")
-    engine = LLMEngine.from_engine_args(engine_args_from(ns), ns.plugin_manager)
+    engine = LLMEngine(args.create_engine_config(), ns.plugin_manager)
     if ns.step_log:
         from pagoda.plugins.entrypoints.bench.step_log import StepLog
 
@@ -170,6 +189,42 @@ def run_serve(ns: argparse.Namespace) -> int:
     logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
                 engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)
+    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
+                        log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency).run()
+    return 0
+
+
+def serving_task(model: str, task: str, runner: str | None) -> str:
+    """The task ``pagoda serve`` runs the model for, from ``--task`` and ``--runner``."""
+    from pagoda.engine.pooling import resolve_task
+    from pagoda.errors import ConfigError
+
+    if runner == "generate":
+        if task not in ("auto", "generate"):
+            raise ConfigError(f"--runner generate and --task {task} disagree; give one of them")
+        task = "generate"
+    resolved = resolve_task(str(model), task)
+    if runner == "pooling" and resolved == "generate":
+        if task == "generate":
+            raise ConfigError("--runner pooling and --task generate disagree; give one of them")
+        resolved = "embed"
+    return resolved
+
+
+def run_pooling_serve(ns: argparse.Namespace, args, task: str) -> int:
+    """``pagoda serve`` of a pooling model: embeddings, scores and reranking."""
+    from pagoda.engine.pooling import AsyncPoolingEngine, PoolingEngine
+    from pagoda.plugins.entrypoints.server import default_allowed_hosts, make_uvicorn_server
+    from pagoda.plugins.entrypoints.server.pooling import build_pooling_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = PoolingEngine(args, task, ns.plugin_manager)
+    app = build_pooling_app(AsyncPoolingEngine(engine), api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
+                            shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
+                            allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts))
+    logger.info("serving %r for the %r task on http://%s:%d (%s pooling, normalized: %s, max_model_len %d)",
+                engine.served_model_name, task, ns.host, ns.port, engine.pooling.method, engine.pooling.normalize,
+                engine.max_model_len)
     make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
                         log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency).run()
     return 0

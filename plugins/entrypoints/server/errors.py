@@ -68,6 +68,10 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def unknown_path_message(method: str, path: str) -> str:
     """What a request to a path no route serves is told (``/v1/embeddings``, ``/v1/audio/...``, a typo)."""
+    if path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/rerank", "/v2/rerank"):
+        return (f"{method} {path} is not served by pagoda with this model, which generates text (the 'generate' "
+                "task); serve an embedding model or a cross-encoder with `pagoda serve MODEL --task embed` or "
+                "`--task score` for this path")
     return (f"{method} {path} is not served by pagoda; GET /openapi.json lists the routes this server has "
             "(text generation is at /v1/completions and /v1/chat/completions)")
 

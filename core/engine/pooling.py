@@ -1,0 +1,285 @@
+"""Pooling models: embeddings and cross-encoder scores, prefill-only.
+
+A :class:`PoolingEngine` runs a pooling model over batches of tokenized inputs and returns one vector (embed)
+or one score (score) per input: no decode, no sampling. An encoder (BERT family) runs its padded batch with
+bidirectional attention and no KV cache; a decoder used for embeddings runs through pagoda's own decoder and
+attention backend on a scratch KV cache that each batch reuses from block 0 (nothing stays cached between
+batches). :class:`AsyncPoolingEngine` puts the server's requests into shared batches on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pagoda.errors import ConfigError, InvalidRequestError
+from pagoda.modeling.pooling import TASKS, detect_task, is_encoder, pool, read_pooling_config
+
+logger = logging.getLogger("pagoda.pooling")
+
+DEFAULT_MAX_BATCH_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class PoolingInput:
+    """One input of a pooling request: its token ids and, for an encoder's text pairs, its token types."""
+
+    token_ids: list[int]
+    token_type_ids: Optional[list[int]] = None
+
+
+def resolve_task(model_dir: str, task: str) -> str:
+    """``--task``: ``auto`` reads the checkpoint (see :func:`~pagoda.modeling.pooling.detect_task`)."""
+    if task not in ("auto", *TASKS):
+        raise ConfigError(f"--task {task!r}: choose one of auto, {', '.join(TASKS)}")
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        if task in ("auto", "generate"):
+            return "generate"
+        raise ConfigError(f"--task {task} needs a checkpoint folder with a config.json; {model_dir} has none")
+    hf_config = json.loads(cfg_path.read_text())
+    detected = detect_task(model_dir, hf_config)
+    if task == "auto":
+        return detected
+    if task == "generate" and is_encoder(hf_config):
+        raise ConfigError(f"{model_dir} is an encoder ({hf_config['architectures'][0]}), which cannot generate "
+                          f"text; serve it with --task {detected}")
+    return task
+
+
+class PoolingEngine:
+    """A pooling model, its tokenizer and its batching. ``task``: ``embed`` (one vector per input) or ``score``
+    (a cross-encoder: one score per text pair; an embedding model scores pairs by the cosine of their
+    embeddings)."""
+
+    def __init__(self, args: Any, task: str, plugin_manager: Any = None) -> None:
+        from pagoda.engine.components import load_tokenizer
+        from pagoda.registry.plugin_manager import get_plugin_manager
+
+        self.pm = plugin_manager or get_plugin_manager()
+        self.model_dir = model_dir = str(args.model)
+        self.hf_config = hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.task = task
+        self.pooling = read_pooling_config(model_dir, hf_config)
+        self.served_model_name = args.served_model_name or model_dir
+        self.max_batch_tokens = args.max_num_batched_tokens or DEFAULT_MAX_BATCH_TOKENS
+        self.encoder = None
+        self.llm_engine = None
+        if is_encoder(hf_config):
+            from pagoda.modeling.models.bert import EncoderModel
+
+            dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                     "float16": torch.float16}.get(args.dtype)
+            if dtype is None:
+                raise ConfigError(f"--dtype {args.dtype!r}: an encoder runs in float32, bfloat16 or float16")
+            self.encoder = EncoderModel.from_checkpoint(model_dir, hf_config, dtype)
+            self.tokenizer = load_tokenizer(args.tokenizer or model_dir, None)
+            self.vocab_size = int(hf_config["vocab_size"])
+            self.hidden_size = self.encoder.hidden_size
+            limit = self.encoder.max_positions
+            if task == "score" and self.encoder.num_labels > 1:
+                raise ConfigError(f"{model_dir}: a cross-encoder scores with one label; this one has "
+                                  f"{self.encoder.num_labels} (num_labels in config.json)")
+        else:
+            from pagoda.engine.llm_engine import LLMEngine
+
+            self.llm_engine = LLMEngine(args.create_engine_config(), self.pm)
+            if self.llm_engine.runner is None or self.llm_engine.config.parallel.tensor_parallel_size != 1:
+                raise ConfigError("a decoder pooling model runs in one process: drop --tensor-parallel-size "
+                                  "and --pipeline-parallel-size")
+            self.tokenizer = self.llm_engine.tokenizer
+            mc = self.llm_engine.config.model
+            self.vocab_size, self.hidden_size, limit = mc.vocab_size, mc.hidden_size, mc.max_model_len
+            self.block_size = self.llm_engine.config.cache.block_size
+        if args.max_model_len:
+            limit = min(limit, args.max_model_len)
+        self.max_model_len = min(limit, self.pooling.max_seq_length or limit)
+        self.max_batch_tokens = max(self.max_batch_tokens, self.max_model_len)
+        if self.llm_engine is not None:  # a batch's inputs all fit in the scratch KV cache at once
+            self.max_batch_tokens = min(self.max_batch_tokens, self.llm_engine.num_blocks * self.block_size)
+        self.lock = threading.Lock()  # one batch at a time runs the model
+
+    # ---- inputs -------------------------------------------------------------------------------------------
+
+    def check(self, item: PoolingInput, param: str) -> None:
+        """Refuse an input the model cannot take, naming the field ``param``."""
+        n = len(item.token_ids)
+        if n == 0:
+            raise InvalidRequestError(f"{param}: an input has no tokens; send non-empty text or token ids",
+                                      param=param)
+        if n > self.max_model_len:
+            raise InvalidRequestError(f"{param}: an input has {n} tokens, more than the model's {self.max_model_len}"
+                                      "; shorten it or split it into several inputs", param=param)
+        bad = [t for t in item.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, "
+                                      f"{self.vocab_size})", param=param)
+
+    def tokenize(self, text: str) -> PoolingInput:
+        return PoolingInput(list(self.tokenizer(text, add_special_tokens=True)["input_ids"]))
+
+    def tokenize_pair(self, first: str, second: str) -> PoolingInput:
+        enc = self.tokenizer(first, second, add_special_tokens=True)
+        types = enc.get("token_type_ids")
+        return PoolingInput(list(enc["input_ids"]), list(types) if types is not None else None)
+
+    # ---- running ------------------------------------------------------------------------------------------
+
+    def batch_cost(self, items: list[PoolingInput]) -> int:
+        """Tokens a batch costs: an encoder pads to its longest input; a decoder takes whole KV blocks."""
+        if self.encoder is not None:
+            return len(items) * max(len(i.token_ids) for i in items)
+        return sum(-(-len(i.token_ids) // self.block_size) * self.block_size for i in items)
+
+    @torch.inference_mode()
+    def run(self, items: list[PoolingInput]) -> list[torch.Tensor]:
+        """One batch: per input its pooled vector ``[hidden]`` (embed; not normalized, see
+        :func:`~pagoda.modeling.pooling.finish_embedding`) or its score ``[]`` (a cross-encoder's)."""
+        with self.lock:
+            if self.encoder is not None:
+                return self._run_encoder(items)
+            return self._run_decoder(items)
+
+    def _run_encoder(self, items: list[PoolingInput]) -> list[torch.Tensor]:
+        n, longest = len(items), max(len(i.token_ids) for i in items)
+        input_ids = torch.zeros((n, longest), dtype=torch.long)
+        token_types = torch.zeros((n, longest), dtype=torch.long)
+        for row, item in enumerate(items):
+            input_ids[row, :len(item.token_ids)] = torch.tensor(item.token_ids)
+            if item.token_type_ids is not None:
+                token_types[row, :len(item.token_type_ids)] = torch.tensor(item.token_type_ids)
+        lengths = torch.tensor([len(i.token_ids) for i in items])
+        hidden = self.encoder(input_ids, token_types, lengths)  # [n, longest, hidden]
+        if self.task == "score" and self.encoder.num_labels:
+            return list(torch.sigmoid(self.encoder.classify(hidden).float()[:, 0]))
+        return list(pool(hidden, lengths, self.pooling.method))
+
+    def _run_decoder(self, items: list[PoolingInput]) -> list[torch.Tensor]:
+        from pagoda.execution.model_runner import FlatBatch
+
+        bs = self.block_size
+        tables, next_block = [], 0
+        for item in items:  # scratch blocks: every batch lays its inputs out from block 0
+            num = -(-len(item.token_ids) // bs)
+            tables.append(list(range(next_block, next_block + num)))
+            next_block += num
+        batch = FlatBatch([i.token_ids for i in items], [0] * len(items), tables, bs)
+        hidden = self.llm_engine.runner.forward(batch)  # [num_tokens, hidden], the batch's row order
+        out = []
+        for row, item in enumerate(items):
+            rows = hidden[batch.rows(row).start:batch.rows(row).stop]  # [len, hidden]
+            out.append(pool(rows[None], torch.tensor([len(item.token_ids)]), self.pooling.method)[0])
+        return out
+
+    def encode(self, items: list[PoolingInput]) -> list[torch.Tensor]:
+        """Every input, in batches of at most ``max_batch_tokens`` (offline use and benchmarks)."""
+        results: list[torch.Tensor] = []
+        start = 0
+        while start < len(items):
+            end = start + 1
+            while end < len(items) and self.batch_cost(items[start:end + 1]) <= self.max_batch_tokens:
+                end += 1
+            results.extend(self.run(items[start:end]))
+            start = end
+        return results
+
+
+class AsyncPoolingEngine:
+    """A :class:`PoolingEngine` serving asyncio callers: the inputs of every waiting request are gathered into
+    shared batches (in arrival order, up to the engine's token budget) and run on the engine's thread. A batch
+    that fails is run again one input at a time, so only the input that fails gets the error."""
+
+    def __init__(self, engine: PoolingEngine) -> None:
+        self.engine = engine
+        self._pending: collections.deque = collections.deque()  # (input, future)
+        self._cv = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stopping = False
+        self._num_running = 0
+        self.dead_reason: Optional[str] = None
+
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self._loop = loop or asyncio.get_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="pagoda-pooling", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and not self._stopping and self._thread is not None \
+            and self._thread.is_alive()
+
+    async def encode(self, items: list[PoolingInput]) -> list[torch.Tensor]:
+        if not self.is_healthy:
+            from pagoda.engine.async_engine import EngineDeadError
+
+            raise EngineDeadError(f"the engine cannot serve: {self.dead_reason or 'the server is shutting down'}")
+        futures = [concurrent.futures.Future() for _ in items]
+        with self._cv:
+            self._pending.extend(zip(items, futures))
+            self._cv.notify()
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def drain(self, timeout: float = 0.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (self._pending or self._num_running) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._stopping = True
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        await self.drain(timeout)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+            left, self._pending = list(self._pending), collections.deque()
+        from pagoda.engine.async_engine import EngineDeadError
+
+        for _, future in left:
+            future.set_exception(EngineDeadError("the server shut down before this input ran"))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def _next_batch(self) -> list[tuple[PoolingInput, concurrent.futures.Future]]:
+        batch = [self._pending.popleft()]
+        while self._pending and self.engine.batch_cost([i for i, _ in batch] + [self._pending[0][0]]) \
+                <= self.engine.max_batch_tokens:
+            batch.append(self._pending.popleft())
+        return batch
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._pending:
+                    return
+                batch = self._next_batch()
+                self._num_running = len(batch)
+            try:
+                self._run(batch)
+            finally:
+                self._num_running = 0
+
+    def _run(self, batch: list[tuple[PoolingInput, concurrent.futures.Future]]) -> None:
+        try:
+            results = self.engine.run([i for i, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - one input may be at fault: find it
+            if len(batch) == 1:
+                logger.exception("a pooling input failed")
+                batch[0][1].set_exception(exc)
+                return
+            for one in batch:
+                self._run([one])
+            return
+        for (_, future), result in zip(batch, results):
+            future.set_result(result)

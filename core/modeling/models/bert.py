@@ -1,0 +1,186 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-R and the BGE/E5/GTE checkpoints built on them) for pooling.
+
+Bidirectional attention over each whole sequence, no KV cache: a batch is padded to its longest sequence and
+a key mask hides the padding. The same module serves embeddings (the last hidden states, pooled outside) and
+cross-encoder scores (``*ForSequenceClassification``: the classifier head on the first token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.errors import CheckpointError, ConfigError
+
+# config.json's architectures -> (model_type family, has a classification head)
+ENCODER_ARCHITECTURES = {
+    "BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True),
+    "RobertaModel": ("roberta", False), "RobertaForSequenceClassification": ("roberta", True),
+    "XLMRobertaModel": ("roberta", False), "XLMRobertaForSequenceClassification": ("roberta", True),
+}
+_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+def _required(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"config.json has no {key!r}, which a BERT-family encoder needs")
+    return cfg[key]
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, intermediate: int, eps: float, act: str) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.up = nn.Linear(hidden, intermediate)
+        self.down = nn.Linear(intermediate, hidden)
+        self.out_norm = nn.LayerNorm(hidden, eps=eps)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # x: [batch, seq, hidden]; key_mask: [batch, 1, 1, seq], True where a key is a real token (None: all are)
+        b, s, h = x.shape
+        heads = lambda t: t.view(b, s, self.num_heads, h // self.num_heads).transpose(1, 2)  # noqa: E731
+        attn = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
+                                              attn_mask=key_mask)
+        x = self.attn_norm(x + self.attn_out(attn.transpose(1, 2).reshape(b, s, h)))
+        return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+class EncoderModel(nn.Module):
+    """A BERT-family encoder; ``num_labels`` > 0 adds the sequence-classification head of its family."""
+
+    def __init__(self, cfg: dict[str, Any], family: str, num_labels: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = int(_required(cfg, "hidden_size"))
+        num_heads = int(_required(cfg, "num_attention_heads"))
+        if hidden % num_heads:
+            raise ConfigError(f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads "
+                              f"{num_heads}")
+        act = cfg.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ConfigError(f"config.json: hidden_act {act!r} is not implemented for encoders; pagoda has "
+                              f"{sorted(_ACTIVATIONS)}")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ConfigError(f"config.json: position_embedding_type {cfg['position_embedding_type']!r} is not "
+                              "implemented; pagoda's encoders have absolute position embeddings")
+        eps = float(cfg.get("layer_norm_eps", 1e-12))
+        self.family = family
+        # RoBERTa numbers positions from padding_idx + 1 (its position 0..padding_idx rows are never used)
+        self.position_offset = int(cfg.get("pad_token_id", 1)) + 1 if family == "roberta" else 0
+        self.max_positions = int(_required(cfg, "max_position_embeddings")) - self.position_offset
+        self.word_embeddings = nn.Embedding(int(_required(cfg, "vocab_size")), hidden)
+        self.position_embeddings = nn.Embedding(int(cfg["max_position_embeddings"]), hidden)
+        self.token_type_embeddings = nn.Embedding(int(cfg.get("type_vocab_size", 2)), hidden)
+        self.embed_norm = nn.LayerNorm(hidden, eps=eps)
+        self.layers = nn.ModuleList(
+            EncoderLayer(hidden, num_heads, int(_required(cfg, "intermediate_size")), eps, act)
+            for _ in range(int(_required(cfg, "num_hidden_layers"))))
+        self.num_labels = num_labels
+        self.hidden_size = hidden
+        if num_labels:
+            # BERT: tanh pooler on the first token, then the classifier; RoBERTa: dense + tanh + out_proj
+            self.head_dense = nn.Linear(hidden, hidden)
+            self.head_out = nn.Linear(hidden, num_labels)
+        self.to(dtype)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, cfg: dict[str, Any], dtype: torch.dtype) -> "EncoderModel":
+        arch = (cfg.get("architectures") or [""])[0]
+        family, classifies = ENCODER_ARCHITECTURES[arch]
+        num_labels = 0
+        if classifies:
+            num_labels = int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2))
+        model = cls(cfg, family, num_labels, dtype)
+        model.load_weights(_iter_safetensors(Path(model_dir)))
+        return model.eval()
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, lengths: torch.Tensor
+                ) -> torch.Tensor:
+        """``input_ids``, ``token_type_ids``: ``[batch, seq]`` padded; ``lengths``: ``[batch]``. Returns the
+        last hidden states ``[batch, seq, hidden]`` (rows past a sequence's length are padding)."""
+        b, s = input_ids.shape
+        positions = torch.arange(s).expand(b, s) + self.position_offset
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + \
+            self.position_embeddings(positions)
+        x = self.embed_norm(x)
+        key_mask = None  # a batch without padding attends without a mask (SDPA's fused kernels)
+        if bool((lengths < s).any()):
+            key_mask = (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        return x
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq, hidden]`` -> the classification head's logits ``[batch, num_labels]``."""
+        return self.head_out(torch.tanh(self.head_dense(hidden[:, 0])))
+
+    # ---- loading -------------------------------------------------------------------------------------
+
+    def _map_name(self, name: str) -> Optional[str]:
+        for prefix in ("bert.", "roberta.", "model."):
+            name = name.removeprefix(prefix)
+        if name.startswith("embeddings."):
+            rest = name.removeprefix("embeddings.")
+            if rest.startswith("LayerNorm."):
+                return "embed_norm." + rest.removeprefix("LayerNorm.")
+            if rest == "position_ids" or rest == "token_type_ids":
+                return None  # buffers transformers saves; positions are computed here
+            return rest
+        if name.startswith("encoder.layer."):
+            idx, rest = name.removeprefix("encoder.layer.").split(".", 1)
+            for theirs, ours in (("attention.self.query.", "query."), ("attention.self.key.", "key."),
+                                 ("attention.self.value.", "value."), ("attention.output.dense.", "attn_out."),
+                                 ("attention.output.LayerNorm.", "attn_norm."), ("intermediate.dense.", "up."),
+                                 ("output.dense.", "down."), ("output.LayerNorm.", "out_norm.")):
+                if rest.startswith(theirs):
+                    return f"layers.{idx}.{ours}{rest.removeprefix(theirs)}"
+        heads = {"pooler.dense.": "head_dense.", "classifier.dense.": "head_dense.",
+                 "classifier.out_proj.": "head_out."}
+        if self.family == "bert":
+            heads["classifier."] = "head_out."
+        for theirs, ours in heads.items():
+            if name.startswith(theirs):
+                return ours + name.removeprefix(theirs) if self.num_labels else None
+        if name.startswith(("pooler.", "lm_head.", "cls.")):
+            return None  # heads an embedding model does not use
+        raise CheckpointError(f"the checkpoint's tensor {name!r} is not part of a {self.family} encoder")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            ours = self._map_name(name)
+            if ours is None:
+                continue
+            param = params.get(ours)
+            if param is None or param.shape != tensor.shape:
+                raise CheckpointError(f"the checkpoint's tensor {name!r} {tuple(tensor.shape)} does not fit the "
+                                      f"model's {ours!r} {None if param is None else tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(ours)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise CheckpointError(f"the checkpoint has no tensors for {missing[:5]} ({len(missing)} in all)")
+
+
+def _iter_safetensors(model_dir: Path):
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir} has no *.safetensors files; pagoda loads safetensors checkpoints "
+                              "(convert .bin checkpoints with transformers' save_pretrained)")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+

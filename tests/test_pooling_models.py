@@ -1,0 +1,106 @@
+"""Pooling models against sentence-transformers on tiny random checkpoints written with transformers (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.engine.engine_args import EngineArgs
+from pagoda.engine.pooling import PoolingEngine, resolve_task
+from pagoda.errors import ConfigError, InvalidRequestError
+from pagoda.modeling.pooling import finish_embedding
+from pooling_helpers import TEXTS, write_decoder, write_encoder
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+
+def _pagoda_embeddings(folder, dimensions=None, **args):
+    engine = PoolingEngine(EngineArgs(model=str(folder), **args), resolve_task(str(folder), "auto"))
+    vectors = engine.encode([engine.tokenize(t) for t in TEXTS])
+    return engine, torch.stack([finish_embedding(v, engine.pooling.normalize, dimensions) for v in vectors])
+
+
+def _st_embeddings(folder, **kwargs):
+    model = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
+    return model.encode(TEXTS, convert_to_tensor=True, **kwargs).float()
+
+
+def _assert_same_directions(ours, theirs):
+    assert ours.shape == theirs.shape
+    assert torch.nn.functional.cosine_similarity(ours, theirs).min().item() >= 0.9999
+    assert torch.allclose(ours.norm(dim=-1), theirs.norm(dim=-1), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind, pooling", [("bert", "mean"), ("bert", "cls"), ("roberta", "mean"),
+                                           ("roberta", "last")])
+def test_encoder_embeddings_match_sentence_transformers(tmp_path, kind, pooling):
+    folder = write_encoder(tmp_path / "m", kind, pooling)
+    engine, ours = _pagoda_embeddings(folder)
+    assert engine.task == "embed" and engine.pooling.method == pooling and engine.pooling.normalize
+    _assert_same_directions(ours, _st_embeddings(folder))
+    # texts of different lengths in one padded batch give what each gives alone
+    alone = torch.stack([finish_embedding(engine.run([engine.tokenize(t)])[0], True, None) for t in TEXTS])
+    assert torch.nn.functional.cosine_similarity(ours, alone).min().item() >= 0.9999
+
+
+@pytest.mark.parametrize("arch, pooling", [("qwen2", "last"), ("llama", "mean")])
+def test_decoder_embeddings_match_sentence_transformers_with_matryoshka_dimensions(tmp_path, arch, pooling):
+    folder = write_decoder(tmp_path / "m", arch, pooling)
+    args = dict(dtype="float32", kv_cache_memory_bytes=1 << 22)
+    engine, ours = _pagoda_embeddings(folder, **args)
+    assert engine.task == "embed" and engine.llm_engine is not None
+    _assert_same_directions(ours, _st_embeddings(folder))
+    _, cut = _pagoda_embeddings(folder, dimensions=16, **args)
+    # sentence-transformers cuts the normalized vector; pagoda normalizes it again, as OpenAI's dimensions do
+    _assert_same_directions(cut, torch.nn.functional.normalize(_st_embeddings(folder, truncate_dim=16), dim=-1))
+    assert cut.shape == (len(TEXTS), 16)
+
+
+def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
+    folder = write_encoder(tmp_path / "m", "cross")
+    pairs = [(TEXTS[3], TEXTS[2]), (TEXTS[3], TEXTS[0]), (TEXTS[1], TEXTS[4]), (TEXTS[0], TEXTS[0])]
+    theirs = sentence_transformers.CrossEncoder(str(folder), device="cpu").predict(pairs)
+    engine = PoolingEngine(EngineArgs(model=str(folder)), resolve_task(str(folder), "auto"))
+    assert engine.task == "score"
+    ours = [float(s) for s in engine.encode([engine.tokenize_pair(a, b) for a, b in pairs])]
+    assert ours == pytest.approx([float(s) for s in theirs], abs=1e-5)
+    assert len({round(s, 4) for s in ours}) == len(pairs)  # the pairs' scores differ: token types are read
+
+
+def test_the_task_is_read_from_the_checkpoint_and_a_wrong_one_is_refused(tmp_path):
+    encoder = write_encoder(tmp_path / "e", "bert")
+    assert resolve_task(str(encoder), "auto") == "embed"
+    with pytest.raises(ConfigError, match="cannot generate text; serve it with --task embed"):
+        resolve_task(str(encoder), "generate")
+    with pytest.raises(ConfigError, match="--task 'rank'"):
+        resolve_task(str(encoder), "rank")
+
+
+def test_an_input_too_long_or_outside_the_vocabulary_is_refused_naming_the_field(tmp_path):
+    folder = write_encoder(tmp_path / "m", "bert")
+    engine = PoolingEngine(EngineArgs(model=str(folder)), "embed")
+    from pagoda.engine.pooling import PoolingInput
+
+    with pytest.raises(InvalidRequestError, match="input: an input has 65 tokens, more than the model's 64"):
+        engine.check(PoolingInput([5] * 65), "input")
+    with pytest.raises(InvalidRequestError, match=r"token ids \[9999\] are outside the vocabulary"):
+        engine.check(PoolingInput([5, 9999]), "input")
+
+
+def test_serve_flags_choose_the_task_like_vllm(tmp_path):
+    import json
+
+    from pagoda.plugins.entrypoints.cli.serve import serving_task
+
+    decoder = tmp_path / "d"
+    decoder.mkdir()
+    (decoder / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    assert serving_task(str(decoder), "auto", None) == "generate"
+    assert serving_task(str(decoder), "auto", "pooling") == "embed"
+    assert serving_task(str(decoder), "score", None) == "score"
+    (decoder / "modules.json").write_text("[]")
+    assert serving_task(str(decoder), "auto", None) == "embed"  # sentence-transformers files: an embedder
+    assert serving_task(str(decoder), "auto", "generate") == "generate"
+    with pytest.raises(ConfigError, match="--runner generate and --task embed disagree"):
+        serving_task(str(decoder), "embed", "generate")
+    assert serving_task(str(tmp_path / "absent"), "auto", None) == "generate"  # the default model, a GGUF, ...

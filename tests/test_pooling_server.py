@@ -1,0 +1,124 @@
+"""``pagoda serve`` on an embedding checkpoint (a subprocess, as users run it) driven by the official ``openai``
+client and LangChain's ``OpenAIEmbeddings``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from pagoda.plugins.entrypoints.server import free_port
+from pooling_helpers import TEXTS, write_encoder
+
+PAGODA = str(Path(sys.executable).with_name("pagoda"))
+MODEL = "tiny-embed"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = write_encoder(tmp_path_factory.mktemp("ckpt") / "bert", "bert", "mean")
+    log = folder.parent / "serve.log"
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PAGODA, "serve", str(folder), "--port", str(port), "--served-model-name", MODEL,
+                                 "--uvicorn-log-level", "warning"], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PAGODA_CPU_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
+        time.sleep(0.3)
+    yield url, folder
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none")
+
+
+def test_serve_detects_an_embedding_checkpoint_and_lists_it(server):
+    models = httpx.get(server[0] + "/v1/models").json()["data"]
+    assert [(m["id"], m["task"], m["max_model_len"]) for m in models] == [(MODEL, "embed", 64)]
+
+
+def test_openai_client_embeddings_match_sentence_transformers(server, client):
+    st = pytest.importorskip("sentence_transformers")
+    theirs = st.SentenceTransformer(str(server[1]), device="cpu").encode(TEXTS, convert_to_tensor=True).float()
+    resp = client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64 and decodes it
+    ours = torch.tensor([d.embedding for d in resp.data])
+    assert [d.index for d in resp.data] == list(range(len(TEXTS)))
+    assert torch.nn.functional.cosine_similarity(ours, theirs).min().item() >= 0.9999
+    floats = client.embeddings.create(model=MODEL, input=TEXTS[0], encoding_format="float")
+    assert torch.tensor(floats.data[0].embedding).allclose(ours[0], atol=1e-6)
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens > len(TEXTS) * 3
+
+
+def test_token_ids_embed_like_their_text(server, client):
+    ids = [2, 5, 6, 7, 3]  # [CLS] the cat sat [SEP]
+    text = client.embeddings.create(model=MODEL, input="the cat sat").data[0].embedding
+    one = client.embeddings.create(model=MODEL, input=ids).data[0].embedding
+    many = client.embeddings.create(model=MODEL, input=[ids, ids[:3] + [3]])
+    assert one == pytest.approx(text, abs=1e-6) and many.data[0].embedding == pytest.approx(text, abs=1e-6)
+    assert len(many.data) == 2 and many.usage.prompt_tokens == 9
+
+
+def test_concurrent_requests_share_batches_and_get_their_own_vectors(server, client):
+    alone = [client.embeddings.create(model=MODEL, input=t).data[0].embedding for t in TEXTS]
+    with concurrent.futures.ThreadPoolExecutor(len(TEXTS)) as pool:
+        together = list(pool.map(lambda t: client.embeddings.create(model=MODEL, input=t).data[0].embedding,
+                                 TEXTS))
+    for a, b in zip(alone, together):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
+def test_langchain_openai_embeddings(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    emb = langchain_openai.OpenAIEmbeddings(model=MODEL, base_url=server[0] + "/v1", api_key="none",
+                                            check_embedding_ctx_length=False)  # no tiktoken ids: send text
+    docs = emb.embed_documents(TEXTS[:2])
+    query = emb.embed_query(TEXTS[0])
+    assert len(docs) == 2 and query == pytest.approx(docs[0], abs=1e-6)
+
+
+def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_serves_on(server, client):
+    with pytest.raises(openai.BadRequestError, match="dimensions: the model 'tiny-embed' has no Matryoshka"):
+        client.embeddings.create(model=MODEL, input="x", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="more than the model's 64"):
+        client.embeddings.create(model=MODEL, input=[5] * 100)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.embeddings.create(model=MODEL, input=[[5, 6], [10 ** 6]])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.embeddings.create(model="other", input="x")
+    with pytest.raises(openai.BadRequestError, match="served for the 'embed' task"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="does not generate text"):
+        client.completions.create(model=MODEL, prompt="hi")
+    assert len(client.embeddings.create(model=MODEL, input="the cat").data) == 1
+
+
+def test_an_embedding_model_scores_and_reranks_by_cosine(server, client):
+    url = server[0]
+    vectors = torch.tensor([d.embedding for d in client.embeddings.create(model=MODEL, input=TEXTS[:3]).data])
+    cosines = [float(vectors[0] @ vectors[i]) for i in (1, 2)]
+    score = httpx.post(url + "/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:3]}).json()
+    assert [d["score"] for d in score["data"]] == pytest.approx(cosines, abs=1e-5)
+    rerank = httpx.post(url + "/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:3], "top_n": 1}).json()
+    best = 1 + max(range(2), key=lambda i: cosines[i])
+    assert [(r["index"] + 1, r["document"]["text"]) for r in rerank["results"]] == [(best, TEXTS[best])]
