@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, LoRABackendFactory, ModelArchitectureFactory, ModelLoaderFactory,
                                    ProposerFactory, QuantMethodFactory, RouterFactory, SamplerFactory, SchedulerFactory,
-                                   StructuredOutputBackendFactory, ToolParserFactory)
+                                   ReasoningParserFactory, StructuredOutputBackendFactory, ToolParserFactory)
 
 logger = logging.getLogger("pagoda")
 
@@ -49,6 +49,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_all_reduce_backends": "all-reduce backend",
     "pagoda_routers": "request router",
     "pagoda_tool_parsers": "tool-call parser",
+    "pagoda_reasoning_parsers": "reasoning parser",
     "pagoda_cli_commands": "CLI command",
 }
 
@@ -384,6 +385,8 @@ class PluginManager:
     def factory(self, hook_name: Literal["pagoda_routers"], name: str) -> "RouterFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_tool_parsers"], name: str) -> "ToolParserFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_reasoning_parsers"], name: str) -> "ReasoningParserFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_cli_commands"], name: str) -> "CLICommand": ...
 
