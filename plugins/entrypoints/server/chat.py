@@ -169,8 +169,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     for c in out.outputs:
         read = reasoning.read(c.text)
         message, reason = tooling.message(read.content, finish_reason(c))
-        if reasoning.is_on:  # vLLM's field: null when the answer has no thinking
+        if reasoning.is_on:  # vLLM's field: null when the answer has no thinking; content null when it is all thinking
             message["reasoning_content"] = read.reasoning or None
+            if read.reasoning and not message["content"]:
+                message["content"] = None
         if echoed:
             message["content"] = echoed + (message["content"] or "")
         choice = {"index": c.index, "message": message,
