@@ -86,3 +86,35 @@ def test_harmony_answers_are_decoded_with_their_special_tokens():
 def test_the_reasoning_parsers_are_a_plugin_kind_of_their_own():
     pm = PluginManager().load(autoload=False)
     assert set(BUILT_IN_REASONING_PARSERS) <= set(pm.names("pagoda_reasoning_parsers"))
+
+
+# ---- gpt-oss's tool calls: the openai tool-call parser ---------------------------------------------------------
+
+HARMONY_CALL = ("<|start|>assistant to=functions.get_weather<|channel|>commentary<|message|>"
+                "{\"city\": \"Paris\"}<|call|>")
+
+
+def test_the_openai_tool_parser_meets_the_contract_on_harmony_calls():
+    from pagoda.plugins.entrypoints.tool_parsers.openai import OpenAIToolParser
+    from pagoda.testing import ToolParserCase, check_tool_parser
+
+    check_tool_parser(OpenAIToolParser, [
+        ToolParserCase(HARMONY_CALL, None, [("get_weather", {"city": "Paris"})]),
+        # a whole harmony answer: thinking left out, the recipient after the channel, two calls
+        ToolParserCase("<|channel|>analysis<|message|>Two cities.<|end|><|start|>assistant<|channel|>commentary "
+                       "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>"
+                       "<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{\"a\": 1, \"b\": 2}"
+                       "<|call|>", None, [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]),
+        ToolParserCase("<|channel|>final<|message|>It is sunny.<|return|>", "It is sunny."),
+    ])
+
+
+def test_a_harmony_answer_reads_into_thinking_content_and_calls_through_both_parsers():
+    from pagoda.plugins.entrypoints.tool_parsers.openai import OpenAIToolParser
+
+    answer = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+              "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+    read = BUILT_IN_REASONING_PARSERS["openai_gptoss"](HARMONY_PROMPT).extract_reasoning(answer)
+    calls = OpenAIToolParser([]).extract_tool_calls(read.content)
+    assert read.reasoning == "Need weather." and calls.content is None
+    assert [(c.name, c.arguments) for c in calls.tool_calls] == [("get_weather", "{\"city\": \"Paris\"}")]
