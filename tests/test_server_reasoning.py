@@ -84,3 +84,24 @@ def test_the_parser_is_the_familys_where_it_is_unambiguous_and_a_wrong_name_fail
     with pytest.raises(ConfigError, match="deepseek_r1"):
         ReasoningOptions.resolve(pm, "nonesuch")
     assert ReasoningOptions.resolve(pm, "none").factory is None
+
+
+def test_the_responses_api_gives_a_reasoning_item_before_the_message_whole_and_streamed(client):
+    fields = dict(model="SmolLM2-135M-Instruct", input="What is 2 + 2?", temperature=0, max_output_tokens=40,
+                  extra_body=FORCED)
+    resp = client.responses.create(**fields)
+    thinking, message = resp.output
+    assert thinking.type == "reasoning" and thinking.content[0].type == "reasoning_text"
+    assert thinking.content[0].text.isalpha() and 2 <= len(thinking.content[0].text) <= 6
+    assert message.type == "message" and resp.output_text == "The answer is 4."
+    deltas, done = [], {}
+    for event in client.responses.create(**fields, stream=True):
+        if event.type == "response.reasoning_text.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.reasoning_text.done":
+            done["text"] = event.text
+        elif event.type == "response.completed":
+            done["output"] = event.response.output
+    assert "".join(deltas) == done["text"] == thinking.content[0].text
+    assert [item.type for item in done["output"]] == ["reasoning", "message"]
+    assert done["output"][1].content[0].text == "The answer is 4."
