@@ -118,3 +118,20 @@ def test_a_harmony_answer_reads_into_thinking_content_and_calls_through_both_par
     calls = OpenAIToolParser([]).extract_tool_calls(read.content)
     assert read.reasoning == "Need weather." and calls.content is None
     assert [(c.name, c.arguments) for c in calls.tool_calls] == [("get_weather", "{\"city\": \"Paris\"}")]
+
+
+def test_the_built_in_reasoning_parsers_pass_the_kit_and_the_kit_catches_a_leaky_one():
+    from pagoda.testing import ContractError, ReasoningParserCase, check_reasoning_parser
+    from pagoda.plugins.entrypoints.reasoning_parsers.think import Qwen3ReasoningParser
+
+    for name in BUILT_IN_REASONING_PARSERS:
+        check_reasoning_parser(BUILT_IN_REASONING_PARSERS[name],
+                               [ReasoningParserCase(*case[1:]) for case in CASES if case[0] == name])
+
+    class Leaky(Qwen3ReasoningParser):  # streams the end tag into the thinking when it is cut in two
+        def extract_reasoning_streaming(self, delta_text):
+            return ReasoningDelta(delta_text, "") if "</" in delta_text else super().extract_reasoning_streaming(
+                delta_text)
+
+    with pytest.raises(ContractError, match="Leaky, seed 0, case 0.*Rule broken"):
+        check_reasoning_parser(Leaky, [ReasoningParserCase(*CASES[0][1:])])
