@@ -71,7 +71,7 @@ def register(sub) -> None:
                         "--no-enable-auto-tool-choice: off, \"auto\" with tools is a 400")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format the model writes tool calls in, instead of its family's: a pagoda_tool_parsers "
-                        "component (built-in: hermes, llama3_json; `pagoda plugins` lists all)")
+                        "component (built-in: hermes, llama3_json, pythonic, openai; `pagoda plugins` lists all)")
     p.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="the format a reasoning model sets its thinking apart in, read into reasoning_content: a "
                         "pagoda_reasoning_parsers component (built-in: deepseek_r1, qwen3, openai_gptoss; `pagoda "
