@@ -27,8 +27,9 @@ import pluggy
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, KVConnectorFactory, LoRABackendFactory, ModelArchitectureFactory,
-                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, RouterFactory,
-                                   SamplerFactory, SchedulerFactory, StructuredOutputBackendFactory, ToolParserFactory)
+                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, ReasoningParserFactory,
+                                   RouterFactory, SamplerFactory, SchedulerFactory, StructuredOutputBackendFactory,
+                                   ToolParserFactory)
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sequence import Sequence
 
@@ -275,6 +276,19 @@ def pagoda_tool_parsers(plugin_manager: "PluginManager") -> Mapping[str, "ToolPa
     :class:`pagoda.tool_calls.ToolCall` s. Selected by ``pagoda serve --tool-call-parser NAME`` (built-ins:
     ``hermes``, ``llama3_json``). The server resolves the factory once when it starts and calls it for each
     answer of a request with tools and ``tool_choice`` ``auto``.
+    """
+
+
+@hookspec
+def pagoda_reasoning_parsers(plugin_manager: "PluginManager") -> Mapping[str, "ReasoningParserFactory"]:
+    """Return ``{name: factory}`` of reasoning parsers: how a reasoning model sets its thinking apart from its
+    answer.
+
+    ``factory(prompt)`` returns a :class:`pagoda.interfaces.ReasoningParser` for one answer of a chat request
+    (``prompt``: the rendered prompt's text); it splits the answer, whole or as it streams, into
+    :class:`pagoda.reasoning.ReasoningDelta` s. Selected by ``pagoda serve --reasoning-parser NAME``
+    (built-ins: ``deepseek_r1``, ``qwen3``, ``openai_gptoss``) or by the model's family. The server resolves
+    the factory once when it starts.
     """
 
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pagoda.scheduling.scheduler import SchedulingPolicy
     from pagoda.sequence import Sequence, SequenceStatus
     from pagoda.step import AttentionBatch, KVTierMoves, LoRABatch, RunnerOutput, SchedulerOutput
+    from pagoda.reasoning import ReasoningDelta
     from pagoda.tool_calls import DeltaMessage, ExtractedToolCalls
 
 
@@ -616,6 +617,30 @@ class ToolParser(Protocol):
         """The answer ended: what was held back, as content or as the end of the last call."""
 
 
+@runtime_checkable
+class ReasoningParser(Protocol):
+    """``pagoda_reasoning_parsers``: splits the text of one answer into thinking and answer (a new parser per
+    answer, made for the prompt the answer continues).
+
+    Invariants: reading a text as a stream, split anywhere, gives what reading it whole gives (the pieces
+    joined); no tag or channel marker of the format reaches either part. ``skip_special_tokens`` False: the
+    format's markers are special tokens, so the server decodes the answer with them kept.
+    ``pagoda.testing.check_reasoning_parser`` checks these on examples of the parser's format.
+    """
+
+    skip_special_tokens: bool
+
+    def extract_reasoning(self, model_output: str) -> "ReasoningDelta":
+        """The whole text of an answer -> its thinking and its answer. Independent of any streaming read."""
+
+    def extract_reasoning_streaming(self, delta_text: str) -> "ReasoningDelta":
+        """The next piece of the answer's text -> what it adds (empty while the parser holds back text that may
+        begin a tag)."""
+
+    def finish_streaming(self) -> "ReasoningDelta":
+        """The answer ended: what was held back."""
+
+
 # --------------------------------------------------------------------------
 # Factories: what each hook's ``{name: factory}`` mapping holds. A class whose ``__init__`` takes these
 # arguments is a factory; so is a function.
@@ -725,3 +750,10 @@ class ToolParserFactory(Protocol):
     "description", "parameters", "strict"}}``)."""
 
     def __call__(self, tools: list[dict]) -> ToolParser: ...
+
+
+class ReasoningParserFactory(Protocol):
+    """``prompt``: the text of the rendered prompt the answer continues (a template may open the thinking, or
+    close it when thinking is switched off)."""
+
+    def __call__(self, prompt: str) -> ReasoningParser: ...

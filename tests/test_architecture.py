@@ -19,12 +19,12 @@ REPO = Path(__file__).resolve().parent.parent
 TREES = ((REPO / "core", "pagoda"), (REPO / "plugins", "pagoda.plugins"))
 
 CORE_PACKAGES = ("engine", "registry", "kv", "execution", "modeling", "sampling", "host", "testing", "scheduling")
-ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_parsers")
+ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_parsers", "reasoning_parsers")
 # the modules at the top of pagoda: the public API (users' and plugins'), all importing only each other
 # and the host layer; base ones import nothing of pagoda's
 BASE = {"errors", "markers", "version"}
 TOP = BASE | {"config", "dtypes", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
-              "tool_calls", "lora_request"}
+              "tool_calls", "reasoning", "lora_request"}
 
 # unit -> the units it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {

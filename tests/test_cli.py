@@ -45,6 +45,8 @@ def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
     (["--enable-auto-tool-choice", "--tool-call-parser", "hermez"], "unknown tool-call parser 'hermez' for "
                                                                      "--tool-call-parser; available: 'hermes'"),
     (["--max-request-chars", "0"], "--max-request-chars 0: give a number of characters >= 1"),
+    (["--reasoning-parser", "deepseek"], "unknown reasoning parser 'deepseek' for --reasoning-parser; available: "
+                                         "'deepseek_r1'"),
 ])
 def test_serve_refuses_wrong_server_flags_before_loading_the_model(flags, message):
     result = run_pagoda("serve", "--port", "0", *flags)

@@ -109,7 +109,7 @@ LLAMA30_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end
     ("llama", LLAMA30_TEMPLATE, "llama3_json", "llama3_json.jinja"),  # Llama 3.0: the turns, no tools
     ("gemma3_text", GEMMA3_TEMPLATE, None, None),
     ("gemma2", GEMMA2_TEMPLATE, None, None),
-    ("gpt_oss", HARMONY_TEMPLATE, None, None),
+    ("gpt_oss", HARMONY_TEMPLATE, "openai", None),  # harmony calls; its own template renders the tools
     ("olmo2", "no markers", None, None),
 ])
 def test_the_family_table_picks_the_parser_and_a_template_only_where_the_checkpoints_cannot_show_tools(
@@ -120,7 +120,7 @@ def test_the_family_table_picks_the_parser_and_a_template_only_where_the_checkpo
 
 
 def test_the_reasons_say_which_format_a_family_writes_when_pagoda_has_no_parser_for_it():
-    assert "harmony" in detect_tool_setup({"model_type": "gpt_oss"}, HARMONY_TEMPLATE).reason
+    assert "[TOOL_CALLS]" in detect_tool_setup({"model_type": "mistral"}, "").reason
     assert "pythonic" in detect_tool_setup({"model_type": "gemma3_text"}, GEMMA3_TEMPLATE).reason
     # a multimodal config's text model decides
     assert detect_tool_setup({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}},
@@ -148,8 +148,10 @@ def test_the_server_options_follow_the_table_and_the_off_switch(tmp_path):
     assert not gemma.enable_auto_tool_choice and "pythonic" in gemma.unread_reason
     with pytest.raises(ConfigError, match="no parser fits this Gemma 3 model"):
         ToolCallingOptions.resolve(pm, True, None, {"model_type": "gemma3_text"}, GEMMA3_TEMPLATE)
-    with pytest.raises(ConfigError, match="vLLM's parser for gpt-oss's harmony format is not in pagoda"):
-        ToolCallingOptions.resolve(pm, None, "openai", {"model_type": "gpt_oss"}, HARMONY_TEMPLATE)
+    with pytest.raises(ConfigError, match="vLLM's parser for Mistral's .TOOL_CALLS. lists is not in pagoda"):
+        ToolCallingOptions.resolve(pm, None, "mistral", {"model_type": "mistral"}, "")
+    gpt_oss = ToolCallingOptions.resolve(pm, None, None, {"model_type": "gpt_oss"}, HARMONY_TEMPLATE)
+    assert gpt_oss.enable_auto_tool_choice and gpt_oss.parser_name == "openai"
     off = ToolCallingOptions.resolve(pm, False, None, {"model_type": "llama"}, SMOLLM2_TEMPLATE)
     assert not off.enable_auto_tool_choice and off.unread_reason is None and off.tool_template is None
 

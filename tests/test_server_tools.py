@@ -140,7 +140,7 @@ def test_a_forced_choice_puts_the_calls_schema_in_the_sampling_params():
 
 def test_auto_needs_the_servers_flags():
     with pytest.raises(APIError, match=r"--enable-auto-tool-choice --tool-call-parser NAME \(installed parsers: "
-                                       r"hermes, llama3_json, pythonic\)"):
+                                       r"hermes, llama3_json, openai, pythonic\)"):
         plan_tools(request(tools=[ADD_TOOL]), ToolCallingOptions.resolve(PluginManager().load(autoload=False)))
 
 

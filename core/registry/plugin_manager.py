@@ -21,8 +21,9 @@ from pagoda.version import PLUGIN_API_VERSION, __version__
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
                                    KVAllocatorFactory, KVConnectorFactory, LoRABackendFactory, ModelArchitectureFactory,
-                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, RouterFactory,
-                                   SamplerFactory, SchedulerFactory, StructuredOutputBackendFactory, ToolParserFactory)
+                                   ModelLoaderFactory, ProposerFactory, QuantMethodFactory, ReasoningParserFactory,
+                                   RouterFactory, SamplerFactory, SchedulerFactory, StructuredOutputBackendFactory,
+                                   ToolParserFactory)
 
 logger = logging.getLogger("pagoda")
 
@@ -50,6 +51,7 @@ COMPONENT_HOOKS: dict[str, str] = {
     "pagoda_all_reduce_backends": "all-reduce backend",
     "pagoda_routers": "request router",
     "pagoda_tool_parsers": "tool-call parser",
+    "pagoda_reasoning_parsers": "reasoning parser",
     "pagoda_cli_commands": "CLI command",
 }
 
@@ -387,6 +389,8 @@ class PluginManager:
     def factory(self, hook_name: Literal["pagoda_routers"], name: str) -> "RouterFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_tool_parsers"], name: str) -> "ToolParserFactory": ...
+    @overload
+    def factory(self, hook_name: Literal["pagoda_reasoning_parsers"], name: str) -> "ReasoningParserFactory": ...
     @overload
     def factory(self, hook_name: Literal["pagoda_cli_commands"], name: str) -> "CLICommand": ...
 

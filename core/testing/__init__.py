@@ -27,6 +27,7 @@ One check per component kind; each raises :class:`ContractError` saying what bro
   each other prompt blocks through it with the tokens of an engine alone;
 - :func:`check_proposer`: drafts that fit their slots, and greedy speculation equal to plain decoding;
 - :func:`check_tool_parser`: answers read whole and streamed in any split agree, and give the calls expected;
+- :func:`check_reasoning_parser`: likewise for the thinking and the answer a reasoning parser sets apart;
 - :class:`StrictContracts` (the fixture ``pagoda_strict_llm``): the engine on the default model with every
   component behind a proxy that records each attribute used outside its Protocol.
 
@@ -55,6 +56,7 @@ _EXPORTS = {
     "expected_output": "scheduling", "next_token": "scheduling",
     "Proxy": "strict", "StrictContracts": "strict", "contract_names": "strict",
     "ToolParserCase": "tool_parser", "check_tool_parser": "tool_parser",
+    "ReasoningParserCase": "reasoning_parser", "check_reasoning_parser": "reasoning_parser",
 }
 __all__ = sorted(_EXPORTS)
 

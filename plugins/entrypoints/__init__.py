@@ -1,5 +1,5 @@
-"""Built-in entrypoints: the ``pagoda`` CLI commands, the OpenAI-compatible server's routes and the tool-call
-parsers it reads chat answers with."""
+"""Built-in entrypoints: the ``pagoda`` CLI commands, the OpenAI-compatible server's routes, and the tool-call
+and reasoning parsers it reads chat answers with."""
 
 from pagoda.markers import hookimpl
 
@@ -38,3 +38,10 @@ def pagoda_tool_parsers():
     from pagoda.plugins.entrypoints.tool_parsers import BUILT_IN_TOOL_PARSERS
 
     return dict(BUILT_IN_TOOL_PARSERS)
+
+
+@hookimpl
+def pagoda_reasoning_parsers():
+    from pagoda.plugins.entrypoints.reasoning_parsers import BUILT_IN_REASONING_PARSERS
+
+    return dict(BUILT_IN_REASONING_PARSERS)

@@ -73,7 +73,12 @@ def register(sub) -> None:
                         "--no-enable-auto-tool-choice: off, \"auto\" with tools is a 400")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format the model writes tool calls in, instead of its family's: a pagoda_tool_parsers "
-                        "component (built-in: hermes, llama3_json; `pagoda plugins` lists all)")
+                        "component (built-in: hermes, llama3_json, pythonic, openai; `pagoda plugins` lists all)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="the format a reasoning model sets its thinking apart in, read into reasoning_content: a "
+                        "pagoda_reasoning_parsers component (built-in: deepseek_r1, qwen3, openai_gptoss; `pagoda "
+                        "plugins` lists all), or none. Default: the model family's where it is known (the start-up "
+                        "log says which)")
     p.add_argument("--strict-request-fields", action="store_true",
                    help="answer a request field of no OpenAI or vLLM schema with a 400, as OpenAI does (by default "
                         "such a field is ignored, logged once and named in the x-pagoda-ignored-fields header)")
@@ -138,6 +143,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         if ns.allow_runtime_lora_updating:
             raise ConfigError("--allow-runtime-lora-updating changes one engine's adapters; it is not available with "
                               "--replicas or --max-replicas yet")
+        if ns.reasoning_parser:
+            raise ConfigError("--reasoning-parser is not available with --replicas or --max-replicas yet; serve one "
+                              "replica to read reasoning outputs")
         if ns.enable_auto_tool_choice or ns.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice and --tool-call-parser are not available with --replicas or "
                               "--max-replicas yet; serve one replica to read tool calls")
@@ -151,12 +159,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
                                                    make_uvicorn_server, max_request_chars_option)
     from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
+    from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
     from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 
     # a wrong tool-call or request-size option fails before the model loads
     # (whether a parser fits the model is known once it is loaded)
     ToolCallingOptions.resolve(ns.plugin_manager, False if ns.enable_auto_tool_choice is False else None,
                                ns.tool_call_parser)
+    ReasoningOptions.resolve(ns.plugin_manager, ns.reasoning_parser)
     max_request_chars_option(ns.max_request_chars)
     if ns.max_lora_adapters < 1:
         raise ConfigError(f"--max-lora-adapters {ns.max_lora_adapters}: give a number of adapters >= 1")
@@ -182,7 +192,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                     tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars,
                     strict_request_fields=ns.strict_request_fields,
-                    allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
+                    allow_runtime_lora_updating=ns.allow_runtime_lora_updating, reasoning_parser=ns.reasoning_parser,
                     lora_admin=LoRAAdminOptions(
                         tuple(r.strip() for r in ns.lora_allowed_roots.split(",") if r.strip())
                         if ns.lora_allowed_roots else None, ns.max_lora_adapters, ns.admin_api_key))

@@ -30,6 +30,7 @@ from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
 from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
                                                               ResponseStore)
+from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
 from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
@@ -50,7 +51,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               tool_call_parser: Optional[str] = None, tenant_source: str = "api-key",
               strict_request_fields: bool = False,
               max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False,
-              lora_admin: Optional[LoRAAdminOptions] = None) -> FastAPI:
+              lora_admin: Optional[LoRAAdminOptions] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
     ``max_request_chars``: the characters a request may have in all its prompts or messages, refused with a
@@ -66,9 +67,13 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     adds ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (the engine needs LoRA enabled), bounded
     by ``lora_admin`` (default: :class:`~pagoda.plugins.entrypoints.server.lora.LoRAAdminOptions`).
     ``strict_request_fields``: a request field of no OpenAI or vLLM schema is a 400 (otherwise it is ignored,
-    logged once and named in the ``x-pagoda-ignored-fields`` header)."""
+    logged once and named in the ``x-pagoda-ignored-fields`` header). ``reasoning_parser`` names the
+    ``pagoda_reasoning_parsers`` component that sets chat answers' thinking apart (None: the model family's,
+    see :mod:`~pagoda.plugins.entrypoints.server.reasoning`; ``"none"``: off)."""
     tool_calling = ToolCallingOptions.for_engine(engine.engine, enable_auto_tool_choice, tool_call_parser)
     logger.info("%s", tool_calling.describe())
+    reasoning = ReasoningOptions.for_engine(engine.engine, reasoning_parser)
+    logger.info("%s", reasoning.describe())
     max_request_chars = max_request_chars_option(max_request_chars)
 
     @contextlib.asynccontextmanager
@@ -85,6 +90,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.state.max_request_chars = max_request_chars  # likewise
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
     app.state.tool_calling = tool_calling  # read by the chat route
+    app.state.reasoning = reasoning  # likewise
     app.state.tenant_source = tenant_source  # read by the routes when they are added
     app.state.strict_request_fields = strict_request_fields  # likewise
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating  # read when the routes are added

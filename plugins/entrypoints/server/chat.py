@@ -13,6 +13,7 @@ from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.plugins.entrypoints.server.reasoning import ReasoningRequest, StreamedReasoning
 from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
                                                        output_error, prompt_logprobs_json, response_id, token_text,
                                                        truncated_prompt, unless_disconnected, usage)
@@ -140,9 +141,11 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     if structured_outputs is not None and tooling.is_forced:
         raise APIError(400, f"tool_choice {body.tool_choice!r} holds the answer to the tool calls' schema, so it "
                             f"cannot be combined with {field}; send one of them", param="tool_choice")
+    reasoning = ctx.reasoning_options.plan(text if text is not None else "")
+    reasoning.check_constraint(field if structured_outputs is not None else None, tooling.is_forced)
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
-    params = tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
-                                                    structured_outputs))
+    params = reasoning.adjust(tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
+                                                                     structured_outputs)))
     request_id = response_id("chatcmpl", body)
     extras = _Extras(bool(body.return_token_ids), bool(body.return_tokens_as_token_ids),
                      text if body.return_prompt_text else None, echoed)
@@ -154,7 +157,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise tooling.explain_refusal(exc) from None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling,
+        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling, reasoning,
                                              ctx.model_name(lora), extras), media_type="text/event-stream")
         tooling.warn(response, ctx.logged_ignored_fields)
         return response
@@ -164,7 +167,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise err
     choices = []
     for c in out.outputs:
-        message, reason = tooling.message(c.text, finish_reason(c))
+        read = reasoning.read(c.text)
+        message, reason = tooling.message(read.content, finish_reason(c))
+        if reasoning.is_on:  # vLLM's field: null when the answer has no thinking; content null when it is all thinking
+            message["reasoning_content"] = read.reasoning or None
+            if read.reasoning and not message["content"]:
+                message["content"] = None
         if echoed:
             message["content"] = echoed + (message["content"] or "")
         choice = {"index": c.index, "message": message,
@@ -206,10 +214,13 @@ class _Extras:
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-            include_usage: bool, tooling: ToolRequest, model: str, extras: _Extras) -> AsyncIterator[str]:
-    """The SSE body: each choice's new content (and tool call pieces) as a delta, the role with its first one."""
+            include_usage: bool, tooling: ToolRequest, reasoning: ReasoningRequest, model: str,
+            extras: _Extras) -> AsyncIterator[str]:
+    """The SSE body: each choice's new thinking (``reasoning_content``), content and tool call pieces as a delta,
+    the role with its first one."""
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": model}
     streams: dict[int, StreamedChoice] = {}
+    thoughts: dict[int, StreamedReasoning] = {}
 
     def choices(_: int, out: RequestOutput) -> list[dict]:
         result = []
@@ -217,11 +228,15 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Opti
             first = c.index not in streams
             if first:
                 streams[c.index] = tooling.stream()
+                thoughts[c.index] = StreamedReasoning(reasoning.new_parser())
             stream = streams[c.index]
-            delta = stream.delta(c.text, c.finish_reason is not None)
+            read = thoughts[c.index].delta(c.text, c.finish_reason is not None)
+            delta = stream.delta(read.content, c.finish_reason is not None)
+            if read.reasoning:
+                delta = {"reasoning_content": read.reasoning, **delta}
             has_new_tokens = num_top is not None and bool(c.token_ids)
             if not first and not delta.get("content") and "tool_calls" not in delta and not has_new_tokens \
-                    and c.finish_reason is None:
+                    and not read.reasoning and c.finish_reason is None:
                 continue
             if first:  # OpenAI's first delta: the role, and content "" (null when it begins a tool call)
                 content = delta.pop("content", None if "tool_calls" in delta else "")

@@ -94,7 +94,6 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + chat_messages(_history(store, body.previous_response_id), items)
     template_kwargs = check_template_kwargs(body.chat_template_kwargs)
-    record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body))
     with _in_responses_terms(tooling):
         check_chat_chars(ctx, messages, tooling.tools, param="input")
         template = ctx.tool_options.template_for(tooling.tools, messages)
@@ -102,6 +101,10 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
             lambda tok: render_chat(tok, messages, add_generation_prompt=True, tools=tooling.tools,
                                     max_chars=ctx.max_prompt_chars, template_kwargs=template_kwargs,
                                     chat_template=template)))
+        reasoning = ctx.reasoning_options.plan(text)
+        reasoning.check_constraint(_constraint_field(structured_outputs), tooling.is_forced)
+        record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body),
+                                reasoning.new_parser())
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
                                 top_k=body.top_k or 0, min_p=body.min_p or 0.0,
                                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -109,7 +112,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
                                 logprobs=record.num_top_logprobs, structured_outputs=structured_outputs)
         gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}],
-                         tooling.constrain(params), priority=body.priority, stream=bool(body.stream),
+                         reasoning.adjust(tooling.constrain(params)), priority=body.priority, stream=bool(body.stream),
                          tenant=ctx.tenant_of(request, body), lora_request=lora)
         await unless_disconnected(request, gen.start())
     keep = store if body.store is not False else None
@@ -159,8 +162,8 @@ class ResponseRecord:
     """One response as it is generated: renders OpenAI's response object at any point. ``parser`` reads the
     answer's tool calls (None: the answer is text)."""
 
-    def __init__(self, model: str, body: ResponsesRequest, parser: Any = None, response_id: Optional[str] = None
-                 ) -> None:
+    def __init__(self, model: str, body: ResponsesRequest, parser: Any = None, response_id: Optional[str] = None,
+                 reasoning_parser: Any = None) -> None:
         self.id = response_id or f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model, self.body = model, body
@@ -168,7 +171,7 @@ class ResponseRecord:
         self.top_p = 1.0 if body.top_p is None else body.top_p
         self.num_top_logprobs = (body.top_logprobs or 0) if body.wants_logprobs else None
         self.status = "in_progress"
-        self.output = ResponseOutput(parser)
+        self.output = ResponseOutput(parser, reasoning_parser)
         self.num_input_tokens = self.num_cached_tokens = self.num_output_tokens = 0
         self.finish_reason: Optional[str] = None
         self.error: Optional[dict] = None
@@ -178,7 +181,8 @@ class ResponseRecord:
         """Take in one engine output (a delta when streaming, else the whole); the events of what it added. The
         tokens' logprobs go with a text answer (a reader of tool calls takes the text apart)."""
         (c,) = out.outputs
-        with_logprobs = self.num_top_logprobs is not None and self.output.parser is None
+        with_logprobs = (self.num_top_logprobs is not None and self.output.parser is None
+                         and self.output.reasoning_parser is None)
         logprobs = _token_logprobs(c, self.num_top_logprobs) if with_logprobs else []
         self.num_input_tokens, self.num_cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
         self.num_output_tokens += len(c.token_ids)
@@ -309,6 +313,15 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
                        param="prompt")
     if body.moderation is not None:
         raise APIError(400, "moderation is not served by this server; leave moderation out", param="moderation")
+
+
+def _constraint_field(spec: Optional[StructuredOutputsParams]) -> Optional[str]:
+    """The field a constraint came from, as the reasoning check names it."""
+    if spec is None:
+        return None
+    if spec.regex is not None:
+        return "structured_outputs.regex"
+    return "structured_outputs.grammar" if spec.grammar is not None else "text.format"
 
 
 def _choice_name(body: ResponsesRequest) -> str:

@@ -5,7 +5,9 @@ function), text and tool calls, which the request's tool-call reader splits apar
 ``message`` item with one ``output_text`` part, each call a ``function_call`` item. An item opens when its first
 piece arrives and closes when the next one opens or the answer ends, so the events of a stream (OpenAI's:
 ``response.output_item.added``, then ``response.output_text.delta`` or ``response.function_call_arguments.delta``
-pieces, then the ``.done`` events) add up to the items of the same answer read whole.
+pieces, then the ``.done`` events) add up to the items of the same answer read whole. With a reasoning parser,
+the thinking comes first as a ``reasoning`` item (its text in one ``reasoning_text`` part, streamed as
+``response.reasoning_text.delta``), and the rest of the answer is read as above.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def output_text_part(text: str = "", logprobs: Optional[list[dict]] = None) -> d
 class _Item:
     """One output item: a ``message`` (its text) or a ``function_call`` (its arguments), and where it is."""
 
-    kind: str  # "message" or "function_call"
+    kind: str  # "message", "function_call" or "reasoning"
     id: str
     output_index: int
     call_id: Optional[str] = None
@@ -45,6 +47,9 @@ class _Item:
         if self.kind == "message":
             content = [] if is_new else [output_text_part(self.text, self.logprobs)]
             return {"id": self.id, "type": "message", "role": "assistant", "status": self.status, "content": content}
+        if self.kind == "reasoning":
+            content = [] if is_new else [{"type": "reasoning_text", "text": self.text}]
+            return {"id": self.id, "type": "reasoning", "summary": [], "content": content, "status": self.status}
         return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
                 "arguments": "" if is_new else self.text, "status": self.status}
 
@@ -59,23 +64,39 @@ class ResponseOutput:
     """The items of one answer. ``parser`` (a :class:`pagoda.interfaces.ToolParser`, or None for plain text)
     reads the answer into content and calls; token logprobs go with the text of plain answers only."""
 
-    def __init__(self, parser: Any = None) -> None:
+    def __init__(self, parser: Any = None, reasoning_parser: Any = None) -> None:
         self.parser = parser
+        self.reasoning_parser = reasoning_parser  # a pagoda.interfaces.ReasoningParser, or None
         self.items: list[_Item] = []
         self._open: Optional[_Item] = None
         self._calls: dict[int, _Item] = {}  # by the parser's call index
         self._is_read = parser is None  # the parser has read the end of the answer
+        self._is_thinking_read = reasoning_parser is None  # likewise, the reasoning parser
 
     @property
     def text(self) -> str:
-        """The answer's text outside its calls."""
+        """The answer's text outside its calls and its thinking."""
         return "".join(item.text for item in self.items if item.kind == "message")
 
     def read(self, text: str, logprobs: list[dict], is_last: bool) -> list[Event]:
         """Take the answer's next ``text`` (with its tokens' ``logprobs``; ``is_last``: the answer ends with it);
         the events it makes, in order."""
+        if self.reasoning_parser is not None:
+            read = self.reasoning_parser.extract_reasoning_streaming(text)
+            if is_last:
+                read = read + self.reasoning_parser.finish_streaming()
+                self._is_thinking_read = True
+            events = self._add_reasoning(read.reasoning) if read.reasoning else []
+            if self.parser is None:
+                return events + (self._add_text(read.content, []) if read.content else [])
+            text, logprobs = read.content, []
+            events += self._read_calls(text, is_last)
+            return events
         if self.parser is None:
             return self._add_text(text, logprobs) if text or logprobs else []
+        return self._read_calls(text, is_last)
+
+    def _read_calls(self, text: str, is_last: bool) -> list[Event]:
         messages = [self.parser.extract_tool_calls_streaming(text)]
         if is_last:
             messages.append(self.parser.finish_streaming())
@@ -85,7 +106,11 @@ class ResponseOutput:
     def finish(self, status: str) -> list[Event]:
         """End the answer: the open item ends with ``status`` (``completed``, or ``incomplete`` when the token
         budget cut it); an answer with no item at all gets an empty message. The closing events."""
-        events = [] if self._is_read else self._add(self.parser.finish_streaming())
+        events = []
+        if not self._is_thinking_read:
+            events += self.read("", [], is_last=True)
+        if not self._is_read:
+            events += self._add(self.parser.finish_streaming())
         self._is_read = True
         if not self.items:
             events += self._open_item("message")
@@ -95,7 +120,8 @@ class ResponseOutput:
         return [item.render() for item in self.items]
 
     def as_input(self) -> list[dict]:
-        return [item.as_input() for item in self.items]
+        """The items a later turn continues from (the thinking is left out, as chat templates drop it)."""
+        return [item.as_input() for item in self.items if item.kind != "reasoning"]
 
     # ---- the items ----------------------------------------------------------------------------------
 
@@ -115,6 +141,15 @@ class ResponseOutput:
                                                       "content_index": 0, "delta": text, "logprobs": logprobs}))
         return events
 
+    def _add_reasoning(self, text: str) -> list[Event]:
+        is_open = self._open is not None and self._open.kind == "reasoning"
+        events = [] if is_open else self._open_item("reasoning")
+        item = self._open
+        item.pieces.append(text)
+        events.append(("response.reasoning_text.delta", {"item_id": item.id, "output_index": item.output_index,
+                                                         "content_index": 0, "delta": text}))
+        return events
+
     def _add_call(self, piece: ToolCallDelta) -> list[Event]:
         events: list[Event] = []
         if piece.index not in self._calls:
@@ -132,7 +167,7 @@ class ResponseOutput:
     def _open_item(self, kind: str, call_id: Optional[str] = None, name: Optional[str] = None) -> list[Event]:
         """Close the open item (it is complete: another one follows) and open a new one."""
         events = self._close("completed")
-        prefix = "msg" if kind == "message" else "fc"
+        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}[kind]
         item = _Item(kind, f"{prefix}_{uuid.uuid4().hex}", len(self.items), call_id, name)
         self.items.append(item)
         self._open = item
@@ -153,6 +188,8 @@ class ResponseOutput:
             events = [("response.output_text.done", {**ids, "content_index": 0, "text": item.text,
                                                      "logprobs": item.logprobs}),
                       ("response.content_part.done", {**ids, "content_index": 0, "part": part})]
+        elif item.kind == "reasoning":
+            events = [("response.reasoning_text.done", {**ids, "content_index": 0, "text": item.text})]
         else:
             events = [("response.function_call_arguments.done", {**ids, "arguments": item.text})]
         return events + [("response.output_item.done", {"output_index": item.output_index, "item": item.render()})]

@@ -19,6 +19,7 @@ from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, C
 from pagoda.plugins.entrypoints.server.response_store import ResponseStore
 from pagoda.plugins.entrypoints.server.responses import add_responses_routes
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
+from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
 from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 from pagoda.version import __version__
 
@@ -42,6 +43,7 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx = ServingContext.for_engine(engine, getattr(app.state, "default_max_tokens", DEFAULT_MAX_TOKENS),
                                     getattr(app.state, "max_request_chars", None))
     ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.for_engine(engine.engine)
+    ctx.reasoning_options = getattr(app.state, "reasoning", None) or ReasoningOptions.for_engine(engine.engine)
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
     ctx.strict_request_fields = getattr(app.state, "strict_request_fields", False)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)

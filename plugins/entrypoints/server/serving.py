@@ -72,6 +72,8 @@ class ServingContext:
     logged_ignored_fields: set[str] = field(default_factory=set)
     # what `pagoda serve` was told about tool calls (a pagoda.plugins.entrypoints.server.tools.ToolCallingOptions)
     tool_options: Any = field(default=None)
+    # the server's reasoning parser (a pagoda.plugins.entrypoints.server.reasoning.ReasoningOptions)
+    reasoning_options: Any = field(default=None)
     # where a request's tenant comes from (see tenant_of): "api-key", "header" or "user"
     tenant_source: str = "api-key"
     # --strict-request-fields: a field of no schema is a 400 (otherwise it is ignored and named)

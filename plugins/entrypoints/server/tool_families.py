@@ -26,7 +26,7 @@ FAMILY_PARSERS: dict[str, tuple[str, Optional[str]]] = {
     "gemma2": ("Gemma 2", None),
     "gemma3": ("Gemma 3", None),
     "gemma3_text": ("Gemma 3", None),
-    "gpt_oss": ("gpt-oss", None),
+    "gpt_oss": ("gpt-oss", "openai"),
     "granite": ("Granite", None),
     "olmo2": ("OLMo 2", None),
     "mistral": ("Mistral", None),
@@ -37,8 +37,6 @@ GEMMA_REASON = ("Gemma's own template shows no tools; with one that asks for Pyt
                 "--chat-template FILE --tool-call-parser pythonic")
 # why a family has no parser here, for the start-up log and the answer's warning
 NO_PARSER_REASONS = {
-    "gpt_oss": "gpt-oss writes its calls in OpenAI's harmony format (vLLM's 'openai' parser), which pagoda does "
-               "not read",
     "gemma2": GEMMA_REASON,
     "gemma3": GEMMA_REASON,
     "gemma3_text": GEMMA_REASON,
@@ -49,7 +47,6 @@ NO_PARSER_REASONS = {
 
 # vLLM's parsers pagoda has none of, and the format each reads, for the error that names one
 VLLM_ONLY_PARSERS = {
-    "openai": "gpt-oss's harmony format",
     "mistral": "Mistral's [TOOL_CALLS] lists",
     "granite": "Granite's <|tool_call|> lists",
 }

@@ -1,0 +1,93 @@
+"""``deepseek_r1`` and ``qwen3``: thinking between ``<think>`` and ``</think>``, then the answer::
+
+    <think>
+    The user greets me; greet back.
+    </think>
+
+    Hello!
+
+DeepSeek-R1's chat template opens the thinking in the prompt, so its answers often hold only the closing
+tag: ``deepseek_r1`` reads an answer as thinking from its first character (an opening tag there is dropped)
+until ``</think>``, and an answer that never closes it as thinking only. ``qwen3`` reads thinking only when the
+answer opens it (or its prompt did); an answer without ``<think>`` is all answer, as Qwen3 writes with
+``enable_thinking`` false (its template then closes an empty thinking block in the prompt). An answer cut off
+while thinking is thinking only, with both.
+"""
+
+from __future__ import annotations
+
+from pagoda.plugins.entrypoints.reasoning_parsers.text_stream import StreamingReasoningParser, partial_marker
+
+START_TAG = "<think>"
+END_TAG = "</think>"
+
+_START = "start"  # before the answer's first text: it may open the thinking
+_THINKING = "thinking"
+_AFTER_THINKING = "after-thinking"  # the whitespace after </think> is not part of the answer
+_ANSWER = "answer"
+
+
+def prompt_state(prompt: str) -> str | None:
+    """Where the prompt leaves the answer: thinking (its template opened ``<think>`` last), answering (it closed
+    a thinking block last, after the last turn began), or None (it says nothing)."""
+    start, end = prompt.rfind(START_TAG), prompt.rfind(END_TAG)
+    if start < 0 and end < 0:
+        return None
+    if start > end:
+        return _THINKING if not prompt[start + len(START_TAG):].strip(" \n") else None
+    return _AFTER_THINKING if not prompt[end + len(END_TAG):].strip(" \n") else None
+
+
+class ThinkTagReasoningParser(StreamingReasoningParser):
+    """``<think>…</think>`` then the answer; ``starts_thinking``: an answer without the opening tag is thinking
+    (DeepSeek-R1) rather than answer (Qwen3)."""
+
+    starts_thinking = False
+
+    def __init__(self, prompt: str = "") -> None:
+        super().__init__(prompt)
+        self._mode = prompt_state(prompt) or _START
+        # the prompt closed the thinking (Qwen3's enable_thinking false): the answer is all answer
+        self.may_think = self._mode != _AFTER_THINKING
+
+    def read(self, is_final: bool) -> None:
+        while self._pending:
+            if self._mode == _START:
+                head = self._pending.lstrip(" \n")
+                if head.startswith(START_TAG):
+                    self._pending = head[len(START_TAG):]
+                    self._mode = _THINKING
+                elif not is_final and START_TAG.startswith(head):
+                    return  # it may yet be the tag
+                else:
+                    self._mode = _THINKING if self.starts_thinking else _ANSWER
+            elif self._mode == _THINKING:
+                end = self._pending.find(END_TAG)
+                if end >= 0:
+                    self._reasoning.append(self._pending[:end])
+                    self._pending = self._pending[end + len(END_TAG):]
+                    self._mode = _AFTER_THINKING
+                    continue
+                keep = 0 if is_final else partial_marker(self._pending, (END_TAG,))
+                self._reasoning.append(self._pending[:len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep:]
+                return
+            elif self._mode == _AFTER_THINKING:
+                self._pending = self._pending.lstrip(" \n")
+                if self._pending:
+                    self._mode = _ANSWER
+            else:
+                self._content.append(self._pending)
+                self._pending = ""
+
+
+class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
+    """DeepSeek-R1 and its distillations: thinking from the start until ``</think>``."""
+
+    starts_thinking = True
+
+
+class Qwen3ReasoningParser(ThinkTagReasoningParser):
+    """Qwen3: thinking only inside ``<think>…</think>`` at the start of the answer."""
+
+    starts_thinking = False
