@@ -186,7 +186,9 @@ def test_avx2_gemv_and_tiled_gemm_match_an_fp32_matmul_of_the_same_values(rows, 
     b = torch.randn(out_features, generator=g).bfloat16()
     ref = F.linear(x.float(), w.float(), b.float())
     for bias, expected in ((b, ref), (None, ref - b.float())):
-        for y in (avx2.gemv_bf16(x, w, bias), avx2.gemm_bf16_fp32(x, w, bias, 64)):
+        # the row-blocked GEMM in blocks of 4 rows and chunks of 5 weight rows: ragged last block and chunk
+        for y in (avx2.gemv_bf16(x, w, bias), avx2.gemm_bf16_fp32(x, w, bias, 64),
+                  avx2.gemm_bf16_fp32_rows(x, w, bias, 4, 5), avx2.gemm_bf16_fp32_rows(x, w, bias)):
             # fp32 sums of exact products in another order, then one bf16 rounding
             assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
             torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
@@ -228,6 +230,24 @@ def test_avx2_build_of_rotary_rotates_exactly_as_the_torch_formula_does(dtype, h
     assert torch.equal(got_k.reshape(tokens, kv_heads, head_dim), ref_k)
 
 
+def test_row_blocked_gemm_rounds_as_bf16_of_the_fp32_sum_plus_bias_and_keeps_special_values():
+    """The row-blocked GEMM's output is the fp32 product plus the bias rounded once to bf16 (the vector and the
+    scalar tail of its store agree), and an inf or NaN input comes out as torch's does."""
+    avx2 = _avx2_ops()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 19, generator=g).bfloat16()
+    w = torch.randn(21, 19, generator=g).bfloat16()
+    b = torch.randn(21, generator=g).bfloat16()
+    x[3, 2], x[5, 7] = float("inf"), float("nan")
+    y = avx2.gemm_bf16_fp32_rows(x, w, b, 8, 16)
+    ref = F.linear(x.float(), w.float(), b.float())
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(y.float())) and torch.equal(ref.isnan(), y.float().isnan())
+    torch.testing.assert_close(y.float()[finite], ref[finite].bfloat16().float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="row_block and chunk_rows must be positive"):
+        avx2.gemm_bf16_fp32_rows(x, w, b, 0, 16)
+
+
 def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm():
     from pagoda.modeling.layers import fused_ops
 
@@ -243,6 +263,10 @@ def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm():
             calls.append("gemm")
             return avx2.gemm_bf16_fp32(*args)
 
+        def gemm_bf16_fp32_rows(self, *args):
+            calls.append("rows")
+            return avx2.gemm_bf16_fp32_rows(*args)
+
     counting = CpuKernels()
     counting.ops, counting.gemv_path = CountingOps(), "avx2"
     w = torch.randn(64, 48).bfloat16()
@@ -251,7 +275,14 @@ def test_linear_on_an_avx2_build_takes_the_gemv_then_the_tiled_gemm():
         torch.testing.assert_close(counting.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
                                    atol=5e-2)
     assert calls == ["gemv", "gemv", "gemm"]
-    with torch.inference_mode():  # as the engine runs it: the tiled GEMM's worker threads write inference tensors
-        x = torch.randn(40, 48).bfloat16()
-        torch.testing.assert_close(counting.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
-                                   atol=5e-2)
+    calls.clear()
+    x = torch.randn(fused_ops.AVX2_ROWS_GEMM_MIN_ROWS + 3, 48).bfloat16()  # a prefill chunk
+    torch.testing.assert_close(counting.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=5e-2)
+    assert calls == ["rows"]
+    calls.clear()
+    with torch.inference_mode():  # as the engine runs it: the GEMMs' worker threads write inference tensors
+        for rows in (40, fused_ops.AVX2_ROWS_GEMM_MIN_ROWS):
+            x = torch.randn(rows, 48).bfloat16()
+            torch.testing.assert_close(counting.linear(x, w).float(), F.linear(x.float(), w.float()), rtol=1e-2,
+                                       atol=5e-2)
+    assert calls == ["gemm", "rows"]

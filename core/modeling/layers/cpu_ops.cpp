@@ -576,12 +576,96 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
   return y;
 }
 
+// y = x W^T (+ bias) for prefill-sized row counts on a CPU without bf16 math. gemm_bf16_fp32 above gives each
+// thread whole weight tiles against every activation row, so each tile's one-thread GEMM re-reads (and the BLAS
+// re-packs) all M activation rows: at a thousand rows and more that traffic costs more than widening the weights.
+// Here the weights are widened a chunk of `chunk_rows` rows at a time into one fp32 buffer both threads share
+// (widened once per call, never the whole matrix at once), and the threads take blocks of `row_block`
+// activation rows one at a time, each a one-thread fp32 GEMM against the whole chunk, whose outputs are
+// rounded to bf16 (bias added in fp32 first) while they are in cache.
+at::Tensor gemm_bf16_fp32_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                               int64_t row_block, int64_t chunk_rows) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
+                  x.size(1) == weight.size(1),
+              "x must be [M, K] with contiguous rows and weight a contiguous [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bf16");
+  TORCH_CHECK(row_block > 0 && chunk_rows > 0, "row_block and chunk_rows must be positive");
+  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+  const auto xf = x.to(at::kFloat).contiguous();
+  const at::BFloat16* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.numel() == n && bias_c.scalar_type() == at::kBFloat16, "bias must be [N] bf16");
+    b = bias_c.data_ptr<at::BFloat16>();
+  }
+  auto y = at::empty({m, n}, x.options());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  chunk_rows = std::min(chunk_rows, n);
+  auto wf = at::empty({chunk_rows, k}, xf.options());
+  float* wfp = wf.data_ptr<float>();
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // blocks of at most row_block rows, as many per thread
+  const int64_t per_thread = (m + threads * row_block - 1) / (threads * row_block);
+  row_block = std::min(row_block, (m + threads * per_thread - 1) / (threads * per_thread));
+  const int64_t num_blocks = (m + row_block - 1) / row_block;
+  const at::ThreadLocalState caller_state;
+  for (int64_t n0 = 0; n0 < n; n0 += chunk_rows) {
+    const int64_t nc = std::min(chunk_rows, n - n0);
+    const uint16_t* src = wp + n0 * k;
+    parallel_chunks(nc * k, 32768, [&](int64_t begin, int64_t end) {
+      int64_t i = begin;
+#ifdef PAGODA_AVX2_GEMV
+      for (; i + 8 <= end; i += 8)
+        _mm256_storeu_ps(wfp + i, widen_bf16x8(reinterpret_cast<const at::BFloat16*>(src + i)));
+#endif
+      for (; i < end; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(wfp + i, &bits, sizeof(float));
+      }
+    });
+    const auto chunk_t = wf.narrow(0, 0, nc).t();
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min(threads, num_blocks), 1, [&](int64_t, int64_t) {
+      at::ThreadLocalStateGuard state_guard(caller_state);
+      auto out = at::empty({row_block, nc}, xf.options());
+      const float* op = out.data_ptr<float>();
+      for (int64_t blk = next++; blk < num_blocks; blk = next++) {
+        const int64_t r0 = blk * row_block, rows = std::min(row_block, m - r0);
+        auto out_rows = out.narrow(0, 0, rows);
+        at::mm_out(out_rows, xf.narrow(0, r0, rows), chunk_t);  // one thread: inside a parallel region
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* o = op + r * nc;
+          at::BFloat16* yr = yp + (r0 + r) * n + n0;
+          const at::BFloat16* br = b ? b + n0 : nullptr;
+          int64_t c = 0;
+#ifdef PAGODA_AVX2_OPS
+          if (br) {
+            for (; c + 8 <= nc; c += 8) store8(yr + c, _mm256_add_ps(_mm256_loadu_ps(o + c), load8(br + c)));
+          } else {
+            for (; c + 8 <= nc; c += 8) store8(yr + c, _mm256_loadu_ps(o + c));
+          }
+#endif
+          for (; c < nc; ++c) yr[c] = from_f<at::BFloat16>(o[c] + (br ? to_f(br[c]) : 0.f));
+        }
+      }
+    });
+  }
+  return y;
+}
+
 // every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
 // computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const pybind11::call_guard<pybind11::gil_scoped_release> no_gil{};
   m.def("gemm_bf16_fp32", &gemm_bf16_fp32, "y = x W^T (+ bias) for many bf16 rows, fp32 GEMM over widened tiles",
         no_gil, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("tile_rows") = 128);
+  m.def("gemm_bf16_fp32_rows", &gemm_bf16_fp32_rows,
+        "y = x W^T (+ bias) for prefill-sized bf16 row counts, widened weight chunks shared by the threads", no_gil,
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("row_block") = 256,
+        pybind11::arg("chunk_rows") = 1024);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection", no_gil);
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16, or AVX2 + FMA)");

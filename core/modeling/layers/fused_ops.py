@@ -2,7 +2,7 @@
 
 The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
 linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
-fp32 GEMM over widened weight tiles for larger ones. ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
+fp32 GEMM over widened weight tiles for larger ones (blocked by activation rows for prefill-sized ones). ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
 extension loader). Where it cannot be built, or for tensors it does not cover
 (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
 compute the same values. An engine's ``fused_cpu_ops`` host setting
@@ -37,11 +37,28 @@ GEMV_MAX_ROWS = 4
 # 64 rows: tiled GEMM 50-56 (fp32: 44; torch's bf16 matmul: 141).
 AVX2_GEMV_MAX_ROWS = 8
 
+# From this many rows (prefill chunks) the AVX2 path takes the row-blocked GEMM instead: the weights widened in
+# chunks both threads share, the threads taking blocks of activation rows (``gemm_bf16_fp32_rows``). The default
+# model's four linear shapes, 2 threads, AVX2 EPYC, time of the row-blocked GEMM over the widened-tile one:
+# 1.23-1.25x at 128 rows, 0.98-1.09x at 512-768, 0.87x at 1,024, 0.83x at 1,536, 0.71x at 2,048 (widening the
+# whole weight and calling torch's fp32 linear: 1.57x, 1.10-1.26x, 1.01x, 0.92x, 0.88x).
+AVX2_ROWS_GEMM_MIN_ROWS = 1024
+# activation rows per block of the row-blocked GEMM, and the widened weight chunk it multiplies them by: up to
+# this many bytes of fp32 (1,024 rows of the default model's 576 columns), so it stays in the shared cache
+ROWS_GEMM_BLOCK = 256
+ROWS_GEMM_CHUNK_BYTES = 1024 * 576 * 4
+
 # The batch-invariant mode's rows per matmul where the GEMV does not apply (float32 or float16 weights, no
 # kernels): every product is a [16, K] tile, the last one padded with zero rows, so the BLAS picks the same kernel
 # whatever the batch. Measured here (AVX2, MKL, 1 and 2 threads): a row's output bits did not depend on its place
 # in the tile nor on the other rows, while a 1-row and a 16-row product differed in 5-90% of the outputs.
 INVARIANT_TILE_ROWS = 16
+
+
+def rows_gemm_chunk(in_features: int) -> int:
+    """Weight rows per widened chunk of the row-blocked GEMM for ``in_features`` columns: a multiple of 16, at
+    least 64, at most ``ROWS_GEMM_CHUNK_BYTES`` of fp32."""
+    return max(64, ROWS_GEMM_CHUNK_BYTES // (4 * max(1, in_features)) // 16 * 16)
 
 
 def cpu_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
@@ -87,7 +104,7 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16
-        math (AVX2) through the widened-tile GEMM for larger ones. Batch-invariant: see :meth:`invariant_linear`."""
+        math (AVX2) through the widened-tile GEMM for larger ones and the row-blocked one for prefill-sized ones. Batch-invariant: see :meth:`invariant_linear`."""
         if self.batch_invariant:
             return self.invariant_linear(x, weight, bias)
         if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
@@ -97,7 +114,10 @@ class CpuKernels:
             if path == "avx512_bf16" and rows <= GEMV_MAX_ROWS or path == "avx2":
                 x2 = x.reshape(rows, x.shape[-1])
                 if x2.stride(-1) == 1:
-                    if path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
+                    if path == "avx2" and rows >= AVX2_ROWS_GEMM_MIN_ROWS:
+                        y = self.ops.gemm_bf16_fp32_rows(x2, weight, bias, ROWS_GEMM_BLOCK,
+                                                         rows_gemm_chunk(weight.shape[1]))
+                    elif path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
                         y = self.ops.gemm_bf16_fp32(x2, weight, bias)
                     else:
                         y = self.ops.gemv_bf16(x2, weight, bias)
@@ -141,7 +161,8 @@ class CpuKernels:
             dense = "onednn packed bf16" + (f", gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows (LM head)"
                                             if self.gemv_path == "avx512_bf16" else "")
         elif self.gemv_path == "avx2":
-            dense = f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond)"
+            dense = (f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond, "
+                     f"row-blocked from {AVX2_ROWS_GEMM_MIN_ROWS})")
         elif self.gemv_path:
             dense = f"gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows, torch beyond"
         else:
