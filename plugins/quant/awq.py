@@ -17,7 +17,7 @@ from pagoda.errors import ConfigError
 from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, config_value, drop_params, is_skipped, kernel_for_device, output_sharded_loader)
-from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, install_int_weight
+from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, dequantize_expert, install_int_weight
 from pagoda.plugins.quant.packing import unpack_awq
 
 
@@ -41,6 +41,10 @@ class AWQConfig:
         # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
         self.host = host_config_of(model_config)
         self.kernel = kernel_for_device(self.host.quant_kernel)
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """One packed projection (an MoE expert's) as float32 ``[out, in]``."""
+        return dequantize_expert(self, tensors, name)
 
     def for_layer(self, prefix: str) -> Optional["AWQLinearMethod"]:
         # AutoAWQ skips a module when any listed fragment occurs in its name

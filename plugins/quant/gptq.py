@@ -22,7 +22,8 @@ from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     output_sharded_loader, per_shard_loader, shard_rows)
-from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
+from pagoda.plugins.quant.int_linear import (apply_int_linear, dequantize_expert, install_int_weight,
+                                             parts_from_g_idx)
 from pagoda.plugins.quant.packing import unpack_int32
 
 
@@ -49,6 +50,10 @@ class GPTQConfig:
         # the engine's host settings: its quant_kernel, and the ISA level its C++ kernel is built for
         self.host = host_config_of(model_config)
         self.kernel = kernel_for_device(self.host.quant_kernel)
+
+    def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """One packed projection (an MoE expert's) as float32 ``[out, in]``."""
+        return dequantize_expert(self, tensors, name)
 
     def for_layer(self, prefix: str) -> Optional["GPTQLinearMethod"]:
         if is_skipped(prefix, lambda m: any(re.match(p, m) for p in self.skip_patterns), "GPTQ"):

@@ -18,7 +18,7 @@ one (rows, perm) part per shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from torch import nn
 from pagoda.errors import CheckpointError
 from pagoda.host.env import HostConfig
 from pagoda.plugins.quant.cpu_int_kernel import cpu_int_linear, int_kernels_or_none
-from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
+from pagoda.plugins.quant.packing import pack_uint8, unpack_awq, unpack_int32, unpack_uint8
 
 
 @dataclass(frozen=True)
@@ -131,3 +131,32 @@ def parts_from_g_idx(g_idx_per_shard: list[Optional[torch.Tensor]], shard_rows: 
         else:
             parts.append(IntPart(start, end, perm))
     return parts, perms
+
+
+def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """One expert projection of a GPTQ or AWQ checkpoint (``qweight``, ``qzeros``, ``scales``, GPTQ's optional
+    ``g_idx``) as float32 ``[out, in]``: ``W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]`` with ``g(i)`` the input
+    column's group. The experts then hold the model's dtype: the attention layers stay quantized, the experts take
+    the unquantized model's memory."""
+    missing = [t for t in ("qweight", "qzeros", "scales") if t not in tensors]
+    if missing:
+        raise CheckpointError(f"quantized expert {name!r} has no {', '.join(missing)} tensor(s) in the checkpoint")
+    gptq = type(quant).__name__ == "GPTQConfig"
+    if gptq:
+        q = unpack_int32(tensors["qweight"], quant.bits, dim=0)  # [in, out]
+        zeros = unpack_int32(tensors["qzeros"], quant.bits, dim=1) + quant.zero_offset  # [G, out]
+    else:
+        q, zeros = unpack_awq(tensors["qweight"]), unpack_awq(tensors["qzeros"])
+    n_in, scales = q.shape[0], tensors["scales"].float()
+    group = n_in if quant.group_size == -1 else quant.group_size
+    if gptq and "g_idx" in tensors:
+        g_idx = tensors["g_idx"].long()
+    elif gptq and quant.desc_act:
+        raise CheckpointError(f"{name}: the config sets desc_act but the checkpoint has no g_idx tensor")
+    else:
+        g_idx = torch.arange(n_in) // group
+    if scales.shape[0] != zeros.shape[0] or scales.shape[1] != q.shape[1] or int(g_idx.max()) >= scales.shape[0]:
+        raise CheckpointError(f"quantized expert {name!r}: qweight {tuple(tensors['qweight'].shape)}, qzeros "
+                              f"{tuple(tensors['qzeros'].shape)} and scales {tuple(scales.shape)} do not fit together "
+                              f"for {quant.bits}-bit groups of {group}")
+    return ((q.float() - zeros[g_idx].float()) * scales[g_idx]).t().contiguous()

@@ -79,7 +79,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     layer_class = MoeDecoderLayer
     # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ or AWQ checkpoint's
-    # attention layers run quantized, and its experts are dequantized at load (see dequantize_expert)
+    # attention layers run quantized, and its experts are dequantized at load (see the quant config's dequantize)
     supports_lora = False
     # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
     checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
@@ -141,7 +141,11 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                 self._load_stacked(experts, rest, tensor, name)
         for (layer, expert, part), tensors in quantized.items():
             name = tensors.pop("name")
-            self.experts_of(layer).load_expert(part, expert, dequantize_expert(self.quant, tensors, name), name)
+            dequantize = getattr(self.quant, "dequantize", None)
+            if dequantize is None:
+                raise CheckpointError(f"quantized expert {name!r}: {type(self.quant).__name__} cannot dequantize "
+                                      "expert weights; MoE checkpoints load quantized experts from GPTQ or AWQ")
+            self.experts_of(layer).load_expert(part, expert, dequantize(tensors, name), name)
 
     @staticmethod
     def _load_stacked(experts: FusedMoE, rest: str, tensor: torch.Tensor, name: str) -> None:
@@ -163,37 +167,6 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             experts.load_stacked("down_bias", tensor, name)
         else:
             raise CheckpointError(f"checkpoint tensor {name!r} is not an expert tensor pagoda knows")
-
-
-def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """One expert projection of a GPTQ or AWQ checkpoint (``qweight``, ``qzeros``, ``scales``, GPTQ's optional
-    ``g_idx``) as float32 ``[out, in]``: ``W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]`` with ``g(i)`` the input
-    column's group. The experts then hold the model's dtype: the attention layers stay quantized, the experts take
-    the unquantized model's memory."""
-    from pagoda.plugins.quant.packing import unpack_awq, unpack_int32
-
-    missing = [t for t in ("qweight", "qzeros", "scales") if t not in tensors]
-    if missing:
-        raise CheckpointError(f"quantized expert {name!r} has no {', '.join(missing)} tensor(s) in the checkpoint")
-    gptq = type(quant).__name__ == "GPTQConfig"
-    if gptq:
-        q = unpack_int32(tensors["qweight"], quant.bits, dim=0)  # [in, out]
-        zeros = unpack_int32(tensors["qzeros"], quant.bits, dim=1) + quant.zero_offset  # [G, out]
-    else:
-        q, zeros = unpack_awq(tensors["qweight"]), unpack_awq(tensors["qzeros"])
-    n_in, scales = q.shape[0], tensors["scales"].float()
-    group = n_in if quant.group_size == -1 else quant.group_size
-    if gptq and "g_idx" in tensors:
-        g_idx = tensors["g_idx"].long()
-    elif gptq and quant.desc_act:
-        raise CheckpointError(f"{name}: the config sets desc_act but the checkpoint has no g_idx tensor")
-    else:
-        g_idx = torch.arange(n_in) // group
-    if scales.shape[0] != zeros.shape[0] or scales.shape[1] != q.shape[1] or int(g_idx.max()) >= scales.shape[0]:
-        raise CheckpointError(f"quantized expert {name!r}: qweight {tuple(tensors['qweight'].shape)}, qzeros "
-                              f"{tuple(tensors['qzeros'].shape)} and scales {tuple(scales.shape)} do not fit together "
-                              f"for {quant.bits}-bit groups of {group}")
-    return ((q.float() - zeros[g_idx].float()) * scales[g_idx]).t().contiguous()
 
 
 def sparse_layers(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
