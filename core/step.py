@@ -209,6 +209,9 @@ class AttentionBatch:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # per request, how many of its tokens are its prompt's (positions below are prompt tokens); None: not known.
+    # A backend may attend a prompt's tokens by one path whether or not its first ones came from the cache.
+    prompt_lens_list: Optional[list[int]] = None
 
     def slots_to_write(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The cache slots this step writes (int64) and, only when some tokens are padding (slot -1),

@@ -196,3 +196,63 @@ def test_the_conformance_kit_checks_a_backends_claim_of_batch_invariance():
             self.batch_invariant = False
 
     assert check_batch_invariance(Unclaimed) is False
+
+
+# ---- a restore from the offload tier, a retried step, steps in flight, two tensor-parallel ranks (cpu backend) ----
+
+@pytest.fixture(scope="module")
+def cpu_alone(tiny_model) -> tuple:
+    return results(make_llm(tiny_model), [TARGET], GREEDY)[0]
+
+
+def test_a_restore_from_the_kv_offload_tier_gives_the_same_bits(tiny_model, cpu_alone):
+    llm = make_llm(tiny_model, enable_prefix_caching=True, num_gpu_blocks_override=10, max_num_seqs=1,
+                   kv_offload_ram=0.001)
+    results(llm, [OTHERS[2]], GREEDY)  # its first two blocks are TARGET's
+    fill = random.Random(7)
+    results(llm, [[fill.randrange(1000, 30000) for _ in range(60)] for _ in range(3)], GREEDY)  # evicts them
+    stats = llm.engine.kv_manager.tiers.stats
+    restored = stats.ram.hits
+    assert results(llm, [TARGET], GREEDY)[0] == cpu_alone
+    assert stats.ram.hits - restored == 2
+
+
+def test_a_retried_step_gives_the_same_bits(tiny_model, cpu_alone):
+    llm = make_llm(tiny_model, max_num_seqs=4)
+    calls = []
+
+    def fail_once(module, args, output):  # the third forward pass raises mid-model, after layer 0 wrote its K/V
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+
+    handle = llm.engine.model.layers[1].register_forward_hook(fail_once)
+    try:
+        got = results(llm, OTHERS[:3] + [TARGET], GREEDY)
+    finally:
+        handle.remove()
+    assert len(calls) > 3 and got[3] == cpu_alone
+
+
+def test_steps_in_flight_over_two_pipeline_stages_give_the_same_bits(tiny_model, cpu_alone):
+    llm = make_llm(tiny_model, pipeline_parallel_size=2, pipeline_batches_in_flight=2, max_num_seqs=4,
+                   kv_cache_memory_bytes=16 << 20, cpu_threads=1)
+    try:
+        got = results(llm, OTHERS[:3] + [TARGET] + OTHERS[3:], GREEDY)
+        assert llm.engine.most_steps_in_flight == 2
+    finally:
+        llm.engine.shutdown()
+    assert got[3] == cpu_alone
+
+
+def test_two_tensor_parallel_ranks_give_a_request_the_same_bits_alone_and_among_others(tiny_model):
+    # each rank's partial sums are row-invariant and the all-reduce adds the same partials: bits of their own
+    # (not one rank's), the same whatever the batch
+    llm = make_llm(tiny_model, tensor_parallel_size=2, kv_cache_memory_bytes=16 << 20, cpu_threads=1)
+    try:
+        alone = results(llm, [TARGET], GREEDY)[0]
+        assert results(llm, OTHERS[:3] + [TARGET] + OTHERS[3:], GREEDY)[3] == alone
+        seeded = results(llm, [TARGET], SEEDED)[0]
+        assert results(llm, OTHERS[:2] + [TARGET], [GREEDY, GREEDY, SEEDED])[2] == seeded
+    finally:
+        llm.engine.shutdown()

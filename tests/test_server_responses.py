@@ -148,6 +148,15 @@ def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete_then_co
     assert seen[-2:] == ["response.incomplete", "response.completed"]
     assert final.status == "incomplete" and final.output_text == events[-1].response.output_text
 
+    async def async_helper():  # the async client's helper waits for the same event
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+        async with aclient.responses.stream(model=MODEL, input=STORY, max_output_tokens=5, temperature=0) as s:
+            return await s.get_final_response()
+
+    final = asyncio.run(async_helper())
+    assert final.status == "incomplete" and final.output_text == events[-1].response.output_text
+    assert final.incomplete_details.reason == "max_output_tokens"
+
 
 def test_previous_response_id_continues_a_stored_conversation_until_it_is_deleted(client, offline):
     first = client.responses.create(model=MODEL, input=TURN_1, max_output_tokens=16, temperature=0)

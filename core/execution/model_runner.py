@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import typing
@@ -17,6 +18,7 @@ from pagoda.execution import distributed
 from pagoda.host import hugepages, malloc
 from pagoda.kv.connector import read_block, write_block
 from pagoda.kv.offload import KVTierStore, fingerprint
+from pagoda.modeling.layers.fused_ops import CpuKernels
 from pagoda.sampling.rejection_sampler import RejectionSampler
 from pagoda.sampling.structured.bitmask import apply_bitmask_
 from pagoda.sampling.structured.speculative import fill_draft_rows
@@ -220,7 +222,8 @@ class ModelRunner:
             # the known tokens; a request with draft slots then its drafts (fewer than the slots if
             # the proposer found fewer: the other slots stay unused)
             pieces.append(r.all_token_ids[start:start + sched.num_real_tokens(i)] + drafts[i])
-        batch = FlatBatch(pieces, sched.num_computed_before, sched.block_tables, self.block_size)
+        batch = FlatBatch(pieces, sched.num_computed_before, sched.block_tables, self.block_size,
+                          [r.num_prompt_tokens for r in reqs])
         t = clock()
         metadata = self.backend.build_metadata(batch.attention)
         t1 = clock()
@@ -286,6 +289,13 @@ class ModelRunner:
             metadata = (self.backend if backend is None else backend).build_metadata(batch.attention)
         args = (torch.from_numpy(batch.input_ids).to(self.device), torch.from_numpy(batch.positions).to(self.device),
                 self.kv_caches if kv_caches is None else kv_caches, metadata)
+        # a step that computes prompt tokens multiplies them as a cold prompt's would be, at any row count
+        kernels = getattr(self.model if model is None else model, "kernels", None)
+        with (kernels.prompt_step() if isinstance(kernels, CpuKernels) and batch.computes_prompt
+              else contextlib.nullcontext()):
+            return self._run_stage(batch, args, model)
+
+    def _run_stage(self, batch: FlatBatch, args: tuple, model: Optional[torch.nn.Module]) -> Optional[torch.Tensor]:
         stage = self.stage
         if stage.num_stages == 1:
             return (self.model if model is None else model)(*args)
@@ -366,7 +376,10 @@ class FlatBatch:
     """
 
     def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int],
-                 block_tables: typing.Sequence[list[int]], block_size: int) -> None:
+                 block_tables: typing.Sequence[list[int]], block_size: int,
+                 prompt_lens: Optional[typing.Sequence[int]] = None) -> None:
+        """``prompt_lens``: each request's prompt length (the caller's order), when the pieces are a step's
+        tokens; then :attr:`computes_prompt` says whether any piece holds prompt tokens."""
         n = len(pieces)
         self.lengths = lengths = [len(p) for p in pieces]  # tokens per request, the caller's order
         # the requests in row order: request order[0]'s rows come first
@@ -401,7 +414,10 @@ class FlatBatch:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
+            prompt_lens_list=None if prompt_lens is None else [int(prompt_lens[i]) for i in order],
         )
+        self.computes_prompt = prompt_lens is not None and any(
+            lengths[i] and starts[i] < prompt_lens[i] for i in range(n))
         # request i (caller's order) -> its first row and row count in the hidden states
         self._first = [0] * n
         for row, i in enumerate(order):

@@ -8,6 +8,9 @@ widened in registers). Fresh prompts go through ``cpu_prefill.cpp``, a
 flash-style causal kernel (AVX-512 BF16 for bf16 models; AVX2 in fp32 for bf16,
 fp16 and fp32 ones), all of a step's prompts in one call; without it (and with
 the engine's ``cpu_prefill_kernel`` host setting off: ``--no-cpu-prefill-kernel``) SDPA.
+Prompt tokens that follow cached context (a prefix-cache hit, a later chunk) take the
+flash-style kernel too, over their prompt's cached K/V read back from the block pool,
+so they come out the same bits as in a cold prefill of the whole prompt.
 Steps with many decodes on the generic loops (no AVX2) use the torch backend's
 batched path, which wins there. ``isa_paths()`` names the path each kernel
 takes. In the engine's batch-invariant mode every token, fresh prompts' included, goes through
@@ -88,6 +91,63 @@ class CpuAttentionMetadata:
     # path, whose metadata is made from it on the first such layer of the step
     batch: Optional[AttentionBatch] = None
     torch_all: Optional[TorchAttentionMetadata] = None
+    # prompt tokens after cached context (a prefix-cache hit, a later chunk), attended by the prefill kernel as
+    # the same prompt's cold prefill would be: see :class:`ContextPrefills`
+    context_prefills: Optional["ContextPrefills"] = None
+
+
+@dataclass
+class ContextPrefills:
+    """The layout, made once per step, of prompts whose first tokens' K/V are in the cache: each is laid out
+    whole in one buffer (its cached prefix read from the block pool, then this step's tokens), and the prefill
+    kernel computes the query blocks of this step's tokens only. Its rows are the bits a cold prefill of the
+    whole prompt gives (the kernel's rows do not depend on each other), which the paged kernel's are not."""
+
+    total: int  # rows of the buffer
+    ranges: list[int]  # [begin, end] per prompt, in buffer rows
+    query_from: list[int]  # per prompt, the buffer row of its first token of this step
+    cached_slots: torch.Tensor  # int64: the cache slots of every prompt's cached prefix, in buffer order
+    cached_rows: torch.Tensor  # int64: their buffer rows
+    step_tokens: torch.Tensor  # int64: this step's tokens of those prompts (rows of q/k/v)
+    step_rows: torch.Tensor  # int64: their buffer rows
+    blank_rows: torch.Tensor  # int64: cached rows the kernel's first query block reads as queries (zeroed)
+
+    @classmethod
+    def build(cls, batch: AttentionBatch, requests: list[tuple[int, int, int, int]]) -> "ContextPrefills":
+        """``requests``: (request, first token, end token, cached context) of each such prompt."""
+        bs = batch.block_size
+        ranges, query_from, slots, cached_rows, step_tokens, step_rows, blank = [], [], [], [], [], [], []
+        row = 0
+        for i, start, end, ctx in requests:
+            pos = torch.arange(ctx)
+            slots.append(batch.block_tables[i, pos // bs].to(torch.int64) * bs + pos % bs)
+            cached_rows.append(torch.arange(row, row + ctx))
+            step_tokens.append(torch.arange(start, end))
+            step_rows.append(torch.arange(row + ctx, row + ctx + end - start))
+            blank.append(torch.arange(row + ctx // 16 * 16, row + ctx))  # the kernel's query blocks are 16 rows
+            ranges += [row, row + ctx + end - start]
+            query_from.append(row + ctx)
+            row += ctx + end - start
+        return cls(row, ranges, query_from, torch.cat(slots), torch.cat(cached_rows), torch.cat(step_tokens),
+                   torch.cat(step_rows), torch.cat(blank))
+
+    def attend(self, kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               out: torch.Tensor, scale: float) -> None:
+        """Write the outputs of this step's tokens of these prompts into ``out`` ([T, H, D])."""
+        hkv, num_blocks, bs, d = kv_cache.shape[1:]
+        whole = []
+        for cache, fresh in ((kv_cache[0], k), (kv_cache[1], v)):
+            buf = fresh.new_empty((self.total, hkv, d))
+            buf[self.cached_rows] = cache.view(hkv, num_blocks * bs, d).index_select(1, self.cached_slots
+                                                                                     ).transpose(0, 1)
+            buf[self.step_rows] = fresh[self.step_tokens]
+            whole.append(buf)
+        qb = q.new_empty((self.total,) + tuple(q.shape[1:]))
+        qb[self.blank_rows] = 0
+        qb[self.step_rows] = q[self.step_tokens]
+        ob = torch.empty_like(qb)
+        kernel.prefill_attention(qb, whole[0], whole[1], ob, self.ranges, scale, self.query_from)
+        out[self.step_tokens] = ob[self.step_rows]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -102,6 +162,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
         super().__init__(model_config, cache_config)
+        self.model_dtype = model_config.dtype
         if model_config.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise BackendUnavailable(f"the cpu kernels support float32, bfloat16 and float16, not {model_config.dtype}")
         try:
@@ -149,6 +210,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         offset = torch.arange(batch.num_tokens, dtype=torch.int32) - batch.query_start_loc[:-1][token_req.long()]
         token_len = ctx[token_req.long()] + offset + 1
         fresh = []
+        context: list[tuple[int, int, int, int]] = []
         torch_decode = None
         # an fp8 cache always takes the kernel: torch widens gathered fp8 rows ~10x slower than the kernel reads them
         batched = batch.num_decodes > MAX_KERNEL_DECODES and torch.get_num_threads() == 1 and not self.batch_invariant
@@ -161,10 +223,26 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if seq_lens[i] == end - start and end - start > 1 and not self.batch_invariant:
                 fresh.append((start, end))
                 token_len[start:end] = 0
+        if self._attends_cached_prompts(batch):
+            # prompt tokens after cached context (one-token ones sit among the decodes) take the prefill kernel too
+            for i in range(n):
+                start, end = qsl[i], qsl[i + 1]
+                ctx = seq_lens[i] - (end - start)
+                if ctx > 0 and seq_lens[i] <= batch.prompt_lens_list[i]:
+                    context.append((i, start, end, ctx))
+                    token_len[start:end] = 0
         slots, written = batch.slots_to_write()
         token_len[batch.slot_mapping < 0] = 0  # padding tokens attend to nothing
         return CpuAttentionMetadata(slots, written, batch.block_tables, token_req, token_len.to(torch.int32), fresh,
-                                    torch_decode, batch)
+                                    torch_decode, batch,
+                                    context_prefills=ContextPrefills.build(batch, context) if context else None)
+
+    def _attends_cached_prompts(self, batch: AttentionBatch) -> bool:
+        """Whether prompt tokens after cached context take the prefill kernel (as the rest of their prompt did):
+        with the kernel, a cache in the model's dtype, the batch's prompt lengths known, and outside the
+        batch-invariant mode (which sends every token through the paged kernel)."""
+        return (self.prefill_kernel is not None and self.kv_cache_dtype == self.model_dtype and not self.batch_invariant
+                and batch.prompt_lens_list is not None and batch.num_tokens > 0)
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
@@ -190,6 +268,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.fp8 and md.fresh_prefills:
             # fresh prefills attend to K/V as stored too: [T, Hkv, D] fp8 -> dequantized model dtype
             k, v = dequantize_fp8(k, k_scale, q.dtype), dequantize_fp8(v, v_scale, q.dtype)
+        if md.context_prefills is not None:
+            md.context_prefills.attend(self.prefill_kernel, q, k, v, kv_cache, out, layer.scale)
         if self.prefill_kernel is not None and md.fresh_prefills:
             ranges = [i for pair in md.fresh_prefills for i in pair]
             self.prefill_kernel.prefill_attention(q, k, v, out, ranges, layer.scale)

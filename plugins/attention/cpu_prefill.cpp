@@ -60,8 +60,11 @@ bool has_prefill_kernel() { return prefill_path()[0] != '\0'; }
 // The blocks of one call's prompts (kBlock tokens each, the last one short), numbered across prompts, and the
 // two parallel passes over them that both kernels make: the re-layout of each kv head's K/V block, then the
 // work items, one per kv head and query block, attending to the prompt's blocks up to the diagonal.
+// `query_from` (empty: each prompt's begin) gives, per prompt, the first token whose output is wanted: the query
+// blocks wholly before it are skipped (a prompt whose first tokens' K/V came from a cache). A row's output does
+// not depend on the other rows of its block, so it is the same bits as with every block computed.
 struct PromptBlocks {
-  explicit PromptBlocks(const std::vector<int64_t>& ranges) : begin(ranges.data()) {
+  PromptBlocks(const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from) : begin(ranges.data()) {
     const int64_t num_prompts = static_cast<int64_t>(ranges.size()) / 2;  // prompt i: begin[2i] .. begin[2i + 1]
     first_block.assign(num_prompts + 1, 0);
     for (int64_t i = 0; i < num_prompts; ++i)
@@ -70,6 +73,11 @@ struct PromptBlocks {
     items.reserve(count);
     for (int64_t i = 0; i < num_prompts; ++i)
       for (int64_t b = 0; b < first_block[i + 1] - first_block[i]; ++b) items.emplace_back(i, b);
+    for (int64_t gb = 0; gb < count; ++gb) {
+      const auto [i, b] = items[gb];
+      const int64_t from = query_from.empty() ? begin[2 * i] : query_from[i];
+      if (begin[2 * i] + (b + 1) * kBlock > from) queries.push_back(gb);
+    }
   }
 
   // fn(h, gb, t0, n) for kv head h and every block gb (its tokens t0 .. t0 + n), in parallel
@@ -90,18 +98,19 @@ struct PromptBlocks {
   // they finish, later query blocks (which see more keys) first.
   template <typename Fn>
   void for_each_item(int64_t kv_heads, const Fn& fn) const {
-    std::vector<int64_t> order(kv_heads * count);
-    for (int64_t w = 0; w < kv_heads * count; ++w) order[w] = w;
+    const int64_t nq = static_cast<int64_t>(queries.size());
+    std::vector<int64_t> order(kv_heads * nq);
+    for (int64_t w = 0; w < kv_heads * nq; ++w) order[w] = w;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return items[a % count].second > items[b % count].second;
+      return items[queries[a % nq]].second > items[queries[b % nq]].second;
     });
     std::atomic<int64_t> next{0};
-    const int64_t num_items = kv_heads * count;
+    const int64_t num_items = kv_heads * nq;
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t w = next++; w < num_items; w = next++) {
-        const auto [i, b] = items[order[w] % count];
+        const auto [i, b] = items[queries[order[w] % nq]];
         const int64_t t0 = begin[2 * i] + b * kBlock;
-        fn(order[w] / count, first_block[i], b, t0, std::min(kBlock, begin[2 * i + 1] - t0));
+        fn(order[w] / nq, first_block[i], b, t0, std::min(kBlock, begin[2 * i + 1] - t0));
       }
     });
   }
@@ -109,6 +118,7 @@ struct PromptBlocks {
   const int64_t* begin;
   std::vector<int64_t> first_block;  // prompt i's first block (num_prompts + 1 entries)
   std::vector<std::pair<int64_t, int64_t>> items;  // block -> (prompt, block within it)
+  std::vector<int64_t> queries;  // the blocks whose query rows are computed
   int64_t count = 0;
 };
 
@@ -221,7 +231,7 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
 
 template <int D>
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                  const std::vector<int64_t>& ranges, double scale) {
+                  const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from, double scale) {
   constexpr int R = D <= 64 ? 4 : 2;  // rows per sweep: R * (D / 16 + 2) registers of sums and scores
   const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
@@ -229,7 +239,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const PromptBlocks blocks(ranges);
+  const PromptBlocks blocks(ranges, query_from);
   const int64_t count = blocks.count;
 
   const int64_t kt_size = (D / 2) * kBlock, vt_size = (kBlock / 2) * D;  // uint32 per block
@@ -360,7 +370,7 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
 
 template <int D, typename T>
 void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                      const std::vector<int64_t>& ranges, double scale) {
+                      const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from, double scale) {
   constexpr int R = 4;  // rows per sweep: 8 score registers, 8 output registers while values are added
   const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
@@ -368,7 +378,7 @@ void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
   T* od = out.data_ptr<T>();
-  const PromptBlocks blocks(ranges);
+  const PromptBlocks blocks(ranges, query_from);
   const int64_t count = blocks.count;
   const int64_t block_floats = D * kBlock;  // per block, in each of kt and vt
   std::unique_ptr<float[], decltype(&std::free)> kt(
@@ -391,11 +401,11 @@ void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 template <typename T>
 void prefill_avx2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                  const std::vector<int64_t>& ranges, double scale) {
+                  const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from, double scale) {
   const int64_t d = q.size(2);
-  if (d == 64) return prefill_impl_f32<64, T>(q, k, v, out, ranges, scale);
-  if (d == 128) return prefill_impl_f32<128, T>(q, k, v, out, ranges, scale);
-  if (d == 32) return prefill_impl_f32<32, T>(q, k, v, out, ranges, scale);
+  if (d == 64) return prefill_impl_f32<64, T>(q, k, v, out, ranges, query_from, scale);
+  if (d == 128) return prefill_impl_f32<128, T>(q, k, v, out, ranges, query_from, scale);
+  if (d == 32) return prefill_impl_f32<32, T>(q, k, v, out, ranges, query_from, scale);
   TORCH_CHECK(false, "prefill_attention: no kernel for head_dim ", d, " on this CPU");
 }
 
@@ -403,9 +413,11 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 // q [T, H, D], k/v [T, Hkv, D] bf16 with unit dim stride and heads packed; out [T, H, D] likewise.
 // ranges: [begin_0, end_0, begin_1, end_1, ...], the tokens of each prompt, which attends causally to
-// itself only; tokens outside every range are left alone.
+// itself only; tokens outside every range are left alone. query_from (empty, or one token per prompt within
+// its range): outputs are wanted from that token on; the 16-token query blocks before it are not computed (their
+// rows of out may be left alone or written; their rows of q need not be set).
 void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
-                       const std::vector<int64_t>& ranges, double scale) {
+                       const std::vector<int64_t>& ranges, double scale, const std::vector<int64_t>& query_from) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
               "q, k, v and out must share one dtype");
@@ -426,15 +438,18 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(ranges.size() % 2 == 0, "ranges must be begin/end pairs");
   for (size_t i = 0; i < ranges.size(); i += 2)
     TORCH_CHECK(0 <= ranges[i] && ranges[i] <= ranges[i + 1] && ranges[i + 1] <= q.size(0), "range out of bounds");
+  TORCH_CHECK(query_from.empty() || query_from.size() * 2 == ranges.size(), "query_from must have one entry per range");
+  for (size_t i = 0; i < query_from.size(); ++i)
+    TORCH_CHECK(ranges[2 * i] <= query_from[i] && query_from[i] <= ranges[2 * i + 1], "query_from outside its range");
 #if defined(PAGODA_AVX2_PREFILL)
-  if (dtype == at::kFloat) return prefill_avx2<float>(q, k, v, out, ranges, scale);
-  if (dtype == at::kHalf) return prefill_avx2<at::Half>(q, k, v, out, ranges, scale);
-  return prefill_avx2<at::BFloat16>(q, k, v, out, ranges, scale);
+  if (dtype == at::kFloat) return prefill_avx2<float>(q, k, v, out, ranges, query_from, scale);
+  if (dtype == at::kHalf) return prefill_avx2<at::Half>(q, k, v, out, ranges, query_from, scale);
+  return prefill_avx2<at::BFloat16>(q, k, v, out, ranges, query_from, scale);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (d == 64) return prefill_impl<64>(q, k, v, out, ranges, scale);
-  if (d == 128) return prefill_impl<128>(q, k, v, out, ranges, scale);
-  if (d == 32) return prefill_impl<32>(q, k, v, out, ranges, scale);
+  if (d == 64) return prefill_impl<64>(q, k, v, out, ranges, query_from, scale);
+  if (d == 128) return prefill_impl<128>(q, k, v, out, ranges, query_from, scale);
+  if (d == 32) return prefill_impl<32>(q, k, v, out, ranges, query_from, scale);
 #endif
   TORCH_CHECK(false, "prefill_attention: no kernel for head_dim ", d, " on this CPU");
 }
@@ -461,5 +476,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_dtype", &supports_dtype, "whether prompts of this dtype (bfloat16, float16, float32) take the kernel");
   m.def("isa_path", &isa_path, "the ISA path of this build: avx512_bf16, avx2, or empty (none)");
   m.def("prefill_attention", &prefill_attention, "causal attention of fresh prompts (CPU: AVX-512 BF16, or AVX2)",
-        no_gil);
+        no_gil, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("ranges"), pybind11::arg("scale"), pybind11::arg("query_from") = std::vector<int64_t>{});
 }

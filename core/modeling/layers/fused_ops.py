@@ -12,8 +12,9 @@ a ``CpuKernels`` chosen from its settings when it is built.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -87,6 +88,19 @@ class CpuKernels:
         # bf16 weights go into oneDNN's blocked layout at load time (see layers.onednn); oneDNN picks its kernel
         # by the number of rows, so not in the batch-invariant mode
         self.packs_weights = host is not None and not batch_invariant and onednn.packing_available(host)
+        # within a step that computes prompt tokens (:meth:`prompt_step`), on AVX2, bf16 linears take the GEMM at
+        # every row count: a prompt's rows then come out the same bits however the prompt was split into steps
+        # (a prefix-cache hit, a chunk), since each GEMM row's sums depend on that row alone
+        self.in_prompt_step = False
+
+    @contextlib.contextmanager
+    def prompt_step(self) -> Iterator[None]:
+        """Within the block, the forward pass computes prompt tokens (see ``in_prompt_step``)."""
+        self.in_prompt_step = True
+        try:
+            yield
+        finally:
+            self.in_prompt_step = False
 
     def for_tensor(self, t: torch.Tensor) -> Optional[Any]:
         """The kernels if they cover ``t`` (a CPU tensor of a supported dtype), else None."""
@@ -104,7 +118,8 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16
-        math (AVX2) through the widened-tile GEMM for larger ones and the row-blocked one for prefill-sized ones. Batch-invariant: see :meth:`invariant_linear`."""
+        math (AVX2) through the widened-tile GEMM for larger ones and for prompt tokens (:meth:`prompt_step`), and the
+        row-blocked one for prefill-sized ones. Batch-invariant: see :meth:`invariant_linear`."""
         if self.batch_invariant:
             return self.invariant_linear(x, weight, bias)
         if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
@@ -117,7 +132,7 @@ class CpuKernels:
                     if path == "avx2" and rows >= AVX2_ROWS_GEMM_MIN_ROWS:
                         y = self.ops.gemm_bf16_fp32_rows(x2, weight, bias, ROWS_GEMM_BLOCK,
                                                          rows_gemm_chunk(weight.shape[1]))
-                    elif path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
+                    elif path == "avx2" and (rows > AVX2_GEMV_MAX_ROWS or self.in_prompt_step):
                         y = self.ops.gemm_bf16_fp32(x2, weight, bias)
                     else:
                         y = self.ops.gemv_bf16(x2, weight, bias)
