@@ -18,7 +18,6 @@ from pagoda.execution import distributed
 from pagoda.host import hugepages, malloc
 from pagoda.kv.connector import read_block, write_block
 from pagoda.kv.offload import KVTierStore, fingerprint
-from pagoda.modeling.layers.fused_ops import CpuKernels
 from pagoda.sampling.rejection_sampler import RejectionSampler
 from pagoda.sampling.structured.bitmask import apply_bitmask_
 from pagoda.sampling.structured.speculative import fill_draft_rows
@@ -290,9 +289,9 @@ class ModelRunner:
         args = (torch.from_numpy(batch.input_ids).to(self.device), torch.from_numpy(batch.positions).to(self.device),
                 self.kv_caches if kv_caches is None else kv_caches, metadata)
         # a step that computes prompt tokens multiplies them as a cold prompt's would be, at any row count
-        kernels = getattr(self.model if model is None else model, "kernels", None)
-        with (kernels.prompt_step() if isinstance(kernels, CpuKernels) and batch.computes_prompt
-              else contextlib.nullcontext()):
+        # (a model built on CpuKernels exposes them as ``kernels``; others keep their own choice)
+        prompt_step = getattr(getattr(self.model if model is None else model, "kernels", None), "prompt_step", None)
+        with (prompt_step() if prompt_step is not None and batch.computes_prompt else contextlib.nullcontext()):
             return self._run_stage(batch, args, model)
 
     def _run_stage(self, batch: FlatBatch, args: tuple, model: Optional[torch.nn.Module]) -> Optional[torch.Tensor]:
