@@ -15,7 +15,8 @@ read directly and a plugin written for an earlier plugin API keeps working.
 from __future__ import annotations
 
 import typing
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Optional, Protocol,
+                    runtime_checkable)
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +69,11 @@ class CausalLM(Protocol):
 
     # False for an architecture that LoRA adapters cannot apply to (refused at start-up). Optional: True.
     supports_lora: bool
+
+    # A context manager the runner enters around a forward pass that computes prompt tokens: inside it the
+    # model multiplies each prompt row as it would in a cold prefill of any length, so a prefix-cache hit gives
+    # a cold prefill's bits (docs/batch_invariance.md). Optional: none (the model keeps its own choice).
+    prompt_step: Callable[[], ContextManager[None]]
 
     def __call__(self, input_ids: "torch.Tensor", positions: "torch.Tensor", kv_caches: list, metadata: Any
                  ) -> "torch.Tensor":

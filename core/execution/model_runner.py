@@ -289,8 +289,7 @@ class ModelRunner:
         args = (torch.from_numpy(batch.input_ids).to(self.device), torch.from_numpy(batch.positions).to(self.device),
                 self.kv_caches if kv_caches is None else kv_caches, metadata)
         # a step that computes prompt tokens multiplies them as a cold prompt's would be, at any row count
-        # (a model built on CpuKernels exposes them as ``kernels``; others keep their own choice)
-        prompt_step = getattr(getattr(self.model if model is None else model, "kernels", None), "prompt_step", None)
+        prompt_step = getattr(self.model if model is None else model, "prompt_step", None)
         with (prompt_step() if prompt_step is not None and batch.computes_prompt else contextlib.nullcontext()):
             return self._run_stage(batch, args, model)
 

@@ -17,7 +17,7 @@ starts the next block adds and normalises in one fused CPU kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -333,6 +333,10 @@ class DecoderForCausalLM(nn.Module):
         """The architecture's reading of its (text) config.json; a field it cannot honour raises ConfigError
         naming it."""
         raise NotImplementedError
+
+    def prompt_step(self) -> ContextManager[None]:
+        """Prompt rows through the GEMM at every row count (see :meth:`CpuKernels.prompt_step`)."""
+        return self.kernels.prompt_step()
 
     def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
         super().__init__()
