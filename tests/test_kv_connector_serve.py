@@ -3,9 +3,7 @@ prefilled by loading its blocks, with the same greedy text as the first."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,34 +11,14 @@ import httpx
 import openai
 import pytest
 
-from pagoda.plugins.entrypoints.server import free_port
+import serve_process
 from tiny_models import write_tiny_llama
-
-PAGODA = str(Path(sys.executable).with_name("pagoda"))
-ENV = {**os.environ, "PAGODA_CPU_THREADS": "1"}
 
 pytestmark = pytest.mark.slow
 
 
 def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``pagoda serve`` with ``flags`` on a free port, once /health answers 200."""
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32",
-                                 "--kv-cache-memory-bytes", str(16 << 20), "--uvicorn-log-level", "warning", *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
-        time.sleep(0.3)
+    return serve_process.start_server(log, *flags, kv_cache_bytes=16 << 20)
 
 
 def metric(url: str, name: str) -> float:
@@ -90,22 +68,7 @@ def test_a_second_server_loads_what_the_first_prefilled_and_answers_the_same(tmp
 
 
 def start_proxy(log: Path, prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "kv-proxy", "--prefill", prefill, "--decode", decode, "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pagoda kv-proxy did not become healthy:\n{log.read_text()}")
-        time.sleep(0.3)
+    return serve_process.start_process(log, "kv-proxy", "--prefill", prefill, "--decode", decode, timeout=60)
 
 
 def test_the_proxy_prefills_on_one_instance_and_decodes_on_the_other_with_one_engine_s_tokens(tmp_path):

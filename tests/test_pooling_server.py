@@ -4,21 +4,15 @@ client and LangChain's ``OpenAIEmbeddings``."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
 
-from pagoda.plugins.entrypoints.server import free_port
 from pooling_helpers import TEXTS, write_encoder
+from serve_process import start_process
 
-PAGODA = str(Path(sys.executable).with_name("pagoda"))
 MODEL = "tiny-embed"
 
 
@@ -26,23 +20,7 @@ MODEL = "tiny-embed"
 def server(tmp_path_factory):
     folder = write_encoder(tmp_path_factory.mktemp("ckpt") / "bert", "bert", "mean")
     log = folder.parent / "serve.log"
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "serve", str(folder), "--port", str(port), "--served-model-name", MODEL,
-                                 "--uvicorn-log-level", "warning"], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PAGODA_CPU_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
-        time.sleep(0.3)
+    proc, url = start_process(log, "serve", str(folder), "--served-model-name", MODEL, "--uvicorn-log-level", "warning")
     yield url, folder
     proc.terminate()
     proc.wait(30)

@@ -4,45 +4,18 @@ and a graceful shutdown on SIGTERM. The SIGTERM test ends the server; keep it la
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from pagoda.plugins.entrypoints.server import free_port
-
-PAGODA = str(Path(sys.executable).with_name("pagoda"))
-ENV = {**os.environ, "PAGODA_CPU_THREADS": "1"}
+from serve_process import ENV, PAGODA, start_server
 
 pytestmark = pytest.mark.slow
 MAX_REQUEST_CHARS = 200_000  # far above what bench serve's prompts have
-
-
-def start_server(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``pagoda serve`` on the default model on a free port, once /health answers 200."""
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32",
-                                 "--kv-cache-memory-bytes", str(64 << 20), "--uvicorn-log-level", "warning", *flags],
-                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
