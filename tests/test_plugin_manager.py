@@ -596,9 +596,9 @@ def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble, capsys)
     assert theirs.returncode == 0 and theirs.stdout.strip() == "the package's generate", theirs.stderr
 
 
-def test_pagoda_plugins_shows_every_blocked_plugin_and_a_block_that_matches_none(collide):
-    env = dict(os.environ, PYTHONPATH=str(collide), PAGODA_DISABLE_PLUGINS="schedulers,pagoda-collide:schedulers,fcfs")
-    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=300)
+def test_pagoda_plugins_shows_every_blocked_plugin_and_a_block_that_matches_none(collide, monkeypatch, capsys):
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers,pagoda-collide:schedulers,fcfs")
+    result = run_pagoda_here(capsys, "plugins")  # read at each load: this process's plugin manager is as fresh
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]
     assert ["(blocked)", "-", "schedulers", "pagoda", "(built-in)", "PAGODA_DISABLE_PLUGINS"] in rows
