@@ -148,6 +148,14 @@ def pytest_runtest_teardown(item, nextitem):
         # an engine no longer referenced is still held by its reference cycles until the collector runs
         _release_memory()
         _MEMORY["after_release_gb"] = _rss_gb()
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    result = yield
+    # after the protocol, not in the teardown: until the teardown hooks have all run the test keeps its fixture
+    # values (item.funcargs, every fixture it used directly or not), so a module's engine would still be alive
     if nextitem is None or nextitem.path != item.path:  # the file's last test: its module fixtures are gone
         peak_before = _MEMORY["peak_gb"]
         _MEMORY["peak_gb"] = _peak_rss_gb()

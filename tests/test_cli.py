@@ -1,4 +1,7 @@
-"""The ``pagoda`` console script, run for real in a subprocess."""
+"""The ``pagoda`` console script, run for real in a subprocess: each command a user types (``plugins``,
+``generate``, ``--version``; ``serve`` and ``bench`` in their own test files). The checks of what a command
+answers to wrong flags or its ``--help`` call the same entry point in this process (``pagoda.cli.main``), with
+its output and exit status as a subprocess's, since each process start costs seconds of imports."""
 
 from __future__ import annotations
 
@@ -19,6 +22,27 @@ def run_pagoda(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env.pop("PAGODA_DISABLE_PLUGINS", None)
     env.pop("PAGODA_PLUGIN_AUTOLOAD", None)
     return subprocess.run([str(PAGODA_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def pagoda_here(capsys, monkeypatch):
+    """``pagoda ARGS`` run by the console script's entry point in this process: a CompletedProcess with its exit
+    status (argparse's exits included) and its output."""
+    from pagoda.cli import main
+
+    monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            returncode = main(list(args))
+        except SystemExit as exc:
+            returncode = exc.code if isinstance(exc.code, int) else 1
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)
+
+    return run
 
 
 def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
@@ -48,8 +72,8 @@ def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
     (["--reasoning-parser", "deepseek"], "unknown reasoning parser 'deepseek' for --reasoning-parser; available: "
                                          "'deepseek_r1'"),
 ])
-def test_serve_refuses_wrong_server_flags_before_loading_the_model(flags, message):
-    result = run_pagoda("serve", "--port", "0", *flags)
+def test_serve_refuses_wrong_server_flags_before_loading_the_model(flags, message, pagoda_here):
+    result = pagoda_here("serve", "--port", "0", *flags)
     assert result.returncode != 0 and f"pagoda serve: error: {message}" in result.stderr, result.stderr
 
 
@@ -76,24 +100,24 @@ def test_pagoda_generate_chat_prints_only_the_answer_with_default_options():
     assert "<|im_start|>" not in answer and "user" not in answer.split()[0]
 
 
-def test_an_unknown_plugin_name_on_the_command_line_is_a_clear_error_not_a_traceback():
+def test_an_unknown_plugin_name_on_the_command_line_is_a_clear_error_not_a_traceback(pagoda_here):
     ensure_default_model()
-    result = run_pagoda("generate", "hi", "--scheduling-policy", "nope", "--max-tokens", "2")
+    result = pagoda_here("generate", "hi", "--scheduling-policy", "nope", "--max-tokens", "2")
     assert result.returncode == 2
     assert "pagoda generate: error: unknown scheduler 'nope'" in result.stderr
     assert "'fcfs' (pagoda (built-in))" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_a_model_directory_without_config_json_is_a_clear_error(tmp_path):
-    result = run_pagoda("generate", "hi", "--model", str(tmp_path))
+def test_a_model_directory_without_config_json_is_a_clear_error(tmp_path, pagoda_here):
+    result = pagoda_here("generate", "hi", "--model", str(tmp_path))
     assert result.returncode == 2
     assert "config.json" in result.stderr and str(tmp_path) in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_pagoda_without_a_command_prints_help_naming_the_commands():
-    result = run_pagoda()
+def test_pagoda_without_a_command_prints_help_naming_the_commands(pagoda_here):
+    result = pagoda_here()
     assert result.returncode == 2
     for command in ("generate", "plugins", "bench"):
         assert command in result.stdout
@@ -114,8 +138,8 @@ HOST_FLAGS = ["--cpu-threads", "--thread-recheck-seconds", "--omp-wait-policy", 
 
 
 @pytest.mark.parametrize("command", [["generate"], ["serve"], ["bench", "throughput"]])
-def test_help_lists_every_host_option_with_its_environment_variable(command):
-    result = run_pagoda(*command, "--help")
+def test_help_lists_every_host_option_with_its_environment_variable(command, pagoda_here):
+    result = pagoda_here(*command, "--help")
     assert result.returncode == 0, result.stderr
     help_text = " ".join(result.stdout.split())  # argparse wraps lines
     assert "host options:" in help_text
@@ -144,14 +168,14 @@ def test_a_flag_overrides_its_environment_variable(monkeypatch):
     assert engine_args_from(parser.parse_args(["--fused-cpu-ops"])).host_config().fused_cpu_ops is True
 
 
-def test_a_malformed_host_variable_is_a_clear_error_not_a_traceback(tmp_path):
+def test_a_malformed_host_variable_is_a_clear_error_not_a_traceback(tmp_path, pagoda_here, monkeypatch):
+    # read before torch is imported: a process of its own
     env = dict(os.environ, PAGODA_OMP_WAIT_POLICY="fast")
     result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "PAGODA_OMP_WAIT_POLICY='fast' is not one of auto, spin, sleep" in result.stderr
-    env = dict(os.environ, PAGODA_HUGE_PAGES="maybe")
-    result = subprocess.run([str(PAGODA_SCRIPT), "generate", "hi", "--model", str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=120)
+    monkeypatch.setenv("PAGODA_HUGE_PAGES", "maybe")
+    result = pagoda_here("generate", "hi", "--model", str(tmp_path))
     assert result.returncode == 2
     assert "pagoda generate: error: PAGODA_HUGE_PAGES='maybe' is not a boolean" in result.stderr
     assert "Traceback" not in result.stderr

@@ -21,7 +21,6 @@ from tiny_models import write_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SJF_SOURCE = REPO / "contrib" / "pagoda-sjf"
-PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +86,19 @@ def test_selecting_sjf_runs_short_prompts_before_a_long_one_submitted_first(sjf_
     assert finish_order(fcfs, lengths) == lengths
 
 
-def test_sjf_shows_up_in_pagoda_plugins_with_its_distribution(sjf_site):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(sjf_site), os.environ.get("PYTHONPATH", "")]))
-    env.pop("PAGODA_DISABLE_PLUGINS", None)
-    env.pop("PAGODA_PLUGIN_AUTOLOAD", None)
-    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rows = [line.split() for line in result.stdout.splitlines()]
+def test_sjf_shows_up_in_pagoda_plugins_with_its_distribution(sjf_site, monkeypatch, capsys):
+    # `pagoda plugins` through the console script's entry point in this process, whose sys.path has the site as
+    # a subprocess's PYTHONPATH would (its plugin manager is loaded afresh; the command's own process is run in
+    # tests/test_cli.py and tests/test_plugin_manager.py)
+    from pagoda.cli import main
+
+    monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
+    capsys.readouterr()
+    returncode = main(["plugins"])
+    result = capsys.readouterr()
+    assert returncode == 0, result.err
+    rows = [line.split() for line in result.out.splitlines()]
     assert ["scheduler", "sjf", "sjf", "pagoda-sjf", "0.1.0", ">=0.9,<0.10"] in rows  # with its declared API range
     assert ["scheduler", "fcfs", "schedulers", "pagoda", "(built-in)", "-"] in rows
 

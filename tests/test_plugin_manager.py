@@ -535,10 +535,25 @@ def run_pagoda(site: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(PAGODA_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble):
+def run_pagoda_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``pagoda ARGS`` through the console script's entry point in this process (whose sys.path has the site, as
+    the subprocess's PYTHONPATH does): its exit status, argparse's exits included, and its output."""
+    from pagoda.cli import main
+
+    capsys.readouterr()
+    try:
+        returncode = main(list(args))
+    except SystemExit as exc:
+        returncode = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)
+
+
+def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble, capsys):
     """Duplicate names (components and CLI commands), a hook that raises, one returning a list, an import
-    error and an API range that excludes this pagoda: `--help` and `plugins` still work and show them."""
-    help_run = run_pagoda(trouble, "--help")
+    error and an API range that excludes this pagoda: `--help` and `plugins` still work and show them.
+    `plugins` runs as a process of its own; the other commands in this one, whose plugin manager is as fresh."""
+    help_run = run_pagoda_here(capsys, "--help")
     assert help_run.returncode == 0 and "Traceback" not in help_run.stderr, help_run.stderr
     assert "generate" in help_run.stdout and "plugins" in help_run.stdout
     assert "trouble-cli-generate:generate" in help_run.stdout  # the package's command, by its qualified name
@@ -563,7 +578,7 @@ def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble):
     assert "conflicting subparser: plugins" in out
     assert "returned list ['oops'], not a {name: factory} mapping" in out
     assert ["scheduler", "fcfs", "schedulers", "pagoda", "(built-in)", "-"] in rows  # the rest is intact
-    clash = run_pagoda(trouble, "count-tokens", "x")
+    clash = run_pagoda_here(capsys, "count-tokens", "x")
     assert clash.returncode == 2 and "Traceback" not in clash.stderr
     lines = clash.stderr.strip().splitlines()
     assert lines[-1] == (
@@ -575,15 +590,15 @@ def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble):
     assert ("pagoda: note: two plugins provide the CLI command 'generate': plugin 'entrypoints' from pagoda "
             "(built-in) and plugin 'cli_generate' from trouble-cli-generate 0.1; 'generate' selects pagoda's own, "
             "select the other by its qualified name 'trouble-cli-generate:generate'") in lines
-    generate = run_pagoda(trouble, "generate", "--help")  # pagoda's own, with its engine options
+    generate = run_pagoda_here(capsys, "generate", "--help")  # pagoda's own, with its engine options
     assert generate.returncode == 0 and "--scheduling-policy" in generate.stdout, generate.stderr
-    theirs = run_pagoda(trouble, "trouble-cli-generate:generate")
+    theirs = run_pagoda_here(capsys, "trouble-cli-generate:generate")
     assert theirs.returncode == 0 and theirs.stdout.strip() == "the package's generate", theirs.stderr
 
 
-def test_pagoda_plugins_shows_every_blocked_plugin_and_a_block_that_matches_none(collide):
-    env = dict(os.environ, PYTHONPATH=str(collide), PAGODA_DISABLE_PLUGINS="schedulers,pagoda-collide:schedulers,fcfs")
-    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=300)
+def test_pagoda_plugins_shows_every_blocked_plugin_and_a_block_that_matches_none(collide, monkeypatch, capsys):
+    monkeypatch.setenv("PAGODA_DISABLE_PLUGINS", "schedulers,pagoda-collide:schedulers,fcfs")
+    result = run_pagoda_here(capsys, "plugins")  # read at each load: this process's plugin manager is as fresh
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]
     assert ["(blocked)", "-", "schedulers", "pagoda", "(built-in)", "PAGODA_DISABLE_PLUGINS"] in rows

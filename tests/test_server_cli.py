@@ -1,5 +1,9 @@
 """``pagoda serve`` as users run it (a subprocess on the default model), ``pagoda bench serve`` against it,
-and a graceful shutdown on SIGTERM. The SIGTERM test ends the server; keep it last."""
+and a graceful shutdown on SIGTERM. The SIGTERM test ends the server; keep it last.
+
+``pagoda bench serve`` and ``pagoda bench steps`` run as subprocesses once each, as users type them; their other
+runs, whose checks are of what the commands print and write, call the same ``pagoda`` entry point in this process
+(a process start costs seconds of imports each)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from pagoda.cli import main
 from serve_process import ENV, PAGODA, start_server
 
 pytestmark = pytest.mark.slow
@@ -65,13 +70,21 @@ def test_a_keyless_server_on_loopback_answers_only_loopback_host_names(server):
     assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
 
 
-def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path):
+def run_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``pagoda ARGS`` through the console script's entry point in this process, its exit status and output as
+    a subprocess's would be."""
+    capsys.readouterr()
+    returncode = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)
+
+
+def test_bench_serve_prints_a_w4_table_and_writes_json(server, tmp_path, capsys):
     _, url, _ = server
     result_file = tmp_path / "w4.json"
-    run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--request-rate", "inf",
-                          "--no-progress", "--result-file", str(result_file), "--offline-output-tok-s", "1000",
-                          "--profile"],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    run = run_in_process(capsys, "bench", "serve", "--base-url", url, "--num-prompts", "2", "--request-rate", "inf",
+                         "--no-progress", "--result-file", str(result_file), "--offline-output-tok-s", "1000",
+                         "--profile")
     assert run.returncode == 0, run.stdout + run.stderr
     for label in ("request throughput", "output tokens/s", "TTFT", "TPOT", "ITL", "E2E", "p99",
                   "engine mean step (ms)", "served mean TPOT / step", "served / offline tokens/s",
@@ -119,13 +132,12 @@ def test_bench_serve_alternates_offline_runs_and_sets_the_served_token_beside_th
     assert first == [40, 40]
 
 
-def test_bench_serve_sends_vllm_s_random_dataset_and_times_it_as_vllm_s_client(server, tmp_path):
+def test_bench_serve_sends_vllm_s_random_dataset_and_times_it_as_vllm_s_client(server, tmp_path, capsys):
     _, url, _ = server
     result_file = tmp_path / "vllm-random.json"
-    run = subprocess.run([PAGODA, "bench", "serve", "--base-url", url, "--dataset", "vllm-random", "--input-len", "24",
-                          "--output-len", "4", "--num-prompts", "3", "--request-rate", "50", "--seed", "3",
-                          "--no-progress", "--result-file", str(result_file)],
-                         capture_output=True, text=True, env=ENV, timeout=600)
+    run = run_in_process(capsys, "bench", "serve", "--base-url", url, "--dataset", "vllm-random", "--input-len", "24",
+                         "--output-len", "4", "--num-prompts", "3", "--request-rate", "50", "--seed", "3",
+                         "--no-progress", "--result-file", str(result_file))
     assert run.returncode == 0, run.stdout + run.stderr
     assert "vLLM's random dataset, 24 in / 4 out, seed 3: 3 requests" in run.stdout
     out = json.loads(result_file.read_text())["runs"][0]
@@ -140,7 +152,7 @@ def test_bench_serve_sends_vllm_s_random_dataset_and_times_it_as_vllm_s_client(s
     assert out["requests"][0]["cached_tokens"] == 0
 
 
-def test_the_step_log_says_what_each_step_held_and_where_its_time_went(server, tmp_path):
+def test_the_step_log_says_what_each_step_held_and_where_its_time_went(server, tmp_path, capsys):
     _, _, log = server
     steps_file = log.with_name("steps.jsonl")
     steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
@@ -157,8 +169,7 @@ def test_the_step_log_says_what_each_step_held_and_where_its_time_went(server, t
     for label in ("decode only", "with prefill", "per decode token", "attention (K/V write + kernel)", "sampling",
                   "gap before the step", "attention share of the step"):
         assert label in run.stdout
-    missing = subprocess.run([PAGODA, "bench", "steps", str(tmp_path / "none.jsonl")], capture_output=True,
-                             text=True, env=ENV, timeout=120)
+    missing = run_in_process(capsys, "bench", "steps", str(tmp_path / "none.jsonl"))
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
