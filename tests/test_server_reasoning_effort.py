@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -76,10 +79,10 @@ def served(request, tmp_path_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     _config(family, len(tokenizer)).save_pretrained(str(out))
     # the torch path for gpt-oss's experts: no expert kernel to build for prompts
-    engine = LLM(model=str(out), load_format="dummy", dtype="float32", cpu_threads=1, max_model_len=512,
-                 kv_cache_memory_bytes=8 << 20, fused_cpu_ops=False, served_model_name=MODEL).engine
-    srv = ServerThread(build_app(AsyncLLMEngine(engine))).start()
-    yield family, srv, tokenizer
+    llm = LLM(model=str(out), load_format="dummy", dtype="float32", cpu_threads=1, max_model_len=512,
+              kv_cache_memory_bytes=8 << 20, fused_cpu_ops=False, served_model_name=MODEL)
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine))).start()
+    yield family, srv, tokenizer, llm
     srv.stop()
 
 
@@ -97,7 +100,7 @@ def _chat(server, **fields):
 
 
 def test_the_effort_reaches_the_template_and_the_prompt_tokens(served):
-    family, server, tokenizer = served
+    family, server, tokenizer, _ = served
     plain, plain_ids, raw = _chat(server)
     if family == "gpt_oss":
         assert "\nReasoning: medium\n" in plain  # the template's default
@@ -119,7 +122,7 @@ def test_the_effort_reaches_the_template_and_the_prompt_tokens(served):
 
 
 def test_chat_template_kwargs_win_over_the_field(served):
-    family, server, _ = served
+    family, server, _, _ = served
     if family != "qwen3":
         pytest.skip("the switch is Qwen3's")
     body = {"messages": USER, "max_tokens": 1, "return_prompt_text": True, "reasoning_effort": "none",
@@ -129,7 +132,7 @@ def test_chat_template_kwargs_win_over_the_field(served):
 
 
 def test_an_effort_the_model_does_not_know_is_a_400_naming_the_field(served):
-    family, server, _ = served
+    family, server, _, _ = served
     client = _client(server)
     with pytest.raises(openai.BadRequestError) as bad:  # no schema's value
         client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, reasoning_effort="extreme")
@@ -150,7 +153,7 @@ def test_an_effort_the_model_does_not_know_is_a_400_naming_the_field(served):
 
 
 def test_the_responses_api_passes_reasoning_effort_to_the_template(served):
-    family, server, tokenizer = served
+    family, server, tokenizer, _ = served
     client = _client(server)
     effort = {"gpt_oss": "high", "qwen3": "none", "chatml": "low"}[family]
     answer = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, reasoning={"effort": effort})
@@ -166,3 +169,17 @@ def test_the_responses_api_passes_reasoning_effort_to_the_template(served):
         "input": "Hi", "max_output_tokens": 1, "reasoning": {"effort": effort, "summary": "auto"}})
     # the summary is not written; with a template that reads no effort, the whole object does nothing
     assert raw.headers[IGNORED_FIELDS_HEADER] == ("reasoning" if family == "chatml" else "reasoning.summary")
+
+
+def test_offline_chat_and_the_command_line_pass_the_effort_to_the_template(served):
+    family, _, tokenizer, llm = served
+    if family != "gpt_oss":
+        pytest.skip("one family is enough offline")
+    ids = llm.apply_chat_template(USER, chat_template_kwargs={"reasoning_effort": "high"})
+    assert "Reasoning: high" in tokenizer.decode(ids)
+    assert "Reasoning: medium" in tokenizer.decode(llm.apply_chat_template(USER))
+    # the flag is the chat template's: refused, before any model is loaded, without --chat
+    pagoda = Path(sys.executable).parent / "pagoda"
+    result = subprocess.run([str(pagoda), "generate", "hi", "--reasoning-effort", "low"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "--reasoning-effort is read by the chat template: add --chat" in result.stderr
