@@ -4,7 +4,8 @@
         [--asym] [--format gptq|awq] [--reference]
 
 No calibration data and no tool beyond pagoda and torch: every linear of the
-decoder layers (a Mixture-of-Experts model's experts too, not its router) is
+decoder layers (a Mixture-of-Experts model's experts and shared expert too,
+not its router nor the shared expert's one-output gate) is
 cut into groups of ``--group`` input columns, and each group gets one scale
 (and zero point) from its own minimum and maximum, the way GPTQ's
 ``find_params`` does before any error feedback. Everything else (embeddings,
@@ -42,7 +43,8 @@ from pagoda.plugins.quant.packing import pack_awq, pack_int32
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-           "self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3 stores these two fused
+           "self_attn.qkv_proj", "mlp.gate_up_proj",  # Phi-3 stores these two fused
+           "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")  # Qwen2-MoE
 # a Mixture-of-Experts checkpoint's experts, one tensor per expert and projection (Mixtral's w1/w2/w3, Qwen-MoE's)
 EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",

@@ -83,20 +83,25 @@ class LLM:
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation and generate."""
+        """Apply the tokenizer's chat template to each conversation and generate. ``chat_template_kwargs``: more
+        variables for the template, e.g. ``{"reasoning_effort": "low"}`` (gpt-oss) or ``{"enable_thinking":
+        False}`` (Qwen3)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt,
+                                                                 chat_template_kwargs)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[dict[str, str]], chat_template: Optional[str] = None,
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         tok = self.engine.tokenizer
         if chat_template is None and not tok.chat_template:
             raise InvalidRequestError("this tokenizer has no chat template; pass chat_template= (--chat-template)")
         text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
         return tok.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

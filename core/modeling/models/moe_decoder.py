@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from pagoda.errors import CheckpointError, ConfigError
-from pagoda.modeling.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagoda.modeling.layers.linear import ColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
 from pagoda.modeling.layers.moe import FusedMoE, RouterSpec, SharedExpert, SparseMoeBlock
 from pagoda.modeling.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderSpec
 
@@ -20,6 +20,8 @@ _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.e
 # REST for one expert's projection: E.gate_proj.weight (Qwen), E.w1.weight (Mixtral), ...; a GPTQ/AWQ checkpoint's
 # E.w1.qweight, qzeros, scales and g_idx
 _ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
+# model.layers.N.mlp.shared_expert.PROJ.weight: Qwen2-MoE's shared expert, unquantized
+_SHARED_EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(?:gate|up|down)_proj\.weight$")
 _QUANTIZED = ("qweight", "qzeros", "scales", "g_idx")
 _PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -55,12 +57,14 @@ class MoeDecoderLayer(DecoderLayer):
         prefix = f"model.layers.{idx}.mlp"
         shared = None
         if moe.shared_intermediate_size:
+            # a dense MLP: quantized like the attention when the checkpoint's quant config covers it
+            q = lambda name: quant.for_layer(f"{prefix}.{name}") if quant is not None else None  # noqa: E731
             inter = moe.shared_intermediate_size
             shared = SharedExpert(
-                ColumnParallelLinear(spec.hidden_size, [inter, inter], False, cfg.dtype, None,
-                                     f"{prefix}.shared_expert.gate_up_proj", kernels),
-                RowParallelLinear(inter, spec.hidden_size, False, cfg.dtype, None, f"{prefix}.shared_expert.down_proj",
-                                  kernels),
+                ColumnParallelLinear(spec.hidden_size, [inter, inter], False, cfg.dtype,
+                                     q("shared_expert.gate_up_proj"), f"{prefix}.shared_expert.gate_up_proj", kernels),
+                RowParallelLinear(inter, spec.hidden_size, False, cfg.dtype, q("shared_expert.down_proj"),
+                                  f"{prefix}.shared_expert.down_proj", kernels),
                 kernels)
         self.moe = SparseMoeBlock(spec.hidden_size, moe.num_experts, moe.intermediate_size, moe.router, cfg.dtype,
                                   router_bias=moe.router_bias, activation=moe.activation, expert_bias=moe.expert_bias,
@@ -79,7 +83,8 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     layer_class = MoeDecoderLayer
     # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ or AWQ checkpoint's
-    # attention layers run quantized, and its experts are dequantized at load (see the quant config's dequantize)
+    # attention layers and shared expert run quantized, and its routed experts are dequantized at load (see the
+    # quant config's dequantize)
     supports_lora = False
     # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
     checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
@@ -118,6 +123,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         for name, tensor in weights:
             match = _EXPERT_TENSOR.match(name)
             if match is None:
+                self._check_shared_expert(name)
                 yield name, tensor
                 continue
             if self._on_another_stage(name):
@@ -146,6 +152,25 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                 raise CheckpointError(f"quantized expert {name!r}: {type(self.quant).__name__} cannot dequantize "
                                       "expert weights; MoE checkpoints load quantized experts from GPTQ or AWQ")
             self.experts_of(layer).load_expert(part, expert, dequantize(tensors, name), name)
+
+    def _check_shared_expert(self, name: str) -> None:
+        """A shared expert stored unquantized in a checkpoint whose quant config covers it: say which tensor and
+        how to mark the shared expert as left unquantized."""
+        shared = _SHARED_EXPERT_WEIGHT.match(name)
+        if shared is None or self.quant is None or self._on_another_stage(name):
+            return
+        layer = int(shared.group(1))
+        block = getattr(self.layers[layer], "moe", None) if layer < len(self.layers) else None
+        shared_expert = None if block is None else block.shared_expert
+        if shared_expert is None or isinstance(shared_expert.down_proj.quant_method, UnquantizedLinearMethod):
+            return
+        way_out = ("a dynamic rule \"-:.*shared_expert.*\": {} in its quantization_config"
+                   if type(self.quant).__name__ == "GPTQConfig"
+                   else '"shared_expert" in its quantization_config\'s modules_to_not_convert')
+        raise CheckpointError(f"checkpoint tensor {name!r} is an unquantized shared expert, but config.json's "
+                              f"{type(self.quant).__name__} quantizes every linear layer of the decoder, the shared "
+                              f"expert's too (as vLLM and transformers read it); quantize the shared expert, or "
+                              f"mark it as left unquantized with {way_out}")
 
     @staticmethod
     def _load_stacked(experts: FusedMoE, rest: str, tensor: torch.Tensor, name: str) -> None:

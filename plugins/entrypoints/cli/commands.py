@@ -12,6 +12,9 @@ def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion (or a chat answer with --chat) for a prompt")
     p.add_argument("prompt", nargs="?", default="What is the capital of France?", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="treat the prompt as a user message and apply the chat template")
+    p.add_argument("--reasoning-effort", default=None, choices=("none", "minimal", "low", "medium", "high", "xhigh"),
+                   help="with --chat: the chat template's reasoning_effort (gpt-oss: low, medium, high) and "
+                        "enable_thinking (false for none) variables")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -25,12 +28,16 @@ def run_generate(ns: argparse.Namespace) -> int:
     from pagoda.engine.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
+    if ns.reasoning_effort is not None and not ns.chat:
+        raise SystemExit("--reasoning-effort is read by the chat template: add --chat")
     args = engine_args_from(ns)
     llm = LLM(**args.model_dump(exclude_defaults=True), plugin_manager=ns.plugin_manager)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                             stop=ns.stop)
     if ns.chat:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
+        effort = ns.reasoning_effort
+        kwargs = None if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False, chat_template_kwargs=kwargs)[0]
         print(out.outputs[0].text.strip())
     else:
         out = llm.generate(ns.prompt, params, use_tqdm=False)[0]

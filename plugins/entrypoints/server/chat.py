@@ -110,7 +110,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise APIError(400, "a chat template per request is not served: this server renders every chat with its own "
                             "template (start it with --chat-template FILE); remove chat_template",
                        param="chat_template")
-    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    template_kwargs = ctx.effort.template_kwargs(body.reasoning_effort, check_template_kwargs(body.chat_template_kwargs),
+                                                 "reasoning_effort")
     continues = body.continue_final_message
     if continues and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
         raise APIError(400, "continue_final_message continues the last message, and add_generation_prompt starts a "

@@ -16,6 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
 
+from pagoda.plugins.entrypoints.server.effort import Effort
 from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, MAX_ID_CHARS, MAX_LOGIT_BIAS,
                                                             MAX_MESSAGES, MAX_METADATA_KEY_CHARS, MAX_METADATA_KEYS,
                                                             MAX_METADATA_VALUE_CHARS, MAX_NAME_CHARS, MAX_PROMPTS,
@@ -47,6 +48,7 @@ class StreamOptions(RequestBody):
 
 
 # OpenAI's chat fields that have no meaning for a local engine: accepted, logged once, named in a header
+# (reasoning_effort only where the chat template reads no effort: effort.py)
 _IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities",
                         "audio", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
                         "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation")
@@ -223,6 +225,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[Annotated[list[ChatTool], list_bound(MAX_TOOLS, min_items=1)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # the chat template's reasoning_effort (and enable_thinking) variables (effort.py)
+    reasoning_effort: Optional[Effort] = None
     # accepted for compatibility, without effect here (IGNORED_FIELDS)
     store: Optional[bool] = None
     metadata: Optional[Metadata] = None
@@ -230,7 +234,6 @@ class ChatCompletionRequest(SamplingFields):
     prediction: Optional[dict[str, Any]] = None
     modalities: Optional[Annotated[list[Identifier], list_bound(MAX_SHORT_LIST)]] = None
     audio: Optional[dict[str, Any]] = None
-    reasoning_effort: Optional[Identifier] = None
     web_search_options: Optional[dict[str, Any]] = None
     verbosity: Optional[Identifier] = None
     prompt_cache_key: Optional[Identifier] = None

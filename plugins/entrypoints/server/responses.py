@@ -93,7 +93,9 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     items = input_items(body)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + chat_messages(_history(store, body.previous_response_id), items)
-    template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    template_kwargs = ctx.effort.template_kwargs(effort, check_template_kwargs(body.chat_template_kwargs),
+                                                 "reasoning.effort")
     with _in_responses_terms(tooling):
         check_chat_chars(ctx, messages, tooling.tools, param="input")
         template = ctx.tool_options.template_for(tooling.tools, messages)
@@ -118,7 +120,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     keep = store if body.store is not False else None
     if body.stream:
         response = StreamingResponse(_events(gen, record, keep, items), media_type="text/event-stream")
-        ctx.mark_ignored_fields(body, response, body.ignored_fields())
+        ctx.mark_ignored_fields(body, response, _ignored_fields(ctx, body))
         tooling.warn(response, ctx.logged_ignored_fields)
         return response
     (out,) = await unless_disconnected(request, gen.final())
@@ -129,9 +131,21 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
     record.finish()
     _keep(keep, record, items)
     response = JSONResponse(record.render())
-    ctx.mark_ignored_fields(body, response, body.ignored_fields())
+    ctx.mark_ignored_fields(body, response, _ignored_fields(ctx, body))
     tooling.warn(response, ctx.logged_ignored_fields)
     return response
+
+
+def _ignored_fields(ctx: ServingContext, body: ResponsesRequest) -> list[str]:
+    """The request's fields without effect here: the body's, and ``reasoning`` when its effort does nothing (none
+    sent, or a chat template that reads no effort), else ``reasoning.summary`` when one is asked for."""
+    names = body.ignored_fields()
+    reasoning = body.reasoning
+    if reasoning is not None and (reasoning.effort is None or not ctx.effort.is_read):
+        names.append("reasoning")
+    elif reasoning is not None and (reasoning.summary or reasoning.generate_summary):
+        names.append("reasoning.summary")
+    return names
 
 
 def _response_id(store: ResponseStore, body: ResponsesRequest) -> str:
@@ -213,7 +227,8 @@ class ResponseRecord:
             "max_tool_calls": body.max_tool_calls, "model": self.model,
             "output": self.output.render() if is_done else [],
             "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-            "previous_response_id": body.previous_response_id, "reasoning": None, "service_tier": "default",
+            "previous_response_id": body.previous_response_id, "service_tier": "default",
+            "reasoning": {"effort": body.reasoning.effort, "summary": None} if body.reasoning is not None else None,
             "temperature": self.temperature, "top_p": self.top_p, "top_logprobs": body.top_logprobs,
             "text": {"format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format
                      else {"type": "text"}},

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
+from pagoda.plugins.entrypoints.server.effort import Effort
 from pagoda.plugins.entrypoints.server.protocol import (AnyJSON, FunctionName, Identifier, Metadata, TokenIdText,
                                                         TopLevelBody)
 from pagoda.plugins.entrypoints.server.structured import StructuredOutputsField
@@ -28,7 +29,7 @@ CallId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 # OpenAI's fields that have no effect here: accepted, and named in the x-pagoda-ignored-fields header
 IGNORED_FIELDS = ("access_programs", "background_options", "context_management", "image", "include",
                   "max_tool_calls", "metadata", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-                  "reasoning", "safety_identifier", "service_tier", "stream_options", "truncation", "user",
+                  "safety_identifier", "service_tier", "stream_options", "truncation", "user",
                   # vLLM's
                   "mm_processor_kwargs", "cache_salt", "enable_response_messages", "previous_input_messages")
 # the one value of ``include`` that means something here: logprobs of the output text
@@ -238,6 +239,14 @@ class ResponsesStreamOptions(RequestBody):
     include_obfuscation: Optional[bool] = None  # no effect here: events carry no padding
 
 
+class ReasoningConfig(RequestBody):
+    """OpenAI's ``reasoning``: ``effort`` reaches the chat template (effort.py); no summaries are written."""
+
+    effort: Optional[Effort] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None  # no effect here
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None  # its older name
+
+
 class ResponsesRequest(TopLevelBody):
     """``POST /v1/responses``."""
 
@@ -267,7 +276,7 @@ class ResponsesRequest(TopLevelBody):
     prompt_cache_key: Optional[Identifier] = None
     include: Optional[Annotated[list[Identifier], list_bound(MAX_SHORT_LIST)]] = None
     max_tool_calls: Optional[int] = Field(None, ge=0)
-    reasoning: Optional[dict[str, Any]] = None
+    reasoning: Optional[ReasoningConfig] = None
     service_tier: Optional[Identifier] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     stream_options: Optional[ResponsesStreamOptions] = None

@@ -12,6 +12,7 @@ from pagoda.engine.metrics import PrometheusExporter
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.plugins.entrypoints.server.chat import check_chat_chars, create_chat_completion, plain_messages, render_chat
 from pagoda.plugins.entrypoints.server.completions import create_completion
+from pagoda.plugins.entrypoints.server.effort import EffortOptions
 from pagoda.plugins.entrypoints.server.errors import APIError, error_response
 from pagoda.plugins.entrypoints.server.lora import adapter_models, add_lora_routes
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -44,6 +45,7 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
                                     getattr(app.state, "max_request_chars", None))
     ctx.tool_options = getattr(app.state, "tool_calling", None) or ToolCallingOptions.for_engine(engine.engine)
     ctx.reasoning_options = getattr(app.state, "reasoning", None) or ReasoningOptions.for_engine(engine.engine)
+    ctx.effort = EffortOptions.for_engine(engine.engine)
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
     ctx.strict_request_fields = getattr(app.state, "strict_request_fields", False)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)

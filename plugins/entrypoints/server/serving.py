@@ -20,6 +20,7 @@ from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import PromptLogprobs, RequestOutput
+from pagoda.plugins.entrypoints.server.effort import EffortOptions
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
 from pagoda.plugins.entrypoints.server.protocol import NO_EFFECT_VALUES, SamplingFields
 from pagoda.plugins.entrypoints.server.tokenizer_turns import TokenizerTurns
@@ -74,6 +75,8 @@ class ServingContext:
     tool_options: Any = field(default=None)
     # the server's reasoning parser (a pagoda.plugins.entrypoints.server.reasoning.ReasoningOptions)
     reasoning_options: Any = field(default=None)
+    # what the model's chat template does with a request's reasoning effort
+    effort: EffortOptions = field(default_factory=EffortOptions)
     # where a request's tenant comes from (see tenant_of): "api-key", "header" or "user"
     tenant_source: str = "api-key"
     # --strict-request-fields: a field of no schema is a 400 (otherwise it is ignored and named)
@@ -176,7 +179,8 @@ class ServingContext:
         ``x-pagoda-ignored-fields`` header; log a warning the first time each name is seen."""
         if names is None:
             names = [name for name in body.IGNORED_FIELDS
-                     if getattr(body, name) is not None and getattr(body, name) != NO_EFFECT_VALUES.get(name)]
+                     if getattr(body, name) is not None and getattr(body, name) != NO_EFFECT_VALUES.get(name)
+                     and not (name == "reasoning_effort" and self.effort.is_read)]
             if body.stream_options is not None and body.stream_options.include_obfuscation:
                 names.append("stream_options.include_obfuscation")
         unknown = body.unknown_fields()

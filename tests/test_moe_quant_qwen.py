@@ -1,0 +1,124 @@
+"""GPTQ and AWQ Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py quantizes a tiny random
+checkpoint that transformers writes (attention, dense MLP, every routed expert and Qwen2-MoE's shared expert,
+4-bit), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
+(float32). A shared expert stored unquantized under a quant config that covers it is refused with the tensor
+named and the way to mark it, and loads once marked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+from pagoda import LLM, SamplingParams
+from pagoda.errors import CheckpointError
+from pagoda.modeling.default_model import ensure_default_model
+
+MAX_TOKENS = 10
+LOGPROB_ATOL = 2e-3
+PROMPTS = [[5, 17, 923, 4001, 77], list(range(100, 340, 7))]
+BASE = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, initializer_range=0.2)
+
+
+def _config(arch: str, vocab_size: int):
+    if arch == "qwen2_moe":  # a gated shared expert, un-normalized top-k, a dense second layer
+        return Qwen2MoeConfig(vocab_size=vocab_size, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], **BASE)
+    return Qwen3MoeConfig(vocab_size=vocab_size, moe_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, head_dim=32, **BASE)
+
+
+def _rtn():
+    spec = importlib.util.spec_from_file_location(
+        "quantize_rtn", Path(__file__).parents[1] / "contrib" / "quant-tools" / "quantize_rtn.py")
+    rtn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rtn)
+    return rtn
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """arch -> directory of a random float32 checkpoint with the default model's tokenizer (written once)."""
+    default_dir = ensure_default_model()
+    vocab_size = len(json.loads((default_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    written = {}
+
+    def write(arch: str) -> Path:
+        if arch not in written:
+            torch.manual_seed(7)
+            model = AutoModelForCausalLM.from_config(_config(arch, vocab_size), dtype=torch.float32)
+            out = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(str(out), safe_serialization=True)
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(default_dir / name, out / name)
+            written[arch] = out
+        return written[arch]
+
+    return write
+
+
+def _reference(src: Path, dequant: dict[str, torch.Tensor], out: Path):
+    """transformers on the source checkpoint with every quantized linear replaced by its dequantized weight."""
+    out.mkdir()
+    shutil.copy(src / "config.json", out / "config.json")
+    save_file({**load_file(str(src / "model.safetensors")), **dequant}, str(out / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("fmt, group", [("gptq", 32), ("awq", 8)])
+def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense, tmp_path, arch, fmt, group):
+    src = dense(arch)
+    out = tmp_path / fmt
+    dequant = _rtn().convert(src, out, 4, group, fmt == "gptq", fmt)
+    num_sparse = 1 if arch == "qwen2_moe" else 2  # Qwen2-MoE's second layer is dense
+    assert sum(".experts." in name for name in dequant) == num_sparse * 4 * 3  # every routed expert
+    assert sum(".shared_expert." in name for name in dequant) == (3 if arch == "qwen2_moe" else 0)
+    reference = _reference(src, dequant, tmp_path / "dequantized")
+    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
+    model = llm.engine.runner.model
+    assert model.layers[0].qkv_proj.int_bits == 4
+    if arch == "qwen2_moe":  # the dense layer's MLP and the shared expert run on the quantized kernels
+        assert model.layers[1].gate_up_proj.int_bits == 4
+        assert model.layers[0].moe.shared_expert.gate_up_proj.int_bits == 4
+        assert model.layers[0].moe.shared_expert.down_proj.int_bits == 4
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, got in zip(PROMPTS, outputs):
+        with torch.inference_mode():
+            ref = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=MAX_TOKENS, output_logits=True,
+                                     return_dict_in_generate=True, pad_token_id=0)
+        assert got.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist(), f"{arch} {fmt}: {len(prompt)}"
+        ref_first = torch.log_softmax(ref.logits[0][0].float(), dim=-1)
+        for tid, lp in got.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - float(ref_first[tid])) < LOGPROB_ATOL, (arch, fmt, tid)
+
+
+def test_an_unquantized_shared_expert_under_a_quant_config_that_covers_it_is_named_with_the_way_out(dense, tmp_path):
+    src = dense("qwen2_moe")
+    out = tmp_path / "gptq"
+    _rtn().convert(src, out, 4, 32, True, "gptq")
+    # the shared expert as a checkpoint that left it in float writes it
+    tensors = {k: v for k, v in load_file(str(out / "model.safetensors")).items() if ".shared_expert." not in k}
+    tensors.update({k: v for k, v in load_file(str(src / "model.safetensors")).items() if ".shared_expert." in k})
+    save_file(tensors, str(out / "model.safetensors"))
+    options = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.shared_expert\.\w+_proj\.weight.*"
+                                              r"unquantized shared expert.*dynamic rule \"-:\.\*shared_expert\.\*\""):
+        LLM(model=str(out), **options)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {"-:.*shared_expert.*": {}}
+    (out / "config.json").write_text(json.dumps(config))
+    shared = LLM(model=str(out), **options).engine.runner.model.layers[0].moe.shared_expert
+    assert getattr(shared.gate_up_proj, "int_bits", None) is None and shared.gate_up_proj.weight.dtype == torch.float32
