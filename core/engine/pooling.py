@@ -265,7 +265,8 @@ class AsyncPoolingEngine:
 
         self.stats.finished_by_reason["abort"] += len(left)
         for _, future, _ in left:
-            future.set_exception(EngineDeadError("the server shut down before this input ran"))
+            if future.set_running_or_notify_cancel():  # a cancelled one's caller is gone already
+                future.set_exception(EngineDeadError("the server shut down before this input ran"))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
@@ -280,10 +281,17 @@ class AsyncPoolingEngine:
         return len(self._pending)
 
     def _next_batch(self) -> list[tuple[PoolingInput, concurrent.futures.Future, float]]:
-        batch = [self._pending.popleft()]
-        while self._pending and self.engine.batch_cost([b[0] for b in batch] + [self._pending[0][0]]) \
-                <= self.engine.max_batch_tokens:
-            batch.append(self._pending.popleft())
+        """The next batch, empty when every waiting input was cancelled. An input whose caller went away
+        (its future cancelled) is dropped here; once taken, a future can no longer be cancelled, so setting
+        its result never fails."""
+        batch: list = []
+        while self._pending and (not batch or self.engine.batch_cost([b[0] for b in batch] + [self._pending[0][0]])
+                                 <= self.engine.max_batch_tokens):
+            item = self._pending.popleft()
+            if item[1].set_running_or_notify_cancel():
+                batch.append(item)
+            else:
+                self.stats.finished_by_reason["abort"] += 1
         now = time.monotonic()
         for _, _, arrival in batch:
             self.stats.request_queue_time.observe(now - arrival)
@@ -298,6 +306,8 @@ class AsyncPoolingEngine:
                     return
                 batch = self._next_batch()
                 self._num_running = len(batch)
+            if not batch:
+                continue
             try:
                 self._run(batch)
             finally:
