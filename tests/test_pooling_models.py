@@ -104,3 +104,34 @@ def test_serve_flags_choose_the_task_like_vllm(tmp_path):
     with pytest.raises(ConfigError, match="--runner generate and --task embed disagree"):
         serving_task(str(decoder), "embed", "generate")
     assert serving_task(str(tmp_path / "absent"), "auto", None) == "generate"  # the default model, a GGUF, ...
+
+
+def test_a_cancelled_request_is_dropped_before_it_runs_and_the_engine_serves_on(tmp_path):
+    import asyncio
+
+    from pagoda.engine.pooling import AsyncPoolingEngine
+
+    engine = PoolingEngine(EngineArgs(model=str(write_encoder(tmp_path / "bert"))), "embed")
+    items = [engine.tokenize(t) for t in TEXTS[:3]]
+
+    async def scenario():
+        served = AsyncPoolingEngine(engine)
+        served.start(asyncio.get_running_loop())
+        with engine.lock:  # the engine's thread blocks on its first batch: the others wait
+            first = asyncio.ensure_future(served.encode(items[:1]))
+            await asyncio.sleep(0.2)
+            gone = asyncio.ensure_future(served.encode(items[1:]))
+            await asyncio.sleep(0.05)
+            assert served.num_waiting == 2
+            gone.cancel()  # a client that went away
+        await first
+        after = await served.encode(items[1:])
+        await served.shutdown(timeout=5)
+        return served, after
+
+    served, after = asyncio.run(scenario())
+    assert served.stats.finished_by_reason == {"stop": 3, "abort": 2}
+    assert served.num_waiting == 0 and served.is_healthy is False  # shut down, not dead
+    assert served.dead_reason is None
+    for ours, alone in zip(after, engine.encode(items[1:])):
+        assert torch.equal(ours, alone)

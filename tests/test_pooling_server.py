@@ -100,3 +100,27 @@ def test_an_embedding_model_scores_and_reranks_by_cosine(server, client):
     rerank = httpx.post(url + "/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:3], "top_n": 1}).json()
     best = 1 + max(range(2), key=lambda i: cosines[i])
     assert [(r["index"] + 1, r["document"]["text"]) for r in rerank["results"]] == [(best, TEXTS[best])]
+
+
+def _metrics(url: str) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = httpx.get(url + "/metrics")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    return {(s.name, s.labels.get("finished_reason", "")): s.value
+            for f in text_string_to_metric_families(page.text) for s in f.samples}
+
+
+def test_metrics_count_each_input_as_a_request_under_the_generation_servers_names(server, client):
+    before = _metrics(server[0])
+    usage = client.embeddings.create(model=MODEL, input=TEXTS[:3]).usage
+    after = _metrics(server[0])
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta[("pagoda:prompt_tokens_total", "")] == usage.prompt_tokens
+    assert delta[("pagoda:request_success_total", "stop")] == 3
+    assert delta[("pagoda:request_success_total", "error")] == 0
+    assert delta[("pagoda:e2e_request_latency_seconds_count", "")] == 3
+    assert delta[("pagoda:request_queue_time_seconds_count", "")] == 3
+    assert delta[("pagoda:engine_steps_total", "")] >= 1 and delta[("pagoda:engine_step_seconds_total", "")] > 0
+    assert after[("pagoda:num_requests_running", "")] == after[("pagoda:num_requests_waiting", "")] == 0
+    assert ("pagoda:kv_cache_usage_perc", "") not in after  # no KV cache: no name that would mislead

@@ -307,3 +307,52 @@ def _kv_offload_metrics(tiers: Any, labels: list[str], values: list[str]) -> Ite
     usage.add_metric(values + ["ram"], tiers.stats.num_ram_blocks)
     usage.add_metric(values + ["disk"], tiers.stats.num_disk_blocks)
     yield usage
+
+
+class PoolingExporter:
+    """``/metrics`` of a pooling server (an :class:`~pagoda.engine.pooling.AsyncPoolingEngine`), under the
+    generation server's names where they apply: every input is a request, a batch is an engine step, and a
+    request finishes ``stop`` (pooled), ``error`` or ``abort`` (shut down before it ran). It has no KV cache,
+    generated tokens, preemptions or first-token latency, so those names are absent."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        labels, values = ["model_name"], [self.model_name]
+        s = self.engine.stats
+        for name, doc, value in (("num_requests_running", "Inputs in the batch being run.", self.engine.num_running),
+                                 ("num_requests_waiting", "Inputs waiting for a batch.", self.engine.num_waiting)):
+            g = GaugeMetricFamily(f"pagoda:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        for name, doc, value in (("prompt_tokens", "Prompt tokens received.", s.num_prompt_tokens),
+                                 ("engine_steps", "Batches the engine ran.", s.num_steps),
+                                 ("engine_step_seconds", "Wall time of those batches.", s.step_seconds)):
+            c = CounterMetricFamily(f"pagoda:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
+        success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
+                                      labels=labels + ["finished_reason"])
+        reasons = dict.fromkeys(FINISH_REASONS, 0)
+        reasons.update({str(k): v for k, v in list(s.finished_by_reason.items())})
+        for reason, n in reasons.items():
+            success.add_metric(values + [reason], n)
+        yield success
+        for name, doc, h in (("e2e_request_latency_seconds", "Time from arrival to finish.", s.e2e_request_latency),
+                             ("request_queue_time_seconds", "Time from arrival to its batch.", s.request_queue_time)):
+            f = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
+            f.add_metric(values, h.cumulative(), h.sum)
+            yield f

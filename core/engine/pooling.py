@@ -194,6 +194,22 @@ class PoolingEngine:
         return results
 
 
+class PoolingStats:
+    """What ``/metrics`` shows of a pooling server, counting each input as one request (as the engine runs it).
+    ``num_prompt_tokens`` is written on the event loop, everything else on the engine's thread (and by
+    ``shutdown`` once that thread has stopped taking batches)."""
+
+    def __init__(self) -> None:
+        from pagoda.engine.metrics import REQUEST_LATENCY_BUCKETS, Histogram
+
+        self.num_prompt_tokens = 0
+        self.num_steps = 0  # batches run
+        self.step_seconds = 0.0
+        self.finished_by_reason: collections.Counter = collections.Counter()  # stop, error, abort
+        self.e2e_request_latency = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = Histogram(REQUEST_LATENCY_BUCKETS)
+
+
 class AsyncPoolingEngine:
     """A :class:`PoolingEngine` serving asyncio callers: the inputs of every waiting request are gathered into
     shared batches (in arrival order, up to the engine's token budget) and run on the engine's thread. A batch
@@ -201,7 +217,8 @@ class AsyncPoolingEngine:
 
     def __init__(self, engine: PoolingEngine) -> None:
         self.engine = engine
-        self._pending: collections.deque = collections.deque()  # (input, future)
+        self.stats = PoolingStats()
+        self._pending: collections.deque = collections.deque()  # (input, future, arrival time)
         self._cv = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -225,8 +242,10 @@ class AsyncPoolingEngine:
 
             raise EngineDeadError(f"the engine cannot serve: {self.dead_reason or 'the server is shutting down'}")
         futures = [concurrent.futures.Future() for _ in items]
+        self.stats.num_prompt_tokens += sum(len(i.token_ids) for i in items)
+        now = time.monotonic()
         with self._cv:
-            self._pending.extend(zip(items, futures))
+            self._pending.extend((item, future, now) for item, future in zip(items, futures))
             self._cv.notify()
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
@@ -244,16 +263,38 @@ class AsyncPoolingEngine:
             left, self._pending = list(self._pending), collections.deque()
         from pagoda.engine.async_engine import EngineDeadError
 
-        for _, future in left:
-            future.set_exception(EngineDeadError("the server shut down before this input ran"))
+        self.stats.finished_by_reason["abort"] += len(left)
+        for _, future, _ in left:
+            if future.set_running_or_notify_cancel():  # a cancelled one's caller is gone already
+                future.set_exception(EngineDeadError("the server shut down before this input ran"))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
 
-    def _next_batch(self) -> list[tuple[PoolingInput, concurrent.futures.Future]]:
-        batch = [self._pending.popleft()]
-        while self._pending and self.engine.batch_cost([i for i, _ in batch] + [self._pending[0][0]]) \
-                <= self.engine.max_batch_tokens:
-            batch.append(self._pending.popleft())
+    @property
+    def num_running(self) -> int:
+        """Inputs in the batch the engine runs now."""
+        return self._num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Inputs waiting for a batch."""
+        return len(self._pending)
+
+    def _next_batch(self) -> list[tuple[PoolingInput, concurrent.futures.Future, float]]:
+        """The next batch, empty when every waiting input was cancelled. An input whose caller went away
+        (its future cancelled) is dropped here; once taken, a future can no longer be cancelled, so setting
+        its result never fails."""
+        batch: list = []
+        while self._pending and (not batch or self.engine.batch_cost([b[0] for b in batch] + [self._pending[0][0]])
+                                 <= self.engine.max_batch_tokens):
+            item = self._pending.popleft()
+            if item[1].set_running_or_notify_cancel():
+                batch.append(item)
+            else:
+                self.stats.finished_by_reason["abort"] += 1
+        now = time.monotonic()
+        for _, _, arrival in batch:
+            self.stats.request_queue_time.observe(now - arrival)
         return batch
 
     def _serve(self) -> None:
@@ -265,21 +306,36 @@ class AsyncPoolingEngine:
                     return
                 batch = self._next_batch()
                 self._num_running = len(batch)
+            if not batch:
+                continue
             try:
                 self._run(batch)
             finally:
                 self._num_running = 0
 
-    def _run(self, batch: list[tuple[PoolingInput, concurrent.futures.Future]]) -> None:
+    def _run(self, batch: list[tuple[PoolingInput, concurrent.futures.Future, float]]) -> None:
+        stats = self.stats
+        start = time.monotonic()
         try:
-            results = self.engine.run([i for i, _ in batch])
+            results = self.engine.run([b[0] for b in batch])
         except Exception as exc:  # noqa: BLE001 - one input may be at fault: find it
             if len(batch) == 1:
                 logger.exception("a pooling input failed")
+                self._finished(batch, "error")
                 batch[0][1].set_exception(exc)
                 return
             for one in batch:
                 self._run([one])
             return
-        for (_, future), result in zip(batch, results):
+        finally:
+            stats.num_steps += 1
+            stats.step_seconds += time.monotonic() - start
+        self._finished(batch, "stop")
+        for (_, future, _), result in zip(batch, results):
             future.set_result(result)
+
+    def _finished(self, batch: list[tuple[PoolingInput, concurrent.futures.Future, float]], reason: str) -> None:
+        now = time.monotonic()
+        self.stats.finished_by_reason[reason] += len(batch)
+        for _, _, arrival in batch:
+            self.stats.e2e_request_latency.observe(now - arrival)

@@ -14,8 +14,10 @@ from typing import Literal, Optional, Union
 
 import torch
 from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda.engine.metrics import PoolingExporter
 from pagoda.engine.pooling import AsyncPoolingEngine, PoolingInput
 from pagoda.modeling.pooling import finish_embedding
 from pagoda.plugins.entrypoints.server.errors import APIError
@@ -201,6 +203,16 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
             return {"status": "ok"}
         raise APIError(503, f"the engine cannot serve: {engine.dead_reason or 'the server is shutting down'}",
                        code="engine_unavailable")
+
+    exporter = PoolingExporter(engine, name)
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(exporter.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
