@@ -10,12 +10,11 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from pagoda import LLM
 from pagoda.sampling.structured.after_reasoning import AfterReasoning
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
-from reasoning_models import write_tiny_thinker
+from reasoning_models import closing_bias, write_tiny_thinker
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -36,28 +35,13 @@ def llm(model_dir):
 
 @pytest.fixture(scope="module")
 def drive(model_dir, llm):
-    """(prompt ids, ``</think>``'s id, the bias that makes the greedy model close its thinking at step k >= 2,
-    the greedy thinking before it), from transformers' logits of the unbiased greedy run."""
-    from transformers import AutoModelForCausalLM
-
+    """(prompt ids, ``</think>``'s id, the bias that closes the greedy thinking at a step k >= 2, that thinking)."""
     tokenizer = llm.get_tokenizer()
     end = tokenizer.convert_tokens_to_ids("</think>")
     text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt = tokenizer.encode(text, add_special_tokens=False)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    ids, margins = list(prompt), []
-    with torch.no_grad():
-        for _ in range(24):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            margins.append(float(logits.max() - logits[end]))
-            ids.append(int(logits.argmax()))
-    # the first step k >= 2 where </think> is closer to the top than at every step before: a bias between the two
-    # margins makes it the greedy choice there and nowhere before
-    for k in range(2, len(margins)):
-        if margins[k] < min(margins[:k]) - 0.2:
-            bias = (margins[k] + min(margins[:k])) / 2
-            return prompt, end, bias, ids[len(prompt):len(prompt) + k]
-    pytest.fail(f"the random model never comes close to </think>: margins {margins}")
+    bias, thinking = closing_bias(model_dir, prompt, end)
+    return prompt, end, bias, thinking
 
 
 def constrained(reasoning_parser=None, **fields):
