@@ -98,8 +98,12 @@ class HarmonyReasoningParser(StreamingReasoningParser):
     def reasoning_end(self, token_ids: Sequence[int], tokenizer) -> Optional[int]:
         """How many of the answer's first ids come before its answer: through the ``<|message|>`` of the first
         message that is not an ``analysis`` one (the ``final`` message, a preamble, a tool call); None until one
-        begins."""
+        begins. An answer that is not harmony is all answer (0)."""
         text = self._token_text.update(token_ids, tokenizer)
+        head = text.lstrip()
+        if head and not any(head.startswith(m) or m.startswith(head) for m in (CHANNEL, START)) \
+                or MESSAGE not in text[:MAX_HEADER_CHARS + len(MESSAGE)] and len(text) > MAX_HEADER_CHARS:
+            return 0  # not harmony: all answer
         at = text.find(MESSAGE)
         while at >= 0:
             header = text[max(text.rfind(START, 0, at), text.rfind(MESSAGE, 0, at) + 1, 0):at]
