@@ -106,9 +106,7 @@ def test_an_unknown_reasoning_parser_is_refused_by_name(llm):
 
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-                                   "num_speculative_tokens": 3},
-                                  {"method": "draft_model", "model": "self:layers=1", "num_speculative_tokens": 3}],
-                         ids=["ngram", "self-draft"])
+                                   "num_speculative_tokens": 3}], ids=["ngram"])
 def test_speculative_decoding_gives_the_same_tokens_drafts_unconstrained_while_thinking(model_dir, llm, drive, spec):
     prompt, end, bias, thinking = drive
     params = SamplingParams(temperature=0, max_tokens=80, logit_bias={end: bias},
