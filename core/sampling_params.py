@@ -21,7 +21,10 @@ MAX_TOP_K = 2 ** 31 - 1  # ranks are compared in 32-bit tensors; a top_k at or a
 class StructuredOutputsParams:
     """What the output must match, exactly one of: ``json`` (a JSON schema, as a dict or its JSON text),
     ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF/Lark).
-    ``backend`` names a structured-output backend for this request (None: the engine's choice)."""
+    ``backend`` names a structured-output backend for this request (None: the engine's choice).
+    ``reasoning_parser`` names a ``pagoda_reasoning_parsers`` parser: the constraint then holds the answer after
+    the thinking that parser finds in the generated ids, starting where the thinking ends (None: the whole
+    output, from its first token; docs/reasoning.md)."""
 
     json: Union[None, str, dict[str, Any]] = None
     json_object: bool = False
@@ -29,6 +32,7 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     backend: Optional[str] = None
+    reasoning_parser: Optional[str] = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]

@@ -135,3 +135,36 @@ def test_the_built_in_reasoning_parsers_pass_the_kit_and_the_kit_catches_a_leaky
 
     with pytest.raises(ContractError, match="Leaky, seed 0, case 0.*Rule broken"):
         check_reasoning_parser(Leaky, [ReasoningParserCase(*CASES[0][1:])])
+
+
+def test_reasoning_end_finds_the_end_of_the_thinking_in_token_ids_and_the_kit_checks_it():
+    from transformers import AutoTokenizer
+
+    from pagoda.modeling.default_model import ensure_default_model
+    from pagoda.testing import ContractError, ReasoningParserCase, check_reasoning_parser
+    from pagoda.plugins.entrypoints.reasoning_parsers.think import DeepSeekR1ReasoningParser
+
+    # the default model's tokenizer writes the tags in several tokens: the end is read on their text
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()))
+    for name in BUILT_IN_REASONING_PARSERS:
+        check_reasoning_parser(BUILT_IN_REASONING_PARSERS[name],
+                               [ReasoningParserCase(*case[1:]) for case in CASES if case[0] == name],
+                               num_splits=2, tokenizer=tokenizer)
+    ids = tokenizer.encode("hmm</think>\n\n{}", add_special_tokens=False)
+    end = DeepSeekR1ReasoningParser("").reasoning_end(ids, tokenizer)
+    assert tokenizer.decode(ids[:end]) == "hmm</think>"
+    assert BUILT_IN_REASONING_PARSERS["qwen3"](QWEN3_NO_THINKING).reasoning_end([], tokenizer) == 0
+    assert BUILT_IN_REASONING_PARSERS["qwen3"]("").reasoning_end(tokenizer.encode(" {}"), tokenizer) == 0
+    harmony = tokenizer.encode("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final"
+                               "<|message|>{}", add_special_tokens=False)
+    end = BUILT_IN_REASONING_PARSERS["openai_gptoss"]("").reasoning_end(harmony, tokenizer)
+    assert tokenizer.decode(harmony[end:]) == "{}"
+
+    class Late(DeepSeekR1ReasoningParser):  # forgets where the thinking ended once the answer grows
+        def reasoning_end(self, token_ids, tokenizer):
+            end = super().reasoning_end(token_ids, tokenizer)
+            return None if end is None else len(token_ids)
+
+    with pytest.raises(ContractError, match="reasoning_end"):
+        check_reasoning_parser(Late, [ReasoningParserCase(*case[1:]) for case in CASES if case[0] == "deepseek_r1"],
+                               num_splits=1, tokenizer=tokenizer)

@@ -20,6 +20,7 @@ from pagoda.kv.tiers import has_offload_tiers
 from pagoda.lora_request import LoRARequest
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutput, RequestOutputKind, RequestTracker
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
+from pagoda.sampling.structured.after_reasoning import after_reasoning
 from pagoda.sampling.structured.manager import StructuredOutputs
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
@@ -203,8 +204,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
                                     parent_id=request_id, seed=seed, tenant=tenant, lora_request=lora_request))
-            if grammar is not None:
-                children[-1].grammar = grammar.new_matcher()  # each sequence its own place in the grammar
+            if grammar is not None:  # each sequence its own place in the grammar
+                children[-1].grammar = self._matcher(grammar, params.structured_outputs, text, token_ids)
             children[-1].bad_words_token_ids = bad_words_token_ids
         self.requests.add(request_id, text, token_ids, children)  # also gives stop strings their detokenizer
         if output_kind is not None:
@@ -225,6 +226,26 @@ class LLMEngine:
         if len(token_ids) <= keep:
             return text, token_ids
         return None, token_ids[len(token_ids) - keep:]
+
+    def _matcher(self, grammar: Any, spec: Any, prompt_text: Optional[str], token_ids: list[int]) -> Any:
+        """A new sequence's matcher of ``grammar``; with ``spec.reasoning_parser``, one that starts where that
+        parser (made for the prompt) finds the end of the thinking."""
+        matcher = grammar.new_matcher()
+        if spec.reasoning_parser is None:
+            return matcher
+        hook = "pagoda_reasoning_parsers"
+        if spec.reasoning_parser not in self.pm.names(hook):
+            raise InvalidRequestError(f"unknown reasoning parser {spec.reasoning_parser!r} in "
+                                      "structured_outputs.reasoning_parser; known: " + ", ".join(self.pm.names(hook)),
+                                      param="structured_outputs.reasoning_parser")
+        prompt = prompt_text if prompt_text is not None else self.tokenizer.decode(token_ids)
+        parser = self.pm.get(hook, spec.reasoning_parser, "structured_outputs.reasoning_parser").factory(prompt)
+        if not hasattr(parser, "reasoning_end"):
+            raise InvalidRequestError(f"the reasoning parser {spec.reasoning_parser!r} cannot tell where the thinking "
+                                      "ends in token ids (it has no reasoning_end), so a constraint cannot start "
+                                      "after the thinking; send the request without structured outputs, or use a "
+                                      "parser that has it", param="structured_outputs.reasoning_parser")
+        return after_reasoning(matcher, parser, self.tokenizer)
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each bad word's tokens as the tokenizer writes the word alone and after a space (a word inside a

@@ -19,7 +19,8 @@ from pagoda.host import hugepages, malloc
 from pagoda.kv.connector import read_block, write_block
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler
-from pagoda.sampling.structured.bitmask import apply_bitmask_
+from pagoda.sampling.structured.after_reasoning import is_waiting
+from pagoda.sampling.structured.bitmask import allocate_bitmask, apply_bitmask_
 from pagoda.sampling.structured.speculative import fill_draft_rows
 from pagoda.sampling.sampler import prompt_logprobs_for
 from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
@@ -252,7 +253,7 @@ class ModelRunner:
             t = clock()
             logits = self.model.compute_logits(hidden[torch.tensor(idx)])  # [len(plain) + sum(k_i + 1), vocab]
             timings["logits"] = clock() - t
-            if sched.grammar_rows:
+            if sched.grammar_rows or any(_starts_grammar(sched.requests[i].grammar, drafts[i]) for i in verify):
                 t = clock()
                 _apply_grammar(logits, plain, verify, drafts, sched)
                 timings["grammar"] = clock() - t
@@ -347,12 +348,20 @@ def _apply_grammar(logits: torch.Tensor, plain: list[int], verify: list[int], dr
             first_rows.append((len(logit_rows), engine_row[i]))
             runs.append((i, len(logit_rows)))
             logit_rows.extend(range(start, start + num_scored))
+        elif _starts_grammar(sched.requests[i].grammar, drafts[i]):
+            # still thinking, and a draft ends the thinking: the drafts after it are held to the grammar
+            runs.append((i, len(logit_rows)))
+            logit_rows.extend(range(start, start + num_scored))
         start += num_scored
     if not logit_rows:
         return
     # [len(logit_rows), words], every token allowed until filled
-    bitmask = sched.grammar_bitmask.new_full((len(logit_rows), sched.grammar_bitmask.shape[1]), -1)
-    bitmask[[r for r, _ in first_rows]] = sched.grammar_bitmask[[k for _, k in first_rows]]
+    if sched.grammar_bitmask is not None:
+        bitmask = sched.grammar_bitmask.new_full((len(logit_rows), sched.grammar_bitmask.shape[1]), -1)
+    else:
+        bitmask = allocate_bitmask(len(logit_rows), logits.shape[-1])
+    if first_rows:
+        bitmask[[r for r, _ in first_rows]] = sched.grammar_bitmask[[k for _, k in first_rows]]
     for i, row in runs:
         matcher = sched.requests[i].grammar
         if matcher is not None:  # None on the other ranks of a tensor-parallel model (rank 0's tokens count)
@@ -361,6 +370,11 @@ def _apply_grammar(logits: torch.Tensor, plain: list[int], verify: list[int], dr
     masked = logits[index]  # [len(logit_rows), vocab]
     apply_bitmask_(masked, bitmask)
     logits[index] = masked
+
+
+def _starts_grammar(matcher: Any, draft_token_ids: list[int]) -> bool:
+    """Whether a request still thinking before its grammar starts ends its thinking within these drafts."""
+    return is_waiting(matcher) and matcher.starts_within(draft_token_ids)
 
 
 class FlatBatch:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from pagoda.config import EngineConfig
 from pagoda.errors import BackendUnavailable, ConfigError, InvalidRequestError
 from pagoda.registry.plugin_manager import PluginManager
+from pagoda.sampling.structured.after_reasoning import is_waiting
 from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.sampling.structured.compile_process import CompileStopped, stopped_error
@@ -305,10 +306,11 @@ class StructuredOutputs:
 
     def fill_bitmask(self, sched: SchedulerOutput) -> None:
         """Fill ``sched.grammar_bitmask``: one row per request of the step that samples under a grammar, the
-        tokens allowed after its committed tokens. A request with draft slots gets the row of its first scored
+        tokens allowed after its committed tokens (none for one still thinking before its grammar starts:
+        :mod:`pagoda.sampling.structured.after_reasoning`). A request with draft slots gets the row of its first scored
         position; the runner fills the rows after each draft once the drafts are known
         (:func:`pagoda.sampling.structured.speculative.fill_draft_rows`)."""
-        rows = [i for i, r in enumerate(sched.requests) if r.grammar is not None
+        rows = [i for i, r in enumerate(sched.requests) if r.grammar is not None and not is_waiting(r.grammar)
                 and sched.num_computed_before[i] + sched.num_real_tokens(i) == r.num_tokens]
         if not rows:
             sched.grammar_rows, sched.grammar_bitmask, self.last_fill_seconds = [], None, 0.0

@@ -13,9 +13,9 @@ An answer that is not harmony (no header within the first few hundred characters
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Sequence
 
-from pagoda.plugins.entrypoints.reasoning_parsers.text_stream import StreamingReasoningParser, partial_marker
+from pagoda.plugins.entrypoints.reasoning_parsers.text_stream import StreamingReasoningParser, TokenText, partial_marker
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -93,6 +93,25 @@ class HarmonyReasoningParser(StreamingReasoningParser):
         self._messages = HarmonyMessages(self._header, self._body, self._end)
         self._is_thinking = False
         self._is_call = False
+        self._token_text = TokenText()
+
+    def reasoning_end(self, token_ids: Sequence[int], tokenizer) -> Optional[int]:
+        """How many of the answer's first ids come before its answer: through the ``<|message|>`` of the first
+        message that is not an ``analysis`` one (the ``final`` message, a preamble, a tool call); None until one
+        begins. An answer that is not harmony is all answer (0)."""
+        text = self._token_text.update(token_ids, tokenizer)
+        head = text.lstrip()
+        if head and not any(head.startswith(m) or m.startswith(head) for m in (CHANNEL, START)) \
+                or MESSAGE not in text[:MAX_HEADER_CHARS + len(MESSAGE)] and len(text) > MAX_HEADER_CHARS:
+            return 0  # not harmony: all answer
+        at = text.find(MESSAGE)
+        while at >= 0:
+            header = text[max(text.rfind(START, 0, at), text.rfind(MESSAGE, 0, at) + 1, 0):at]
+            channel, recipient = read_header(header)
+            if channel != "analysis" or recipient is not None:
+                return self._token_text.num_tokens_through(at + len(MESSAGE))
+            at = text.find(MESSAGE, at + 1)
+        return None
 
     def read(self, is_final: bool) -> None:
         self._messages.pending += self._pending

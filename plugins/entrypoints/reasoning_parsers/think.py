@@ -16,7 +16,9 @@ while thinking is thinking only, with both.
 
 from __future__ import annotations
 
-from pagoda.plugins.entrypoints.reasoning_parsers.text_stream import StreamingReasoningParser, partial_marker
+from typing import Optional, Sequence
+
+from pagoda.plugins.entrypoints.reasoning_parsers.text_stream import StreamingReasoningParser, TokenText, partial_marker
 
 START_TAG = "<think>"
 END_TAG = "</think>"
@@ -49,6 +51,26 @@ class ThinkTagReasoningParser(StreamingReasoningParser):
         self._mode = prompt_state(prompt) or _START
         # the prompt closed the thinking (Qwen3's enable_thinking false): the answer is all answer
         self.may_think = self._mode != _AFTER_THINKING
+        self._token_text = TokenText()
+
+    def reasoning_end(self, token_ids: Sequence[int], tokenizer) -> Optional[int]:
+        """How many of the answer's first ids the thinking takes, ``</think>`` included (0: the answer has no
+        thinking), or None while it goes on. Read on the ids' text, so a tag written in several tokens counts."""
+        if self._mode == _AFTER_THINKING:
+            return 0
+        text = self._token_text.update(token_ids, tokenizer)
+        start = 0
+        if self._mode == _START:
+            head = text.lstrip(" \n")
+            if not head.startswith(START_TAG):
+                if START_TAG.startswith(head):
+                    return None  # nothing yet, or the start of the tag
+                if not self.starts_thinking:  # Qwen3: all answer, from its first text that is not blank
+                    return self._token_text.num_tokens_through(len(text) - len(head) + 1) - 1
+            else:
+                start = len(text) - len(head) + len(START_TAG)
+        end = text.find(END_TAG, start)
+        return None if end < 0 else self._token_text.num_tokens_through(end + len(END_TAG))
 
     def read(self, is_final: bool) -> None:
         while self._pending:

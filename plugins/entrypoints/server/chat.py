@@ -143,7 +143,6 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         raise APIError(400, f"tool_choice {body.tool_choice!r} holds the answer to the tool calls' schema, so it "
                             f"cannot be combined with {field}; send one of them", param="tool_choice")
     reasoning = ctx.reasoning_options.plan(text if text is not None else "")
-    reasoning.check_constraint(field if structured_outputs is not None else None, tooling.is_forced)
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
     params = reasoning.adjust(tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
                                                                      structured_outputs)))

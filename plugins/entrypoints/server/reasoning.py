@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.reasoning import ReasoningDelta
 from pagoda.sampling_params import SamplingParams
 
@@ -82,7 +81,7 @@ class ReasoningOptions:
         """How one request's answers are read, given its rendered prompt."""
         if self.factory is None:
             return ReasoningRequest(None, prompt)
-        return ReasoningRequest(self.factory, prompt)
+        return ReasoningRequest(self.factory, prompt, self.name)
 
 
 @dataclass(frozen=True)
@@ -91,6 +90,7 @@ class ReasoningRequest:
 
     factory: Any
     prompt: str
+    name: Optional[str] = None  # the parser's name (the engine starts a constraint where it finds the thinking's end)
 
     @property
     def is_on(self) -> bool:
@@ -106,28 +106,17 @@ class ReasoningRequest:
         return parser is not None and getattr(parser, "may_think", True)
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
-        """``params`` with the special tokens kept when the parser reads markers that are special tokens."""
+        """``params`` with the special tokens kept when the parser reads markers that are special tokens, and
+        their constraint (structured outputs, a forced tool choice) started where the thinking ends."""
         parser = self.new_parser()
-        if parser is not None and not parser.skip_special_tokens and params.skip_special_tokens:
-            return dataclasses.replace(params, skip_special_tokens=False)
+        if parser is None:
+            return params
+        if not parser.skip_special_tokens and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        if params.structured_outputs is not None and self.may_think:
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, reasoning_parser=self.name))
         return params
-
-    def check_constraint(self, field: Optional[str], forced_tool_choice: bool) -> None:
-        """400 for a constraint that would hold the thinking too: a JSON schema, JSON object or choice (the
-        thinking is no JSON), or a forced tool choice, while answers may begin with thinking. A regex or grammar
-        holds the whole answer, thinking included, and is let through."""
-        if not self.may_think:
-            return
-        if forced_tool_choice:
-            what, param = "tool_choice \"required\" or a named function", "tool_choice"
-        elif field and not field.endswith(("regex", "grammar")):
-            what, param = field, field
-        else:
-            return
-        raise APIError(400, f"{what} would hold the model's thinking to the constraint too: with a reasoning parser "
-                            "the constraint applies to the whole answer, thinking included. Switch thinking off "
-                            "(chat_template_kwargs {\"enable_thinking\": false} on Qwen3), write the thinking into a "
-                            "regex or grammar, or start the server with --reasoning-parser none", param=param)
 
     def read(self, text: str) -> ReasoningDelta:
         """A whole answer -> its thinking and its answer."""

@@ -104,7 +104,6 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                     max_chars=ctx.max_prompt_chars, template_kwargs=template_kwargs,
                                     chat_template=template)))
         reasoning = ctx.reasoning_options.plan(text)
-        reasoning.check_constraint(_constraint_field(structured_outputs), tooling.is_forced)
         record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body),
                                 reasoning.new_parser())
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
@@ -328,15 +327,6 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
                        param="prompt")
     if body.moderation is not None:
         raise APIError(400, "moderation is not served by this server; leave moderation out", param="moderation")
-
-
-def _constraint_field(spec: Optional[StructuredOutputsParams]) -> Optional[str]:
-    """The field a constraint came from, as the reasoning check names it."""
-    if spec is None:
-        return None
-    if spec.regex is not None:
-        return "structured_outputs.regex"
-    return "structured_outputs.grammar" if spec.grammar is not None else "text.format"
 
 
 def _choice_name(body: ResponsesRequest) -> str:
