@@ -6,12 +6,14 @@ small so that long prompts are prefilled in chunks while other requests decode.
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
 
 from pagoda import LLM, ConfigError, InvalidRequestError, SamplingParams
 from pagoda.modeling.default_model import ensure_default_model
+from one_engine import release
 from tiny_models import write_tiny_checkpoint
 
 PROMPTS = [
@@ -29,8 +31,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm():
     ensure_default_model()
-    return LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=96, max_num_seqs=8,
-               kv_cache_memory_bytes=64 << 20, cpu_threads=1)
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=96, max_num_seqs=8,
+              kv_cache_memory_bytes=64 << 20, cpu_threads=1)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,10 @@ raises after the layers before it have written their K/V.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+from one_engine import release
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import StepFailedError
@@ -83,7 +86,11 @@ def run_until_done(engine) -> dict:
 
 @pytest.fixture(scope="module")
 def llm():
-    return make_llm()
+    llm = make_llm()
+    yield llm
+    release(llm)
+    del llm
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +183,11 @@ def test_speculative_steps_recover_from_faults_too(method, clean):
             done.update({out.request_id: out for out in outputs if out.finished})
     finally:
         fault.remove(llm)
-    assert fault.raised > 0
-    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == clean
-    assert_idle(llm)
+    try:
+        assert fault.raised > 0
+        assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == clean
+        assert_idle(llm)
+    finally:
+        release(llm)
+        del llm, engine
+        gc.collect()
