@@ -6,6 +6,7 @@ is larger than its slot; a rank that exits or never arrives fails the others wit
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import multiprocessing
 import os
 import socket
@@ -41,25 +42,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
-    """One of 2 ranks: joins over gloo, builds the shm backend, runs ``scenario``, saves what it saw."""
+# what one pair of ranks runs, in this order ("absent" ends with rank 1 exiting)
+SCENARIOS = ("sums", "fallback", "absent")
+
+
+def _rank_main(rank: int, address: str, out: Path) -> None:
+    """One of 2 ranks: joins over gloo, then runs each of SCENARIOS, saving what it saw after each (into
+    ``out/rank{rank}.pt``, by scenario)."""
+    torch.set_num_threads(1)
+    # a rank left waiting in a collective by the other's failure gives up (and reports it) within a minute
+    torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(seconds=60))
+    group = torch.distributed.group.WORLD
+    results: dict = {}
+    try:
+        for scenario in SCENARIOS:
+            result = results[scenario] = {}
+            if scenario == "absent":  # rank 1 leaves in it: what it saw so far is saved first
+                torch.save(results, out / f"rank{rank}.pt")
+            try:
+                _scenario(scenario, rank, group, result)
+                if scenario != "absent":
+                    torch.distributed.barrier(group=group)  # both ranks done before the next scenario
+            except BaseException:
+                result["crash"] = traceback.format_exc()
+    finally:
+        torch.save(results, out / f"rank{rank}.pt")
+        torch.distributed.destroy_process_group()
+
+
+def _scenario(scenario: str, rank: int, group: object, result: dict) -> None:
     from pagoda.execution import shm_all_reduce
     from pagoda.execution.shm_all_reduce import ShmAllReduce
 
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=address, rank=rank, world_size=2)
-    group = torch.distributed.group.WORLD
-    result: dict = {}
-    try:
-        if scenario == "fallback":
-            from pagoda.engine.engine_args import EngineArgs
-            from pagoda.execution.collectives import build_all_reduce
-            from pagoda.registry.plugin_manager import PluginManager
+    if scenario == "fallback":
+        from pagoda.engine.engine_args import EngineArgs
+        from pagoda.execution.collectives import build_all_reduce
+        from pagoda.registry.plugin_manager import PluginManager
 
-            if rank == 1:  # as if rank 1 were on another host: rank 0's file is not there
-                def cannot_map(path, total, fd):
-                    raise FileNotFoundError(2, "No such file or directory", path)
-                shm_all_reduce._map = cannot_map
+        mapper = shm_all_reduce._map
+        if rank == 1:  # as if rank 1 were on another host: rank 0's file is not there
+            def cannot_map(path, total, fd):
+                raise FileNotFoundError(2, "No such file or directory", path)
+            shm_all_reduce._map = cannot_map
+        try:
             pm = PluginManager().load()
             config = EngineArgs(model=str(ensure_default_model()), tensor_parallel_size=2).create_engine_config()
             result["auto"] = build_all_reduce(config, pm, rank, 2, group, 5.0)[0]
@@ -69,67 +95,73 @@ def _rank_main(rank: int, scenario: str, address: str, out: Path) -> None:
                 build_all_reduce(shm_only, pm, rank, 2, group, 5.0)
             except ConfigError as exc:
                 result["shm"] = str(exc)
-            return
-        comm = ShmAllReduce(rank, 2, group, timeout_seconds=1.0, slot_bytes=SLOT_BYTES)
-        result["listed"] = sorted(p.name for p in Path(shm_directory()).glob(NAME_PREFIX + "*"))
-        result["path"] = comm.path
-        if scenario == "sums":
-            from pagoda.execution.collectives import TorchAllReduce
-            from pagoda.interfaces import AllReduce
+        finally:
+            shm_all_reduce._map = mapper
+        return
+    comm = ShmAllReduce(rank, 2, group, timeout_seconds=1.0, slot_bytes=SLOT_BYTES)
+    result["listed"] = sorted(p.name for p in Path(shm_directory()).glob(NAME_PREFIX + "*"))
+    result["path"] = comm.path
+    if scenario == "sums":
+        from pagoda.execution.collectives import TorchAllReduce
+        from pagoda.interfaces import AllReduce
 
-            result["protocol"] = [isinstance(c, AllReduce) for c in (comm, TorchAllReduce(None, rank, 2, group, 1.0))]
-            result["sums"] = []
-            for i, (shape, dtype) in enumerate(CASES):
-                x = _part(rank, i, shape, dtype)
-                comm.all_reduce(x)
-                gathered = comm.all_gather(_part(rank, i, shape, dtype))
-                result["sums"].append((x, gathered))
-            strided = _part(rank, 99, (6, 9), torch.float32).t()  # not contiguous: summed in place all the same
-            comm.all_reduce(strided)
-            result["strided"] = strided
-        elif scenario == "absent":
-            if rank == 1:  # alive but never joins an all-reduce, then exits
-                torch.distributed.barrier(group=group)
-                os._exit(3)
-            for when in ("late", "again"):
-                try:
-                    comm.all_reduce(torch.ones(4))
-                except Exception as exc:
-                    result[when] = f"{type(exc).__name__}: {exc}"
+        result["protocol"] = [isinstance(c, AllReduce) for c in (comm, TorchAllReduce(None, rank, 2, group, 1.0))]
+        result["sums"] = []
+        for i, (shape, dtype) in enumerate(CASES):
+            x = _part(rank, i, shape, dtype)
+            comm.all_reduce(x)
+            gathered = comm.all_gather(_part(rank, i, shape, dtype))
+            result["sums"].append((x, gathered))
+        strided = _part(rank, 99, (6, 9), torch.float32).t()  # not contiguous: summed in place all the same
+        comm.all_reduce(strided)
+        result["strided"] = strided
+    elif scenario == "absent":
+        if rank == 1:  # alive but never joins an all-reduce, then exits
             torch.distributed.barrier(group=group)
-            comm.failure = None  # to see the next wait find rank 1 gone
+            os._exit(3)
+        for when in ("late", "again"):
             try:
                 comm.all_reduce(torch.ones(4))
             except Exception as exc:
-                result["exited"] = f"{type(exc).__name__}: {exc}"
-        comm.close()
-        maps = Path("/proc/self/maps").read_text()
-        result["mapped_after_close"] = NAME_PREFIX in maps
-    except BaseException:
-        result["crash"] = traceback.format_exc()
-    finally:
-        torch.save(result, out / f"rank{rank}.pt")
-        torch.distributed.destroy_process_group()
+                result[when] = f"{type(exc).__name__}: {exc}"
+        torch.distributed.barrier(group=group)
+        comm.failure = None  # to see the next wait find rank 1 gone
+        try:
+            comm.all_reduce(torch.ones(4))
+        except Exception as exc:
+            result["exited"] = f"{type(exc).__name__}: {exc}"
+    comm.close()
+    maps = Path("/proc/self/maps").read_text()
+    result["mapped_after_close"] = NAME_PREFIX in maps
 
 
-def run_two_ranks(scenario: str, tmp_path: Path) -> list[dict]:
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory) -> dict[str, list[dict]]:
+    """Scenario -> what each of 2 real rank processes saw in it (one pair of processes runs them all)."""
+    out = tmp_path_factory.mktemp("ranks")
     context = multiprocessing.get_context("spawn")
     address = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [context.Process(target=_rank_main, args=(r, scenario, address, tmp_path)) for r in range(2)]
+    procs = [context.Process(target=_rank_main, args=(r, address, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=180)
         assert p.exitcode is not None, "a rank hung"
-    results = [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists() else {} for r in range(2)]
+    results = [torch.load(out / f"rank{r}.pt") if (out / f"rank{r}.pt").exists() else {} for r in range(2)]
+    return {scenario: [r.get(scenario, {}) for r in results] for scenario in SCENARIOS}
+
+
+def results_of(scenarios: dict, scenario: str) -> list[dict]:
+    """Both ranks' results of one scenario; fails with a rank's traceback if it crashed."""
+    results = scenarios[scenario]
     for result in results:
         assert "crash" not in result, result["crash"]
     return results
 
 
-@pytest.fixture(scope="module")
-def summed(tmp_path_factory):
-    return run_two_ranks("sums", tmp_path_factory.mktemp("sums"))
+@pytest.fixture
+def summed(scenarios):
+    return results_of(scenarios, "sums")
 
 
 def test_shm_sums_and_gathers_like_torch_in_rank_order_on_both_ranks(summed):
@@ -158,8 +190,8 @@ def test_shm_leaves_nothing_in_dev_shm_and_unmaps_on_close(summed):
     assert not any(r["mapped_after_close"] for r in results)
 
 
-def test_a_rank_that_never_arrives_times_out_and_one_that_exits_fails_at_once_each_named(tmp_path):
-    results = run_two_ranks("absent", tmp_path)
+def test_a_rank_that_never_arrives_times_out_and_one_that_exits_fails_at_once_each_named(scenarios):
+    results = results_of(scenarios, "absent")
     late, exited = results[0]["late"], results[0]["exited"]
     assert late.startswith("CollectiveError") and "rank 1 (process" in late and "did not arrive" in late
     assert results[0]["again"] == late, "after a failed collective the ranks' rounds differ: every call fails"
@@ -167,8 +199,8 @@ def test_a_rank_that_never_arrives_times_out_and_one_that_exits_fails_at_once_ea
     assert not Path(results[0]["path"]).exists()
 
 
-def test_auto_falls_back_to_gloo_on_every_rank_when_a_rank_cannot_map_the_file(tmp_path):
-    results = run_two_ranks("fallback", tmp_path)
+def test_auto_falls_back_to_gloo_on_every_rank_when_a_rank_cannot_map_the_file(scenarios):
+    results = results_of(scenarios, "fallback")
     assert [r["auto"] for r in results] == ["gloo", "gloo"]
     assert all("all_reduce_backend 'shm' cannot run here" in r["shm"] for r in results)
     assert "rank 1" in results[0]["shm"] and "--all-reduce-backend gloo" in results[0]["shm"]

@@ -81,10 +81,24 @@ def three_layers(tmp_path_factory):
                                 inter=96, vocab=512, layers=3, norm_noise=0.1, tokenizer_dir=TINY))
 
 
+@pytest.fixture(scope="module")
+def one_stage(three_layers):
+    """The three-layer model's outputs of TOKEN_PROMPTS whole, on one rank: what every split of it must give."""
+    return run(three_layers, prompts=TOKEN_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def one_stage_greedy(three_layers):
+    """The greedy tokens of TOKEN_PROMPTS, 8 each, on one rank."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
+
+
 @pytest.mark.parametrize("partition, micro_batches, in_flight", [(None, 1, 2), ("1,2", 1, 2), (None, 2, 2),
                                                                 (None, 1, 1)])
-def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, partition, micro_batches, in_flight):
-    worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
+def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, one_stage, partition, micro_batches,
+                                                             in_flight):
+    worst = assert_same_tokens(one_stage,
                                run(three_layers, pp=2, prompts=TOKEN_PROMPTS, pipeline_layer_partition=partition,
                                    pipeline_micro_batches=micro_batches, pipeline_batches_in_flight=in_flight,
                                    in_flight=in_flight))
@@ -102,9 +116,9 @@ def test_many_more_requests_than_fit_give_the_tokens_of_one_with_steps_in_flight
     assert worst < 1e-4
 
 
-def test_an_abort_in_flight_frees_the_request_s_blocks_when_its_step_is_collected(three_layers):
+def test_an_abort_in_flight_frees_the_request_s_blocks_when_its_step_is_collected(three_layers, one_stage_greedy):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
+    clean = one_stage_greedy
     llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,
               swap_space=0, kv_cache_memory_bytes=16 << 20)
     engine, kv = llm.engine, llm.engine.kv_manager
@@ -130,8 +144,8 @@ def test_an_abort_in_flight_frees_the_request_s_blocks_when_its_step_is_collecte
     assert [done["r0"].outputs[0].token_ids, done["r2"].outputs[0].token_ids] == [clean[0], clean[2]]
 
 
-def test_two_by_two_ranks_give_the_tokens_of_one(three_layers):
-    worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
+def test_two_by_two_ranks_give_the_tokens_of_one(three_layers, one_stage):
+    worst = assert_same_tokens(one_stage,
                                run(three_layers, pp=2, tp=2, prompts=TOKEN_PROMPTS, in_flight=2))
     assert worst < 1e-4
 
@@ -143,8 +157,8 @@ def test_a_quantized_checkpoint_splits_by_stage(tmp_path):
     assert worst < 1e-4
 
 
-def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers):
-    worst = assert_same_tokens(run(three_layers, prompts=TOKEN_PROMPTS),
+def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers, one_stage):
+    worst = assert_same_tokens(one_stage,
                                run(three_layers, pp=2, prompts=TOKEN_PROMPTS, distributed_executor_backend="ray",
                                    pipeline_micro_batches=2, in_flight=2))
     assert worst < 1e-4
@@ -171,12 +185,12 @@ def test_what_pipeline_parallelism_cannot_run_is_refused_before_any_process_star
         LLM(str(TINY), dtype="float32", **options)
 
 
-def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_step(three_layers):
+def test_a_request_failing_in_the_first_stage_ends_alone_and_the_stages_stay_in_step(three_layers, one_stage_greedy):
     """A fault raised in the driver's stage mid-step: the later stage is handed a placeholder, the engine re-runs
     the step in parts (once the step in flight ahead of it is collected), the faulty request ends with an error
     and the others get the tokens of a clean run."""
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    clean = [o.outputs[0].token_ids for o in run(three_layers, prompts=TOKEN_PROMPTS, params=greedy)]
+    clean = one_stage_greedy
     used = {t for p in TOKEN_PROMPTS for t in p} | {t for ids in clean for t in ids}
     poison = next(t for t in range(3, 512) if t not in used)
     llm = LLM(model=three_layers, dtype="float32", max_model_len=256, cpu_threads=1, pipeline_parallel_size=2,

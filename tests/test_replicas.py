@@ -20,7 +20,8 @@ pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
 PAGODA = str(Path(sys.executable).with_name("pagoda"))
-MODEL = "SmolLM2-135M-Instruct"
+# a tiny random Llama (tests/tiny_models.py): routing and prefix caching work on token ids, whatever the weights
+MODEL = "tiny-llama"
 BLOCK = 16
 # 3 prompt prefixes of 8 blocks, interleaved; each replica's KV pool holds about 2 of them, so a
 # replica that is sent all 3 in turn keeps evicting them
@@ -38,11 +39,12 @@ def shared_prefix_prompts() -> list[tuple[int, list[int]]]:
     return prompts
 
 
-def start_replicas(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+def start_replicas(log: Path, model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32", "--replicas", "2",
-                                 *POOL_FLAGS, *flags], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--model", str(model), "--served-model-name",
+                                 MODEL, "--dtype", "float32", "--replicas", "2", *POOL_FLAGS, *flags],
+                                stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -116,12 +118,15 @@ def routing_runs(tmp_path_factory):
     Ray Serve application."""
     import ray
 
+    from tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     address = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False).address_info["gcs_address"]
     runs, pages = {}, {}
     try:
         for router in ("prefix-aware", "power-of-two"):
             log = tmp_path_factory.mktemp("replicas") / f"{router}.log"
-            proc, url = start_replicas(log, "--router", router, "--router-options", '{"seed": 0}',
+            proc, url = start_replicas(log, model, "--router", router, "--router-options", '{"seed": 0}',
                                        "--ray-address", address)
             try:
                 runs[router] = asyncio.run(run_workload(url))

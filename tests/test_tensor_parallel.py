@@ -9,6 +9,7 @@ not tied to the embedding. Each rank runs one thread.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 import pytest
@@ -153,34 +154,17 @@ def test_an_architecture_that_does_not_shard_itself_is_refused():
         build_components(config, pm)
 
 
-def test_a_lost_rank_fails_the_step_at_once_saying_which_and_why():
-    import os
-    import signal
-
-    from pagoda.errors import StepFailedError
-
-    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
-    try:
-        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-        worker = llm.engine.executor.workers[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=30)
-        with pytest.raises(StepFailedError, match=r"rank 1 \(process \d+\) exited with code -9"):
-            llm.generate("Hello there", SamplingParams(max_tokens=2), use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-
-
-def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp_path):
+def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(one_rank_outputs, tmp_path):
     import signal
     from pathlib import Path
 
     import openai
 
-    from test_server_cli import start_server
+    from serve_process import start_server
 
-    offline = LLM(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=64 << 20).generate(
-        "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    offline = one_rank_outputs[0]  # greedy, 16 tokens, on one rank
+    assert offline.prompt == "The capital of France is" and PARAMS[0].temperature == 0.0
+
     def running(pid: int) -> bool:
         try:
             return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
@@ -194,9 +178,10 @@ def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp
         ranks = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert ranks, "the server should have spawned its second rank"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-        answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is",
-                                           max_tokens=8, temperature=0.0)
-        assert answer.choices[0].text == offline
+        answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=offline.prompt,
+                                           max_tokens=PARAMS[0].max_tokens, temperature=0.0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == offline.outputs[0].text
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -208,7 +193,38 @@ def test_pagoda_serve_runs_two_ranks_behind_the_openai_routes_and_stops_them(tmp
     assert not any(running(pid) for pid in children)
 
 
-def test_the_torch_attention_backend_runs_sharded_with_the_tokens_of_one_rank():
-    model = str(ensure_default_model())
-    worst = assert_same_tokens(run(1, model, num_requests=2), run(2, model, num_requests=2, attention_backend="torch"))
+@pytest.fixture(scope="module")
+def torch_backend_two_ranks():
+    """The default model on two ranks with the torch attention backend: one engine for the two tests below (the
+    second loses a rank, then shuts the engine down, so this process can run another tensor-parallel engine)."""
+    llm = LLM(model=str(ensure_default_model()), dtype="float32", max_model_len=512, cpu_threads=1,
+              kv_cache_memory_bytes=128 << 20, tensor_parallel_size=2, attention_backend="torch")
+    yield llm
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+
+
+def test_the_torch_attention_backend_runs_sharded_with_the_tokens_of_one_rank(one_rank_outputs,
+                                                                              torch_backend_two_ranks):
+    outputs = torch_backend_two_ranks.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
+    worst = assert_same_tokens(one_rank_outputs[:2], outputs)
     assert worst < 1e-3
+
+
+def test_a_lost_rank_fails_the_step_at_once_saying_which_and_why(torch_backend_two_ranks):
+    import os
+    import signal
+
+    from pagoda.errors import StepFailedError
+
+    llm = torch_backend_two_ranks
+    try:
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        worker = llm.engine.executor.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=30)
+        with pytest.raises(StepFailedError, match=r"rank 1 \(process \d+\) exited with code -9"):
+            llm.generate("Hello there", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
