@@ -23,7 +23,7 @@ ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_p
 # the modules at the top of pagoda: the public API (users' and plugins'), all importing only each other
 # and the host layer; base ones import nothing of pagoda's
 BASE = {"errors", "markers", "version"}
-TOP = BASE | {"config", "dtypes", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
+TOP = BASE | {"config", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
               "tool_calls", "reasoning", "lora_request"}
 
 # unit -> the units it may import (besides itself)

@@ -94,7 +94,7 @@ def test_sjf_shows_up_in_pagoda_plugins_with_its_distribution(sjf_site):
     result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert ["scheduler", "sjf", "sjf", "pagoda-sjf", "0.1.0", ">=0.9,<0.10"] in rows  # with its declared API range
+    assert ["scheduler", "sjf", "sjf", "pagoda-sjf", "0.1.0", ">=0.10,<0.11"] in rows  # with its declared API range
     assert ["scheduler", "fcfs", "schedulers", "pagoda", "(built-in)", "-"] in rows
 
 
