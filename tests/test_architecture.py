@@ -21,15 +21,14 @@ TREES = ((REPO / "core", "pagoda"), (REPO / "plugins", "pagoda.plugins"))
 CORE_PACKAGES = ("engine", "registry", "kv", "execution", "modeling", "sampling", "host", "testing", "scheduling")
 ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_parsers", "reasoning_parsers")
 # the modules at the top of pagoda: the public API (users' and plugins'), all importing only each other
-# and the host layer; base ones import nothing of pagoda's
-BASE = {"errors", "markers", "version"}
+# and the host layer; the base (pagoda itself: its version, hookimpl and errors) imports nothing else of pagoda's
+BASE = {"errors"}
 TOP = BASE | {"config", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
               "tool_calls", "reasoning", "lora_request"}
 
 # unit -> the units it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
-    "base": set(),
-    "init": {"base"},  # pagoda/__init__.py: the public names (the rest loaded on first use)
+    "base": set(),  # pagoda/__init__.py too: the other public names are loaded on first use
     "top": {"base", "host"},
     "host": {"base"},
     "registry": {"base", "top", "host"},
@@ -59,7 +58,7 @@ def unit_of(module: str) -> str:
     if parts[:2] == ["pagoda", "plugins"]:
         return "plugins" if len(parts) == 2 else f"plugins.{parts[2]}"
     if len(parts) == 1:
-        return "init"
+        return "base"
     if parts[1] in CORE_PACKAGES:
         return parts[1]
     if parts[1] == "cli":
@@ -104,7 +103,7 @@ def _defining_module(module: str, name: str) -> str:
 # names the pagoda package itself defines or re-exports from its base modules
 PACKAGE_NAMES = {name: "pagoda.errors" for name in ("PagodaError", "ConfigError", "InvalidRequestError",
                                                     "CheckpointError", "BackendUnavailable")}
-PACKAGE_NAMES.update(hookimpl="pagoda.markers", __version__="pagoda.version", PLUGIN_API_VERSION="pagoda.version")
+PACKAGE_NAMES.update(hookimpl="pagoda", __version__="pagoda", PLUGIN_API_VERSION="pagoda")
 
 
 def _is_package(module: str) -> bool:

@@ -125,7 +125,7 @@ def test_an_entry_point_named_like_a_builtin_plugin_still_loads(site):
 
 @pytest.mark.parametrize("declared", [">=1.0,<2", ">=2.0,<3", "not a range"])
 def test_a_plugin_for_another_api_version_is_refused_with_its_range_and_pagodas_version(site, declared):
-    from pagoda.version import PLUGIN_API_VERSION, __version__
+    from pagoda import PLUGIN_API_VERSION, __version__
 
     module = scheduler_module("FutureScheduler", "future") + f"\nPAGODA_PLUGIN_API = {declared!r}\n"
     install_fake_dist(site, "future-sched", "3.0", {"future": "future_sched"}, {"future_sched": module})

@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, overload
 
 import pluggy
 
-from pagoda import hookspecs
+from pagoda import PLUGIN_API_VERSION, __version__, hookspecs
 from pagoda.errors import ConfigError
 from pagoda.host.env import env_bool
-from pagoda.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
