@@ -31,7 +31,7 @@ _LAZY = {
     "LLMEngine": "pagoda.engine.llm_engine",
     "EngineArgs": "pagoda.engine.engine_args",
     "SamplingParams": "pagoda.sampling_params",
-    "LoRARequest": "pagoda.lora_request",
+    "LoRARequest": "pagoda.execution.lora_request",
     "StructuredOutputsParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",

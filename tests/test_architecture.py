@@ -24,7 +24,7 @@ ENTRYPOINT_PACKAGES = ("bench", "cli", "server", "simulate", "replicas", "tool_p
 # and the host layer; the base (pagoda itself: its version, hookimpl and errors) imports nothing else of pagoda's
 BASE = {"errors"}
 TOP = BASE | {"config", "hookspecs", "interfaces", "sequence", "sampling_params", "step", "outputs",
-              "tool_calls", "reasoning", "lora_request"}
+              "tool_calls", "reasoning"}
 
 # unit -> the units it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -169,6 +169,13 @@ def test_every_core_package_and_plugin_kind_has_a_rule():
         assert unit_of(module) in ALLOWED, module
     packages = {p.name for p in (REPO / "core").iterdir() if (p / "__init__.py").exists()}
     assert packages == set(CORE_PACKAGES), "a new core package needs its row in ALLOWED and docs/architecture.md"
+
+
+def test_the_top_of_pagoda_is_the_public_api_and_the_command():
+    # a module used by one package lives in it; the top keeps what users and plugins import (and the CLI)
+    top = {p.stem for p in (REPO / "core").glob("*.py")} - {"__init__"}
+    assert top == TOP | {"cli"}, "a new top-level module needs its place in TOP and docs/architecture.md"
+    assert len(top) + 1 <= 12, f"core/ keeps {len(top) + 1} top-level modules; move one into the package using it"
 
 
 def test_the_built_in_entry_points_are_the_table_in_the_architecture_page():
