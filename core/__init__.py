@@ -9,9 +9,21 @@ allocator, huge pages, kernels) are applied when an engine is built. To choose h
 import importlib
 from typing import Any
 
+import pluggy
+
 from pagoda.errors import BackendUnavailable, CheckpointError, ConfigError, InvalidRequestError, PagodaError
-from pagoda.markers import hookimpl
-from pagoda.version import PLUGIN_API_VERSION, __version__
+
+__version__ = "0.1.0"
+
+# The version of the plugin contract (the hooks in pagoda.hookspecs, the protocols in pagoda.interfaces, the
+# public methods of the base classes plugins subclass). Unstable before 1.0: any 0.x minor version may rename,
+# change or remove a name, with no compatibility shim (docs/plugin-api-changelog.md lists every change). A plugin
+# declares the range it was tested with in its module attribute PAGODA_PLUGIN_API (for example ">=0.10,<0.11");
+# one whose range excludes this version is refused at load.
+PLUGIN_API_VERSION = "0.10"
+
+# the marker plugins (and pagoda's own built-in components) implement pagoda's hooks with: @pagoda.hookimpl
+hookimpl = pluggy.HookimplMarker("pagoda")
 
 # public name -> the module defining it, imported when the name is first used
 _LAZY = {
@@ -19,7 +31,7 @@ _LAZY = {
     "LLMEngine": "pagoda.engine.llm_engine",
     "EngineArgs": "pagoda.engine.engine_args",
     "SamplingParams": "pagoda.sampling_params",
-    "LoRARequest": "pagoda.lora_request",
+    "LoRARequest": "pagoda.execution.lora_request",
     "StructuredOutputsParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",

@@ -1,7 +1,7 @@
 """Engine configuration: the frozen configs the engine and its plugins read.
 
 They are built from the flat options of :class:`pagoda.engine.engine_args.EngineArgs` (the CLI flags,
-``pagoda.EngineArgs``). This module also exports the dtype helpers of :mod:`pagoda.dtypes`.
+``pagoda.EngineArgs``). This module also exports the dtype helpers of :mod:`pagoda.host.dtypes`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
-                           is_fp8_kv_cache, resolve_dtype, resolve_kv_cache_dtype)
+from pagoda.host.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
+                                is_fp8_kv_cache, resolve_dtype, resolve_kv_cache_dtype)
 from pagoda.host.env import HostConfig, resolve_host_config
 
 __all__ = [

@@ -647,7 +647,7 @@ class ReasoningParser(Protocol):
         """The answer ended: what was held back."""
 
     def reasoning_end(self, token_ids: "typing.Sequence[int]", tokenizer: Any) -> Optional[int]:
-        """Optional (0.9): the answer's ids so far (called again as they grow) -> how many of its first ids the
+        """Optional (0.10): the answer's ids so far (called again as they grow) -> how many of its first ids the
         thinking takes, its end marker included (0: the answer has no thinking), or None while it goes on. Once
         it has ended in some ids it ends at the same place in any longer ones. The engine starts a request's
         constraint there (docs/reasoning.md); a parser without it cannot start one after the thinking."""

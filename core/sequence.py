@@ -12,10 +12,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.execution.lora_request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):

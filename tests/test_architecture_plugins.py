@@ -24,7 +24,7 @@ PLUGIN_SOURCE = '''
 import pagoda
 from pagoda.modeling.models.qwen3 import Qwen3ForCausalLM
 
-PAGODA_PLUGIN_API = ">=0.9,<0.10"
+PAGODA_PLUGIN_API = ">=0.10,<0.11"
 
 
 class FasterQwen3ForCausalLM(Qwen3ForCausalLM):
@@ -85,7 +85,7 @@ def test_pagoda_plugins_shows_which_architecture_is_used_and_from_where(site):
                          env=env, timeout=120, check=True).stdout
     rows = [line.split() for line in out.splitlines()
             if {"Qwen3ForCausalLM", "pagoda:Qwen3ForCausalLM"} & set(line.split())]
-    assert ["model", "architecture", "Qwen3ForCausalLM", "faster_qwen3", "faster-qwen3", "1.0", ">=0.9,<0.10"] in rows
+    assert ["model", "architecture", "Qwen3ForCausalLM", "faster_qwen3", "faster-qwen3", "1.0", ">=0.10,<0.11"] in rows
     # the built-in, under the qualified name that still selects it
     assert any(row[2] == "pagoda:Qwen3ForCausalLM" and row[-3:] == ["OVERRIDDEN", "by", "'faster_qwen3'"]
                for row in rows)

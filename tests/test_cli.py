@@ -48,7 +48,7 @@ def pagoda_here(capsys, monkeypatch):
 def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():
     result = run_pagoda("plugins")
     assert result.returncode == 0, result.stderr
-    from pagoda.version import PLUGIN_API_VERSION, __version__
+    from pagoda import PLUGIN_API_VERSION, __version__
 
     first, blank, header, *rows = result.stdout.splitlines()
     assert first == f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}" and not blank

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from pagoda import hookimpl
+from pagoda import PLUGIN_API_VERSION, hookimpl
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.schedulers.fcfs import FCFSPolicy
@@ -18,7 +18,6 @@ from pagoda.plugins.schedulers.priority import PriorityPolicy, priority_key
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling.sampler import Sampler, SamplerOutput
 from pagoda.sequence import SequenceStatus
-from pagoda.version import PLUGIN_API_VERSION
 from pagoda.testing import (AttentionCase, ContractError, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler)
 from quant_helpers import (dequantize_groups, group_of_columns, pack_along_cols, pack_along_rows, pack_awq,

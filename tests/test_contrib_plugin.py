@@ -99,7 +99,7 @@ def test_sjf_shows_up_in_pagoda_plugins_with_its_distribution(sjf_site, monkeypa
     result = capsys.readouterr()
     assert returncode == 0, result.err
     rows = [line.split() for line in result.out.splitlines()]
-    assert ["scheduler", "sjf", "sjf", "pagoda-sjf", "0.1.0", ">=0.9,<0.10"] in rows  # with its declared API range
+    assert ["scheduler", "sjf", "sjf", "pagoda-sjf", "0.1.0", ">=0.10,<0.11"] in rows  # with its declared API range
     assert ["scheduler", "fcfs", "schedulers", "pagoda", "(built-in)", "-"] in rows
 
 

@@ -62,7 +62,7 @@ def interleaved_groups(num_requests: int = 48, num_groups: int = 4, prefix_len: 
 def test_the_installed_package_registers_prefix_aware_with_its_distribution(pm):
     component = pm.get("pagoda_schedulers", "prefix-aware", "scheduling_policy")
     assert component.dist == "pagoda-prefix-aware 0.1.0"
-    assert pm.api_ranges["prefix_aware"] == ">=0.9,<0.10"
+    assert pm.api_ranges["prefix_aware"] == ">=0.10,<0.11"
     assert not pm.failures
 
 

@@ -54,7 +54,7 @@ def test_auto_dtype_is_bf16_down_to_avx2_and_float32_below(monkeypatch, tmp_path
     import torch
 
     from pagoda.engine.engine_args import EngineArgs
-    from pagoda.dtypes import resolve_dtype
+    from pagoda.host.dtypes import resolve_dtype
     from tiny_models import write_tiny_checkpoint
 
     if torch.cuda.is_available():

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.errors import ConfigError
 from pagoda.kv.blocks import hash_block
 from pagoda.kv.connector import block_key
-from pagoda.markers import hookimpl
 from pagoda.plugins.kv_connectors.shared_disk import SharedDiskConnector
 from pagoda.plugins.kv_connectors.tcp import BlockServer, TCPConnector
 from pagoda.registry.plugin_manager import PluginManager

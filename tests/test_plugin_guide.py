@@ -78,10 +78,10 @@ def test_every_example_loads_through_its_entry_point(guide):
                        ("SoftcapLlamaForCausalLM", "pagoda_model_architectures"),
                        ("count-tokens", "pagoda_cli_commands")]:
         component = pm.get(hook, name, "test")
-        assert component.dist.endswith(" 1.0") and pm.api_ranges[component.plugin] == ">=0.9,<0.10"
+        assert component.dist.endswith(" 1.0") and pm.api_ranges[component.plugin] == ">=0.10,<0.11"
     for name, hook in [("lfu", "pagoda_kv_allocators"), ("timed-torch", "pagoda_attention_backends")]:
-        assert pm.api_ranges[pm.get(hook, name, "test").plugin] == ">=0.9,<0.10"
-    assert pm.api_ranges[pm.get("pagoda_tool_parsers", "mistral", "test").plugin] == ">=0.9,<0.10"
+        assert pm.api_ranges[pm.get(hook, name, "test").plugin] == ">=0.10,<0.11"
+    assert pm.api_ranges[pm.get("pagoda_tool_parsers", "mistral", "test").plugin] == ">=0.10,<0.11"
 
 
 OPTIONS = dict(dtype="float32", max_model_len=512, cpu_threads=1, kv_cache_memory_bytes=32 << 20)
@@ -187,7 +187,7 @@ def test_the_sampler_example(guide, plain_tokens):
 
 def test_the_structured_output_backend_example(guide):
     pm = PluginManager().load()
-    assert pm.api_ranges[pm.get("pagoda_structured_output_backends", "small", "test").plugin] == ">=0.9,<0.10"
+    assert pm.api_ranges[pm.get("pagoda_structured_output_backends", "small", "test").plugin] == ">=0.10,<0.11"
     check_structured_output_backend(pm.factory("pagoda_structured_output_backends", "small"))
     llm = LLM(**OPTIONS, structured_outputs_backend="small")
     params = SamplingParams(temperature=0.0, max_tokens=8,

@@ -125,7 +125,7 @@ def test_an_entry_point_named_like_a_builtin_plugin_still_loads(site):
 
 @pytest.mark.parametrize("declared", [">=1.0,<2", ">=2.0,<3", "not a range"])
 def test_a_plugin_for_another_api_version_is_refused_with_its_range_and_pagodas_version(site, declared):
-    from pagoda.version import PLUGIN_API_VERSION, __version__
+    from pagoda import PLUGIN_API_VERSION, __version__
 
     module = scheduler_module("FutureScheduler", "future") + f"\nPAGODA_PLUGIN_API = {declared!r}\n"
     install_fake_dist(site, "future-sched", "3.0", {"future": "future_sched"}, {"future_sched": module})
@@ -139,12 +139,12 @@ def test_a_plugin_for_another_api_version_is_refused_with_its_range_and_pagodas_
 
 
 def test_a_plugin_declaring_a_range_that_admits_this_api_loads_and_shows_it(site):
-    module = scheduler_module("OkScheduler", "ok") + "\nPAGODA_PLUGIN_API = '>=0.9,<0.10'\n"
+    module = scheduler_module("OkScheduler", "ok") + "\nPAGODA_PLUGIN_API = '>=0.10,<0.11'\n"
     install_fake_dist(site, "ok-sched", "1.0", {"ok": "ok_sched"}, {"ok_sched": module})
     pm = PluginManager().load()
     assert not pm.failures
     assert pm.get("pagoda_schedulers", "ok", "scheduling_policy").dist == "ok-sched 1.0"
-    assert pm.api_ranges["ok"] == ">=0.9,<0.10"
+    assert pm.api_ranges["ok"] == ">=0.10,<0.11"
 
 
 # ---- third-party plugins ---------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.metrics import ServingStats
 from pagoda.engine.request_stream import RequestStream, _Stream, request_cost_tokens
 from pagoda.errors import InvalidRequestError, PagodaError, StepFailedError
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutputKind
 from pagoda.sampling_params import SamplingParams
 

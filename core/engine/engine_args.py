@@ -15,9 +15,9 @@ from pydantic import ConfigDict, Field, ValidationError, create_model, field_val
 
 from pagoda.config import (GiB, CacheConfig, EngineConfig, KVConnectorConfig, LoRAConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig, SpeculativeConfig)
-from pagoda.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
-from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 from pagoda.errors import ConfigError
+from pagoda.host.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 
 # the older flags of the fair policy -> its option each sets (the same as --scheduler-options '{"option": ...}')
 FAIR_FLAGS = {"tenant_weights": "tenant_weights", "fair_step_seqs": "step_seqs", "fair_step_ms": "step_ms"}

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.errors import InvalidRequestError
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling_params import SamplingParams

@@ -15,9 +15,9 @@ from pagoda.engine.lanes import Lanes
 from pagoda.engine.metrics import EngineStats, SpecDecodeStats
 from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import ConfigError, InvalidRequestError, StepFailedError
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.host.settings import HostTuning
 from pagoda.kv.tiers import has_offload_tiers
-from pagoda.lora_request import LoRARequest
 from pagoda.outputs import EngineOutput, OutputProcessor, RequestOutput, RequestOutputKind, RequestTracker
 from pagoda.registry.plugin_manager import PluginManager, get_plugin_manager
 from pagoda.sampling.structured.after_reasoning import after_reasoning

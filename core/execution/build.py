@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
 from pagoda.execution.lora import LoRAFollower, LoRAManager, LoRASlots
 from pagoda.execution.model_runner import ModelRunner
+from pagoda.host.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.interfaces import AttentionBackend
 from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager

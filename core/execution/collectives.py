@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
+from pagoda import hookimpl
 from pagoda.config import EngineConfig
 from pagoda.errors import BackendUnavailable, ConfigError
-from pagoda.markers import hookimpl
 
 logger = logging.getLogger("pagoda")
 

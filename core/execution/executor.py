@@ -33,10 +33,10 @@ import traceback
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from pagoda import hookimpl
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
 from pagoda.execution import pipeline
-from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
 

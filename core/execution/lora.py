@@ -35,7 +35,7 @@ import torch
 from pagoda.config import LoRAConfig, ModelConfig
 from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.execution.lora_adapter import LoRAAdapter, LoRATarget, load_adapter
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.step import LoRABatch
 
 logger = logging.getLogger("pagoda")

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from pagoda.errors import InvalidRequestError
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 import torch
 
+from pagoda import hookimpl
 from pagoda.config import LoRAConfig, ModelConfig
 from pagoda.host.cpp_extension import load_cpu_extension_or_none
 from pagoda.host.env import HostConfig
-from pagoda.markers import hookimpl
 from pagoda.step import LoRABatch
 
 _SOURCE = Path(__file__).with_name("lora_cpu.cpp")

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import ConfigError
 from pagoda.execution import distributed
 from pagoda.host import hugepages, malloc
+from pagoda.host.dtypes import stored_kv_dtype
 from pagoda.kv.connector import read_block, write_block
 from pagoda.kv.offload import KVTierStore, fingerprint
 from pagoda.sampling.rejection_sampler import RejectionSampler

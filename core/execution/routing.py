@@ -23,8 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
+from pagoda import hookimpl
 from pagoda.kv.blocks import hash_block
-from pagoda.markers import hookimpl
 
 DEFAULT_IMBALANCE_THRESHOLD = 8
 # block hashes remembered per replica: 64k blocks of 16 tokens is a million prompt tokens

@@ -4,4 +4,5 @@
   headers every kernel may include).
 - ``env``: the host options and their environment variables; ``settings``: applies an engine's.
 - ``threads``, ``openmp``, ``malloc``, ``hugepages``: compute threads, OpenMP waiting, allocator, huge pages.
+- ``dtypes``: the dtype names pagoda accepts, what ``dtype auto`` is on this CPU, how the KV cache is stored.
 """

@@ -16,10 +16,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda import hookimpl
 from pagoda.config import CacheConfig
 from pagoda.kv.swap import SwapPool
 from pagoda.kv.tiers import KVTierIndex, TieredPrefixCache
-from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 
 # what a cached block's hash stands for: (parent block's hash, the block's token ids, extra keys)

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagoda.dtypes import stored_kv_dtype
+from pagoda.host.dtypes import stored_kv_dtype
 from pagoda.step import BlockKey, KVTierMoves
 
 logger = logging.getLogger("pagoda")

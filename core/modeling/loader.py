@@ -7,9 +7,9 @@ from typing import Iterator
 
 import torch
 
+from pagoda import hookimpl
 from pagoda.config import ModelConfig
 from pagoda.errors import CheckpointError
-from pagoda.markers import hookimpl
 
 
 class SafetensorsLoader:

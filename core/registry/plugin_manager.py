@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, overload
 
 import pluggy
 
-from pagoda import hookspecs
+from pagoda import PLUGIN_API_VERSION, __version__, hookspecs
 from pagoda.errors import ConfigError
 from pagoda.host.env import env_bool
-from pagoda.version import PLUGIN_API_VERSION, __version__
 
 if TYPE_CHECKING:
     from pagoda.interfaces import (AllReduceFactory, AttentionBackendFactory, CLICommand, ExecutorFactory,
@@ -31,7 +30,7 @@ ENTRY_POINT_GROUP = "pagoda.plugins"
 BUILTIN_DIST = "pagoda (built-in)"
 # the distribution whose entry points are the built-in plugins (pyproject.toml declares them like any package)
 PAGODA_DIST = "pagoda"
-# the module attribute by which a plugin declares the plugin API versions it supports, e.g. ">=0.9,<0.10"
+# the module attribute by which a plugin declares the plugin API versions it supports, e.g. ">=0.10,<0.11"
 API_ATTRIBUTE = "PAGODA_PLUGIN_API"
 
 # hook name -> human name of the component kind, used in messages and tables
@@ -430,14 +429,14 @@ class PluginManager:
 
 
 def api_mismatch(declared: str) -> str | None:
-    """None if ``declared`` (a version specifier such as ``">=0.9,<0.10"``) admits this pagoda's plugin API
+    """None if ``declared`` (a version specifier such as ``">=0.10,<0.11"``) admits this pagoda's plugin API
     version, else what is wrong with it."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     try:
         spec = SpecifierSet(declared)
     except InvalidSpecifier:
-        return f"{declared!r} is not a version range such as '>=0.9,<0.10'"
+        return f"{declared!r} is not a version range such as '>=0.10,<0.11'"
     return None if spec.contains(PLUGIN_API_VERSION) else f"{PLUGIN_API_VERSION} is outside {declared!r}"
 
 

@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
+from pagoda import hookimpl
 from pagoda.config import ModelConfig
-from pagoda.markers import hookimpl
 from pagoda.sequence import Sequence
 from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
 

@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig
-from pagoda.dtypes import stored_kv_dtype
 from pagoda.errors import BackendUnavailable
+from pagoda.host.dtypes import stored_kv_dtype
 from pagoda.interfaces import AttentionBackendFactory
 from pagoda.registry.adapt import adapt_component
 from pagoda.step import AttentionBatch

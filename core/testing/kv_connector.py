@@ -144,7 +144,7 @@ def _check_shared(first: Any, second: Any, where: Where) -> None:
 def _check_engines(factory: KVConnectorFactory, options: dict[str, Any], shared: bool, model: Optional[str],
                    where: Where) -> None:
     from pagoda.engine.llm import LLM
-    from pagoda.markers import hookimpl
+    from pagoda import hookimpl
     from pagoda.modeling.default_model import ensure_default_model
     from pagoda.registry.plugin_manager import PluginManager
     from pagoda.sampling_params import SamplingParams

@@ -26,7 +26,7 @@ def check_proposer(factory: ProposerFactory, speculative_config: Optional[dict] 
     real engine on ``model`` (default: pagoda's default model), float32. ``speculative_config`` adds keys
     (for example ``{"model": ...}``) to ``method`` and ``num_speculative_tokens``. Raises ContractError."""
     from pagoda.engine.llm import LLM
-    from pagoda.markers import hookimpl
+    from pagoda import hookimpl
     from pagoda.modeling.default_model import ensure_default_model
     from pagoda.registry.plugin_manager import PluginManager
 

@@ -31,7 +31,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from pagoda.version import PLUGIN_API_VERSION, __version__
+    from pagoda import PLUGIN_API_VERSION, __version__
 
     return f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}"
 

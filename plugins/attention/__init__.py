@@ -1,6 +1,6 @@
 """Built-in attention backends, registered through ``pagoda_attention_backends``."""
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

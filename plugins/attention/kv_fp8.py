@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig
-from pagoda.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype
+from pagoda.host.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value

@@ -1,7 +1,7 @@
 """Built-in entrypoints: the ``pagoda`` CLI commands, the OpenAI-compatible server's routes, and the tool-call
 and reasoning parsers it reads chat answers with."""
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

@@ -3,7 +3,7 @@ a folder several engines share, and ``tcp``, a block server one engine runs and 
 ``pagoda kv-proxy`` command, which splits each request's prefill and decode between instances sharing one, and
 ``pagoda kv-server``, the tcp connector's block server as a process of its own."""
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

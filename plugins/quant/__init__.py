@@ -5,7 +5,7 @@ object whose ``for_layer(prefix)`` gives the linear method for one layer (or
 None to leave it dense). See awq.py, gptq.py, compressed_tensors.py, fp8.py, int8.py.
 """
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """Built-in scheduling policies, registered through ``pagoda_schedulers``: each is a
 :class:`pagoda.scheduling.SchedulingPolicy` answering the hooks of pagoda's one scheduler."""
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """Built-in speculative-decoding proposers, registered through ``pagoda_proposers``."""
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig, SpeculativeConfig
-from pagoda.dtypes import stored_kv_dtype
 from pagoda.execution.build import select_attention_backend
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.errors import ConfigError
 from pagoda.host import malloc
+from pagoda.host.dtypes import stored_kv_dtype
 from pagoda.execution.model_runner import FlatBatch
 from pagoda.registry.adapt import adapt_component
 from pagoda.sampling.rejection_sampler import target_probs, with_bias

@@ -6,7 +6,7 @@ Select it with ``LLM(scheduling_policy="prefix-aware")`` or ``pagoda serve --sch
 import pagoda
 
 # the pagoda plugin API versions this package is written for (scheduling policies on pagoda.scheduling's hooks)
-PAGODA_PLUGIN_API = ">=0.9,<0.10"
+PAGODA_PLUGIN_API = ">=0.10,<0.11"
 
 
 @pagoda.hookimpl

@@ -6,7 +6,7 @@ Select it with ``LLM(scheduling_policy="sjf")`` or ``pagoda serve --scheduling-p
 import pagoda
 
 # the pagoda plugin API versions this package is written for
-PAGODA_PLUGIN_API = ">=0.9,<0.10"
+PAGODA_PLUGIN_API = ">=0.10,<0.11"
 
 
 @pagoda.hookimpl

@@ -1,6 +1,6 @@
 """Built-in model architectures, registered through ``pagoda_model_architectures``."""
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

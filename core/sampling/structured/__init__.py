@@ -9,7 +9,7 @@
   are known.
 """
 
-from pagoda.markers import hookimpl
+from pagoda import hookimpl
 
 
 @hookimpl

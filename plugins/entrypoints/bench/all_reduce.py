@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from pagoda.dtypes import resolve_dtype
+from pagoda.host.dtypes import resolve_dtype
 
 
 def add_parser(sub, name: str) -> None:

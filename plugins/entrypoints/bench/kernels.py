@@ -20,7 +20,7 @@ import torch
 
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
-from pagoda.dtypes import resolve_dtype
+from pagoda.host.dtypes import resolve_dtype
 from pagoda.plugins.attention.triton_backend import TritonAttentionBackend
 from pagoda.registry.adapt import adapt_component
 from pagoda.step import AttentionBatch

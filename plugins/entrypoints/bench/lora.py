@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pagoda.errors import ConfigError
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:

@@ -195,7 +195,7 @@ def _print_speculation(llm) -> None:
 
 
 def _print_header(llm) -> None:
-    from pagoda.dtypes import stored_kv_dtype
+    from pagoda.host.dtypes import stored_kv_dtype
 
     cfg = llm.engine.config
     print(f"model: {cfg.model.model}  dtype: {str(cfg.model.dtype).replace('torch.', '')}  "
@@ -342,6 +342,6 @@ def _where(ns: argparse.Namespace) -> str:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from pagoda.dtypes import resolve_dtype
+    from pagoda.host.dtypes import resolve_dtype
 
     return resolve_dtype(name)

@@ -51,7 +51,7 @@ def register_plugins(sub) -> None:
 
 
 def run_plugins(ns: argparse.Namespace) -> int:
-    from pagoda.version import PLUGIN_API_VERSION, __version__
+    from pagoda import PLUGIN_API_VERSION, __version__
 
     pm = ns.plugin_manager
     print(f"pagoda {__version__}, plugin API {PLUGIN_API_VERSION}\n")

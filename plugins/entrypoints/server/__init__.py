@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI
 
+from pagoda import __version__
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.errors import ConfigError
@@ -32,7 +33,6 @@ from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPON
                                                               ResponseStore)
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
 from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
-from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.server")
 

@@ -17,7 +17,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.errors import InvalidRequestError
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.request_body import MAX_NAME_CHARS
 from pagoda.plugins.entrypoints.server.serving import ServingContext

@@ -17,11 +17,11 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda import __version__
 from pagoda.engine.metrics import PoolingExporter
 from pagoda.engine.pooling import AsyncPoolingEngine, PoolingInput
 from pagoda.modeling.pooling import finish_embedding
 from pagoda.plugins.entrypoints.server.errors import APIError
-from pagoda.version import __version__
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one embeddings request
 MAX_TEXT_CHARS = 1 << 20

@@ -7,6 +7,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pagoda import __version__
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.metrics import PrometheusExporter
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
@@ -22,7 +23,6 @@ from pagoda.plugins.entrypoints.server.responses import add_responses_routes
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
 from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
-from pagoda.version import __version__
 
 
 # with "stream": true the answer is server-sent events, one JSON chunk per "data:" line, ending "data: [DONE]"

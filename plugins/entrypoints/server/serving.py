@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS, RequestLimits
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.effort import EffortOptions
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error

@@ -12,7 +12,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.plugins.entrypoints.server.serving import SSE_DONE, output_error, sse, sse_error, usage
 from pagoda.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence as Seq
 from pagoda.config import EngineConfig
 from pagoda.engine.request_limits import RequestLimits
 from pagoda.errors import ConfigError, InvalidRequestError
-from pagoda.lora_request import LoRARequest
+from pagoda.execution.lora_request import LoRARequest
 from pagoda.plugins.entrypoints.simulate.cost_model import CostModel, PipelineHandoff
 from pagoda.plugins.entrypoints.simulate.lora import AdapterResidency, LoRACosts
 from pagoda.plugins.entrypoints.simulate.trace import PromptMaker, TraceRequest
