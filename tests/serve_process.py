@@ -41,3 +41,17 @@ def start_server(log: Path, *flags: str, kv_cache_bytes: int = 64 << 20) -> tupl
     """``pagoda serve`` in float32 with a small KV cache (the default model unless ``flags`` name one)."""
     return start_process(log, "serve", "--dtype", "float32", "--kv-cache-memory-bytes", str(kv_cache_bytes),
                          "--uvicorn-log-level", "warning", *flags)
+
+
+def run_pagoda_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``pagoda ARGS`` through the console script's entry point in this process: a CompletedProcess with its exit
+    status (argparse's exits included) and its output, as the command's own process would give them."""
+    from pagoda.cli import main
+
+    capsys.readouterr()
+    try:
+        returncode = main(list(args))
+    except SystemExit as exc:
+        returncode = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)

@@ -5,12 +5,15 @@ its output and exit status as a subprocess's, since each process start costs sec
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from serve_process import run_pagoda_here
 
 from pagoda.modeling.default_model import ensure_default_model
 
@@ -28,21 +31,9 @@ def run_pagoda(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def pagoda_here(capsys, monkeypatch):
     """``pagoda ARGS`` run by the console script's entry point in this process: a CompletedProcess with its exit
     status (argparse's exits included) and its output."""
-    from pagoda.cli import main
-
     monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        try:
-            returncode = main(list(args))
-        except SystemExit as exc:
-            returncode = exc.code if isinstance(exc.code, int) else 1
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)
-
-    return run
+    return functools.partial(run_pagoda_here, capsys)
 
 
 def test_pagoda_plugins_lists_every_builtin_component_with_its_distribution():

@@ -17,6 +17,7 @@ import pytest
 
 from pagoda import ConfigError, SamplingParams, hookimpl
 from pagoda.registry.plugin_manager import BUILTIN_DIST, PluginManager
+from serve_process import run_pagoda_here
 from tiny_models import tiny_llm, write_tiny_checkpoint
 
 PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
@@ -533,20 +534,6 @@ def run_pagoda(site: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(site))
     env.pop("PAGODA_DISABLE_PLUGINS", None)
     return subprocess.run([str(PAGODA_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
-
-
-def run_pagoda_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """``pagoda ARGS`` through the console script's entry point in this process (whose sys.path has the site, as
-    the subprocess's PYTHONPATH does): its exit status, argparse's exits included, and its output."""
-    from pagoda.cli import main
-
-    capsys.readouterr()
-    try:
-        returncode = main(list(args))
-    except SystemExit as exc:
-        returncode = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)
 
 
 def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble, capsys):

@@ -249,13 +249,7 @@ class PrometheusExporter:
         yield counter("engine_steps", "Engine steps that ran the model.", s.num_steps)
         yield counter("engine_step_seconds", "Wall time of those steps (schedule, execute, update, emit), the "
                       "engine loop's own time without output processing.", s.step_seconds)
-        success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
-                                      labels=labels + ["finished_reason"])
-        reasons = dict.fromkeys(FINISH_REASONS, 0)
-        reasons.update({str(k): v for k, v in list(s.finished_by_reason.items())})
-        for reason, n in reasons.items():
-            success.add_metric(values + [reason], n)
-        yield success
+        yield request_success(labels, values, s.finished_by_reason)
         serving = self.serving_stats
         if serving is not None:
             yield counter("serving_detokenize_seconds", "Event-loop time turning generated tokens into text and "
@@ -344,15 +338,22 @@ class PoolingExporter:
             c = CounterMetricFamily(f"pagoda:{name}", doc, labels=labels)
             c.add_metric(values, value)
             yield c
-        success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
-                                      labels=labels + ["finished_reason"])
-        reasons = dict.fromkeys(FINISH_REASONS, 0)
-        reasons.update({str(k): v for k, v in list(s.finished_by_reason.items())})
-        for reason, n in reasons.items():
-            success.add_metric(values + [reason], n)
-        yield success
+        yield request_success(labels, values, s.finished_by_reason)
         for name, doc, h in (("e2e_request_latency_seconds", "Time from arrival to finish.", s.e2e_request_latency),
                              ("request_queue_time_seconds", "Time from arrival to its batch.", s.request_queue_time)):
             f = HistogramMetricFamily(f"pagoda:{name}", doc, labels=labels)
             f.add_metric(values, h.cumulative(), h.sum)
             yield f
+
+
+def request_success(labels: list, values: list, finished_by_reason: dict) -> Any:
+    """``pagoda:request_success``: finished requests by finish reason, every reason present (0 if none yet)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    success = CounterMetricFamily("pagoda:request_success", "Finished requests by finish reason.",
+                                  labels=labels + ["finished_reason"])
+    reasons = dict.fromkeys(FINISH_REASONS, 0)
+    reasons.update({str(k): v for k, v in list(finished_by_reason.items())})
+    for reason, n in reasons.items():
+        success.add_metric(values + [reason], n)
+    return success
