@@ -28,6 +28,9 @@ def add_parser(sub, name: str) -> None:
         p.add_argument("--hf-batch-size", type=int, default=16)
         p.add_argument("--hf-batches", type=int, default=None,
                        help="run only the first N HF batches (the ratio uses tokens/s, so a subset still compares)")
+        p.add_argument("--roofline", action="store_true",
+                       help="after the run, time this machine's GEMMs at the model's shapes and print how close the "
+                            "run's matmuls came to them (adds about a minute on a small CPU)")
         p.set_defaults(func=run_throughput)
     else:
         p = sub.add_parser("latency", help="W3: one request, 128 prompt + 128 output tokens; pagoda vs HF batch 1")
@@ -269,10 +272,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
         from pagoda.plugins.entrypoints.bench.lora import throughput_with_adapters
 
         throughput_with_adapters(llm, ns, requests, json_schema, mine)
-    from pagoda.plugins.entrypoints.bench.roofline import measure_roofline, report
+    if ns.roofline:
+        from pagoda.plugins.entrypoints.bench.roofline import measure_roofline, report
 
-    roofline = measure_roofline(llm.engine.model, llm.engine.config.model.num_layers)
-    print(report(roofline, peak["steps"], mine.seconds))
+        roofline = measure_roofline(llm.engine.model, llm.engine.config.model.num_layers)
+        print(report(roofline, peak["steps"], mine.seconds))
     if ns.profile:
         from pagoda.plugins.entrypoints.bench.profile import profile_decode
 
