@@ -6,11 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from one_engine import release
 from pagoda import LLM, SamplingParams
 from pagoda.errors import ConfigError
 
 # 128 MiB of KV cache, ample for these prompts
 KV = 128 << 20
+# the prompts are 13, 36, 5 and 13 tokens long: with this many output tokens one sequence needs at most 4 blocks
+# of 16 tokens, all four together 12
+MAX_TOKENS = 24
+TIGHT_BLOCKS = 8
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 SELF_DRAFT = {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 4}
 
@@ -28,14 +33,32 @@ def generate(llm: LLM, prompts, params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.fixture
+def build():
+    """``build(*args, **kwargs)`` is ``LLM(*args, **kwargs)``; every engine a test built is shut down and freed
+    when the test ends."""
+    built: list[LLM] = []
+
+    def make(*args, **kwargs) -> LLM:
+        built.append(LLM(*args, **kwargs))
+        return built[-1]
+
+    yield make
+    while built:
+        release(built.pop())
+
+
 @pytest.fixture(scope="module")
 def plain_greedy():
     llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=KV)
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    return {
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    tokens = {
         "batch": generate(llm, PROMPTS, params),
         "single": generate(llm, PROMPTS[:1], params),
     }
+    release(llm)
+    del llm
+    return tokens
 
 
 def assert_no_blocks_held(llm: LLM) -> None:
@@ -46,11 +69,14 @@ def assert_no_blocks_held(llm: LLM) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft"])
-def test_greedy_speculation_gives_the_plain_tokens_at_batch_sizes_1_and_4(plain_greedy, spec):
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=KV, speculative_config=spec)
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    assert generate(llm, PROMPTS[:1], params) == plain_greedy["single"]
-    assert generate(llm, PROMPTS, params) == plain_greedy["batch"]
+def test_greedy_speculation_gives_the_plain_tokens_alone_and_in_a_batch_of_4_that_preempts(plain_greedy, build, spec):
+    # one sequence fits in the blocks, but 4 start together and someone must be preempted
+    llm = build(dtype="float32", cpu_threads=1, speculative_config=spec, num_gpu_blocks_override=TIGHT_BLOCKS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    assert generate(llm, PROMPTS[:1], params) == plain_greedy["single"], "batch size 1"
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert generate(llm, PROMPTS, params) == plain_greedy["batch"], "batch size 4, with preemption"
+    assert llm.engine.scheduler.num_preemptions > 0
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
@@ -60,20 +86,10 @@ def test_greedy_speculation_gives_the_plain_tokens_at_batch_sizes_1_and_4(plain_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft"])
-def test_greedy_speculation_under_forced_preemption_gives_the_plain_tokens(plain_greedy, spec):
-    # 10 blocks of 16 tokens for 4 sequences of ~20 prompt + 32 output tokens: someone must be preempted
-    llm = LLM(dtype="float32", cpu_threads=1, speculative_config=spec, num_gpu_blocks_override=10)
-    assert generate(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=32)) == plain_greedy["batch"]
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert_no_blocks_held(llm)
-
-
-@pytest.mark.slow
-def test_greedy_speculation_under_swap_preemption_gives_the_plain_tokens(plain_greedy):
-    llm = LLM(dtype="float32", cpu_threads=1, speculative_config=NGRAM, num_gpu_blocks_override=10,
-              preemption_mode="swap", swap_space=0.05)
-    assert generate(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=32)) == plain_greedy["batch"]
+def test_greedy_speculation_under_swap_preemption_gives_the_plain_tokens(plain_greedy, build):
+    llm = build(dtype="float32", cpu_threads=1, speculative_config=NGRAM, num_gpu_blocks_override=TIGHT_BLOCKS,
+                preemption_mode="swap", swap_space=0.05)
+    assert generate(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)) == plain_greedy["batch"]
     assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -90,15 +106,35 @@ def tiny_models(tmp_path_factory):
     return target, draft
 
 
-def tiny_llm(model_dir, spec=None, **kwargs) -> LLM:
-    return LLM(str(model_dir), dtype="float32", cpu_threads=1, kv_cache_memory_bytes=32 << 20,
-               speculative_config=spec, **kwargs)
+def tiny_llm(make, model_dir, spec=None, **kwargs) -> LLM:
+    """An engine on a tiny checkpoint, built by ``make`` (the ``build`` fixture, or ``LLM``)."""
+    return make(str(model_dir), dtype="float32", cpu_threads=1, kv_cache_memory_bytes=32 << 20,
+                speculative_config=spec, **kwargs)
 
 
-def exact_joint(model_dir, prompt: list[int], support: list[int]) -> dict[tuple[int, int], float]:
-    """The target's exact distribution of its first two tokens when sampling is confined to ``support``
+@pytest.fixture(scope="module")
+def plain_target(tiny_models):
+    """The target without speculation, the reference of the tiny-model tests."""
+    llm = tiny_llm(LLM, tiny_models[0])
+    yield llm
+    release(llm)
+    del llm
+
+
+# a large bias confines sampling to tokens 5, 6, 7 (top-k 3 keeps exactly them), which the prompt holds, so
+# n-gram lookup finds matches and the drafts agree with the target often
+SAMPLED_PROMPT = [5, 6, 7, 9, 5, 6, 7, 9, 5, 6]
+SAMPLED_SUPPORT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def target_joint(plain_target):
+    return exact_joint(plain_target, SAMPLED_PROMPT, SAMPLED_SUPPORT)
+
+
+def exact_joint(llm: LLM, prompt: list[int], support: list[int]) -> dict[tuple[int, int], float]:
+    """The exact distribution of ``llm``'s first two tokens when sampling is confined to ``support``
     (temperature 1): from the raw log-probabilities of every two-token continuation."""
-    llm = tiny_llm(model_dir)
     pairs = [(a, b) for a in support for b in support]
     outs = llm.generate([{"prompt_token_ids": prompt + list(pair)} for pair in pairs],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -116,17 +152,13 @@ def exact_joint(model_dir, prompt: list[int], support: list[int]) -> dict[tuple[
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["ngram", "self-draft", "checkpoint-draft"])
-def test_sampled_tokens_follow_the_targets_exact_distribution(tiny_models, which):
+def test_sampled_tokens_follow_the_targets_exact_distribution(tiny_models, target_joint, build, which):
     target, draft = tiny_models
-    prompt = [5, 6, 7, 9, 5, 6, 7, 9, 5, 6]
-    # a large bias confines sampling to tokens 5, 6, 7 (top-k 3 keeps exactly them), which the prompt
-    # holds, so n-gram lookup finds matches and the drafts agree with the target often
-    support = [5, 6, 7]
-    joint = exact_joint(target, prompt, support)
+    prompt, support, joint = SAMPLED_PROMPT, SAMPLED_SUPPORT, target_joint
     spec = {"ngram": NGRAM, "self-draft": {"method": "draft_model", "model": "self:layers=1",
                                            "num_speculative_tokens": 3},
             "checkpoint-draft": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}}[which]
-    llm = tiny_llm(target, spec)
+    llm = tiny_llm(build, target, spec)
     num_samples = 600
     # 3 tokens: the second step verifies one draft, so token 2 is an accepted draft or a correction
     params = [SamplingParams(temperature=1.0, top_k=3, logit_bias={t: 30.0 for t in support}, max_tokens=3,
@@ -145,14 +177,14 @@ def test_sampled_tokens_follow_the_targets_exact_distribution(tiny_models, which
 
 
 @pytest.mark.slow
-def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(tiny_models):
+def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(tiny_models, plain_target, build):
     target, draft = tiny_models
     gen = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (9, 30, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = generate(tiny_llm(target), prompts, params)
+    expected = generate(plain_target, prompts, params)
     # the target as its own draft: every draft is accepted, so a stale draft cache would show as rejections
-    llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+    llm = tiny_llm(build, target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
                    max_num_batched_tokens=24, max_num_seqs=3)
     assert generate(llm, prompts, params) == expected
     assert llm.engine.spec_stats.acceptance_rate == 1.0
@@ -161,13 +193,13 @@ def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_models, mode):
+def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_models, plain_target, build, mode):
     target, _ = tiny_models
     gen = torch.Generator().manual_seed(7)
     prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (20, 26, 14, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    expected = generate(tiny_llm(target), prompts, params)
-    llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+    expected = generate(plain_target, prompts, params)
+    llm = tiny_llm(build, target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
                    num_gpu_blocks_override=9, preemption_mode=mode, swap_space=0.01)
     assert generate(llm, prompts, params) == expected
     assert llm.engine.scheduler.num_preemptions > 0
@@ -177,7 +209,7 @@ def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_mo
 
 
 @pytest.mark.slow
-def test_mixed_batches_keep_greedy_tokens_and_reproduce_seeded_samples(tiny_models):
+def test_mixed_batches_keep_greedy_tokens_and_reproduce_seeded_samples(tiny_models, plain_target, build):
     target, _ = tiny_models
     gen = torch.Generator().manual_seed(6)
     prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (8, 20, 12, 5)]
@@ -186,22 +218,22 @@ def test_mixed_batches_keep_greedy_tokens_and_reproduce_seeded_samples(tiny_mode
               SamplingParams(temperature=1.0, presence_penalty=0.5, max_tokens=10, ignore_eos=True, seed=4),
               SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1)]
     spec = {"method": "draft_model", "model": "self:layers=1", "num_speculative_tokens": 3}
-    plain = generate(tiny_llm(target), prompts, params)
-    first = generate(tiny_llm(target, spec), prompts, params)
-    again = generate(tiny_llm(target, spec), prompts, params)
+    plain = generate(plain_target, prompts, params)
+    first = generate(tiny_llm(build, target, spec), prompts, params)
+    again = generate(tiny_llm(build, target, spec), prompts, params)
     assert first[0] == plain[0] and first[3] == plain[3]  # greedy rows, with and without drafts
     assert first[2] == plain[2]  # penalties: decoded one token per step by the plain sampler
     assert first == again  # seeded sampling is reproducible with speculation on
 
 
 @pytest.mark.slow
-def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_models):
+def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_models, plain_target, build):
     target, _ = tiny_models
     prompt = {"prompt_token_ids": [11, 12, 13, 14, 15, 16]}
-    base = generate(tiny_llm(target), [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    base = generate(plain_target, [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     stop_at = base[5]
     spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4}  # accepts everything
-    llm = tiny_llm(target, spec)
+    llm = tiny_llm(build, target, spec)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at])
     out = generate(llm, [prompt], params)[0]
     assert out == base[:base.index(stop_at) + 1]
@@ -212,21 +244,21 @@ def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_models):
 def test_a_self_draft_deeper_than_the_target_is_a_config_error(tiny_models):
     target, _ = tiny_models
     with pytest.raises(ConfigError, match="self:layers=N"):
-        tiny_llm(target, {"method": "draft_model", "model": "self:layers=2", "num_speculative_tokens": 2})
+        tiny_llm(LLM, target, {"method": "draft_model", "model": "self:layers=2", "num_speculative_tokens": 2})
 
 
 def test_an_unknown_proposer_is_a_config_error_listing_the_available_ones(tiny_models):
     target, _ = tiny_models
     with pytest.raises(ConfigError, match="'ngram'"):
-        tiny_llm(target, {"method": "medusa", "num_speculative_tokens": 2})
+        tiny_llm(LLM, target, {"method": "medusa", "num_speculative_tokens": 2})
 
 
 @pytest.mark.slow
-def test_acceptance_counters_are_exported_with_the_servers_metrics(tiny_models):
+def test_acceptance_counters_are_exported_with_the_servers_metrics(tiny_models, build):
     from pagoda.engine.metrics import PrometheusExporter
 
     target, _ = tiny_models
-    llm = tiny_llm(target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+    llm = tiny_llm(build, target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
                    disable_log_stats=False)
     generate(llm, [{"prompt_token_ids": [3, 4, 5, 6]}], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     stats = llm.engine.spec_stats
