@@ -156,6 +156,9 @@ class AsyncLLMEngine:
         ``check_capacity=False``. ``lora_request``: the request's LoRA adapter (None: the base model).
         """
         self._check_alive()
+        # the request arrives now, not when the engine thread next runs commands (after the step it is in): its
+        # queue time and TTFT in the metrics then count the wait for that step, as the client sees it
+        arrival_time = time.monotonic()
         compiling = None
         if params.structured_outputs is not None:
             try:
@@ -177,8 +180,8 @@ class AsyncLLMEngine:
                         raise compiling.exception()  # a constraint that does not compile: the request's 400
                     if request_id not in self._streams:
                         return None, []  # closed while its constraint compiled: its abort has already run
-                self.engine.add_request(request_id, prompt, params, priority=priority, output_kind=None,
-                                        tenant=tenant, lora_request=lora_request)
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, priority=priority,
+                                        output_kind=None, tenant=tenant, lora_request=lora_request)
                 group = self.engine.requests.parents[request_id]
                 return group.prompt, group.prompt_token_ids
             finally:
