@@ -94,10 +94,19 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float) -
         except httpx.HTTPError as exc:
             return error(502, f"the decode instance {decode_url} failed: {exc}")
 
+        streaming = answer.headers.get("content-type", "").startswith("text/event-stream")
+
         async def chunks():
             try:
                 async for chunk in answer.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as exc:  # the decode instance died mid-answer: say so rather than stop silently
+                logger.warning("kv-proxy: decode instance %s failed mid-stream (%s)", decode_url, exc)
+                if streaming:
+                    event = {"error": {"message": f"the decode instance {decode_url} failed mid-stream: {exc}; "
+                                                  "the answer is incomplete, send the request again",
+                                       "type": "server_error", "code": 502}}
+                    yield f"\n\ndata: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await answer.aclose()
 
