@@ -8,12 +8,13 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import time
 import uuid
 from typing import Literal, Optional, Union
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +23,7 @@ from pagoda.engine.metrics import PoolingExporter
 from pagoda.engine.pooling import AsyncPoolingEngine, PoolingInput
 from pagoda.modeling.pooling import finish_embedding
 from pagoda.plugins.entrypoints.server.errors import APIError
+from pagoda.plugins.entrypoints.server.serving import ClientGone, unless_disconnected
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one embeddings request
 MAX_TEXT_CHARS = 1 << 20
@@ -76,30 +78,43 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
     async def run_tokenizer(fn):
         return await asyncio.get_running_loop().run_in_executor(tokenizing, fn)
 
-    async def embed(items: list[PoolingInput], param: str) -> list[torch.Tensor]:
+    async def embed(items: list[PoolingInput], param: str, request: Request) -> list[torch.Tensor]:
+        """The inputs' vectors; a client that disconnects first cancels them (counted as abort, dropped before
+        they run if they still wait)."""
         for item in items:
             pooling.check(item, param)
-        return await engine.encode(items)
+        return await unless_disconnected(request, engine.encode(items))
 
-    async def pair_scores(first: list[str], second: list[str], param: str) -> tuple[list[float], int]:
+    def answers_499_when_gone(route):
+        @functools.wraps(route)
+        async def watched(*args, **kwargs):
+            try:
+                return await route(*args, **kwargs)
+            except ClientGone:
+                return Response(status_code=499)
+        return watched
+
+    async def pair_scores(first: list[str], second: list[str], param: str,
+                          request: Request) -> tuple[list[float], int]:
         """One score per pair (a cross-encoder's, or the cosine of two embeddings) and the tokens it took."""
         for text in (*first, *second):
             if len(text) > MAX_TEXT_CHARS:
                 raise APIError(400, f"{param}: a text is over {MAX_TEXT_CHARS} characters", param=param)
         if task == "score" and pooling.encoder is not None and pooling.encoder.num_labels:
             items = await run_tokenizer(lambda: [pooling.tokenize_pair(a, b) for a, b in zip(first, second)])
-            scores = await embed(items, param)
+            scores = await embed(items, param, request)
             return [float(s) for s in scores], sum(len(i.token_ids) for i in items)
         texts = list(dict.fromkeys([*first, *second]))
         items = await run_tokenizer(lambda: [pooling.tokenize(t) for t in texts])
-        vectors = dict(zip(texts, await embed(items, param)))
+        vectors = dict(zip(texts, await embed(items, param, request)))
         scores = [float(torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0))
                   for a, b in zip(first, second)]
         return scores, sum(len(i.token_ids) for i in items)
 
     if task == "embed":
         @app.post("/v1/embeddings")
-        async def embeddings(body: EmbeddingRequest):
+        @answers_499_when_gone
+        async def embeddings(body: EmbeddingRequest, request: Request):
             check_model(body.model)
             inputs = body.input
             if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
@@ -123,7 +138,7 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
                 raise APIError(400, f"input: over {MAX_TEXT_CHARS} characters in all", param="input")
             encoded = iter(await run_tokenizer(lambda: [pooling.tokenize(t) for t in texts]))
             items = [next(encoded) if isinstance(t, str) else PoolingInput(list(t)) for t in inputs]
-            vectors = await embed(items, "input")
+            vectors = await embed(items, "input", request)
             data = []
             for i, vector in enumerate(vectors):
                 vector = finish_embedding(vector, pooling.pooling.normalize, body.dimensions)
@@ -137,7 +152,8 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
                     "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     @app.post("/v1/score")
-    async def score(body: ScoreRequest):
+    @answers_499_when_gone
+    async def score(body: ScoreRequest, request: Request):
         check_model(body.model)
         first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
@@ -148,19 +164,20 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
                                 "number of text_2, or lists of the same length", param="text_2")
         if len(first) > MAX_INPUTS:
             raise APIError(400, f"text_2: more than {MAX_INPUTS} pairs in one request", param="text_2")
-        scores, num_tokens = await pair_scores(first, second, "text_2")
+        scores, num_tokens = await pair_scores(first, second, "text_2", request)
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
-    async def rerank(body: RerankRequest):
+    @answers_499_when_gone
+    async def rerank(body: RerankRequest, request: Request):
         check_model(body.model)
         docs = [d if isinstance(d, str) else d.text for d in body.documents]
         if not docs:
             raise APIError(400, "documents: send at least one document", param="documents")
         if body.top_n is not None and body.top_n < 1:
             raise APIError(400, f"top_n: {body.top_n} is not >= 1", param="top_n")
-        scores, num_tokens = await pair_scores([body.query] * len(docs), docs, "documents")
+        scores, num_tokens = await pair_scores([body.query] * len(docs), docs, "documents", request)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[:body.top_n or len(docs)]
         results = []
         for i in order:
