@@ -37,8 +37,8 @@ def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path):
     # CPU without bf16 instructions (the bf16 roofline is measured in the quantized-model test below)
     write_tiny_llama(tmp_path)
     cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", "--model", str(tmp_path), "--num-requests", "4",
-           "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--cpu-threads", "1", "--dtype", "float32",
-           "--kv-cache-memory-bytes", str(64 << 20)]
+           "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--roofline", "--cpu-threads", "1",
+           "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout

@@ -7,6 +7,7 @@ loaded by pagoda like any checkpoint directory. HF runs with eager attention as 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -207,3 +208,21 @@ def test_tiny_random_checkpoints_match_hf_greedy_tokens_and_logprobs(tiny_checkp
         assert len(completion.token_ids) == 20
         assert completion.token_ids == ref_ids, f"{arch}: prompt of {len(out.prompt_token_ids)} tokens diverged"
         assert_top_logprobs_close(completion, ref_logprobs)
+    windows = {layer.attn.sliding_window for layer in llm.engine.model.layers}
+    if arch == "mistral":
+        # its 512-token window covers the engine's whole 512-token length: no layer needs the windowed path
+        assert windows == {None}
+
+
+def test_a_window_shorter_than_the_engines_length_stays(tmp_path):
+    from tiny_models import write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for max_model_len, window in ((64, None), (128, 64)):
+        llm = LLM(model=str(tmp_path), load_format="dummy", max_model_len=max_model_len,
+                  kv_cache_memory_bytes=2 << 20, cpu_threads=1)
+        assert {layer.attn.sliding_window for layer in llm.engine.model.layers} == {window}
+        llm.engine.shutdown()

@@ -16,7 +16,7 @@ starts the next block adds and normalises in one fused CPU kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ContextManager, Iterable, Optional
 
 import torch
@@ -341,7 +341,14 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Any, quant: Any = None) -> None:
         super().__init__()
         text_cfg = cfg.hf_config.get("text_config", cfg.hf_config)
-        self.spec = spec = self.spec_from_hf(text_cfg)
+        spec = self.spec_from_hf(text_cfg)
+        if any(w is not None and w >= cfg.max_model_len for w in spec.sliding_windows):
+            # a window as long as the longest sequence the engine holds hides no key: such a layer attends
+            # plainly (Mistral 7B v0.1's 4,096 at --max-model-len 4096 or less), on the fused kernels that windowed
+            # layers cannot take
+            spec = replace(spec, sliding_windows=tuple(None if w is not None and w >= cfg.max_model_len else w
+                                                       for w in spec.sliding_windows))
+        self.spec = spec
         self.cfg = cfg
         # the CPU kernels of this model's layers, chosen from its engine's host settings
         self.kernels = kernels = CpuKernels(cfg.host, cfg.batch_invariant)

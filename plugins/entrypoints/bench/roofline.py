@@ -70,7 +70,8 @@ def _dense_weights(model: torch.nn.Module, num_layers: int) -> tuple[list[list[t
 @torch.inference_mode()
 def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -> Roofline:
     """GEMM speed per batch bucket, on the fastest GEMM pagoda has here: oneDNN with packed weights for bf16
-    (what the engine's dense layers run, see ``layers.onednn``), else ``F.linear``.
+    (what the engine's dense layers run, see ``layers.onednn``), else the model's own kernels' linear (on AVX2
+    the widened-tile GEMM; ``F.linear`` for other dtypes), else ``F.linear``.
 
     A roofline in both senses: up to 64 rows a bucket runs the GEMMs of every decoder layer (distinct
     weights, up to 256 MB of them), so that it pays for streaming the weights from memory as a decode step
@@ -90,6 +91,9 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
         packed = kernels.pack_weight(w) if kernels is not None else None
         if packed is not None:
             return lambda x: onednn.packed_linear(x, packed)
+        if kernels is not None:
+            # the model's own linear: on a CPU without bf16 math, its widened-tile GEMM, far faster than torch's
+            return lambda x: kernels.linear(x, w)
         return lambda x: torch.nn.functional.linear(x, w)
 
     layer_flops = 2 * sum(w.numel() for w in layers[0])
