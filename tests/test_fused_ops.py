@@ -194,6 +194,23 @@ def test_avx2_gemv_and_tiled_gemm_match_an_fp32_matmul_of_the_same_values(rows, 
             torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("out_features,in_features", [(13, 67), (7, 3), (96, 40)])
+def test_avx2_gemv_gives_each_row_the_bits_it_gets_alone_at_every_row_count(out_features, in_features):
+    """The batch-invariant mode's linear: the GEMV blocks 4, 2 or 1 rows at a time, and each output is
+    the same sum whatever the block, so a row's bits do not depend on the rows around it."""
+    avx2 = _avx2_ops()
+    g = torch.Generator().manual_seed(out_features + in_features)
+    x = torch.randn(300, in_features, generator=g).bfloat16()
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    alone = torch.cat([avx2.gemv_bf16(x[i:i + 1], w, b) for i in range(300)])
+    torch.testing.assert_close(alone.float(), F.linear(x.float(), w.float(), b.float()), rtol=1e-2,
+                               atol=1e-2 * alone.float().abs().max().item())
+    for rows in (2, 3, 5, 17, 300):
+        for start in (0, 1):
+            assert torch.equal(avx2.gemv_bf16(x[start:start + rows], w, b), alone[start:start + rows]), rows
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_avx2_build_of_the_elementwise_kernels_matches_torch(dtype):
     avx2 = _avx2_ops()

@@ -340,11 +340,14 @@ inline void gemv_tile_f32(const float* x, int64_t k, const at::BFloat16* w, floa
   }
 }
 
-// MB activation rows against weight rows [n_begin, n_end), 4 at a time (8 sums in registers at most)
+// MB activation rows against weight rows [n_begin, n_end), R at a time: 4 x 2 or 3 x 4 sums in registers, plus
+// the R widened weight vectors and one activation vector (16 ymm at most). Each output's sum is the same
+// whatever MB and R are (the same 8 lanes along K, the same lane sum, the same tail), so a row's bits
+// do not depend on how many rows came with it.
 template <int MB>
 void gemv_rows_f32(const float* x, int64_t k, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
                    int64_t y_stride, int64_t n_begin, int64_t n_end) {
-  constexpr int R = MB <= 2 ? 4 : 2;
+  constexpr int R = MB <= 2 ? 4 : 3;
   float sums[MB * R];
   int64_t n = n_begin;
   for (; n + R <= n_end; n += R) {
@@ -496,8 +499,11 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::o
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t grain_rows = std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k)) / 4 * 4);
   parallel_chunks(n, grain_rows, [&](int64_t begin, int64_t end) {
-    // rows of x two at a time: the chunk's weights (about 64 KiB) stay in L2 for the next pair
-    for (int64_t m0 = 0; m0 < m; m0 += 2) {
+    // rows of x four at a time (then two, one): the chunk's weights (about 64 KiB) stay in L2 for the next
+    // rows; four rows x three weight rows of sums load 7 vectors per 12 FMAs where two x four load 6 per 8
+    int64_t m0 = 0;
+    for (; m - m0 >= 4; m0 += 4) gemv_rows_f32<4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
+    for (; m0 < m; m0 += 2) {
       if (m - m0 >= 2) gemv_rows_f32<2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
       else gemv_rows_f32<1>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
     }
