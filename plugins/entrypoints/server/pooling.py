@@ -8,7 +8,6 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
-import functools
 import time
 import uuid
 from typing import Literal, Optional, Union
@@ -23,7 +22,7 @@ from pagoda.engine.metrics import PoolingExporter
 from pagoda.engine.pooling import AsyncPoolingEngine, PoolingInput
 from pagoda.modeling.pooling import finish_embedding
 from pagoda.plugins.entrypoints.server.errors import APIError
-from pagoda.plugins.entrypoints.server.serving import ClientGone, unless_disconnected
+from pagoda.plugins.entrypoints.server.serving import answers_499_when_gone, unless_disconnected
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one embeddings request
 MAX_TEXT_CHARS = 1 << 20
@@ -84,15 +83,6 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
         for item in items:
             pooling.check(item, param)
         return await unless_disconnected(request, engine.encode(items))
-
-    def answers_499_when_gone(route):
-        @functools.wraps(route)
-        async def watched(*args, **kwargs):
-            try:
-                return await route(*args, **kwargs)
-            except ClientGone:
-                return Response(status_code=499)
-        return watched
 
     async def pair_scores(first: list[str], second: list[str], param: str,
                           request: Request) -> tuple[list[float], int]:

@@ -20,7 +20,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
@@ -33,7 +33,7 @@ from pagoda.plugins.entrypoints.server.responses_input import (chat_messages, in
 from pagoda.plugins.entrypoints.server.responses_output import Event, ResponseOutput
 from pagoda.plugins.entrypoints.server.responses_protocol import (ResponsesRequest, TextFormatJSONObject,
                                                                   TextFormatJSONSchema, ToolChoiceFunction)
-from pagoda.plugins.entrypoints.server.serving import (ClientGone, ServingContext, logger, output_error,
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, answers_499_when_gone, logger, output_error,
                                                        unless_disconnected)
 from pagoda.plugins.entrypoints.server.streaming import Generation
 from pagoda.plugins.entrypoints.server.tools import ToolRequest
@@ -49,12 +49,10 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext, store: ResponseStore
     """``POST /v1/responses``, and ``GET``/``DELETE /v1/responses/{response_id}`` of stored responses."""
 
     @app.post("/v1/responses", responses=streamed)
+    @answers_499_when_gone
     async def create(body: ResponsesRequest, request: Request):
         ctx.check_unknown_fields(body)
-        try:
-            return await create_response(ctx, store, body, request)
-        except ClientGone:
-            return Response(status_code=499)
+        return await create_response(ctx, store, body, request)
 
     not_stored = {404: {"description": "No response with this id is stored (never stored, deleted or expired)",
                         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}}

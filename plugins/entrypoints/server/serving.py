@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -41,6 +42,17 @@ Result = TypeVar("Result")
 
 class ClientGone(Exception):
     """The client closed the connection; its requests were aborted."""
+
+
+def answers_499_when_gone(route: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A route whose client left (:class:`ClientGone`) answers 499, nginx's "client closed request"."""
+    @functools.wraps(route)
+    async def watched(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await route(*args, **kwargs)
+        except ClientGone:
+            return Response(status_code=499)
+    return watched
 
 
 # the header that names a request's tenant with --tenant-source header, and the characters of a tenant name kept
