@@ -320,10 +320,11 @@ def check_liveness(added: list[Sequence], arrived: dict[str, int], step: int, wh
                 "the policy's may_admit(), may_swap_in() or order_running() (a request never let in)")
 
 
-def raised(where: Where, operation: str, exc: Exception, scheduler) -> ContractError:
+def raised(where: Where, operation: str, exc: Exception, scheduler,
+           rule: str = "a component's method answers without raising") -> ContractError:
     """The ContractError of an exception a component raised inside the scheduler, naming the method it came
     from: the innermost frame of the policy's or the allocator's own code, else the key hook whose keys
-    pagoda's code compared."""
+    pagoda's code compared. ``rule``: the rule broken, unless the keys did not compare."""
     import sys
     import traceback
 
@@ -336,7 +337,6 @@ def raised(where: Where, operation: str, exc: Exception, scheduler) -> ContractE
     frames = traceback.extract_tb(exc.__traceback__)
     theirs = [f"{owners[f.filename]} {f.name}()" for f in frames if f.filename in owners]
     suspect = theirs[-1] if theirs else None
-    rule = "a component's method answers without raising"
     if isinstance(exc, TypeError) and "not supported between" in str(exc):
         rule = "a key hook's keys are comparable with each other (one type for every request or block, no None " \
                "beside a list)"
