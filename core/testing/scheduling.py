@@ -36,7 +36,7 @@ from pagoda.scheduling import Scheduler, SchedulingPolicy, check_policy_options
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.testing.contract import ContractError, Where
-from pagoda.testing.watch import PolicyWatch
+from pagoda.testing.watch import COUNT_RULE, COUNT_SUSPECT, PolicyWatch, count_disagreement
 
 AllocatorFactory = KVAllocatorFactory
 
@@ -537,10 +537,10 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
         if kv.num_free_blocks != num_blocks - len(held) or not 0 <= kv.num_free_blocks <= num_blocks:
             seen = (f"{kv.num_free_blocks} blocks reported free, not {num_blocks - len(held)}: {len(held)} of "
                     f"{num_blocks} are held")
-            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
-                seen = f"a double free: {seen}"
-            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
-                suspect = "the KV allocator's free()"
+            if count_disagreement(kv):  # the count is wrong, whatever the operation did
+                seen, rule, suspect = f"{seen}; {count_disagreement(kv)}", COUNT_RULE, COUNT_SUSPECT
+            elif operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
+                seen, suspect = f"a double free: {seen}", "the KV allocator's free()"
             elif operation.startswith("free("):
                 suspect = ("the KV allocator's free() (blocks not given back) or its num_free_blocks() (free blocks "
                            "that still cache a prefix count as free: they are taken again when the pool needs them)")
