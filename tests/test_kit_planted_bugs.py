@@ -312,9 +312,70 @@ def counts_uncached_only(cache_config, num_blocks):
     return CountsUncachedOnly(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
 
 
+COUNT_BLAMED = (r"num_free_blocks says \d+ of \d+ blocks are free, but usage [\d.]+ says \d+ are held, so \d+ are free\. "
+                r"Rule broken: num_free_blocks counts every block no sequence holds \(blocks that still cache a prefix "
+                r"included.*Most likely at fault: the KV allocator's num_free_blocks\(\)")
+
+
 def test_a_wrong_free_count_names_the_count_not_allocate_slots():
     message = caught(check_kv_allocator, counts_uncached_only, seeds=1,
-                     match=r"operation \d+, in free\('s\d+'\): \d+ blocks reported free, not \d+.*Most likely at fault: "
-                           r"the KV allocator's free\(\) \(blocks not given back\) or its num_free_blocks\(\) \(free "
-                           r"blocks that still cache a prefix count as free")
+                     match=r"operation \d+, in free\('s\d+'\): \d+ blocks reported free, not \d+.*" + COUNT_BLAMED)
     assert "allocate_slots" not in message.split("Most likely at fault")[1]
+
+
+def test_a_wrong_free_count_in_a_request_stream_names_the_count_not_a_lost_block():
+    """Through the scheduler the same count looks like blocks free() kept: the kit tells the two apart by the
+    allocator's usage, which counts the pool the other way."""
+    message = caught(check_scheduler, SchedulingPolicy, allocator=counts_uncached_only, seeds=1,
+                     match=r"in the KV allocator's free\('p\d+-\d'\): free\('p\d+-\d'\) gave back \d+ blocks of the \d+ "
+                           r"it held alone, by num_free_blocks; " + COUNT_BLAMED)
+    assert "reference count" not in message
+
+
+class IndexCopiesEverySlot(torch_backend_class()):
+    """Writes K/V with ``index_copy_`` over the raw slot_mapping: a padding token's -1 is out of range, and the
+    write raises inside the backend."""
+
+    def build_metadata(self, batch):
+        md = super().build_metadata(batch)
+        md.raw_slots = batch.slot_mapping.to(torch.int64)
+        return md
+
+    def forward(self, layer, q, k, v, kv_cache, md):
+        hkv, num_blocks, bs, d = kv_cache.shape[1:]
+        flat = kv_cache[0].reshape(hkv, num_blocks * bs, d)
+        flat.index_copy_(1, md.raw_slots, k.transpose(0, 1).to(kv_cache.dtype))
+        return super().forward(layer, q, k, v, kv_cache, md)
+
+
+def test_a_padding_write_that_raises_is_a_contract_error_not_a_raw_index_error():
+    from pagoda.testing import check_attention_backend
+
+    caught(check_attention_backend, IndexCopiesEverySlot, dtypes=(torch.float32,),
+           match=r"step 2 \(padded: token \d+ has slot -1\), in forward\(\): it raised IndexError: .*index -1.*Rule "
+                 r"broken: a backend runs every batch a runner builds, padded ones included.*Most likely at fault: the "
+                 r"backend's forward\(\) \(its K/V write of the padding token\)")
+
+
+class ResetsPerStepStateAtStepStart(EarliestDeadlineFirst):
+    """Counts the tokens of the step being built in one dict that on_step_start() resets, and settles them in
+    on_step_executed(): right one step at a time; with steps in flight the next step's on_step_start() has
+    already emptied the dict when the step ahead is committed (a KeyError inside the author's code before)."""
+
+    def on_step_start(self):
+        self.tokens_this_step = {}
+
+    def on_request_scheduled(self, request, num_new_tokens):
+        self.tokens_this_step[request.request_id] = num_new_tokens
+
+    def on_step_executed(self, sched, result):
+        for request in sched.requests:
+            del self.tokens_this_step[request.request_id]
+
+
+def test_a_hook_that_raises_only_with_steps_in_flight_is_named_with_the_rule_seed_and_step():
+    caught(check_scheduler, ResetsPerStepStateAtStepStart, seeds=1,
+           match=r"two steps in flight\), seed 0, step \d+, in update\(\) of the step ahead, committed after this step "
+                 r"was scheduled: KeyError: 'p\d+-\d'\. Rule broken: a hook answers without raising with steps in "
+                 r"flight, where the next step's on_step_start\(\) and on_request_scheduled\(\) run before "
+                 r"on_step_executed\(\) of the step ahead.*Most likely at fault: the policy's on_step_executed\(\)")

@@ -172,3 +172,56 @@ def test_a_factory_that_is_not_a_policy_is_refused_saying_what_a_policy_is():
     with pytest.raises(SchedulingPolicyError, match=r"'NoHooks' built a NoHooks, which lacks the scheduling policy "
                                                     r"hooks \['waiting_key', .*subclass it"):
         Scheduler(sched_cfg, cache_cfg, PagedKVCacheManager(16, 4, False), NoHooks)
+
+
+def scheduler_members_used(tree) -> tuple[set[str], set[str]]:
+    """The members a policy's code uses of its scheduler (``self.scheduler.x``, or ``x`` of a local bound to
+    ``self.scheduler``) and of the scheduler's KV allocator (``...kv.x``)."""
+    import ast
+
+    aliases: set[str] = set()
+
+    def is_scheduler(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "scheduler" and isinstance(node.value, ast.Name)
+                and node.value.id == "self") or (isinstance(node, ast.Name) and node.id in aliases)
+
+    aliases |= {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and is_scheduler(node.value)
+                for target in node.targets if isinstance(target, ast.Name)}
+    on_scheduler, on_kv = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_scheduler(node.value):
+            on_scheduler.add(node.attr)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "kv" \
+                and is_scheduler(node.value.value):
+            on_kv.add(node.attr)
+    return on_scheduler, on_kv
+
+
+def test_the_public_scheduler_surface_covers_what_every_built_in_and_contrib_policy_uses():
+    """What the built-in policies ask of the scheduler is what docs/plugins.md offers every policy (the queues,
+    the limits, the methods of its table, `would_fit` among them), and what they ask of the KV allocator is in its
+    Protocol: a third-party policy can do all they do."""
+    import ast
+
+    from pagoda import interfaces
+    from pagoda.scheduling import Scheduler
+    from pagoda.testing import contract_names
+
+    text = GUIDE.read_text()
+    paragraph = re.search(r"What a hook may read and do.*?\n\n(.*?)\n\n", text, flags=re.S)
+    offered = set(re.findall(r"^\| `(\w+)\(", paragraph.group(1), flags=re.M))
+    offered |= set(re.findall(r"`(\w+)`", text[paragraph.start():paragraph.start(1)]))
+    assert {"would_fit", "num_blocks_to_start", "preempt", "is_busy", "waiting", "running", "swapped", "kv",
+            "max_num_seqs"} <= offered, offered
+    assert all(hasattr(Scheduler, name) or name in ("waiting", "running", "swapped", "kv", "max_num_seqs",
+                                                    "max_num_batched_tokens") for name in offered), offered
+    repo = GUIDE.parent.parent
+    files = [*(repo / "plugins" / "schedulers").glob("*.py"), *(repo / "contrib").glob("pagoda-*/pagoda_*/*.py")]
+    kv_contract = contract_names(interfaces.KVCacheManager)
+    used_anywhere = set()
+    for path in files:
+        on_scheduler, on_kv = scheduler_members_used(ast.parse(path.read_text()))
+        used_anywhere |= on_scheduler
+        assert on_scheduler <= offered, f"{path.name} uses the scheduler's {sorted(on_scheduler - offered)}"
+        assert on_kv <= kv_contract, f"{path.name} uses the KV allocator's {sorted(on_kv - kv_contract)}"
+    assert {"would_fit", "preempt", "is_busy"} <= used_anywhere  # the parse sees the policies' real calls

@@ -138,9 +138,19 @@ def _check_case(backend, case: AttentionCase, mc: ModelConfig, dtype: torch.dtyp
         batch = _batch(items, tables, bs, pad_at)
         q, k, v = (_strided(_pad(torch.cat([t[r][s:s + n] for r, s, n in items]), pad_at, gen))
                    for t in (q_all, k_all, v_all))
-        metadata = backend.build_metadata(batch)
-        out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache, metadata)
         at = where.at(f"{step + 1}" + (f" (padded: token {pad_at} has slot -1)" if pad_at is not None else ""))
+        method = "build_metadata()"
+        try:
+            metadata = backend.build_metadata(batch)
+            method = "forward()"
+            out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache, metadata)
+        except Exception as exc:
+            padded = pad_at is not None
+            raise at.fail(method, f"it raised {type(exc).__name__}: {exc}", "a backend runs every batch a runner "
+                          "builds" + (", padded ones included (a padding token has slot -1 and is written nowhere: "
+                                      "AttentionBatch.slots_to_write() gives the slots to write)" if padded else ""),
+                          f"the backend's {method}" + (" (its K/V write of the padding token)" if padded else "")
+                          ) from exc
         want_shape = (batch.num_tokens, case.num_heads * case.head_dim)
         if tuple(out.shape) != want_shape:
             raise at.fail("forward()", f"the output has shape {tuple(out.shape)}", f"forward returns [tokens, heads * "

@@ -7,7 +7,9 @@ it commits each step with ``update`` one step later, in order. This drives a sch
 submitted) and committed after the next one is scheduled, with aborts of requests in flight held back until
 their step is committed. It raises :class:`ContractError` when a step touches a busy sequence (schedules,
 admits, swaps, preempts or fails it; a policy preempting one is refused by the scheduler and reported so), when a sequence attends to K/V not its own, when an abort in flight
-finds its blocks already freed, when a sequence ends with the wrong tokens, or when blocks are not given back.
+finds its blocks already freed, when a sequence ends with the wrong tokens, when blocks are not given back, or when a
+hook raises (named with its method: a policy keeping per-step state in one field that ``on_step_start`` resets
+finds it reset by the next step before ``on_step_executed`` of the step ahead runs).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.testing.contract import ContractError, Where
 from pagoda.testing.scheduling import (SETTINGS, STREAM_BUDGET, STREAM_NUM_BLOCKS, AllocatorFactory, SimRunner,
-                                       _add_request, _stream_setup, check_liveness, expected_output, policy_error)
+                                       _add_request, _stream_setup, check_liveness, expected_output, policy_error,
+                                       raised)
 
 
 def check_steps_in_flight(factory: SchedulerFactory, allocator: Optional[AllocatorFactory] = None, seeds: int = 3,
@@ -81,6 +84,10 @@ def _run_stream(factory: SchedulerFactory, allocator: Optional[AllocatorFactory]
             sched = scheduler.schedule_excluding(busy)
         except SchedulingPolicyError as exc:
             raise policy_error(at, "schedule_excluding()", exc) from None
+        except ContractError:
+            raise
+        except Exception as exc:  # a hook (or the allocator) raised: named with its method, the seed and the step
+            raise raised(at, "schedule_excluding(), with the step ahead still in flight", exc, scheduler) from exc
         if _touched(sched) & busy:
             raise at.fail("schedule_excluding()", f"the step touched busy requests {sorted(_touched(sched) & busy)}",
                           "a busy sequence (in a step in flight, or another lane's) is neither scheduled, admitted, "
@@ -130,4 +137,12 @@ def _commit(scheduler, kv, sched: SchedulerOutput, result: RunnerOutput, waits: 
                           "sequence in flight stay its own until its step is committed",
                           "the scheduler's schedule_excluding() (a busy sequence's blocks freed)")
     scheduler.abort_requests(waits)
-    scheduler.update(sched, result)
+    try:
+        scheduler.update(sched, result)
+    except ContractError:
+        raise
+    except Exception as exc:  # e.g. on_step_executed() reading per-step state the next step's hooks already reset
+        raise raised(at, "update() of the step ahead, committed after this step was scheduled", exc, scheduler,
+                     "a hook answers without raising with steps in flight, where the next step's on_step_start() and "
+                     "on_request_scheduled() run before on_step_executed() of the step ahead (keep per-step state by "
+                     "step, e.g. keyed by request id, not in one field on_step_start() resets)") from exc

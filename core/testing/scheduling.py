@@ -36,7 +36,7 @@ from pagoda.scheduling import Scheduler, SchedulingPolicy, check_policy_options
 from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
 from pagoda.testing.contract import ContractError, Where
-from pagoda.testing.watch import PolicyWatch
+from pagoda.testing.watch import COUNT_RULE, COUNT_SUSPECT, PolicyWatch, count_disagreement
 
 AllocatorFactory = KVAllocatorFactory
 
@@ -320,10 +320,11 @@ def check_liveness(added: list[Sequence], arrived: dict[str, int], step: int, wh
                 "the policy's may_admit(), may_swap_in() or order_running() (a request never let in)")
 
 
-def raised(where: Where, operation: str, exc: Exception, scheduler) -> ContractError:
+def raised(where: Where, operation: str, exc: Exception, scheduler,
+           rule: str = "a component's method answers without raising") -> ContractError:
     """The ContractError of an exception a component raised inside the scheduler, naming the method it came
     from: the innermost frame of the policy's or the allocator's own code, else the key hook whose keys
-    pagoda's code compared."""
+    pagoda's code compared. ``rule``: the rule broken, unless the keys did not compare."""
     import sys
     import traceback
 
@@ -336,7 +337,6 @@ def raised(where: Where, operation: str, exc: Exception, scheduler) -> ContractE
     frames = traceback.extract_tb(exc.__traceback__)
     theirs = [f"{owners[f.filename]} {f.name}()" for f in frames if f.filename in owners]
     suspect = theirs[-1] if theirs else None
-    rule = "a component's method answers without raising"
     if isinstance(exc, TypeError) and "not supported between" in str(exc):
         rule = "a key hook's keys are comparable with each other (one type for every request or block, no None " \
                "beside a list)"
@@ -537,10 +537,10 @@ def _check_allocation(factory: AllocatorFactory, seed: int) -> None:
         if kv.num_free_blocks != num_blocks - len(held) or not 0 <= kv.num_free_blocks <= num_blocks:
             seen = (f"{kv.num_free_blocks} blocks reported free, not {num_blocks - len(held)}: {len(held)} of "
                     f"{num_blocks} are held")
-            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
-                seen = f"a double free: {seen}"
-            if operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
-                suspect = "the KV allocator's free()"
+            if count_disagreement(kv):  # the count is wrong, whatever the operation did
+                seen, rule, suspect = f"{seen}; {count_disagreement(kv)}", COUNT_RULE, COUNT_SUSPECT
+            elif operation.startswith("free(") and kv.num_free_blocks > num_blocks - len(held):
+                seen, suspect = f"a double free: {seen}", "the KV allocator's free()"
             elif operation.startswith("free("):
                 suspect = ("the KV allocator's free() (blocks not given back) or its num_free_blocks() (free blocks "
                            "that still cache a prefix count as free: they are taken again when the pool needs them)")

@@ -107,6 +107,11 @@ class PolicyWatch:
         exclusive = set(held) - others
         free(request)
         gained = self.kv.num_free_blocks - before
+        if gained < len(exclusive) and count_disagreement(self.kv):
+            raise self.where.fail(
+                f"the KV allocator's free({rid!r})",
+                f"free({rid!r}) gave back {gained} blocks of the {len(exclusive)} it held alone, by num_free_blocks; "
+                f"{count_disagreement(self.kv)}", COUNT_RULE, COUNT_SUSPECT)
         if gained < len(exclusive):
             raise self.where.fail(
                 f"the KV allocator's free({rid!r})",
@@ -192,6 +197,22 @@ class PolicyWatch:
                     "update()", f"{req.request_id} finished ({req.status.value}) in this step but still holds "
                     f"blocks {held}", "a finished sequence gives back its blocks at once",
                     "the scheduler's finish() (no free() of the sequence) or the KV allocator's free()")
+
+
+# a free count that disagrees with the allocator's usage: the rule, and the methods at fault
+COUNT_RULE = ("num_free_blocks counts every block no sequence holds (blocks that still cache a prefix included: they "
+              "are taken again when the pool needs them), and usage is the fraction held: the two agree")
+COUNT_SUSPECT = "the KV allocator's num_free_blocks() (or its usage, whichever miscounts)"
+
+
+def count_disagreement(kv) -> str:
+    """What is wrong when the allocator's two public counts of its pool, ``num_free_blocks`` and ``usage``,
+    disagree (a free count that leaves out cached blocks, say), else ''."""
+    held = round(kv.usage * kv.num_blocks)
+    if kv.num_blocks - held == kv.num_free_blocks:
+        return ""
+    return (f"num_free_blocks says {kv.num_free_blocks} of {kv.num_blocks} blocks are free, but usage "
+            f"{kv.usage:.3f} says {held} are held, so {kv.num_blocks - held} are free")
 
 
 # the policy's hooks called once per step or per request (the key hooks are called too often to guard)
