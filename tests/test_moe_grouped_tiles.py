@@ -59,12 +59,9 @@ def test_grouped_tiles_int8_with_biases_and_clamped_swiglu(ops):
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_the_layer_takes_the_grouped_tiles_for_every_expert_without_bf16_math():
+def test_the_layer_takes_the_grouped_tiles_for_every_float32_expert():
     layer = FusedMoE(4, 16, 8, torch.float32, host=resolve_host_config())
-    if layer.bf16_gemm:
-        assert layer.gemv_max_rows < ALL_ROWS and "bf16 GEMM" not in layer.isa_path()  # float32 weights
-    else:
-        assert layer.gemv_max_rows == ALL_ROWS and "grouped tiles, every expert" in layer.isa_path()
+    assert layer.gemv_max_rows == ALL_ROWS and "grouped tiles, every expert" in layer.isa_path()
     torch.manual_seed(0)
     layer.w13.data.normal_(0, 0.2)
     layer.w2.data.normal_(0, 0.2)

@@ -159,9 +159,10 @@ class FusedMoE(nn.Module):
             self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self._loaded: set[tuple[str, int]] = set()
         self.ops = moe_ops(host) if host is not None else None
-        # many-token experts multiply in bf16 where the CPU has bf16 math; fp32 over widened weights elsewhere
+        # bf16 experts with many tokens multiply in bf16 where the CPU has bf16 math; the grouped tiles take the
+        # rest, and every expert elsewhere
         self.bf16_gemm = host is not None and cpu_isa.cpu_isa(host.cpu_isa) == "avx512_bf16"
-        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_gemm else ALL_ROWS
+        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_gemm and dtype == torch.bfloat16 else ALL_ROWS
 
     # ---- loading ----------------------------------------------------------------------------------------
 
@@ -232,8 +233,7 @@ class FusedMoE(nn.Module):
             return "torch grouped GEMMs"
         if self.gemv_max_rows == ALL_ROWS:
             return f"{self.ops.moe_path()} grouped tiles, every expert"
-        gemm = "bf16 GEMM" if self.w13.dtype == torch.bfloat16 else "fp32 GEMM"
-        return f"{self.ops.moe_path()} grouped tiles up to {self.gemv_max_rows} tokens per expert, {gemm} beyond"
+        return f"{self.ops.moe_path()} grouped tiles up to {self.gemv_max_rows} tokens per expert, bf16 GEMM beyond"
 
 
 class SharedExpert(nn.Module):
