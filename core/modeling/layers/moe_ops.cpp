@@ -63,9 +63,10 @@ template <> struct VecOf<8> { using type = Vec8; };
 template <> struct VecOf<16> { using type = Vec16; };
 template <int L> using Vec = typename VecOf<L>::type;
 
-// sums[m * R + r] = x[m] . w[r] for MB fp32 activation rows (stride k) and R weight rows (stride k)
+// sums[m * R + r] = x[m] . rows[r] for MB fp32 activation rows (stride k) and R weight rows: each weight
+// vector is loaded (and widened) once and used for all MB rows of x
 template <int L, int R, int MB, typename W>
-inline void dot_tile(const float* x, int64_t k, const W* w, float* sums) {
+inline void dot_tile(const float* x, int64_t k, const W* const* rows, float* sums) {
   using V = Vec<L>;
   typename V::F acc[MB][R];
   for (int m = 0; m < MB; ++m)
@@ -73,7 +74,7 @@ inline void dot_tile(const float* x, int64_t k, const W* w, float* sums) {
   const int64_t kv = k / L * L;
   for (int64_t i = 0; i < kv; i += L) {
     typename V::F wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = V::load(w + r * k + i);
+    for (int r = 0; r < R; ++r) wv[r] = V::load(rows[r] + i);
     for (int m = 0; m < MB; ++m) {
       const typename V::F xv = V::load(x + m * k + i);
       for (int r = 0; r < R; ++r) acc[m][r] += wv[r] * xv;
@@ -82,37 +83,50 @@ inline void dot_tile(const float* x, int64_t k, const W* w, float* sums) {
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float s = V::sum(acc[m][r]);
-      for (int64_t i = kv; i < k; ++i) s += wf(w[r * k + i]) * x[m * k + i];
+      for (int64_t i = kv; i < k; ++i) s += wf(rows[r][i]) * x[m * k + i];
       sums[m * R + r] = s;
     }
 }
 
-// out[m * out_stride + (n - n0)] = (x[m] . w[n]) * scale[n] for MB rows of x and weight rows [n0, n1)
-template <int L, int MB, typename W>
-void dot_rows(const float* x, int64_t k, const W* w, const float* scale, int64_t n0, int64_t n1, float* out,
-              int64_t out_stride) {
-  constexpr int R = MB <= 2 ? 4 : 2;
+// One register block: MB rows of x against RN weight rows n.. of wa and, when PAIR, the same rows of wb (an
+// expert's gate and up rows side by side, so the activation sees both): emit(token, n, x.wa[n], x.wb[n]).
+template <int L, int MB, int RN, bool PAIR, typename W, typename Emit>
+inline void block(const float* x, int64_t m0, int64_t k, const W* wa, const W* wb, int64_t n, const Emit& emit) {
+  constexpr int R = PAIR ? 2 * RN : RN;
+  const W* rows[R];
+  for (int r = 0; r < RN; ++r) {
+    rows[r] = wa + (n + r) * k;
+    if (PAIR) rows[RN + r] = wb + (n + r) * k;
+  }
   float sums[MB * R];
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    dot_tile<L, R, MB>(x, k, w + n * k, sums);
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r) out[m * out_stride + n - n0 + r] = sums[m * R + r] * (scale ? scale[n + r] : 1.f);
-  }
-  for (; n < n1; ++n) {
-    dot_tile<L, 1, MB>(x, k, w + n * k, sums);
-    for (int m = 0; m < MB; ++m) out[m * out_stride + n - n0] = sums[m] * (scale ? scale[n] : 1.f);
-  }
+  dot_tile<L, R, MB>(x + m0 * k, k, rows, sums);
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RN; ++r) emit(m0 + m, n + r, sums[m * R + r], PAIR ? sums[m * R + RN + r] : 0.f);
 }
 
-// every row of x ([rows, k], fp32) against weight rows [n0, n1), two rows of x at a time: the weight chunk
-// (a few dozen KiB) stays in L1/L2 for the next pair
-template <int L, typename W>
-void dot_all(const float* x, int64_t rows, int64_t k, const W* w, const float* scale, int64_t n0, int64_t n1,
-             float* out, int64_t out_stride) {
-  int64_t m = 0;
-  for (; m + 2 <= rows; m += 2) dot_rows<L, 2>(x + m * k, k, w, scale, n0, n1, out + m * out_stride, out_stride);
-  if (m < rows) dot_rows<L, 1>(x + m * k, k, w, scale, n0, n1, out + m * out_stride, out_stride);
+// MB rows of x against weight rows [n0, n1): at most 8 accumulators (AVX2 has 16 registers: 8 sums, the
+// weight vectors and one of x)
+template <int L, int MB, bool PAIR, typename W, typename Emit>
+inline void block_rows(const float* x, int64_t m0, int64_t k, const W* wa, const W* wb, int64_t n0, int64_t n1,
+                       const Emit& emit) {
+  constexpr int RN = (MB >= 4 ? 2 : 4) / (PAIR ? 2 : 1);
+  int64_t n = n0;
+  for (; n + RN <= n1; n += RN) block<L, MB, RN, PAIR>(x, m0, k, wa, wb, n, emit);
+  for (; n < n1; ++n) block<L, MB, 1, PAIR>(x, m0, k, wa, wb, n, emit);
+}
+
+// All m rows of x ([m, k], fp32) against weight rows [n0, n1) of wa (and wb): four rows of x at a time, so
+// the chunk of weights (a few dozen KiB, read from memory once) is used from L1 for every token of the expert
+template <int L, bool PAIR, typename W, typename Emit>
+void grouped_rows(const float* x, int64_t m, int64_t k, const W* wa, const W* wb, int64_t n0, int64_t n1,
+                  const Emit& emit) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= m; m0 += 4) block_rows<L, 4, PAIR>(x, m0, k, wa, wb, n0, n1, emit);
+  if (m0 + 2 <= m) {
+    block_rows<L, 2, PAIR>(x, m0, k, wa, wb, n0, n1, emit);
+    m0 += 2;
+  }
+  if (m0 < m) block_rows<L, 1, PAIR>(x, m0, k, wa, wb, n0, n1, emit);
 }
 
 enum Activation : int64_t { kSiluMul = 0, kClampedSwiglu = 1 };
@@ -231,16 +245,26 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
         h[r * h_stride + n] = activate(gv, uv, act);
       }
   };
-  // phase 1, experts with few tokens: gate and up rows of a chunk together, then the activation
+  // phase 1, the grouped tiles: gate and up rows of a chunk side by side for all the expert's tokens, the
+  // activation applied as each pair of sums comes out
   run_items(gate_items, [&](const Item& it) {
-    const int64_t m = offsets[it.e + 1] - offsets[it.e], rows = it.n1 - it.n0;
-    const float* xe = xsp + offsets[it.e] * hidden;
+    const int64_t m = offsets[it.e + 1] - offsets[it.e];
     const W* we = w13 + it.e * gate_up_rows * hidden;
     const float* se = s13 ? s13 + it.e * gate_up_rows : nullptr;
-    std::vector<float> g(m * rows), u(m * rows);
-    dot_all<L>(xe, m, hidden, we, se, it.n0, it.n1, g.data(), rows);
-    dot_all<L>(xe, m, hidden, we, se, inter + it.n0, inter + it.n1, u.data(), rows);
-    finish_gate_up(g.data(), u.data(), rows, it.e, m, it.n0, it.n1, hsp + offsets[it.e] * inter, inter);
+    const float* be = b13 ? b13 + it.e * gate_up_rows : nullptr;
+    float* h = hsp + offsets[it.e] * inter;
+    grouped_rows<L, true>(xsp + offsets[it.e] * hidden, m, hidden, we, we + inter * hidden, it.n0, it.n1,
+                          [&](int64_t r, int64_t n, float g, float u) {
+      if (se) {
+        g *= se[n];
+        u *= se[inter + n];
+      }
+      if (be) {
+        g += be[n];
+        u += be[inter + n];
+      }
+      h[r * inter + n] = activate(g, u, act);
+    });
   });
   // phase 1, experts with many tokens: one GEMM each
   for (const int64_t e : large) {
@@ -262,8 +286,11 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
   // phase 2: the down projection, the same two ways
   run_items(down_items, [&](const Item& it) {
     const int64_t m = offsets[it.e + 1] - offsets[it.e];
-    dot_all<L>(hsp + offsets[it.e] * inter, m, inter, w2 + it.e * hidden * inter,
-               s2 ? s2 + it.e * hidden : nullptr, it.n0, it.n1, ysp + offsets[it.e] * hidden + it.n0, hidden);
+    const float* se = s2 ? s2 + it.e * hidden : nullptr;
+    float* y = ysp + offsets[it.e] * hidden;
+    const W* we = w2 + it.e * hidden * inter;
+    grouped_rows<L, false>(hsp + offsets[it.e] * inter, m, inter, we, we, it.n0, it.n1,
+                           [&](int64_t r, int64_t n, float v, float) { y[r * hidden + n] = se ? v * se[n] : v; });
   });
   for (const int64_t e : large) {
     const int64_t m = offsets[e + 1] - offsets[e];
