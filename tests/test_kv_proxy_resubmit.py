@@ -107,3 +107,37 @@ def test_a_decode_instance_killed_mid_stream_is_replaced_and_the_tokens_are_one_
 
 def prefill_url(fleet) -> str:
     return fleet[0][0][1]
+
+
+def test_a_chat_continuation_is_rewritten_as_the_first_stream_s_chat_deltas():
+    """(No server: the proxy's rewriting of a completions continuation into the chat stream it continues.)"""
+    import json
+
+    from plugins.kv_connectors.proxy import Resumption, resumable
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5,
+            "stream_options": {"include_usage": True}}
+    assert resumable(body) and not resumable({**body, "n": 2}) and not resumable({**body, "logprobs": True})
+    state = Resumption("/v1/chat/completions", body)
+    first = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+             "prompt_token_ids": [1, 2, 3],
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": "a"}, "finish_reason": None,
+                          "token_ids": [10, 11]}]}
+    out = json.loads(state.rewrite(b"data: " + json.dumps(first).encode())[len("data: "):])
+    assert "prompt_token_ids" not in out and "token_ids" not in out["choices"][0]  # the client asked for none
+    assert state.prompt_ids == [1, 2, 3] and state.sent_ids == [10, 11] and state.can_resume()
+    state.next_segment()
+    again = state.resume_body()
+    assert again["prompt"] == [1, 2, 3, 10, 11] and again["max_tokens"] == 3 and "messages" not in again
+    cont = {"id": "cmpl-9", "object": "text_completion", "created": 9, "model": "m",
+            "choices": [{"index": 0, "text": "b", "finish_reason": "length", "prompt_token_ids": [1, 2, 3, 10, 11],
+                         "token_ids": [12, 13, 14]}]}
+    out = json.loads(state.rewrite(b"data: " + json.dumps(cont).encode())[len("data: "):])
+    assert out == {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": "b"}, "logprobs": None,
+                                "finish_reason": "length"}]}
+    usage = {"id": "cmpl-9", "object": "text_completion", "created": 9, "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+    out = json.loads(state.rewrite(b"data: " + json.dumps(usage).encode())[len("data: "):])
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert state.finished and state.sent_ids == [10, 11, 12, 13, 14]

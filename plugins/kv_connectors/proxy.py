@@ -6,6 +6,8 @@ the store and answers once they are there. The request itself then goes, unchang
 (``--kv-role decode``), which loads those blocks at admission instead of computing them and streams (or
 returns) the answer through the proxy. Instances are taken in turn. A prefill instance that cannot be reached
 costs the decode instance the prefill, not the request; one that refuses the request (a 4xx) answers for it.
+A streamed answer whose decode instance dies goes on on the next one, which gets the prompt's token ids and the
+answer's tokens already sent (``Resumption``): the client sees one stream with one engine's tokens.
 """
 
 import argparse
