@@ -103,6 +103,10 @@ def test_a_decode_instance_killed_mid_stream_is_replaced_and_the_tokens_are_one_
     again = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0.0, stream=True)
     assert "".join(c.choices[0].text for c in again if c.choices) == alone.completions.create(
         model=name, prompt=prompt, max_tokens=8, temperature=0.0).choices[0].text
+    # an answer not streamed whose turn falls on the dead instance is asked of the live one
+    whole = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0.0)
+    assert whole.choices[0].text == alone.completions.create(
+        model=name, prompt=prompt, max_tokens=8, temperature=0.0).choices[0].text
 
 
 def prefill_url(fleet) -> str:

@@ -235,6 +235,18 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float) -
                 return StreamingResponse(resumed(state, headers, turn + attempt, answer),
                                          media_type="text/event-stream")
             return error(502, f"no decode instance answered: {last_exc}")
+        if not body.get("stream"):  # nothing reaches the client before the whole answer: a failure costs a retry
+            failures = []
+            for attempt in range(len(decode_urls)):
+                url = decode_urls[(turn + attempt) % len(decode_urls)]
+                try:
+                    whole = await client.post(url + path, json=body, headers=headers)
+                except httpx.HTTPError as exc:
+                    logger.warning("kv-proxy: decode instance %s failed (%s); the next one answers", url, exc)
+                    failures.append(f"{url}: {exc}")
+                    continue
+                return Response(whole.content, whole.status_code, media_type=whole.headers.get("content-type"))
+            return error(502, "every decode instance failed: " + "; ".join(failures))
         try:
             answer = await client.send(client.build_request("POST", decode_url + path, json=body, headers=headers),
                                        stream=True)
