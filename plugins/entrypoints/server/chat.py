@@ -234,7 +234,7 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Opti
             delta = stream.delta(read.content, c.finish_reason is not None)
             if read.reasoning:
                 delta = {"reasoning_content": read.reasoning, **delta}
-            has_new_tokens = num_top is not None and bool(c.token_ids)
+            has_new_tokens = (num_top is not None or extras.token_ids) and bool(c.token_ids)
             if not first and not delta.get("content") and "tool_calls" not in delta and not has_new_tokens \
                     and not read.reasoning and c.finish_reason is None:
                 continue

@@ -151,7 +151,8 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo:
             first = idx not in sent_chars
             echoed = echo[i] if echo and first else None
             text = (echoed.text if echoed else "") + c.text
-            has_new_tokens = c.logprobs is not None and bool(c.token_ids)
+            # (new tokens whose text is held back still go out when their logprobs or ids were asked for)
+            has_new_tokens = (c.logprobs is not None or return_token_ids) and bool(c.token_ids)
             if not first and not text and not has_new_tokens and c.finish_reason is None:
                 continue
             start_chars = sent_chars.get(idx, 0)
