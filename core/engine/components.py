@@ -120,11 +120,44 @@ def build_kv_transfers(config: EngineConfig, pm: PluginManager, runner: ModelRun
     return KVTransfers(connector, identity, payload_bytes, config.cache.block_size, kc.role)
 
 
-def load_tokenizer(path: str, chat_template: Optional[str]) -> Any:
-    from transformers import AutoTokenizer
+# config.json model types for which AutoTokenizer, given a tokenizer_config.json that names the
+# ``TokenizersBackend`` class, loads exactly that class (tests/test_tokenizer_load.py checks this against
+# transformers' own tables). Others may be swapped for a model-specific class, so they go through AutoTokenizer.
+PLAIN_TOKENIZER_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "granite", "olmo2", "smollm3", "phi3", "gemma", "gemma2", "gemma3_text",
+    "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss"})
 
+
+def plain_tokenizer_dir(path: str) -> bool:
+    """Whether ``path`` is a local checkpoint whose tokenizer AutoTokenizer would load as a plain
+    ``TokenizersBackend`` from its tokenizer.json: no custom code, no Mistral tekken.json, a model type
+    with no tokenizer class of its own."""
+    directory = Path(path)
+    if not (directory / "tokenizer.json").is_file() or (directory / "tekken.json").exists():
+        return False
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tok_config = json.loads((directory / "tokenizer_config.json").read_text())
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (isinstance(tok_config, dict) and tok_config.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in tok_config and model_type in PLAIN_TOKENIZER_MODEL_TYPES)
+
+
+def load_tokenizer(path: str, chat_template: Optional[str]) -> Any:
+    """The checkpoint's tokenizer, as AutoTokenizer loads it. Where AutoTokenizer would end at the plain
+    tokenizers-library class anyway, that class is loaded directly: AutoTokenizer first builds the model's
+    transformers config, whose imports (torch.distributed.tensor, accelerate, sympy) cost seconds of CPU in
+    every server, replica and rank process."""
+    try:
+        if plain_tokenizer_dir(path):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            tokenizer = TokenizersBackend.from_pretrained(path, _from_auto=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad directory
         raise ConfigError(f"cannot load a tokenizer from {path}: {exc}") from None
     if chat_template:

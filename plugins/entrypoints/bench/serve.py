@@ -115,15 +115,14 @@ class RequestTiming:
 def bench_requests(ns: argparse.Namespace, draw: int = 0) -> list[BenchRequest]:
     """The requests of ``--workload`` for the model's tokenizer; ``draw`` > 0 draws another set of the same shape
     (W1's fixed requests and the prefix groups' prefixes stay; W1 then gets fresh token ids)."""
-    from transformers import AutoTokenizer
-
+    from pagoda.engine.components import load_tokenizer
     from pagoda.engine.engine_args import load_hf_config
     from pagoda.modeling.default_model import resolve_model_path
 
     model_dir = resolve_model_path(ns.model)
     config = load_hf_config(model_dir)
     vocab = int(config.get("text_config", config)["vocab_size"])
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(str(model_dir), None)  # the server's own load (AutoTokenizer's tokenizer)
     special = set(tokenizer.all_special_ids)
     if ns.workload == "w1":
         requests = random_64(vocab, special, ns.num_prompts)
