@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from one_engine import release
 from quant_helpers import TINY
 from safetensors.torch import load_file, save_file
 from tiny_models import write_tiny_checkpoint
@@ -30,6 +31,21 @@ from pagoda.step import AttentionBatch
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+@pytest.fixture
+def build():
+    """``build(*args, **kwargs)`` is ``LLM(*args, **kwargs)``; every engine a test built is shut down and freed
+    when the test ends, so nothing the module built stays in the worker."""
+    built: list[LLM] = []
+
+    def make(*args, **kwargs) -> LLM:
+        built.append(LLM(*args, **kwargs))
+        return built[-1]
+
+    yield make
+    while built:
+        release(built.pop())
 
 
 @pytest.fixture(autouse=True)
@@ -84,12 +100,12 @@ def test_a_backend_that_ignores_fp8_is_refused_instead_of_storing_model_dtype_kv
 # ---- memory ----
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_fp8_cache_holds_twice_the_blocks_of_bf16_in_the_same_bytes(backend, tmp_path):
+def test_fp8_cache_holds_twice_the_blocks_of_bf16_in_the_same_bytes(backend, tmp_path, build):
     path = write_tiny_checkpoint(tmp_path / "tiny")
     common = dict(load_format="dummy", dtype="bfloat16", kv_cache_memory_bytes=4 << 20, swap_space=0,
                   attention_backend=backend)
-    bf16 = LLM(str(path), **common).engine
-    fp8 = LLM(str(path), kv_cache_dtype="fp8", **common).engine
+    bf16 = build(str(path), **common).engine
+    fp8 = build(str(path), kv_cache_dtype="fp8", **common).engine
     assert bf16.num_blocks > 0 and fp8.num_blocks == 2 * bf16.num_blocks
     assert {c.dtype for c in fp8.runner.kv_caches} == {FP8}
     assert sum(c.nbytes for c in fp8.runner.kv_caches) == sum(c.nbytes for c in bf16.runner.kv_caches)
@@ -278,12 +294,12 @@ def checkpoint_with_scales(tmp_path, scales: dict[str, torch.Tensor]):
     return out
 
 
-def test_k_and_v_scales_load_from_the_checkpoint_and_scale_what_the_cache_stores(tmp_path):
+def test_k_and_v_scales_load_from_the_checkpoint_and_scale_what_the_cache_stores(tmp_path, build):
     scales = {"model.layers.0.self_attn.k_scale": torch.tensor(0.05), "model.layers.0.self_attn.v_scale":
               torch.tensor([0.02]), "model.layers.1.self_attn.kv_scale": torch.tensor(0.03)}
     path = checkpoint_with_scales(tmp_path, scales)
-    llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", attention_backend="torch", swap_space=0,
-              kv_cache_memory_bytes=1 << 20)
+    llm = build(str(path), dtype="float32", kv_cache_dtype="fp8", attention_backend="torch", swap_space=0,
+                kv_cache_memory_bytes=1 << 20)
     attns = [layer.attn for layer in llm.engine.model.layers]
     assert [s for a in attns for s in (a.k_scale, a.v_scale)] == pytest.approx([0.05, 0.02, 0.03, 0.03])
 
@@ -308,13 +324,13 @@ def test_k_and_v_scales_load_from_the_checkpoint_and_scale_what_the_cache_stores
         assert torch.equal(stored_v.view(torch.uint8), (v / attn.v_scale).clamp(-448, 448).to(FP8).view(torch.uint8))
 
 
-def test_a_checkpoint_without_scales_loads_with_unit_scales_and_bf16_kv_ignores_scales(tmp_path):
-    plain = LLM(str(TINY), dtype="float32", kv_cache_dtype="fp8", swap_space=0, kv_cache_memory_bytes=1 << 20)
+def test_a_checkpoint_without_scales_loads_with_unit_scales_and_bf16_kv_ignores_scales(tmp_path, build):
+    plain = build(str(TINY), dtype="float32", kv_cache_dtype="fp8", swap_space=0, kv_cache_memory_bytes=1 << 20)
     assert {(layer.attn.k_scale, layer.attn.v_scale) for layer in plain.engine.model.layers} == {(1.0, 1.0)}
     path = checkpoint_with_scales(tmp_path, {"model.layers.0.self_attn.k_scale": torch.tensor(0.05)})
     prompts = [{"prompt_token_ids": [1, 5, 9, 100, 200]}]
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0, ignore_eos=True)
-    tokens = [LLM(str(p), dtype="float32", swap_space=0, kv_cache_memory_bytes=1 << 20).generate(
+    tokens = [build(str(p), dtype="float32", swap_space=0, kv_cache_memory_bytes=1 << 20).generate(
         prompts, params, use_tqdm=False)[0].outputs[0].token_ids for p in (TINY, path)]
     assert tokens[0] == tokens[1]
 
@@ -339,8 +355,8 @@ TINY_PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumer
 TINY_PARAMS = SamplingParams(max_tokens=14, min_tokens=14, temperature=0, ignore_eos=True)
 
 
-def tiny_fp8_tokens(**kwargs) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(TINY), dtype="float32", kv_cache_dtype="fp8", max_model_len=256, **kwargs)
+def tiny_fp8_tokens(build, **kwargs) -> tuple[list[list[int]], LLM]:
+    llm = build(str(TINY), dtype="float32", kv_cache_dtype="fp8", max_model_len=256, **kwargs)
     schedule, llm.swapped_out = llm.engine.scheduler.schedule, []
 
     def recording_schedule():
@@ -353,18 +369,18 @@ def tiny_fp8_tokens(**kwargs) -> tuple[list[list[int]], LLM]:
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
-def test_fp8_blocks_swapped_out_and_back_resume_with_identical_tokens():
-    roomy, _ = tiny_fp8_tokens(swap_space=0, kv_cache_memory_bytes=1 << 20)
-    tokens, llm = tiny_fp8_tokens(num_gpu_blocks_override=10, preemption_mode="swap", swap_space=0.01)
+def test_fp8_blocks_swapped_out_and_back_resume_with_identical_tokens(build):
+    roomy, _ = tiny_fp8_tokens(build, swap_space=0, kv_cache_memory_bytes=1 << 20)
+    tokens, llm = tiny_fp8_tokens(build, num_gpu_blocks_override=10, preemption_mode="swap", swap_space=0.01)
     assert llm.engine.scheduler.num_preemptions > 0 and llm.swapped_out
     assert {c.dtype for c in llm.engine.runner.swap_caches} == {FP8}
     assert tokens == roomy
 
 
-def test_a_draft_checkpoint_keeps_its_own_fp8_cache_and_greedy_tokens_stay_the_targets():
-    plain, _ = tiny_fp8_tokens(swap_space=0, kv_cache_memory_bytes=1 << 20)
+def test_a_draft_checkpoint_keeps_its_own_fp8_cache_and_greedy_tokens_stay_the_targets(build):
+    plain, _ = tiny_fp8_tokens(build, swap_space=0, kv_cache_memory_bytes=1 << 20)
     spec = {"method": "draft_model", "model": str(TINY), "num_speculative_tokens": 3}
-    tokens, llm = tiny_fp8_tokens(swap_space=0, kv_cache_memory_bytes=1 << 20, speculative_config=spec)
+    tokens, llm = tiny_fp8_tokens(build, swap_space=0, kv_cache_memory_bytes=1 << 20, speculative_config=spec)
     assert {c.dtype for c in llm.engine.runner.draft_kv_caches} == {FP8}
     assert tokens == plain
 
@@ -382,16 +398,21 @@ NUM_TOKENS = 24
 FP8_NEAR_TIE = 1.5
 
 
-def test_default_model_with_fp8_kv_picks_bf16_kv_greedy_tokens():
+def test_default_model_with_fp8_kv_picks_bf16_kv_greedy_tokens(build):
     """Free-running greedy runs part at the first near-tie (bf16 logits tie often, and where depends on the
     CPU's rounding), so agreement is judged teacher-forced: on bf16-KV's greedy sequence, fp8-KV's argmax at
     every generated position, which must be bf16-KV's token or lie within ``FP8_NEAR_TIE`` of it.
     """
     params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     common = dict(dtype="bfloat16", swap_space=0, kv_cache_memory_bytes=32 << 20)
-    bf16_runs = LLM(**common).generate(PROMPTS, params, use_tqdm=False)
+    bf16_llm = LLM(**common)
+    try:
+        bf16_runs = bf16_llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        release(bf16_llm)  # one copy of the default model at a time
+        del bf16_llm
     bf16 = [list(o.outputs[0].token_ids) for o in bf16_runs]
-    fp8_llm = LLM(kv_cache_dtype="fp8", enable_prefix_caching=False, **common)
+    fp8_llm = build(kv_cache_dtype="fp8", enable_prefix_caching=False, **common)
     forced = fp8_llm.generate([{"prompt_token_ids": list(o.prompt_token_ids) + t} for o, t in zip(bf16_runs, bf16)],
                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     agree, gaps = 0, []
@@ -407,9 +428,9 @@ def test_default_model_with_fp8_kv_picks_bf16_kv_greedy_tokens():
                                        f"(allowed {FP8_NEAR_TIE}); {agree} of {total} positions agree")
 
 
-def test_default_model_fp8_kv_values_fit_e4m3_without_a_scale():
+def test_default_model_fp8_kv_values_fit_e4m3_without_a_scale(build):
     """Unit scales are the default because this model's K/V stay far inside e4m3's +-448."""
-    llm = LLM(dtype="bfloat16", attention_backend="torch", swap_space=0, kv_cache_memory_bytes=32 << 20)
+    llm = build(dtype="bfloat16", attention_backend="torch", swap_space=0, kv_cache_memory_bytes=32 << 20)
     backend, peaks = llm.engine.backend, [0.0, 0.0]
     forward = backend.forward
 

@@ -7,10 +7,8 @@ raises after the layers before it have written their K/V.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-from one_engine import release
+from one_engine import OneEngine
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import StepFailedError
@@ -84,21 +82,32 @@ def run_until_done(engine) -> dict:
     return done
 
 
-@pytest.fixture(scope="module")
-def llm():
-    llm = make_llm()
-    yield llm
-    release(llm)
-    del llm
-    gc.collect()
+SPECULATIVE = {"ngram": {"method": "ngram", "num_speculative_tokens": 3},
+               "self": {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 2}}
 
 
 @pytest.fixture(scope="module")
-def clean(llm):
+def engines():
+    """One engine alive at a time (each holds its own copy of the default model), released at the module's end:
+    the plain one for the tests below, then one per speculative method."""
+    engines = OneEngine({"plain": make_llm, **{method: (lambda spec=spec: make_llm(speculative_config=spec))
+                                               for method, spec in SPECULATIVE.items()}})
+    yield engines
+    engines.close()
+
+
+@pytest.fixture
+def llm(engines):
+    return engines.get("plain")
+
+
+@pytest.fixture(scope="module")
+def clean(engines):
     """Token ids of each request in a run without faults."""
+    engine = engines.get("plain").engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    submit(llm.engine, PROMPTS, params)
-    return {rid: out.outputs[0].token_ids for rid, out in run_until_done(llm.engine).items()}
+    submit(engine, PROMPTS, params)
+    return {rid: out.outputs[0].token_ids for rid, out in run_until_done(engine).items()}
 
 
 def assert_idle(llm):
@@ -165,11 +174,9 @@ def test_a_request_that_fails_alone_ends_with_an_error_and_the_others_finish(llm
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
-def test_speculative_steps_recover_from_faults_too(method, clean):
-    spec = ({"method": "ngram", "num_speculative_tokens": 3} if method == "ngram"
-            else {"method": "draft_model", "model": "self:layers=8", "num_speculative_tokens": 2})
-    llm = make_llm(speculative_config=spec)
+@pytest.mark.parametrize("method", list(SPECULATIVE))
+def test_speculative_steps_recover_from_faults_too(method, clean, engines):
+    llm = engines.get(method)
     fault = Fault(llm, lambda step, ids: step in (3, 6))
     engine = llm.engine
     try:
@@ -183,11 +190,6 @@ def test_speculative_steps_recover_from_faults_too(method, clean):
             done.update({out.request_id: out for out in outputs if out.finished})
     finally:
         fault.remove(llm)
-    try:
-        assert fault.raised > 0
-        assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == clean
-        assert_idle(llm)
-    finally:
-        release(llm)
-        del llm, engine
-        gc.collect()
+    assert fault.raised > 0
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == clean
+    assert_idle(llm)

@@ -13,6 +13,7 @@ import json
 import re
 
 import pytest
+from one_engine import release
 from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, validator
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
@@ -29,7 +30,10 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def llm():
     ensure_default_model()
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=256 << 20)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
 
 
 
@@ -197,8 +201,13 @@ def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     # 4 blocks, 64 tokens, for 3 requests of about 30 tokens each
     tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=4)
-    outs = tight.generate(prompts, params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
+    try:
+        outs = tight.generate(prompts, params, use_tqdm=False)
+        num_preemptions = tight.engine.scheduler.num_preemptions
+    finally:
+        release(tight)
+        del tight
+    assert num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == roomy
     assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
 
