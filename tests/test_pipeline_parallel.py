@@ -20,7 +20,7 @@ from tiny_models import write_tiny_llama
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
            " ".join(f"Line {i}: the keeper counted {i * 7 % 13} ships." for i in range(1, 8)), "Hello"]
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1),
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1),
           SamplingParams(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True, logprobs=1)]
 TOKEN_PROMPTS = [[1, 5, 9, 100, 200], [1, 300, 17, 44, 45, 46, 250, 12, 90, 91, 300], list(range(3, 60, 3))]
 
@@ -108,7 +108,7 @@ def test_three_layers_over_two_stages_give_the_tokens_of_one(three_layers, one_s
 @pytest.mark.parametrize("limits", [dict(num_gpu_blocks_override=4, preempts=True), dict(max_num_seqs=3)],
                          ids=["four-blocks", "three-seats"])
 def test_many_more_requests_than_fit_give_the_tokens_of_one_with_steps_in_flight(three_layers, limits):
-    """Nine requests of up to 31 tokens in four blocks of 16 (they are preempted and computed again, in each lane
+    """Nine requests of up to 27 tokens in four blocks of 16 (they are preempted and computed again, in each lane
     of steps), or with three seats (one lane takes them all at first, then shares them): the tokens of one
     stage, with two steps in flight."""
     options = dict(prompts=TOKEN_PROMPTS * 3, params=(PARAMS * 5)[:9], **limits)
