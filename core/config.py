@@ -88,6 +88,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # sequences one tenant may have waiting to start (the server answers that tenant 503 beyond it; None: no bound)
     max_waiting_per_tenant: Optional[int] = None
+    # after the served engine wakes from idle, it waits for more arrivals while they come at most this many ms
+    # apart (at most 8 such gaps) before its first step, so that requests sent together share it (0: no wait)
+    idle_gather_ms: float = 0.0
     # the policy's own options (``scheduler_options``), passed to its factory as keyword arguments
     policy_options: dict[str, Any] = field(default_factory=dict)
 

@@ -64,16 +64,23 @@ class EngineDeadError(PagodaError):
     """The engine loop stopped (it could not recover from an error, or it was shut down)."""
 
 
+_IDLE_GATHER_GAPS = 8  # the longest wait for arrivals after waking from idle, in --idle-gather-ms gaps
+
+
 class AsyncLLMEngine:
     """Runs ``engine.step()`` in a thread while requests are pending; asyncio callers stream results."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: Optional[int] = None,
-                 max_consecutive_failures: int = 3) -> None:
+                 max_consecutive_failures: int = 3, idle_gather_ms: Optional[float] = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests or engine.config.scheduler.max_waiting_requests
         self.max_waiting_tokens = engine.config.scheduler.max_waiting_tokens
         self.max_waiting_per_tenant = engine.config.scheduler.max_waiting_per_tenant
         self.max_consecutive_failures = max_consecutive_failures
+        # waking from idle, wait while requests keep arriving at most this far apart (seconds; 0: not at all)
+        if idle_gather_ms is None:
+            idle_gather_ms = engine.config.scheduler.idle_gather_ms
+        self.idle_gather_s = idle_gather_ms / 1000.0
         self.model_name = engine.config.model.served_model_name
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._wakeup = threading.Event()
@@ -305,6 +312,7 @@ class AsyncLLMEngine:
             if not engine.has_unfinished_requests():
                 if not self._stop:
                     self._wakeup.wait()
+                    self._gather_arrivals()
                 continue
             try:
                 outputs = engine.step_engine_outputs()
@@ -314,6 +322,24 @@ class AsyncLLMEngine:
             self._consecutive_failures = 0
             if outputs:
                 self._to_loop(self._deliver, outputs)
+
+    def _gather_arrivals(self) -> None:
+        """Just woken from idle: let requests sent together with the first one arrive before the first step.
+
+        Without this, the first request alone is prefilled in a step of its own while the others, handed in a
+        millisecond later, wait for that step. Waits while commands keep coming at most ``idle_gather_s``
+        apart, for at most 8 such gaps; a lone request waits one gap.
+        """
+        gap = self.idle_gather_s
+        if gap <= 0:
+            return
+        deadline = time.monotonic() + _IDLE_GATHER_GAPS * gap
+        while not self._stop:
+            self._wakeup.clear()
+            self._run_commands()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._wakeup.wait(min(gap, remaining)):
+                return
 
     def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` on the event loop (thread-safe); a closed loop has no one left to tell."""

@@ -20,6 +20,8 @@ from pagoda.host.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 
 # the older flags of the fair policy -> its option each sets (the same as --scheduler-options '{"option": ...}')
+# the served engine's wait for more arrivals after waking from idle (EngineArgs.idle_gather_ms)
+IDLE_GATHER_MS = 3.0
 FAIR_FLAGS = {"tenant_weights": "tenant_weights", "fair_step_seqs": "step_seqs", "fair_step_ms": "step_ms"}
 
 
@@ -133,6 +135,10 @@ class EngineArgs(HostOptions):
     max_waiting_per_tenant: Optional[int] = Field(
         default=None, gt=0, description="sequences one tenant (see pagoda serve --tenant-source) may have waiting to "
                                         "start; beyond it that tenant alone gets 503 (default: no bound)")
+    idle_gather_ms: float = Field(default=IDLE_GATHER_MS, ge=0, le=1000, description=(
+        "pagoda serve: when the engine wakes from idle on a request, it first waits while more requests arrive "
+        "at most this many milliseconds apart (for at most 8 such gaps), so that requests sent together are "
+        "prefilled in one step; 0: start the first step at once"))
     tensor_parallel_size: int = Field(default=1, gt=0, description=(
         "ranks the model is split over (its heads, MLP columns and vocabulary), each a process"))
     pipeline_parallel_size: int = Field(default=1, gt=0, description=(
@@ -499,6 +505,7 @@ class EngineArgs(HostOptions):
             max_waiting_requests=self.max_waiting_requests,
             max_waiting_tokens=self.max_waiting_tokens,
             max_waiting_per_tenant=self.max_waiting_per_tenant,
+            idle_gather_ms=self.idle_gather_ms,
             num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
             policy_options=self._scheduler_options(),
         )
