@@ -16,6 +16,10 @@ batched path, which wins there. ``isa_paths()`` names the path each kernel
 takes. In the engine's batch-invariant mode every token, fresh prompts' included, goes through
 ``cpu_kernels.cpp`` (one (token, kv head) item over its keys in a fixed order, whatever else is in the
 step), and layers with a sliding window, soft-cap or sinks through the torch backend's per-token path.
+Outside that mode such layers decode through ``cpu_kernels.cpp`` too (it skips the blocks before a
+token's window, masks the rest, soft-caps the scores and puts each head's sink in the softmax's
+denominator), their fresh prompts through the torch backend's masked attention; a window no
+sequence of the step has outgrown hides no key, so until then its layer is a plain one.
 Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update, 2^x
 and the 8-lane pieces of their AVX2 paths. The kernels are compiled on first use
 (about a minute) and cached by torch's extension loader, keyed on their source,
@@ -38,8 +42,8 @@ from pagoda.errors import BackendUnavailable
 from pagoda.host.cpp_extension import load_cpu_extension, load_cpu_extension_or_none
 from pagoda.host.env import HostConfig, host_config_of
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
-from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
-                                                     write_kv)
+from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, _allowed,
+                                                     quantize_step_kv, write_kv)
 from pagoda.step import AttentionBatch
 
 # On one thread, above this many decodes in a step, batched matmuls over gathered K/V beat the
@@ -246,12 +250,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: CpuAttentionMetadata) -> torch.Tensor:
-        if (getattr(layer, "sliding_window", None) or getattr(layer, "logit_softcap", None)
-                or getattr(layer, "sinks", None) is not None):
-            # the C++ kernels attend causally over every key: such a layer takes the torch backend's path
-            if md.torch_all is None:
-                md.torch_all = TorchAttentionBackend.build_metadata(self, md.batch)
-            return TorchAttentionBackend.forward(self, layer, q, k, v, kv_cache, md.torch_all)
+        window = getattr(layer, "sliding_window", None)
+        softcap = getattr(layer, "logit_softcap", None)
+        sinks = getattr(layer, "sinks", None)
+        if window and md.batch.max_seq_len <= window and not self.batch_invariant:
+            window = None  # no sequence of the step has outgrown it: it hides no key
+        if window or softcap or sinks is not None:
+            if self.batch_invariant or self.fp8 or md.torch_decode is not None or md.context_prefills is not None:
+                # these steps take the torch backend's path (masked gathers and matmuls) for such a layer
+                if md.torch_all is None:
+                    md.torch_all = TorchAttentionBackend.build_metadata(self, md.batch)
+                return TorchAttentionBackend.forward(self, layer, q, k, v, kv_cache, md.torch_all)
+            return self._forward_shaped(layer, q, k, v, kv_cache, md, window, softcap, sinks)
         k_scale = v_scale = 1.0
         if self.fp8:
             k, v, k_scale, v_scale = quantize_step_kv(layer, k, v, self.fp8)
@@ -280,5 +290,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
             ki, vi = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)  # [Hkv, n, D]
             oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True, scale=layer.scale,
                                                 enable_gqa=self.group > 1)
+            out[start:end] = oi[0].transpose(0, 1)
+        return out.view(q.shape[0], -1)
+
+    def _forward_shaped(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        md: CpuAttentionMetadata, window: Optional[int], softcap: Optional[float],
+                        sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        """A layer with a sliding window, logit soft-cap or sinks: decodes and prompt tokens after cached context
+        through the paged kernel, which applies all three; fresh prompts through the torch backend's masked
+        attention."""
+        if md.written_tokens is None and k.stride(2) == 1 and v.stride(2) == 1:
+            self.kernels.write_kv(kv_cache, k, v, md.slot_mapping)
+        else:
+            write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
+        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+            sinks = sinks.float().contiguous()
+        out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale,
+                                           window=window or 0, softcap=softcap or 0.0, sinks=sinks)
+        plain = not softcap and sinks is None
+        for start, end in md.fresh_prefills:
+            n = end - start
+            qi, ki, vi = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            oi = self._attend(qi, ki, vi, _allowed(0, n, n, window), layer, layer.scale, plain)
             out[start:end] = oi[0].transpose(0, 1)
         return out.view(q.shape[0], -1)

@@ -21,12 +21,50 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "csrc/cpu_softmax.h"
 
 namespace {
+
+// What a layer with a sliding window, a logit soft-cap or attention sinks does to one item's scores before
+// its softmax: `masked` leading keys fall outside the window, scores become tanh(s / softcap) * softcap, and
+// each query head's sink logit joins the softmax's denominator only (nullptr: none).
+struct ScoreShape {
+  int64_t masked = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;  // the item's `group` query heads' sinks
+  bool plain() const { return masked == 0 && softcap == 0.f && sinks == nullptr; }
+};
+
+// `softmax(scores, rows, len, out_scale)` over each row of scores, shaped first as `shape` says; with sinks a
+// row's probabilities are scaled by sum / (sum + exp(sink)) (in its max's units), the sink's share
+template <typename Softmax>
+inline void shaped_softmax(float* scores, int64_t rows, int64_t len, float out_scale, const ScoreShape& shape,
+                           Softmax softmax) {
+  if (shape.plain()) {
+    softmax(scores, rows, len, out_scale);
+    return;
+  }
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    for (int64_t i = 0; i < shape.masked; ++i) sg[i] = -std::numeric_limits<float>::infinity();
+    if (shape.softcap > 0.f) {
+      for (int64_t i = shape.masked; i < len; ++i) sg[i] = std::tanh(sg[i] / shape.softcap) * shape.softcap;
+    }
+    float row_scale = out_scale;
+    if (shape.sinks != nullptr) {
+      float m = shape.sinks[g];
+      for (int64_t i = shape.masked; i < len; ++i) m = std::max(m, sg[i]);
+      double sum = 0.0;
+      for (int64_t i = shape.masked; i < len; ++i) sum += std::exp(static_cast<double>(sg[i] - m));
+      row_scale = static_cast<float>(out_scale * sum / (sum + std::exp(static_cast<double>(shape.sinks[g] - m))));
+    }
+    softmax(sg, 1, len, row_scale);
+  }
+}
 
 inline void load_row(const float* src, float* dst, int n) {
   std::memcpy(dst, src, sizeof(float) * n);
@@ -252,7 +290,8 @@ inline void prefetch_tile(const cache_t* k_head, const cache_t* v_head, const in
 template <typename cache_t>
 void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, const cache_t* k_head,
                       const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size,
-                      int64_t head_dim, float qk_scale, float v_scale, float* scores, at::BFloat16* out) {
+                      int64_t head_dim, float qk_scale, float v_scale, const ScoreShape& shape, float* scores,
+                      at::BFloat16* out) {
   constexpr bool kFp8 = std::is_same_v<cache_t, c10::Float8_e4m3fn>;
   alignas(64) at::BFloat16 tile[kFp8 ? 16 * kMaxFp8HeadDim : 1];
   const __m512 scale = _mm512_set1_ps(qk_scale);
@@ -308,7 +347,7 @@ void decode_item_bf16(const at::BFloat16* q, int64_t q_stride_h, int64_t group, 
       _mm512_mask_storeu_ps(scores + g * len + start, mask, _mm512_mul_ps(sum16(acc), scale));
     }
   }
-  softmax_rows(scores, group, len, v_scale);
+  shaped_softmax(scores, group, len, v_scale, shape, softmax_rows);
   // pass 2
   int64_t d0 = 0;
   for (; d0 + 64 <= head_dim; d0 += 64) weighted_values<4>(v_head, table, len, block_size, head_dim, d0, group, scores, out);
@@ -416,7 +455,8 @@ void weighted_values_slice(const cache_t* v_head, const int32_t* table, int64_t 
 template <typename scalar_t, typename cache_t>
 void decode_item_avx2(const scalar_t* q, int64_t q_stride_h, int64_t group, const cache_t* k_head,
                       const cache_t* v_head, const int32_t* table, int64_t len, int64_t block_size, int64_t head_dim,
-                      float qk_scale, float v_scale, float* qf, float* scores, scalar_t* out) {
+                      float qk_scale, float v_scale, const ScoreShape& shape, float* qf, float* scores,
+                      scalar_t* out) {
   // the group's query rows in fp32, times the score scale: [group, head_dim]
   const __m256 scale = _mm256_set1_ps(qk_scale);
   for (int64_t g = 0; g < group; ++g)
@@ -449,7 +489,7 @@ void decode_item_avx2(const scalar_t* q, int64_t q_stride_h, int64_t group, cons
       std::memcpy(scores + g * len + start, tile_scores, sizeof(float) * n);
     }
   }
-  softmax_rows_x8(scores, group, len, v_scale);
+  shaped_softmax(scores, group, len, v_scale, shape, softmax_rows_x8);
   // pass 2: 32 dims at a time, then 8
   int64_t d0 = 0;
   for (; d0 + 32 <= head_dim; d0 += 32)
@@ -464,7 +504,7 @@ constexpr bool kHasAvx2Kernel = false;
 template <typename scalar_t, typename cache_t>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                           const at::Tensor& token_req, const at::Tensor& token_len, at::Tensor& out, double scale,
-                          double k_scale, double v_scale) {
+                          double k_scale, double v_scale, int64_t window, double softcap, const float* sinks) {
   // q, out: [T, H, D]; block_tables: [B, max_blocks] int32; token_req / token_len: [T] int32
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
@@ -497,16 +537,25 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t item = next++; item < num_items; item = next++) {
       const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = len_ptr[t];
+      int64_t len = len_ptr[t];
       if (len <= 0) continue;  // left to the caller (fresh prefills use SDPA)
       const int32_t* table = bt_ptr + static_cast<int64_t>(req_ptr[t]) * max_blocks;
+      ScoreShape shape{0, static_cast<float>(softcap), sinks == nullptr ? nullptr : sinks + h * group};
+      if (window > 0 && len > window) {
+        // the token at position len - 1 sees keys [len - window, len): whole blocks before them are skipped,
+        // the rest of the first block's keys masked
+        const int64_t skip = (len - window) / block_size * block_size;
+        table += skip / block_size;
+        len -= skip;
+        shape.masked = len - window;
+      }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
       if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
                     (std::is_same_v<cache_t, at::BFloat16> || std::is_same_v<cache_t, c10::Float8_e4m3fn>)) {
         if (bf16_fast && (std::is_same_v<cache_t, at::BFloat16> || head_dim <= kMaxFp8HeadDim)) {
           scores.resize(group * len);
           decode_item_bf16(q_ptr + t * q_stride_t + h * group * q_stride_h, q_stride_h, group, k_ptr + h * head_stride,
-                           v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, scores.data(),
+                           v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, shape, scores.data(),
                            out_ptr + (t * num_heads + h * group) * head_dim);
           continue;
         }
@@ -516,7 +565,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
       if (avx2_fast) {
         scores.resize(group * len);
         decode_item_avx2(q_ptr + t * q_stride_t + h * group * q_stride_h, q_stride_h, group, k_ptr + h * head_stride,
-                         v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, qf.data(),
+                         v_ptr + h * head_stride, table, len, block_size, head_dim, fscale, fv_scale, shape, qf.data(),
                          scores.data(), out_ptr + (t * num_heads + h * group) * head_dim);
         continue;
       }
@@ -543,7 +592,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
           }
         }
       }
-      softmax_rows(scores.data(), group, len, fv_scale);  // the stored values times v_scale
+      shaped_softmax(scores.data(), group, len, fv_scale, shape, softmax_rows);  // the stored values times v_scale
       // pass 2: weighted sum of V rows
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
@@ -568,11 +617,13 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache, const
 
 }  // namespace
 
-// Each query token t attends to the first token_len[t] positions of request token_req[t].
+// Each query token t attends to the first token_len[t] positions of request token_req[t] (with window > 0,
+// the last `window` of them), its scores soft-capped (softcap > 0: tanh(s / softcap) * softcap) and, given
+// sinks ([num_heads] float32), each head's sink logit in its softmax's denominator.
 // The cache is q's dtype, or float8_e4m3fn; read values are stored * k_scale (keys), stored * v_scale (values).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& token_req, const at::Tensor& token_len, double scale, double k_scale,
-                           double v_scale) {
+                           double v_scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "q rows must be contiguous in head_dim");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && token_req.scalar_type() == at::kInt &&
@@ -582,29 +633,39 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   TORCH_CHECK(fp8 || q.scalar_type() == kv_cache.scalar_type(), "kv_cache must be q's dtype or float8_e4m3fn");
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const auto tables = block_tables.contiguous(), reqs = token_req.contiguous(), lens = token_len.contiguous();
+  at::Tensor sink_values;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == q.size(1),
+                "sinks must be float32 with one value per query head");
+    sink_values = sinks->contiguous();
+  }
+  const float* sink_ptr = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
   switch (q.scalar_type()) {
     case at::kFloat:
       if (fp8) {
-        paged_attention_impl<float, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale);
+        paged_attention_impl<float, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale,
+            window, softcap, sink_ptr);
       } else {
-        paged_attention_impl<float, float>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale);
+        paged_attention_impl<float, float>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale,
+            window, softcap, sink_ptr);
       }
       break;
     case at::kBFloat16:
       if (fp8) {
         paged_attention_impl<at::BFloat16, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale,
-                                                               v_scale);
+                                                               v_scale, window, softcap, sink_ptr);
       } else {
         paged_attention_impl<at::BFloat16, at::BFloat16>(q, kv_cache, tables, reqs, lens, out, scale, k_scale,
-                                                         v_scale);
+                                                         v_scale, window, softcap, sink_ptr);
       }
       break;
     case at::kHalf:
       if (fp8) {
         paged_attention_impl<at::Half, c10::Float8_e4m3fn>(q, kv_cache, tables, reqs, lens, out, scale, k_scale,
-                                                           v_scale);
+                                                           v_scale, window, softcap, sink_ptr);
       } else {
-        paged_attention_impl<at::Half, at::Half>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale);
+        paged_attention_impl<at::Half, at::Half>(q, kv_cache, tables, reqs, lens, out, scale, k_scale, v_scale,
+            window, softcap, sink_ptr);
       }
       break;
     default:
@@ -660,5 +721,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over K/V read in place (CPU)", no_gil,
         pybind11::arg("q"), pybind11::arg("kv_cache"), pybind11::arg("block_tables"), pybind11::arg("token_req"),
         pybind11::arg("token_len"), pybind11::arg("scale"), pybind11::arg("k_scale") = 1.0,
-        pybind11::arg("v_scale") = 1.0);
+        pybind11::arg("v_scale") = 1.0, pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
+        pybind11::arg("sinks") = pybind11::none());
 }
