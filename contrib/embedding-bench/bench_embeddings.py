@@ -14,7 +14,8 @@ copies of the model; the runs are timed inside it (tokenizing included) and alte
 vLLM runs in its own venv (``--vllm-python``), once in float32 and once in bfloat16 (two processes), with
 ``VLLM_CPU_OMP_THREADS_BIND=0-1`` and ``VLLM_CPU_KVCACHE_SPACE=4`` unless the environment sets them; the
 faster of the two is the one compared. Texts are ``--tokens`` tokens each, or with ``--mixed`` of lengths
-drawn between 16 and ``--tokens`` (log-normal, seeded), in the order drawn.
+drawn between 16 and ``--tokens`` (log-normal, seeded), in the order drawn. vLLM runs without prefix
+caching: the same texts every run would come from its cache, while the others compute every token.
 
     python contrib/embedding-bench/bench_embeddings.py --model bert-base --texts 64 --tokens 128 --repeat 3
     python contrib/embedding-bench/bench_embeddings.py --model qwen2-0.5b --texts 32 --tokens 128 \\
@@ -49,6 +50,16 @@ def write_word_tokenizer(folder: Path, vocab_size: int, max_length: int) -> None
     BertTokenizer(vocab=str(folder / "vocab.txt"), model_max_length=max_length).save_pretrained(str(folder))
 
 
+def write_byte_tokenizer(folder: Path) -> None:
+    """A Qwen2 tokenizer (byte-level BPE) without merges: one token per byte, no special tokens added."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+                   pad_token="<|endoftext|>", model_max_length=512).save_pretrained(str(folder))
+
+
 def write_st_files(folder: Path, hidden: int, pooling: str, max_length: int) -> None:
     (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -78,7 +89,7 @@ def write_qwen2_05b(folder: Path, layers: int) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    write_word_tokenizer(folder, 151936, 512)
+    write_byte_tokenizer(folder)
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
@@ -92,13 +103,17 @@ def write_qwen2_05b(folder: Path, layers: int) -> None:
     write_st_files(folder, 896, "last", 512)
 
 
-def draw_texts(count: int, tokens: int, mixed: bool, vocab_words: int) -> list[str]:
-    """Texts of ``tokens`` tokens with the [CLS] and [SEP] the tokenizer adds (or of drawn lengths)."""
+def draw_texts(model: str, count: int, tokens: int, mixed: bool) -> list[str]:
+    """Texts of ``tokens`` tokens (or of drawn lengths): for the encoder, words w0..w30516 between the [CLS] and
+    [SEP] its tokenizer adds; for the decoder, lowercase letters (one token each)."""
     rng = random.Random(0)
     texts = []
     for _ in range(count):
         n = min(tokens, max(16, int(rng.lognormvariate(math.log(tokens / 2), 0.6)))) if mixed else tokens
-        texts.append(" ".join(f"w{rng.randrange(vocab_words)}" for _ in range(n - 2)))
+        if model == "bert-base":
+            texts.append(" ".join(f"w{rng.randrange(30517)}" for _ in range(n - 2)))
+        else:
+            texts.append("".join(chr(97 + rng.randrange(26)) for _ in range(n)))
     return texts
 
 
@@ -155,7 +170,9 @@ def make_runner(engine: str, folder: str, texts: list[str], batch_size: int, tok
     dtype = engine.split("-", 1)[1]  # vllm-float32, vllm-bfloat16
     from vllm import LLM
 
-    llm = LLM(model=folder, runner="pooling", dtype=dtype, max_model_len=512, seed=0)
+    # no prefix caching: the same texts every run would otherwise be served from the cache, and the others
+    # compute every token
+    llm = LLM(model=folder, runner="pooling", dtype=dtype, max_model_len=512, seed=0, enable_prefix_caching=False)
 
     def run() -> list[float]:
         return list(llm.embed(texts, use_tqdm=False)[0].outputs.embedding)
@@ -245,11 +262,16 @@ def main() -> None:
         folder = Path(tmp) / ns.model
         if ns.model == "bert-base":
             write_bert_base(folder, ns.layers or 12)
-            layers, vocab = ns.layers or 12, 30522
+            layers = ns.layers or 12
         else:
             write_qwen2_05b(folder, ns.layers or 24)
-            layers, vocab = ns.layers or 24, 151936
-        texts = draw_texts(ns.texts, ns.tokens, ns.mixed, vocab - 5)
+            layers = ns.layers or 24
+        texts = draw_texts(ns.model, ns.texts, ns.tokens, ns.mixed)
+        from transformers import AutoTokenizer  # what sentence-transformers and vLLM read
+
+        tokens = [len(ids) for ids in AutoTokenizer.from_pretrained(str(folder))(texts)["input_ids"]]
+        if not ns.mixed and set(tokens) != {ns.tokens}:
+            raise SystemExit(f"the tokenizer gives {sorted(set(tokens))} tokens per text, not {ns.tokens}")
         texts_file = Path(tmp) / "texts.json"
         texts_file.write_text(json.dumps(texts))
         workers = []
@@ -268,7 +290,7 @@ def main() -> None:
         print(f"CPU: {cpu_name()} ({platform.machine()}; {cpu_flags()}), {os.cpu_count()} cores; threads "
               f"{ns.threads}; load average {load_before} before, {load_average()} after")
         print(f"{ns.model} ({layers} layers), float32 unless named; {ns.texts} texts x {lengths}{ns.tokens} "
-              f"tokens, batch {ns.batch_size}; medians of {ns.repeat} alternated runs")
+              f"tokens ({sum(tokens)} in all), batch {ns.batch_size}; medians of {ns.repeat} alternated runs")
         rates = {}
         reference = next((w.first for w in workers if w.name == "sentence-transformers"), None)
         for w in workers:
