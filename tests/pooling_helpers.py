@@ -40,6 +40,16 @@ def _bert_tokenizer(folder: Path) -> None:
     BertTokenizer(vocab=str(vocab), do_lower_case=True, model_max_length=64).save_pretrained(str(folder))
 
 
+def _byte_tokenizer(folder: Path) -> None:
+    """A Qwen2 tokenizer (byte-level BPE) without merges: one token per byte."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+                   pad_token="<|endoftext|>", model_max_length=64).save_pretrained(str(folder))
+
+
 def _small(config_class, **extra):
     return config_class(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=48, max_position_embeddings=66, hidden_dropout_prob=0.0,
@@ -73,7 +83,8 @@ def write_encoder(folder: Path, kind: str = "bert", pooling: str = "mean", seed:
 
 def write_decoder(folder: Path, arch: str = "qwen2", pooling: str = "last", seed: int = 0,
                   matryoshka: bool = True) -> Path:
-    """A tiny random Qwen2 / Llama decoder used for embeddings (with a word-piece tokenizer: any tokenizer does)."""
+    """A tiny random Qwen2 / Llama decoder used for embeddings (a byte-level tokenizer for Qwen2, word-piece for
+    Llama)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -84,7 +95,10 @@ def write_decoder(folder: Path, arch: str = "qwen2", pooling: str = "last", seed
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                        tie_word_embeddings=False)
     model_class(cfg).save_pretrained(str(folder))
-    _bert_tokenizer(folder)
+    if arch == "qwen2":  # transformers loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer, whatever is saved
+        _byte_tokenizer(folder)
+    else:
+        _bert_tokenizer(folder)
     if matryoshka:
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))

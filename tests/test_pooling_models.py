@@ -38,9 +38,16 @@ def test_encoder_embeddings_match_sentence_transformers(tmp_path, kind, pooling)
     engine, ours = _pagoda_embeddings(folder)
     assert engine.task == "embed" and engine.pooling.method == pooling and engine.pooling.normalize
     _assert_same_directions(ours, _st_embeddings(folder))
-    # texts of different lengths in one padded batch give what each gives alone
+    # texts of different lengths packed in one batch, and runs of texts of one length attending in one call,
+    # give what each gives alone
     alone = torch.stack([finish_embedding(engine.run([engine.tokenize(t)])[0], True, None) for t in TEXTS])
     assert torch.nn.functional.cosine_similarity(ours, alone).min().item() >= 0.9999
+    twice = torch.stack([finish_embedding(v, True, None) for v in engine.run([engine.tokenize(t)
+                                                                                for t in TEXTS + TEXTS[::-1]])])
+    assert torch.nn.functional.cosine_similarity(twice, torch.cat([alone, alone.flip(0)])).min().item() >= 0.9999
+    from pagoda.modeling.models.bert import PackedLinear, can_pack_linears
+
+    assert isinstance(engine.encoder.layers[0].query, PackedLinear) == can_pack_linears(torch.float32)
 
 
 @pytest.mark.parametrize("arch, pooling", [("qwen2", "last"), ("llama", "mean")])

@@ -1,8 +1,8 @@
 """Pooling models: embeddings and cross-encoder scores, prefill-only.
 
 A :class:`PoolingEngine` runs a pooling model over batches of tokenized inputs and returns one vector (embed)
-or one score (score) per input: no decode, no sampling. An encoder (BERT family) runs its padded batch with
-bidirectional attention and no KV cache; a decoder used for embeddings runs through pagoda's own decoder and
+or one score (score) per input: no decode, no sampling. An encoder (BERT family) runs its batch packed, with
+no padding, bidirectional attention and no KV cache; a decoder used for embeddings runs through pagoda's own decoder and
 attention backend on a scratch KV cache that each batch reuses from block 0 (nothing stays cached between
 batches). :class:`AsyncPoolingEngine` puts the server's requests into shared batches on a thread of its own.
 """
@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from pagoda.errors import ConfigError, InvalidRequestError
-from pagoda.modeling.pooling import TASKS, detect_task, is_encoder, pool, read_pooling_config
+from pagoda.modeling.pooling import TASKS, detect_task, is_encoder, pool, pool_packed, read_pooling_config
 
 logger = logging.getLogger("pagoda.pooling")
 
@@ -136,9 +136,9 @@ class PoolingEngine:
     # ---- running ------------------------------------------------------------------------------------------
 
     def batch_cost(self, items: list[PoolingInput]) -> int:
-        """Tokens a batch costs: an encoder pads to its longest input; a decoder takes whole KV blocks."""
+        """Tokens a batch costs: an encoder packs its inputs (no padding); a decoder takes whole KV blocks."""
         if self.encoder is not None:
-            return len(items) * max(len(i.token_ids) for i in items)
+            return sum(len(i.token_ids) for i in items)
         return sum(-(-len(i.token_ids) // self.block_size) * self.block_size for i in items)
 
     @torch.inference_mode()
@@ -151,18 +151,27 @@ class PoolingEngine:
             return self._run_decoder(items)
 
     def _run_encoder(self, items: list[PoolingInput]) -> list[torch.Tensor]:
-        n, longest = len(items), max(len(i.token_ids) for i in items)
-        input_ids = torch.zeros((n, longest), dtype=torch.long)
-        token_types = torch.zeros((n, longest), dtype=torch.long)
-        for row, item in enumerate(items):
-            input_ids[row, :len(item.token_ids)] = torch.tensor(item.token_ids)
+        # packed end to end, longest first: inputs of one length lie together and attend in one call
+        order = sorted(range(len(items)), key=lambda i: -len(items[i].token_ids))
+        ordered = [items[i] for i in order]
+        lengths = [len(i.token_ids) for i in ordered]
+        input_ids = torch.tensor([t for i in ordered for t in i.token_ids])
+        token_types = torch.zeros(len(input_ids), dtype=torch.long)
+        start = 0
+        for item, n in zip(ordered, lengths):
             if item.token_type_ids is not None:
-                token_types[row, :len(item.token_type_ids)] = torch.tensor(item.token_type_ids)
-        lengths = torch.tensor([len(i.token_ids) for i in items])
-        hidden = self.encoder(input_ids, token_types, lengths)  # [n, longest, hidden]
+                token_types[start:start + len(item.token_type_ids)] = torch.tensor(item.token_type_ids)
+            start += n
+        hidden = self.encoder(input_ids, token_types, lengths)  # [tokens, hidden]
         if self.task == "score" and self.encoder.num_labels:
-            return list(torch.sigmoid(self.encoder.classify(hidden).float()[:, 0]))
-        return list(pool(hidden, lengths, self.pooling.method))
+            firsts = hidden[torch.tensor(lengths).cumsum(0) - torch.tensor(lengths)]
+            out = torch.sigmoid(self.encoder.classify(firsts).float()[:, 0])
+        else:
+            out = pool_packed(hidden, lengths, self.pooling.method)
+        results: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for row, i in enumerate(order):
+            results[i] = out[row]
+        return results
 
     def _run_decoder(self, items: list[PoolingInput]) -> list[torch.Tensor]:
         from pagoda.execution.model_runner import FlatBatch

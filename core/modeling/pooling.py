@@ -107,6 +107,19 @@ def pool(hidden: torch.Tensor, lengths: torch.Tensor, method: str) -> torch.Tens
     return (hidden * mask).sum(1) / lengths[:, None].float()
 
 
+def pool_packed(hidden: torch.Tensor, lengths: list[int], method: str) -> torch.Tensor:
+    """``hidden``: ``[tokens, hidden]``, sequences of ``lengths`` end to end. Returns ``[batch, hidden]`` in
+    float32."""
+    ends = torch.tensor(lengths).cumsum(0)
+    if method == "cls":
+        return hidden[ends - torch.tensor(lengths)].float()
+    if method == "last":
+        return hidden[ends - 1].float()
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    sums = torch.zeros(len(lengths), hidden.shape[-1]).index_add_(0, owner, hidden.float())
+    return sums / torch.tensor(lengths, dtype=torch.float32)[:, None]
+
+
 def finish_embedding(vector: torch.Tensor, normalize: bool, dimensions: Optional[int]) -> torch.Tensor:
     """Normalize (when the model does), cut to ``dimensions`` (Matryoshka) and normalize again."""
     if normalize:

@@ -1,8 +1,11 @@
 """BERT-family encoders (BERT, RoBERTa, XLM-R and the BGE/E5/GTE checkpoints built on them) for pooling.
 
-Bidirectional attention over each whole sequence, no KV cache: a batch is padded to its longest sequence and
-a key mask hides the padding. The same module serves embeddings (the last hidden states, pooled outside) and
-cross-encoder scores (``*ForSequenceClassification``: the classifier head on the first token).
+Bidirectional attention over each whole sequence, no KV cache. A batch is packed, not padded: its sequences'
+tokens lie end to end (``[tokens, hidden]``), so the linear layers do no work on padding, and attention runs
+once per run of consecutive sequences of one length (no mask). The same module serves embeddings (the last
+hidden states, pooled outside) and cross-encoder scores (``*ForSequenceClassification``: the classifier head on
+the first token). In float32 on an x86 CPU the linear layers' weights are reordered once, at load, into
+oneDNN's blocked layout (:class:`PackedLinear`), 10-30% faster than the same matrix products through MKL.
 """
 
 from __future__ import annotations
@@ -44,14 +47,43 @@ class EncoderLayer(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, eps=eps)
         self.act = _ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        # x: [batch, seq, hidden]; key_mask: [batch, 1, 1, seq], True where a key is a real token (None: all are)
-        b, s, h = x.shape
-        heads = lambda t: t.view(b, s, self.num_heads, h // self.num_heads).transpose(1, 2)  # noqa: E731
-        attn = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)), heads(self.value(x)),
-                                              attn_mask=key_mask)
-        x = self.attn_norm(x + self.attn_out(attn.transpose(1, 2).reshape(b, s, h)))
+    def forward(self, x: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+        # x: [tokens, hidden], the batch's sequences end to end; runs: (first token, sequences, length) of each
+        # run of consecutive sequences of one length
+        h = x.shape[-1]
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        parts = []
+        for start, count, length in runs:
+            end = start + count * length
+            heads = lambda t: t[start:end].view(count, length, self.num_heads, h // self.num_heads  # noqa: E731
+                                                ).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))  # [count, heads, length, d]
+            parts.append(attn.transpose(1, 2).reshape(count * length, h))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        x = self.attn_norm(x + self.attn_out(attn))
         return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+class PackedLinear(nn.Module):
+    """A float32 linear layer whose weight oneDNN reordered once into its blocked layout (the original weight is
+    dropped): the same products as :func:`torch.nn.functional.linear` to float32 rounding, faster on x86 CPUs."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1024)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack_linears(dtype: torch.dtype) -> bool:
+    """Whether :class:`PackedLinear` applies: float32 on an x86 CPU whose torch has oneDNN."""
+    import platform
+
+    return (dtype == torch.float32 and platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class EncoderModel(nn.Module):
@@ -100,27 +132,40 @@ class EncoderModel(nn.Module):
             num_labels = int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2))
         model = cls(cfg, family, num_labels, dtype)
         model.load_weights(_iter_safetensors(Path(model_dir)))
+        if can_pack_linears(dtype):
+            model.pack_linears()
         return model.eval()
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, lengths: torch.Tensor
-                ) -> torch.Tensor:
-        """``input_ids``, ``token_type_ids``: ``[batch, seq]`` padded; ``lengths``: ``[batch]``. Returns the
-        last hidden states ``[batch, seq, hidden]`` (rows past a sequence's length are padding)."""
-        b, s = input_ids.shape
-        positions = torch.arange(s).expand(b, s) + self.position_offset
+    def pack_linears(self) -> None:
+        """Swap every linear layer for a :class:`PackedLinear` (once the weights are loaded)."""
+        for module in [self, *self.layers]:
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedLinear(child))
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """``input_ids``, ``token_type_ids``: ``[tokens]``, the batch's sequences end to end; ``lengths``: each
+        sequence's length, in that order. Returns the last hidden states ``[tokens, hidden]``, packed alike."""
+        positions = torch.cat([torch.arange(n) for n in lengths]) + self.position_offset
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids) + \
             self.position_embeddings(positions)
         x = self.embed_norm(x)
-        key_mask = None  # a batch without padding attends without a mask (SDPA's fused kernels)
-        if bool((lengths < s).any()):
-            key_mask = (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+        runs: list[tuple[int, int, int]] = []  # (first token, sequences, length)
+        start = 0
+        for n in lengths:
+            if runs and runs[-1][2] == n:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+            else:
+                runs.append((start, 1, n))
+            start += n
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = layer(x, runs)
         return x
 
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq, hidden]`` -> the classification head's logits ``[batch, num_labels]``."""
-        return self.head_out(torch.tanh(self.head_dense(hidden[:, 0])))
+    def classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """The first token's hidden state of each sequence ``[batch, hidden]`` -> the classification head's
+        logits ``[batch, num_labels]``."""
+        return self.head_out(torch.tanh(self.head_dense(first_tokens)))
 
     # ---- loading -------------------------------------------------------------------------------------
 
