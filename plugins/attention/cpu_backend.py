@@ -42,8 +42,8 @@ from pagoda.errors import BackendUnavailable
 from pagoda.host.cpp_extension import load_cpu_extension, load_cpu_extension_or_none
 from pagoda.host.env import HostConfig, host_config_of
 from pagoda.plugins.attention.kv_fp8 import dequantize_fp8
-from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, _allowed,
-                                                     quantize_step_kv, write_kv)
+from pagoda.plugins.attention.torch_backend import (TorchAttentionBackend, TorchAttentionMetadata, quantize_step_kv,
+                                                     write_kv)
 from pagoda.step import AttentionBatch
 
 # On one thread, above this many decodes in a step, batched matmuls over gathered K/V beat the
@@ -309,8 +309,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                            window=window or 0, softcap=softcap or 0.0, sinks=sinks)
         plain = not softcap and sinks is None
         for start, end in md.fresh_prefills:
-            n = end - start
             qi, ki, vi = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-            oi = self._attend(qi, ki, vi, _allowed(0, n, n, window), layer, layer.scale, plain)
-            out[start:end] = oi[0].transpose(0, 1)
+            out[start:end] = self._attend_fresh(qi, ki, vi, layer, window, plain)[0].transpose(0, 1)
         return out.view(q.shape[0], -1)

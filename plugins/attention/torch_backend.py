@@ -176,13 +176,7 @@ class TorchAttentionBackend:
             if ctx == 0:
                 ki = dequantize_fp8(k[start:end], k_scale, q.dtype) if self.fp8 else k[start:end]
                 vi = dequantize_fp8(v[start:end], v_scale, q.dtype) if self.fp8 else v[start:end]
-                ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hkv, n, D]
-                if plain and not window:
-                    oi = F.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True,
-                                                        scale=layer.scale, enable_gqa=self.group > 1)
-                else:
-                    allowed = _allowed(0, end - start, end - start, window)
-                    oi = self._attend(qi, ki, vi, allowed, layer, layer.scale, plain)
+                oi = self._attend_fresh(qi, ki.transpose(0, 1), vi.transpose(0, 1), layer, window, plain)
             else:
                 ki = self._read(k_cache.index_select(1, block_ids), q.dtype).view(hkv, -1, d)[:, :seq_len]
                 vi = self._read(v_cache.index_select(1, block_ids), q.dtype).view(hkv, -1, d)[:, :seq_len]
@@ -194,6 +188,16 @@ class TorchAttentionBackend:
                     oi = oi * v_scale
             out[start:end] = oi[0].transpose(0, 1)
         return out.view(q.shape[0], -1)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, window: Optional[int],
+                      plain: bool) -> torch.Tensor:
+        """A fresh prompt's attention (q [H, n, D], k/v [Hkv, n, D]; no cached context): torch's flash kernel for
+        a plain causal layer, else the masked path with the layer's window, soft-cap and sinks."""
+        if plain and not window:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=layer.scale,
+                                                  enable_gqa=self.group > 1)
+        n = q.shape[1]
+        return self._attend(q, k, v, _allowed(0, n, n, window), layer, layer.scale, plain)
 
     @staticmethod
     def _read(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
