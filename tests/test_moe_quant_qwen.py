@@ -1,6 +1,6 @@
-"""GPTQ and AWQ Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py quantizes a tiny random
-checkpoint that transformers writes (attention, dense MLP, every routed expert and Qwen2-MoE's shared expert,
-4-bit), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
+"""GPTQ, AWQ and compressed-tensors Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py
+quantizes a tiny random checkpoint that transformers writes (attention, dense MLP, every routed expert and
+Qwen2-MoE's shared expert; 4-bit groups, and compressed-tensors' int8 with a scale per row), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
 (float32). A shared expert stored unquantized under a quant config that covers it is refused with the tensor
 named and the way to mark it, and loads once marked."""
 
@@ -75,23 +75,31 @@ def _reference(src: Path, dequant: dict[str, torch.Tensor], out: Path):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("fmt, group", [("gptq", 32), ("awq", 8)])
-def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense, tmp_path, arch, fmt, group):
+def _quantized_bits(layer) -> int:
+    """The bits a linear layer of pagoda's holds its weight in (GPTQ/AWQ/pack-quantized: ``int_bits``; int8)."""
+    if getattr(layer, "int_bits", None) is not None:
+        return layer.int_bits
+    return 8 if type(layer.quant_method).__name__ == "Int8LinearMethod" else 0
+
+
+@pytest.mark.parametrize("arch, fmt, bits, group", [
+    (arch, fmt, 4, group) for fmt, group in (("gptq", 32), ("awq", 8)) for arch in ("qwen2_moe", "qwen3_moe")
+] + [("qwen3_moe", "compressed", 4, 16), ("qwen2_moe", "compressed-int8", 8, None)])
+def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense, tmp_path, arch, fmt, bits, group):
     src = dense(arch)
     out = tmp_path / fmt
-    dequant = _rtn().convert(src, out, 4, group, fmt == "gptq", fmt)
+    dequant = _rtn().convert(src, out, bits, group or 32, fmt != "awq", fmt, channel=group is None)
     num_sparse = 1 if arch == "qwen2_moe" else 2  # Qwen2-MoE's second layer is dense
     assert sum(".experts." in name for name in dequant) == num_sparse * 4 * 3  # every routed expert
     assert sum(".shared_expert." in name for name in dequant) == (3 if arch == "qwen2_moe" else 0)
     reference = _reference(src, dequant, tmp_path / "dequantized")
     llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
     model = llm.engine.runner.model
-    assert model.layers[0].qkv_proj.int_bits == 4
+    assert _quantized_bits(model.layers[0].qkv_proj) == bits
     if arch == "qwen2_moe":  # the dense layer's MLP and the shared expert run on the quantized kernels
-        assert model.layers[1].gate_up_proj.int_bits == 4
-        assert model.layers[0].moe.shared_expert.gate_up_proj.int_bits == 4
-        assert model.layers[0].moe.shared_expert.down_proj.int_bits == 4
+        assert _quantized_bits(model.layers[1].gate_up_proj) == bits
+        assert _quantized_bits(model.layers[0].moe.shared_expert.gate_up_proj) == bits
+        assert _quantized_bits(model.layers[0].moe.shared_expert.down_proj) == bits
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):
@@ -122,3 +130,16 @@ def test_an_unquantized_shared_expert_under_a_quant_config_that_covers_it_is_nam
     (out / "config.json").write_text(json.dumps(config))
     shared = LLM(model=str(out), **options).engine.runner.model.layers[0].moe.shared_expert
     assert getattr(shared.gate_up_proj, "int_bits", None) is None and shared.gate_up_proj.weight.dtype == torch.float32
+
+
+def test_a_compressed_expert_missing_its_scale_is_named(dense, tmp_path):
+    src = dense("qwen3_moe")
+    out = tmp_path / "compressed"
+    _rtn().convert(src, out, 4, 16, True, "compressed")
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.2.down_proj.weight_scale"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"quantized expert 'model\.layers\.1\.mlp\.experts\.2\.down_proj' "
+                                              r"\(compressed-tensors config_groups\.group_0, pack-quantized\) has no "
+                                              r"weight_scale"):
+        LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)

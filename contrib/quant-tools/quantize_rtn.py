@@ -1,7 +1,8 @@
-"""Round-to-nearest group-wise quantization of a dense safetensors checkpoint into a GPTQ or AWQ checkpoint.
+"""Round-to-nearest group-wise quantization of a dense safetensors checkpoint into a GPTQ, AWQ or
+compressed-tensors checkpoint.
 
-    .venv/bin/python contrib/quant-tools/quantize_rtn.py OUT [--src DIR] [--bits 4] [--group 64] \
-        [--asym] [--format gptq|awq] [--reference]
+    .venv/bin/python contrib/quant-tools/quantize_rtn.py OUT [--src DIR] [--bits 4] [--group 64] [--channel] \
+        [--asym] [--format gptq|awq|compressed|compressed-int8] [--reference]
 
 No calibration data and no tool beyond pagoda and torch: every linear of the
 decoder layers (a Mixture-of-Experts model's experts and shared expert too,
@@ -19,6 +20,11 @@ Formats (the tensors pagoda's loaders, vLLM and transformers read):
   zero points minus one); ``--asym`` writes ``checkpoint_format: gptq_v2``,
   since a v1 zero point of 0 cannot be stored.
 - ``awq``: AutoAWQ's GEMM layout, 4-bit, always with zero points.
+- ``compressed``: compressed-tensors "pack-quantized" (llm-compressor's W4A16 /
+  W8A16), symmetric: ``weight_packed``/``weight_scale``/``weight_shape``, group
+  scales, or one scale per output row with ``--channel``.
+- ``compressed-int8``: compressed-tensors "int-quantized" W8A16: an int8
+  ``weight`` and one ``weight_scale`` per output row.
 
 Writes OUT/reference/dequant.safetensors (every quantized linear dequantized,
 float32 ``[out, in]``); ``--reference`` also writes reference/generations.json
@@ -100,6 +106,19 @@ def awq_tensors(q, scales, zeros) -> dict[str, torch.Tensor]:
     return {"qweight": pack_awq(q.t()), "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
 
 
+def compressed_tensors(q, scales, bits: int, fmt: str, in_features: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors layouts of symmetric ``q`` (offset by ``2**(bits-1)``): pack-quantized
+    ``weight_packed [out, in * b / 32]`` / ``weight_scale [out, G]`` / ``weight_shape``, or int-quantized
+    ``weight`` int8 ``[out, in]`` / ``weight_scale [out, 1]``."""
+    signed = q - (1 << (bits - 1))
+    if fmt == "compressed-int8":
+        return {"weight": signed.to(torch.int8), "weight_scale": scales.float()}
+    per_word = 32 // bits
+    padded = torch.nn.functional.pad(q, (0, -in_features % per_word), value=1 << (bits - 1))
+    return {"weight_packed": pack_int32(padded, bits, dim=1), "weight_scale": scales.float(),
+            "weight_shape": torch.tensor([q.shape[0], in_features], dtype=torch.int64)}
+
+
 def check_shapes(name: str, w: torch.Tensor, bits: int, group: int, fmt: str) -> None:
     out_features, in_features = w.shape
     per_word = 32 // bits
@@ -110,17 +129,33 @@ def check_shapes(name: str, w: torch.Tensor, bits: int, group: int, fmt: str) ->
                  f"size {group}; pass a --group that divides {in_features} or use --format gptq")
 
 
-def quant_config(fmt: str, bits: int, group: int, sym: bool) -> dict:
+def quant_config(fmt: str, bits: int, group: int, sym: bool, channel: bool = False) -> dict:
+    if fmt.startswith("compressed"):
+        weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "channel" if channel else "group",
+                   "group_size": None if channel else group, "dynamic": False, "actorder": None}
+        # the routers and Qwen2-MoE's one-output shared-expert gate stay unquantized, as llm-compressor leaves them
+        return {"quant_method": "compressed-tensors",
+                "format": "int-quantized" if fmt == "compressed-int8" else "pack-quantized",
+                "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$", "re:.*shared_expert_gate$"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": sym,
             "checkpoint_format": "gptq" if sym else "gptq_v2"}
 
 
-def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str) -> dict[str, torch.Tensor]:
-    """Write the quantized checkpoint to ``out``; returns the dequantized linears (float32 ``[out, in]``)."""
+def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str,
+            channel: bool = False) -> dict[str, torch.Tensor]:
+    """Write the quantized checkpoint to ``out``; returns the dequantized linears (float32 ``[out, in]``).
+    ``channel``: one scale per output row (compressed-tensors' channel strategy)."""
     if fmt == "awq" and (bits != 4 or sym):
         sys.exit("AWQ checkpoints are 4-bit with zero points: drop --bits/--sym or use --format gptq")
+    if fmt.startswith("compressed") and not sym:
+        sys.exit("compressed-tensors checkpoints are written symmetric here: drop --asym")
+    if fmt == "compressed-int8" and (bits != 8 or not channel):
+        sys.exit("--format compressed-int8 is int8 with one scale per output row: pass --bits 8 --channel")
+    if channel and not fmt.startswith("compressed"):
+        sys.exit("--channel is for the compressed-tensors formats; GPTQ and AWQ take a --group")
     files = sorted(src.glob("*.safetensors"))
     if not files:
         sys.exit(f"{src} has no *.safetensors files; pass --src a dense Hugging Face checkpoint directory")
@@ -134,14 +169,19 @@ def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str) ->
                 tensors[key] = value
                 continue
             check_shapes(key, value, bits, group, fmt)
-            q, scales, zeros = quantize_rtn(value, bits, group, sym)
-            packed = (awq_tensors(q, scales, zeros) if fmt == "awq"
-                      else gptq_tensors(q, scales, zeros, bits, group, zero_offset=1 if sym else 0))
+            cols = value.shape[1] if channel else group
+            q, scales, zeros = quantize_rtn(value, bits, cols, sym)
+            if fmt == "awq":
+                packed = awq_tensors(q, scales, zeros)
+            elif fmt.startswith("compressed"):
+                packed = compressed_tensors(q, scales, bits, fmt, value.shape[1])
+            else:
+                packed = gptq_tensors(q, scales, zeros, bits, group, zero_offset=1 if sym else 0)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
-            dequant[key] = dequantize(q, scales, zeros, group)
+            dequant[key] = dequantize(q, scales, zeros, cols)
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quant_config(fmt, bits, group, sym)
+    config["quantization_config"] = quant_config(fmt, bits, group, sym, channel)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in COPIED:
         if (src / name).exists():
@@ -171,7 +211,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--group", type=int, default=64, help="input columns per scale (default 64)")
     parser.add_argument("--asym", action="store_true", help="a zero point per group (default: symmetric)")
-    parser.add_argument("--format", choices=("gptq", "awq"), default="gptq")
+    parser.add_argument("--format", choices=("gptq", "awq", "compressed", "compressed-int8"), default="gptq")
+    parser.add_argument("--channel", action="store_true", help="one scale per output row instead of groups "
+                        "(compressed-tensors formats only)")
     parser.add_argument("--reference", action="store_true",
                         help="also write reference/generations.json with transformers (slower)")
     args = parser.parse_args(argv)
@@ -182,11 +224,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         args.src = ensure_default_model()
     sym = not args.asym and args.format != "awq"
-    dequant = convert(args.src, args.out, args.bits, args.group, sym, args.format)
+    dequant = convert(args.src, args.out, args.bits, args.group, sym, args.format, args.channel)
     if args.reference:
         sys.path.insert(0, str(Path(__file__).parent))
         write_reference(args.src, args.out, dequant)
-    print(f"wrote {args.out}: {len(dequant)} linears, {args.bits}-bit {args.format}, group {args.group}, "
+    print(f"wrote {args.out}: {len(dequant)} linears, {args.bits}-bit {args.format}, "
+          f"{'one scale per row' if args.channel else f'group {args.group}'}, "
           f"{'symmetric' if sym else 'asymmetric'}")
 
 

@@ -51,9 +51,9 @@ def check_architecture(factory: Any, config: dict[str, Any], *,
         raise where.fail("check_architecture()", "config has no 'architectures' entry",
                          "the config names the architecture the factory registers as", "the config passed in")
     default_dir = ensure_default_model()
-    from transformers import AutoTokenizer
+    from pagoda.engine.components import load_tokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(str(default_dir)))
+    vocab = len(load_tokenizer(str(default_dir), None))
     config.setdefault("vocab_size", vocab)
     knows_model_type = config.get("model_type") in transformers.CONFIG_MAPPING
     hf_model_class = getattr(transformers, arch, None)

@@ -11,10 +11,11 @@ answer's tokens already sent (``Resumption``): the client sees one stream with o
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 logger = logging.getLogger("pagoda")
 
@@ -187,8 +188,14 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float) -
 
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
-    app = FastAPI(title="pagoda kv-proxy")
     client = httpx.AsyncClient(timeout=timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="pagoda kv-proxy", lifespan=lifespan)
     turns = itertools.count()
 
     def error(status: int, message: str) -> JSONResponse:
@@ -346,9 +353,5 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float) -
             except httpx.HTTPError:
                 down.append(url)
         return JSONResponse({"down": down}, status_code=503 if down else 200)
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await client.aclose()
 
     return app

@@ -71,6 +71,55 @@ class CompressedTensorsConfig:
             return compressed_tensors_int8(name, weights, acts, self.kernel, self.host)
         return _float_method(name, weights, acts, self.fp8_tables)
 
+    def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """One routed expert's projection of a Mixture-of-Experts checkpoint (``name``, e.g.
+        ``model.layers.0.mlp.experts.3.gate_proj``) as float32 ``[out, in]``, from its config group's tensors:
+        pack-quantized ``weight_packed``/``weight_scale``/``weight_shape`` (``weight_g_idx``), int-quantized or
+        FP8 ``weight``/``weight_scale``. The experts then hold the model's dtype; quantized input activations
+        (W8A8) are not applied to them."""
+        index = None if any(name_matches(name, p) for p in self.ignore) else self._group_of(name)
+        if index is None:
+            raise CheckpointError(f"quantized expert {name!r}: no compressed-tensors config group targets it (or "
+                                  "it is in 'ignore'), so pagoda cannot tell how its tensors are packed")
+        group_name, _, fmt, weights, _ = self.groups[index]
+        where = f"quantized expert {name!r} (compressed-tensors config_groups.{group_name}, {fmt})"
+        packed = fmt == "pack-quantized"
+        needed = ("weight_packed", "weight_scale", "weight_shape") if packed else ("weight", "weight_scale")
+        missing = [t for t in needed if t not in tensors]
+        if missing:
+            raise CheckpointError(f"{where} has no {', '.join(missing)} tensor(s) in the checkpoint")
+        scale = tensors["weight_scale"].float()
+        if packed:
+            bits = int(weights.get("num_bits") or 0)
+            if weights.get("type") != "int" or bits not in (4, 8) or not weights.get("symmetric", True):
+                raise ConfigError(f"{where}: weights {weights} are not supported; expected symmetric int, 4 or 8 bits")
+            n_out, n_in = (int(v) for v in tensors["weight_shape"].flatten().tolist())
+            values = unpack_int32(tensors["weight_packed"], bits, dim=1)[:, :n_in].float() - (1 << (bits - 1))
+            group = n_in if weights.get("strategy") == "channel" else int(weights.get("group_size") or n_in)
+            g_idx = (tensors["weight_g_idx"].long() if "weight_g_idx" in tensors
+                     else torch.arange(n_in) // group)
+            if values.shape[0] != n_out or scale.shape[0] != n_out or int(g_idx.max()) >= scale.shape[1]:
+                raise CheckpointError(f"{where}: weight_packed {tuple(tensors['weight_packed'].shape)}, weight_scale "
+                                      f"{tuple(scale.shape)} and weight_shape {[n_out, n_in]} do not fit together "
+                                      f"for {bits}-bit groups of {group}")
+            return values * scale[:, g_idx]
+        weight = tensors["weight"]
+        if weight.dtype == torch.int8 and not weights.get("symmetric", True):
+            raise ConfigError(f"{where}: asymmetric int8 weights are not supported; expected symmetric: true")
+        if weight.dtype in (torch.int8, torch.float8_e4m3fn):
+            values = weight.float()
+        else:
+            raise CheckpointError(f"{where}: weight has dtype {weight.dtype}; expected int8 or float8_e4m3fn")
+        block = weights.get("block_structure") if weights.get("strategy") == "block" else None
+        if block:
+            bo, bi = (int(v) for v in block)
+            rows = scale.repeat_interleave(bo, 0)[: values.shape[0]]
+            return values * rows.repeat_interleave(bi, 1)[:, : values.shape[1]]
+        if scale.numel() not in (1, values.shape[0]):
+            raise CheckpointError(f"{where}: weight_scale {tuple(scale.shape)} is neither one scale nor one per "
+                                  f"output row of weight {tuple(weight.shape)}")
+        return values * scale.reshape(-1, 1)
+
     def _group_of(self, module: str) -> Optional[int]:
         for i, (_, targets, _, _, _) in enumerate(self.groups):
             if any(t == "Linear" or name_matches(module, t) for t in targets):

@@ -18,11 +18,16 @@ from pagoda.modeling.models.decoder import DecoderForCausalLM, DecoderLayer, Dec
 # model.layers.N.(mlp|block_sparse_moe).experts.REST
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(.+)$")
 # REST for one expert's projection: E.gate_proj.weight (Qwen), E.w1.weight (Mixtral), ...; a GPTQ/AWQ checkpoint's
-# E.w1.qweight, qzeros, scales and g_idx
-_ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias|qweight|qzeros|scales|g_idx)$")
+# E.w1.qweight, qzeros, scales and g_idx; a compressed-tensors one's weight_packed, weight_scale, weight_shape and
+# weight_g_idx (pack-quantized), or an int8 / FP8 weight with its weight_scale
+_ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias|qweight|qzeros|scales|g_idx|"
+                         r"weight_packed|weight_scale|weight_shape|weight_g_idx|input_scale|weight_zero_point)$")
 # model.layers.N.mlp.shared_expert.PROJ.weight: Qwen2-MoE's shared expert, unquantized
 _SHARED_EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(?:gate|up|down)_proj\.weight$")
-_QUANTIZED = ("qweight", "qzeros", "scales", "g_idx")
+_QUANTIZED = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape", "weight_g_idx",
+              "input_scale", "weight_zero_point")
+_QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # an expert "weight" stored quantized (compressed-tensors)
+_LOADERS = ("GPTQConfig", "AWQConfig", "CompressedTensorsConfig")
 _PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -92,10 +97,10 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                           ".mlp.shared_expert_gate.": ".mlp.moe.shared_expert_gate."}
 
     def __init__(self, cfg: Any, backend: Any, quant: Any = None) -> None:
-        if quant is not None and type(quant).__name__ not in ("GPTQConfig", "AWQConfig"):
-            raise ConfigError(f"{type(self).__name__}: pagoda loads GPTQ and AWQ Mixture-of-Experts checkpoints, not "
-                              f"{type(quant).__name__} (compressed-tensors, fp8 and online int8 are not applied to "
-                              "experts yet); use the unquantized checkpoint, or a GPTQ or AWQ one")
+        if quant is not None and type(quant).__name__ not in _LOADERS:
+            raise ConfigError(f"{type(self).__name__}: pagoda loads GPTQ, AWQ and compressed-tensors Mixture-of-Experts "
+                              f"checkpoints, not {type(quant).__name__} (fp8 and online int8 are not applied to "
+                              "experts yet); use the unquantized checkpoint, or a GPTQ, AWQ or compressed-tensors one")
         self.quant = quant
         if getattr(cfg, "batch_invariant", False):
             raise ConfigError(f"--batch-invariant covers dense models; {type(self).__name__} routes tokens to "
@@ -123,7 +128,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         for name, tensor in weights:
             match = _EXPERT_TENSOR.match(name)
             if match is None:
-                self._check_shared_expert(name)
+                self._check_shared_expert(name, tensor)
                 yield name, tensor
                 continue
             if self._on_another_stage(name):
@@ -134,7 +139,8 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                                       f"{len(self.layers)} layers")
             experts = self.experts_of(layer)
             one = _ONE_EXPERT.match(rest)
-            if one is not None and one.group(3) in _QUANTIZED:
+            if one is not None and (one.group(3) in _QUANTIZED
+                                    or (one.group(3) == "weight" and tensor.dtype in _QUANTIZED_DTYPES)):
                 if self.quant is None:
                     raise CheckpointError(f"checkpoint tensor {name!r} is a quantized expert's, but config.json has no "
                                           "quantization_config saying how it is packed")
@@ -150,23 +156,25 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             dequantize = getattr(self.quant, "dequantize", None)
             if dequantize is None:
                 raise CheckpointError(f"quantized expert {name!r}: {type(self.quant).__name__} cannot dequantize "
-                                      "expert weights; MoE checkpoints load quantized experts from GPTQ or AWQ")
+                                      "expert weights; MoE checkpoints load quantized experts from GPTQ, AWQ or "
+                                      "compressed-tensors")
             self.experts_of(layer).load_expert(part, expert, dequantize(tensors, name), name)
 
-    def _check_shared_expert(self, name: str) -> None:
+    def _check_shared_expert(self, name: str, tensor: torch.Tensor) -> None:
         """A shared expert stored unquantized in a checkpoint whose quant config covers it: say which tensor and
         how to mark the shared expert as left unquantized."""
         shared = _SHARED_EXPERT_WEIGHT.match(name)
-        if shared is None or self.quant is None or self._on_another_stage(name):
+        if (shared is None or self.quant is None or self._on_another_stage(name)
+                or tensor.dtype in _QUANTIZED_DTYPES):  # compressed-tensors' int8 / FP8 weights keep the name
             return
         layer = int(shared.group(1))
         block = getattr(self.layers[layer], "moe", None) if layer < len(self.layers) else None
         shared_expert = None if block is None else block.shared_expert
         if shared_expert is None or isinstance(shared_expert.down_proj.quant_method, UnquantizedLinearMethod):
             return
-        way_out = ("a dynamic rule \"-:.*shared_expert.*\": {} in its quantization_config"
-                   if type(self.quant).__name__ == "GPTQConfig"
-                   else '"shared_expert" in its quantization_config\'s modules_to_not_convert')
+        way_out = {"GPTQConfig": "a dynamic rule \"-:.*shared_expert.*\": {} in its quantization_config",
+                   "CompressedTensorsConfig": "\"re:.*shared_expert.*\" in its quantization_config's ignore list"
+                   }.get(type(self.quant).__name__, '"shared_expert" in its quantization_config\'s modules_to_not_convert')
         raise CheckpointError(f"checkpoint tensor {name!r} is an unquantized shared expert, but config.json's "
                               f"{type(self.quant).__name__} quantizes every linear layer of the decoder, the shared "
                               f"expert's too (as vLLM and transformers read it); quantize the shared expert, or "

@@ -217,11 +217,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def small_request(model_dir: Optional[str], output_len: int) -> BenchRequest:
-    from transformers import AutoTokenizer
-
+    from pagoda.engine.components import load_tokenizer
     from pagoda.modeling.default_model import resolve_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(model_dir)))
+    tokenizer = load_tokenizer(str(resolve_model_path(model_dir)), None)
     return BenchRequest(tokenizer(SMALL_PROMPT, add_special_tokens=False)["input_ids"], output_len)
 
 

@@ -17,8 +17,7 @@ def workload_trace(name: str, model: Optional[str], rate: float = math.inf, num_
                    seed: int = 0) -> list[TraceRequest]:
     """W1 (random-64, all at once unless ``rate`` is given), W2 (shared prefix) or W4 (the W1 requests with
     Poisson arrivals at ``rate`` req/s, seeded like ``pagoda bench serve``)."""
-    from transformers import AutoTokenizer
-
+    from pagoda.engine.components import load_tokenizer
     from pagoda.engine.engine_args import load_hf_config
     from pagoda.modeling.default_model import resolve_model_path
     from pagoda.plugins.entrypoints.bench.workloads import random_64, shared_prefix
@@ -31,7 +30,7 @@ def workload_trace(name: str, model: Optional[str], rate: float = math.inf, num_
     model_dir = resolve_model_path(model)
     config = load_hf_config(model_dir)
     vocab = int(config.get("text_config", config)["vocab_size"])
-    special = set(AutoTokenizer.from_pretrained(str(model_dir)).all_special_ids)
+    special = set(load_tokenizer(str(model_dir), None).all_special_ids)
     if name == "W2":
         drawn = shared_prefix(vocab, special, num_requests)
     else:
