@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import CheckpointError
+from pagoda.host.env import HostConfig, resolve_host_config
+from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.modeling.default_model import ensure_default_model
 
 MAX_TOKENS = 10
@@ -100,6 +102,8 @@ def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense,
         assert _quantized_bits(model.layers[1].gate_up_proj) == bits
         assert _quantized_bits(model.layers[0].moe.shared_expert.gate_up_proj) == bits
         assert _quantized_bits(model.layers[0].moe.shared_expert.down_proj) == bits
+    # int8 experts with a scale per row stay int8 in the MoE kernel; group-quantized ones are dequantized at load
+    assert model.layers[0].moe.experts.w13.dtype == (torch.int8 if fmt == "compressed-int8" else torch.float32)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):
@@ -143,3 +147,27 @@ def test_a_compressed_expert_missing_its_scale_is_named(dense, tmp_path):
                                               r"\(compressed-tensors config_groups\.group_0, pack-quantized\) has no "
                                               r"weight_scale"):
         LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "torch"])
+def test_int8_experts_compute_what_their_dequantized_weights_compute(fused):
+    """Int8 experts with row scales, through the C++ kernel and through torch, against the same experts held in
+    float32 as ``q * scale``; odd sizes, 1 to 19 tokens, top-3 of 5."""
+    torch.manual_seed(3)
+    experts, hidden, inter, top_k = 5, 37, 23, 3
+    host = resolve_host_config() if fused else HostConfig(fused_cpu_ops=False)
+    int8 = FusedMoE(experts, hidden, inter, torch.float32, host=host, int8=True, prefix="l.experts")
+    ref = FusedMoE(experts, hidden, inter, torch.float32, host=None, prefix="l.experts")
+    for e in range(experts):
+        for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            q = torch.randint(-127, 128, shape, dtype=torch.int8)
+            scale = torch.rand(shape[0]) * 0.02 + 1e-3
+            int8.load_expert(part, e, q, f"{part}{e}", scale=scale)
+            ref.load_expert(part, e, q.float() * scale[:, None], f"{part}{e}")
+    assert int8.w13.dtype == torch.int8 and not int8.missing()
+    with pytest.raises(CheckpointError, match="holds int8 experts, but the tensor is torch.float32 without row"):
+        int8.load_expert("gate", 0, torch.zeros(inter, hidden), "a float expert")
+    for tokens in (1, 4, 19):
+        x = torch.randn(tokens, hidden)
+        weights, ids = torch.rand(tokens, top_k), torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+        torch.testing.assert_close(int8(x, weights, ids), ref(x, weights, ids), rtol=1e-4, atol=1e-4)

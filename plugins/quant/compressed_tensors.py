@@ -71,6 +71,36 @@ class CompressedTensorsConfig:
             return compressed_tensors_int8(name, weights, acts, self.kernel, self.host)
         return _float_method(name, weights, acts, self.fp8_tables)
 
+    def int8_experts(self, prefix: str) -> bool:
+        """Whether the routed experts under ``prefix`` (``model.layers.N.mlp``) are int8 with one scale per
+        output row (or per module), symmetric: those stay int8 in the MoE kernel, at half the bytes of bf16."""
+        name = f"{prefix}.experts.0.gate_proj"
+        index = None if any(name_matches(name, p) for p in self.ignore) else self._group_of(name)
+        if index is None:
+            return False
+        _, _, fmt, weights, _ = self.groups[index]
+        return (fmt in ("int-quantized", "pack-quantized", "naive-quantized") and weights.get("type") == "int"
+                and weights.get("num_bits") == 8 and weights.get("symmetric", True)
+                and weights.get("strategy") in ("channel", "tensor"))
+
+    def int8_expert(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One routed expert's projection of an :meth:`int8_experts` layer as (int8 ``[out, in]``, float32
+        scales ``[out]``), exactly the checkpoint's values."""
+        weight = self.dequantize(tensors, name) if "weight_packed" in tensors else None  # checks every tensor
+        scale = tensors["weight_scale"].float().flatten()
+        if weight is not None:  # pack-quantized 8-bit: the checkpoint's values, recovered exactly
+            n_out = weight.shape[0]
+            scale = scale.expand(n_out) if scale.numel() == 1 else scale
+            return torch.round(weight / scale[:, None]).to(torch.int8), scale.contiguous()
+        if "weight" not in tensors or tensors["weight"].dtype != torch.int8:
+            raise CheckpointError(f"quantized expert {name!r}: its config group is int8, but the checkpoint has no "
+                                  "int8 weight tensor for it")
+        weight = tensors["weight"]
+        if scale.numel() not in (1, weight.shape[0]):
+            raise CheckpointError(f"quantized expert {name!r}: weight_scale {tuple(tensors['weight_scale'].shape)} is "
+                                  f"neither one scale nor one per output row of weight {tuple(weight.shape)}")
+        return weight, scale.expand(weight.shape[0]).contiguous()
+
     def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """One routed expert's projection of a Mixture-of-Experts checkpoint (``name``, e.g.
         ``model.layers.0.mlp.experts.3.gate_proj``) as float32 ``[out, in]``, from its config group's tensors:

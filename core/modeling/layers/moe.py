@@ -95,9 +95,11 @@ def select_experts(logits: torch.Tensor, spec: RouterSpec,
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, activation: str = "silu", b13: Optional[torch.Tensor] = None,
-                    b2: Optional[torch.Tensor] = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                    b2: Optional[torch.Tensor] = None, alpha: float = 1.702, limit: float = 7.0,
+                    s13: Optional[torch.Tensor] = None, s2: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The routed experts in torch, grouped: ``x [T, H]``, ``w13 [E, 2I, H]`` (gate rows, then up rows),
-    ``w2 [E, H, I]``, ``weights``/``ids [T, k]``. fp32 math, the result in ``x``'s dtype."""
+    ``w2 [E, H, I]``, ``weights``/``ids [T, k]``; int8 weights with their row scales ``s13 [E, 2I]``,
+    ``s2 [E, H]``. fp32 math, the result in ``x``'s dtype."""
     num_tokens, top_k = ids.shape
     inter = w13.shape[1] // 2
     flat = ids.reshape(-1)
@@ -109,11 +111,14 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        gate_up = xs[start:start + n] @ w13[e].float().t()  # [n, 2I]
+        w_13, w_2 = w13[e].float(), w2[e].float()
+        if s13 is not None:
+            w_13, w_2 = w_13 * s13[e][:, None], w_2 * s2[e][:, None]
+        gate_up = xs[start:start + n] @ w_13.t()  # [n, 2I]
         if b13 is not None:
             gate_up = gate_up + b13[e].float()
         h = _activate(gate_up[:, :inter], gate_up[:, inter:], activation, alpha, limit)
-        y = h @ w2[e].float().t()
+        y = h @ w_2.t()
         ys[start:start + n] = y if b2 is None else y + b2[e].float()
         start += n
     y = torch.empty_like(ys)
@@ -136,11 +141,13 @@ class FusedMoE(nn.Module):
 
     ``activation``: ``silu`` (``silu(gate) * up``) or ``clamped_swiglu`` (gpt-oss: ``alpha``, ``limit``).
     ``host``: the engine's host settings, which choose the CPU kernel (None: torch only).
+    ``int8``: the weights are held as int8 with one float32 scale per output row, ``s13 [E, 2I]`` and
+    ``s2 [E, H]`` (a checkpoint's int8 experts, loaded through :meth:`load_expert` with their scales).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *,
                  activation: str = "silu", has_bias: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                 host: Optional[HostConfig] = None, prefix: str = "") -> None:
+                 host: Optional[HostConfig] = None, prefix: str = "", int8: bool = False) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ConfigError(f"MoE activation {activation!r} is not one pagoda implements ({', '.join(ACTIVATIONS)})")
@@ -150,8 +157,14 @@ class FusedMoE(nn.Module):
         self.inter_start, self.intermediate_size = distributed.split(intermediate_size, tp.size, tp.rank)
         self.activation, self.alpha, self.limit, self.prefix = activation, float(alpha), float(limit), prefix
         inter = self.intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=dtype), requires_grad=False)
+        weight_dtype = torch.int8 if int8 else dtype
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=weight_dtype),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=weight_dtype), requires_grad=False)
+        self.s13 = self.s2 = None
+        if int8:
+            self.s13 = nn.Parameter(torch.ones(num_experts, 2 * inter), requires_grad=False)
+            self.s2 = nn.Parameter(torch.ones(num_experts, hidden_size), requires_grad=False)
         self.b13 = self.b2 = None
         if has_bias:
             self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * inter), requires_grad=False)
@@ -162,13 +175,21 @@ class FusedMoE(nn.Module):
         # bf16 experts with many tokens multiply in bf16 where the CPU has bf16 math; the grouped tiles take the
         # rest, and every expert elsewhere
         self.bf16_gemm = host is not None and cpu_isa.cpu_isa(host.cpu_isa) == "avx512_bf16"
-        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_gemm and dtype == torch.bfloat16 else ALL_ROWS
+        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_gemm and weight_dtype == torch.bfloat16 else ALL_ROWS
 
     # ---- loading ----------------------------------------------------------------------------------------
 
-    def load_expert(self, part: str, expert: int, loaded: torch.Tensor, name: str) -> None:
+    def load_expert(self, part: str, expert: int, loaded: torch.Tensor, name: str,
+                    scale: Optional[torch.Tensor] = None) -> None:
         """One expert's checkpoint tensor: ``part`` is ``gate``/``up`` (``[I, H]``), ``down`` (``[H, I]``),
-        ``gate_bias``/``up_bias`` (``[I]``) or ``down_bias`` (``[H]``), all of the full (unsplit) size."""
+        ``gate_bias``/``up_bias`` (``[I]``) or ``down_bias`` (``[H]``), all of the full (unsplit) size. Int8
+        experts take int8 weights with ``scale``, one per output row."""
+        is_weight = part in ("gate", "up", "down")
+        if is_weight and (self.s13 is not None) != (scale is not None and loaded.dtype == torch.int8):
+            raise CheckpointError(f"checkpoint tensor {name!r}: {self.prefix} holds "
+                                  f"{'int8' if self.s13 is not None else str(self.w13.dtype)} experts, but the tensor "
+                                  f"is {loaded.dtype}{' with' if scale is not None else ' without'} row scales; every "
+                                  "routed expert of a layer must be quantized alike")
         if not 0 <= expert < self.num_experts:
             raise CheckpointError(f"checkpoint tensor {name!r} names expert {expert}, but config.json gives "
                                   f"{self.num_experts} experts")
@@ -183,11 +204,17 @@ class FusedMoE(nn.Module):
         if part.endswith("_bias") and self.b13 is None:
             raise CheckpointError(f"checkpoint tensor {name!r} is an expert bias, which {self.prefix} was not "
                                   "configured with")
+        if scale is not None and tuple(scale.shape) != (expected[0],):
+            raise CheckpointError(f"checkpoint tensor {name!r}: {tuple(scale.shape)} scales for {expected[0]} rows")
         if part in ("gate", "up"):
             rows = loaded.narrow(0, start, inter)
             self.w13.data[expert].narrow(0, 0 if part == "gate" else inter, inter).copy_(rows)
+            if scale is not None:
+                self.s13.data[expert].narrow(0, 0 if part == "gate" else inter, inter).copy_(scale.narrow(0, start, inter))
         elif part == "down":
             self.w2.data[expert].copy_(loaded.narrow(1, start, inter))
+            if scale is not None:
+                self.s2.data[expert].copy_(scale)
         elif part in ("gate_bias", "up_bias"):
             self.b13.data[expert].narrow(0, 0 if part == "gate_bias" else inter, inter).copy_(
                 loaded.narrow(0, start, inter))
@@ -211,20 +238,21 @@ class FusedMoE(nn.Module):
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights on this rank (what a token reads per chosen expert)."""
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        scales = 0 if self.s13 is None else (self.s13[0].numel() + self.s2[0].numel()) * 4
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size() + scales
 
     # ---- compute ----------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights``/``ids [T, k]`` from :func:`select_experts` -> ``[T, H]`` in ``x``'s dtype."""
         if self.ops is not None and x.device.type == "cpu":
-            out = self.ops.moe_experts(x.contiguous(), self.w13, self.w2, None, None, self.b13, self.b2,
+            out = self.ops.moe_experts(x.contiguous(), self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
                                        ids.contiguous(), weights.float().contiguous(),
                                        ACTIVATIONS[self.activation], self.alpha, self.limit, self.gemv_max_rows, 0,
                                        self.bf16_gemm)
         else:
             out = grouped_experts(x, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2,
-                                  self.alpha, self.limit)
+                                  self.alpha, self.limit, self.s13, self.s2)
         return self.tp.all_reduce(out, "moe")
 
     def isa_path(self) -> str:
@@ -266,7 +294,7 @@ class SparseMoeBlock(nn.Module):
                  dtype: torch.dtype, *, router_bias: bool = False, activation: str = "silu",
                  expert_bias: bool = False, alpha: float = 1.702, limit: float = 7.0,
                  shared_expert: Optional[SharedExpert] = None, shared_gate: bool = False,
-                 host: Optional[HostConfig] = None, prefix: str = "") -> None:
+                 host: Optional[HostConfig] = None, prefix: str = "", int8_experts: bool = False) -> None:
         super().__init__()
         if router.top_k > num_experts:
             raise ConfigError(f"config.json routes each token to {router.top_k} experts of {num_experts}; "
@@ -275,7 +303,8 @@ class SparseMoeBlock(nn.Module):
         self.router = nn.Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)
         self.router.requires_grad_(False)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, dtype, activation=activation,
-                                has_bias=expert_bias, alpha=alpha, limit=limit, host=host, prefix=f"{prefix}.experts")
+                                has_bias=expert_bias, alpha=alpha, limit=limit, host=host, prefix=f"{prefix}.experts",
+                                int8=int8_experts)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shared_expert is not None and shared_gate:

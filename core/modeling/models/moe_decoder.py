@@ -74,7 +74,9 @@ class MoeDecoderLayer(DecoderLayer):
         self.moe = SparseMoeBlock(spec.hidden_size, moe.num_experts, moe.intermediate_size, moe.router, cfg.dtype,
                                   router_bias=moe.router_bias, activation=moe.activation, expert_bias=moe.expert_bias,
                                   alpha=moe.alpha, limit=moe.limit, shared_expert=shared, shared_gate=moe.shared_gate,
-                                  host=cfg.host, prefix=prefix)
+                                  host=cfg.host, prefix=prefix,
+                                  int8_experts=quant is not None and getattr(quant, "int8_experts", None) is not None
+                                  and quant.int8_experts(prefix))
         for param in self.moe.experts.parameters():
             param.is_optional = True  # filled through the experts' own loader, checked by FusedMoE.missing
 
@@ -158,7 +160,12 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                 raise CheckpointError(f"quantized expert {name!r}: {type(self.quant).__name__} cannot dequantize "
                                       "expert weights; MoE checkpoints load quantized experts from GPTQ, AWQ or "
                                       "compressed-tensors")
-            self.experts_of(layer).load_expert(part, expert, dequantize(tensors, name), name)
+            experts = self.experts_of(layer)
+            if experts.s13 is not None:  # int8 experts stay int8, with their row scales
+                q, scale = self.quant.int8_expert(tensors, name)
+                experts.load_expert(part, expert, q, name, scale=scale)
+            else:
+                experts.load_expert(part, expert, dequantize(tensors, name), name)
 
     def _check_shared_expert(self, name: str, tensor: torch.Tensor) -> None:
         """A shared expert stored unquantized in a checkpoint whose quant config covers it: say which tensor and
