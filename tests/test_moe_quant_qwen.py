@@ -1,6 +1,6 @@
 """GPTQ, AWQ and compressed-tensors Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py
 quantizes a tiny random checkpoint that transformers writes (attention, dense MLP, every routed expert and
-Qwen2-MoE's shared expert; 4-bit groups, and compressed-tensors' int8 with a scale per row), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
+Qwen2-MoE's shared expert; 4-bit groups, and int8 with a scale per row, which stays int8 in the experts), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
 (float32). A shared expert stored unquantized under a quant config that covers it is refused with the tensor
 named and the way to mark it, and loads once marked."""
 
@@ -86,7 +86,7 @@ def _quantized_bits(layer) -> int:
 
 @pytest.mark.parametrize("arch, fmt, bits, group", [
     (arch, fmt, 4, group) for fmt, group in (("gptq", 32), ("awq", 8)) for arch in ("qwen2_moe", "qwen3_moe")
-] + [("qwen3_moe", "compressed", 4, 16), ("qwen2_moe", "compressed-int8", 8, None)])
+] + [("qwen3_moe", "compressed", 4, 16), ("qwen2_moe", "compressed-int8", 8, None), ("qwen3_moe", "gptq", 8, None)])
 def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense, tmp_path, arch, fmt, bits, group):
     src = dense(arch)
     out = tmp_path / fmt
@@ -103,7 +103,7 @@ def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense,
         assert _quantized_bits(model.layers[0].moe.shared_expert.gate_up_proj) == bits
         assert _quantized_bits(model.layers[0].moe.shared_expert.down_proj) == bits
     # int8 experts with a scale per row stay int8 in the MoE kernel; group-quantized ones are dequantized at load
-    assert model.layers[0].moe.experts.w13.dtype == (torch.int8 if fmt == "compressed-int8" else torch.float32)
+    assert model.layers[0].moe.experts.w13.dtype == (torch.int8 if group is None else torch.float32)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):

@@ -140,7 +140,7 @@ def quant_config(fmt: str, bits: int, group: int, sym: bool, channel: bool = Fal
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
-    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": sym,
+    return {"quant_method": "gptq", "bits": bits, "group_size": -1 if channel else group, "desc_act": False, "sym": sym,
             "checkpoint_format": "gptq" if sym else "gptq_v2"}
 
 
@@ -154,8 +154,8 @@ def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str,
         sys.exit("compressed-tensors checkpoints are written symmetric here: drop --asym")
     if fmt == "compressed-int8" and (bits != 8 or not channel):
         sys.exit("--format compressed-int8 is int8 with one scale per output row: pass --bits 8 --channel")
-    if channel and not fmt.startswith("compressed"):
-        sys.exit("--channel is for the compressed-tensors formats; GPTQ and AWQ take a --group")
+    if channel and fmt == "awq":
+        sys.exit("--channel is for GPTQ (group_size -1) and the compressed-tensors formats; AWQ takes a --group")
     files = sorted(src.glob("*.safetensors"))
     if not files:
         sys.exit(f"{src} has no *.safetensors files; pass --src a dense Hugging Face checkpoint directory")
@@ -176,7 +176,7 @@ def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str,
             elif fmt.startswith("compressed"):
                 packed = compressed_tensors(q, scales, bits, fmt, value.shape[1])
             else:
-                packed = gptq_tensors(q, scales, zeros, bits, group, zero_offset=1 if sym else 0)
+                packed = gptq_tensors(q, scales, zeros, bits, cols, zero_offset=1 if sym else 0)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
             dequant[key] = dequantize(q, scales, zeros, cols)
     save_file(tensors, str(out / "model.safetensors"))
@@ -213,7 +213,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--asym", action="store_true", help="a zero point per group (default: symmetric)")
     parser.add_argument("--format", choices=("gptq", "awq", "compressed", "compressed-int8"), default="gptq")
     parser.add_argument("--channel", action="store_true", help="one scale per output row instead of groups "
-                        "(compressed-tensors formats only)")
+                        "(GPTQ's group_size -1; not for AWQ)")
     parser.add_argument("--reference", action="store_true",
                         help="also write reference/generations.json with transformers (slower)")
     args = parser.parse_args(argv)

@@ -36,6 +36,7 @@ class GPTQConfig:
             raise ConfigError(f"GPTQ with bits={self.bits!r} is not supported; pagoda reads 4-bit and 8-bit GPTQ")
         self.group_size = check_group_size(cfg.get("group_size", 128), "GPTQ")
         self.desc_act = bool(cfg.get("desc_act", False))
+        self.sym = bool(cfg.get("sym", True))
         fmt = str(cfg.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ConfigError(f"GPTQ checkpoint_format {fmt!r} is not supported; expected 'gptq' or 'gptq_v2'")
@@ -54,6 +55,22 @@ class GPTQConfig:
     def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """One packed projection (an MoE expert's) as float32 ``[out, in]``."""
         return dequantize_expert(self, tensors, name)
+
+    def int8_experts(self, prefix: str) -> bool:
+        """8-bit, symmetric, one scale per output column (``group_size: -1``): the routed experts stay int8 in
+        the MoE kernel (``prefix``, the layer's MLP, is the same for every layer: one scheme covers them all)."""
+        return self.bits == 8 and self.group_size == -1 and self.sym
+
+    def int8_expert(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One routed expert's projection as (int8 ``[out, in]``, float32 scales ``[out]``), exactly the
+        checkpoint's values; its zero points must all be 128, as ``sym: true`` says."""
+        dequantize_expert(self, tensors, name)  # checks that the tensors fit together
+        zeros = unpack_int32(tensors["qzeros"], 8, dim=1) + self.zero_offset
+        if not bool((zeros == 128).all()):
+            raise CheckpointError(f"quantized expert {name!r}: the config says sym: true, but its zero points are not "
+                                  "all 128; fix the config (sym: false) or the checkpoint")
+        q = unpack_int32(tensors["qweight"], 8, dim=0) - 128  # [in, out]
+        return q.t().contiguous().to(torch.int8), tensors["scales"].float().flatten().contiguous()
 
     def for_layer(self, prefix: str) -> Optional["GPTQLinearMethod"]:
         if is_skipped(prefix, lambda m: any(re.match(p, m) for p in self.skip_patterns), "GPTQ"):
