@@ -164,13 +164,6 @@ def test_a_quantized_mixtral_gives_the_tokens_of_its_dequantized_weights(write_c
             assert abs(lp.logprob - float(ref_first[tid])) < LOGPROB_ATOL, (fmt, tid)
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused_with_the_field_named():
-    from pagoda.modeling.models.gpt_oss import GptOssForCausalLM
-
-    with pytest.raises(ConfigError, match="MXFP4"):
-        GptOssForCausalLM.spec_from_hf({"quantization_config": {"quant_method": "mxfp4"}})
-
-
 @pytest.mark.slow  # two worker processes: 20 s on an idle machine
 def test_experts_split_over_two_tensor_parallel_ranks_match_hf(write_checkpoint):
     """Each rank holds half of every expert's intermediate dimension (33: 16 and 17 rows) and half of the

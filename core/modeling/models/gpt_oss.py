@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.errors import ConfigError
 from pagoda.modeling.layers.moe import RouterSpec
 from pagoda.modeling.layers.rotary import rope_from_hf
 from pagoda.modeling.models.decoder import DecoderSpec, base_spec, hf_field, layer_windows
@@ -18,11 +17,6 @@ class GptOssForCausalLM(MoeDecoderForCausalLM):
 
     @classmethod
     def spec_from_hf(cls, cfg: dict[str, Any]) -> DecoderSpec:
-        quant = (cfg.get("quantization_config") or {}).get("quant_method")
-        if quant == "mxfp4":
-            raise ConfigError("this gpt-oss checkpoint stores its experts in MXFP4 (quantization_config.quant_method "
-                              "'mxfp4'), which pagoda does not load; use a bf16 checkpoint (load it in transformers "
-                              "with Mxfp4Config(dequantize=True) and save_pretrained it)")
         base = base_spec(cfg)
         n = base["num_layers"]
         bias = bool(cfg.get("attention_bias", True))

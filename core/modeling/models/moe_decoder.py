@@ -27,7 +27,7 @@ _SHARED_EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert\.
 _QUANTIZED = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape", "weight_g_idx",
               "input_scale", "weight_zero_point")
 _QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # an expert "weight" stored quantized (compressed-tensors)
-_LOADERS = ("GPTQConfig", "AWQConfig", "CompressedTensorsConfig")
+_LOADERS = ("GPTQConfig", "AWQConfig", "CompressedTensorsConfig", "Mxfp4Config")
 _PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -127,6 +127,7 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     def _experts_loaded(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         quantized: dict[tuple[int, int, str], dict[str, torch.Tensor]] = {}  # (layer, expert, part) -> tensors
+        mxfp4: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (layer, stacked name) -> blocks and scales
         for name, tensor in weights:
             match = _EXPERT_TENSOR.match(name)
             if match is None:
@@ -151,8 +152,18 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             elif one is not None:
                 part = _PARTS[one.group(2)] + ("_bias" if one.group(3) == "bias" else "")
                 experts.load_expert(part, int(one.group(1)), tensor, name)
+            elif mxfp4_pair(rest) is not None:
+                stacked, kind = mxfp4_pair(rest)
+                pair = mxfp4.setdefault((layer, stacked), {})
+                pair[kind] = tensor
+                if len(pair) == 2:
+                    self._load_mxfp4(experts, stacked, pair.pop("blocks"), pair.pop("scales"), name[: -len(kind) - 1])
             else:
                 self._load_stacked(experts, rest, tensor, name)
+        unpaired = [f"model.layers.{layer}...experts.{stacked}_{next(iter(pair))}" for (layer, stacked), pair
+                    in mxfp4.items() if pair]
+        if unpaired:
+            raise CheckpointError(f"MXFP4 tensors without their other half (blocks with scales): {unpaired[:3]}")
         for (layer, expert, part), tensors in quantized.items():
             name = tensors.pop("name")
             dequantize = getattr(self.quant, "dequantize", None)
@@ -187,13 +198,31 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                               f"expert's too (as vLLM and transformers read it); quantize the shared expert, or "
                               f"mark it as left unquantized with {way_out}")
 
+    def _load_mxfp4(self, experts: FusedMoE, stacked: str, blocks: torch.Tensor, scales: torch.Tensor,
+                    name: str) -> None:
+        """gpt-oss's MXFP4 experts: ``gate_up_proj`` ``[E, 2I, H / 32, 16]`` (gate and up rows interleaved) or
+        ``down_proj`` ``[E, H, I / 32, 16]``, with their scales; dequantized one expert at a time (exactly: FP4
+        times a power of two fits bf16)."""
+        if stacked not in ("gate_up_proj", "down_proj"):
+            raise CheckpointError(f"checkpoint tensor {name}_blocks is not an expert tensor pagoda knows")
+        if self.quant is None or not hasattr(self.quant, "dequantize_expert"):
+            raise CheckpointError(f"checkpoint tensor {name}_blocks holds MXFP4 experts, but config.json's "
+                                  "quantization_config does not say quant_method 'mxfp4'")
+        if blocks.shape[0] != experts.num_experts:
+            raise CheckpointError(f"tensor {name}_blocks stacks {blocks.shape[0]} experts; config.json gives "
+                                  f"{experts.num_experts}")
+        for e in range(experts.num_experts):
+            w = self.quant.dequantize_expert(blocks, scales, e, name)  # [out, in]
+            if stacked == "gate_up_proj":
+                experts.load_expert("gate", e, w[0::2], name)
+                experts.load_expert("up", e, w[1::2], name)
+            else:
+                experts.load_expert("down", e, w, name)
+
     @staticmethod
     def _load_stacked(experts: FusedMoE, rest: str, tensor: torch.Tensor, name: str) -> None:
         """All experts in one tensor, as gpt-oss writes them: ``gate_up_proj [E, H, 2I]`` with gate and up
         interleaved column by column, ``down_proj [E, I, H]``, and their biases."""
-        if rest.endswith(("_blocks", "_scales")):
-            raise CheckpointError(f"checkpoint tensor {name!r} holds MXFP4-quantized experts, which pagoda does not "
-                                  "load; use a bf16 checkpoint (dequantize it with transformers first)")
         if rest == "gate_up_proj":
             t = tensor.transpose(1, 2)  # [E, 2I, H]
             experts.load_stacked("gate", t[:, 0::2], name)
@@ -207,6 +236,15 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             experts.load_stacked("down_bias", tensor, name)
         else:
             raise CheckpointError(f"checkpoint tensor {name!r} is not an expert tensor pagoda knows")
+
+
+def mxfp4_pair(rest: str) -> Optional[tuple[str, str]]:
+    """``gate_up_proj_blocks`` -> (``gate_up_proj``, ``blocks``): half of an MXFP4 expert tensor pair; None
+    for any other tensor."""
+    for kind in ("blocks", "scales"):
+        if rest.endswith("_" + kind):
+            return rest[: -len(kind) - 1], kind
+    return None
 
 
 def sparse_layers(cfg: dict[str, Any], num_layers: int, num_experts: int) -> tuple[bool, ...]:
