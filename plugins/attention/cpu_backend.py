@@ -16,10 +16,11 @@ batched path, which wins there. ``isa_paths()`` names the path each kernel
 takes. In the engine's batch-invariant mode every token, fresh prompts' included, goes through
 ``cpu_kernels.cpp`` (one (token, kv head) item over its keys in a fixed order, whatever else is in the
 step), and layers with a sliding window, soft-cap or sinks through the torch backend's per-token path.
-Outside that mode such layers decode through ``cpu_kernels.cpp`` too (it skips the blocks before a
-token's window, masks the rest, soft-caps the scores and puts each head's sink in the softmax's
-denominator), their fresh prompts through the torch backend's masked attention; a window no
-sequence of the step has outgrown hides no key, so until then its layer is a plain one.
+Outside that mode such layers decode through ``cpu_kernels.cpp`` and their prompts go through
+``cpu_prefill.cpp`` too (both skip the key blocks before a token's window, mask the rest, soft-cap the
+scores and put each head's sink in the softmax's denominator; without the prefill kernel, fresh prompts
+take the torch backend's masked attention); a window no sequence of the step has outgrown hides no key,
+so until then its layer is a plain one.
 Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update, 2^x
 and the 8-lane pieces of their AVX2 paths. The kernels are compiled on first use
 (about a minute) and cached by torch's extension loader, keyed on their source,
