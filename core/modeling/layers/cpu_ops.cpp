@@ -2,7 +2,8 @@
 // unfused torch ops take two to four, and no temporaries.
 //
 // Every op rounds to the tensor dtype exactly where the torch ops it replaces do, so a bf16
-// model computes the same values either way (up to the order of the RMS sum and a 1-ulp fp32 exp).
+// model computes the same values either way (up to the order of the RMS sum and a 1-ulp fp32 exp; the
+// GELU's far negative tail, which torch's 1 + tanh(u) rounds to zero, keeps its tiny true values).
 
 #include "pagoda_torch.h"
 #include "pagoda_float.h"
