@@ -11,6 +11,15 @@ from pagoda.plugins.attention.cpu_backend import CpuAttentionBackend
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 from test_cpu_attention import _batch
 
+def _float32_reference(ref, layer, q, k, v, cache, batch):
+    """The torch backend's (built for float32) answer in float32 on the same (rounded) inputs: the kernels compute in float32 and round
+    once, where the torch backend in bf16 rounds its probabilities too (a few outputs differ by its rounding)."""
+    layer32 = SimpleNamespace(scale=layer.scale, sliding_window=layer.sliding_window,
+                              logit_softcap=layer.logit_softcap,
+                              sinks=None if layer.sinks is None else layer.sinks.float())
+    return ref.forward(layer32, q.float(), k.float(), v.float(), cache, ref.build_metadata(batch))
+
+
 CASES = [
     # dtype, heads, kv heads, head dim, block size, [(context, query len)], window, soft-cap, sinks
     (torch.float32, 9, 3, 64, 16, [(0, 1), (37, 1), (100, 1), (0, 40), (50, 13)], 24, None, False),
@@ -31,7 +40,8 @@ def test_windowed_soft_capped_and_sink_layers_match_the_torch_reference(dtype, h
     gen = torch.Generator().manual_seed(hash((heads, head_dim, block_size, window)) % 2**31)
     mc = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     cc = SimpleNamespace(block_size=block_size)
-    ref, cpu = TorchAttentionBackend(mc, cc), CpuAttentionBackend(mc, cc)
+    ref = TorchAttentionBackend(SimpleNamespace(**{**vars(mc), "dtype": torch.float32}), cc)
+    cpu = CpuAttentionBackend(mc, cc)
     batch = _batch(specs, block_size, 160, gen)
     cache = torch.randn(ref.kv_cache_shape(160), generator=gen).to(dtype)
     t = batch.num_tokens
@@ -40,12 +50,12 @@ def test_windowed_soft_capped_and_sink_layers_match_the_torch_reference(dtype, h
     v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
     layer = SimpleNamespace(scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap,
                             sinks=(2 * torch.randn(heads, generator=gen)).to(dtype) if sinks else None)
-    ref_cache, cpu_cache = cache.clone(), cache.clone()
-    expected = ref.forward(layer, q, k, v, ref_cache, ref.build_metadata(batch))
+    ref_cache, cpu_cache = cache.float(), cache.clone()
+    expected = _float32_reference(ref, layer, q, k, v, ref_cache, batch)
     md = cpu.build_metadata(batch)
     got = cpu.forward(layer, q, k, v, cpu_cache, md)
     assert md.torch_all is None, "the layer must take the kernel, not the torch backend's path"
-    assert torch.equal(ref_cache, cpu_cache), "both backends must write the same K/V slots"
+    assert torch.equal(ref_cache.to(dtype), cpu_cache), "both backends must write the same K/V slots"
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
@@ -63,3 +73,46 @@ def test_the_kernel_window_hides_exactly_the_keys_before_it():
     keys = cache.view(2, 1, 64, 64)[:, 0, list(range(3 * 16 + 3, 3 * 16 + 8))]  # positions 35-39: block 3
     probs = torch.softmax(q[0] @ keys[0].T * 0.125, dim=-1)
     torch.testing.assert_close(got[0], probs @ keys[1], atol=1e-5, rtol=1e-5)
+
+
+PROMPT_CASES = [
+    # dtype, heads, kv heads, head dim, block size, [(context, query len)], window, soft-cap, sinks
+    (torch.bfloat16, 9, 3, 64, 16, [(30, 1), (0, 40), (50, 13), (0, 150)], 128, 50.0, True),  # gpt-oss-like
+    (torch.bfloat16, 8, 4, 256, 16, [(9, 1), (0, 33), (20, 17)], 16, 50.0, False),  # Gemma 2 / 3
+    (torch.float16, 6, 2, 80, 16, [(0, 45), (37, 9)], 7, None, True),
+    (torch.bfloat16, 12, 4, 96, 16, [(0, 21), (3, 30)], None, 30.0, False),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,block_size,specs,window,softcap,sinks", PROMPT_CASES)
+def test_prompts_of_shaped_layers_take_the_prefill_kernel_and_match_the_torch_reference(
+        dtype, heads, kv_heads, head_dim, block_size, specs, window, softcap, sinks, monkeypatch):
+    """Fresh prompts and prompt tokens after cached context (a prefix-cache hit, a later chunk) of a windowed,
+    soft-capped or sink layer go through the prefill kernel, never the torch backend's masked attention."""
+    gen = torch.Generator().manual_seed(hash((heads, head_dim, window, softcap)) % 2**31)
+    mc = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    cc = SimpleNamespace(block_size=block_size)
+    ref = TorchAttentionBackend(SimpleNamespace(**{**vars(mc), "dtype": torch.float32}), cc)
+    cpu = CpuAttentionBackend(mc, cc)
+    assert cpu.prefill_kernel is not None, "this CPU builds the prefill kernel for these shapes"
+    batch = _batch(specs, block_size, 160, gen)
+    batch.prompt_lens_list = batch.seq_lens_list  # every request is still in its prompt
+    cache = torch.randn(ref.kv_cache_shape(160), generator=gen).to(dtype)
+    t = batch.num_tokens
+    q = (3 * torch.randn(t, heads, head_dim, generator=gen)).to(dtype)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen).to(dtype)
+    layer = SimpleNamespace(scale=head_dim ** -0.5, sliding_window=window, logit_softcap=softcap,
+                            sinks=(2 * torch.randn(heads, generator=gen)).to(dtype) if sinks else None)
+    ref_cache, cpu_cache = cache.float(), cache.clone()
+    expected = _float32_reference(ref, layer, q, k, v, ref_cache, batch)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a prompt of this layer went through the torch backend's masked attention")
+
+    monkeypatch.setattr(cpu, "_attend_fresh", refuse)
+    md = cpu.build_metadata(batch)
+    got = cpu.forward(layer, q, k, v, cpu_cache, md)
+    assert md.torch_all is None and md.context_prefills is not None and md.fresh_prefills
+    assert torch.equal(ref_cache.to(dtype), cpu_cache)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)

@@ -132,3 +132,92 @@ def test_the_avx2_path_matches_float32_causal_attention(dtype, heads, kv_heads, 
         # fp32 throughout: one rounding to the dtype (fp32: the exp polynomial's ~1e-7)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[s:e].float(), ref, atol=tol, rtol=tol)
+
+
+def _shaped_reference(q, k, v, ranges, scale, window, softcap, sinks):
+    """Each prompt's attention written out in float32 as transformers' eager path computes it: causal, within
+    ``window`` of each token, scores soft-capped, each head's sink logit in its softmax's denominator."""
+    out = {}
+    group = q.shape[1] // k.shape[1]
+    for start, end in ranges:
+        qi, ki, vi = (t[start:end].float().transpose(0, 1) for t in (q, k, v))
+        ki, vi = ki.repeat_interleave(group, 0), vi.repeat_interleave(group, 0)
+        scores = qi @ ki.transpose(1, 2) * scale  # [H, n, n]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        pos = torch.arange(end - start)
+        allowed = pos[None, :] <= pos[:, None]
+        if window:
+            allowed &= pos[None, :] > pos[:, None] - window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            both = torch.cat((scores, sinks.view(-1, 1, 1).expand(-1, end - start, 1)), dim=-1)
+            probs = torch.softmax(both, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[(start, end)] = (probs @ vi).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lengths,window,softcap,sinks", [
+    (9, 3, 64, [1, 15, 16, 17, 100, 200], 33, 50.0, True),  # gpt-oss-like: window and sinks, plus a cap
+    (8, 4, 256, [40, 19], None, 50.0, False),  # Gemma 2: soft-cap, head_dim 256
+    (8, 4, 256, [70, 3], 16, 50.0, False),  # Gemma 2's window layers, a window of one block
+    (6, 2, 80, [33, 50], 7, None, True),  # a window shorter than a block: rows see part of a block only
+    (12, 4, 96, [45, 8], 200, 30.0, False),  # a window longer than the prompts: the cap alone
+    (4, 1, 128, [129], None, None, True),  # sinks alone
+    (4, 4, 64, [90, 31], 1, None, False),  # each token sees itself only
+])
+def test_windowed_soft_capped_and_sink_prompts_match_float32_attention(dtype, heads, kv_heads, head_dim, lengths,
+                                                                       window, softcap, sinks, kernel):
+    gen = torch.Generator().manual_seed(sum(lengths) + head_dim + (window or 0))
+    ranges, start = [], 0
+    for n in lengths:
+        ranges.append((start, start + n))
+        start += n
+    q, k, v = (t.to(dtype) for t in _qkv(start, heads, kv_heads, head_dim, gen))
+    q = q * 3  # large scores: the soft-cap bites
+    sink_logits = 2 * torch.randn(heads, generator=gen) if sinks else None
+    out = torch.zeros(start, heads, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    kernel.prefill_attention(q, k, v, out, [i for r in ranges for i in r], scale, window=window or 0,
+                             softcap=softcap or 0.0, sinks=sink_logits)
+    for (s, e), ref in _shaped_reference(q, k, v, ranges, scale, window, softcap, sink_logits).items():
+        torch.testing.assert_close(out[s:e].float(), ref, atol=2e-2, rtol=2e-2)
+        assert (out[s:e].float() - ref).abs().mean() < 2e-3
+
+
+def test_a_window_cuts_exactly_the_keys_before_it(kernel):
+    """With a window of 5, token 40's output is plain attention over tokens 36-40 alone."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (t.to(torch.float16) for t in _qkv(48, 2, 1, 64, gen))
+    out = torch.zeros(48, 2, 64, dtype=torch.float16)
+    kernel.prefill_attention(q, k, v, out, [0, 48], 0.125, window=5)
+    probs = torch.softmax(q[40].float() @ k[36:41, 0].float().T * 0.125, dim=-1)
+    torch.testing.assert_close(out[40].float(), probs @ v[36:41, 0].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_shaped_prompts_after_cached_rows_are_the_bits_of_the_whole_prompt(kernel):
+    """``query_from`` with a window, soft-cap and sinks: the rows computed are the same bits as in the whole
+    prompt's call (a prefix-cache hit gives the cold prefill's outputs)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = _qkv(70, 9, 3, 64, gen)
+    sinks = torch.randn(9, generator=gen)
+    shape = dict(window=20, softcap=30.0, sinks=sinks)
+    whole, part = torch.zeros(70, 9, 64, dtype=torch.bfloat16), torch.zeros(70, 9, 64, dtype=torch.bfloat16)
+    kernel.prefill_attention(q, k, v, whole, [0, 70], 0.125, **shape)
+    kernel.prefill_attention(q, k, v, part, [0, 70], 0.125, [37], **shape)
+    assert torch.equal(whole[37:], part[37:])
+
+
+def test_bad_shapes_are_refused_with_what_was_wrong(kernel):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _qkv(10, 4, 2, 64, gen)
+    out = torch.empty(10, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="one value per query head"):
+        kernel.prefill_attention(q, k, v, out, [0, 10], 0.125, sinks=torch.zeros(3))
+    with pytest.raises(RuntimeError, match="window must be 0"):
+        kernel.prefill_attention(q, k, v, out, [0, 10], 0.125, window=-1)
+    with pytest.raises(RuntimeError, match="softcap must be 0"):
+        kernel.prefill_attention(q, k, v, out, [0, 10], 0.125, softcap=-2.0)

@@ -111,6 +111,89 @@ def test_rotary_rotates_q_and_k_in_place_as_the_torch_formula_does(dtype, heads,
     assert torch.equal(fused_v, v.reshape(tokens, kv_heads, head_dim))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (9, 50), (3, 7)])
+def test_gelu_tanh_and_mul_matches_torch(dtype, rows, inter, kernels):
+    g = torch.Generator().manual_seed(rows + inter + 1)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    _close(kernels.gelu_tanh_and_mul(gate_up), _gelu_tanh_and_mul_reference(gate_up))
+    # torch's own op: the same up to its float32 tanh, whose 1 + tanh(u) cancels for large negative inputs
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.gelu_tanh_and_mul(gate_up).float(),
+                               (F.gelu(gate, approximate="tanh") * up).float(), rtol=1e-2, atol=1e-2)
+
+
+def _gelu_tanh(x):
+    """0.5 x (1 + tanh(u)) as x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3): equal, without the
+    cancellation of 1 + tanh(u) that zeroes the far negative tail even in float64."""
+    return x * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (x + 0.044715 * x ** 3))
+
+
+def _gelu_tanh_and_mul_reference(gate_up):
+    """The formula in float64, rounded where torch's ops store: the GELU in the dtype, then its product."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return (_gelu_tanh(gate).to(gate_up.dtype).double() * up).to(gate_up.dtype)
+
+
+def test_gelu_tanh_and_mul_reads_strided_rows_and_saturates_cleanly(ops):
+    wide = torch.randn(6, 80).to(torch.bfloat16)
+    _close(ops.gelu_tanh_and_mul(wide[:, :64]), _gelu_tanh_and_mul_reference(wide[:, :64]))  # row stride 80
+    extreme = torch.tensor([[-1e4, -100.0, -10.0, -3.0, 0.0, 1e-3, 3.0, 10.0, 100.0, 1e4]])
+    got = ops.gelu_tanh_and_mul(torch.cat([extreme, torch.ones_like(extreme)], dim=-1))
+    _close(got, _gelu_tanh(extreme.double()).float())
+
+
+def _unfused_qk_norm_rotary(qkv, q_weight, k_weight, eps, heads, kv_heads, head_dim, rope, positions, kernels):
+    """What a layer with per-head q/k norms computes without the fused kernel: the RMSNorm layer on each q and k
+    head, then the torch rotary formula."""
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    out = []
+    for part, weight, n in ((q, q_weight, heads), (k, k_weight, kv_heads)):
+        norm = RMSNorm(head_dim, eps, qkv.dtype, kernels)
+        norm.weight.data.copy_(weight)
+        normed = norm(part.reshape(-1, head_dim)).view(tokens, n, head_dim)
+        if rope is not None:
+            cos, sin = rope.cos_sin(positions)
+            normed = RotaryEmbedding.apply(normed, cos, sin)
+        out.append(normed)
+    return out[0], out[1], v.reshape(tokens, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tokens,rotate", [
+    (9, 3, 64, 37, True), (4, 4, 256, 1, True), (2, 1, 80, 5, True), (6, 2, 22, 3, True), (3, 1, 64, 4, False)])
+def test_qk_norm_rotary_gives_the_bits_of_the_norm_kernel_then_rope(dtype, heads, kv_heads, head_dim, tokens, rotate,
+                                                                     kernels):
+    g = torch.Generator().manual_seed(heads * head_dim + tokens)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, kernels) if rotate else None
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    qkv = (3 * torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)).to(dtype)
+    q_weight, k_weight = (1 + torch.randn(head_dim, generator=g)).to(dtype), torch.randn(head_dim, generator=g).to(dtype)
+    ref = _unfused_qk_norm_rotary(qkv, q_weight, k_weight, 1e-6, heads, kv_heads, head_dim, rope, positions, kernels)
+    rows = qkv.clone()
+    tables = rope.at(positions).kernel_tables() if rotate else None
+    assert kernels.qk_norm_rotary_(rows, q_weight, k_weight, 1e-6, heads, kv_heads, head_dim, tables)
+    got_q, got_k, got_v = rows.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(got_q.reshape(tokens, heads, head_dim), ref[0])
+    assert torch.equal(got_k.reshape(tokens, kv_heads, head_dim), ref[1])
+    assert torch.equal(got_v.reshape(tokens, kv_heads, head_dim), ref[2])
+    # and the values of torch's own RMSNorm in float32
+    qf = F.rms_norm(qkv[:, :heads * head_dim].float().view(tokens, heads, head_dim), (head_dim,), q_weight.float(),
+                    1e-6)
+    if rotate:
+        cos, sin = rope.cos_sin(positions)
+        qf = RotaryEmbedding.apply(qf, cos.float(), sin.float())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the normed q is stored before it is rotated
+    torch.testing.assert_close(got_q.reshape(tokens, heads, head_dim).float(), qf, rtol=tol, atol=tol)
+
+
+def test_qk_norm_rotary_leaves_unsupported_tensors_to_the_torch_path(kernels):
+    qkv = torch.randn(2, 5 * 64).to(torch.float64)
+    assert not kernels.qk_norm_rotary_(qkv, torch.ones(64, dtype=torch.float64), torch.ones(64, dtype=torch.float64),
+                                       1e-6, 3, 1, 64, None)
+
+
 def test_kernels_refuse_tensors_they_cannot_read(ops):
     with pytest.raises(RuntimeError, match="weight must be"):
         x = torch.randn(2, 8)
@@ -118,6 +201,10 @@ def test_kernels_refuse_tensors_they_cannot_read(ops):
     with pytest.raises(RuntimeError, match="positions must be int64"):
         ops.rotary_(torch.randn(2, 128), torch.ones(10, 64), torch.ones(10, 64), torch.zeros(2, dtype=torch.int32),
                     1, 64)
+    with pytest.raises(RuntimeError, match="q_weight and k_weight must be"):
+        ops.qk_norm_rotary_(torch.randn(2, 5 * 64), torch.ones(32), torch.ones(64), 1e-6, 3, 1, 64)
+    with pytest.raises(RuntimeError, match="exceed the qkv width"):
+        ops.qk_norm_rotary_(torch.randn(2, 3 * 64), torch.ones(64), torch.ones(64), 1e-6, 3, 1, 64)
 
 
 @pytest.fixture

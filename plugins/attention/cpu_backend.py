@@ -16,10 +16,11 @@ batched path, which wins there. ``isa_paths()`` names the path each kernel
 takes. In the engine's batch-invariant mode every token, fresh prompts' included, goes through
 ``cpu_kernels.cpp`` (one (token, kv head) item over its keys in a fixed order, whatever else is in the
 step), and layers with a sliding window, soft-cap or sinks through the torch backend's per-token path.
-Outside that mode such layers decode through ``cpu_kernels.cpp`` too (it skips the blocks before a
-token's window, masks the rest, soft-caps the scores and puts each head's sink in the softmax's
-denominator), their fresh prompts through the torch backend's masked attention; a window no
-sequence of the step has outgrown hides no key, so until then its layer is a plain one.
+Outside that mode such layers decode through ``cpu_kernels.cpp`` and their prompts go through
+``cpu_prefill.cpp`` too (both skip the key blocks before a token's window, mask the rest, soft-cap the
+scores and put each head's sink in the softmax's denominator; without the prefill kernel, fresh prompts
+take the torch backend's masked attention); a window no sequence of the step has outgrown hides no key,
+so until then its layer is a plain one.
 Both kernels include ``csrc/cpu_softmax.h``: the online softmax's update, 2^x
 and the 8-lane pieces of their AVX2 paths. The kernels are compiled on first use
 (about a minute) and cached by torch's extension loader, keyed on their source,
@@ -136,8 +137,9 @@ class ContextPrefills:
                    torch.cat(step_rows), torch.cat(blank))
 
     def attend(self, kernel: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               out: torch.Tensor, scale: float) -> None:
-        """Write the outputs of this step's tokens of these prompts into ``out`` ([T, H, D])."""
+               out: torch.Tensor, scale: float, **shape: Any) -> None:
+        """Write the outputs of this step's tokens of these prompts into ``out`` ([T, H, D]); ``shape``: the
+        layer's ``window``, ``softcap`` and ``sinks``, as the kernel takes them."""
         hkv, num_blocks, bs, d = kv_cache.shape[1:]
         whole = []
         for cache, fresh in ((kv_cache[0], k), (kv_cache[1], v)):
@@ -150,7 +152,7 @@ class ContextPrefills:
         qb[self.blank_rows] = 0
         qb[self.step_rows] = q[self.step_tokens]
         ob = torch.empty_like(qb)
-        kernel.prefill_attention(qb, whole[0], whole[1], ob, self.ranges, scale, self.query_from)
+        kernel.prefill_attention(qb, whole[0], whole[1], ob, self.ranges, scale, self.query_from, **shape)
         out[self.step_tokens] = ob[self.step_rows]
 
 
@@ -158,8 +160,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     """Same KV layout as ``torch``; a C++ kernel instead of gathers for cached-context attention."""
 
     name = "cpu"
-    # a layer with a sliding window, logit soft-cap or sinks attends through the torch backend's path (masked
-    # gathers and matmuls); the other layers of the same model keep the C++ kernels
+    # layers with a sliding window, logit soft-cap or sinks attend through both C++ kernels too (steps the kernels
+    # do not serve for them, through the torch backend's masked gathers and matmuls: see ``forward``)
     attention_features = frozenset({"sliding_window", "logit_softcap", "sinks"})
     # rank for attention_backend="auto" per device (higher first; see pagoda.execution.build.auto_backend_order)
     auto_priority = {"cpu": 20}
@@ -256,7 +258,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if window and md.batch.max_seq_len <= window and not self.batch_invariant:
             window = None  # no sequence of the step has outgrown it: it hides no key
         if window or softcap or sinks is not None:
-            if self.batch_invariant or self.fp8 or md.torch_decode is not None or md.context_prefills is not None:
+            # (prompt tokens after cached context are laid out only with the prefill kernel, which serves them)
+            if self.batch_invariant or self.fp8 or md.torch_decode is not None:
                 # these steps take the torch backend's path (masked gathers and matmuls) for such a layer
                 if md.torch_all is None:
                     md.torch_all = TorchAttentionBackend.build_metadata(self, md.batch)
@@ -296,17 +299,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _forward_shaped(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         md: CpuAttentionMetadata, window: Optional[int], softcap: Optional[float],
                         sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """A layer with a sliding window, logit soft-cap or sinks: decodes and prompt tokens after cached context
-        through the paged kernel, which applies all three; fresh prompts through the torch backend's masked
-        attention."""
+        """A layer with a sliding window, logit soft-cap or sinks: decodes through the paged kernel, prompts
+        (fresh ones, and tokens after cached context) through the prefill kernel, both applying all three;
+        without the prefill kernel, fresh prompts through the torch backend's masked attention."""
         if md.written_tokens is None and k.stride(2) == 1 and v.stride(2) == 1:
             self.kernels.write_kv(kv_cache, k, v, md.slot_mapping)
         else:
             write_kv(kv_cache, k, v, md.slot_mapping, md.written_tokens)
         if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
             sinks = sinks.float().contiguous()
+        shape = dict(window=window or 0, softcap=softcap or 0.0, sinks=sinks)
         out = self.kernels.paged_attention(q, kv_cache, md.block_tables, md.token_req, md.token_len, layer.scale,
-                                           window=window or 0, softcap=softcap or 0.0, sinks=sinks)
+                                           **shape)
+        if md.context_prefills is not None:
+            md.context_prefills.attend(self.prefill_kernel, q, k, v, kv_cache, out, layer.scale, **shape)
+        if self.prefill_kernel is not None and md.fresh_prefills:
+            ranges = [i for pair in md.fresh_prefills for i in pair]
+            self.prefill_kernel.prefill_attention(q, k, v, out, ranges, layer.scale, **shape)
+            return out.view(q.shape[0], -1)
         plain = not softcap and sinks is None
         for start, end in md.fresh_prefills:
             qi, ki, vi = q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)

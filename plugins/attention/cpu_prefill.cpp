@@ -16,6 +16,11 @@
 // registers for bf16, fp16 and fp32 prompts: K and V are widened to fp32 once by the re-layout
 // (kt[h][block][d][16 keys], vt[h][block][16 keys][head_dim]), probabilities stay fp32, and the output is
 // rounded to the prompt dtype once.
+//
+// Layers that ask for more than causal attention (Gemma 2/3, gpt-oss, Mistral) take the same items: with a
+// sliding window an item starts at the first key block its earliest token sees and masks the keys before each
+// token's window; a logit soft-cap turns each score s into tanh(s / cap) * cap before the softmax; a head's
+// sink logit joins its rows' softmax denominators only, added to the running sum at the end.
 
 #include "pagoda_torch.h"
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -29,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +45,26 @@ namespace {
 using pagoda_attention::online_softmax_advance;
 
 constexpr int64_t kBlock = 16;  // keys per block, and query tokens per work item
+constexpr float kLog2e = 1.4426950408889634f;
+
+// What an item does to its scores before the online softmax, which works in base 2.
+struct ScoreShape {
+  float q_mult;            // what q.k is multiplied by: scale * log2(e), or scale / softcap with a soft-cap
+  float cap_log2 = 0.f;    // with a soft-cap: tanh of the product, times softcap * log2(e); 0: none
+  int64_t window = 0;      // each token sees itself and the window - 1 keys before it; 0: every earlier key
+  const float* sinks = nullptr;  // [heads] sink logits (natural log units), or nullptr
+
+  ScoreShape(double scale, int64_t window_, double softcap, const float* sinks_)
+      : q_mult(static_cast<float>(softcap > 0 ? scale / softcap : scale * kLog2e)),
+        cap_log2(static_cast<float>(softcap > 0 ? softcap * kLog2e : 0.0)), window(window_), sinks(sinks_) {}
+
+  // the first key block that query block `diag`'s earliest token sees
+  int64_t first_block(int64_t diag) const {
+    return window > 0 ? std::max<int64_t>(0, diag * kBlock - window + 1) / kBlock : 0;
+  }
+  // the first key position that the token at `pos` sees
+  int64_t first_key(int64_t pos) const { return window > 0 ? pos - window + 1 : 0; }
+};
 
 #if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGODA_AVX2_PREFILL 1
@@ -125,6 +151,7 @@ struct PromptBlocks {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 using pagoda_attention::exp2_16;
+using pagoda_attention::tanh16;
 
 inline uint32_t pair(const uint16_t* lo, const uint16_t* hi) {
   return static_cast<uint32_t>(*lo) | (static_cast<uint32_t>(*hi) << 16);
@@ -159,7 +186,7 @@ void relayout_block(const uint16_t* k, int64_t k_stride, const uint16_t* v, int6
 template <int D, int R>
 void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64_t out_token_stride,
                  const uint32_t* kt, const uint32_t* vt, int64_t diag, int64_t group, int64_t row0, int64_t rows,
-                 float scale_log2) {
+                 const ScoreShape& shape, const float* sinks) {
   constexpr int P = D / 2;        // bf16 pairs per row
   constexpr int C = D / 16;       // 16-lane chunks of an output row
   const uint32_t* qp[R];
@@ -176,8 +203,9 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
     l[r] = _mm512_setzero_ps();
     m[r] = -INFINITY;
   }
-  const __m512 scale = _mm512_set1_ps(scale_log2);
-  for (int64_t b = 0; b <= diag; ++b) {
+  const __m512 scale = _mm512_set1_ps(shape.q_mult);
+  const __m512 cap = _mm512_set1_ps(shape.cap_log2);
+  for (int64_t b = shape.first_block(diag); b <= diag; ++b) {
     const uint32_t* kb = kt + b * P * kBlock;
     const uint32_t* vb = vt + b * (kBlock / 2) * D;
     // two sums per row over alternate pairs: 2R independent chains hide the dot instruction's latency
@@ -192,16 +220,23 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
         s2[r] = _mm512_dpbf16_ps(s2[r], k1, (__m512bh)_mm512_set1_epi32(qp[r][p + 1]));
       }
     }
-    for (int r = 0; r < R; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
+    for (int r = 0; r < R; ++r) {
+      s[r] = _mm512_mul_ps(_mm512_add_ps(s[r], s2[r]), scale);
+      if (shape.cap_log2 > 0.f) s[r] = _mm512_mul_ps(tanh16(s[r]), cap);
+    }
     alignas(64) uint32_t probs[R][kBlock / 2];
     __m512 x[R];
     __mmask16 valid[R];
     alignas(64) float shift[16] = {};  // log2 of each row's alpha, the rescale of what was summed so far
     for (int r = 0; r < R; ++r) {
-      // keys after the row's own token (diagonal block only) do not exist for it
+      // keys after the row's own token (diagonal block only) do not exist for it, nor those before its window
+      const int64_t pos = diag * kBlock + token[r] % kBlock, before = shape.first_key(pos) - b * kBlock;
       valid[r] = b < diag ? __mmask16(0xFFFF) : __mmask16((2u << (token[r] % kBlock)) - 1u);
-      x[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[r], _mm512_mul_ps(s[r], scale));
-      shift[r] = online_softmax_advance(m[r], _mm512_reduce_max_ps(x[r]));  // -inf on the first block
+      if (before > 0) valid[r] &= before >= kBlock ? __mmask16(0) : __mmask16(~((1u << before) - 1u));
+      x[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[r], s[r]);
+      const float block_max = _mm512_reduce_max_ps(x[r]);
+      // -inf on the first block; a block wholly before the row's window changes nothing (alpha 1)
+      shift[r] = block_max == -INFINITY ? 0.f : online_softmax_advance(m[r], block_max);
     }
     alignas(64) float alpha[16];
     _mm512_store_ps(alpha, exp2_16(_mm512_load_ps(shift)));  // all rows at once
@@ -222,7 +257,9 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
   }
   for (int r = 0; r < R && r < rows; ++r) {
     const int64_t row = row0 + r;
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+    float sum = _mm512_reduce_add_ps(l[r]);
+    if (sinks != nullptr) sum += std::exp2(sinks[row % group] * kLog2e - m[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
     uint16_t* dst = out + token[r] * out_token_stride + (row % group) * D;
     for (int c = 0; c < C; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), to_bf16(_mm512_mul_ps(o[r][c], inv)));
@@ -231,8 +268,10 @@ void attend_rows(const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64
 
 template <int D>
 void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                  const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from, double scale) {
-  constexpr int R = D <= 64 ? 4 : 2;  // rows per sweep: R * (D / 16 + 2) registers of sums and scores
+                  const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from,
+                  const ScoreShape& shape) {
+  // rows per sweep: R * (D / 16 + 2) registers of sums and scores
+  constexpr int R = D <= 64 ? 4 : (D <= 128 ? 2 : 1);
   const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -250,14 +289,14 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     relayout_block<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * count + gb) * kt_size],
                       &vt[(h * count + gb) * vt_size]);
   });
-  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   blocks.for_each_item(kv_heads, [&](int64_t h, int64_t first, int64_t b, int64_t t0, int64_t n) {
     const uint32_t* kh = &kt[(h * count + first) * kt_size];
     const uint32_t* vh = &vt[(h * count + first) * vt_size];
+    const float* sinks = shape.sinks == nullptr ? nullptr : shape.sinks + h * group;
     // rows of this item: its n tokens x the group's heads, token-major
     for (int64_t r0 = 0; r0 < n * group; r0 += R)
       attend_rows<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group, r0,
-                        std::min<int64_t>(R, n * group - r0), scale_log2);
+                        std::min<int64_t>(R, n * group - r0), shape, sinks);
   });
 }
 
@@ -270,6 +309,7 @@ using pagoda_attention::load8;
 using pagoda_attention::max8;
 using pagoda_attention::store8;
 using pagoda_attention::sum8;
+using pagoda_attention::tanh8;
 
 // One 16-key block of one kv head in fp32: kt [D][16 keys], vt [16 keys][D]; keys past `n` are zero.
 template <int D, typename T>
@@ -293,13 +333,16 @@ void relayout_block_f32(const T* k, int64_t k_stride, const T* v, int64_t v_stri
 // output rows live in an L1 buffer, 16 dims x R rows in registers while a block's values are added.
 template <int D, int R, typename T>
 void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_token_stride, const float* kt,
-                     const float* vt, int64_t diag, int64_t group, int64_t row0, int64_t rows, float scale_log2) {
-  alignas(32) float qf[R][D];  // query rows in fp32, times scale * log2(e): scores come out in base 2
+                     const float* vt, int64_t diag, int64_t group, int64_t row0, int64_t rows,
+                     const ScoreShape& shape, const float* sinks) {
+  // query rows in fp32, times scale * log2(e): scores come out in base 2 (with a soft-cap, times scale / cap,
+  // and into base 2 after the tanh)
+  alignas(32) float qf[R][D];
   alignas(32) float o[R][D];
   alignas(32) float probs[R][kBlock];
   int64_t token[R];
   float m[R], l[R];
-  const __m256 scale = _mm256_set1_ps(scale_log2);
+  const __m256 scale = _mm256_set1_ps(shape.q_mult);
   for (int r = 0; r < R; ++r) {
     const int64_t row = row0 + std::min<int64_t>(r, rows - 1);
     token[r] = row / group;
@@ -310,7 +353,8 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
     l[r] = 0.f;
   }
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b = 0; b <= diag; ++b) {
+  const __m256 cap = _mm256_set1_ps(shape.cap_log2);
+  for (int64_t b = shape.first_block(diag); b <= diag; ++b) {
     const float* kb = kt + b * D * kBlock;
     const float* vb = vt + b * kBlock * D;
     __m256 s[R][2];
@@ -323,15 +367,28 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
         s[r][1] = _mm256_fmadd_ps(qv, k1, s[r][1]);
       }
     }
+    if (shape.cap_log2 > 0.f) {
+      for (int r = 0; r < R; ++r) {
+        s[r][0] = _mm256_mul_ps(tanh8(s[r][0]), cap);
+        s[r][1] = _mm256_mul_ps(tanh8(s[r][1]), cap);
+      }
+    }
     float alpha[R];
     for (int r = 0; r < R; ++r) {
-      // keys after the row's own token (diagonal block only) do not exist for it
-      const float last = b < diag ? static_cast<float>(kBlock) : static_cast<float>(token[r] % kBlock);
-      const __m256 valid0 = _mm256_cmp_ps(lane, _mm256_set1_ps(last), _CMP_LE_OQ);
-      const __m256 valid1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f)), _mm256_set1_ps(last), _CMP_LE_OQ);
+      // keys after the row's own token (diagonal block only) do not exist for it, nor those before its window:
+      // lanes first..last of this block
+      const int64_t pos = diag * kBlock + token[r] % kBlock;
+      const __m256 last = _mm256_set1_ps(static_cast<float>(std::min<int64_t>(pos - b * kBlock, kBlock)));
+      const __m256 first = _mm256_set1_ps(static_cast<float>(std::max<int64_t>(shape.first_key(pos) - b * kBlock, -1)));
+      const __m256 lane1 = _mm256_add_ps(lane, _mm256_set1_ps(8.f));
+      const __m256 valid0 = _mm256_and_ps(_mm256_cmp_ps(lane, last, _CMP_LE_OQ), _mm256_cmp_ps(lane, first, _CMP_GE_OQ));
+      const __m256 valid1 =
+          _mm256_and_ps(_mm256_cmp_ps(lane1, last, _CMP_LE_OQ), _mm256_cmp_ps(lane1, first, _CMP_GE_OQ));
       const __m256 ninf = _mm256_set1_ps(-INFINITY);
       const __m256 x0 = _mm256_blendv_ps(ninf, s[r][0], valid0), x1 = _mm256_blendv_ps(ninf, s[r][1], valid1);
-      alpha[r] = std::exp2(online_softmax_advance(m[r], max8(_mm256_max_ps(x0, x1))));  // 0 on the first block
+      const float block_max = max8(_mm256_max_ps(x0, x1));
+      // 0 on the first block; a block wholly before the row's window changes nothing (alpha 1)
+      alpha[r] = block_max == -INFINITY ? 1.f : std::exp2(online_softmax_advance(m[r], block_max));
       const __m256 mv = _mm256_set1_ps(m[r]);
       const __m256 p0 = _mm256_and_ps(valid0, exp2_8(_mm256_sub_ps(x0, mv)));
       const __m256 p1 = _mm256_and_ps(valid1, exp2_8(_mm256_sub_ps(x1, mv)));
@@ -362,7 +419,8 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
   }
   for (int r = 0; r < R && r < rows; ++r) {
     const int64_t row = row0 + r;
-    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    const float sum = sinks == nullptr ? l[r] : l[r] + std::exp2(sinks[row % group] * kLog2e - m[r]);
+    const __m256 inv = _mm256_set1_ps(1.f / sum);
     T* dst = out + token[r] * out_token_stride + (row % group) * D;
     for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(_mm256_load_ps(o[r] + d), inv));
   }
@@ -370,7 +428,8 @@ void attend_rows_f32(const T* q, int64_t q_token_stride, T* out, int64_t out_tok
 
 template <int D, typename T>
 void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                      const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from, double scale) {
+                      const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from,
+                      const ScoreShape& shape) {
   constexpr int R = 4;  // rows per sweep: 8 score registers, 8 output registers while values are added
   const int64_t heads = q.size(1), kv_heads = k.size(1), group = heads / kv_heads;
   const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0), os = out.stride(0);
@@ -389,23 +448,27 @@ void prefill_impl_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     relayout_block_f32<D>(kd + t0 * ks + h * D, ks, vd + t0 * vs + h * D, vs, n, &kt[(h * count + gb) * block_floats],
                           &vt[(h * count + gb) * block_floats]);
   });
-  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   blocks.for_each_item(kv_heads, [&](int64_t h, int64_t first, int64_t b, int64_t t0, int64_t n) {
     const float* kh = &kt[(h * count + first) * block_floats];
     const float* vh = &vt[(h * count + first) * block_floats];
+    const float* sinks = shape.sinks == nullptr ? nullptr : shape.sinks + h * group;
     for (int64_t r0 = 0; r0 < n * group; r0 += R)
       attend_rows_f32<D, R>(qd + t0 * qs + h * group * D, qs, od + t0 * os + h * group * D, os, kh, vh, b, group,
-                            r0, std::min<int64_t>(R, n * group - r0), scale_log2);
+                            r0, std::min<int64_t>(R, n * group - r0), shape, sinks);
   });
 }
 
 template <typename T>
 void prefill_avx2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                  const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from, double scale) {
+                  const std::vector<int64_t>& ranges, const std::vector<int64_t>& query_from,
+                  const ScoreShape& shape) {
   const int64_t d = q.size(2);
-  if (d == 64) return prefill_impl_f32<64, T>(q, k, v, out, ranges, query_from, scale);
-  if (d == 128) return prefill_impl_f32<128, T>(q, k, v, out, ranges, query_from, scale);
-  if (d == 32) return prefill_impl_f32<32, T>(q, k, v, out, ranges, query_from, scale);
+  if (d == 64) return prefill_impl_f32<64, T>(q, k, v, out, ranges, query_from, shape);
+  if (d == 128) return prefill_impl_f32<128, T>(q, k, v, out, ranges, query_from, shape);
+  if (d == 256) return prefill_impl_f32<256, T>(q, k, v, out, ranges, query_from, shape);
+  if (d == 96) return prefill_impl_f32<96, T>(q, k, v, out, ranges, query_from, shape);
+  if (d == 80) return prefill_impl_f32<80, T>(q, k, v, out, ranges, query_from, shape);
+  if (d == 32) return prefill_impl_f32<32, T>(q, k, v, out, ranges, query_from, shape);
   TORCH_CHECK(false, "prefill_attention: no kernel for head_dim ", d, " on this CPU");
 }
 
@@ -416,8 +479,11 @@ void prefill_avx2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // itself only; tokens outside every range are left alone. query_from (empty, or one token per prompt within
 // its range): outputs are wanted from that token on; the 16-token query blocks before it are not computed (their
 // rows of out may be left alone or written; their rows of q need not be set).
+// window > 0: each token attends to itself and the window - 1 tokens before it only; softcap > 0: scores become
+// tanh(s / softcap) * softcap; sinks ([heads] float32): each head's sink logit joins its softmax's denominator.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
-                       const std::vector<int64_t>& ranges, double scale, const std::vector<int64_t>& query_from) {
+                       const std::vector<int64_t>& ranges, double scale, const std::vector<int64_t>& query_from,
+                       int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && out.scalar_type() == dtype,
               "q, k, v and out must share one dtype");
@@ -441,20 +507,34 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(query_from.empty() || query_from.size() * 2 == ranges.size(), "query_from must have one entry per range");
   for (size_t i = 0; i < query_from.size(); ++i)
     TORCH_CHECK(ranges[2 * i] <= query_from[i] && query_from[i] <= ranges[2 * i + 1], "query_from outside its range");
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or a positive number of tokens, not ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be 0 (none) or positive, not ", softcap);
+  at::Tensor sink_values;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == q.size(1),
+                "sinks must be float32 with one value per query head");
+    sink_values = sinks->contiguous();
+  }
+  const ScoreShape shape(scale, window, softcap, sinks.has_value() ? sink_values.data_ptr<float>() : nullptr);
 #if defined(PAGODA_AVX2_PREFILL)
-  if (dtype == at::kFloat) return prefill_avx2<float>(q, k, v, out, ranges, query_from, scale);
-  if (dtype == at::kHalf) return prefill_avx2<at::Half>(q, k, v, out, ranges, query_from, scale);
-  return prefill_avx2<at::BFloat16>(q, k, v, out, ranges, query_from, scale);
+  if (dtype == at::kFloat) return prefill_avx2<float>(q, k, v, out, ranges, query_from, shape);
+  if (dtype == at::kHalf) return prefill_avx2<at::Half>(q, k, v, out, ranges, query_from, shape);
+  return prefill_avx2<at::BFloat16>(q, k, v, out, ranges, query_from, shape);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (d == 64) return prefill_impl<64>(q, k, v, out, ranges, query_from, scale);
-  if (d == 128) return prefill_impl<128>(q, k, v, out, ranges, query_from, scale);
-  if (d == 32) return prefill_impl<32>(q, k, v, out, ranges, query_from, scale);
+  if (d == 64) return prefill_impl<64>(q, k, v, out, ranges, query_from, shape);
+  if (d == 128) return prefill_impl<128>(q, k, v, out, ranges, query_from, shape);
+  if (d == 256) return prefill_impl<256>(q, k, v, out, ranges, query_from, shape);
+  if (d == 96) return prefill_impl<96>(q, k, v, out, ranges, query_from, shape);
+  if (d == 80) return prefill_impl<80>(q, k, v, out, ranges, query_from, shape);
+  if (d == 32) return prefill_impl<32>(q, k, v, out, ranges, query_from, shape);
 #endif
   TORCH_CHECK(false, "prefill_attention: no kernel for head_dim ", d, " on this CPU");
 }
 
-bool supports_head_dim(int64_t d) { return has_prefill_kernel() && (d == 32 || d == 64 || d == 128); }
+bool supports_head_dim(int64_t d) {
+  return has_prefill_kernel() && (d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256);
+}
 
 // whether the backend sends prompts of this dtype ("bfloat16", "float16", "float32") to the kernel. fp32
 // prompts keep SDPA, which is as fast there and whose sums follow HF's fp32 attention more closely (a tiny
@@ -477,5 +557,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_path", &isa_path, "the ISA path of this build: avx512_bf16, avx2, or empty (none)");
   m.def("prefill_attention", &prefill_attention, "causal attention of fresh prompts (CPU: AVX-512 BF16, or AVX2)",
         no_gil, pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
-        pybind11::arg("ranges"), pybind11::arg("scale"), pybind11::arg("query_from") = std::vector<int64_t>{});
+        pybind11::arg("ranges"), pybind11::arg("scale"), pybind11::arg("query_from") = std::vector<int64_t>{},
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
 }

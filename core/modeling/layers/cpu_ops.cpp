@@ -2,7 +2,8 @@
 // unfused torch ops take two to four, and no temporaries.
 //
 // Every op rounds to the tensor dtype exactly where the torch ops it replaces do, so a bf16
-// model computes the same values either way (up to the order of the RMS sum and a 1-ulp fp32 exp).
+// model computes the same values either way (up to the order of the RMS sum and a 1-ulp fp32 exp; the
+// GELU's far negative tail, which torch's 1 + tanh(u) rounds to zero, keeps its tiny true values).
 
 #include "pagoda_torch.h"
 #include "pagoda_float.h"
@@ -201,40 +202,113 @@ void silu_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, in
   });
 }
 
+// ---- GELU(gate, tanh approximation) * up --------------------------------------------------------
+//
+// 0.5 x (1 + tanh(u)) is x / (1 + exp(-2u)) exactly, u = sqrt(2 / pi) (x + 0.044715 x^3): the SiLU's exp, so
+// the same ~1 ulp as there against torch's tanh.
+
+template <typename T>
+void gelu_tanh_and_mul_impl(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t row_stride) {
+  constexpr float kTwoBeta = -2.f * 0.7978845608028654f;  // -2 sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * row_stride;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      int64_t i0 = 0;
+#ifdef PAGODA_AVX2_OPS
+      const __m256 one = _mm256_set1_ps(1.f), two_beta = _mm256_set1_ps(kTwoBeta), kappa = _mm256_set1_ps(kKappa);
+      for (; i0 + 8 <= inter; i0 += 8) {
+        const __m256 x = load8(g + i0);
+        const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 arg = _mm256_mul_ps(two_beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, x3)));
+        const __m256 gelu = round8<T>(_mm256_div_ps(x, _mm256_add_ps(one, exp8(arg))));
+        store8(o + i0, _mm256_mul_ps(gelu, load8(u + i0)));
+      }
+#endif
+#pragma omp simd
+      for (int64_t i = i0; i < inter; ++i) {
+        const float x = to_f(g[i]);
+        const float gelu = round_to<T>(x / (1.f + exp_approx(kTwoBeta * (x + kKappa * (x * x * x)))));  // stored in T
+        o[i] = from_f<T>(gelu * to_f(u[i]));
+      }
+    }
+  });
+}
+
 // ---- rotary embedding ("rotate half" layout), in place on the q and k heads -----------------
+
+// one head x [head_dim] in place by its position's cos/sin rows:
+// out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T as torch does
+template <typename T>
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
+  int64_t i0 = 0;
+#ifdef PAGODA_AVX2_OPS
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; i0 + 8 <= half; i0 += 8) {
+    const __m256 x1 = load8(x + i0), x2 = load8(x + i0 + half);
+    const __m256 lo = _mm256_add_ps(round8<T>(_mm256_mul_ps(x1, load8(c + i0))),
+                                    round8<T>(_mm256_mul_ps(_mm256_xor_ps(x2, sign), load8(s + i0))));
+    const __m256 hi = _mm256_add_ps(round8<T>(_mm256_mul_ps(x2, load8(c + i0 + half))),
+                                    round8<T>(_mm256_mul_ps(x1, load8(s + i0 + half))));
+    store8(x + i0, lo);
+    store8(x + i0 + half, hi);
+  }
+#endif
+#pragma omp simd
+  for (int64_t i = i0; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+    const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
+    const float hi = round_to<T>(x2 * to_f(c[i + half])) + round_to<T>(x1 * to_f(s[i + half]));
+    x[i] = from_f<T>(lo);
+    x[i + half] = from_f<T>(hi);
+  }
+}
 
 template <typename T>
 void rotary_impl(T* qkv, int64_t row_stride, const T* cos, const T* sin, const int64_t* positions, int64_t tokens,
                  int64_t rotated_heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
   at::parallel_for(0, tokens, grain(rotated_heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + positions[t] * head_dim;
       const T* s = sin + positions[t] * head_dim;
-      for (int64_t h = 0; h < rotated_heads; ++h) {
+      for (int64_t h = 0; h < rotated_heads; ++h) rotate_head(qkv + t * row_stride + h * head_dim, c, s, head_dim / 2);
+    }
+  });
+}
+
+// ---- per-head RMSNorm of q and k, then the rotary embedding, in place (Qwen3, Gemma 3) ------------
+//
+// Each of a token's first `heads` heads is normed with q_weight, the next `kv_heads` with k_weight, as
+// add_rms_norm_impl norms a row (no residual), the result rounded to T; then rotated as rotary_impl does.
+// The same values as the RMSNorm kernel on q and k followed by the rotary embedding, in one pass.
+template <typename T>
+void qk_norm_rotary_impl(T* qkv, int64_t row_stride, const T* q_weight, const T* k_weight, float eps, const T* cos,
+                         const T* sin, const int64_t* positions, int64_t tokens, int64_t heads, int64_t kv_heads,
+                         int64_t head_dim) {
+  at::parallel_for(0, tokens, grain((heads + kv_heads) * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos != nullptr ? cos + positions[t] * head_dim : nullptr;
+      const T* s = sin != nullptr ? sin + positions[t] * head_dim : nullptr;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
         T* x = qkv + t * row_stride + h * head_dim;
-        // out = x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T as torch does
-        int64_t i0 = 0;
-#ifdef PAGODA_AVX2_OPS
-        const __m256 sign = _mm256_set1_ps(-0.f);
-        for (; i0 + 8 <= half; i0 += 8) {
-          const __m256 x1 = load8(x + i0), x2 = load8(x + i0 + half);
-          const __m256 lo = _mm256_add_ps(round8<T>(_mm256_mul_ps(x1, load8(c + i0))),
-                                          round8<T>(_mm256_mul_ps(_mm256_xor_ps(x2, sign), load8(s + i0))));
-          const __m256 hi = _mm256_add_ps(round8<T>(_mm256_mul_ps(x2, load8(c + i0 + half))),
-                                          round8<T>(_mm256_mul_ps(x1, load8(s + i0 + half))));
-          store8(x + i0, lo);
-          store8(x + i0 + half, hi);
+        const T* w = h < heads ? q_weight : k_weight;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float v = to_f(x[i]);
+          sum += v * v;
         }
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(head_dim) + eps);
+        int64_t i1 = 0;
+#ifdef PAGODA_AVX2_OPS
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (; i1 + 8 <= head_dim; i1 += 8) store8(x + i1, _mm256_mul_ps(_mm256_mul_ps(load8(x + i1), iv), load8(w + i1)));
 #endif
 #pragma omp simd
-        for (int64_t i = i0; i < half; ++i) {
-          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
-          const float lo = round_to<T>(x1 * to_f(c[i])) + round_to<T>(-x2 * to_f(s[i]));
-          const float hi = round_to<T>(x2 * to_f(c[i + half])) + round_to<T>(x1 * to_f(s[i + half]));
-          x[i] = from_f<T>(lo);
-          x[i + half] = from_f<T>(hi);
-        }
+        for (int64_t i = i1; i < head_dim; ++i) x[i] = from_f<T>(to_f(x[i]) * inv * to_f(w[i]));
+        if (c != nullptr) rotate_head(x, c, s, head_dim / 2);
       }
     }
   });
@@ -418,6 +492,51 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
                   silu_and_mul_impl<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, inter,
                                               gate_up.stride(0)));
   return out;
+}
+
+// gate_up: [rows, 2 * inter] (rows may be strided); returns gelu(gate, approximate="tanh") * up: [rows, inter].
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [rows, 2 * inter] with contiguous rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  PAGODA_DISPATCH(gate_up.scalar_type(), "gelu_tanh_and_mul",
+                  gelu_tanh_and_mul_impl<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows,
+                                                   inter, gate_up.stride(0)));
+  return out;
+}
+
+// qkv: [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows; RMSNorm of each q head (q_weight,
+// [head_dim]) and k head (k_weight), then, given cos/sin ([max_position, head_dim]) and positions ([tokens]
+// int64), the rotary embedding of both, in place. v is left alone.
+void qk_norm_rotary_(at::Tensor& qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, double eps,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, const c10::optional<at::Tensor>& cos,
+                     const c10::optional<at::Tensor>& sin, const c10::optional<at::Tensor>& positions) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width] with contiguous rows");
+  TORCH_CHECK(head_dim % 2 == 0 && (heads + kv_heads) * head_dim <= qkv.size(1), "q and k heads exceed the qkv width");
+  for (const at::Tensor* w : {&q_weight, &k_weight})
+    TORCH_CHECK(w->is_contiguous() && w->numel() == head_dim && w->scalar_type() == qkv.scalar_type(),
+                "q_weight and k_weight must be [head_dim] in qkv's dtype");
+  TORCH_CHECK(cos.has_value() == sin.has_value() && cos.has_value() == positions.has_value(),
+              "give cos, sin and positions together, or none of them");
+  at::Tensor pos;
+  if (cos.has_value()) {
+    TORCH_CHECK(cos->is_contiguous() && sin->is_contiguous() && cos->size(-1) == head_dim &&
+                    cos->scalar_type() == qkv.scalar_type() && sin->scalar_type() == qkv.scalar_type(),
+                "cos/sin must be contiguous [max_position, head_dim] tables in qkv's dtype");
+    TORCH_CHECK(positions->scalar_type() == at::kLong && positions->numel() == qkv.size(0),
+                "positions must be int64, one per token");
+    pos = positions->contiguous();
+  }
+  PAGODA_DISPATCH(qkv.scalar_type(), "qk_norm_rotary_",
+                  qk_norm_rotary_impl<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), q_weight.data_ptr<scalar_t>(),
+                                                k_weight.data_ptr<scalar_t>(), static_cast<float>(eps),
+                                                cos.has_value() ? cos->data_ptr<scalar_t>() : nullptr,
+                                                sin.has_value() ? sin->data_ptr<scalar_t>() : nullptr,
+                                                cos.has_value() ? pos.data_ptr<int64_t>() : nullptr, qkv.size(0),
+                                                heads, kv_heads, head_dim));
 }
 
 // qkv: [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows; rotates the first
@@ -674,6 +793,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("chunk_rows") = 1024);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection", no_gil);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(gate, tanh approximation) * up over a fused gate_up projection",
+        no_gil);
+  m.def("qk_norm_rotary_", &qk_norm_rotary_,
+        "per-head RMSNorm of the q and k heads of a fused qkv row, then their rotary embedding, in place", no_gil,
+        pybind11::arg("qkv"), pybind11::arg("q_weight"), pybind11::arg("k_weight"), pybind11::arg("eps"),
+        pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("head_dim"),
+        pybind11::arg("cos") = pybind11::none(), pybind11::arg("sin") = pybind11::none(),
+        pybind11::arg("positions") = pybind11::none());
   m.def("has_bf16_gemv", &has_bf16_gemv, "whether gemv_bf16 was built (AVX-512 BF16, or AVX2 + FMA)");
   m.def("gemv_path", &gemv_path, "the ISA path of gemv_bf16: avx512_bf16, avx2, or empty (none)");
   m.def("elementwise_path", &elementwise_path, "the ISA path of RMSNorm / SiLU-and-mul / RoPE");

@@ -1,4 +1,5 @@
-"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU-and-mul, RoPE), and bf16 linears.
+"""Fused CPU kernels for the decoder layer's elementwise work (RMSNorm, SiLU- and GELU-tanh-and-mul, RoPE, and
+per-head q/k RMSNorm with RoPE in one pass), and bf16 linears.
 
 The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
 linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
@@ -115,6 +116,30 @@ class CpuKernels:
             return ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` for ``gate_up = [gate | up]`` along the last dimension
+        (Gemma's MLP)."""
+        ops = self.for_tensor(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            return ops.gelu_tanh_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+    def qk_norm_rotary_(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                        num_heads: int, num_kv_heads: int, head_dim: int,
+                        tables: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> bool:
+        """Per-head RMSNorm of the q and k heads of ``qkv [T, (H + 2 Hkv) * D]`` (weights ``[D]``), then their
+        rotary embedding by ``tables`` (cos and sin ``[max_position, D]`` in qkv's dtype, int64 positions ``[T]``;
+        None: no rotation), in place, by one kernel: the values of the RMSNorm kernel on q and k followed by the
+        rotary kernel. Returns False, changing nothing, where the kernel does not apply."""
+        ops = self.for_tensor(qkv)
+        if ops is None or qkv.dim() != 2 or qkv.stride(1) != 1 or q_weight.dtype != qkv.dtype:
+            return False
+        if tables is not None and tables[0].dtype != qkv.dtype:
+            return False
+        ops.qk_norm_rotary_(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, *(tables or ()))
+        return True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``F.linear``; for bf16 on a CPU, through the GEMV kernel for decode-sized batches, and without bf16

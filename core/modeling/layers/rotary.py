@@ -222,6 +222,11 @@ class StepRotary:
             self.cos, self.sin = self.rotary.cos_sin(self.positions)
         return RotaryEmbedding.apply(q, self.cos, self.sin), RotaryEmbedding.apply(k, self.cos, self.sin)
 
+    def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, positions) as the fused CPU kernels take them (cos/sin ``[max_position, D]``, int64
+        positions ``[T]``)."""
+        return self.rotary.cos_cache, self.rotary.sin_cache, self.positions.to(torch.int64)
+
     def split_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
         """``qkv [T, (H + 2 Hkv) * D]`` -> rotated ``q [T, H, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``.
 

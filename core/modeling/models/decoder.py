@@ -226,6 +226,8 @@ class DecoderLayer(nn.Module):
         # the fused rotary kernel rotates q and k inside the projection's output; a layer that norms q and k
         # first, or rotates part of each head, rotates them after the split
         self.fused_rope = rotary is not None and spec.qk_norm is None and not rotary.partial
+        # per-head q/k norms (Qwen3, Gemma 3) and the rotary embedding: one kernel over the projection's output
+        self.fused_qk_norm = spec.qk_norm == "head" and (rotary is None or not rotary.partial)
         self.act = spec.act
         self.residual_multiplier = spec.residual_multiplier
         self._rotary_id = id(rotary) if rotary is not None else None
@@ -242,6 +244,10 @@ class DecoderLayer(nn.Module):
         rope: Optional[StepRotary] = ropes.get(self._rotary_id)
         if self.fused_rope:
             q, k, v = rope.split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        elif self.fused_qk_norm and self.kernels.qk_norm_rotary_(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads, self.num_kv_heads,
+                self.head_dim, rope.kernel_tables() if rope is not None else None):
+            q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             t, d = q.shape[0], self.head_dim
@@ -275,6 +281,8 @@ class DecoderLayer(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.act == "silu":
             h = self.kernels.silu_and_mul(gate_up)
+        elif self.act == "gelu_tanh":
+            h = self.kernels.gelu_tanh_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none") * up

@@ -1,6 +1,7 @@
 // What pagoda's two CPU attention kernels share: the online softmax's update (cpu_prefill.cpp's
 // flash-style items, on AVX-512 BF16 and on AVX2), 2^x for softmax inputs (one polynomial, for one
-// value, 8 lanes and 16 lanes: cpu_kernels.cpp's decode softmax and cpu_prefill.cpp's items), and the
+// value, 8 lanes and 16 lanes: cpu_kernels.cpp's decode softmax and cpu_prefill.cpp's items), tanh on
+// 8 and 16 lanes for soft-capped scores, and the
 // 8-lane fp32 pieces of their AVX2 paths: horizontal max and sum, and the widening loads and rounding
 // stores of fp32, bf16 and fp16 rows.
 //
@@ -71,6 +72,21 @@ inline __m512 exp2_16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// tanh on 16 lanes, as tanh8 below computes it
+inline __m512 tanh16(__m512 x) {
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(9.f));
+  const __m512 e = exp2_16(_mm512_mul_ps(a, _mm512_set1_ps(-2.8853900817779268f)));
+  const __m512 far = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  const __m512 a2 = _mm512_mul_ps(a, a);
+  __m512 p = _mm512_set1_ps(-17.f / 315.f);
+  p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(2.f / 15.f));
+  p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(-1.f / 3.f));
+  const __m512 near = _mm512_fmadd_ps(_mm512_mul_ps(p, a2), a, a);
+  const __m512 t = _mm512_mask_mov_ps(far, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.125f), _CMP_LT_OQ), near);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(_mm512_castps_si512(x),
+                                                                                       _mm512_set1_epi32(INT32_MIN))));
+}
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -89,6 +105,23 @@ inline __m256 exp2_8(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// tanh on 8 lanes (what a logit soft-cap needs): for |x| >= 1/8, (1 - e) / (1 + e) with e = exp(-2|x|) by
+// exp2_8 (|x| capped at 9, where tanh is 1 in fp32); below, the odd Taylor series to x^7 (error < 2e-10), where
+// 1 - e would lose the leading bits. The sign is x's.
+inline __m256 tanh8(__m256 x) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign_bit, x), _mm256_set1_ps(9.f));
+  const __m256 e = exp2_8(_mm256_mul_ps(a, _mm256_set1_ps(-2.8853900817779268f)));  // -2 log2(e)
+  const __m256 far = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.f), e), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  const __m256 a2 = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_set1_ps(-17.f / 315.f);
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(2.f / 15.f));
+  p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-1.f / 3.f));
+  const __m256 near = _mm256_fmadd_ps(_mm256_mul_ps(p, a2), a, a);
+  const __m256 t = _mm256_blendv_ps(far, near, _mm256_cmp_ps(a, _mm256_set1_ps(0.125f), _CMP_LT_OQ));
+  return _mm256_or_ps(t, _mm256_and_ps(x, sign_bit));
 }
 
 inline float max8(__m256 v) {
