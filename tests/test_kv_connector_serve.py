@@ -156,6 +156,7 @@ def test_a_decode_instance_killed_mid_stream_is_replaced_and_the_tokens_are_one_
     # the second decode instance took over, loading the prompt's blocks from the shared store
     assert metric(decode2_url, "kv_connector_lookups") > lookups_before
     assert httpx.get(fleet.proxy + "/health", timeout=30).json()["down"] == [decode1_url]
+    assert client.models.list().data[0].id == name  # (asked of the live decode instance)
 
     # later requests go to the live instance, whole (the dead one refuses connections: the next is tried)
     again = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0.0, stream=True)
@@ -175,7 +176,7 @@ def test_the_proxy_prefills_on_one_instance_and_decodes_on_the_other_with_one_en
     loaded_before = sum(metric(url, "kv_connector_blocks_loaded") for url in decodes)
     client = openai.OpenAI(base_url=proxy + "/v1", api_key="none")
     direct = openai.OpenAI(base_url=prefill[1] + "/v1", api_key="none")  # one engine alone, no connector reads
-    name = direct.models.list().data[0].id
+    name = client.models.list().data[0].id
     prompt = "A long system prompt that both instances see the same way, " * 10
     via_proxy = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0.0)
     other = "Tell me about the shared store, and how the blocks get there. " * 8
