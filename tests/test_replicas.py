@@ -1,5 +1,6 @@
 """``pagoda serve --replicas 2`` as users run it: two engine replicas on Ray Serve behind one endpoint,
-driven by the official ``openai`` client, with prefix-aware routing against power-of-two routing."""
+driven by the official ``openai`` client, with prefix-aware routing; against power-of-two routing over two
+engines of the same model and pool, sent the same requests the same way."""
 
 from __future__ import annotations
 
@@ -39,13 +40,20 @@ def shared_prefix_prompts() -> list[tuple[int, list[int]]]:
     return prompts
 
 
-def start_replicas(log: Path, model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def replicas_env() -> dict[str, str]:
+    """This process's environment when the command starts (ray.init here has put the cluster's token in it)."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def replicas_command(port: int, model: Path, *flags: str) -> list[str]:
+    return [PAGODA, "serve", "--port", str(port), "--model", str(model), "--served-model-name", MODEL, "--dtype",
+            "float32", "--replicas", "2", *POOL_FLAGS, *flags]
+
+
+def start_replicas(log: Path, port: int, model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--model", str(model), "--served-model-name",
-                                 MODEL, "--dtype", "float32", "--replicas", "2", *POOL_FLAGS, *flags],
-                                stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        proc = subprocess.Popen(replicas_command(port, model, *flags), stdout=out, stderr=subprocess.STDOUT,
+                                env=replicas_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while True:
@@ -110,41 +118,99 @@ async def run_workload(url: str) -> dict:
         "replicas": {r["replica"] for r in results}}
 
 
+def power_of_two_control(model: Path) -> dict:
+    """The workload routed by the power-of-two router (seeded) over two engines built as the replicas are
+    (same model, dtype and KV pool), two requests in flight at a time as the workload sends them, the load being
+    the requests in flight on each: where each went and what it found cached, as :func:`run_workload` reports."""
+    from pagoda.engine.engine_args import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.execution.routing import ReplicaLoad, RoutingRequest, make_router, prompt_block_hashes
+    from pagoda.registry.plugin_manager import get_plugin_manager
+    from pagoda.sampling_params import SamplingParams
+
+    pm = get_plugin_manager()
+    args = EngineArgs.build(model=str(model), dtype="float32", num_gpu_blocks_override=24, max_model_len=256,
+                            cpu_threads=1)
+    engines = [LLMEngine.from_engine_args(args, pm) for _ in range(2)]
+    router = make_router("power-of-two", {"seed": 0}, pm)
+    prompts = shared_prefix_prompts()
+    queue = list(enumerate(prompts))
+    in_flight: dict[str, int] = {}  # request id -> engine
+    results: list[dict] = [{} for _ in prompts]
+    try:
+        while queue or in_flight:
+            while queue and len(in_flight) < 2:
+                i, (group, prompt) = queue.pop(0)
+                request = RoutingRequest(str(i), tuple(prompt_block_hashes(prompt, BLOCK)), len(prompt))
+                loads = [ReplicaLoad(e, list(in_flight.values()).count(e)) for e in range(2)]
+                chosen = router.route(request, loads).replica_id
+                router.on_routed(request, chosen)
+                engines[chosen].add_request(str(i), {"prompt_token_ids": prompt},
+                                            SamplingParams(max_tokens=4, temperature=0))
+                in_flight[str(i)] = chosen
+            for e in sorted(set(in_flight.values())):
+                for out in engines[e].step():
+                    if out.finished:
+                        del in_flight[out.request_id]
+                        results[int(out.request_id)] = {"group": prompts[int(out.request_id)][0], "replica": e,
+                                                        "prompt": len(out.prompt_token_ids),
+                                                        "cached": out.num_cached_tokens}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    return {"hit_rate": sum(r["cached"] for r in results) / sum(r["prompt"] for r in results),
+            "replicas": {r["replica"] for r in results}}
+
+
 @pytest.fixture(scope="module")
 def routing_runs(tmp_path_factory):
-    """The workload through prefix-aware routing, then through power-of-two routing; and the fleet
-    metrics page after the prefix-aware run. Both runs join one local Ray cluster of 2 CPUs with
-    ``--ray-address`` (starting Ray is a good part of a run's start-up); each starts and shuts down its own
-    Ray Serve application."""
-    import ray
+    """The workload through ``pagoda serve --replicas 2`` with prefix-aware routing and the fleet metrics page
+    after it; the same workload routed by power-of-two over two engines in this process; and the address of
+    the running Serve as a launch reads it.
 
+    The launch joins a local Ray cluster of 2 CPUs with ``--ray-address``, on which Ray Serve already runs (its
+    controller and HTTP proxy started here, as an operator's cluster would have them): it adds its application
+    to that Serve and deletes it when stopped, leaving Serve up."""
+    import gc
+
+    import ray
+    from ray import serve
+
+    from pagoda.plugins.entrypoints.replicas.command import controller_env, running_serve_address
     from tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    runs = {"power-of-two": power_of_two_control(model)}
+    gc.collect()  # (its engines gone before the replicas start)
     address = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False).address_info["gcs_address"]
-    runs, pages = {}, {}
+    pages = {}
     try:
-        for router in ("prefix-aware", "power-of-two"):
-            log = tmp_path_factory.mktemp("replicas") / f"{router}.log"
-            proc, url = start_replicas(log, model, "--router", router, "--router-options", '{"seed": 0}',
-                                       "--ray-address", address)
-            try:
-                runs[router] = asyncio.run(run_workload(url))
-                pages[router] = httpx.get(url + "/metrics", timeout=30).text
-            finally:
-                stop(proc)
-            assert proc.returncode == 0, log.read_text()[-4000:]
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    controller_options={"runtime_env": {"env_vars": controller_env()}})
+        log = tmp_path_factory.mktemp("replicas") / "prefix-aware.log"
+        proc, url = start_replicas(log, port, model, "--router", "prefix-aware", "--router-options", '{"seed": 0}',
+                                   "--ray-address", address)
+        try:
+            runs["prefix-aware"] = asyncio.run(run_workload(url))
+            pages["prefix-aware"] = httpx.get(url + "/metrics", timeout=30).text
+        finally:
+            stop(proc)
+        assert proc.returncode == 0, log.read_text()[-4000:]
+        assert serve.status().applications == {}, "the stopped launch left its application behind"
+        serve_address = (running_serve_address(), port)  # read as a launch reads it, with Serve still up
     finally:
+        serve.shutdown()
         ray.shutdown()
-    return runs, pages
+    return runs, pages, serve_address
 
 
 def test_prefix_aware_routing_keeps_prefixes_on_one_replica_and_hits_the_cache_far_more(routing_runs):
-    runs, _ = routing_runs
-    for router, r in runs.items():
-        print(f"{router}: {r['to_holder']:.0%} of repeat requests at their prefix's first replica, prefix-cache "
-              f"hit rate {r['hit_rate']:.0%}, TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms")
+    runs, _, _ = routing_runs
     aware, p2c = runs["prefix-aware"], runs["power-of-two"]
+    print(f"prefix-aware: {aware['to_holder']:.0%} of repeat requests at their prefix's first replica, prefix-cache "
+          f"hit rate {aware['hit_rate']:.0%}, TTFT p50 {aware['ttft_p50'] * 1e3:.0f} ms, "
+          f"p99 {aware['ttft_p99'] * 1e3:.0f} ms; power-of-two: prefix-cache hit rate {p2c['hit_rate']:.0%}")
     assert len(aware["replicas"]) == 2 and len(p2c["replicas"]) == 2  # both replicas served
     assert aware["to_holder"] == 1.0
     assert aware["hit_rate"] > 0.6 and aware["hit_rate"] > p2c["hit_rate"] + 0.2
@@ -153,7 +219,7 @@ def test_prefix_aware_routing_keeps_prefixes_on_one_replica_and_hits_the_cache_f
 def test_the_fleet_metrics_page_has_every_replica_s_engine_metrics_and_the_router_s(routing_runs):
     from prometheus_client.parser import text_string_to_metric_families
 
-    _, pages = routing_runs
+    _, pages, _ = routing_runs
     families = {f.name: f for f in text_string_to_metric_families(pages["prefix-aware"])}
     waiting = families["pagoda:num_requests_waiting"].samples
     assert len({s.labels["replica"] for s in waiting}) == 2 and all(s.value == 0 for s in waiting)
@@ -165,6 +231,21 @@ def test_the_fleet_metrics_page_has_every_replica_s_engine_metrics_and_the_route
     assert routed.get("prefix", 0) == (NUM_ROUNDS - 1) * NUM_GROUPS
     usage = families["pagoda:kv_cache_usage_perc"].samples
     assert all(s.value == 0 for s in usage)  # every finished request gave its blocks back
+
+
+def test_a_launch_on_a_cluster_whose_serve_listens_elsewhere_is_told_which_address_to_pass(routing_runs):
+    from pagoda.errors import ConfigError
+    from pagoda.plugins.entrypoints.replicas.command import check_serve_address
+
+    _, _, (running, port) = routing_runs
+    assert running == ("127.0.0.1", port)  # the running Serve's proxy, as pagoda serve found it on the cluster
+    check_serve_address(running, "127.0.0.1", port)
+    check_serve_address(None, "0.0.0.0", port + 1)  # no Serve yet: this launch starts it where it is told
+    for host, other in (("127.0.0.1", port + 1), ("0.0.0.0", port)):
+        with pytest.raises(ConfigError) as refused:
+            check_serve_address(running, host, other)
+        assert str(refused.value) == (f"Ray Serve already runs on this cluster, its HTTP proxy on 127.0.0.1:{port}; "
+                                      f"pass --host 127.0.0.1 --port {port} to serve the replicas there")
 
 
 def test_bad_replica_flags_fail_before_anything_starts(capsys):

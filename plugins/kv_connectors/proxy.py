@@ -336,12 +336,17 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], timeout: float) -
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
+        """The first decode instance's list that answers (every instance serves the same model)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        try:
-            answer = await client.get(decode_urls[0] + "/v1/models", headers=headers)
-        except httpx.HTTPError as exc:
-            return error(502, f"the decode instance {decode_urls[0]} failed: {exc}")
-        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        failures = []
+        for url in decode_urls:
+            try:
+                answer = await client.get(url + "/v1/models", headers=headers)
+            except httpx.HTTPError as exc:
+                failures.append(f"{url} ({exc})")
+                continue
+            return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
+        return error(502, f"no decode instance answered: {', '.join(failures)}")
 
     @app.get("/health")
     async def health() -> Any:

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from pagoda.cli import engine_args_from
 from pagoda.errors import ConfigError
@@ -71,16 +71,32 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              tenant_source=getattr(ns, "tenant_source", "api-key"))
 
 
-def _patient_proxy_checks() -> None:
-    """Give Ray Serve's HTTP proxy time to come up on a small, busy machine.
+# Ray Serve marks its HTTP proxy unhealthy after three readiness checks of 5 s each and kills it; on a small,
+# busy host that is also starting the replicas the proxy can take longer than that to import, and ``serve.start``
+# then failed with the proxy "killed by ray.kill". Checks of 30 s each (still polled: a proxy that is up is used
+# at once) ride on Serve's controller, which runs them, so they hold on a joined cluster too.
+_PATIENT_PROXY_CHECKS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
-    Ray Serve marks its proxy unhealthy after three readiness checks of 5 s each and kills it; on a 2-core host
-    that is also starting the replicas, the proxy can take longer than that to import, so ``serve.start`` failed
-    with the proxy "killed by ray.kill". A cluster this command starts inherits these variables; an operator's
-    own values are kept, and a cluster joined with ``--ray-address`` keeps its settings.
-    """
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
-    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
+
+def controller_env() -> dict[str, str]:
+    """What the Serve controller ``pagoda serve --replicas`` starts needs in its environment: patient proxy
+    checks, where the operator's own values of these variables win."""
+    return {name: os.environ.get(name, value) for name, value in _PATIENT_PROXY_CHECKS.items()}
+
+
+def running_serve_address() -> Optional[tuple[str, int]]:
+    """(host, port) of the HTTP proxy of the Ray Serve already running on the connected cluster, or None."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else (client.http_config.host, client.http_config.port)
+
+
+def check_serve_address(running: Optional[tuple[str, int]], host: str, port: int) -> None:
+    """A Serve already running on the cluster listens where it does: the flags must name that address."""
+    if running is not None and running != (host, port):
+        raise ConfigError(f"Ray Serve already runs on this cluster, its HTTP proxy on {running[0]}:{running[1]}; "
+                          f"pass --host {running[0]} --port {running[1]} to serve the replicas there")
 
 
 def run_replicas(ns: argparse.Namespace) -> int:
@@ -98,11 +114,19 @@ def run_replicas(ns: argparse.Namespace) -> int:
         overrides["cpu_threads"] = int(options.cpus_per_replica)
     engine_args = engine_args_from(ns, **overrides)
     engine_args.create_engine_config()  # a bad engine flag fails here, before any replica starts
-    if not ns.ray_address:
-        _patient_proxy_checks()
+    if not ns.ray_address:  # the cluster started here, and so its Serve controller, inherits them
+        os.environ.update(controller_env())
     ray.init(address=ns.ray_address, num_cpus=None if ns.ray_address else cpus, include_dashboard=False)
+    running = running_serve_address()
     try:
-        serve.start(http_options={"host": ns.host, "port": ns.port})
+        check_serve_address(running, ns.host, ns.port)
+    except ConfigError:
+        ray.shutdown()
+        raise
+    try:
+        # a joined cluster's own environment is not ours: the controller gets the checks as its runtime env
+        serve.start(http_options={"host": ns.host, "port": ns.port},
+                    controller_options={"runtime_env": {"env_vars": controller_env()}} if ns.ray_address else None)
         serve.run(build_application(engine_args, options), name="pagoda", route_prefix="/")
         logger.info("serving on http://%s:%d with %d replicas (router %s)", ns.host, ns.port, ns.replicas, ns.router)
         stop = threading.Event()
@@ -110,6 +134,9 @@ def run_replicas(ns: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
     finally:
-        serve.shutdown()
+        if running is None:
+            serve.shutdown()
+        else:  # Serve was there before: it keeps running, with its other applications
+            serve.delete("pagoda")
         ray.shutdown()
     return 0

@@ -26,6 +26,9 @@ from pagoda.plugins.entrypoints.replicas.forward import ForwardedRequest, Respon
 
 # the paths whose body holds a prompt to route by
 _PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions")
+# how often a stopping replica looks whether its requests are done (Serve's default, 2 s, is waited even by an
+# idle replica, once per deployment: the ingress stops before the engines)
+_DRAIN_CHECK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -234,9 +237,11 @@ def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> An
                                else {"num_replicas": options.num_replicas})
     engine = serve.deployment(EngineReplica, name="pagoda-engine").options(
         ray_actor_options={"num_cpus": options.cpus_per_replica}, max_ongoing_requests=options.max_ongoing_requests,
-        request_router_config=router_config, health_check_period_s=5, **scaling)
+        request_router_config=router_config, health_check_period_s=5,
+        graceful_shutdown_wait_loop_s=_DRAIN_CHECK_S, **scaling)
     ingress = serve.deployment(Ingress, name="pagoda-ingress").options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=options.max_ongoing_requests)
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=options.max_ongoing_requests,
+        graceful_shutdown_wait_loop_s=_DRAIN_CHECK_S)
     return ingress.bind(engine.bind(engine_args, options), engine_args, options)
 
 
