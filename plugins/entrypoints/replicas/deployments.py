@@ -296,6 +296,9 @@ def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> An
     from pagoda.plugins.entrypoints.replicas.autoscaling import autoscaling_config
     from pagoda.plugins.entrypoints.replicas.ray_router import PagodaRequestRouter
 
+    if options.roles and engine_args.kv_connector is None:
+        raise ValueError("replica roles hand each prompt's KV blocks from a prefill to a decode replica through a "
+                         "KV connector: set the engine's kv_connector (and kv_connector_options)")
     router_options = dict(options.router_options or {})
     lora = engine_args.create_engine_config().lora
     if lora is not None and options.router == "prefix-aware":  # the adapters each replica keeps loaded
