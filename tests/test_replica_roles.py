@@ -187,3 +187,24 @@ def test_bad_replica_role_flags_fail_before_anything_starts(capsys):
             assert not ray.is_initialized(), flags
     finally:
         ray.shutdown()
+
+
+def test_a_serve_config_with_roles_needs_a_kv_connector(tmp_path):
+    from tiny_models import write_tiny_checkpoint
+
+    from pagoda.plugins.entrypoints.replicas.deployments import app_builder
+
+    model = write_tiny_checkpoint(tmp_path / "model")
+    engine = {"model": str(model), "load_format": "dummy"}
+    with pytest.raises(ValueError, match="through a KV connector"):
+        app_builder({"engine": engine, "replicas": {"roles": ["prefill", "decode"]}})
+    # with one, the application has a prefill and a decode deployment behind the ingress
+    app = app_builder({"engine": {**engine, "kv_connector": "shared-disk",
+                                  "kv_connector_options": {"path": str(tmp_path)}},
+                       "replicas": {"roles": ["prefill", "decode", "decode"]}})
+    engines = {}
+    for arg in app._bound_deployment.init_args:  # the engine deployments bound into the ingress
+        deployment = getattr(arg, "_bound_deployment", None)
+        if deployment is not None:
+            engines[deployment.name] = (deployment.num_replicas, deployment.init_args[0].kv_role)
+    assert engines == {"pagoda-decode": (2, "decode"), "pagoda-prefill": (1, "prefill")}
