@@ -133,7 +133,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             raise ConfigError(f"pagoda serve {ns.model_tag} --model {ns.model}: name the model once")
         ns.model = ns.model_tag
 
-    if ns.replicas != 1 or ns.max_replicas is not None:
+    if ns.replicas != 1 or ns.max_replicas is not None or ns.replica_roles is not None:
         if ns.step_log:
             raise ConfigError("--step-log records one engine's steps; it is not available with --replicas or "
                               "--max-replicas yet")

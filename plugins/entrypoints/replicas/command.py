@@ -12,7 +12,7 @@ from typing import Any, Optional
 from pagoda.cli import engine_args_from
 from pagoda.errors import ConfigError
 from pagoda.execution.routing import make_router
-from pagoda.plugins.entrypoints.replicas.deployments import ReplicaSetOptions
+from pagoda.plugins.entrypoints.replicas.deployments import ROLES, ReplicaSetOptions
 
 logger = logging.getLogger("pagoda")
 
@@ -31,6 +31,11 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
                         "running requests per replica, target --target-requests-per-replica)")
     g.add_argument("--min-replicas", type=int, default=1)
     g.add_argument("--target-requests-per-replica", type=float, default=16.0)
+    g.add_argument("--replica-roles", type=_roles, default=None, metavar="ROLE,ROLE,...",
+                   help="disaggregated prefill and decode: one role per replica, prefill or decode (e.g. "
+                        "prefill,decode); each request's prompt is computed on a prefill replica, which saves its "
+                        "blocks through --kv-connector, and its answer generated on a decode replica, which loads "
+                        "them (docs/kv_connectors.md)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. ray://head:10001 or auto); default: start one on this machine")
 
@@ -42,6 +47,34 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
+
+
+def _roles(text: str) -> tuple[str, ...]:
+    roles = tuple(r.strip() for r in text.split(","))
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown replica roles {unknown}: each is prefill or decode, e.g. "
+                                         "prefill,decode")
+    return roles
+
+
+def check_roles(ns: argparse.Namespace) -> None:
+    """--replica-roles against the other flags: one role per replica, both roles, a connector to share KV."""
+    roles = ns.replica_roles
+    if len(roles) != ns.replicas:
+        raise ConfigError(f"--replica-roles names {len(roles)} roles for --replicas {ns.replicas}: give one role "
+                          "per replica")
+    if "prefill" not in roles or "decode" not in roles:
+        raise ConfigError(f"--replica-roles {','.join(roles)}: name at least one prefill and one decode replica")
+    if ns.max_replicas is not None:
+        raise ConfigError("--replica-roles fixes each replica's role; it does not autoscale yet: drop "
+                          "--max-replicas")
+    if getattr(ns, "kv_connector", None) is None:
+        raise ConfigError("--replica-roles hands each prompt's KV blocks from a prefill to a decode replica through "
+                          "a KV connector: add --kv-connector shared-disk --kv-connector-options "
+                          "'{\"path\": DIR}' (or tcp with a pagoda kv-server)")
+    if getattr(ns, "kv_role", None) not in (None, "both"):
+        raise ConfigError("--replica-roles sets each replica's --kv-role; drop --kv-role")
 
 
 def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
@@ -56,6 +89,9 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                           f"<= --max-replicas ({ns.max_replicas})")
     if ns.target_requests_per_replica <= 0:
         raise ConfigError("--target-requests-per-replica must be > 0")
+    roles = getattr(ns, "replica_roles", None)
+    if roles is not None:
+        check_roles(ns)
     try:
         make_router(ns.router, ns.router_options, ns.plugin_manager)
     except ValueError as exc:
@@ -68,7 +104,7 @@ def replica_options(ns: argparse.Namespace, cpus: int) -> ReplicaSetOptions:
                              max_request_bytes=ns.max_request_bytes,
                              default_max_tokens=default_max_tokens_option(ns.default_max_tokens),
                              max_request_chars=max_request_chars_option(ns.max_request_chars),
-                             tenant_source=getattr(ns, "tenant_source", "api-key"))
+                             tenant_source=getattr(ns, "tenant_source", "api-key"), roles=roles)
 
 
 # Ray Serve marks its HTTP proxy unhealthy after three readiness checks of 5 s each and kills it; on a small,
@@ -128,7 +164,8 @@ def run_replicas(ns: argparse.Namespace) -> int:
         serve.start(http_options={"host": ns.host, "port": ns.port},
                     controller_options={"runtime_env": {"env_vars": controller_env()}} if ns.ray_address else None)
         serve.run(build_application(engine_args, options), name="pagoda", route_prefix="/")
-        logger.info("serving on http://%s:%d with %d replicas (router %s)", ns.host, ns.port, ns.replicas, ns.router)
+        logger.info("serving on http://%s:%d with %d replicas (router %s%s)", ns.host, ns.port, ns.replicas,
+                    ns.router, f", roles {','.join(options.roles)}" if options.roles else "")
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

@@ -4,12 +4,18 @@ The ingress reads each request, turns its prompt into block hashes and forwards 
 whose request router (:class:`~.ray_router.PagodaRequestRouter`) picks the replica. Each replica runs
 the whole pagoda server app (:func:`pagoda.plugins.entrypoints.server.build_app`) in-process on the
 requests it gets, so every route, error and stream behaves as with one ``pagoda serve``.
+
+With replica roles (``--replica-roles prefill,decode``) there are two engine deployments: the prefill
+replicas (``--kv-role prefill``) get each completion's prompt first, as one token without streaming, and
+save its blocks through the KV connector; the request then goes unchanged to a decode replica
+(``--kv-role decode``), which loads those blocks and streams the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -23,12 +29,17 @@ from pagoda.engine.engine_args import EngineArgs
 from pagoda.execution.routing import RoutingRequest, prompt_block_hashes
 from pagoda.plugins.entrypoints.replicas.fleet_metrics import merge_replica_metrics
 from pagoda.plugins.entrypoints.replicas.forward import ForwardedRequest, ResponseStart, run_asgi
+from pagoda.plugins.kv_connectors.proxy import prefill_body
 
-# the paths whose body holds a prompt to route by
+logger = logging.getLogger("pagoda")
+
+# the paths whose body holds a prompt to route by (and, with replica roles, to prefill first)
 _PROMPT_PATHS = ("/v1/completions", "/v1/chat/completions")
 # how often a stopping replica looks whether its requests are done (Serve's default, 2 s, is waited even by an
 # idle replica, once per deployment: the ingress stops before the engines)
 _DRAIN_CHECK_S = 0.25
+# a replica's role with --replica-roles: the KV role its engine is given
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,11 @@ class ReplicaSetOptions:
     tenant_source: str = "api-key"
     # requests Serve lets a replica have at once; the engine queues and refuses (503) beyond its own limits
     max_ongoing_requests: int = 1024
+    # one role per replica ("prefill" or "decode"), or None: every replica prefills and decodes its requests
+    roles: Optional[tuple[str, ...]] = None
+
+    def num_with_role(self, role: str) -> int:
+        return sum(r == role for r in self.roles or ())
 
 
 class EngineReplica:
@@ -97,11 +113,14 @@ class EngineReplica:
 class Ingress:
     """The one HTTP entry: forwards every request to an engine replica, counts where prompts went."""
 
-    def __init__(self, engine: Any, engine_args: EngineArgs, options: ReplicaSetOptions) -> None:
+    def __init__(self, engine: Any, engine_args: EngineArgs, options: ReplicaSetOptions,
+                 prefill: Any = None) -> None:
         from pagoda.engine.components import load_tokenizer
 
         config = engine_args.create_engine_config()
-        self.engine = engine
+        self.engine = engine  # with replica roles, the decode replicas
+        self.prefill = prefill  # the prefill replicas (None: no roles)
+        self.num_prefill_failed = 0  # prompts a prefill replica failed to compute: the decode replica did
         self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.chat_template)
         self.block_size = config.cache.block_size
         # the names a request's "model" gives the base model by; any other names a LoRA adapter (with LoRA on)
@@ -120,29 +139,78 @@ class Ingress:
         body = await request.body()
         forwarded = ForwardedRequest(request.method, request.url.path, request.url.query.encode(),
                                      list(request.headers.raw), body)
-        if request.method == "POST" and request.url.path in _PROMPT_PATHS and len(body) <= self.max_request_bytes:
+        prompt = request.method == "POST" and request.url.path in _PROMPT_PATHS
+        if prompt and len(body) <= self.max_request_bytes:
             forwarded.routing = await asyncio.to_thread(self.routing_request, request.url.path, body)
+        prefilled_by = None
+        if prompt and self.prefill is not None:
+            refused, prefilled_by = await self.prefill_first(forwarded)
+            if refused is not None:
+                return refused
         stream = self.engine.options(stream=True).handle.remote(forwarded)
         start = await stream.__anext__()
         self.count(forwarded, start)
+        if prefilled_by is not None:
+            start = ResponseStart(start.status, start.headers + [(b"x-pagoda-prefill-replica", prefilled_by)])
         return RelayedResponse(start, stream)
 
+    async def prefill_first(self, forwarded: ForwardedRequest) -> tuple[Optional[Response], Optional[bytes]]:
+        """Send ``forwarded``'s prompt to a prefill replica as one token without streaming; it answers once the
+        prompt's blocks are in the store. Returns (the answer to give the client instead, when the prefill replica
+        refused the request with a 4xx; the prefill replica's name when it computed the prompt). A prefill
+        replica that fails otherwise costs the decode replica the prompt, not the request."""
+        try:
+            payload = json.loads(forwarded.body)
+        except ValueError:
+            return None, None  # the decode replica answers with the error
+        if not isinstance(payload, dict):
+            return None, None
+        body = json.dumps(prefill_body(payload)).encode()
+        headers = [(k, v) for k, v in forwarded.headers if k.lower() != b"content-length"]
+        first = ForwardedRequest(forwarded.method, forwarded.path, forwarded.query_string,
+                                 headers + [(b"content-length", str(len(body)).encode())], body,
+                                 routing=forwarded.routing)
+        try:
+            stream = self.prefill.options(stream=True).handle.remote(first)
+            start = await stream.__anext__()
+            content = b"".join([chunk async for chunk in stream])
+        except Exception as exc:  # a replica that died or was stopped: the decode replica computes the prompt
+            logger.warning("the prefill replica failed (%s); the decode replica computes the prompt", exc)
+            self.num_prefill_failed += 1
+            return None, None
+        self.count(first, start, matched=False)
+        name = dict(start.headers).get(b"x-pagoda-replica", b"?")
+        if 400 <= start.status < 500:  # the request itself is wrong: the decode replica would say so too
+            return Response(content, start.status, headers={k.decode("latin-1"): v.decode("latin-1") for k, v
+                                                            in start.headers if k.lower() != b"content-length"}), None
+        if start.status != 200:
+            logger.warning("the prefill replica %s answered %d; the decode replica computes the prompt",
+                           name.decode(), start.status)
+            self.num_prefill_failed += 1
+            return None, None
+        return None, name
+
+    def engine_handles(self) -> list[Any]:
+        return [self.engine] + ([self.prefill] if self.prefill is not None else [])
+
     async def fleet_metrics(self, headers: list[tuple[bytes, bytes]]) -> str:
-        """Every replica's /metrics, each sample labelled with its replica."""
-        first = ForwardedRequest("GET", "/metrics", b"", headers, b"")
-        pages = dict([await self.fetch(first)])
-        for name in first.replica_names:
-            if name not in pages:
-                try:  # a replica stopping meanwhile is left out, not waited for
-                    pages.update([await asyncio.wait_for(
-                        self.fetch(ForwardedRequest("GET", "/metrics", b"", headers, b"", target=name)), 10.0)])
-                except asyncio.TimeoutError:
-                    continue
+        """Every replica's /metrics (of both roles), each sample labelled with its replica."""
+        pages: dict[str, str] = {}
+        for handle in self.engine_handles():
+            first = ForwardedRequest("GET", "/metrics", b"", headers, b"")
+            pages.update([await self.fetch(first, handle)])
+            for name in first.replica_names:
+                if name not in pages:
+                    try:  # a replica stopping meanwhile is left out, not waited for
+                        pages.update([await asyncio.wait_for(self.fetch(
+                            ForwardedRequest("GET", "/metrics", b"", headers, b"", target=name), handle), 10.0)])
+                    except asyncio.TimeoutError:
+                        continue
         return merge_replica_metrics(pages)
 
-    async def fetch(self, forwarded: ForwardedRequest) -> tuple[str, str]:
+    async def fetch(self, forwarded: ForwardedRequest, handle: Any = None) -> tuple[str, str]:
         """(replica name, response text) of a small request."""
-        stream = self.engine.options(stream=True).handle.remote(forwarded)
+        stream = (handle or self.engine).options(stream=True).handle.remote(forwarded)
         start = await stream.__anext__()
         body = b"".join([chunk async for chunk in stream])
         return dict(start.headers)[b"x-pagoda-replica"].decode(), body.decode()
@@ -170,12 +238,12 @@ class Ingress:
             prompt = prompt[0]  # a batch of prompts routes by its first
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
-    def count(self, forwarded: ForwardedRequest, start: ResponseStart) -> None:
+    def count(self, forwarded: ForwardedRequest, start: ResponseStart, matched: bool = True) -> None:
         replica = dict(start.headers).get(b"x-pagoda-replica", b"?").decode()
         decision = forwarded.decision
         reason = decision.reason if decision is not None else "fallback"
         self.num_routed[(replica, reason)] += 1
-        if decision is not None:
+        if decision is not None and matched:
             self.num_matched_tokens += decision.num_matched_blocks * self.block_size
 
     def metrics_text(self) -> str:
@@ -189,6 +257,11 @@ class Ingress:
                   "was sent the same prefix before.",
                   "# TYPE pagoda:router_matched_prompt_tokens_total counter",
                   f"pagoda:router_matched_prompt_tokens_total {self.num_matched_tokens}"]
+        if self.prefill is not None:
+            lines += ["# HELP pagoda:router_prefill_failures_total Prompts a prefill replica failed to compute "
+                      "(unreachable, or a 5xx): the decode replica computed them.",
+                      "# TYPE pagoda:router_prefill_failures_total counter",
+                      f"pagoda:router_prefill_failures_total {self.num_prefill_failed}"]
         return "\n".join(lines) + "\n"
 
 
@@ -226,6 +299,9 @@ def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> An
     from pagoda.plugins.entrypoints.replicas.autoscaling import autoscaling_config
     from pagoda.plugins.entrypoints.replicas.ray_router import PagodaRequestRouter
 
+    if options.roles and engine_args.kv_connector is None:
+        raise ValueError("replica roles hand each prompt's KV blocks from a prefill to a decode replica through a "
+                         "KV connector: set the engine's kv_connector (and kv_connector_options)")
     router_options = dict(options.router_options or {})
     lora = engine_args.create_engine_config().lora
     if lora is not None and options.router == "prefix-aware":  # the adapters each replica keeps loaded
@@ -233,16 +309,23 @@ def build_application(engine_args: EngineArgs, options: ReplicaSetOptions) -> An
     router_config = RequestRouterConfig(request_router_class=PagodaRequestRouter,
                                         request_router_kwargs={"router": options.router,
                                                                "router_options": router_options})
-    scaling: dict[str, Any] = ({"autoscaling_config": autoscaling_config(options)} if options.max_replicas
-                               else {"num_replicas": options.num_replicas})
-    engine = serve.deployment(EngineReplica, name="pagoda-engine").options(
-        ray_actor_options={"num_cpus": options.cpus_per_replica}, max_ongoing_requests=options.max_ongoing_requests,
-        request_router_config=router_config, health_check_period_s=5,
-        graceful_shutdown_wait_loop_s=_DRAIN_CHECK_S, **scaling)
+
+    def engines(name: str, args: EngineArgs, scaling: dict[str, Any]) -> Any:
+        return serve.deployment(EngineReplica, name=name).options(
+            ray_actor_options={"num_cpus": options.cpus_per_replica},
+            max_ongoing_requests=options.max_ongoing_requests, request_router_config=router_config,
+            health_check_period_s=5, graceful_shutdown_wait_loop_s=_DRAIN_CHECK_S, **scaling).bind(args, options)
+
     ingress = serve.deployment(Ingress, name="pagoda-ingress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=options.max_ongoing_requests,
         graceful_shutdown_wait_loop_s=_DRAIN_CHECK_S)
-    return ingress.bind(engine.bind(engine_args, options), engine_args, options)
+    if options.roles:  # the same engine flags but the KV role, in a deployment per role
+        decode, prefill = (engines(f"pagoda-{role}", engine_args.model_copy(update={"kv_role": role}),
+                                   {"num_replicas": options.num_with_role(role)}) for role in ("decode", "prefill"))
+        return ingress.bind(decode, engine_args, options, prefill)
+    scaling: dict[str, Any] = ({"autoscaling_config": autoscaling_config(options)} if options.max_replicas
+                               else {"num_replicas": options.num_replicas})
+    return ingress.bind(engines("pagoda-engine", engine_args, scaling), engine_args, options)
 
 
 def app_builder(args: dict[str, Any]) -> Any:
@@ -258,6 +341,8 @@ def app_builder(args: dict[str, Any]) -> Any:
         raise ValueError(f"unknown replica options {sorted(set(replicas) - fields)}; known: {sorted(fields)}")
     if replicas.get("allowed_hosts") is not None:
         replicas["allowed_hosts"] = frozenset(replicas["allowed_hosts"])
+    if replicas.get("roles") is not None:
+        replicas["roles"] = tuple(replicas["roles"])
     # the key comes from the pods' environment (a Kubernetes secret), not from the config
     replicas.setdefault("api_key", os.environ.get("PAGODA_API_KEY"))
     return build_application(EngineArgs.build(**(args.get("engine") or {})), ReplicaSetOptions(**replicas))

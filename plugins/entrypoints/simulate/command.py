@@ -13,6 +13,7 @@ from typing import Optional
 
 from pagoda.cli import add_engine_args, engine_args_from
 from pagoda.errors import ConfigError
+from pagoda.plugins.entrypoints.simulate.disaggregated import DEFAULT_BLOCK_LOAD_MS, DEFAULT_HANDOFF_MS
 
 # the defaults of a hand-off between pipeline stages: gloo send/recv between two processes of one machine,
 # measured on a 2-core EPYC (docs/distributed.md): about 170 us for a decode step's few KiB, 3 ms for 2.3 MiB
@@ -94,6 +95,26 @@ def register(sub) -> None:
                      help="LoRA: the extra fraction of a step's time when it has adapter tokens (the cost model "
                           "is calibrated on the base model; `pagoda bench throughput --lora-adapters N` measures "
                           "it; default 0)")
+    pd = p.add_argument_group("prefill and decode apart (docs/simulator.md#prefill-and-decode-apart)")
+    pd.add_argument("--prefill-decode", nargs="+", default=[], metavar="P:D",
+                    help="also simulate P prefill instances and D decode instances sharing a KV store (as "
+                         "`pagoda serve --replica-roles` or `pagoda kv-proxy` run them), e.g. 1:1 1:2 2:1; each "
+                         "instance timed by --instance-cost-model")
+    pd.add_argument("--instance-cost-model", default=None, metavar="PATH",
+                    help="the cost model of one prefill or decode instance (e.g. calibrated with --cpu-threads 1 "
+                         "where the engine it is compared with has 2); default: --cost-model's. Scaled by the "
+                         "speed probe as --cost-model is")
+    pd.add_argument("--kv-handoff-ms", type=float, default=None, metavar="MS",
+                    help="milliseconds a request's hand-off from a prefill to a decode instance costs besides its "
+                         "blocks (default %g)" % DEFAULT_HANDOFF_MS)
+    pd.add_argument("--kv-block-load-ms", type=float, default=None, metavar="MS",
+                    help="milliseconds a decode instance takes to load one prompt block from the store (default "
+                         "%g)" % DEFAULT_BLOCK_LOAD_MS)
+    pd.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                    help="with --tpot-slo-ms: report every run's goodput, the requests per second that met both "
+                         "targets")
+    pd.add_argument("--tpot-slo-ms", type=float, default=None, metavar="MS",
+                    help="the time-per-output-token target of the goodput")
     run.add_argument("--json", action="store_true", help="print the reports as one JSON object")
     run.add_argument("--result-file", default=None, help="also write the JSON reports to this file")
     add_engine_args(p)
@@ -130,12 +151,42 @@ def load_trace_from(ns: argparse.Namespace):
             f"generated: {rate:g} req/s, burstiness {ns.burstiness:g}, {ns.num_groups} prefix groups")
 
 
+def slo_from(ns: argparse.Namespace) -> Optional[tuple[float, float]]:
+    """(TTFT, TPOT) targets in seconds, or None when neither is given."""
+    given = (ns.ttft_slo_ms, ns.tpot_slo_ms)
+    if given == (None, None):
+        return None
+    if None in given or not all(v > 0 and math.isfinite(v) for v in given):
+        raise ConfigError(f"--ttft-slo-ms {ns.ttft_slo_ms} --tpot-slo-ms {ns.tpot_slo_ms}: give both targets, each a "
+                          "number of milliseconds > 0")
+    return ns.ttft_slo_ms / 1e3, ns.tpot_slo_ms / 1e3
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    from pagoda.plugins.entrypoints.simulate.disaggregated import parse_split as parse
+
+    return parse(text)
+
+
+def kv_handoff_from(ns: argparse.Namespace):
+    from pagoda.plugins.entrypoints.simulate.disaggregated import KVHandoff
+
+    fixed = DEFAULT_HANDOFF_MS if ns.kv_handoff_ms is None else ns.kv_handoff_ms
+    block = DEFAULT_BLOCK_LOAD_MS if ns.kv_block_load_ms is None else ns.kv_block_load_ms
+    if min(fixed, block) < 0 or not math.isfinite(fixed + block):
+        raise ConfigError(f"--kv-handoff-ms {fixed} and --kv-block-load-ms {block} must be finite and >= 0")
+    return KVHandoff(fixed / 1e3, block / 1e3)
+
+
 def run_simulate(ns: argparse.Namespace) -> int:
     from pagoda.plugins.entrypoints.simulate.cost_model import default_cost_model_path
     from pagoda.plugins.entrypoints.simulate.trace import save_trace
 
     if ns.replicas < 1:
         raise ConfigError(f"--replicas {ns.replicas}: pass at least 1")
+    ns.slo = slo_from(ns)
+    ns.splits = [parse_split(text) for text in ns.prefill_decode]
+    ns.kv_handoff = kv_handoff_from(ns)
     has_source = any((ns.trace, ns.workload, ns.generate, ns.from_request_log))
     trace, source = None, ""
     if has_source or not ns.calibrate:
@@ -155,6 +206,9 @@ def run_simulate(ns: argparse.Namespace) -> int:
         raise ConfigError("--calibrate times the model whole, and the simulation adds the pipeline stages' "
                           "hand-offs to it: calibrate with --pipeline-parallel-size 1, then simulate with it")
     ns.handoff = pipeline_handoff(config, ns)
+    if ns.splits and (ns.handoff is not None or config.lora is not None):
+        raise ConfigError("--prefill-decode simulates one-rank instances without LoRA (as a KV connector runs); "
+                          "drop --pipeline-parallel-size or --enable-lora")
     dtype = str(config.model.dtype).removeprefix("torch.")
     # pipeline stages are simulated from the cost model of the model whole, calibrated with the threads given
     threads = config.parallel.cpu_threads if ns.handoff is None else config.host.cpu_threads
@@ -211,9 +265,21 @@ def _simulate_and_report(ns: argparse.Namespace, config, cost_path: Path, calibr
     for policy in [config.scheduler.policy, *ns.compare_policy]:
         summary, seconds = simulate_once(config, ns.plugin_manager, cost_model, trace, policy, ns.replicas,
                                          ns.trace_seed, ns.rate, ns.router, ns.router_options, ns.handoff,
-                                         lora_costs_from(ns))
+                                         lora_costs_from(ns), slo=ns.slo)
         summary["simulator_wall_seconds"] = round(seconds, 3)
         reports.append(summary)
+    if ns.splits:
+        from pagoda.plugins.entrypoints.simulate.cost_model import CostModel
+
+        instance = CostModel.load(Path(ns.instance_cost_model)) if ns.instance_cost_model else calibrated
+        if speed and speed["scale"]:
+            instance = instance.scaled(speed["scale"], speed["note"])
+        for num_prefill, num_decode in ns.splits:
+            summary, seconds = simulate_disaggregated(config, ns.plugin_manager, instance, trace, num_prefill,
+                                                      num_decode, ns.trace_seed, ns.rate, ns.router,
+                                                      ns.router_options, ns.kv_handoff, ns.slo)
+            summary["simulator_wall_seconds"] = round(seconds, 3)
+            reports.append(summary)
     errors = unscaled_errors = check = None
     if real is not None:
         reports.append(real)
@@ -289,7 +355,7 @@ def lora_costs_from(ns: argparse.Namespace):
 
 def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, seed: int, rate,
                   router_name: str = "least-loaded", router_options: Optional[dict] = None, handoff=None,
-                  lora_costs=None):
+                  lora_costs=None, slo: Optional[tuple[float, float]] = None):
     from pagoda.execution.routing import make_router
     from pagoda.plugins.entrypoints.simulate.report import summarize_run
     from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route, run_trace, with_policy
@@ -309,7 +375,41 @@ def simulate_once(config, pm, cost_model, trace, policy: str, replicas: int, see
     label = f"pagoda simulate: {policy}" + (f" x{replicas} replicas, {router_name} router" if replicas > 1 else "")
     if handoff is not None:
         label += f", {handoff.num_stages} pipeline stages"
-    return summarize_run(record, math.inf if rate is None else rate, label), seconds
+    return summarize_run(record, math.inf if rate is None else rate, label, slo), seconds
+
+
+def simulate_disaggregated(config, pm, cost_model, trace, num_prefill: int, num_decode: int, seed: int, rate,
+                           router_name: str, router_options: Optional[dict], kv_handoff,
+                           slo: Optional[tuple[float, float]] = None):
+    """``num_prefill`` prefill and ``num_decode`` decode instances of ``config``, each timed by ``cost_model``,
+    the router picking the instance within each role: the decode side's report (what clients see) and the
+    simulator's seconds."""
+    from pagoda.execution.routing import make_router
+    from pagoda.plugins.entrypoints.simulate.disaggregated import prefill_trace, run_disaggregated
+    from pagoda.plugins.entrypoints.simulate.report import summarize_run
+    from pagoda.plugins.entrypoints.simulate.simulator import build_engines, router_route
+
+    started = time.perf_counter()
+    block_size = config.cache.block_size
+    prefill, prefill_record = build_engines(config, pm, cost_model, prefill_trace(trace), num_prefill, seed)
+    decode, record = build_engines(config, pm, cost_model, trace, num_decode, seed)
+    try:
+        routes = [router_route(make_router(router_name, router_options, pm), block_size) for _ in range(2)]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    run_disaggregated(trace, prefill, decode, routes[0], routes[1], kv_handoff, block_size)
+    seconds = time.perf_counter() - started
+    label = (f"pagoda simulate: {num_prefill} prefill + {num_decode} decode instances, {config.scheduler.policy}, "
+             f"{router_name} router")
+    summary = summarize_run(record, math.inf if rate is None else rate, label, slo)
+    summary["prefill_decode"] = {
+        "prefill_instances": num_prefill, "decode_instances": num_decode,
+        "prefill_steps": len(prefill_record.step_end),
+        "prefill_busy_share": sum(prefill_record.step_seconds) / max(summary["duration_s"] * num_prefill, 1e-9),
+        "decode_busy_share": sum(record.step_seconds) / max(summary["duration_s"] * num_decode, 1e-9),
+        "blocks_loaded": sum(e.scheduler.kv_transfers.blocks_loaded for e in decode),
+        "handoff_ms": kv_handoff.fixed_s * 1e3, "block_load_ms": kv_handoff.per_block_s * 1e3}
+    return summary, seconds
 
 
 def run_real(config, pm, trace, seed: int, rate, engine=None) -> tuple[dict, list]:

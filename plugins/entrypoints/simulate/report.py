@@ -13,7 +13,8 @@ from pagoda.plugins.entrypoints.simulate.simulator import RunRecord
 NUM_USAGE_POINTS = 20
 
 
-def summarize_run(record: RunRecord, rate: float, label: str) -> dict:
+def summarize_run(record: RunRecord, rate: float, label: str, slo: Optional[tuple[float, float]] = None) -> dict:
+    """The run's report; with ``slo`` (TTFT and TPOT targets in seconds), its goodput under them too."""
     import numpy as np
 
     arrival = np.frombuffer(record.arrival, dtype=np.float64)
@@ -35,6 +36,12 @@ def summarize_run(record: RunRecord, rate: float, label: str) -> dict:
                            int(num_out[ok].sum()), ttft, tpot, np.frombuffer(record.itl, dtype=np.float64), e2e,
                            list(record.errors.values()))
     summary["label"] = label
+    if slo is not None:
+        from pagoda.plugins.entrypoints.simulate.disaggregated import slo_goodput
+
+        per_token = np.full(len(ttft), np.nan)
+        per_token[many] = tpot
+        summary["goodput"] = slo_goodput(ttft, per_token, len(arrival), duration, *slo)
     summary["queue_ms"] = percentiles((first_sched - arrival)[ok])
     summary["preemptions"] = record.num_preemptions
     summary["swapped_out_requests"] = record.num_swapped_out
@@ -99,6 +106,10 @@ def _usage(record: RunRecord) -> dict:
 def format_run(s: dict) -> str:
     lines = [format_summary(s).replace("pagoda bench serve (W4)", s["label"], 1)]
     q = s["queue_ms"]
+    g = s.get("goodput")
+    if g:
+        lines.append(f"{'Goodput (req/s)':<30}{g['goodput_rps']:.3f}: {g['met']} requests ({g['attainment']:.1%}) "
+                     f"met TTFT <= {g['ttft_slo_ms']:g} ms and TPOT <= {g['tpot_slo_ms']:g} ms")
     lines.append(f"{'Queue':<10}" + "".join(f"{q[c]:>10.1f}" for c in ("mean", "p50", "p90", "p99")))
     for level, row in s.get("ttft_ms_by_priority", {}).items():
         lines.append(f"{'TTFT p=' + str(level):<10}" + "".join(f"{row[c]:>10.1f}" for c in ("mean", "p50", "p90",
@@ -120,6 +131,10 @@ def format_run(s: dict) -> str:
         f"{s['blocks_swapped']} blocks moved)",
         f"{'KV usage mean/p50/p90/max':<30}{u['mean']:.1%} / {u['p50']:.1%} / {u['p90']:.1%} / {u['max']:.1%}",
     ]
+    pd = s.get("prefill_decode")
+    if pd:
+        lines.append(f"{'prefill / decode busy':<30}{pd['prefill_busy_share']:.1%} / {pd['decode_busy_share']:.1%} of "
+                     f"each instance's time; {pd['blocks_loaded']} blocks loaded by the decode instances")
     if s.get("pipeline_handoff_share"):
         lines.append(f"{'pipeline hand-offs':<30}{s['pipeline_handoff_share']:.1%} of the step time")
     if u["series"]:

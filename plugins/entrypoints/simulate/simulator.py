@@ -82,6 +82,8 @@ class SimulatedEngine:
         self._params: dict[int, SamplingParams] = {}  # one SamplingParams per output length
         self.adapters = adapters  # None: LoRA off
         self._loras: dict[str, LoRARequest] = {}  # adapter name -> the request naming it (ids 1, 2, ...)
+        # called with (trace index, clock) as each request ends here (a prefill instance hands it over)
+        self.on_finish: Optional[Callable[[int, float], None]] = None
 
     @property
     def num_unfinished(self) -> int:
@@ -189,6 +191,8 @@ class SimulatedEngine:
             rec.num_output[i] = req.num_output_tokens
             if req.error:
                 rec.errors[i] = req.error
+            if self.on_finish is not None:
+                self.on_finish(i, self.clock)
 
     def collect_prefix_stats(self) -> None:
         stats = self.kv.stats
