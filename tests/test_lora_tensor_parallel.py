@@ -4,7 +4,8 @@ One rank is the reference (``test_lora.py`` checks it against PEFT's merged weig
 of every adapter: the fused QKV's B rows by the base weight's heads (the uneven model's single KV head is held by
 both ranks and its 3 query heads split 1/2), gate/up's B rows and down_proj's A columns by the MLP split (99 wide:
 49/50), o_proj's A columns by the query heads. Adapters are loaded, evicted from memory, moved between slots and
-unloaded while the ranks run, on the ``mp`` executor and on Ray actors; a bad adapter is refused as on one rank.
+unloaded while the ranks run on the ``mp`` executor (on Ray actors: test_ray_ranks.py); a bad adapter is refused as
+on one rank.
 """
 
 from __future__ import annotations
@@ -112,16 +113,6 @@ def test_two_ranks_give_one_ranks_tokens_with_an_adapter_on_the_default_model(tm
     lora = [LoRARequest("a", 1, str(adapter))]
     options = dict(max_loras=1, max_cpu_loras=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
     assert_same_tokens(generate(default_dir, lora, 1, **options), generate(default_dir, lora, 2, **options), 1)
-
-
-# ---- Ray actors as the ranks --------------------------------------------------------------------------------
-
-
-def test_ray_actors_as_ranks_give_one_ranks_tokens_with_adapters(ray_cluster, tmp_path_factory):
-    model_dir, loras = model_with_adapters(tmp_path_factory, "tiny")
-    two = loras[:2]  # a Ray step costs a remote call per rank: two adapters, both in slots throughout
-    assert_same_tokens(generate(model_dir, two, 1), generate(model_dir, two, 2, distributed_executor_backend="ray"),
-                       len(two))
 
 
 # ---- a server on two ranks: adapters loaded and unloaded while it serves -----------------------------------
