@@ -10,6 +10,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, EngineStepError
 from pagoda.errors import InvalidRequestError
 from engine_helpers import wait_until_cache_is_free
+from one_engine import release
+from tiny_models import tiny_llm, write_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -17,7 +19,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
+    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +198,11 @@ def test_a_crash_that_escapes_the_step_fails_waiting_clients_instead_of_hanging_
     assert_engine_clean(llm.engine)
 
 
-def test_admission_counts_tokens_a_request_may_cost_not_only_requests(llm):
-    # --max-waiting-tokens 60: prompt plus max_tokens, times n, of the requests that have not started yet
-    engine = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=16 << 20, max_waiting_tokens=60).engine
+def test_admission_counts_tokens_a_request_may_cost_not_only_requests(tmp_path):
+    # --max-waiting-tokens 60: prompt plus max_tokens, times n, of the requests that have not started yet. What is
+    # counted are tokens, not what the model makes of them: a tiny random model, not a second copy of the default
+    small_llm = tiny_llm(write_tiny_checkpoint(tmp_path), dtype="float32", max_waiting_tokens=60)
+    engine = small_llm.engine
     prompt = {"prompt_token_ids": [504, 3458, 314, 4649, 314]}  # 5 tokens
 
     async def main(aengine):
@@ -210,5 +217,8 @@ def test_admission_counts_tokens_a_request_may_cost_not_only_requests(llm):
         # once started, a request no longer holds the queue
         return [o async for o in aengine.generate("d", prompt, SamplingParams(max_tokens=40))][-1]
 
-    assert run(engine, main).finished
-    assert_engine_clean(engine)
+    try:
+        assert run(engine, main).finished
+        assert_engine_clean(engine)
+    finally:
+        release(small_llm)

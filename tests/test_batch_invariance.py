@@ -16,6 +16,7 @@ from pagoda.errors import ConfigError
 from pagoda.host.env import resolve_host_config
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.modeling.layers.fused_ops import CpuKernels
+from one_engine import release
 from tiny_models import write_tiny_llama
 
 rng = random.Random(49)
@@ -54,7 +55,10 @@ def results(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[
 
 @pytest.fixture(scope="module", params=["cpu", "torch"])
 def engine(request, tiny_model) -> LLM:
-    return make_llm(tiny_model, request.param)
+    llm = make_llm(tiny_model, request.param)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +158,13 @@ def test_the_default_model_answers_a_repeated_chat_the_same_from_its_prefix_cach
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
-    first, second = (llm.chat(messages, params, use_tqdm=False)[0].outputs[0] for _ in range(2))
-    assert llm.engine.kv_manager.stats.hits >= 16
+    try:
+        first, second = (llm.chat(messages, params, use_tqdm=False)[0].outputs[0] for _ in range(2))
+        hits = llm.engine.kv_manager.stats.hits
+    finally:
+        release(llm)  # a copy of the default model: not kept past its test
+        del llm
+    assert hits >= 16
     assert second.token_ids == first.token_ids
     assert [d[t].logprob for d, t in zip(second.logprobs, second.token_ids)] == \
         [d[t].logprob for d, t in zip(first.logprobs, first.token_ids)]
@@ -202,7 +211,11 @@ def test_the_conformance_kit_checks_a_backends_claim_of_batch_invariance():
 
 @pytest.fixture(scope="module")
 def cpu_alone(tiny_model) -> tuple:
-    return results(make_llm(tiny_model), [TARGET], GREEDY)[0]
+    llm = make_llm(tiny_model)
+    try:
+        return results(llm, [TARGET], GREEDY)[0]
+    finally:
+        release(llm)
 
 
 def test_a_restore_from_the_kv_offload_tier_gives_the_same_bits(tiny_model, cpu_alone):

@@ -8,6 +8,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.modeling.default_model import default_gguf_path, ensure_default_model, resolve_model_path
+from one_engine import release
 
 
 def test_default_model_is_a_cached_hf_checkpoint_directory():
@@ -45,8 +46,14 @@ def test_a_gguf_file_path_loads_like_the_default_model(tmp_path, monkeypatch):
     gguf = tmp_path / "copy.gguf"
     shutil.copy(default_gguf_path(), gguf)
     params = SamplingParams(temperature=0, max_tokens=8)
-    from_file = LLM(model=str(gguf), dtype="float32", kv_cache_memory_bytes=1 << 26, cpu_threads=1)
-    got = from_file.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
-    monkeypatch.delenv("PAGODA_CACHE_DIR")
-    default = LLM(dtype="float32", kv_cache_memory_bytes=1 << 26, cpu_threads=1)
-    assert got == default.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
+    tokens = {}
+    for name, model in (("from the file", str(gguf)), ("default", None)):
+        if model is None:
+            monkeypatch.delenv("PAGODA_CACHE_DIR")
+        llm = LLM(model=model, dtype="float32", kv_cache_memory_bytes=1 << 26, cpu_threads=1)
+        try:
+            tokens[name] = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            release(llm)  # one copy of the model at a time, none left behind
+            del llm
+    assert tokens["from the file"] == tokens["default"]

@@ -40,9 +40,15 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(llm):
-    """Each prompt generated alone: the reference every batched run must reproduce."""
-    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+def alone(llm):
+    """Each prompt generated alone with GREEDY: ``{prompt: its completion}``."""
+    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(alone):
+    """The token ids of each prompt generated alone: the reference every batched run must reproduce."""
+    return {p: completion.token_ids for p, completion in alone.items()}
 
 
 def run_engine_until_done(engine, pending: set[str]) -> dict[str, list[int]]:
@@ -128,8 +134,8 @@ def test_n_greedy_sequences_are_all_the_greedy_answer(llm, one_at_a_time):
 
 def test_n_sampled_sequences_differ_and_reproduce_with_a_seed(llm):
     params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
-    first = llm.generate("My favourite animal is", params, use_tqdm=False)[0]
-    again = llm.generate("My favourite animal is", params, use_tqdm=False)[0]
+    # two requests with the same seed in one batch: each request's samples come from its own seed alone
+    first, again = llm.generate(["My favourite animal is"] * 2, params, use_tqdm=False)
     seqs = [tuple(c.token_ids) for c in first.outputs]
     assert len(seqs) == 4 and all(len(s) == 10 for s in seqs)
     assert len(set(seqs)) > 1  # independent samples, not one sample copied
@@ -146,45 +152,61 @@ def test_max_tokens_finishes_with_reason_length(llm):
     assert out.finish_reason == "length"
 
 
-def test_eos_stops_a_chat_answer_and_ignore_eos_runs_to_max_tokens(llm):
+SAY_HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def say_hello(llm):
+    """The model's own chat answer to SAY_HELLO, which ends with EOS, and the runs whose lengths depend on it, in
+    two batches (a request's tokens do not depend on its batch: test_batched_generation_equals_one_at_a_time):
+    ``natural`` (special tokens skipped in the text), ``kept`` (not skipped), ``forced`` (ignore_eos, 8 tokens
+    past the answer) and ``held`` (min_tokens 5 past the answer, with room for 3 more: it ends with ``forced``)."""
+    natural, kept = (out.outputs[0] for out in llm.chat(
+        [SAY_HELLO, SAY_HELLO], [SamplingParams(temperature=0.0, max_tokens=64),
+                                 SamplingParams(temperature=0.0, max_tokens=64, skip_special_tokens=False)],
+        use_tqdm=False))
+    num_natural = len(natural.token_ids)
+    forced, held = (out.outputs[0] for out in llm.chat(
+        [SAY_HELLO, SAY_HELLO], [SamplingParams(temperature=0.0, max_tokens=num_natural + 8, ignore_eos=True),
+                                 SamplingParams(temperature=0.0, max_tokens=num_natural + 5 + 3,
+                                                min_tokens=num_natural + 5)],
+        use_tqdm=False))
+    return {"natural": natural, "kept": kept, "forced": forced, "held": held}
+
+
+def test_eos_stops_a_chat_answer_and_ignore_eos_runs_to_max_tokens(llm, say_hello):
     eos = llm.engine.eos_token_id
-    messages = [{"role": "user", "content": "Say hello."}]
-    natural = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    natural, forced = say_hello["natural"], say_hello["forced"]
     assert natural.finish_reason == "stop"
     assert natural.token_ids[-1] == eos and eos not in natural.token_ids[:-1]
     assert "<|im_end|>" not in natural.text  # special tokens are skipped in the text
-    forced = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=len(natural.token_ids) + 8,
-                                               ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert forced.finish_reason == "length"
     assert len(forced.token_ids) == len(natural.token_ids) + 8
     assert forced.token_ids[:len(natural.token_ids)] == natural.token_ids
 
 
-def test_min_tokens_holds_back_eos(llm):
+def test_min_tokens_holds_back_eos(llm, say_hello):
     eos = llm.engine.eos_token_id
-    messages = [{"role": "user", "content": "Say hello."}]
-    natural = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    natural, held = say_hello["natural"], say_hello["held"]
     min_tokens = len(natural.token_ids) + 5
-    held = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=min_tokens + 40, min_tokens=min_tokens),
-                    use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) >= min_tokens
     assert eos not in held.token_ids[:min_tokens]
     assert held.token_ids[:len(natural.token_ids) - 1] == natural.token_ids[:-1]
 
 
-def test_stop_string_truncates_the_text_and_is_reported(llm, one_at_a_time):
+def test_stop_string_truncates_the_text_and_is_reported(llm, alone):
     prompt = PROMPTS[0]
-    full = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    full = alone[prompt]
     words = full.text.split()
     stop = words[len(words) // 2]
     cut = full.text.index(stop)
-    out = llm.generate(prompt, GREEDY.clone(stop=["@@never@@", stop]), use_tqdm=False)[0].outputs[0]
+    out, kept = (o.outputs[0] for o in llm.generate(
+        [prompt, prompt], [GREEDY.clone(stop=["@@never@@", stop]),
+                           GREEDY.clone(stop=stop, include_stop_str_in_output=True)], use_tqdm=False))
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop
     assert out.text == full.text[:cut]
     assert len(out.token_ids) < len(full.token_ids)
-    kept = llm.generate(prompt, GREEDY.clone(stop=stop, include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
     assert kept.text == full.text[:cut + len(stop)]
 
 
@@ -447,9 +469,9 @@ def test_aborting_a_running_request_frees_it_and_leaves_the_others_unchanged(llm
     assert_engine_idle(llm)
 
 
-def test_stop_strings_do_not_fire_before_min_tokens(llm, one_at_a_time):
+def test_stop_strings_do_not_fire_before_min_tokens(llm, alone):
     prompt = PROMPTS[0]
-    full = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    full = alone[prompt]
     stop = full.text.split()[0]  # appears in the very first tokens
     out = llm.generate(prompt, GREEDY.clone(stop=stop, min_tokens=8), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full.token_ids  # the early occurrence is let through; none comes later
@@ -497,9 +519,9 @@ def test_chat_without_a_chat_template_says_how_to_provide_one(tiny_dir):
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == "<|im_start|>hi<|im_end|><|im_start|>"
 
 
-def test_streamed_text_only_grows_and_never_shows_what_a_stop_string_cuts(llm):
+def test_streamed_text_only_grows_and_never_shows_what_a_stop_string_cuts(llm, alone):
     prompt = PROMPTS[0]
-    full = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+    full = alone[prompt].text
     stop = full[full.index("answer"):full.index("answer") + 9]  # a stop string spanning several tokens
     engine = llm.engine
     engine.add_request("streamed-stop", prompt, GREEDY.clone(stop=stop))
@@ -512,11 +534,10 @@ def test_streamed_text_only_grows_and_never_shows_what_a_stop_string_cuts(llm):
     assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
 
 
-def test_special_tokens_appear_in_the_text_when_not_skipped(llm):
-    messages = [{"role": "user", "content": "Say hello."}]
-    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64, skip_special_tokens=False),
-                   use_tqdm=False)[0].outputs[0]
-    assert out.text.endswith("<|im_end|>")
+def test_special_tokens_appear_in_the_text_when_not_skipped(say_hello):
+    kept = say_hello["kept"]
+    assert kept.token_ids == say_hello["natural"].token_ids
+    assert kept.text.endswith("<|im_end|>")
 
 
 def test_a_request_id_that_collides_with_another_requests_sequence_id_is_refused(llm):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.modeling.default_model import ensure_default_model
+from one_engine import release
 from test_model_architectures import _config as architecture_config
 
 ARCHITECTURES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "phi3"]
@@ -80,10 +81,13 @@ def test_prefix_caching_chunked_prefill_and_preemption_keep_transformers_tokens(
     arch, path, expected = reference
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, cpu_threads=1, attention_backend=backend,
               block_size=16, **COMPOSED)
-    assert _generate(llm) == expected, f"{arch} on {backend}"
-    engine = llm.engine
-    assert engine.kv_manager.stats.hits >= 32, f"{arch}: the shared prefix should come from the cache"
-    assert engine.scheduler.num_preemptions > 0, f"{arch}: the small pool should preempt"
+    try:
+        assert _generate(llm) == expected, f"{arch} on {backend}"
+        engine = llm.engine
+        assert engine.kv_manager.stats.hits >= 32, f"{arch}: the shared prefix should come from the cache"
+        assert engine.scheduler.num_preemptions > 0, f"{arch}: the small pool should preempt"
+    finally:
+        release(llm)
 
 
 def test_two_tensor_parallel_ranks_keep_transformers_tokens(reference):
@@ -96,4 +100,4 @@ def test_two_tensor_parallel_ranks_keep_transformers_tokens(reference):
     try:
         assert _generate(llm) == expected, f"{arch} over 2 ranks"
     finally:
-        llm.engine.shutdown()
+        release(llm)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.modeling.default_model import ensure_default_model
+from one_engine import release
 from test_model_composition import _config as dense_config
 
 ARCHITECTURES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "phi3", "mixtral"]
@@ -74,7 +75,11 @@ def checkpoints(request, tmp_path_factory):
     target = _write(arch, tmp_path_factory.mktemp(f"target-{arch}"), 2, 5, vocab, default_dir)
     draft = _write(arch, tmp_path_factory.mktemp(f"draft-{arch}"), 1, 6, vocab, default_dir)
     plain = LLM(model=target, **BASE, **SMALL_POOL)
-    expected = _generate(plain), _structured(plain)
+    try:
+        expected = _generate(plain), _structured(plain)
+    finally:
+        release(plain)  # its grammar compiler's process too; one engine alive at a time
+        del plain
     return arch, target, draft, expected
 
 
@@ -95,17 +100,23 @@ def test_a_draft_of_the_same_family_keeps_the_greedy_and_structured_tokens(check
     arch, target, draft, (greedy, structured) = checkpoints
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     llm = LLM(model=target, speculative_config=spec, **BASE, **SMALL_POOL)
-    assert _generate(llm) == greedy, f"{arch}: speculative greedy tokens"
-    assert _structured(llm) == structured, f"{arch}: speculative structured tokens"
-    assert llm.engine.spec_stats.num_draft_tokens > 0
+    try:
+        assert _generate(llm) == greedy, f"{arch}: speculative greedy tokens"
+        assert _structured(llm) == structured, f"{arch}: speculative structured tokens"
+        assert llm.engine.spec_stats.num_draft_tokens > 0
+    finally:
+        release(llm)
 
 
 @pytest.mark.parametrize("checkpoints", OFFLOAD_ARCHITECTURES, indirect=True)
 def test_the_ram_offload_tier_keeps_the_tokens_and_gives_hits(checkpoints):
     arch, target, _, (greedy, _) = checkpoints
     llm = LLM(model=target, kv_offload_ram=0.0005, enable_prefix_caching=True, **BASE, **SMALL_POOL)
-    assert _generate(llm) == greedy, f"{arch}: tokens with the offload tier"
-    assert llm.engine.kv_manager.tiers.stats.ram.hits > 0, f"{arch}: the second pass should load from RAM"
+    try:
+        assert _generate(llm) == greedy, f"{arch}: tokens with the offload tier"
+        assert llm.engine.kv_manager.tiers.stats.ram.hits > 0, f"{arch}: the second pass should load from RAM"
+    finally:
+        release(llm)
 
 
 @pytest.mark.parametrize("checkpoints", PIPELINE_ARCHITECTURES, indirect=True)
@@ -115,4 +126,4 @@ def test_two_pipeline_stages_keep_the_tokens(checkpoints):
     try:
         assert _generate(llm) == greedy, f"{arch} over 2 pipeline stages"
     finally:
-        llm.engine.shutdown()
+        release(llm)

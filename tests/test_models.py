@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.modeling.default_model import ensure_default_model
+from one_engine import release
 
 MAX_TOKENS = 24
 NUM_TOP = 5
@@ -55,7 +56,10 @@ def default_dir():
 
 @pytest.fixture(scope="module")
 def llm(default_dir):
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1)
+    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +193,12 @@ def tiny_checkpoint(request, tmp_path_factory, default_dir):
     return arch, out_dir, model
 
 
-def test_tiny_random_checkpoints_match_hf_greedy_tokens_and_logprobs(tiny_checkpoint):
+def test_tiny_random_checkpoints_match_hf_greedy_tokens_and_logprobs(tiny_checkpoint, request):
     arch, ckpt_dir, hf = tiny_checkpoint
     assert list((ckpt_dir).glob("*.safetensors"))
     llm = LLM(model=str(ckpt_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=8 << 20,
               cpu_threads=1)
+    request.addfinalizer(lambda: release(llm))
     assert llm.engine.config.model.architecture.lower().startswith(arch)
     prompts = [
         {"prompt_token_ids": [5, 17, 923, 4001, 77]},

@@ -19,6 +19,7 @@ from pagoda.registry.plugin_manager import PluginManager
 from pagoda.testing import (StrictContracts, ToolParserCase, check_attention_backend, check_kv_allocator, check_proposer,
                             check_quant_method, check_sampler, check_scheduler, check_structured_output_backend,
                             check_tool_parser)
+from one_engine import release
 from tiny_models import write_tiny_llama
 
 GUIDE = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
@@ -90,18 +91,45 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def plain_tokens(guide):
-    return [o.outputs[0].token_ids for o in LLM(**OPTIONS).generate(PROMPTS, GREEDY, use_tqdm=False)]
+def tiny(tmp_path_factory):
+    """OPTIONS on a two-layer random Llama in real safetensors files with the default model's tokenizer: what the
+    examples' engines check is the plugin's mechanism, not the model's answers (the sampler's test, which needs
+    the default model's habit of repeating itself, runs on the default model)."""
+    return dict(OPTIONS, model=str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))))
 
 
-def generate(**options):
-    return [o.outputs[0].token_ids for o in LLM(**{**OPTIONS, **options}).generate(PROMPTS, GREEDY, use_tqdm=False)]
+@pytest.fixture
+def build():
+    """``build(**options)`` is ``LLM(**options)``; every engine a test built is shut down and freed when the test
+    ends, so the module holds one at a time and leaves none behind in the worker."""
+    built: list[LLM] = []
+
+    def make(**options) -> LLM:
+        built.append(LLM(**options))
+        return built[-1]
+
+    yield make
+    while built:
+        release(built.pop())
 
 
-def test_the_scheduler_example(guide):
+def tokens_of(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(guide, tiny):
+    llm = LLM(**tiny)
+    try:
+        return tokens_of(llm)
+    finally:
+        release(llm)
+
+
+def test_the_scheduler_example(guide, tiny, build):
     policy = guide["scheduler"].ShortestOutputFirst
     check_scheduler(policy)
-    llm = LLM(**{**OPTIONS, "max_num_seqs": 1}, scheduling_policy="shortest-output-first")
+    llm = build(**{**tiny, "max_num_seqs": 1}, scheduling_policy="shortest-output-first")
     engine, finished = llm.engine, []
     engine.add_request("long", PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
     engine.add_request("short", PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -110,16 +138,16 @@ def test_the_scheduler_example(guide):
     assert finished == ["short", "long"]
 
 
-def test_the_kv_allocator_example(guide, plain_tokens):
+def test_the_kv_allocator_example(guide, plain_tokens, tiny, build):
     allocator = guide["KV allocator"].WatermarkAllocator
     check_kv_allocator(allocator)
     check_scheduler(SchedulingPolicy, allocator=allocator)
-    llm = LLM(**OPTIONS, kv_allocator="watermark")
+    llm = build(**tiny, kv_allocator="watermark")
     assert isinstance(llm.engine.kv_manager, allocator)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+    assert tokens_of(llm) == plain_tokens
 
 
-def test_the_eviction_example_keeps_the_most_reused_prefix(guide, plain_tokens):
+def test_the_eviction_example_keeps_the_most_reused_prefix(guide, plain_tokens, tiny, build):
     from pagoda.config import CacheConfig
     from pagoda.sampling_params import SamplingParams as Params
     from pagoda.sequence import Sequence
@@ -145,51 +173,61 @@ def test_the_eviction_example_keeps_the_most_reused_prefix(guide, plain_tokens):
     run("new", range(300, 312))
     assert kv.get_computed_blocks(Sequence("s", list(range(100, 109)), Params()))[1] == 8
     assert kv.get_computed_blocks(Sequence("o", list(range(200, 209)), Params()))[1] < 8
-    llm = LLM(**OPTIONS, kv_allocator="lfu")
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+    assert tokens_of(build(**tiny, kv_allocator="lfu")) == plain_tokens
 
 
-def test_the_wrapping_example_runs_the_built_in_it_wraps(guide, plain_tokens):
+def test_the_wrapping_example_runs_the_built_in_it_wraps(guide, plain_tokens, tiny, build):
     from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 
     pm = PluginManager().load()
     timed_torch = pm.factory("pagoda_attention_backends", "timed-torch")
     check_attention_backend(timed_torch)
-    llm = LLM(**OPTIONS, attention_backend="timed-torch")
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == plain_tokens
+    llm = build(**tiny, attention_backend="timed-torch")
+    assert tokens_of(llm) == plain_tokens
     backend = llm.engine.runner.backend
     assert isinstance(backend.inner, TorchAttentionBackend) and backend.seconds > 0
     # under strict contracts too: pagoda setting the optional isa_paths on the wrapper is not the plugin's doing
     strict = StrictContracts()
-    strict.llm(**OPTIONS, attention_backend="timed-torch").generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    strict_llm = strict.llm(**tiny, attention_backend="timed-torch")
+    try:
+        strict_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        release(strict_llm)
     strict.assert_clean()
 
 
-def test_the_attention_backend_example(guide, plain_tokens):
+def test_the_attention_backend_example(guide, plain_tokens, tiny, build):
     check_attention_backend(guide["attention backend"].GatherAttention)
-    assert generate(attention_backend="gather") == plain_tokens
+    assert tokens_of(build(**tiny, attention_backend="gather")) == plain_tokens
 
 
-def test_the_sampler_example(guide, plain_tokens):
+def test_the_sampler_example(guide, tiny):
     sampler = guide["sampler"].NoRepeatNgramSampler
     check_sampler(sampler)
-    llm = LLM(**OPTIONS, sampler="no-repeat-3gram")
-    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    prompt_ids = llm.engine.tokenize_prompt(PROMPTS[1])[1]
-    tokens = prompt_ids + outputs[1]
+    # the default model, whose plain greedy decoding repeats the counting of PROMPTS[1]; one copy at a time
+    outputs = {}
+    for name, options in (("no-repeat-3gram", dict(sampler="no-repeat-3gram")), ("plain", {})):
+        llm = LLM(**OPTIONS, **options)
+        try:
+            outputs[name] = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            prompt_ids = llm.engine.tokenize_prompt(PROMPTS[1])[1]
+        finally:
+            release(llm)
+            del llm
+    tokens = prompt_ids + outputs["no-repeat-3gram"]
     trigrams = [tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2)]
     new = trigrams[len(prompt_ids) - 2:]  # the trigrams each output token completed
     assert all(t not in trigrams[:len(prompt_ids) - 2 + j] for j, t in enumerate(new))
-    assert outputs[1] != plain_tokens[1]  # plain greedy decoding repeats the counting
+    assert outputs["no-repeat-3gram"] != outputs["plain"]  # plain greedy decoding repeats the counting
     with pytest.raises(ConfigError, match="does not sample the standard distribution"):
-        LLM(**OPTIONS, sampler="no-repeat-3gram", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        LLM(**tiny, sampler="no-repeat-3gram", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-def test_the_structured_output_backend_example(guide):
+def test_the_structured_output_backend_example(guide, tiny, build):
     pm = PluginManager().load()
     assert pm.api_ranges[pm.get("pagoda_structured_output_backends", "small", "test").plugin] == ">=0.10,<0.11"
     check_structured_output_backend(pm.factory("pagoda_structured_output_backends", "small"))
-    llm = LLM(**OPTIONS, structured_outputs_backend="small")
+    llm = build(**tiny, structured_outputs_backend="small")
     params = SamplingParams(temperature=0.0, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(choice=["Paris", "Rome"]))
     assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text in ("Paris", "Rome")
@@ -199,23 +237,24 @@ def test_the_structured_output_backend_example(guide):
         llm.generate("x", SamplingParams(max_tokens=2, structured_outputs=huge), use_tqdm=False)
 
 
-def test_the_quantization_example(guide, plain_tokens):
+def test_the_quantization_example(guide, plain_tokens, tiny, build):
     config = guide["quantization method"].Int8WeightOnlyConfig
     check_quant_method(config)
     check_quant_method(config, {"skip_layers": ["model.layers.0.self_attn.o_proj"]})
-    llm = LLM(**OPTIONS, quantization="int8-weight-only")
+    llm = build(**tiny, quantization="int8-weight-only")
     layer = llm.engine.runner.model.layers[0].o_proj
     assert layer.qweight.dtype == torch.int8 and not hasattr(layer, "weight")
-    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    outputs = tokens_of(llm)
     # int8 weights round every product: the first tokens agree with float32
     assert all(a[:3] == b[:3] for a, b in zip(outputs, plain_tokens))
 
 
-def test_the_proposer_example(guide):
-    check_proposer(guide["speculative proposer"].BigramLookup)
+def test_the_proposer_example(guide, tiny):
+    # the kit's engines (plain and speculative, greedy tokens compared) on the tiny model, not two default-model ones
+    check_proposer(guide["speculative proposer"].BigramLookup, model=tiny["model"])
 
 
-def test_the_loader_example(guide, tmp_path):
+def test_the_loader_example(guide, tmp_path, build):
     import hashlib
 
     write_tiny_llama(tmp_path)
@@ -223,9 +262,7 @@ def test_the_loader_example(guide, tmp_path):
     (tmp_path / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n"
                                                  for f in files))
     options = dict(OPTIONS, model=str(tmp_path))
-    expected = [o.outputs[0].token_ids for o in LLM(**options).generate(PROMPTS, GREEDY, use_tqdm=False)]
-    got = LLM(**options, load_format="verified-safetensors").generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == expected
+    assert tokens_of(build(**options, load_format="verified-safetensors")) == tokens_of(build(**options))
     data = bytearray(files[0].read_bytes())
     data[-1] ^= 0xFF
     files[0].write_bytes(bytes(data))
@@ -233,7 +270,7 @@ def test_the_loader_example(guide, tmp_path):
         LLM(**options, load_format="verified-safetensors")
 
 
-def test_the_architecture_example(guide, tmp_path):
+def test_the_architecture_example(guide, tmp_path, build):
     import json
     import math
 
@@ -243,7 +280,7 @@ def test_the_architecture_example(guide, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(architectures=["SoftcapLlamaForCausalLM"], final_logit_softcapping=2.0)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = LLM(**OPTIONS, model=str(tmp_path))
+    llm = build(**OPTIONS, model=str(tmp_path))
     model = llm.engine.runner.model
     assert type(model).__name__ == "SoftcapLlamaForCausalLM"
     hidden = torch.randn(3, config["hidden_size"])

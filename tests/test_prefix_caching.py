@@ -10,6 +10,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.modeling.default_model import ensure_default_model
+from one_engine import release
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +38,26 @@ def generate(llm: LLM, prompts, params) -> list[list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def uncached():
+    """The tokens of PROMPTS with PARAMS on an engine without prefix caching, freed before the cached one is built
+    (one copy of the default model at a time)."""
     llm = make_llm(enable_prefix_caching=False)
-    yield llm, generate(llm, PROMPTS, PARAMS)
+    try:
+        return generate(llm, PROMPTS, PARAMS)
+    finally:
+        release(llm)
+        del llm
 
 
 @pytest.fixture(scope="module")
 def cached():
-    return make_llm(enable_prefix_caching=True)
+    llm = make_llm(enable_prefix_caching=True)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
 
 
 def test_prefix_caching_generates_the_same_tokens_greedy_and_seeded(uncached, cached):
-    _, reference = uncached
+    reference = uncached
     stats = cached.engine.kv_manager.stats
     first = generate(cached, PROMPTS, PARAMS)
     hits_first = stats.hits

@@ -14,6 +14,7 @@ messages.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 import jsonschema
@@ -70,6 +71,9 @@ def server():
                                  tool_call_parser="hermes")).start()
     yield srv
     srv.stop()
+    engine.shutdown()  # nothing the module built stays in the worker
+    del engine, srv
+    gc.collect()
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ serves them.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import openai
@@ -37,6 +38,9 @@ def server():
                                  tool_call_parser="hermes")).start()
     yield srv
     srv.stop()
+    engine.shutdown()  # nothing the module built stays in the worker
+    del engine, srv
+    gc.collect()
 
 
 def test_openai_parse_returns_the_arguments_as_the_pydantic_model(server):
