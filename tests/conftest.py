@@ -47,7 +47,7 @@ def ray_cluster():
 # file (each under about 75 s there) after them in its usual order, so the two workers end within about a file of
 # each other (the Makefile turns off xdist's own reordering by number of tests per file).
 LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_structured_outputs_speculative.py", "test_replicas.py",
-                    "test_attention_backends.py", "test_pipeline_parallel.py", "test_cli.py", "test_server_cli.py",
+                    "test_ray_ranks.py", "test_replica_roles.py", "test_attention_backends.py", "test_pipeline_parallel.py", "test_cli.py", "test_server_cli.py",
                     "test_spec_decode.py", "test_bench_workloads.py", "test_lora_tensor_parallel.py",
                     "test_engine.py", "test_model_composition.py", "test_structured_outputs.py",
                     "test_kv_cache_fp8.py", "test_server_openapi.py", "test_tensor_parallel_quant.py",
