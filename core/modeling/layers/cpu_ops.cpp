@@ -717,12 +717,16 @@ at::Tensor gemm_bf16_inv(const at::Tensor& x, const at::Tensor& weight, const c1
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
   parallel_chunks(n, tile_rows, [&](int64_t begin, int64_t end) {
-    int64_t m0 = 0;
-    for (; m - m0 >= 6; m0 += 6) inv_rows_f32<6, 2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
-    for (; m - m0 >= 4; m0 += 4) inv_rows_f32<4, 3>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
-    for (; m0 < m; m0 += 2) {
-      if (m - m0 >= 2) inv_rows_f32<2, 4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
-      else inv_rows_f32<1, 4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, begin, end);
+    // one tile at a time here too: with one thread (or inside a parallel region) the chunk is all of [0, N)
+    for (int64_t t0 = begin; t0 < end; t0 += tile_rows) {
+      const int64_t t1 = std::min(end, t0 + tile_rows);
+      int64_t m0 = 0;
+      for (; m - m0 >= 6; m0 += 6) inv_rows_f32<6, 2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
+      for (; m - m0 >= 4; m0 += 4) inv_rows_f32<4, 3>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
+      for (; m0 < m; m0 += 2) {
+        if (m - m0 >= 2) inv_rows_f32<2, 4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
+        else inv_rows_f32<1, 4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
+      }
     }
   });
   return y;
