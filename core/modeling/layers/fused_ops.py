@@ -57,8 +57,9 @@ INVARIANT_TILE_ROWS = 16
 
 # The batch-invariant mode's bf16 linears on AVX2 beyond AVX2_GEMV_MAX_ROWS rows: the tiled GEMM whose outputs
 # have the GEMV's bits (``gemm_bf16_inv``), the threads taking this many weight rows at a time. One thread, the
-# default model's four linear shapes, CPU time per call at a load average of 17-20 (AMD EPYC Zen 3, AVX2 only):
-# 128 rows 15.9 ms (GEMV 16.4, the default path's fp32 GEMM of widened tiles 15.5), 512 rows 65.6 (67.2, 58.2).
+# default model's four linear shapes, CPU time per call at a load average of about 20 (AMD EPYC Zen 3, AVX2
+# only): 128 rows 15.5 ms (GEMV 18.4, the default path's fp32 GEMM of widened tiles 16.8), 512 rows 61.1 (67.9,
+# 63.7), 8 rows 1.14 (1.33, 3.07).
 INVARIANT_GEMM_TILE_ROWS = 48
 
 
