@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -164,6 +165,40 @@ void run_items(const std::vector<Item>& items, const F& fn) {
   });
 }
 
+// A spin-then-yield wait: on a machine with more runnable threads than cores, the thread being waited for
+// may need this core
+inline void wait_briefly(int64_t& spins) {
+  if (++spins < 64) return;
+  spins = 0;
+  std::this_thread::yield();
+}
+
+// Two dependent lists of work in one parallel region (one fork and join per layer): threads take the first
+// list's items as they finish the last, and a thread that draws an item of the second list waits until every
+// item of the first is done (the ones it waits for are held by running threads, so it always ends)
+template <typename F1, typename F2>
+void run_two_phases(const std::vector<Item>& first, const F1& fn1, int64_t num_second, const F2& fn2) {
+  const int64_t n1 = static_cast<int64_t>(first.size()), total = n1 + num_second;
+  std::atomic<int64_t> next{0}, done{0};
+  auto work = [&]() {
+    for (int64_t i = next++; i < total; i = next++) {
+      if (i < n1) {
+        fn1(first[i]);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
+      int64_t spins = 0;
+      while (done.load(std::memory_order_acquire) < n1) wait_briefly(spins);
+      fn2(i - n1);
+    }
+  };
+  if (total <= 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    work();
+    return;
+  }
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) { work(); });
+}
+
 // about 32 KiB of weights per work item, in whole 4-row tiles
 inline int64_t chunk_rows(int64_t k, int64_t elem_bytes) {
   return std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k * elem_bytes)) / 4 * 4);
@@ -181,6 +216,47 @@ at::Tensor widened(const W* w, const float* scale, int64_t rows, int64_t k) {
     }
   });
   return out;
+}
+
+// Phase 2 of moe_impl when every expert takes the grouped tiles, in one parallel region with phase 1 (the
+// gate_up items): work item j is output columns [j * tile, (j + 1) * tile) of every token, over the active
+// experts in ascending order, each expert's down rows of those columns read once for all its tokens and its
+// weighted outputs added to the tokens' fp32 sums as they come out; the item then rounds its columns to T.
+// Per token the sum runs in ascending expert order, as the separate combine does.
+template <int L, typename W, typename T, typename GateUp>
+void down_and_combine(const T*, int64_t num_tokens, int64_t hidden, const W* w2, const float* s2, const float* b2,
+                      int64_t inter, const std::vector<int64_t>& offsets, const std::vector<int64_t>& order,
+                      const float* weights, int64_t top_k, const float* hsp, const std::vector<Item>& gate_items,
+                      const GateUp& gate_up_item, T* out) {
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e)
+    if (offsets[e + 1] > offsets[e]) active.push_back(e);
+  // about 32 KiB of one expert's weights per tile and at least four tiles per thread, in whole cache lines
+  // of the fp32 sums (16 columns)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t tile = std::max<int64_t>(16, chunk_rows(inter, sizeof(W)) / 16 * 16);
+  tile = std::min(tile, std::max<int64_t>(16, (hidden + 4 * threads * 16 - 1) / (4 * threads * 16) * 16));
+  const int64_t num_tiles = (hidden + tile - 1) / tile;
+  auto sums = at::empty({num_tokens, hidden}, at::TensorOptions().dtype(at::kFloat));
+  float* acc = sums.data_ptr<float>();
+  run_two_phases(gate_items, gate_up_item, num_tiles, [&](int64_t j) {
+    const int64_t n0 = j * tile, n1 = std::min(hidden, n0 + tile);
+    for (int64_t t = 0; t < num_tokens; ++t) std::fill(acc + t * hidden + n0, acc + t * hidden + n1, 0.f);
+    for (const int64_t e : active) {
+      const int64_t m = offsets[e + 1] - offsets[e];
+      const float* se = s2 ? s2 + e * hidden : nullptr;
+      const float* be = b2 ? b2 + e * hidden : nullptr;
+      const int64_t* slots = order.data() + offsets[e];
+      const W* we = w2 + e * hidden * inter;
+      grouped_rows<L, false>(hsp + offsets[e] * inter, m, inter, we, we, n0, n1,
+                             [&](int64_t r, int64_t n, float v, float) {
+        const int64_t s = slots[r];
+        acc[(s / top_k) * hidden + n] += ((se ? v * se[n] : v) + (be ? be[n] : 0.f)) * weights[s];
+      });
+    }
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t n = n0; n < n1; ++n) out[t * hidden + n] = from_f<T>(acc[t * hidden + n]);
+  });
 }
 
 template <int L, typename W, typename T>
@@ -204,13 +280,11 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
       pos_of_slot[s] = p;
     }
   }
-  // activations gathered by expert as fp32, [slots, hidden]; the gated hidden states [slots, inter]; the
-  // experts' outputs [slots, hidden]
+  // activations gathered by expert as fp32, [slots, hidden]; the gated hidden states [slots, inter]
   auto f32 = at::TensorOptions().dtype(at::kFloat);
-  auto xs = at::empty({slots, hidden}, f32), hs = at::empty({slots, inter}, f32), ys = at::empty({slots, hidden}, f32);
+  auto xs = at::empty({slots, hidden}, f32), hs = at::empty({slots, inter}, f32);
   float* xsp = xs.data_ptr<float>();
   float* hsp = hs.data_ptr<float>();
-  float* ysp = ys.data_ptr<float>();
   at::parallel_for(0, slots, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden)), [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const T* src = x + (order[p] / top_k) * hidden;
@@ -247,7 +321,7 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
   };
   // phase 1, the grouped tiles: gate and up rows of a chunk side by side for all the expert's tokens, the
   // activation applied as each pair of sums comes out
-  run_items(gate_items, [&](const Item& it) {
+  auto gate_up_item = [&](const Item& it) {
     const int64_t m = offsets[it.e + 1] - offsets[it.e];
     const W* we = w13 + it.e * gate_up_rows * hidden;
     const float* se = s13 ? s13 + it.e * gate_up_rows : nullptr;
@@ -265,7 +339,17 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
       }
       h[r * inter + n] = activate(g, u, act);
     });
-  });
+  };
+  if (large.empty()) {
+    // every expert on the grouped tiles (decode; prefill on CPUs without bf16 math): phase 2 runs by output
+    // columns over all the active experts, and the weighted sum is taken in its tiles
+    down_and_combine<L>(x, num_tokens, hidden, w2, s2, b2, inter, offsets, order, weights, top_k, hsp,
+                        gate_items, gate_up_item, out);
+    return;
+  }
+  run_items(gate_items, gate_up_item);
+  auto ys = at::empty({slots, hidden}, f32);  // the experts' outputs
+  float* ysp = ys.data_ptr<float>();
   // phase 1, experts with many tokens: one GEMM each
   for (const int64_t e : large) {
     const int64_t m = offsets[e + 1] - offsets[e];
