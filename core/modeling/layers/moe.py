@@ -41,6 +41,7 @@ GEMV_MAX_ROWS = 8
 ALL_ROWS = 1 << 62
 
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+SCORINGS = {"softmax": 0, "sigmoid": 1}
 
 
 def moe_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
@@ -285,7 +286,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         logits = F.linear(x, self.router.weight, self.router.bias)  # [T, E]
-        weights, ids = select_experts(logits, self.router_spec)
+        ops, spec = self.experts.ops, self.router_spec
+        if ops is not None and logits.device.type == "cpu":  # one call in place of softmax, top-k and the sums
+            weights, ids = ops.moe_route(logits.contiguous(), spec.top_k, SCORINGS[spec.scoring], spec.renormalize,
+                                         spec.softmax_over_top_k)
+        else:
+            weights, ids = select_experts(logits, spec)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -507,6 +508,77 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   return out;
 }
 
+namespace {
+
+enum Scoring : int64_t { kSoftmax = 0, kSigmoid = 1 };
+
+// one token's routing: the top_k experts of its logits row (ties to the lower expert id) and their weights
+template <typename T>
+void route_row(const T* logits, int64_t num_experts, int64_t top_k, int64_t scoring, bool renormalize,
+               bool softmax_over_top_k, float* scores, int64_t* idx, int64_t* ids, float* weights) {
+  for (int64_t e = 0; e < num_experts; ++e) scores[e] = to_f(logits[e]);
+  if (!softmax_over_top_k) {
+    if (scoring == kSoftmax) {
+      const float peak = *std::max_element(scores, scores + num_experts);
+      float total = 0.f;
+      for (int64_t e = 0; e < num_experts; ++e) total += (scores[e] = std::exp(scores[e] - peak));
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] /= total;
+    } else {
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] = 1.f / (1.f + std::exp(-scores[e]));
+    }
+  }
+  for (int64_t e = 0; e < num_experts; ++e) idx[e] = e;
+  std::partial_sort(idx, idx + top_k, idx + num_experts, [&](int64_t a, int64_t c) {
+    return scores[a] > scores[c] || (scores[a] == scores[c] && a < c);
+  });
+  float total = 0.f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    ids[j] = idx[j];
+    weights[j] = scores[idx[j]];
+  }
+  if (softmax_over_top_k) {  // a softmax over the k chosen logits (the first is the largest)
+    for (int64_t j = 0; j < top_k; ++j) total += (weights[j] = std::exp(weights[j] - scores[idx[0]]));
+    for (int64_t j = 0; j < top_k; ++j) weights[j] /= total;
+    return;
+  }
+  if (!renormalize) return;
+  for (int64_t j = 0; j < top_k; ++j) total += weights[j];
+  for (int64_t j = 0; j < top_k; ++j) weights[j] /= total;
+}
+
+}  // namespace
+
+// logits [T, E] (float32, bfloat16 or float16) -> (weights [T, k] float32, ids [T, k] int64): what
+// moe.select_experts computes without a selection bias, in one call (scoring: 0 softmax, 1 sigmoid)
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, int64_t scoring,
+                                             bool renormalize, bool softmax_over_top_k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
+              "logits must be a contiguous CPU [T, E] tensor");
+  const int64_t t = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= e, "top_k must be in [1, ", e, "], not ", top_k);
+  TORCH_CHECK(scoring == kSoftmax || scoring == kSigmoid, "scoring must be 0 (softmax) or 1 (sigmoid)");
+  auto weights = at::empty({t, top_k}, at::TensorOptions().dtype(at::kFloat));
+  auto ids = at::empty({t, top_k}, at::TensorOptions().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  auto rows = [&](auto* lp) {
+    at::parallel_for(0, t, std::max<int64_t>(1, 16384 / e), [&](int64_t b, int64_t end) {
+      std::vector<float> scores(e);
+      std::vector<int64_t> idx(e);
+      for (int64_t r = b; r < end; ++r)
+        route_row(lp + r * e, e, top_k, scoring, renormalize, softmax_over_top_k, scores.data(), idx.data(),
+                  ip + r * top_k, wp + r * top_k);
+    });
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat: rows(logits.data_ptr<float>()); break;
+    case at::kBFloat16: rows(logits.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: rows(logits.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "moe_route: logits must be float32, bfloat16 or float16, not ", logits.scalar_type());
+  }
+  return {weights, ids};
+}
+
 // the vector width this build's GEMV uses: 16 lanes on AVX-512, else 8 (AVX2, or the compiler's generic code)
 std::string moe_path() {
 #if defined(__AVX512F__)
@@ -525,5 +597,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"),
         pybind11::arg("activation") = 0, pybind11::arg("alpha") = 1.702, pybind11::arg("limit") = 7.0,
         pybind11::arg("gemv_max_rows") = 8, pybind11::arg("lanes") = 0, pybind11::arg("bf16_gemm") = false);
+  m.def("moe_route", &moe_route, "the experts and weights of each token from its router logits", no_gil,
+        pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("scoring") = 0,
+        pybind11::arg("renormalize") = true, pybind11::arg("softmax_over_top_k") = false);
   m.def("moe_path", &moe_path, "the ISA path of the expert GEMV: avx512, avx2 or generic");
 }
