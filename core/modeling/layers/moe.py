@@ -7,8 +7,10 @@ tokens routed to it, one GEMM per active expert, never a loop over tokens and ne
 
 On a CPU the whole of it runs in one C++ call per layer (``moe_ops.cpp``): experts with few tokens (decode)
 read each chunk of their weights once (widened from bf16/int8 to fp32 in registers, 8 lanes on AVX2, 16 on
-AVX-512) and use it for all the tokens routed to them, gate and up rows side by side; on CPUs with bf16 math,
-experts with many tokens (prefill) take one bf16 GEMM each. Elsewhere, or where the kernel cannot be built, the same
+AVX-512) and use it for all the tokens routed to them, gate and up rows side by side, then the down projection
+by output columns over all active experts with the weighted sum taken in place, in one parallel region; on CPUs
+with bf16 math, experts with many tokens (prefill) take one bf16 GEMM each. The routing is one call of the same
+kernel (``moe_route``), :func:`select_experts` its reference. Elsewhere, or where the kernel cannot be built, the same
 grouped computation runs in torch.
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks (each rank holds a slice of
