@@ -69,3 +69,19 @@ def test_the_layer_takes_the_grouped_tiles_for_every_float32_expert():
     weights, ids = select_experts(torch.randn(40, 4), RouterSpec(2))
     torch.testing.assert_close(layer(x, weights, ids).double(), reference(x, layer.w13, layer.w2, weights, ids),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_decode_output_is_the_same_on_one_thread_and_on_several(ops):
+    # the down projection's column tiles sum each token's experts in ascending order whatever thread runs them
+    x, w13, w2, weights, ids = routed_case(16, 100, 36, 9, 3, torch.bfloat16, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(ops.moe_experts(x, w13, w2, None, None, None, None, ids, weights, 0, 1.702, 7.0,
+                                           ALL_ROWS, 0, False))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    torch.testing.assert_close(results[0].double(), reference(x, w13, w2, weights, ids), rtol=2e-2, atol=2e-2)

@@ -133,6 +133,28 @@ def test_sigmoid_router_chooses_by_biased_scores_and_weighs_by_plain_ones():
     torch.testing.assert_close(w, torch.sigmoid(logits)[:, ids[0]])
 
 
+@pytest.mark.parametrize("spec", [RouterSpec(2), RouterSpec(3, renormalize=False), RouterSpec(1),
+                                  RouterSpec(4, softmax_over_top_k=True), RouterSpec(2, scoring="sigmoid"),
+                                  RouterSpec(3, scoring="sigmoid", renormalize=False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_routing_equals_select_experts_for_each_router(ops, spec, dtype):
+    # 7 tokens over 11 experts (odd sizes); float32 logits are distinct, so both pick the same experts
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(3)).to(dtype)
+    if dtype == torch.bfloat16:  # bf16 logits may tie: make them distinct so the choice is unambiguous
+        logits = (torch.randperm(77, generator=torch.Generator().manual_seed(3)).view(7, 11) / 16.0).to(dtype)
+    want_w, want_ids = select_experts(logits, spec)
+    got_w, got_ids = ops.moe_route(logits, spec.top_k, {"softmax": 0, "sigmoid": 1}[spec.scoring],
+                                   spec.renormalize, spec.softmax_over_top_k)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert got_ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(got_w, want_w.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_routing_rejects_top_k_beyond_the_experts(ops):
+    with pytest.raises(RuntimeError, match="top_k must be in"):
+        ops.moe_route(torch.randn(2, 4), 5, 0, True, False)
+
+
 def test_unknown_router_scoring_is_a_config_error():
     with pytest.raises(ConfigError, match="scoring"):
         RouterSpec(2, scoring="relu")

@@ -7,8 +7,10 @@ tokens routed to it, one GEMM per active expert, never a loop over tokens and ne
 
 On a CPU the whole of it runs in one C++ call per layer (``moe_ops.cpp``): experts with few tokens (decode)
 read each chunk of their weights once (widened from bf16/int8 to fp32 in registers, 8 lanes on AVX2, 16 on
-AVX-512) and use it for all the tokens routed to them, gate and up rows side by side; on CPUs with bf16 math,
-experts with many tokens (prefill) take one bf16 GEMM each. Elsewhere, or where the kernel cannot be built, the same
+AVX-512) and use it for all the tokens routed to them, gate and up rows side by side, then the down projection
+by output columns over all active experts with the weighted sum taken in place, in one parallel region; on CPUs
+with bf16 math, experts with many tokens (prefill) take one bf16 GEMM each. The routing is one call of the same
+kernel (``moe_route``), :func:`select_experts` its reference. Elsewhere, or where the kernel cannot be built, the same
 grouped computation runs in torch.
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks (each rank holds a slice of
@@ -41,6 +43,7 @@ GEMV_MAX_ROWS = 8
 ALL_ROWS = 1 << 62
 
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+SCORINGS = {"softmax": 0, "sigmoid": 1}
 
 
 def moe_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
@@ -314,7 +317,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H]`` -> ``[T, H]``."""
         logits = F.linear(x, self.router.weight, self.router.bias)  # [T, E]
-        weights, ids = select_experts(logits, self.router_spec)
+        ops, spec = self.experts.ops, self.router_spec
+        if ops is not None and logits.device.type == "cpu":  # one call in place of softmax, top-k and the sums
+            weights, ids = ops.moe_route(logits.contiguous(), spec.top_k, SCORINGS[spec.scoring], spec.renormalize,
+                                         spec.softmax_over_top_k)
+        else:
+            weights, ids = select_experts(logits, spec)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

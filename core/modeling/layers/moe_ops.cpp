@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -164,6 +166,40 @@ void run_items(const std::vector<Item>& items, const F& fn) {
   });
 }
 
+// A spin-then-yield wait: on a machine with more runnable threads than cores, the thread being waited for
+// may need this core
+inline void wait_briefly(int64_t& spins) {
+  if (++spins < 64) return;
+  spins = 0;
+  std::this_thread::yield();
+}
+
+// Two dependent lists of work in one parallel region (one fork and join per layer): threads take the first
+// list's items as they finish the last, and a thread that draws an item of the second list waits until every
+// item of the first is done (the ones it waits for are held by running threads, so it always ends)
+template <typename F1, typename F2>
+void run_two_phases(const std::vector<Item>& first, const F1& fn1, int64_t num_second, const F2& fn2) {
+  const int64_t n1 = static_cast<int64_t>(first.size()), total = n1 + num_second;
+  std::atomic<int64_t> next{0}, done{0};
+  auto work = [&]() {
+    for (int64_t i = next++; i < total; i = next++) {
+      if (i < n1) {
+        fn1(first[i]);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
+      int64_t spins = 0;
+      while (done.load(std::memory_order_acquire) < n1) wait_briefly(spins);
+      fn2(i - n1);
+    }
+  };
+  if (total <= 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
+    work();
+    return;
+  }
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) { work(); });
+}
+
 // about 32 KiB of weights per work item, in whole 4-row tiles
 inline int64_t chunk_rows(int64_t k, int64_t elem_bytes) {
   return std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k * elem_bytes)) / 4 * 4);
@@ -181,6 +217,47 @@ at::Tensor widened(const W* w, const float* scale, int64_t rows, int64_t k) {
     }
   });
   return out;
+}
+
+// Phase 2 of moe_impl when every expert takes the grouped tiles, in one parallel region with phase 1 (the
+// gate_up items): work item j is output columns [j * tile, (j + 1) * tile) of every token, over the active
+// experts in ascending order, each expert's down rows of those columns read once for all its tokens and its
+// weighted outputs added to the tokens' fp32 sums as they come out; the item then rounds its columns to T.
+// Per token the sum runs in ascending expert order, as the separate combine does.
+template <int L, typename W, typename T, typename GateUp>
+void down_and_combine(const T*, int64_t num_tokens, int64_t hidden, const W* w2, const float* s2, const float* b2,
+                      int64_t inter, const std::vector<int64_t>& offsets, const std::vector<int64_t>& order,
+                      const float* weights, int64_t top_k, const float* hsp, const std::vector<Item>& gate_items,
+                      const GateUp& gate_up_item, T* out) {
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e)
+    if (offsets[e + 1] > offsets[e]) active.push_back(e);
+  // about 32 KiB of one expert's weights per tile and at least four tiles per thread, in whole cache lines
+  // of the fp32 sums (16 columns)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t tile = std::max<int64_t>(16, chunk_rows(inter, sizeof(W)) / 16 * 16);
+  tile = std::min(tile, std::max<int64_t>(16, (hidden + 4 * threads * 16 - 1) / (4 * threads * 16) * 16));
+  const int64_t num_tiles = (hidden + tile - 1) / tile;
+  auto sums = at::empty({num_tokens, hidden}, at::TensorOptions().dtype(at::kFloat));
+  float* acc = sums.data_ptr<float>();
+  run_two_phases(gate_items, gate_up_item, num_tiles, [&](int64_t j) {
+    const int64_t n0 = j * tile, n1 = std::min(hidden, n0 + tile);
+    for (int64_t t = 0; t < num_tokens; ++t) std::fill(acc + t * hidden + n0, acc + t * hidden + n1, 0.f);
+    for (const int64_t e : active) {
+      const int64_t m = offsets[e + 1] - offsets[e];
+      const float* se = s2 ? s2 + e * hidden : nullptr;
+      const float* be = b2 ? b2 + e * hidden : nullptr;
+      const int64_t* slots = order.data() + offsets[e];
+      const W* we = w2 + e * hidden * inter;
+      grouped_rows<L, false>(hsp + offsets[e] * inter, m, inter, we, we, n0, n1,
+                             [&](int64_t r, int64_t n, float v, float) {
+        const int64_t s = slots[r];
+        acc[(s / top_k) * hidden + n] += ((se ? v * se[n] : v) + (be ? be[n] : 0.f)) * weights[s];
+      });
+    }
+    for (int64_t t = 0; t < num_tokens; ++t)
+      for (int64_t n = n0; n < n1; ++n) out[t * hidden + n] = from_f<T>(acc[t * hidden + n]);
+  });
 }
 
 template <int L, typename W, typename T>
@@ -204,13 +281,11 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
       pos_of_slot[s] = p;
     }
   }
-  // activations gathered by expert as fp32, [slots, hidden]; the gated hidden states [slots, inter]; the
-  // experts' outputs [slots, hidden]
+  // activations gathered by expert as fp32, [slots, hidden]; the gated hidden states [slots, inter]
   auto f32 = at::TensorOptions().dtype(at::kFloat);
-  auto xs = at::empty({slots, hidden}, f32), hs = at::empty({slots, inter}, f32), ys = at::empty({slots, hidden}, f32);
+  auto xs = at::empty({slots, hidden}, f32), hs = at::empty({slots, inter}, f32);
   float* xsp = xs.data_ptr<float>();
   float* hsp = hs.data_ptr<float>();
-  float* ysp = ys.data_ptr<float>();
   at::parallel_for(0, slots, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden)), [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const T* src = x + (order[p] / top_k) * hidden;
@@ -247,7 +322,7 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
   };
   // phase 1, the grouped tiles: gate and up rows of a chunk side by side for all the expert's tokens, the
   // activation applied as each pair of sums comes out
-  run_items(gate_items, [&](const Item& it) {
+  auto gate_up_item = [&](const Item& it) {
     const int64_t m = offsets[it.e + 1] - offsets[it.e];
     const W* we = w13 + it.e * gate_up_rows * hidden;
     const float* se = s13 ? s13 + it.e * gate_up_rows : nullptr;
@@ -265,7 +340,17 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
       }
       h[r * inter + n] = activate(g, u, act);
     });
-  });
+  };
+  if (large.empty()) {
+    // every expert on the grouped tiles (decode; prefill on CPUs without bf16 math): phase 2 runs by output
+    // columns over all the active experts, and the weighted sum is taken in its tiles
+    down_and_combine<L>(x, num_tokens, hidden, w2, s2, b2, inter, offsets, order, weights, top_k, hsp,
+                        gate_items, gate_up_item, out);
+    return;
+  }
+  run_items(gate_items, gate_up_item);
+  auto ys = at::empty({slots, hidden}, f32);  // the experts' outputs
+  float* ysp = ys.data_ptr<float>();
   // phase 1, experts with many tokens: one GEMM each
   for (const int64_t e : large) {
     const int64_t m = offsets[e + 1] - offsets[e];
@@ -423,6 +508,77 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   return out;
 }
 
+namespace {
+
+enum Scoring : int64_t { kSoftmax = 0, kSigmoid = 1 };
+
+// one token's routing: the top_k experts of its logits row (ties to the lower expert id) and their weights
+template <typename T>
+void route_row(const T* logits, int64_t num_experts, int64_t top_k, int64_t scoring, bool renormalize,
+               bool softmax_over_top_k, float* scores, int64_t* idx, int64_t* ids, float* weights) {
+  for (int64_t e = 0; e < num_experts; ++e) scores[e] = to_f(logits[e]);
+  if (!softmax_over_top_k) {
+    if (scoring == kSoftmax) {
+      const float peak = *std::max_element(scores, scores + num_experts);
+      float total = 0.f;
+      for (int64_t e = 0; e < num_experts; ++e) total += (scores[e] = std::exp(scores[e] - peak));
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] /= total;
+    } else {
+      for (int64_t e = 0; e < num_experts; ++e) scores[e] = 1.f / (1.f + std::exp(-scores[e]));
+    }
+  }
+  for (int64_t e = 0; e < num_experts; ++e) idx[e] = e;
+  std::partial_sort(idx, idx + top_k, idx + num_experts, [&](int64_t a, int64_t c) {
+    return scores[a] > scores[c] || (scores[a] == scores[c] && a < c);
+  });
+  float total = 0.f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    ids[j] = idx[j];
+    weights[j] = scores[idx[j]];
+  }
+  if (softmax_over_top_k) {  // a softmax over the k chosen logits (the first is the largest)
+    for (int64_t j = 0; j < top_k; ++j) total += (weights[j] = std::exp(weights[j] - scores[idx[0]]));
+    for (int64_t j = 0; j < top_k; ++j) weights[j] /= total;
+    return;
+  }
+  if (!renormalize) return;
+  for (int64_t j = 0; j < top_k; ++j) total += weights[j];
+  for (int64_t j = 0; j < top_k; ++j) weights[j] /= total;
+}
+
+}  // namespace
+
+// logits [T, E] (float32, bfloat16 or float16) -> (weights [T, k] float32, ids [T, k] int64): what
+// moe.select_experts computes without a selection bias, in one call (scoring: 0 softmax, 1 sigmoid)
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, int64_t scoring,
+                                             bool renormalize, bool softmax_over_top_k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
+              "logits must be a contiguous CPU [T, E] tensor");
+  const int64_t t = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= e, "top_k must be in [1, ", e, "], not ", top_k);
+  TORCH_CHECK(scoring == kSoftmax || scoring == kSigmoid, "scoring must be 0 (softmax) or 1 (sigmoid)");
+  auto weights = at::empty({t, top_k}, at::TensorOptions().dtype(at::kFloat));
+  auto ids = at::empty({t, top_k}, at::TensorOptions().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  auto rows = [&](auto* lp) {
+    at::parallel_for(0, t, std::max<int64_t>(1, 16384 / e), [&](int64_t b, int64_t end) {
+      std::vector<float> scores(e);
+      std::vector<int64_t> idx(e);
+      for (int64_t r = b; r < end; ++r)
+        route_row(lp + r * e, e, top_k, scoring, renormalize, softmax_over_top_k, scores.data(), idx.data(),
+                  ip + r * top_k, wp + r * top_k);
+    });
+  };
+  switch (logits.scalar_type()) {
+    case at::kFloat: rows(logits.data_ptr<float>()); break;
+    case at::kBFloat16: rows(logits.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: rows(logits.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "moe_route: logits must be float32, bfloat16 or float16, not ", logits.scalar_type());
+  }
+  return {weights, ids};
+}
+
 // the vector width this build's GEMV uses: 16 lanes on AVX-512, else 8 (AVX2, or the compiler's generic code)
 std::string moe_path() {
 #if defined(__AVX512F__)
@@ -441,5 +597,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"),
         pybind11::arg("activation") = 0, pybind11::arg("alpha") = 1.702, pybind11::arg("limit") = 7.0,
         pybind11::arg("gemv_max_rows") = 8, pybind11::arg("lanes") = 0, pybind11::arg("bf16_gemm") = false);
+  m.def("moe_route", &moe_route, "the experts and weights of each token from its router logits", no_gil,
+        pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("scoring") = 0,
+        pybind11::arg("renormalize") = true, pybind11::arg("softmax_over_top_k") = false);
   m.def("moe_path", &moe_path, "the ISA path of the expert GEMV: avx512, avx2 or generic");
 }
