@@ -258,7 +258,8 @@ COMBINE_FUNCTIONS_SHAPE = "bs1-d64-gqa2-f32"
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape_id", list(SHAPES))
 def test_backend_matches_torch_reference_on_mixed_batches(backend, shape_id):
-    check_against_reference(backend, SHAPES[shape_id], split=False, numpy_reductions=shape_id != COMBINE_FUNCTIONS_SHAPE)
+    check_against_reference(backend, SHAPES[shape_id], split=False,
+                            numpy_reductions=shape_id != COMBINE_FUNCTIONS_SHAPE)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="on a GPU the kernels are compiled, not interpreted")
