@@ -190,11 +190,23 @@ def validator(schema: dict):
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
-def schema_mismatches(outputs) -> list[str]:
-    """For the outputs of ``SCHEMAS`` (in order): a line for each that did not stop, or does not parse and
-    validate against its schema."""
+def schema_share(backend: str, speculative: bool) -> list[tuple[int, float]]:
+    """The schemas (index into ``SCHEMAS``, temperature) that ``backend`` runs with or without speculation.
+
+    Each backend runs every schema once: xgrammar the even ones without speculation and the odd ones with it,
+    guidance the other way round. Within each run half the schemas are greedy and half sampled, at opposite
+    temperatures in the two backends. So every schema runs under both backends, greedy and sampled, with and
+    without speculation, and each backend meets every (temperature, speculation) pair."""
+    first = 0 if (backend == "xgrammar") != speculative else 1
+    return [(i, 1.0 if (i % 4 < 2) == (backend == "xgrammar") else 0.0) for i in range(first, len(SCHEMAS), 2)]
+
+
+def schema_mismatches(outputs, indices=None) -> list[str]:
+    """For the outputs of ``SCHEMAS`` (in order, or those at ``indices``): a line for each that did not stop,
+    or does not parse and validate against its schema."""
     failures = []
-    for (description, schema), out in zip(SCHEMAS, outputs, strict=True):
+    schemas = SCHEMAS if indices is None else [SCHEMAS[i] for i in indices]
+    for (description, schema), out in zip(schemas, outputs, strict=True):
         c = out.outputs[0]
         if c.finish_reason != "stop":
             failures.append(f"{description}: finished by {c.finish_reason} after {len(c.token_ids)} tokens: {c.text!r}")

@@ -9,22 +9,30 @@ block tables: step 1 writes the requests' cached context as fresh prompts,
 step 2 is the batch under test (decodes first, then prefill chunks that attend
 to that context). Outputs start as NaN, the Triton cache starts as NaN, so an
 element a kernel forgets to write, or a slot it reads without writing, fails.
+
+Under the interpreter the kernels' row reductions are reduced by numpy
+(``triton_reductions.py``) except in one shape, and a test checks that those
+reductions' combine functions are the maximum and the sum numpy takes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass
 
+import numpy
 import pytest
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig
 from pagoda.errors import BackendUnavailable
+from pagoda.plugins.attention import triton_common
 from pagoda.plugins.attention.torch_backend import TorchAttentionBackend
 from pagoda.step import AttentionBatch
 from tiny_models import write_tiny_llama
+from triton_reductions import numpy_row_reductions
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -37,6 +45,11 @@ TOLERANCE = {torch.float32: (1e-4, 0.0), torch.float16: (2e-3, 2e-3), torch.bflo
 def triton_interpreter(monkeypatch):
     if not HAS_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def row_reductions(by_numpy: bool = True):
+    """Under the interpreter, the kernels' row reductions by numpy unless ``by_numpy`` is False."""
+    return numpy_row_reductions() if by_numpy and not HAS_CUDA else contextlib.nullcontext()
 
 
 def model_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> ModelConfig:
@@ -198,7 +211,8 @@ def run_backend(backend, scenario: Scenario, fill: float, attend_context: bool =
     return outs
 
 
-def check_against_reference(name: str, shape: Shape, split: bool, attend_context: bool = True) -> None:
+def check_against_reference(name: str, shape: Shape, split: bool, attend_context: bool = True,
+                            numpy_reductions: bool = True) -> None:
     seed = int(os.environ.get("PAGODA_TEST_SEED") or random.SystemRandom().randrange(1 << 31))
     mc = model_config(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
     cc = cache_config(shape.block_size)
@@ -206,7 +220,8 @@ def check_against_reference(name: str, shape: Shape, split: bool, attend_context
     reference = TorchAttentionBackend(mc, cc)
     # the reference multiplies masked-out slots by 0, so its unwritten slots must be finite
     expected = run_backend(reference, Scenario(shape, seed), 0.0, attend_context)
-    got = run_backend(backend, Scenario(shape, seed), float("nan"), attend_context)
+    with row_reductions(numpy_reductions):
+        got = run_backend(backend, Scenario(shape, seed), float("nan"), attend_context)
     atol, rtol = TOLERANCE[shape.dtype]
     for step, (e, g) in enumerate(zip(expected, got)):
         excess = ((e - g).abs() - rtol * e.abs()).nan_to_num(float("inf")).max().item()
@@ -236,12 +251,44 @@ LONG = {
     "bs8-d64-gqa2-f32-long": Shape(8, 64, 2, 1, f32, [429, 0], [1, 123]),
 }
 BACKENDS = ["triton", "cuda"]
+# the shape whose kernels reduce their rows through the combine functions themselves under the interpreter
+COMBINE_FUNCTIONS_SHAPE = "bs1-d64-gqa2-f32"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape_id", list(SHAPES))
 def test_backend_matches_torch_reference_on_mixed_batches(backend, shape_id):
-    check_against_reference(backend, SHAPES[shape_id], split=False)
+    check_against_reference(backend, SHAPES[shape_id], split=False,
+                            numpy_reductions=shape_id != COMBINE_FUNCTIONS_SHAPE)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the kernels are compiled, not interpreted")
+def test_the_kernels_row_reductions_are_the_maximum_and_the_sum_numpy_takes_in_their_place():
+    import triton
+    import triton.language as tl
+
+    from pagoda.plugins.attention.triton_backend import kernel_modules
+
+    kernel_modules()  # the kernels' modules, defined in the interpreter (the kernel below reads them as globals)
+
+    @triton.jit
+    def reductions(x_ptr, row_max_ptr, column_sum_ptr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+        r, c = tl.arange(0, ROWS), tl.arange(0, COLUMNS)
+        x = tl.load(x_ptr + r[:, None] * COLUMNS + c[None, :])
+        tl.store(row_max_ptr + r, triton_common.reduce_max(x, 1))
+        tl.store(column_sum_ptr + c, triton_common.reduce_sum(x, 0))
+
+    x = torch.randn(4, 8)
+    x[1, :3] = float("-inf")  # masked keys, as in a score tile
+    x[2, 5] = float("nan")  # tl.maximum passes over NaN (numpy's fmax); a sum keeps it
+    for by_numpy in (False, True):
+        row_max, column_sum = torch.empty(4), torch.empty(8)
+        with row_reductions(by_numpy):
+            reductions[(1,)](x, row_max, column_sum, ROWS=4, COLUMNS=8)
+        expected_max = torch.from_numpy(numpy.fmax.reduce(x.numpy(), axis=1))
+        assert torch.equal(row_max, expected_max), (by_numpy, row_max, expected_max)
+        assert torch.allclose(column_sum, x.sum(0), rtol=1e-6, atol=1e-6, equal_nan=True), (by_numpy, column_sum)
+        assert column_sum[5].isnan() and column_sum[:3].isneginf().all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -318,7 +365,8 @@ def greedy_tokens(model_dir, backend: str, prompts: list[list[int]]) -> list[lis
     llm = LLM(str(model_dir), attention_backend=backend, dtype="float32", max_num_batched_tokens=24,
               max_num_seqs=4, kv_cache_memory_bytes=8 << 20, cpu_threads=1, device=device)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with row_reductions():
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 

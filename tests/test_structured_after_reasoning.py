@@ -11,6 +11,7 @@ import json
 import jsonschema
 import pytest
 
+from one_engine import release
 from pagoda import LLM
 from pagoda.sampling.structured.after_reasoning import AfterReasoning
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -30,7 +31,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model=str(model_dir), **OPTIONS)
+    llm = LLM(model=str(model_dir), **OPTIONS)
+    yield llm
+    release(llm)  # nothing the module built stays in the worker
+    del llm
 
 
 @pytest.fixture(scope="module")

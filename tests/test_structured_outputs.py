@@ -1,8 +1,8 @@
 """Structured outputs on the real default model, offline: every output matches its constraint.
 
-Fifty JSON schemas of increasing difficulty (``structured_schemas.py``) go through one batched
-``LLM.chat`` per backend (xgrammar sampled, guidance greedy; the other temperature of each runs under speculation in
-``test_structured_outputs_speculative.py``); each output must end by the grammar (``stop``, never
+Fifty JSON schemas of increasing difficulty (``structured_schemas.py``): each backend runs half of them here, in
+one batched ``LLM.chat`` of greedy and sampled requests, and the other half under speculation in
+``test_structured_outputs_speculative.py`` (``schema_share``); each output must end by the grammar (``stop``, never
 ``length``), parse, and validate with ``jsonschema``. Regexes, choices and grammars likewise.
 """
 
@@ -14,7 +14,7 @@ import re
 
 import pytest
 from one_engine import release
-from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, validator
+from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, schema_share, validator
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.engine.components import build_components
@@ -42,17 +42,17 @@ def structured(temperature: float, max_tokens: int = 48, seed=None, n: int = 1, 
                           structured_outputs=StructuredOutputsParams(**constraint))
 
 
-# each backend at one temperature here and at the other in test_structured_outputs_speculative.py (xgrammar greedy,
-# guidance sampled, under n-gram speculation): every schema is validated under both backends and both temperatures,
-# with and without speculation
-@pytest.mark.parametrize("backend, temperature", [("xgrammar", 1.0), ("guidance", 0.0)])
-def test_every_output_of_fifty_json_schemas_parses_and_validates(llm, backend, temperature):
-    conversations = [prompt_for(description) for description, _ in SCHEMAS]
-    params = [structured(temperature, MAX_TOKENS, seed=i, json=schema, backend=backend)
-              for i, (_, schema) in enumerate(SCHEMAS)]
+# each backend runs the other half of the fifty under n-gram speculation in test_structured_outputs_speculative.py:
+# every schema is validated under both backends, greedy and sampled, with and without speculation
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_output_of_fifty_json_schemas_parses_and_validates(llm, backend):
+    share = schema_share(backend, speculative=False)
+    conversations = [prompt_for(SCHEMAS[i][0]) for i, _ in share]
+    params = [structured(temperature, MAX_TOKENS, seed=i, json=SCHEMAS[i][1], backend=backend)
+              for i, temperature in share]
     outputs = llm.chat(conversations, params, use_tqdm=False)
-    failures = schema_mismatches(outputs)
-    assert not failures, f"{len(failures)} of 50 outputs do not match their schema:\n" + "\n".join(failures)
+    failures = schema_mismatches(outputs, [i for i, _ in share])
+    assert not failures, f"{len(failures)} of {len(share)} outputs do not match their schema:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -4,6 +4,7 @@ server built from ``pagoda serve``'s flags with n-gram speculation."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -31,16 +32,48 @@ class Cat(BaseModel):
     lives: int = Field(ge=1, le=9)
 
 
+class OneServer:
+    """The server of each kind, at most one running: asking for the other kind stops the one started before and
+    shuts its engine down (the tests are ordered by the server they use), and the last is stopped at the module's
+    end, so the module holds one copy of the default model at a time and leaves nothing behind."""
+
+    def __init__(self) -> None:
+        self.kind, self.srv, self.engine = None, None, None
+
+    def get(self, kind: str) -> ServerThread:
+        if kind != self.kind:
+            self.close()
+            self.engine = plain_engine() if kind == "plain" else speculative_engine()
+            self.srv = ServerThread(build_app(AsyncLLMEngine(self.engine), api_key=API_KEY)).start()
+            self.kind = kind
+        return self.srv
+
+    def close(self) -> None:
+        if self.srv is not None:
+            self.srv.stop()
+            self.engine.shutdown()
+        self.kind, self.srv, self.engine = None, None, None
+        gc.collect()
+
+
 @pytest.fixture(scope="module")
-def server():
+def servers():
+    servers = OneServer()
+    yield servers
+    servers.close()
+
+
+def plain_engine():
     ensure_default_model()
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20)
-    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), api_key=API_KEY)).start()
-    yield srv
-    srv.stop()
+    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20).engine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def server(servers):
+    return servers.get("plain")
+
+
+@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
@@ -136,8 +169,7 @@ def test_langchain_with_structured_output_gets_the_model(server):
     assert isinstance(cat, Cat)
 
 
-@pytest.fixture(scope="module")
-def speculative_server():
+def speculative_engine():
     """The engine ``pagoda serve`` builds from its flags, with n-gram speculation (``--speculative-config``)."""
     import argparse
 
@@ -154,9 +186,12 @@ def speculative_server():
                                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})])
     engine = LLMEngine.from_engine_args(engine_args_from(ns), PluginManager().load())
     assert engine.config.speculative.method == "ngram"
-    srv = ServerThread(build_app(AsyncLLMEngine(engine), api_key=API_KEY)).start()
-    yield srv
-    srv.stop()
+    return engine
+
+
+@pytest.fixture
+def speculative_server(servers):
+    return servers.get("speculative")
 
 
 def test_a_speculative_server_holds_chat_and_completions_to_their_constraints(speculative_server):

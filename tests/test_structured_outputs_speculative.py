@@ -12,13 +12,11 @@ import re
 import pytest
 import torch
 from one_engine import OneEngine
-from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, validator
+from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, schema_share, validator
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams, hookimpl
-from pagoda.engine.components import eos_token_id, load_tokenizer
-from pagoda.engine.engine_args import EngineArgs
+from pagoda.engine.components import eos_token_id
 from pagoda.modeling.default_model import ensure_default_model
-from pagoda.sampling.structured import pagoda_structured_output_backends
 from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
 from pagoda.sampling.structured.speculative import DraftGrammars, fill_draft_rows
 
@@ -92,14 +90,18 @@ def assert_counters_consistent(llm: LLM) -> None:
 # ---- the draft rows of one matcher -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_and_backends():
-    config = EngineArgs.build(load_format="dummy").create_engine_config()
-    tokenizer = load_tokenizer(config.model.tokenizer, None)
-    eos = eos_token_id(config.model.model, tokenizer)
-    factories = pagoda_structured_output_backends()
-    backends = {name: factories[name](config.model, tokenizer, [eos]) for name in ("xgrammar", "guidance")}
-    return tokenizer, eos, config.model.vocab_size, backends
+@pytest.fixture
+def tokenizer_and_backends(engines):
+    """The tokenizer, end token, vocabulary size and backends of the engine without speculation (the first the
+    end-to-end tests below use): built once for the module, with nothing of their own to release."""
+    engine = engines.get("plain").engine
+    tokenizer = engine.tokenizer
+    eos = eos_token_id(engine.config.model.model, tokenizer)
+    backends = {}
+    for name in ("xgrammar", "guidance"):
+        engine.structured_outputs.compiled(StructuredOutputsParams(regex="a", backend=name))  # builds the backend
+        backends[name] = engine.structured_outputs._backend(name)
+    return tokenizer, eos, engine.config.model.vocab_size, backends
 
 
 def rows_of(matcher, vocab: int) -> torch.Tensor:
@@ -173,14 +175,21 @@ def test_draft_grammars_mask_each_position_with_a_fork_and_leave_the_matcher_alo
 # ---- end to end ---------------------------------------------------------------------------------------------
 
 
-# greedy decoding under a grammar: ten of the fifty schemas, then a regex, a choice and a digits-only regex
+# greedy decoding under a grammar: ten of the fifty schemas; and a regex, a choice and a digits-only regex, greedy
+# then sampled, in one batch whose greedy rows must be those of decoding without speculation
 GREEDY_CONVERSATIONS = [prompt_for(description) for description, _ in SCHEMAS[::5]]
-GREEDY_PROMPTS = ["Today's date is", "The capital of France is", REPEATING]
+OTHER_PROMPTS = ["Today's date is", "The capital of France is", REPEATING] * 2
 
 
-def greedy_params() -> tuple[list[SamplingParams], list[SamplingParams]]:
-    return ([structured(0.0, MAX_TOKENS, json=schema) for _, schema in SCHEMAS[::5]],
-            [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS)])
+def greedy_params() -> list[SamplingParams]:
+    return [structured(0.0, MAX_TOKENS, json=schema) for _, schema in SCHEMAS[::5]]
+
+
+def other_params() -> list[SamplingParams]:
+    return [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS),
+            structured(1.0, 40, seed=2, regex=DATE, backend="guidance"),
+            structured(1.0, 8, seed=3, choice=CITIES, backend="guidance"),
+            structured(1.0, 20, seed=4, regex=DIGITS)]
 
 
 PREEMPTED_REGEX = "[a-z]{5}( [a-z]{5}){3}"
@@ -190,22 +199,19 @@ PREEMPTED_PROMPTS = [f"Write four words, number {i}: abcde abcde abcde" for i in
 @pytest.fixture(scope="module")
 def plain_greedy_tokens(engines) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """The tokens of decoding without speculation, computed once with one engine for every test that compares
-    with them (greedy: they do not depend on what ran before): the schemas, the other constraints, and the
-    requests that the preemption test runs with too few blocks."""
+    with them (greedy: they do not depend on what ran before): the schemas, the greedy rows of the other
+    constraints' batch, and the requests that the preemption test runs with too few blocks."""
     plain = engines.get("plain")
-    schema_params, other_params = greedy_params()
-    return (token_ids(plain.chat(GREEDY_CONVERSATIONS, schema_params, use_tqdm=False)),
-            token_ids(plain.generate(GREEDY_PROMPTS, other_params, use_tqdm=False)),
+    return (token_ids(plain.chat(GREEDY_CONVERSATIONS, greedy_params(), use_tqdm=False)),
+            token_ids(plain.generate(OTHER_PROMPTS, other_params(), use_tqdm=False))[:3],
             token_ids(plain.generate(PREEMPTED_PROMPTS, structured(0.0, 40, regex=PREEMPTED_REGEX),
                                      use_tqdm=False)))
 
 
 def test_greedy_tokens_under_a_grammar_are_those_of_decoding_without_speculation(plain_greedy_tokens, ngram):
-    # with a self-draft: test_steered_drafts_give_the_greedy_tokens_and_more_of_them_are_accepted
-    schema_params, other_params = greedy_params()
-    plain_schema_tokens, plain_other_tokens, _ = plain_greedy_tokens
-    assert token_ids(ngram.chat(GREEDY_CONVERSATIONS, schema_params, use_tqdm=False)) == plain_schema_tokens
-    assert token_ids(ngram.generate(GREEDY_PROMPTS, other_params, use_tqdm=False)) == plain_other_tokens
+    # with a self-draft: test_steered_drafts_give_the_greedy_tokens_and_more_of_them_are_accepted; the regex and
+    # choice rows: test_regex_and_choice_outputs_match_in_full_with_speculation
+    assert token_ids(ngram.chat(GREEDY_CONVERSATIONS, greedy_params(), use_tqdm=False)) == plain_greedy_tokens[0]
     assert ngram.engine.spec_stats.num_accepted_tokens > 0
     assert_counters_consistent(ngram)
 
@@ -280,8 +286,6 @@ def test_steered_drafts_give_the_greedy_tokens_and_more_of_them_are_accepted(sel
     unsteered_tokens, unsteered_accepted, unsteered_drafted = run("xgrammar-1.7")
     assert steered_tokens == plain_greedy_tokens[0], "steered drafts"
     assert unsteered_tokens == plain_greedy_tokens[0], "unsteered drafts"
-    _, other_params = greedy_params()
-    assert token_ids(self_draft.generate(GREEDY_PROMPTS, other_params, use_tqdm=False)) == plain_greedy_tokens[1]
     steered_rate, unsteered_rate = steered_accepted / steered_drafted, unsteered_accepted / unsteered_drafted
     print(f"steered drafts: {steered_accepted} of {steered_drafted} accepted; unsteered: {unsteered_accepted} of "
           f"{unsteered_drafted}")
@@ -293,14 +297,10 @@ def test_steered_drafts_give_the_greedy_tokens_and_more_of_them_are_accepted(sel
 
 
 @pytest.mark.parametrize("proposer", ["self_draft", "ngram"])  # the engine of the test before first
-def test_regex_and_choice_outputs_match_in_full_with_speculation(proposer, request):
+def test_regex_and_choice_outputs_match_in_full_with_speculation(proposer, request, plain_greedy_tokens):
     llm = request.getfixturevalue(proposer)
-    prompts = ["Today's date is", "The capital of France is", REPEATING] * 2
-    params = [structured(0.0, 40, regex=DATE), structured(0.0, 8, choice=CITIES), structured(0.0, 20, regex=DIGITS),
-              structured(1.0, 40, seed=2, regex=DATE, backend="guidance"),
-              structured(1.0, 8, seed=3, choice=CITIES, backend="guidance"),
-              structured(1.0, 20, seed=4, regex=DIGITS)]
-    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    outputs = [o.outputs[0] for o in llm.generate(OTHER_PROMPTS, other_params(), use_tqdm=False)]
+    assert [list(c.token_ids) for c in outputs[:3]] == plain_greedy_tokens[1], "the greedy rows"
     assert all(c.finish_reason == "stop" for c in outputs), [(c.finish_reason, c.text) for c in outputs]
     for k, pattern in ((0, DATE), (2, DIGITS), (3, DATE), (5, DIGITS)):
         assert re.fullmatch(pattern, outputs[k].text), outputs[k].text
@@ -308,16 +308,17 @@ def test_regex_and_choice_outputs_match_in_full_with_speculation(proposer, reque
     assert_counters_consistent(llm)
 
 
-# the other temperature of each backend runs without speculation in test_structured_outputs.py
-@pytest.mark.parametrize("backend, temperature", [("xgrammar", 0.0), ("guidance", 1.0)])
-def test_every_output_of_fifty_json_schemas_validates_with_ngram_speculation(ngram, backend, temperature):
-    conversations = [prompt_for(description) for description, _ in SCHEMAS]
-    params = [structured(temperature, MAX_TOKENS, seed=i, json=schema, backend=backend)
-              for i, (_, schema) in enumerate(SCHEMAS)]
+# each backend runs the other half of the fifty without speculation in test_structured_outputs.py
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_every_output_of_fifty_json_schemas_validates_with_ngram_speculation(ngram, backend):
+    share = schema_share(backend, speculative=True)
+    conversations = [prompt_for(SCHEMAS[i][0]) for i, _ in share]
+    params = [structured(temperature, MAX_TOKENS, seed=i, json=SCHEMAS[i][1], backend=backend)
+              for i, temperature in share]
     drafts_before = ngram.engine.spec_stats.num_draft_tokens
     outputs = ngram.chat(conversations, params, use_tqdm=False)
-    failures = schema_mismatches(outputs)
-    assert not failures, f"{len(failures)} of 50 outputs do not match their schema:\n" + "\n".join(failures)
+    failures = schema_mismatches(outputs, [i for i, _ in share])
+    assert not failures, f"{len(failures)} of {len(share)} outputs do not match their schema:\n" + "\n".join(failures)
     assert ngram.engine.spec_stats.num_draft_tokens > drafts_before  # the drafts were verified under the grammar
     assert_counters_consistent(ngram)
 
