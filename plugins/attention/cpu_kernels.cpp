@@ -52,14 +52,29 @@ inline void shaped_softmax(float* scores, int64_t rows, int64_t len, float out_s
     float* sg = scores + g * len;
     for (int64_t i = 0; i < shape.masked; ++i) sg[i] = -std::numeric_limits<float>::infinity();
     if (shape.softcap > 0.f) {
-      for (int64_t i = shape.masked; i < len; ++i) sg[i] = std::tanh(sg[i] / shape.softcap) * shape.softcap;
+      int64_t i = shape.masked;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      const __m256 inv = _mm256_set1_ps(1.f / shape.softcap), cap = _mm256_set1_ps(shape.softcap);
+      for (; i + 8 <= len; i += 8)
+        _mm256_storeu_ps(sg + i, _mm256_mul_ps(pagoda_attention::tanh8(_mm256_mul_ps(_mm256_loadu_ps(sg + i), inv)), cap));
+#endif
+      for (; i < len; ++i) sg[i] = std::tanh(sg[i] / shape.softcap) * shape.softcap;
     }
     float row_scale = out_scale;
     if (shape.sinks != nullptr) {
       float m = shape.sinks[g];
       for (int64_t i = shape.masked; i < len; ++i) m = std::max(m, sg[i]);
       double sum = 0.0;
-      for (int64_t i = shape.masked; i < len; ++i) sum += std::exp(static_cast<double>(sg[i] - m));
+      int64_t i = shape.masked;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+      // e^(s - m) as 2^((s - m) log2 e), 8 lanes (s - m <= 0)
+      const __m256 log2e = _mm256_set1_ps(1.4426950408889634f), mv = _mm256_set1_ps(m);
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= len; i += 8)
+        acc = _mm256_add_ps(acc, pagoda_attention::exp2_8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv), log2e)));
+      sum = pagoda_attention::sum8(acc);
+#endif
+      for (; i < len; ++i) sum += std::exp(static_cast<double>(sg[i] - m));
       row_scale = static_cast<float>(out_scale * sum / (sum + std::exp(static_cast<double>(shape.sinks[g] - m))));
     }
     softmax(sg, 1, len, row_scale);

@@ -671,8 +671,9 @@ at::Tensor gemm_bf16_fp32(const at::Tensor& x, const at::Tensor& weight, const c
   // the activations widened, with zero rows up to a multiple of 16: the fp32 GEMM ran 1.5 to 2x slower on
   // 13 to 15, 31 or 47 rows than on 16, 32 or 48 (forced AVX2, the default model's linears)
   const int64_t mp = (m + 15) / 16 * 16;
-  auto xf = at::zeros({mp, k}, x.options().dtype(at::kFloat));
+  auto xf = at::empty({mp, k}, x.options().dtype(at::kFloat));
   xf.narrow(0, 0, m).copy_(x);
+  if (mp > m) xf.narrow(0, m, mp - m).zero_();  // the padding rows only: a fill of the whole is a pass more
   const at::BFloat16* b = nullptr;
   at::Tensor bias_c;
   if (bias.has_value()) {
