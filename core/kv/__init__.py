@@ -4,4 +4,5 @@
 - ``swap``: CPU swap slots for preempted sequences' blocks.
 - ``tiers``: the offload tiers' index (RAM, then disk), decided by the allocator.
 - ``offload``: the runner's tier store, which copies the tensors and writes and reads the block files.
+- ``connector``: the KV connector's transfers; ``handoff``: the request a prefill instance gets.
 """

@@ -17,6 +17,8 @@ import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
+from pagoda.kv.handoff import prefill_body
+
 logger = logging.getLogger("pagoda")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -46,13 +48,6 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(args.prefill, args.decode, args.timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request as the prefill instance gets it: one token, one choice, no streaming."""
-    first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
-    first.update(max_tokens=1, stream=False, n=1)
-    return first
 
 
 # --- a stream that outlives its decode instance -------------------------------------------------------------

@@ -27,9 +27,9 @@ from starlette.responses import Response
 
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.execution.routing import RoutingRequest, prompt_block_hashes
+from pagoda.kv.handoff import prefill_body
 from pagoda.plugins.entrypoints.replicas.fleet_metrics import merge_replica_metrics
 from pagoda.plugins.entrypoints.replicas.forward import ForwardedRequest, ResponseStart, run_asgi
-from pagoda.plugins.kv_connectors.proxy import prefill_body
 
 logger = logging.getLogger("pagoda")
 
