@@ -15,6 +15,7 @@ sentence_transformers = pytest.importorskip("sentence_transformers")
 
 
 def _pagoda_embeddings(folder, dimensions=None, **args):
+    args.setdefault("dtype", "float32")  # compared with sentence-transformers' float32 to 1e-4
     engine = PoolingEngine(EngineArgs(model=str(folder), **args), resolve_task(str(folder), "auto"))
     vectors = engine.encode([engine.tokenize(t) for t in TEXTS])
     return engine, torch.stack([finish_embedding(v, engine.pooling.normalize, dimensions) for v in vectors])
@@ -50,6 +51,21 @@ def test_encoder_embeddings_match_sentence_transformers(tmp_path, kind, pooling)
     assert isinstance(engine.encoder.layers[0].query, PackedLinear) == can_pack_linears(torch.float32)
 
 
+def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_path):
+    """--dtype auto: bf16 on AVX-512 BF16, float32 on a CPU without bf16 math (its bf16 linears are slow)."""
+    from pagoda.host.dtypes import cpu_has_bf16
+
+    folder = write_encoder(tmp_path / "m", "bert", "mean")
+    want = torch.bfloat16 if cpu_has_bf16() else torch.float32
+    engine, ours = _pagoda_embeddings(folder, dtype="auto")
+    assert engine.encoder.word_embeddings.weight.dtype == want
+    # bf16 still points the same way as sentence-transformers' float32, to bf16's precision
+    assert torch.nn.functional.cosine_similarity(ours, _st_embeddings(folder)).min().item() >= 0.999
+    if cpu_has_bf16():
+        capped = PoolingEngine(EngineArgs(model=str(folder), cpu_isa="avx2"), "embed")
+        assert capped.encoder.word_embeddings.weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("arch, pooling", [("qwen2", "last"), ("llama", "mean")])
 def test_decoder_embeddings_match_sentence_transformers_with_matryoshka_dimensions(tmp_path, arch, pooling):
     folder = write_decoder(tmp_path / "m", arch, pooling)
@@ -67,7 +83,7 @@ def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
     folder = write_encoder(tmp_path / "m", "cross")
     pairs = [(TEXTS[3], TEXTS[2]), (TEXTS[3], TEXTS[0]), (TEXTS[1], TEXTS[4]), (TEXTS[0], TEXTS[0])]
     theirs = sentence_transformers.CrossEncoder(str(folder), device="cpu").predict(pairs)
-    engine = PoolingEngine(EngineArgs(model=str(folder)), resolve_task(str(folder), "auto"))
+    engine = PoolingEngine(EngineArgs(model=str(folder), dtype="float32"), resolve_task(str(folder), "auto"))
     assert engine.task == "score"
     ours = [float(s) for s in engine.encode([engine.tokenize_pair(a, b) for a, b in pairs])]
     assert ours == pytest.approx([float(s) for s in theirs], abs=1e-5)

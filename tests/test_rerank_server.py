@@ -20,7 +20,7 @@ DOCS = ["berlin is the capital of germany", "the cat sat on a mat", "paris is th
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = write_encoder(tmp_path_factory.mktemp("ckpt") / "cross", "cross")
-    engine = PoolingEngine(EngineArgs(model=str(folder), served_model_name="tiny-rerank"), "score")
+    engine = PoolingEngine(EngineArgs(model=str(folder), served_model_name="tiny-rerank", dtype="float32"), "score")
     thread = ServerThread(build_pooling_app(AsyncPoolingEngine(engine))).start()
     yield thread.url, folder
     thread.stop()

