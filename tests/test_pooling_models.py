@@ -48,7 +48,7 @@ def test_encoder_embeddings_match_sentence_transformers(tmp_path, kind, pooling)
     assert torch.nn.functional.cosine_similarity(twice, torch.cat([alone, alone.flip(0)])).min().item() >= 0.9999
     from pagoda.modeling.models.bert import PackedLinear, can_pack_linears
 
-    assert isinstance(engine.encoder.layers[0].query, PackedLinear) == can_pack_linears(torch.float32)
+    assert isinstance(engine.encoder.layers[0].qkv, PackedLinear) == can_pack_linears(torch.float32)
 
 
 def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_path):
@@ -61,6 +61,12 @@ def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_
     assert engine.encoder.word_embeddings.weight.dtype == want
     # bf16 still points the same way as sentence-transformers' float32, to bf16's precision
     assert torch.nn.functional.cosine_similarity(ours, _st_embeddings(folder)).min().item() >= 0.999
+    from pagoda.modeling.layers import onednn
+    from pagoda.modeling.models.bert import PackedLinear
+
+    # bf16 weights packed for oneDNN where the engine packs bf16 (AVX-512), query/key/value as one product
+    packs = want == torch.bfloat16 and onednn.packing_available(EngineArgs(model=str(folder)).host_config())
+    assert isinstance(engine.encoder.layers[0].qkv, PackedLinear) == (packs or want == torch.float32)
     if cpu_has_bf16():
         capped = PoolingEngine(EngineArgs(model=str(folder), cpu_isa="avx2"), "embed")
         assert capped.encoder.word_embeddings.weight.dtype == torch.float32

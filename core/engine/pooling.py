@@ -82,12 +82,13 @@ class PoolingEngine:
 
             # auto: bf16 where the CPU multiplies bf16 natively (AVX-512 BF16: about 1.9x float32's speed on
             # BERT-base), float32 elsewhere (bf16 linears run about 6x slower than float32 without it)
-            auto = torch.bfloat16 if cpu_has_bf16(args.host_config().cpu_isa) else torch.float32
+            host = args.host_config()
+            auto = torch.bfloat16 if cpu_has_bf16(host.cpu_isa) else torch.float32
             dtype = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16,
                      "float16": torch.float16}.get(args.dtype)
             if dtype is None:
                 raise ConfigError(f"--dtype {args.dtype!r}: an encoder runs in float32, bfloat16 or float16")
-            self.encoder = EncoderModel.from_checkpoint(model_dir, hf_config, dtype)
+            self.encoder = EncoderModel.from_checkpoint(model_dir, hf_config, dtype, host)
             self.tokenizer = load_tokenizer(args.tokenizer or model_dir, None)
             self.vocab_size = int(hf_config["vocab_size"])
             self.hidden_size = self.encoder.hidden_size
