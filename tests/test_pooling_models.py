@@ -85,6 +85,29 @@ def test_decoder_embeddings_match_sentence_transformers_with_matryoshka_dimensio
     assert cut.shape == (len(TEXTS), 16)
 
 
+@pytest.mark.parametrize("arch, pooling", [("qwen2", "last"), ("llama", "mean")])
+def test_a_decoder_embedder_reuses_cached_prefixes_only_for_last_token_pooling(tmp_path, arch, pooling):
+    """Inputs sharing a long head: with last-token pooling the later ones compute only what follows the cached
+    blocks, and their embeddings are those of an engine without prefix caching; mean pooling computes all."""
+    from pagoda.engine.pooling import PoolingInput
+
+    folder = write_decoder(tmp_path / "m", arch, pooling)
+    args = dict(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    cached = PoolingEngine(EngineArgs(**args), "embed")
+    cold = PoolingEngine(EngineArgs(enable_prefix_caching=False, **args), "embed")
+    head = [(7 * i + 3) % 90 + 5 for i in range(3 * cached.block_size + 5)]
+    inputs = [PoolingInput(head + tail) for tail in ([11, 12, 13], [21], [31, 32, 33, 34, 35, 36, 37])]
+    first = cached.run(inputs[:1])
+    later = cached.run(inputs[1:])  # the head's three full blocks are cached now
+    theirs = cold.run(inputs)
+    assert cached.num_cached_tokens == (2 * 3 * cached.block_size if pooling == "last" else 0)
+    assert cold.num_cached_tokens == 0
+    ours = torch.stack(first + later)
+    assert torch.allclose(ours, torch.stack(theirs), atol=1e-4, rtol=1e-4)
+    # the pool holds nothing once a batch is done: every block is free (cached ones can be evicted)
+    assert cached.llm_engine.kv_manager.num_free_blocks == cached.llm_engine.num_blocks
+
+
 def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
     folder = write_encoder(tmp_path / "m", "cross")
     pairs = [(TEXTS[3], TEXTS[2]), (TEXTS[3], TEXTS[0]), (TEXTS[1], TEXTS[4]), (TEXTS[0], TEXTS[0])]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import itertools
 import json
 import logging
 import threading
@@ -114,6 +115,8 @@ class PoolingEngine:
         if self.llm_engine is not None:  # a batch's inputs all fit in the scratch KV cache at once
             self.max_batch_tokens = min(self.max_batch_tokens, self.llm_engine.num_blocks * self.block_size)
         self.lock = threading.Lock()  # one batch at a time runs the model
+        self._request_ids = itertools.count()
+        self.num_cached_tokens = 0  # a decoder's input tokens found in the prefix cache, since start
 
     # ---- inputs -------------------------------------------------------------------------------------------
 
@@ -180,20 +183,44 @@ class PoolingEngine:
         return results
 
     def _run_decoder(self, items: list[PoolingInput]) -> list[torch.Tensor]:
+        """The batch's inputs in blocks of the engine's KV pool. With last-token pooling and prefix caching, an
+        input whose first full blocks are cached (an earlier input's prefix: a shared instruction or document
+        head) computes only the rest; its blocks stay cached when the batch ends. Other poolings need every
+        token's hidden state, so they compute every token."""
         from pagoda.execution.model_runner import FlatBatch
+        from pagoda.interfaces import has_offload_tiers
+        from pagoda.sampling_params import SamplingParams
+        from pagoda.sequence import Sequence
 
-        bs = self.block_size
-        tables, next_block = [], 0
-        for item in items:  # scratch blocks: every batch lays its inputs out from block 0
-            num = -(-len(item.token_ids) // bs)
-            tables.append(list(range(next_block, next_block + num)))
-            next_block += num
-        batch = FlatBatch([i.token_ids for i in items], [0] * len(items), tables, bs)
-        hidden = self.llm_engine.runner.forward(batch)  # [num_tokens, hidden], the batch's row order
+        kv = self.llm_engine.kv_manager
+        # (a hit in an offload tier would need the runner to load it first: only blocks in the pool are reused)
+        reuse = (self.pooling.method == "last" and getattr(kv, "enable_prefix_caching", False)
+                 and not (has_offload_tiers(kv) and kv.tiers is not None))
+        params = SamplingParams(max_tokens=1)  # (what a request needs to be looked up; nothing is sampled)
+        seqs: list[Sequence] = []
+        pieces, starts, tables = [], [], []
+        try:
+            for item in items:
+                seq = Sequence(f"pool-{next(self._request_ids)}", list(item.token_ids), params)
+                hits, cached = kv.get_computed_blocks(seq) if reuse else ([], 0)
+                if not kv.allocate_slots(seq, len(item.token_ids) - cached, hits):
+                    # (batches are cut to the pool's size and nothing else holds blocks: not reached)
+                    raise RuntimeError(f"the KV pool has no room for a batch of {self.batch_cost(items)} tokens")
+                seqs.append(seq)
+                pieces.append(item.token_ids[cached:])
+                starts.append(cached)
+                tables.append(kv.block_table(seq.request_id))
+                self.num_cached_tokens += cached
+            kv.take_block_copies()  # (none: hits are full blocks, new tokens go to fresh ones)
+            batch = FlatBatch(pieces, starts, tables, self.block_size)
+            hidden = self.llm_engine.runner.forward(batch)  # [num_tokens, hidden], the batch's row order
+        finally:
+            for seq in seqs:
+                kv.free(seq)
         out = []
         for row, item in enumerate(items):
-            rows = hidden[batch.rows(row).start:batch.rows(row).stop]  # [len, hidden]
-            out.append(pool(rows[None], torch.tensor([len(item.token_ids)]), self.pooling.method)[0])
+            rows = hidden[batch.rows(row).start:batch.rows(row).stop]  # [new tokens, hidden]
+            out.append(pool(rows[None], torch.tensor([len(rows)]), self.pooling.method)[0])
         return out
 
     def encode(self, items: list[PoolingInput]) -> list[torch.Tensor]:
