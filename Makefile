@@ -9,6 +9,10 @@ STAMP  := $(VENV)/.installed
 # xdist's own order by number of tests; the run ends with the 25 slowest tests, what each checks, and each
 # worker's peak memory.
 TEST_WORKERS ?= 2
+# Python writes each module's bytecode the first time a process imports it (the install skips byte-compiling,
+# above): an environment with PYTHONDONTWRITEBYTECODE set would make every process of the suite (servers, ranks,
+# Ray workers) compile torch, transformers and ray again from source, about 2 s of CPU more per process
+unexport PYTHONDONTWRITEBYTECODE
 PYTEST := $(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --slowest 25
 
 .PHONY: install demo test test-avx2 check-arm bench clean
