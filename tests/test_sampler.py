@@ -325,3 +325,58 @@ def test_inverse_cdf_draw_never_takes_a_token_of_probability_zero():
                             minlength=4).float()
     assert counts[2] == 0
     assert_frequencies_match(counts, torch.tensor([0.2, 0.6, 0.0, 0.2]))
+
+
+def test_two_level_draw_takes_the_token_one_running_sum_over_the_row_takes():
+    from pagoda.sampling.sampler import CDF_BLOCK, _draw_one_level, draw_inverse_cdf
+
+    gen = torch.Generator().manual_seed(0)
+    # whole blocks only, and a last block cut short; float64 so the two levels round alike
+    for vocab in (8 * CDF_BLOCK, 3 * CDF_BLOCK + 57):
+        probs = torch.softmax(torch.randn(64, vocab, generator=gen, dtype=torch.float64) * 3, dim=-1)
+        probs[:, torch.randperm(vocab, generator=gen)[:vocab // 3]] = 0.0  # zeros inside blocks
+        for _ in range(20):
+            u = torch.rand(64, dtype=torch.float64, generator=gen)
+            assert torch.equal(draw_inverse_cdf(probs, u), _draw_one_level(probs, u))
+
+
+def test_two_level_draw_never_takes_a_token_of_probability_zero_nor_an_empty_block():
+    from pagoda.sampling.sampler import CDF_BLOCK, draw_inverse_cdf
+
+    vocab = 4 * CDF_BLOCK + 10
+    probs = torch.zeros(3, vocab)
+    probs[0, [5, CDF_BLOCK + 40, 2 * CDF_BLOCK + 100]] = torch.tensor([0.2, 0.5, 0.3])  # blocks 3 and 4 empty
+    probs[1, vocab - 1] = 1.0  # all of it in the short last block
+    probs[2, [0, 3 * CDF_BLOCK]] = 0.5
+    for u, expected in [(0.0, [5, vocab - 1, 0]), (0.25, [CDF_BLOCK + 40, vocab - 1, 0]),
+                        (0.75, [2 * CDF_BLOCK + 100, vocab - 1, 3 * CDF_BLOCK]),
+                        (1 - 2 ** -53, [2 * CDF_BLOCK + 100, vocab - 1, 3 * CDF_BLOCK])]:
+        picked = draw_inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64))
+        assert picked.tolist() == expected, (u, picked)
+    # float32 rows over a vocabulary of many blocks draw from their distribution
+    n = 20_000
+    row = torch.zeros(vocab)
+    row[[7, CDF_BLOCK - 1, CDF_BLOCK, 3 * CDF_BLOCK + 9]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(draw_inverse_cdf(row.expand(n, -1).contiguous(), u), minlength=vocab).float()
+    assert counts.sum() == counts[[7, CDF_BLOCK - 1, CDF_BLOCK, 3 * CDF_BLOCK + 9]].sum()
+    assert_frequencies_match(counts[[7, CDF_BLOCK - 1, CDF_BLOCK, 3 * CDF_BLOCK + 9]],
+                             torch.tensor([0.1, 0.2, 0.3, 0.4]))
+
+
+def test_temperature_one_over_a_large_vocabulary_samples_the_model_distribution():
+    logits = torch.full((3000,), -30.0)
+    logits[[3, 700, 2999]] = torch.tensor([0.0, 1.0, 2.0])
+    expected = torch.softmax(logits, dim=-1)[[3, 700, 2999]]
+    counts = draw(SamplingParams(temperature=1.0), logits, n=NUM_DRAWS)
+    assert_frequencies_match(counts[[3, 700, 2999]], expected)
+
+
+def test_temperature_one_rows_leave_the_callers_logits_alone():
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    logits[1, 2] = float("inf")
+    before = logits.clone()
+    out = Sampler(model_config())(logits, [make_request(SamplingParams(temperature=1.0), rid="a"),
+                                           make_request(SamplingParams(temperature=1.0, top_p=0.9), rid="b")])
+    assert torch.equal(logits, before)
+    assert out.token_ids[1] == 2  # the +inf logit takes the row

