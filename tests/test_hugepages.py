@@ -64,3 +64,25 @@ def test_an_engine_built_without_huge_pages_advises_none(tmp_path, monkeypatch):
     monkeypatch.setattr(hugepages, "_madvise", lambda: pytest.fail("advised with huge pages off"))
     LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=64 << 20,
         cpu_threads=1, huge_pages=False)
+
+
+@needs_thp
+def test_the_engine_s_weights_load_into_huge_pages_without_a_collapse(tmp_path, monkeypatch):
+    """The weights are advised before the loader writes them, so its writes fault in huge pages: no copy of the
+    loaded weights into huge pages (MADV_COLLAPSE, here made a no-op) is needed."""
+    import json
+
+    from pagoda.engine.llm import LLM
+    from tiny_models import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    # a 48 MiB float32 embedding: a mapping of its own (above malloc's mmap threshold), untouched until loaded
+    (model_dir / "config.json").write_text(json.dumps({**config, "hidden_size": 256, "intermediate_size": 512}))
+    monkeypatch.setattr(hugepages, "_MADV_COLLAPSE", hugepages._MADV_HUGEPAGE)
+    llm = LLM(model=str(model_dir), load_format="dummy", dtype="float32", kv_cache_memory_bytes=8 << 20,
+              cpu_threads=1)
+    embedding = max(llm.engine.model.parameters(), key=lambda p: p.numel())
+    start = embedding.untyped_storage().data_ptr()
+    assert embedding.numel() * 4 >= 40 << 20
+    assert _huge_kib_in(start, start + embedding.untyped_storage().nbytes()) >= 32 << 10

@@ -11,7 +11,12 @@ from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.modeling.pooling import finish_embedding
 from pooling_helpers import TEXTS, write_decoder, write_encoder
 
-sentence_transformers = pytest.importorskip("sentence_transformers")
+
+@pytest.fixture(scope="module")
+def sentence_transformers():
+    """The reference, imported by the tests that compare with it: its import takes seconds (transformers' models),
+    which every process that collects this file would pay."""
+    return pytest.importorskip("sentence_transformers")
 
 
 def _pagoda_embeddings(folder, dimensions=None, **args):
@@ -21,7 +26,7 @@ def _pagoda_embeddings(folder, dimensions=None, **args):
     return engine, torch.stack([finish_embedding(v, engine.pooling.normalize, dimensions) for v in vectors])
 
 
-def _st_embeddings(folder, **kwargs):
+def _st_embeddings(sentence_transformers, folder, **kwargs):
     model = sentence_transformers.SentenceTransformer(str(folder), device="cpu")
     return model.encode(TEXTS, convert_to_tensor=True, **kwargs).float()
 
@@ -34,11 +39,11 @@ def _assert_same_directions(ours, theirs):
 
 @pytest.mark.parametrize("kind, pooling", [("bert", "mean"), ("bert", "cls"), ("roberta", "mean"),
                                            ("roberta", "last")])
-def test_encoder_embeddings_match_sentence_transformers(tmp_path, kind, pooling):
+def test_encoder_embeddings_match_sentence_transformers(sentence_transformers, tmp_path, kind, pooling):
     folder = write_encoder(tmp_path / "m", kind, pooling)
     engine, ours = _pagoda_embeddings(folder)
     assert engine.task == "embed" and engine.pooling.method == pooling and engine.pooling.normalize
-    _assert_same_directions(ours, _st_embeddings(folder))
+    _assert_same_directions(ours, _st_embeddings(sentence_transformers, folder))
     # texts of different lengths packed in one batch, and runs of texts of one length attending in one call,
     # give what each gives alone
     alone = torch.stack([finish_embedding(engine.run([engine.tokenize(t)])[0], True, None) for t in TEXTS])
@@ -51,7 +56,7 @@ def test_encoder_embeddings_match_sentence_transformers(tmp_path, kind, pooling)
     assert isinstance(engine.encoder.layers[0].qkv, PackedLinear) == can_pack_linears(torch.float32)
 
 
-def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_path):
+def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(sentence_transformers, tmp_path):
     """--dtype auto: bf16 on AVX-512 BF16, float32 on a CPU without bf16 math (its bf16 linears are slow)."""
     from pagoda.host.dtypes import cpu_has_bf16
 
@@ -60,7 +65,7 @@ def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_
     engine, ours = _pagoda_embeddings(folder, dtype="auto")
     assert engine.encoder.word_embeddings.weight.dtype == want
     # bf16 still points the same way as sentence-transformers' float32, to bf16's precision
-    assert torch.nn.functional.cosine_similarity(ours, _st_embeddings(folder)).min().item() >= 0.999
+    assert torch.nn.functional.cosine_similarity(ours, _st_embeddings(sentence_transformers, folder)).min().item() >= 0.999
     from pagoda.modeling.layers import onednn
     from pagoda.modeling.models.bert import PackedLinear
 
@@ -73,15 +78,17 @@ def test_an_encoder_s_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16(tmp_
 
 
 @pytest.mark.parametrize("arch, pooling", [("qwen2", "last"), ("llama", "mean")])
-def test_decoder_embeddings_match_sentence_transformers_with_matryoshka_dimensions(tmp_path, arch, pooling):
+def test_decoder_embeddings_match_sentence_transformers_with_matryoshka_dimensions(sentence_transformers, tmp_path,
+                                                                                    arch, pooling):
     folder = write_decoder(tmp_path / "m", arch, pooling)
     args = dict(dtype="float32", kv_cache_memory_bytes=1 << 22)
     engine, ours = _pagoda_embeddings(folder, **args)
     assert engine.task == "embed" and engine.llm_engine is not None
-    _assert_same_directions(ours, _st_embeddings(folder))
+    _assert_same_directions(ours, _st_embeddings(sentence_transformers, folder))
     _, cut = _pagoda_embeddings(folder, dimensions=16, **args)
     # sentence-transformers cuts the normalized vector; pagoda normalizes it again, as OpenAI's dimensions do
-    _assert_same_directions(cut, torch.nn.functional.normalize(_st_embeddings(folder, truncate_dim=16), dim=-1))
+    theirs = _st_embeddings(sentence_transformers, folder, truncate_dim=16)
+    _assert_same_directions(cut, torch.nn.functional.normalize(theirs, dim=-1))
     assert cut.shape == (len(TEXTS), 16)
 
 
@@ -108,7 +115,7 @@ def test_a_decoder_embedder_reuses_cached_prefixes_only_for_last_token_pooling(t
     assert cached.llm_engine.kv_manager.num_free_blocks == cached.llm_engine.num_blocks
 
 
-def test_cross_encoder_scores_match_sentence_transformers(tmp_path):
+def test_cross_encoder_scores_match_sentence_transformers(sentence_transformers, tmp_path):
     folder = write_encoder(tmp_path / "m", "cross")
     pairs = [(TEXTS[3], TEXTS[2]), (TEXTS[3], TEXTS[0]), (TEXTS[1], TEXTS[4]), (TEXTS[0], TEXTS[0])]
     theirs = sentence_transformers.CrossEncoder(str(folder), device="cpu").predict(pairs)

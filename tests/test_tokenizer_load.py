@@ -101,3 +101,24 @@ def test_loading_the_default_tokenizer_leaves_the_model_config_imports_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_checkpoint_s_tokenizer_is_loaded_once_per_process_and_again_when_its_files_change(tmp_path):
+    from pagoda.engine.engine_args import EngineArgs
+    from pagoda.engine.llm_engine import LLMEngine
+    from tiny_models import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(tmp_path)
+    args = EngineArgs.build(model=str(model_dir), load_format="dummy", kv_cache_memory_bytes=2 << 20, cpu_threads=1)
+    first, second = LLMEngine.from_engine_args(args), LLMEngine.from_engine_args(args)
+    assert first.tokenizer is second.tokenizer  # the engines of a process share one
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    templated = load_tokenizer(str(model_dir), template)
+    assert templated is not first.tokenizer and templated is load_tokenizer(str(model_dir), template)
+    assert templated.apply_chat_template(MESSAGES[:1], tokenize=False) == "<You are terse.>"
+    assert not first.tokenizer.chat_template  # the shared one keeps its own (none here)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
+    reloaded = load_tokenizer(str(model_dir), None)
+    assert reloaded is not first.tokenizer and reloaded.eos_token == "<|im_start|>"
+    assert first.tokenizer.eos_token == "<|im_end|>"

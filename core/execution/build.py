@@ -4,9 +4,10 @@ the memory given, its sampler and proposer, and the offload tiers. Executors cal
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -15,6 +16,7 @@ from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
 from pagoda.execution.lora import LoRAFollower, LoRAManager, LoRASlots
 from pagoda.execution.model_runner import ModelRunner
+from pagoda.host import hugepages
 from pagoda.host.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.interfaces import AttentionBackend
 from pagoda.registry.adapt import adapt_component
@@ -59,7 +61,13 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
         model = adapt_component(arch.factory(mc, backend, quant), "pagoda_model_architectures", arch.name)
     check_attention_features(model, backend)
     loader = adapt_component(loader_cls(mc), "pagoda_model_loaders", mc.load_format)
+    # huge pages asked for before the loader writes the weights (its writes fault in 2 MiB pages where the
+    # memory is fresh), then the rest collapsed: memory reused from the heap, tensors loading made anew
+    if config.host.huge_pages:
+        hugepages.advise_tensors(model_tensors(model), collapse=False)
     loader.load_weights(model)
+    if config.host.huge_pages:
+        hugepages.advise_tensors(model_tensors(model))
     model.eval()
 
     # a pipeline stage keeps its own layers' K/V; every stage has the block count of the one with the most layers
@@ -91,6 +99,11 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
                 num_blocks * bytes_per_block / 2**20)
     return runner
+
+
+def model_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """The model's parameters and buffers."""
+    return itertools.chain(model.parameters(), model.buffers())
 
 
 def build_lora_manager(config: EngineConfig, pm: PluginManager, model: torch.nn.Module,

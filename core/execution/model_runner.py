@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 import typing
 from typing import Any, Optional
@@ -44,14 +43,14 @@ class ModelRunner:
         self.stage = distributed.current_stage()
         # zeros (masked-out slots are multiplied by 0 and must not hold NaN); on the CPU zero pages the kernel
         # maps on first touch, so a start writes nothing and only the blocks in use become resident; huge pages
-        # are asked for before that first touch
+        # are asked for before that first touch (the weights' were, by build_runner, before they were loaded)
         num_layers = self.stage.num_layers(config.model.num_layers)
         if self.device.type == "cpu":
             self.kv_caches = [malloc.zero_pages(tuple(shape), kv_dtype) for _ in range(num_layers)]
         else:
             self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
         if config.host.huge_pages:
-            hugepages.advise_tensors(itertools.chain(self.kv_caches, model.parameters(), model.buffers()))
+            hugepages.advise_tensors(self.kv_caches)
         # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape
         one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
         self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
