@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,7 +39,6 @@ from test_tensor_parallel import uneven_model  # noqa: F401 - the module fixture
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 
-PAGODA = str(Path(sys.executable).with_name("pagoda"))
 # tiny random Llamas (tests/tiny_models.py): routing, prefix caching and KV hand-off work on token ids, whatever
 # the weights
 MODEL = "tiny-llama"
@@ -108,27 +106,15 @@ def serve_on_cluster(ray_cluster):
 
 def launch(log: Path, model: Path, cluster: tuple[str, int], *flags: str) -> tuple[subprocess.Popen, str]:
     """``pagoda serve --replicas 2`` joining the cluster's Serve, once Serve says every replica has started (an
-    engine replica answers /v1/models before the other is up, and a workload sent then would all go to it)."""
+    engine replica answers before the other is up, and a workload sent then would all go to it)."""
+    from serve_process import start_process
+
     address, port = cluster
-    with open(log, "w") as out:
-        # this process's environment: ray.init here has put the cluster's token in it
-        proc = subprocess.Popen(
-            [PAGODA, "serve", "--port", str(port), "--model", str(model), "--served-model-name", MODEL, "--dtype",
-             "float32", "--replicas", "2", "--ray-address", address, *flags],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if "Application 'pagoda' is ready" in log.read_text():
-            try:
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"pagoda serve --replicas 2 {' '.join(flags)} did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
+    # this process's environment now: ray.init here has put the cluster's token in it
+    return start_process(log, "serve", "--model", str(model), "--served-model-name", MODEL, "--dtype", "float32",
+                         "--replicas", "2", "--ray-address", address, *flags, timeout=300, port=port,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                         ready_line="Application 'pagoda' is ready")
 
 
 def shared_prefix_prompts() -> list[tuple[int, list[int]]]:
