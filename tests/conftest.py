@@ -32,7 +32,7 @@ def host_settings_of_this_test(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster of 2 CPUs, shared by the tests of a module that run ranks as Ray actors."""
+    """A local Ray cluster of 2 CPUs, shared by the tests of a module (ranks as Ray actors, replicas on Serve)."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -46,8 +46,8 @@ def ray_cluster():
 # starts last keeps one worker busy while the other has nothing left: these start first, longest first, every other
 # file (each under about 75 s there) after them in its usual order, so the two workers end within about a file of
 # each other (the Makefile turns off xdist's own reordering by number of tests per file).
-LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_structured_outputs_speculative.py", "test_replicas.py",
-                    "test_ray_ranks.py", "test_replica_roles.py", "test_attention_backends.py", "test_pipeline_parallel.py", "test_cli.py", "test_server_cli.py",
+LONG_FILES_FIRST = ("test_tensor_parallel.py", "test_ray_cluster.py", "test_structured_outputs_speculative.py",
+                    "test_attention_backends.py", "test_pipeline_parallel.py", "test_cli.py", "test_server_cli.py",
                     "test_spec_decode.py", "test_bench_workloads.py", "test_lora_tensor_parallel.py",
                     "test_engine.py", "test_model_composition.py", "test_structured_outputs.py",
                     "test_kv_cache_fp8.py", "test_server_openapi.py", "test_tensor_parallel_quant.py",

@@ -17,25 +17,30 @@ PAGODA = str(Path(sys.executable).with_name("pagoda"))
 ENV = {**os.environ, "PAGODA_CPU_THREADS": "1"}
 
 
-def start_process(log: Path, *args: str, timeout: float = 180) -> tuple[subprocess.Popen, str]:
-    """``pagoda ARGS --port P`` with its output in ``log``; fails the test with the log if it dies or stays
-    unhealthy past ``timeout`` seconds."""
-    port = free_port()
+def start_process(log: Path, *args: str, timeout: float = 180, port: int | None = None, env: dict | None = None,
+                  ready_line: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``pagoda ARGS --port P`` (a free port unless ``port``) with its output in ``log``, in ``env`` (this process's
+    environment at import and one CPU thread unless given); returned once ``/health`` answers 200 and, with
+    ``ready_line``, once the log has that line. Fails the test with the log if it dies or is not ready past
+    ``timeout`` seconds."""
+    port = port or free_port()
     with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        proc = subprocess.Popen([PAGODA, *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                env=env or ENV)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     # one client for the polls: each httpx.get builds its own and loads the CA bundle (~40 ms of CPU a poll)
     with httpx.Client(timeout=5) as client:
         while True:
-            try:
-                if client.get(url + "/health").status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
+            if ready_line is None or ready_line in log.read_text():
+                try:
+                    if client.get(url + "/health").status_code == 200:
+                        return proc, url
+                except httpx.HTTPError:
+                    pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"pagoda {args[0]} did not become healthy:\n{log.read_text()}")
+                pytest.fail(f"pagoda {' '.join(args)} did not become ready:\n{log.read_text()[-4000:]}")
             time.sleep(0.3)
 
 

@@ -4,7 +4,7 @@ One rank is the reference (``test_lora.py`` checks it against PEFT's merged weig
 of every adapter: the fused QKV's B rows by the base weight's heads (the uneven model's single KV head is held by
 both ranks and its 3 query heads split 1/2), gate/up's B rows and down_proj's A columns by the MLP split (99 wide:
 49/50), o_proj's A columns by the query heads. Adapters are loaded, evicted from memory, moved between slots and
-unloaded while the ranks run on the ``mp`` executor (on Ray actors: test_ray_ranks.py); a bad adapter is refused as
+unloaded while the ranks run on the ``mp`` executor (on Ray actors: test_ray_cluster.py); a bad adapter is refused as
 on one rank.
 """
 

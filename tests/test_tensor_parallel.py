@@ -60,7 +60,7 @@ SMALL_POOL = dict(num_gpu_blocks_override=12, max_num_batched_tokens=48, max_num
 @pytest.fixture(scope="module")
 def one_rank_outputs():
     """The default model's outputs on one rank with room for every request (no preemption): what two ranks must
-    give whatever their schedule, preempted by recompute or by swap (Ray actors as ranks: test_ray_ranks.py)."""
+    give whatever their schedule, preempted by recompute or by swap (Ray actors as ranks: test_ray_cluster.py)."""
     return run(1, str(ensure_default_model()))
 
 
