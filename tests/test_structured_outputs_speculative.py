@@ -276,8 +276,9 @@ def test_steered_drafts_give_the_greedy_tokens_and_more_of_them_are_accepted(sel
         self_draft.engine.pm.register(UnforkedXgrammarPlugin(), name="unforked-xgrammar")
     stats = self_draft.engine.spec_stats
 
-    # the first five of the ten schemas the n-gram test runs, whose outputs are the shorter: a batch takes as many
-    # steps as its longest output, on the slowest proposer here (8 of 30 layers per draft token), twice
+    # the first five of the ten schemas the n-gram test runs, the simpler ones with the shorter outputs (the fifty
+    # grow in difficulty): a batch takes as many steps as its longest output, here on the slowest proposer (8 of 30
+    # layers per draft token), twice
     def run(backend: str) -> tuple[list[list[int]], int, int]:
         drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
         params = [structured(0.0, MAX_TOKENS, json=schema, backend=backend) for _, schema in SCHEMAS[:25:5]]
