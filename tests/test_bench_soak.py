@@ -1,16 +1,25 @@
 """``pagoda bench soak`` in a tiny setting: a real `pagoda serve` child process, warmed up, then a disconnect storm."""
 
 import json
+import shlex
+
+from tiny_models import write_tiny_llama
 
 from pagoda.cli import main
 
 
 def test_a_tiny_soak_leaves_nothing_running_and_the_memory_near_the_warm_up(tmp_path, capsys):
     result = tmp_path / "soak.json"
+    # what is checked is the server's memory and its freeing of cut requests, not the model's words: a tiny random
+    # Llama in a real checkpoint (the default model's tokenizer and chat template) decodes the storm's streams in
+    # milliseconds a step
+    (tmp_path / "model").mkdir()
+    model = shlex.quote(str(write_tiny_llama(tmp_path / "model", chat_template=True)))
     rc = main(["bench", "soak", "--malloc-tuning", "on", "--warmup-requests", "5", "--fuzz-max-examples", "0",
                "--storms", "1", "--storm-requests", "40", "--storm-concurrency", "10", "--max-growth", "0.5",
                "--hostile-rounds", "1",
-               "--serve-args", "--cpu-threads 1 --dtype float32 --max-model-len 256 --kv-cache-memory-bytes 33554432",
+               "--serve-args", f"--model {model} --cpu-threads 1 --dtype float32 --max-model-len 256 "
+               "--kv-cache-memory-bytes 33554432",
                "--result-file", str(result)])
     out = capsys.readouterr().out
     assert rc == 0, out

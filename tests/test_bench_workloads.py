@@ -1,7 +1,7 @@
-"""The benchmark workloads are drawn exactly as docs/benchmarks.md says, and the bench commands run."""
+"""The benchmark workloads are drawn exactly as docs/benchmarks.md says, and the bench commands run (by the
+``pagoda`` entry point in this process: their output and exit status as a subprocess's)."""
 
-import subprocess
-import sys
+from serve_process import run_pagoda_here
 
 from pagoda.plugins.entrypoints.bench.workloads import latency_1, random_64, shared_prefix
 
@@ -28,18 +28,20 @@ def test_latency_and_shared_prefix_workloads_have_their_shapes():
     assert len({tuple(r.prompt_token_ids[1024:]) for r in shared}) == 64
 
 
-def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path):
+def test_bench_throughput_prints_pagoda_hf_ratio_kv_waste_and_profile(tmp_path, capsys):
+    """``pagoda bench throughput`` runs its HF baseline in a fresh process that never imports pagoda (the command
+    refuses a baseline whose process did: its timings would carry pagoda's malloc and OpenMP settings)."""
     from tiny_models import write_tiny_llama
 
     # a 2-layer model with random weights in a real checkpoint: the command, the roofline over the model's own
     # shapes, the profile and the HF baseline (which loads the same files) run as on the default model. In
     # float32, as the HF baseline: the roofline's bf16 GEMMs (its LM head at 2048 rows) take over a minute on an AVX2
-    # CPU without bf16 instructions (the bf16 roofline is measured in the quantized-model test below)
+    # CPU without bf16 instructions (the bf16 roofline is measured in the quantized-model test below). The command
+    # runs by its entry point in this process (a process start costs seconds of imports); its baseline does not
     write_tiny_llama(tmp_path)
-    cmd = [sys.executable, "-m", "pagoda.cli", "bench", "throughput", "--model", str(tmp_path), "--num-requests", "4",
-           "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--roofline", "--cpu-threads", "1",
-           "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = run_pagoda_here(capsys, "bench", "throughput", "--model", str(tmp_path), "--num-requests", "4",
+                          "--hf-batch-size", "2", "--hf-batches", "1", "--profile", "--roofline", "--cpu-threads", "1",
+                          "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20))
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert "threads: 1" in text and "CPU kernels built for: " in text
@@ -67,24 +69,6 @@ def test_the_roofline_of_a_quantized_model_uses_dense_gemms_of_its_shapes(tmp_pa
     assert roofline.step_seconds(64, 64) > roofline.step_seconds(64, 0) > 0
 
 
-def test_the_hf_baseline_runs_in_a_process_that_never_imports_pagoda(tmp_path):
-    import json
-
-    from pagoda.plugins.entrypoints.bench import hf_baseline
-    from tiny_models import write_tiny_llama
-
-    # what is checked is the process, not the model: a tiny random Llama in a real checkpoint
-    job = {"kind": "static", "model": str(write_tiny_llama(tmp_path)), "dtype": "float32", "threads": 1,
-           "batch_size": 2,
-           "requests": [[[5, 6, 7], 3], [[8, 9], 4], [[10], 2]]}
-    # run as the benchmark runs it: pagoda's import-time malloc and OpenMP tuning must not reach the baseline
-    out = subprocess.run([sys.executable, hf_baseline.__file__], input=json.dumps(job), capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout)
-    assert result["seconds"] > 0 and result["pagoda_imported"] is False
-
-
 def test_the_benchmark_header_names_each_kernels_isa_path(tmp_path):
     from pagoda import LLM
     from pagoda.plugins.entrypoints.bench.throughput import kernel_isa_paths
@@ -97,7 +81,7 @@ def test_the_benchmark_header_names_each_kernels_isa_path(tmp_path):
     assert all(paths.values())
 
 
-def test_bench_latency_profile_shows_the_grammar_mask_under_a_json_schema_with_speculation(tmp_path):
+def test_bench_latency_profile_shows_the_grammar_mask_under_a_json_schema_with_speculation(tmp_path, capsys):
     import json
     import re
 
@@ -107,11 +91,10 @@ def test_bench_latency_profile_shows_the_grammar_mask_under_a_json_schema_with_s
     write_tiny_llama(tmp_path / "model")
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
-    cmd = [sys.executable, "-m", "pagoda.cli", "bench", "latency", "--model", str(tmp_path / "model"),
-           "--prompt-len", "16", "--output-len", "24", "--repeats", "1", "--no-baseline", "--profile",
-           "--json-schema", str(schema), "--cpu-threads", "1",
-           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = run_pagoda_here(capsys, "bench", "latency", "--model", str(tmp_path / "model"), "--prompt-len", "16",
+                          "--output-len", "24", "--repeats", "1", "--no-baseline", "--profile", "--json-schema",
+                          str(schema), "--cpu-threads", "1",
+                          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     assert out.returncode == 0, out.stderr[-2000:]
     assert "JSON schema on every request" in out.stdout and "under a JSON schema" in out.stdout
     mask = re.search(r"grammar mask \(fill \+ apply\)\s+([0-9.]+) ms", out.stdout)

@@ -57,3 +57,26 @@ def test_a_gguf_file_path_loads_like_the_default_model(tmp_path, monkeypatch):
             release(llm)  # one copy of the model at a time, none left behind
             del llm
     assert tokens["from the file"] == tokens["default"]
+
+
+def test_a_conversion_parses_each_gguf_file_once_and_leaves_the_reader_as_it_was(tmp_path):
+    # transformers parses the file for the tokenizer's config, the tokenizer and the model: one parse serves them
+    import gguf
+    import numpy as np
+
+    from pagoda.modeling.default_model import _one_parse_per_file
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parse = gguf.GGUFReader
+    with _one_parse_per_file():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and gguf.GGUFReader(tmp_path / "." / "tiny.gguf") is first
+        assert first.tensors[0].name == "token_embd.weight"
+    assert gguf.GGUFReader is parse and isinstance(gguf.GGUFReader(path), parse)

@@ -437,26 +437,6 @@ def test_text_is_the_detokenized_token_ids(llm):
         assert completion.text == tok.decode(completion.token_ids, skip_special_tokens=True).rstrip("\ufffd")
 
 
-@pytest.mark.slow
-def test_a_prompt_one_token_short_of_max_model_len_generates_exactly_one_token(llm):
-    tok = llm.get_tokenizer()
-    ids = (tok.encode(PROMPTS[4]) * 4)[:1023]
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 1
-    assert out.finish_reason == "length"
-
-
-@pytest.mark.slow
-def test_max_tokens_none_generates_until_the_context_is_full(llm):
-    tok = llm.get_tokenizer()
-    ids = (tok.encode(PROMPTS[4]) * 4)[:1010]
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 1024 - 1010
-    assert out.finish_reason == "length"
-
-
 def test_aborting_a_running_request_frees_it_and_leaves_the_others_unchanged(llm, one_at_a_time):
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS[:3]):
@@ -497,6 +477,33 @@ def test_n_sequences_each_carry_logprobs_and_share_the_prompt_logprobs(llm):
 def tiny_dir(tmp_path_factory):
     """A one-layer Llama config with the default model's tokenizer (no chat template); dummy weights."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), chat_template=False)
+
+
+@pytest.fixture(scope="module")
+def short_context(tiny_dir):
+    """A tiny engine with a 64-token context whose prompts are prefilled in chunks of 16: the end of the context
+    is a matter of counts, which this engine reaches in a few milliseconds a step."""
+    llm = LLM(model=str(tiny_dir), load_format="dummy", dtype="float32", max_model_len=64, max_num_batched_tokens=16,
+              max_num_seqs=4, kv_cache_memory_bytes=1 << 20, cpu_threads=1)
+    yield llm
+    release(llm)
+    del llm
+
+
+def test_a_prompt_one_token_short_of_max_model_len_generates_exactly_one_token(short_context):
+    ids = [(7 * i) % 1000 + 3 for i in range(63)]
+    out = short_context.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=50,
+                                                                           ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_max_tokens_none_generates_until_the_context_is_full(short_context):
+    ids = [(5 * i) % 1000 + 3 for i in range(50)]
+    out = short_context.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=None,
+                                                                           ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 64 - 50
+    assert out.outputs[0].finish_reason == "length"
 
 
 def test_a_prompt_larger_than_the_whole_kv_cache_is_rejected_up_front(tiny_dir):

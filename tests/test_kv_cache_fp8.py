@@ -8,12 +8,8 @@ run under TRITON_INTERPRET=1 on small shapes.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -447,20 +443,16 @@ def test_default_model_fp8_kv_values_fit_e4m3_without_a_scale(build):
 
 # ---- the command line ----
 
-def run_pagoda(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PAGODA_CPU_THREADS="1")
-    return subprocess.run([str(Path(sys.executable).with_name("pagoda")), *args], env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.mark.slow
-def test_pagoda_generate_and_bench_latency_take_kv_cache_dtype_fp8():
-    result = run_pagoda("generate", "The capital of France is", "--max-tokens", "8", "--dtype", "float32",
-                        "--kv-cache-space", "0.05", "--kv-cache-dtype", "fp8")
+def test_pagoda_generate_and_bench_latency_take_kv_cache_dtype_fp8(capsys):
+    # by the console script's entry point in this process (a process start costs seconds of imports; the
+    # commands' own processes run in test_cli.py)
+    result = run_pagoda_here(capsys, "generate", "The capital of France is", "--max-tokens", "8", "--dtype",
+                             "float32", "--kv-cache-space", "0.05", "--kv-cache-dtype", "fp8")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
-    result = run_pagoda("bench", "latency", "--no-baseline", "--prompt-len", "16", "--output-len", "4", "--repeats",
-                        "1", "--kv-cache-space", "0.05", "--kv-cache-dtype", "fp8")
+    result = run_pagoda_here(capsys, "bench", "latency", "--no-baseline", "--prompt-len", "16", "--output-len", "4",
+                             "--repeats", "1", "--kv-cache-space", "0.05", "--kv-cache-dtype", "fp8")
     assert result.returncode == 0, result.stderr
     header = result.stdout.splitlines()[0]
     assert "KV blocks:" in header and "(float8_e4m3fn)" in header, header

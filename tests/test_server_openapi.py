@@ -15,6 +15,7 @@ from pagoda import LLM
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 from one_engine import release
+from tiny_models import write_tiny_llama
 
 SCHEMATHESIS = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
 # seconds: httpx's default of 5 s is too short for the first answer on a loaded machine (the document is built on
@@ -25,9 +26,12 @@ CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,r
 
 
 @pytest.fixture(scope="module")
-def server():
-    # a small context keeps every generated completion short
-    llm = LLM(dtype="float32", cpu_threads=1, max_model_len=64, max_num_seqs=2, max_waiting_requests=4,
+def server(tmp_path_factory):
+    # what is checked is the server's answers against its document, not the model's words: a tiny random Llama in
+    # a real checkpoint with the default model's tokenizer and chat template, whose steps take milliseconds where
+    # the default model's take tens of them; a small context keeps every generated completion short
+    model = write_tiny_llama(tmp_path_factory.mktemp("openapi-model"), chat_template=True)
+    llm = LLM(str(model), dtype="float32", cpu_threads=1, max_model_len=64, max_num_seqs=2, max_waiting_requests=4,
               kv_cache_memory_bytes=32 << 20)
     srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_request_bytes=1 << 20)).start()
     yield srv

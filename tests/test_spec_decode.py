@@ -67,15 +67,21 @@ def assert_no_blocks_held(llm: LLM) -> None:
     assert not llm.engine.scheduler.has_unfinished_requests()
 
 
+# each proposer under one preemption mode: n-gram drafts under recompute, the self-draft (whose drafts read the
+# target's own first layers' cache) under swap, its blocks copied out and back with the target's
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [NGRAM, SELF_DRAFT], ids=["ngram", "self-draft"])
-def test_greedy_speculation_gives_the_plain_tokens_alone_and_in_a_batch_of_4_that_preempts(plain_greedy, build, spec):
+@pytest.mark.parametrize("spec, mode", [(NGRAM, "recompute"), (SELF_DRAFT, "swap")],
+                         ids=["ngram-recompute", "self-draft-swap"])
+def test_greedy_speculation_gives_the_plain_tokens_alone_and_in_a_batch_of_4_that_preempts(plain_greedy, build, spec,
+                                                                                           mode):
     # one sequence fits in the blocks, but 4 start together and someone must be preempted
-    llm = build(dtype="float32", cpu_threads=1, speculative_config=spec, num_gpu_blocks_override=TIGHT_BLOCKS)
+    swap = {"swap_space": 0.05} if mode == "swap" else {}
+    llm = build(dtype="float32", cpu_threads=1, speculative_config=spec, num_gpu_blocks_override=TIGHT_BLOCKS,
+                preemption_mode=mode, **swap)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     assert generate(llm, PROMPTS[:1], params) == plain_greedy["single"], "batch size 1"
     assert llm.engine.scheduler.num_preemptions == 0
-    assert generate(llm, PROMPTS, params) == plain_greedy["batch"], "batch size 4, with preemption"
+    assert generate(llm, PROMPTS, params) == plain_greedy["batch"], f"batch size 4, with {mode} preemption"
     assert llm.engine.scheduler.num_preemptions > 0
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
@@ -83,14 +89,6 @@ def test_greedy_speculation_gives_the_plain_tokens_alone_and_in_a_batch_of_4_tha
     assert_no_blocks_held(llm)
     if spec is NGRAM:
         assert stats.acceptance_rate > 0.1  # the prompts repeat themselves (about 0.2 measured)
-
-
-@pytest.mark.slow
-def test_greedy_speculation_under_swap_preemption_gives_the_plain_tokens(plain_greedy, build):
-    llm = build(dtype="float32", cpu_threads=1, speculative_config=NGRAM, num_gpu_blocks_override=TIGHT_BLOCKS,
-                preemption_mode="swap", swap_space=0.05)
-    assert generate(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)) == plain_greedy["batch"]
-    assert llm.engine.scheduler.num_preemptions > 0
 
 
 # ---- tiny random models ------------------------------------------------------------

@@ -276,16 +276,19 @@ def test_steered_drafts_give_the_greedy_tokens_and_more_of_them_are_accepted(sel
         self_draft.engine.pm.register(UnforkedXgrammarPlugin(), name="unforked-xgrammar")
     stats = self_draft.engine.spec_stats
 
+    # the first five of the ten schemas the n-gram test runs, the simpler ones with the shorter outputs (the fifty
+    # grow in difficulty): a batch takes as many steps as its longest output, here on the slowest proposer (8 of 30
+    # layers per draft token), twice
     def run(backend: str) -> tuple[list[list[int]], int, int]:
         drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-        params = [structured(0.0, MAX_TOKENS, json=schema, backend=backend) for _, schema in SCHEMAS[::5]]
-        outputs = self_draft.chat(GREEDY_CONVERSATIONS, params, use_tqdm=False)
+        params = [structured(0.0, MAX_TOKENS, json=schema, backend=backend) for _, schema in SCHEMAS[:25:5]]
+        outputs = self_draft.chat(GREEDY_CONVERSATIONS[:5], params, use_tqdm=False)
         return token_ids(outputs), stats.num_accepted_tokens - accepted, stats.num_draft_tokens - drafted
 
     steered_tokens, steered_accepted, steered_drafted = run("xgrammar")
     unsteered_tokens, unsteered_accepted, unsteered_drafted = run("xgrammar-1.7")
-    assert steered_tokens == plain_greedy_tokens[0], "steered drafts"
-    assert unsteered_tokens == plain_greedy_tokens[0], "unsteered drafts"
+    assert steered_tokens == plain_greedy_tokens[0][:5], "steered drafts"
+    assert unsteered_tokens == plain_greedy_tokens[0][:5], "unsteered drafts"
     steered_rate, unsteered_rate = steered_accepted / steered_drafted, unsteered_accepted / unsteered_drafted
     print(f"steered drafts: {steered_accepted} of {steered_drafted} accepted; unsteered: {unsteered_accepted} of "
           f"{unsteered_drafted}")

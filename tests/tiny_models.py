@@ -44,17 +44,19 @@ def tiny_llm(model_dir, **kwargs):
 
 def write_tiny_llama(model_dir, seed: int = 0, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                      head_dim: int = 64, inter: int = 128, vocab: int = 49152, layers: int = 2,
-                     norm_noise: float = 0.0, tokenizer_dir: Optional[Path] = None) -> Path:
+                     norm_noise: float = 0.0, tokenizer_dir: Optional[Path] = None,
+                     chat_template: bool = False) -> Path:
     """A small Llama with random weights, as real safetensors files, in the existing directory ``model_dir``: by
     default 2 layers, hidden 64, 4 heads / 2 KV heads of 64, and the default model's tokenizer (or
-    ``tokenizer_dir``'s, whose vocabulary ``vocab`` must then cover).
+    ``tokenizer_dir``'s, whose vocabulary ``vocab`` must then cover); with ``chat_template``, its chat template
+    too (a served model that answers /v1/chat/completions).
 
     The LM head is not tied: with tied random embeddings every token would predict itself and attention
     would not show in the tokens. The norms' weights are 1, or ``1 + norm_noise * randn`` (a test where the norms
     must matter)."""
     model_dir = Path(model_dir)
     source = Path(tokenizer_dir) if tokenizer_dir is not None else ensure_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json") + (("chat_template.jinja",) if chat_template else ()):
         shutil.copy(source / name, model_dir / name)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -101,8 +102,9 @@ def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with _one_parse_per_file():
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     # the model's own config, read from the file as it loaded: reading the GGUF again for it takes as long as
     # reading the tokenizer
     config = model.config.to_dict()
@@ -121,3 +123,26 @@ def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps({
         "bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
     }))
+
+
+@contextlib.contextmanager
+def _one_parse_per_file():
+    """While it lasts, a GGUF file is parsed once: transformers parses it anew for the tokenizer's config, the
+    tokenizer and the model (each parse reads the vocabulary's strings one at a time, seconds of a conversion);
+    a reader only maps the file, so the first one serves them all."""
+    import gguf
+
+    parse = gguf.GGUFReader
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse

@@ -183,7 +183,12 @@ def run_hf(llm, ns: argparse.Namespace, kind: str, requests: list[BenchRequest],
                           text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"the HF transformers baseline failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    result = json.loads(proc.stdout)
+    if result.get("pagoda_imported", True):
+        # its timings would be taken under the malloc and OpenMP settings pagoda gives its own process
+        raise RuntimeError(f"the HF transformers baseline's process imported pagoda ({hf_baseline.__file__} must "
+                           "stay free of pagoda imports to be a baseline of its own); report this as a bug")
+    return result
 
 
 def _special_ids(tokenizer) -> set[int]:
