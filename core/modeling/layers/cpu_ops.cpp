@@ -323,40 +323,55 @@ void qk_norm_rotary_impl(T* qkv, int64_t row_stride, const T* q_weight, const T*
 #include <immintrin.h>
 constexpr bool kHasBf16Dot = true;
 
-inline __m512bh load_bh(const at::BFloat16* p, int64_t remaining) {
-  if (remaining >= 32) return (__m512bh)_mm512_loadu_si512(p);
-  const __mmask32 mask = (remaining <= 0) ? 0 : static_cast<__mmask32>((1ull << remaining) - 1);
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
+// how far ahead of its loads gemv_tile asks for weights: decode steps stream every weight from memory once, and the
+// hardware prefetchers alone left one thread at about half the bandwidth oneDNN's packed GEMM draws (AMD Zen 5)
+constexpr int64_t kWeightPrefetchBytes = 8192;
 
-// rows [n0, n0 + R) of W against x rows [m0, m0 + MB)
+// rows [n0, n0 + R) of W against x rows [m0, m0 + MB). Every load is masked (all lanes but in the last step of a K
+// that is not a multiple of 32, whose missing lanes read as zeros). The loops over m and r are unrolled by pragma:
+// unrolled later by the compiler on its own, the accumulators stayed in registers but were also stored to the
+// stack every step (GCC 12: 24 stores per 24 dot products at 4 x 6).
 template <int R, int MB>
 inline void gemv_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k, float* sums) {
   __m512 acc[MB][R];
+#pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += 32) {
+    const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (k - i)) - 1);
     __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load_bh(w + r * k + i, k - i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + i);
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + kWeightPrefetchBytes, _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = load_bh(x + m * x_stride + i, k - i);
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * x_stride + i);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sums[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
-template <int MB>
+// MB activation rows against weight rows [n_begin, n_end), R at a time (MB x R sums in registers), then one at a
+// time. Each output's sum is the same whatever MB and R are (32 lanes along K, the masked tail in the last step,
+// the same lane sum), so a row's bits do not depend on how many rows came with it.
+template <int MB, int R = 4>
 void gemv_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, const at::BFloat16* bias,
                at::BFloat16* y, int64_t y_stride, int64_t n_begin, int64_t n_end, int64_t k) {
-  float sums[MB * 4];
+  float sums[MB * R];
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) {
-    gemv_tile<4, MB>(x, x_stride, w + n * k, k, sums);
+  for (; n + R <= n_end; n += R) {
+    gemv_tile<R, MB>(x, x_stride, w + n * k, k, sums);
     for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < 4; ++r)
-        y[m * y_stride + n + r] = from_f<at::BFloat16>(sums[m * 4 + r] + (bias ? to_f(bias[n + r]) : 0.f));
+      for (int r = 0; r < R; ++r)
+        y[m * y_stride + n + r] = from_f<at::BFloat16>(sums[m * R + r] + (bias ? to_f(bias[n + r]) : 0.f));
   }
   for (; n < n_end; ++n) {
     gemv_tile<1, MB>(x, x_stride, w + n * k, k, sums);
@@ -808,15 +823,15 @@ at::Tensor gemm_bf16_fp32_rows(const at::Tensor& x, const at::Tensor& weight, co
 // y = x W^T (+ bias) for many bf16 rows, each output the same bits as gemv_bf16's whatever the number of rows
 // (the batch-invariant mode's linears): the GEMV's sums with the loops the other way round. The threads take
 // tiles of `tile_rows` weight rows one at a time (about 55 KiB of bf16 at 48 rows of 576: it stays in L2 while
-// every activation row passes it, six at a time), where the GEMV takes all rows against each chunk of weights in
-// turn, four at a time. On a build whose GEMV uses AVX-512 BF16 dot products it is gemv_bf16 itself.
+// every activation row passes it, a block of rows at a time), where the GEMV takes all rows against each chunk of
+// weights in turn, four at a time. With AVX-512 BF16 a block is 4 activation rows x 6 weight rows of sums (24 zmm
+// accumulators, the 6 weight vectors and one activation vector: 31 of the 32 registers); on AVX2, 6 x 2 (15 of
+// the 16 ymm).
 // x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
 at::Tensor gemm_bf16_inv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                          int64_t tile_rows) {
   TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
-#ifndef PAGODA_AVX2_GEMV
-  return gemv_bf16(x, weight, bias);
-#else
+  TORCH_CHECK(has_bf16_gemv(), "this build has neither AVX-512 BF16 nor AVX2 + FMA");
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
                   x.size(1) == weight.size(1),
@@ -830,14 +845,31 @@ at::Tensor gemm_bf16_inv(const at::Tensor& x, const at::Tensor& weight, const c1
     TORCH_CHECK(bias_c.numel() == n && bias_c.scalar_type() == at::kBFloat16, "bias must be [N] bf16");
     b = bias_c.data_ptr<at::BFloat16>();
   }
-  // [M, K] activations as fp32, once: every weight tile reads them again
-  const auto xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
   auto y = at::empty({m, n}, x.options());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t xs = x.stride(0);
   parallel_chunks(n, tile_rows, [&](int64_t begin, int64_t end) {
     // one tile at a time here too: with one thread (or inside a parallel region) the chunk is all of [0, N)
+    for (int64_t t0 = begin; t0 < end; t0 += tile_rows) {
+      const int64_t t1 = std::min(end, t0 + tile_rows);
+      int64_t m0 = 0;
+      for (; m - m0 >= 4; m0 += 4) gemv_rows<4, 6>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k);
+      switch (m - m0) {
+        case 3: gemv_rows<3, 6>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k); break;
+        case 2: gemv_rows<2, 8>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k); break;
+        case 1: gemv_rows<1, 8>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k); break;
+        default: break;
+      }
+    }
+  });
+#elif defined(PAGODA_AVX2_GEMV)
+  // [M, K] activations as fp32, once: every weight tile reads them again
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  parallel_chunks(n, tile_rows, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = begin; t0 < end; t0 += tile_rows) {
       const int64_t t1 = std::min(end, t0 + tile_rows);
       int64_t m0 = 0;
@@ -849,8 +881,8 @@ at::Tensor gemm_bf16_inv(const at::Tensor& x, const at::Tensor& weight, const c1
       }
     }
   });
-  return y;
 #endif
+  return y;
 }
 
 // every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step

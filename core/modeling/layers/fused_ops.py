@@ -56,11 +56,13 @@ ROWS_GEMM_CHUNK_BYTES = 1024 * 576 * 4
 # in the tile nor on the other rows, while a 1-row and a 16-row product differed in 5-90% of the outputs.
 INVARIANT_TILE_ROWS = 16
 
-# The batch-invariant mode's bf16 linears on AVX2 beyond AVX2_GEMV_MAX_ROWS rows: the tiled GEMM whose outputs
-# have the GEMV's bits (``gemm_bf16_inv``), the threads taking this many weight rows at a time. One thread, the
-# default model's four linear shapes, CPU time per call at a load average of about 20 (AMD EPYC Zen 3, AVX2
-# only): 128 rows 15.5 ms (GEMV 18.4, the default path's fp32 GEMM of widened tiles 16.8), 512 rows 61.1 (67.9,
-# 63.7), 8 rows 1.14 (1.33, 3.07).
+# The batch-invariant mode's bf16 linears beyond AVX2_GEMV_MAX_ROWS rows on AVX2, GEMV_MAX_ROWS with AVX-512 BF16:
+# the tiled GEMM whose outputs have the GEMV's bits (``gemm_bf16_inv``), the threads taking this many weight rows
+# at a time. One thread, the default model's four linear shapes, CPU time per call at a load average of about 20
+# (AMD EPYC Zen 3, AVX2 only): 128 rows 15.5 ms (GEMV 18.4, the default path's fp32 GEMM of widened tiles 16.8),
+# 512 rows 61.1 (67.9, 63.7), 8 rows 1.14 (1.33, 3.07). AMD EPYC Zen 5 (AVX-512 BF16), load average about 8:
+# 128 rows 3.6 ms (GEMV 4.7, oneDNN's packed bf16 GEMM of the mode off 2.0), 512 rows 13.2 (17.3, 8.1), 8 rows
+# 0.20 (0.25, 0.22).
 INVARIANT_GEMM_TILE_ROWS = 48
 
 
@@ -176,14 +178,15 @@ class CpuKernels:
         """``F.linear`` in which each output row's bits depend on that input row alone, not on how many rows
         come with it nor where it sits: bf16 through the GEMV kernel for every batch size (each output is one
         dot product over K in a fixed order: 8 or 32 fp32 lanes, then a fixed lane sum; on AVX2, beyond
-        ``AVX2_GEMV_MAX_ROWS`` rows, the tiled GEMM of the same sums), other dtypes in fixed tiles of
+        ``AVX2_GEMV_MAX_ROWS`` rows, or ``GEMV_MAX_ROWS`` with AVX-512 BF16, the tiled GEMM of the same sums), other
+        dtypes in fixed tiles of
         ``INVARIANT_TILE_ROWS`` rows."""
         rows, k = x.numel() // max(1, x.shape[-1]), x.shape[-1]
         x2 = x.reshape(rows, k)
         if (self.gemv_path and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
                 and x.device.type == "cpu" and weight.is_contiguous()):
             x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            if self.gemv_path == "avx2" and rows > AVX2_GEMV_MAX_ROWS:
+            if rows > (AVX2_GEMV_MAX_ROWS if self.gemv_path == "avx2" else GEMV_MAX_ROWS):
                 y = self.ops.gemm_bf16_inv(x2, weight, bias, INVARIANT_GEMM_TILE_ROWS)
             else:
                 y = self.ops.gemv_bf16(x2, weight, bias)
@@ -204,8 +207,8 @@ class CpuKernels:
         of ``dtype`` (for benchmarks and logs)."""
         elementwise = str(self.ops.elementwise_path()) if self.ops is not None and dtype in _DTYPES else "torch"
         if self.batch_invariant:
-            dense = (f"batch-invariant: gemv {self.gemv_path} sums at every batch size"
-                     + (f" (tiled beyond {AVX2_GEMV_MAX_ROWS} rows)" if self.gemv_path == "avx2" else "")
+            tiled_from = AVX2_GEMV_MAX_ROWS if self.gemv_path == "avx2" else GEMV_MAX_ROWS
+            dense = (f"batch-invariant: gemv {self.gemv_path} sums at every batch size (tiled beyond {tiled_from} rows)"
                      if dtype == torch.bfloat16 and self.gemv_path else
                      f"batch-invariant: torch in fixed tiles of {INVARIANT_TILE_ROWS} rows")
         elif dtype != torch.bfloat16:
