@@ -72,7 +72,7 @@ def _unpack(model) -> None:
         if isinstance(m, Linear) and onednn.is_packed(m.weight):
             m.weight = torch.nn.Parameter(onednn.dense(m.weight), requires_grad=False)
             m.packed = False
-    model._packed_head = None  # the tied LM head falls back to the plain embedding
+    model._logits.packed_tied = lambda embedding: None  # the tied LM head falls back to the plain embedding
 
 
 def test_default_model_in_bf16_gives_the_same_tokens_and_logprobs_packed_and_plain():
@@ -80,7 +80,7 @@ def test_default_model_in_bf16_gives_the_same_tokens_and_logprobs_packed_and_pla
     model = llm.engine.model
     packed = [m for m in model.modules() if isinstance(m, Linear) and onednn.is_packed(m.weight)]
     assert len(packed) == 4 * len(model.layers)
-    assert model._packed_head is not None  # the tied LM head was packed at load time
+    assert model._logits.packed_tied(model.embed_tokens) is not None  # the tied LM head is packed
     memory = weight_memory(model)
     assert memory.linear_bytes == memory.linear_bf16_bytes  # a packed weight is counted at its bf16 size
     # six prompts, so the plain run's decode steps (more than 4 rows) go through F.linear, not the GEMV kernel
