@@ -152,7 +152,7 @@ def _unfused_qk_norm_rotary(qkv, q_weight, k_weight, eps, heads, kv_heads, head_
     for part, weight, n in ((q, q_weight, heads), (k, k_weight, kv_heads)):
         norm = RMSNorm(head_dim, eps, qkv.dtype, kernels)
         norm.weight.data.copy_(weight)
-        normed = norm(part.reshape(-1, head_dim)).view(tokens, n, head_dim)
+        normed = norm(part.reshape(-1, head_dim).contiguous()).view(tokens, n, head_dim)  # (the kernel path)
         if rope is not None:
             cos, sin = rope.cos_sin(positions)
             normed = RotaryEmbedding.apply(normed, cos, sin)

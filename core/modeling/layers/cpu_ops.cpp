@@ -135,6 +135,20 @@ inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / st
 
 // ---- RMSNorm ------------------------------------------------------------------------------
 
+// A row's sum of squares in float32, for the RMSNorm kernel and the fused q/k norm alike. One function, not
+// inlined: the compiler vectorizes the reduction once, so a head normed by either kernel sums in the same order
+// (inlined into each, AVX-512 builds split the two loops' partial sums differently and float32 rows differed).
+template <typename T>
+__attribute__((noinline)) float sum_of_squares(const T* x, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f(x[i]);
+    sum += v * v;
+  }
+  return sum;
+}
+
 // residual (if given) += x, rounded to T; then out = rms_norm(that) * weight. out may be x.
 template <typename T>
 void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
@@ -154,11 +168,7 @@ void add_rms_norm_impl(const T* x, T* residual, const T* weight, T* out, int64_t
           sum += v * v;
         }
       } else {
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = i0; i < hidden; ++i) {
-          const float v = to_f(xr[i]);
-          sum += v * v;
-        }
+        sum = sum_of_squares(xr, hidden);
       }
       const T* src = res ? res : xr;
       T* o = out + r * hidden;
@@ -294,12 +304,7 @@ void qk_norm_rotary_impl(T* qkv, int64_t row_stride, const T* q_weight, const T*
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         T* x = qkv + t * row_stride + h * head_dim;
         const T* w = h < heads ? q_weight : k_weight;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < head_dim; ++i) {
-          const float v = to_f(x[i]);
-          sum += v * v;
-        }
+        const float sum = sum_of_squares(x, head_dim);
         const float inv = 1.f / std::sqrt(sum / static_cast<float>(head_dim) + eps);
         int64_t i1 = 0;
 #ifdef PAGODA_AVX2_OPS
