@@ -25,6 +25,7 @@
 // gemm_bf16_fp32 does with bf16 weights).
 
 #include "pagoda_torch.h"
+#include "pagoda_parallel.h"
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
@@ -46,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -825,10 +827,17 @@ void int_linear_rows(const at::Tensor& x, const at::Tensor& w_q, const at::Tenso
   }
 }
 
+// An expert some token chose: its tokens, their activations [m, H], gate_up sums [m, 2I], h [m, I], outputs [m, H]
+struct ActiveExpert {
+  int64_t e;
+  at::Tensor tokens, x, gate_up, h, y;
+};
+
 // The routed experts of one Mixture-of-Experts layer in the layout above, every expert's rows stacked:
 // w13_q [E, 2I, bytes] (gate rows, then up rows) with scales / zeros [E, 2I, groups], w2_q [E, H, bytes] with
 // [E, H, groups]. The (token, slot) pairs are grouped by expert and each active expert runs on its own tokens
-// only, its projections through run() (direct tiles for few tokens, dequantized tiles and a GEMM for many):
+// only, in one parallel region of (expert, rows) items (gate_up, then down), each item's rows through run() (direct tiles for few
+// tokens, a dequantized tile and a GEMM for many; run() is serial inside a parallel region):
 //   h = silu(x W13[e]^T gate rows) * (x W13[e]^T up rows),  y = h W2[e]^T,  out[t] = sum_j weight[t, j] y[t, j]
 // The gate_up sums, h and y are rounded to T as a dense MLP in T rounds them; the weighted sum is fp32, in
 // ascending expert order, rounded to T once.
@@ -846,34 +855,62 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13
     TORCH_CHECK(ids[s] >= 0 && ids[s] < num_experts, "expert id ", ids[s], " out of range [0, ", num_experts, ")");
     slots[ids[s]].push_back(s);
   }
-  std::vector<float> acc(num_tokens * hidden, 0.f);  // [T, H] the weighted sums
-  const auto ints = at::TensorOptions().dtype(at::kLong);
+  std::vector<ActiveExpert> active;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // work items of about 32 KiB of packed rows, in whole tiles of 8 rows; an expert on the GEMM path in one
+  // item per thread
+  const auto chunk = [&](int64_t rows, int64_t row_bytes, int64_t m) {
+    const int64_t small = std::max<int64_t>(8, 32768 / std::max<int64_t>(1, row_bytes) / 8 * 8);
+    return m >= gemm_min_rows ? std::max<int64_t>(small, (rows + threads - 1) / threads) : small;
+  };
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> gate_items, down_items;  // (active index, first row, end)
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t m = static_cast<int64_t>(slots[e].size());
     if (m == 0) continue;
-    at::Tensor tokens = at::empty({m}, ints);
-    int64_t* tp = tokens.data_ptr<int64_t>();
+    ActiveExpert a{e, at::empty({m}, at::TensorOptions().dtype(at::kLong)), {}, {}, {}, {}};
+    int64_t* tp = a.tokens.data_ptr<int64_t>();
     for (int64_t r = 0; r < m; ++r) tp[r] = slots[e][r] / top_k;
-    const at::Tensor xe = x.index_select(0, tokens);  // [m, H]
-    at::Tensor gate_up = at::empty({m, 2 * inter}, x.options());
-    run<T>(xe, w13_q[e], s13[e], z13[e], c10::nullopt, bits, group13, 0, 2 * inter, gate_up, c10::nullopt, impl,
-           gemm_min_rows, tile_rows);
-    at::Tensor h = at::empty({m, inter}, x.options());
-    const T* gu = gate_up.data_ptr<T>();
-    T* hp = h.data_ptr<T>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t n = 0; n < inter; ++n) {
+    a.x = x.index_select(0, a.tokens);
+    a.gate_up = at::empty({m, 2 * inter}, x.options());
+    a.h = at::empty({m, inter}, x.options());
+    a.y = at::empty({m, hidden}, x.options());
+    const int64_t idx = static_cast<int64_t>(active.size());
+    const int64_t c1 = chunk(inter, w13_q.size(2) * 2, m), c2 = chunk(hidden, w2_q.size(2), m);
+    for (int64_t n = 0; n < inter; n += c1) gate_items.emplace_back(idx, n, std::min(inter, n + c1));
+    for (int64_t n = 0; n < hidden; n += c2) down_items.emplace_back(idx, n, std::min(hidden, n + c2));
+    active.push_back(std::move(a));
+  }
+  // the gate_up items, then the down items, in one parallel region
+  const auto gate_up_item = [&](int64_t i) {
+    const auto [idx, n0, n1] = gate_items[i];
+    ActiveExpert& a = active[idx];
+    for (const int64_t first : {n0, inter + n0})  // the gate rows, then the same up rows
+      run<T>(a.x, w13_q[a.e], s13[a.e], z13[a.e], c10::nullopt, bits, group13, first, first + n1 - n0, a.gate_up,
+             c10::nullopt, impl, gemm_min_rows, tile_rows);
+    const T* gu = a.gate_up.data_ptr<T>();
+    T* hp = a.h.data_ptr<T>();
+    for (int64_t r = 0; r < a.x.size(0); ++r)
+      for (int64_t n = n0; n < n1; ++n) {
         const float g = to_float(gu[r * 2 * inter + n]), u = to_float(gu[r * 2 * inter + inter + n]);
         hp[r * inter + n] = static_cast<T>(g / (1.f + std::exp(-g)) * u);
       }
-    at::Tensor y = at::empty({m, hidden}, x.options());
-    run<T>(h, w2_q[e], s2[e], z2[e], c10::nullopt, bits, group2, 0, hidden, y, c10::nullopt, impl, gemm_min_rows,
-           tile_rows);
-    const T* yp = y.data_ptr<T>();
-    for (int64_t r = 0; r < m; ++r) {
-      const float w = weights[slots[e][r]];
-      float* a = acc.data() + tp[r] * hidden;
-      for (int64_t i = 0; i < hidden; ++i) a[i] += w * to_float(yp[r * hidden + i]);
+  };
+  const auto down_item = [&](int64_t i) {
+    const auto [idx, n0, n1] = down_items[i];
+    ActiveExpert& a = active[idx];
+    run<T>(a.h, w2_q[a.e], s2[a.e], z2[a.e], c10::nullopt, bits, group2, n0, n1, a.y, c10::nullopt, impl,
+           gemm_min_rows, tile_rows);
+  };
+  pagoda::parallel_two_phases(static_cast<int64_t>(gate_items.size()), gate_up_item,
+                              static_cast<int64_t>(down_items.size()), down_item);
+  std::vector<float> acc(num_tokens * hidden, 0.f);  // [T, H] the weighted sums, experts in ascending order
+  for (const ActiveExpert& a : active) {
+    const T* yp = a.y.data_ptr<T>();
+    const int64_t* tp = a.tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < a.x.size(0); ++r) {
+      const float w = weights[slots[a.e][r]];
+      float* dst = acc.data() + tp[r] * hidden;
+      for (int64_t i = 0; i < hidden; ++i) dst[i] += w * to_float(yp[r * hidden + i]);
     }
   }
   T* o = out.data_ptr<T>();
