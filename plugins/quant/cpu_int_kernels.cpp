@@ -26,6 +26,7 @@
 
 #include "pagoda_torch.h"
 #include "pagoda_parallel.h"
+#include "pagoda_routing.h"
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
@@ -857,10 +858,14 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13
   }
   std::vector<ActiveExpert> active;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  // work items of about 32 KiB of packed rows, in whole tiles of 8 rows; an expert on the GEMM path in one
-  // item per thread
+  // Work items of whole tiles of 8 rows, about four per thread: each run() call prepares its activations once
+  // (a few microseconds), so items are as large as the balance of the threads allows (32 to 512 KiB of packed
+  // rows); an expert on the GEMM path is one item per thread
+  int64_t num_active = 0;
+  for (const auto& s : slots) num_active += !s.empty();
   const auto chunk = [&](int64_t rows, int64_t row_bytes, int64_t m) {
-    const int64_t small = std::max<int64_t>(8, 32768 / std::max<int64_t>(1, row_bytes) / 8 * 8);
+    const int64_t bytes = std::clamp<int64_t>(num_active * rows * row_bytes / (4 * threads), 32768, 524288);
+    const int64_t small = std::max<int64_t>(8, bytes / std::max<int64_t>(1, row_bytes) / 8 * 8);
     return m >= gemm_min_rows ? std::max<int64_t>(small, (rows + threads - 1) / threads) : small;
   };
   std::vector<std::tuple<int64_t, int64_t, int64_t>> gate_items, down_items;  // (active index, first row, end)
@@ -945,12 +950,7 @@ at::Tensor int_moe_experts(const at::Tensor& x, const at::Tensor& w13_q, const a
   check_packed_experts(w13_q, s13, z13, 2 * inter, hidden, bits, group13, x, "w13");
   check_packed_experts(w2_q, s2, z2, hidden, inter, bits, group2, x, "w2");
   TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "w13_q and w2_q must hold the same experts");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
-                  topk_ids.size(0) == x.size(0),
-              "topk_ids must be a contiguous int64 [T, k] tensor");
-  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
-                  topk_weights.sizes() == topk_ids.sizes(),
-              "topk_weights must be a contiguous float32 tensor shaped like topk_ids");
+  pagoda::check_routing(x, topk_ids, topk_weights);
   at::Tensor out = at::empty(x.sizes(), x.options());
   const int b = static_cast<int>(bits), im = static_cast<int>(impl);
   switch (x.scalar_type()) {

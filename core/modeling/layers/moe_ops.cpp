@@ -13,6 +13,7 @@
 #include "pagoda_torch.h"
 #include "pagoda_float.h"
 #include "pagoda_parallel.h"
+#include "pagoda_routing.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -419,12 +420,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == h && w2.size(0) == e && w2.size(1) == h &&
                   w2.size(2) == inter,
               "shapes: x [T, H], w13 [E, 2I, H], w2 [E, H, I]");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
-                  topk_ids.size(0) == x.size(0),
-              "topk_ids must be a contiguous int64 [T, k] tensor");
-  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
-                  topk_weights.sizes() == topk_ids.sizes(),
-              "topk_weights must be a contiguous float32 tensor shaped like topk_ids");
+  pagoda::check_routing(x, topk_ids, topk_weights);
   TORCH_CHECK(activation == kSiluMul || activation == kClampedSwiglu, "activation must be 0 or 1");
   const bool int8 = w13.scalar_type() == at::kChar;
   TORCH_CHECK(!int8 || (s13.has_value() && s2.has_value()), "int8 experts need the row scales s13 and s2");
