@@ -885,8 +885,11 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13
     for (int64_t n = 0; n < hidden; n += c2) down_items.emplace_back(idx, n, std::min(hidden, n + c2));
     active.push_back(std::move(a));
   }
-  // the gate_up items, then the down items, in one parallel region
+  // the gate_up items, then the down items, in one parallel region; the worker threads take the caller's
+  // inference / grad mode for the tensor ops of run()'s GEMM path
+  const at::ThreadLocalState caller_state;
   const auto gate_up_item = [&](int64_t i) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
     const auto [idx, n0, n1] = gate_items[i];
     ActiveExpert& a = active[idx];
     for (const int64_t first : {n0, inter + n0})  // the gate rows, then the same up rows
@@ -901,6 +904,7 @@ void run_moe(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13
       }
   };
   const auto down_item = [&](int64_t i) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
     const auto [idx, n0, n1] = down_items[i];
     ActiveExpert& a = active[idx];
     run<T>(a.h, w2_q[a.e], s2[a.e], z2[a.e], c10::nullopt, bits, group2, n0, n1, a.y, c10::nullopt, impl,
