@@ -1,6 +1,7 @@
 """GPTQ, AWQ and compressed-tensors Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py
 quantizes a tiny random checkpoint that transformers writes (attention, dense MLP, every routed expert and
-Qwen2-MoE's shared expert; 4-bit groups, and int8 with a scale per row, which stays int8 in the experts), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
+Qwen2-MoE's shared expert; 4-bit groups, whose experts stay packed, and int8 with a scale per row, whose experts
+stay int8), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
 (float32). A shared expert stored unquantized under a quant config that covers it is refused with the tensor
 named and the way to mark it, and loads once marked."""
 
@@ -102,8 +103,12 @@ def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense,
         assert _quantized_bits(model.layers[1].gate_up_proj) == bits
         assert _quantized_bits(model.layers[0].moe.shared_expert.gate_up_proj) == bits
         assert _quantized_bits(model.layers[0].moe.shared_expert.down_proj) == bits
-    # int8 experts with a scale per row stay int8 in the MoE kernel; group-quantized ones are dequantized at load
-    assert model.layers[0].moe.experts.w13.dtype == (torch.int8 if group is None else torch.float32)
+    experts = model.layers[0].moe.experts
+    if group is None:  # int8 experts with a scale per row stay int8 in the MoE kernel
+        assert experts.w13.dtype == torch.int8
+    else:  # group-quantized experts stay packed, computed by the int kernel
+        assert experts.w13 is None and experts.w13_q.dtype == torch.uint8 and experts.quant_method.bits == bits
+        assert "packed experts" in experts.isa_path()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):

@@ -17,7 +17,9 @@ from pagoda.errors import ConfigError
 from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, config_value, drop_params, is_skipped, kernel_for_device, output_sharded_loader)
-from pagoda.plugins.quant.int_linear import IntPart, apply_int_linear, dequantize_expert, install_int_weight
+from pagoda.plugins.quant.int_linear import (IntPart, apply_int_linear, dequantize_expert, expert_ints,
+                                             install_int_weight)
+from pagoda.plugins.quant.int_moe import IntMoeMethod
 from pagoda.plugins.quant.packing import unpack_awq
 
 
@@ -45,6 +47,17 @@ class AWQConfig:
     def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """One packed projection (an MoE expert's) as float32 ``[out, in]``."""
         return dequantize_expert(self, tensors, name)
+
+    def moe_method(self, prefix: str) -> Optional[IntMoeMethod]:
+        """The routed experts under ``prefix`` (the layer's MLP) kept packed and computed from the packed bits
+        (None when ``modules_to_not_convert`` leaves them unquantized)."""
+        if any(k in f"{prefix}.experts.0.gate_proj" for k in self.modules_to_not_convert):
+            return None
+        return IntMoeMethod(4, self.group_size, self.expert_ints, self.kernel, self.host, "AWQ")
+
+    def expert_ints(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
+        """One packed expert projection as (q ``[out, in]``, scales, zeros ``[out, groups]``)."""
+        return expert_ints(self, tensors, name)
 
     def for_layer(self, prefix: str) -> Optional["AWQLinearMethod"]:
         # AutoAWQ skips a module when any listed fragment occurs in its name

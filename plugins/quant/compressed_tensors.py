@@ -27,6 +27,7 @@ from pagoda.plugins.quant.base import (
 from pagoda.plugins.quant.fp8 import Fp8LinearMethod
 from pagoda.plugins.quant.int8 import compressed_tensors_int8
 from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
+from pagoda.plugins.quant.int_moe import IntMoeMethod
 from pagoda.plugins.quant.packing import unpack_int32
 
 # "naive-quantized" stores FP8 weights exactly like "float-quantized" (llm-compressor writes it for FP8 W8A16)
@@ -101,6 +102,35 @@ class CompressedTensorsConfig:
                                   f"neither one scale nor one per output row of weight {tuple(weight.shape)}")
         return weight, scale.expand(weight.shape[0]).contiguous()
 
+    def moe_method(self, prefix: str) -> Optional[IntMoeMethod]:
+        """The routed experts under ``prefix`` (the layer's MLP) kept packed and computed from the packed bits when
+        their config group is pack-quantized int4 / int8 in groups (or int4 per channel) without act-order; None
+        for every other scheme (int8 per channel stays int8 in the MoE kernel; the rest is dequantized at load)."""
+        name = f"{prefix}.experts.0.gate_proj"
+        index = None if any(name_matches(name, p) for p in self.ignore) else self._group_of(name)
+        if index is None or self.int8_experts(prefix):
+            return None
+        group_name, _, fmt, weights, _ = self.groups[index]
+        strategy, bits = weights.get("strategy"), weights.get("num_bits")
+        if (fmt != "pack-quantized" or weights.get("type") != "int" or bits not in (4, 8)
+                or not weights.get("symmetric", True) or strategy not in ("group", "channel")
+                or weights.get("actorder") == "group"):
+            return None
+        where = f"compressed-tensors config_groups.{group_name}"
+        group = -1 if strategy == "channel" else check_group_size(weights.get("group_size"), where)
+        return IntMoeMethod(bits, group, self.expert_ints, self.kernel, self.host, "compressed-tensors")
+
+    def expert_ints(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
+        """One pack-quantized expert projection as (unsigned q ``[out, in]``, scales ``[out, groups]``, zeros: the
+        stored values' offset ``2 ** (bits - 1)``), in its column order."""
+        group_name, _, _, weights, _ = self.groups[self._group_of(name)]
+        where = f"quantized expert {name!r} (compressed-tensors config_groups.{group_name}, pack-quantized)"
+        missing = [t for t in ("weight_packed", "weight_scale", "weight_shape") if t not in tensors]
+        if missing:
+            raise CheckpointError(f"{where} has no {', '.join(missing)} tensor(s) in the checkpoint")
+        values, scale, _ = _unpack_expert(tensors, weights, where)
+        return values, scale, torch.full_like(scale, float(1 << (int(weights["num_bits"]) - 1)))
+
     def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """One routed expert's projection of a Mixture-of-Experts checkpoint (``name``, e.g.
         ``model.layers.0.mlp.experts.3.gate_proj``) as float32 ``[out, in]``, from its config group's tensors:
@@ -120,19 +150,8 @@ class CompressedTensorsConfig:
             raise CheckpointError(f"{where} has no {', '.join(missing)} tensor(s) in the checkpoint")
         scale = tensors["weight_scale"].float()
         if packed:
-            bits = int(weights.get("num_bits") or 0)
-            if weights.get("type") != "int" or bits not in (4, 8) or not weights.get("symmetric", True):
-                raise ConfigError(f"{where}: weights {weights} are not supported; expected symmetric int, 4 or 8 bits")
-            n_out, n_in = (int(v) for v in tensors["weight_shape"].flatten().tolist())
-            values = unpack_int32(tensors["weight_packed"], bits, dim=1)[:, :n_in].float() - (1 << (bits - 1))
-            group = n_in if weights.get("strategy") == "channel" else int(weights.get("group_size") or n_in)
-            g_idx = (tensors["weight_g_idx"].long() if "weight_g_idx" in tensors
-                     else torch.arange(n_in) // group)
-            if values.shape[0] != n_out or scale.shape[0] != n_out or int(g_idx.max()) >= scale.shape[1]:
-                raise CheckpointError(f"{where}: weight_packed {tuple(tensors['weight_packed'].shape)}, weight_scale "
-                                      f"{tuple(scale.shape)} and weight_shape {[n_out, n_in]} do not fit together "
-                                      f"for {bits}-bit groups of {group}")
-            return values * scale[:, g_idx]
+            values, scale, g_idx = _unpack_expert(tensors, weights, where)
+            return (values.float() - (1 << (int(weights["num_bits"]) - 1))) * scale[:, g_idx]
         weight = tensors["weight"]
         if weight.dtype == torch.int8 and not weights.get("symmetric", True):
             raise ConfigError(f"{where}: asymmetric int8 weights are not supported; expected symmetric: true")
@@ -155,6 +174,25 @@ class CompressedTensorsConfig:
             if any(t == "Linear" or name_matches(module, t) for t in targets):
                 return i
         return None
+
+
+def _unpack_expert(tensors: dict[str, torch.Tensor], weights: dict[str, Any],
+                   where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pack-quantized expert projection's (unsigned values ``[out, in]``, float32 scales ``[out, groups]``,
+    ``g_idx [in]``)."""
+    bits = int(weights.get("num_bits") or 0)
+    if weights.get("type") != "int" or bits not in (4, 8) or not weights.get("symmetric", True):
+        raise ConfigError(f"{where}: weights {weights} are not supported; expected symmetric int, 4 or 8 bits")
+    scale = tensors["weight_scale"].float()
+    n_out, n_in = (int(v) for v in tensors["weight_shape"].flatten().tolist())
+    values = unpack_int32(tensors["weight_packed"], bits, dim=1)[:, :n_in]
+    group = n_in if weights.get("strategy") == "channel" else int(weights.get("group_size") or n_in)
+    g_idx = tensors["weight_g_idx"].long() if "weight_g_idx" in tensors else torch.arange(n_in) // group
+    if values.shape[0] != n_out or scale.shape[0] != n_out or int(g_idx.max()) >= scale.shape[1]:
+        raise CheckpointError(f"{where}: weight_packed {tuple(tensors['weight_packed'].shape)}, weight_scale "
+                              f"{tuple(scale.shape)} and weight_shape {[n_out, n_in]} do not fit together "
+                              f"for {bits}-bit groups of {group}")
+    return values, scale, g_idx
 
 
 def _float_method(group: str, weights: dict[str, Any], acts: Optional[dict[str, Any]],

@@ -25,8 +25,11 @@
 // gemm_bf16_fp32 does with bf16 weights).
 
 #include "pagoda_torch.h"
+#include "pagoda_parallel.h"
+#include "pagoda_routing.h"
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 
@@ -41,9 +44,11 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -823,6 +828,153 @@ void int_linear_rows(const at::Tensor& x, const at::Tensor& w_q, const at::Tenso
   }
 }
 
+// An expert some token chose: its tokens, their activations [m, H], gate_up sums [m, 2I], h [m, I], outputs [m, H]
+struct ActiveExpert {
+  int64_t e;
+  at::Tensor tokens, x, gate_up, h, y;
+};
+
+// The routed experts of one Mixture-of-Experts layer in the layout above, every expert's rows stacked:
+// w13_q [E, 2I, bytes] (gate rows, then up rows) with scales / zeros [E, 2I, groups], w2_q [E, H, bytes] with
+// [E, H, groups]. The (token, slot) pairs are grouped by expert and each active expert runs on its own tokens
+// only, in one parallel region of (expert, rows) items (gate_up, then down), each item's rows through run() (direct tiles for few
+// tokens, a dequantized tile and a GEMM for many; run() is serial inside a parallel region):
+//   h = silu(x W13[e]^T gate rows) * (x W13[e]^T up rows),  y = h W2[e]^T,  out[t] = sum_j weight[t, j] y[t, j]
+// The gate_up sums, h and y are rounded to T as a dense MLP in T rounds them; the weighted sum is fp32, in
+// ascending expert order, rounded to T once.
+template <typename T>
+void run_moe(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13, const at::Tensor& z13,
+             const at::Tensor& w2_q, const at::Tensor& s2, const at::Tensor& z2, const at::Tensor& topk_ids,
+             const at::Tensor& topk_weights, int bits, int64_t group13, int64_t group2, int impl,
+             int64_t gemm_min_rows, int64_t tile_rows, at::Tensor& out) {
+  const int64_t num_tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
+  const int64_t num_experts = w13_q.size(0), inter = w13_q.size(1) / 2;
+  const int64_t* ids = topk_ids.data_ptr<int64_t>();
+  const float* weights = topk_weights.data_ptr<float>();
+  std::vector<std::vector<int64_t>> slots(num_experts);  // each expert's slots, in token order
+  for (int64_t s = 0; s < num_tokens * top_k; ++s) {
+    TORCH_CHECK(ids[s] >= 0 && ids[s] < num_experts, "expert id ", ids[s], " out of range [0, ", num_experts, ")");
+    slots[ids[s]].push_back(s);
+  }
+  std::vector<ActiveExpert> active;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // Work items of whole tiles of 8 rows, about four per thread: each run() call prepares its activations once
+  // (a few microseconds), so items are as large as the balance of the threads allows (32 to 512 KiB of packed
+  // rows); an expert on the GEMM path is one item per thread
+  int64_t num_active = 0;
+  for (const auto& s : slots) num_active += !s.empty();
+  const auto chunk = [&](int64_t rows, int64_t row_bytes, int64_t m) {
+    const int64_t bytes = std::clamp<int64_t>(num_active * rows * row_bytes / (4 * threads), 32768, 524288);
+    const int64_t small = std::max<int64_t>(8, bytes / std::max<int64_t>(1, row_bytes) / 8 * 8);
+    return m >= gemm_min_rows ? std::max<int64_t>(small, (rows + threads - 1) / threads) : small;
+  };
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> gate_items, down_items;  // (active index, first row, end)
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t m = static_cast<int64_t>(slots[e].size());
+    if (m == 0) continue;
+    ActiveExpert a{e, at::empty({m}, at::TensorOptions().dtype(at::kLong)), {}, {}, {}, {}};
+    int64_t* tp = a.tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < m; ++r) tp[r] = slots[e][r] / top_k;
+    a.x = x.index_select(0, a.tokens);
+    a.gate_up = at::empty({m, 2 * inter}, x.options());
+    a.h = at::empty({m, inter}, x.options());
+    a.y = at::empty({m, hidden}, x.options());
+    const int64_t idx = static_cast<int64_t>(active.size());
+    const int64_t c1 = chunk(inter, w13_q.size(2) * 2, m), c2 = chunk(hidden, w2_q.size(2), m);
+    for (int64_t n = 0; n < inter; n += c1) gate_items.emplace_back(idx, n, std::min(inter, n + c1));
+    for (int64_t n = 0; n < hidden; n += c2) down_items.emplace_back(idx, n, std::min(hidden, n + c2));
+    active.push_back(std::move(a));
+  }
+  // the gate_up items, then the down items, in one parallel region; the worker threads take the caller's
+  // inference / grad mode for the tensor ops of run()'s GEMM path
+  const at::ThreadLocalState caller_state;
+  const auto gate_up_item = [&](int64_t i) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    const auto [idx, n0, n1] = gate_items[i];
+    ActiveExpert& a = active[idx];
+    for (const int64_t first : {n0, inter + n0})  // the gate rows, then the same up rows
+      run<T>(a.x, w13_q[a.e], s13[a.e], z13[a.e], c10::nullopt, bits, group13, first, first + n1 - n0, a.gate_up,
+             c10::nullopt, impl, gemm_min_rows, tile_rows);
+    const T* gu = a.gate_up.data_ptr<T>();
+    T* hp = a.h.data_ptr<T>();
+    for (int64_t r = 0; r < a.x.size(0); ++r)
+      for (int64_t n = n0; n < n1; ++n) {
+        const float g = to_float(gu[r * 2 * inter + n]), u = to_float(gu[r * 2 * inter + inter + n]);
+        hp[r * inter + n] = static_cast<T>(g / (1.f + std::exp(-g)) * u);
+      }
+  };
+  const auto down_item = [&](int64_t i) {
+    at::ThreadLocalStateGuard state_guard(caller_state);
+    const auto [idx, n0, n1] = down_items[i];
+    ActiveExpert& a = active[idx];
+    run<T>(a.h, w2_q[a.e], s2[a.e], z2[a.e], c10::nullopt, bits, group2, n0, n1, a.y, c10::nullopt, impl,
+           gemm_min_rows, tile_rows);
+  };
+  pagoda::parallel_two_phases(static_cast<int64_t>(gate_items.size()), gate_up_item,
+                              static_cast<int64_t>(down_items.size()), down_item);
+  std::vector<float> acc(num_tokens * hidden, 0.f);  // [T, H] the weighted sums, experts in ascending order
+  for (const ActiveExpert& a : active) {
+    const T* yp = a.y.data_ptr<T>();
+    const int64_t* tp = a.tokens.data_ptr<int64_t>();
+    for (int64_t r = 0; r < a.x.size(0); ++r) {
+      const float w = weights[slots[a.e][r]];
+      float* dst = acc.data() + tp[r] * hidden;
+      for (int64_t i = 0; i < hidden; ++i) dst[i] += w * to_float(yp[r * hidden + i]);
+    }
+  }
+  T* o = out.data_ptr<T>();
+  for (int64_t i = 0; i < num_tokens * hidden; ++i) o[i] = static_cast<T>(acc[i]);
+}
+
+void check_packed_experts(const at::Tensor& w_q, const at::Tensor& scales, const at::Tensor& zeros, int64_t rows,
+                          int64_t in_features, int64_t bits, int64_t group_size, const at::Tensor& x,
+                          const char* name) {
+  TORCH_CHECK(w_q.scalar_type() == at::kByte && w_q.dim() == 3 && w_q.is_contiguous() && w_q.size(1) == rows,
+              name, "_q must be a contiguous uint8 [E, ", rows, ", bytes] tensor");
+  const int64_t groups = (in_features + group_size - 1) / group_size;
+  const int64_t bytes = bits == 4 ? (groups * group_size + 1) / 2 : groups * group_size;
+  TORCH_CHECK(w_q.size(2) == bytes, name, "_q holds ", w_q.size(2), " bytes per row; ", in_features,
+              " columns in groups of ", group_size, " take ", bytes);
+  for (const at::Tensor* t : {&scales, &zeros})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == w_q.size(0) && t->size(1) == rows && t->size(2) == groups,
+                name, " scales and zeros must be contiguous [E, ", rows, ", ", groups, "] tensors of x's dtype");
+}
+
+// x [T, H] (float32, bfloat16 or float16); w13_q [E, 2I, bytes], s13 / z13 [E, 2I, groups of H];
+// w2_q [E, H, bytes], s2 / z2 [E, H, groups of I]; topk_ids [T, k] int64, topk_weights [T, k] float32
+at::Tensor int_moe_experts(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13,
+                           const at::Tensor& z13, const at::Tensor& w2_q, const at::Tensor& s2, const at::Tensor& z2,
+                           const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t bits,
+                           int64_t group13, int64_t group2, int64_t impl, int64_t gemm_min_rows, int64_t tile_rows) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [T, H] tensor");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(group13 >= 1 && group2 >= 1, "group sizes must be positive");
+  const int64_t hidden = x.size(1), inter = w13_q.dim() == 3 ? w13_q.size(1) / 2 : 0;
+  check_packed_experts(w13_q, s13, z13, 2 * inter, hidden, bits, group13, x, "w13");
+  check_packed_experts(w2_q, s2, z2, hidden, inter, bits, group2, x, "w2");
+  TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "w13_q and w2_q must hold the same experts");
+  pagoda::check_routing(x, topk_ids, topk_weights);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int b = static_cast<int>(bits), im = static_cast<int>(impl);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run_moe<float>(x, w13_q, s13, z13, w2_q, s2, z2, topk_ids, topk_weights, b, group13, group2, im, gemm_min_rows,
+                     tile_rows, out);
+      break;
+    case at::kBFloat16:
+      run_moe<at::BFloat16>(x, w13_q, s13, z13, w2_q, s2, z2, topk_ids, topk_weights, b, group13, group2, im,
+                            gemm_min_rows, tile_rows, out);
+      break;
+    case at::kHalf:
+      run_moe<at::Half>(x, w13_q, s13, z13, w2_q, s2, z2, topk_ids, topk_weights, b, group13, group2, im,
+                        gemm_min_rows, tile_rows, out);
+      break;
+    default: TORCH_CHECK(false, "int_moe_experts supports float32, bfloat16 and float16 activations");
+  }
+  return out;
+}
+
 // the ISA path of the direct (small-batch) kernel: avx512_bf16, avx512, avx2 or scalar
 std::string isa_path() {
 #if defined(PAGODA_BF16_DOT)
@@ -855,6 +1007,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("perm"), pybind11::arg("bits"), pybind11::arg("group_size"), pybind11::arg("row_start"),
         pybind11::arg("row_end"), pybind11::arg("y"), pybind11::arg("bias"), pybind11::arg("impl"),
         pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));
+  m.def("int_moe_experts", &int_moe_experts, "the routed experts of one MoE layer from packed int weights (CPU)",
+        no_gil, pybind11::arg("x"), pybind11::arg("w13_q"), pybind11::arg("s13"), pybind11::arg("z13"),
+        pybind11::arg("w2_q"), pybind11::arg("s2"), pybind11::arg("z2"), pybind11::arg("topk_ids"),
+        pybind11::arg("topk_weights"), pybind11::arg("bits"), pybind11::arg("group13"), pybind11::arg("group2"),
+        pybind11::arg("impl"), pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));
   m.def("has_bf16_dot", &has_bf16_dot, "whether the AVX512-BF16 path was compiled in");
   m.def("isa_path", &isa_path, "the ISA path of the direct kernel: avx512_bf16, avx512, avx2 or scalar");
 }

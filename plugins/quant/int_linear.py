@@ -133,11 +133,10 @@ def parts_from_g_idx(g_idx_per_shard: list[Optional[torch.Tensor]], shard_rows: 
     return parts, perms
 
 
-def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def unpack_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
     """One expert projection of a GPTQ or AWQ checkpoint (``qweight``, ``qzeros``, ``scales``, GPTQ's optional
-    ``g_idx``) as float32 ``[out, in]``: ``W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]`` with ``g(i)`` the input
-    column's group. The experts then hold the model's dtype: the attention layers stay quantized, the experts take
-    the unquantized model's memory."""
+    ``g_idx``) as (q ``[out, in]``, scales float32 ``[out, G]``, zeros ``[out, G]``, ``g_idx [in]``): ``W[o, i] =
+    (q[o, i] - zeros[o, g_idx[i]]) * scales[o, g_idx[i]]``."""
     missing = [t for t in ("qweight", "qzeros", "scales") if t not in tensors]
     if missing:
         raise CheckpointError(f"quantized expert {name!r} has no {', '.join(missing)} tensor(s) in the checkpoint")
@@ -159,4 +158,21 @@ def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -
         raise CheckpointError(f"quantized expert {name!r}: qweight {tuple(tensors['qweight'].shape)}, qzeros "
                               f"{tuple(tensors['qzeros'].shape)} and scales {tuple(scales.shape)} do not fit together "
                               f"for {quant.bits}-bit groups of {group}")
-    return ((q.float() - zeros[g_idx].float()) * scales[g_idx]).t().contiguous()
+    return q.t(), scales.t(), zeros.t().float(), g_idx
+
+
+def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """One expert projection of a GPTQ or AWQ checkpoint as float32 ``[out, in]`` (see :func:`unpack_expert`)."""
+    q, scales, zeros, g_idx = unpack_expert(quant, tensors, name)
+    return ((q.float() - zeros[:, g_idx]) * scales[:, g_idx]).contiguous()
+
+
+def expert_ints(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
+    """One expert projection of a GPTQ or AWQ checkpoint as (q ``[out, in]``, scales, zeros ``[out, G]``) in its
+    column order, for experts kept packed; a ``g_idx`` that reorders the columns is refused."""
+    q, scales, zeros, g_idx = unpack_expert(quant, tensors, name)
+    group = q.shape[1] if quant.group_size == -1 else quant.group_size
+    if not torch.equal(g_idx, torch.arange(q.shape[1]) // group):
+        raise CheckpointError(f"quantized expert {name!r}: its g_idx reorders the input columns, but the config "
+                              "does not set desc_act; fix the config (desc_act: true)")
+    return q, scales, zeros

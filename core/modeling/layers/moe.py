@@ -146,11 +146,15 @@ class FusedMoE(nn.Module):
     ``host``: the engine's host settings, which choose the CPU kernel (None: torch only).
     ``int8``: the weights are held as int8 with one float32 scale per output row, ``s13 [E, 2I]`` and
     ``s2 [E, H]`` (a checkpoint's int8 experts, loaded through :meth:`load_expert` with their scales).
+    ``quant_method``: a quant config's experts method (its ``moe_method``), which holds the weights in its own
+    packed layout in place of ``w13``/``w2`` (``create_weights``), loads each expert's checkpoint tensors
+    (``load_expert``, through :meth:`load_quantized`) and computes the routed experts (``apply``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, *,
                  activation: str = "silu", has_bias: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                 host: Optional[HostConfig] = None, prefix: str = "", int8: bool = False) -> None:
+                 host: Optional[HostConfig] = None, prefix: str = "", int8: bool = False,
+                 quant_method: Optional[Any] = None) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ConfigError(f"MoE activation {activation!r} is not one pagoda implements ({', '.join(ACTIVATIONS)})")
@@ -161,9 +165,13 @@ class FusedMoE(nn.Module):
         self.activation, self.alpha, self.limit, self.prefix = activation, float(alpha), float(limit), prefix
         inter = self.intermediate_size
         weight_dtype = torch.int8 if int8 else dtype
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=weight_dtype),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=weight_dtype), requires_grad=False)
+        self.quant_method = quant_method
+        self.w13 = self.w2 = None
+        if quant_method is None:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=weight_dtype),
+                                    requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=weight_dtype),
+                                   requires_grad=False)
         self.s13 = self.s2 = None
         if int8:
             self.s13 = nn.Parameter(torch.ones(num_experts, 2 * inter), requires_grad=False)
@@ -174,6 +182,8 @@ class FusedMoE(nn.Module):
             # the down projection's bias is added once, on the first rank, before the ranks' outputs are summed
             self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
         self._loaded: set[tuple[str, int]] = set()
+        if quant_method is not None:
+            quant_method.create_weights(self, dtype)
         self.ops = moe_ops(host) if host is not None else None
         # bf16 experts with many tokens multiply in bf16 where the CPU has bf16 math; the grouped tiles take the
         # rest, and every expert elsewhere
@@ -188,6 +198,9 @@ class FusedMoE(nn.Module):
         ``gate_bias``/``up_bias`` (``[I]``) or ``down_bias`` (``[H]``), all of the full (unsplit) size. Int8
         experts take int8 weights with ``scale``, one per output row."""
         is_weight = part in ("gate", "up", "down")
+        if is_weight and self.quant_method is not None:
+            raise CheckpointError(f"checkpoint tensor {name!r}: {self.prefix} holds quantized experts, but the tensor "
+                                  f"is {loaded.dtype}; every routed expert of a layer must be quantized alike")
         if is_weight and (self.s13 is not None) != (scale is not None and loaded.dtype == torch.int8):
             raise CheckpointError(f"checkpoint tensor {name!r}: {self.prefix} holds "
                                   f"{'int8' if self.s13 is not None else str(self.w13.dtype)} experts, but the tensor "
@@ -225,6 +238,17 @@ class FusedMoE(nn.Module):
             self.b2.data[expert].copy_(loaded if self.tp.rank == 0 else torch.zeros_like(loaded))
         self._loaded.add((part, expert))
 
+    def load_quantized(self, part: str, expert: int, tensors: dict[str, torch.Tensor], name: str) -> None:
+        """One expert's ``gate``/``up``/``down`` projection as its checkpoint's quantized tensors (``qweight``,
+        ``scales``, ... by suffix; ``name`` the projection's), for experts held by a quant method."""
+        if self.quant_method is None:
+            raise CheckpointError(f"quantized expert {name!r}: {self.prefix} holds unpacked experts")
+        if not 0 <= expert < self.num_experts:
+            raise CheckpointError(f"checkpoint tensor {name!r} names expert {expert}, but config.json gives "
+                                  f"{self.num_experts} experts")
+        self.quant_method.load_expert(self, part, expert, tensors, name)
+        self._loaded.add((part, expert))
+
     def load_stacked(self, part: str, loaded: torch.Tensor, name: str) -> None:
         """All experts' tensor of one ``part`` at once, ``[E, ...]`` in :meth:`load_expert`'s shapes."""
         if loaded.shape[0] != self.num_experts:
@@ -241,6 +265,8 @@ class FusedMoE(nn.Module):
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights on this rank (what a token reads per chosen expert)."""
+        if self.quant_method is not None:
+            return self.quant_method.expert_bytes(self)
         scales = 0 if self.s13 is None else (self.s13[0].numel() + self.s2[0].numel()) * 4
         return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size() + scales
 
@@ -248,7 +274,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights``/``ids [T, k]`` from :func:`select_experts` -> ``[T, H]`` in ``x``'s dtype."""
-        if self.ops is not None and x.device.type == "cpu":
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, x, weights, ids)
+        elif self.ops is not None and x.device.type == "cpu":
             out = self.ops.moe_experts(x.contiguous(), self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
                                        ids.contiguous(), weights.float().contiguous(),
                                        ACTIVATIONS[self.activation], self.alpha, self.limit, self.gemv_max_rows, 0,
@@ -260,6 +288,8 @@ class FusedMoE(nn.Module):
 
     def isa_path(self) -> str:
         """The path the experts take here, for benchmarks and logs."""
+        if self.quant_method is not None:
+            return self.quant_method.isa_path(self)
         if self.ops is None:
             return "torch grouped GEMMs"
         if self.gemv_max_rows == ALL_ROWS:
@@ -290,14 +320,15 @@ class SparseMoeBlock(nn.Module):
 
     ``router_bias``: the router's linear layer has a bias (gpt-oss). ``shared_expert``: a
     :class:`SharedExpert` every token also goes through, scaled by ``sigmoid(shared_expert_gate(x))`` when
-    ``shared_gate`` (Qwen2-MoE).
+    ``shared_gate`` (Qwen2-MoE). ``experts_method``: see :class:`FusedMoE`'s ``quant_method``.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, router: RouterSpec,
                  dtype: torch.dtype, *, router_bias: bool = False, activation: str = "silu",
                  expert_bias: bool = False, alpha: float = 1.702, limit: float = 7.0,
                  shared_expert: Optional[SharedExpert] = None, shared_gate: bool = False,
-                 host: Optional[HostConfig] = None, prefix: str = "", int8_experts: bool = False) -> None:
+                 host: Optional[HostConfig] = None, prefix: str = "", int8_experts: bool = False,
+                 experts_method: Optional[Any] = None) -> None:
         super().__init__()
         if router.top_k > num_experts:
             raise ConfigError(f"config.json routes each token to {router.top_k} experts of {num_experts}; "
@@ -307,7 +338,7 @@ class SparseMoeBlock(nn.Module):
         self.router.requires_grad_(False)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, dtype, activation=activation,
                                 has_bias=expert_bias, alpha=alpha, limit=limit, host=host, prefix=f"{prefix}.experts",
-                                int8=int8_experts)
+                                int8=int8_experts, quant_method=experts_method)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shared_expert is not None and shared_gate:

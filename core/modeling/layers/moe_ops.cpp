@@ -12,17 +12,17 @@
 
 #include "pagoda_torch.h"
 #include "pagoda_float.h"
+#include "pagoda_parallel.h"
+#include "pagoda_routing.h"
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -151,55 +151,6 @@ struct Item {
   int64_t e, n0, n1;
 };
 
-template <typename F>
-void run_items(const std::vector<Item>& items, const F& fn) {
-  const int64_t n = static_cast<int64_t>(items.size());
-  if (n == 0) return;
-  if (n == 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    for (const auto& it : items) fn(it);
-    return;
-  }
-  // items go to the threads one at a time as they finish the last: a thread the OS holds up takes fewer
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(items[i]);
-  });
-}
-
-// A spin-then-yield wait: on a machine with more runnable threads than cores, the thread being waited for
-// may need this core
-inline void wait_briefly(int64_t& spins) {
-  if (++spins < 64) return;
-  spins = 0;
-  std::this_thread::yield();
-}
-
-// Two dependent lists of work in one parallel region (one fork and join per layer): threads take the first
-// list's items as they finish the last, and a thread that draws an item of the second list waits until every
-// item of the first is done (the ones it waits for are held by running threads, so it always ends)
-template <typename F1, typename F2>
-void run_two_phases(const std::vector<Item>& first, const F1& fn1, int64_t num_second, const F2& fn2) {
-  const int64_t n1 = static_cast<int64_t>(first.size()), total = n1 + num_second;
-  std::atomic<int64_t> next{0}, done{0};
-  auto work = [&]() {
-    for (int64_t i = next++; i < total; i = next++) {
-      if (i < n1) {
-        fn1(first[i]);
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
-      int64_t spins = 0;
-      while (done.load(std::memory_order_acquire) < n1) wait_briefly(spins);
-      fn2(i - n1);
-    }
-  };
-  if (total <= 1 || at::get_num_threads() == 1 || at::in_parallel_region()) {
-    work();
-    return;
-  }
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) { work(); });
-}
-
 // about 32 KiB of weights per work item, in whole 4-row tiles
 inline int64_t chunk_rows(int64_t k, int64_t elem_bytes) {
   return std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k * elem_bytes)) / 4 * 4);
@@ -240,7 +191,8 @@ void down_and_combine(const T*, int64_t num_tokens, int64_t hidden, const W* w2,
   const int64_t num_tiles = (hidden + tile - 1) / tile;
   auto sums = at::empty({num_tokens, hidden}, at::TensorOptions().dtype(at::kFloat));
   float* acc = sums.data_ptr<float>();
-  run_two_phases(gate_items, gate_up_item, num_tiles, [&](int64_t j) {
+  const auto gate_up_at = [&](int64_t i) { gate_up_item(gate_items[i]); };
+  pagoda::parallel_two_phases(static_cast<int64_t>(gate_items.size()), gate_up_at, num_tiles, [&](int64_t j) {
     const int64_t n0 = j * tile, n1 = std::min(hidden, n0 + tile);
     for (int64_t t = 0; t < num_tokens; ++t) std::fill(acc + t * hidden + n0, acc + t * hidden + n1, 0.f);
     for (const int64_t e : active) {
@@ -348,7 +300,7 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
                         gate_items, gate_up_item, out);
     return;
   }
-  run_items(gate_items, gate_up_item);
+  pagoda::parallel_items(static_cast<int64_t>(gate_items.size()), [&](int64_t i) { gate_up_item(gate_items[i]); });
   auto ys = at::empty({slots, hidden}, f32);  // the experts' outputs
   float* ysp = ys.data_ptr<float>();
   // phase 1, experts with many tokens: one GEMM each
@@ -369,7 +321,8 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
     finish_gate_up(gp, gp + inter, gate_up_rows, e, m, 0, inter, hsp + offsets[e] * inter, inter);
   }
   // phase 2: the down projection, the same two ways
-  run_items(down_items, [&](const Item& it) {
+  pagoda::parallel_items(static_cast<int64_t>(down_items.size()), [&](int64_t i) {
+    const Item& it = down_items[i];
     const int64_t m = offsets[it.e + 1] - offsets[it.e];
     const float* se = s2 ? s2 + it.e * hidden : nullptr;
     float* y = ysp + offsets[it.e] * hidden;
@@ -467,12 +420,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   TORCH_CHECK(w13.size(1) == 2 * inter && w13.size(2) == h && w2.size(0) == e && w2.size(1) == h &&
                   w2.size(2) == inter,
               "shapes: x [T, H], w13 [E, 2I, H], w2 [E, H, I]");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
-                  topk_ids.size(0) == x.size(0),
-              "topk_ids must be a contiguous int64 [T, k] tensor");
-  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
-                  topk_weights.sizes() == topk_ids.sizes(),
-              "topk_weights must be a contiguous float32 tensor shaped like topk_ids");
+  pagoda::check_routing(x, topk_ids, topk_weights);
   TORCH_CHECK(activation == kSiluMul || activation == kClampedSwiglu, "activation must be 0 or 1");
   const bool int8 = w13.scalar_type() == at::kChar;
   TORCH_CHECK(!int8 || (s13.has_value() && s2.has_value()), "int8 experts need the row scales s13 and s2");

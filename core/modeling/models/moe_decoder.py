@@ -76,7 +76,8 @@ class MoeDecoderLayer(DecoderLayer):
                                   alpha=moe.alpha, limit=moe.limit, shared_expert=shared, shared_gate=moe.shared_gate,
                                   host=cfg.host, prefix=prefix,
                                   int8_experts=quant is not None and getattr(quant, "int8_experts", None) is not None
-                                  and quant.int8_experts(prefix))
+                                  and quant.int8_experts(prefix),
+                                  experts_method=quant.moe_method(prefix) if hasattr(quant, "moe_method") else None)
         for param in self.moe.experts.parameters():
             param.is_optional = True  # filled through the experts' own loader, checked by FusedMoE.missing
 
@@ -89,9 +90,10 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     ``DecoderSpec.extra["moe"]``."""
 
     layer_class = MoeDecoderLayer
-    # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ or AWQ checkpoint's
-    # attention layers and shared expert run quantized, and its routed experts are dequantized at load (see the
-    # quant config's dequantize)
+    # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ, AWQ or compressed-tensors
+    # checkpoint's attention layers and shared expert run quantized; its group-quantized routed experts stay packed
+    # (the quant config's moe_method), int8 ones with row scales stay int8, the rest are dequantized at load (its
+    # dequantize)
     supports_lora = False
     # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
     checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
@@ -172,7 +174,9 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                                       "expert weights; MoE checkpoints load quantized experts from GPTQ, AWQ or "
                                       "compressed-tensors")
             experts = self.experts_of(layer)
-            if experts.s13 is not None:  # int8 experts stay int8, with their row scales
+            if experts.quant_method is not None:  # group-quantized experts stay packed
+                experts.load_quantized(part, expert, tensors, name)
+            elif experts.s13 is not None:  # int8 experts stay int8, with their row scales
                 q, scale = self.quant.int8_expert(tensors, name)
                 experts.load_expert(part, expert, q, name, scale=scale)
             else:

@@ -1,0 +1,94 @@
+"""Decode speed and memory of a Mixture-of-Experts model's routed experts: 4-bit group-quantized experts kept
+packed (the int kernel's ``int_moe_experts``) against experts held in bf16 (the MoE kernel), the form a 4-bit
+checkpoint's experts took when they were dequantized at load.
+
+Each step runs every layer's routed experts once for a batch of tokens (decode: one token per request), with
+random weights and a random top-k routing per layer; attention and the router are left out, so the figures
+are the experts' share of a decode step. Run the two variants alternately, one process each (they do not hold
+each other's weights):
+
+    python contrib/model-speed/moe_quant_speed.py --variant packed
+    python contrib/model-speed/moe_quant_speed.py --variant bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagoda.host.env import resolve_host_config
+from pagoda.modeling.layers.moe import FusedMoE
+from pagoda.plugins.quant.int_moe import IntMoeMethod
+
+
+def build(variant: str, args: argparse.Namespace) -> list[FusedMoE]:
+    host = resolve_host_config()
+    layers = []
+    for _ in range(args.layers):
+        if variant == "packed":
+            method = IntMoeMethod(4, args.group, None, "cpu", host, "GPTQ")
+            layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, host=host, quant_method=method)
+            for name in ("w13", "w2"):
+                getattr(layer, f"{name}_q").data.random_(0, 256)
+                getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
+                getattr(layer, f"{name}_zeros").data.fill_(8)
+        else:
+            layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, host=host)
+            layer.w13.data.normal_(0, 0.02)
+            layer.w2.data.normal_(0, 0.02)
+        layers.append(layer)
+    return layers
+
+
+def step_seconds(layers: list[FusedMoE], batch: int, args: argparse.Namespace) -> tuple[float, float]:
+    """The medians over ``args.steps`` steps of one pass of ``batch`` tokens through every layer's experts: wall
+    time, and the process's CPU time (with one thread, what a core of its own would take on a busy machine)."""
+    gen = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, args.hidden, generator=gen).to(torch.bfloat16)
+    routes = []
+    for _ in range(args.steps + 2):  # two warm-up steps, routings drawn before the clock starts
+        logits = torch.randn(len(layers), batch, args.experts, generator=gen)
+        weights, ids = torch.softmax(logits, -1).topk(args.active, dim=-1)
+        routes.append([(w / w.sum(-1, keepdim=True), i) for w, i in zip(weights, ids)])
+    wall, cpu = [], []
+    with torch.inference_mode():
+        for n, route in enumerate(routes):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for layer, (w, i) in zip(layers, route):
+                layer(x, w, i)
+            if n >= 2:
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", choices=("packed", "bf16"), required=True)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--active", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--inter", type=int, default=512)
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    layers = build(args.variant, args)
+    per_expert = layers[0].expert_bytes()
+    total = per_expert * args.experts * args.layers
+    print(f"{args.variant}: {layers[0].isa_path()}; {per_expert / 2**20:.3f} MiB per expert, experts of "
+          f"{args.layers} layers {total / 2**30:.2f} GiB, {args.threads} threads")
+    for batch in args.batch:
+        wall, cpu = step_seconds(layers, batch, args)
+        print(f"{args.variant} batch {batch}: {wall * 1e3:.1f} ms per step, {batch / wall:.1f} tok/s; CPU time "
+              f"{cpu * 1e3:.1f} ms per step, {batch / cpu:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

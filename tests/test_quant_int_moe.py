@@ -1,0 +1,138 @@
+"""Group-quantized routed experts kept packed (plugins/quant/int_moe.py): the C++ kernel (this CPU's path, the
+AVX2 build, the scalar loops) and the torch path compute what the same experts dequantized to float32 compute,
+in float32 and bfloat16, odd sizes, 1 to 19 tokens, top-3 of 5, 4 and 8 bits, with and without zero points; the
+packed experts take a quarter of the bytes and refuse tensors that do not fit them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.errors import CheckpointError, ConfigError
+from pagoda.host.env import resolve_host_config
+from pagoda.modeling.layers.moe import FusedMoE
+from pagoda.plugins.quant import cpu_int_kernel
+from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, TILE_ROWS
+from pagoda.plugins.quant.int_moe import IntMoeMethod
+
+NUM_EXPERTS, TOP_K = 5, 3
+TOKENS = (1, 4, 19)
+
+
+def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0):
+    """(packed FusedMoE, the same experts dequantized to float32 in a torch-only FusedMoE)."""
+    gen = torch.Generator().manual_seed(seed)
+    checkpoint: dict[str, tuple[torch.Tensor, ...]] = {}
+    method = IntMoeMethod(bits, group, lambda tensors, name: checkpoint[name], kernel, resolve_host_config(), "GPTQ")
+    packed = FusedMoE(NUM_EXPERTS, hidden, inter, dtype, host=resolve_host_config(), prefix="l.experts",
+                      quant_method=method)
+    reference = FusedMoE(NUM_EXPERTS, hidden, inter, torch.float32, host=None, prefix="l.experts")
+    maxq = (1 << bits) - 1
+    for e in range(NUM_EXPERTS):
+        for part, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            g = cols if group == -1 else group
+            groups = -(-cols // g)
+            q = torch.randint(0, maxq + 1, (rows, cols), generator=gen)
+            scales = torch.rand(rows, groups, generator=gen) * 0.02 + 1e-3
+            zeros = (torch.full((rows, groups), float((maxq + 1) // 2)) if symmetric
+                     else torch.randint(0, maxq + 1, (rows, groups), generator=gen).float())
+            name = f"l.experts.{e}.{part}_proj"
+            checkpoint[name] = (q, scales, zeros)
+            packed.load_quantized(part, e, {}, name)
+            col_group = torch.arange(cols) // g  # the packed scales are in the model dtype
+            reference.load_expert(part, e, (q - zeros[:, col_group]) * scales.to(dtype).float()[:, col_group], name)
+    assert not packed.missing() and packed.w13 is None
+    return packed, reference
+
+
+def _routing(tokens, hidden, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    return x, torch.rand(tokens, TOP_K, generator=gen), ids
+
+
+def _check(got, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    else:  # bf16 activations, gate_up sums, h and y rounded to bf16 as a bf16 MLP rounds them
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * float(want.abs().max()))
+
+
+def _avx2_kernels():
+    from isa_builds import build_at
+
+    return build_at("avx2", "pagoda_cpu_int_linear", cpu_int_kernel._SOURCE)
+
+
+def _run_kernel(kernels, layer, x, weights, ids, impl):
+    method = layer.quant_method
+    return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, layer.w13_zeros, layer.w2_q, layer.w2_scales,
+                                   layer.w2_zeros, ids, weights, method.bits, method.group_of(layer.hidden_size),
+                                   method.group_of(layer.intermediate_size), impl,
+                                   cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits, group, symmetric, hidden, inter", [
+    (4, 8, False, 37, 23),  # odd sizes: padded last groups, an odd number of nibbles
+    (4, 16, True, 37, 23),
+    (4, 32, False, 128, 64),  # halves aligned to 32 columns: batch 1 reads both nibbles of a byte at once
+    (4, -1, True, 37, 23),  # one group per row
+    (8, 16, False, 37, 23),
+])
+def test_packed_experts_compute_what_their_dequantized_weights_compute(dtype, bits, group, symmetric, hidden, inter):
+    packed, reference = _experts(dtype, hidden, inter, bits, group, symmetric)
+    kernels = packed.int_kernels
+    assert kernels is not None, "the int kernel builds on this machine"
+    paths = [("auto", lambda x, w, i: packed(x, w, i)),
+             ("scalar", lambda x, w, i: _run_kernel(kernels, packed, x, w, i, IMPL_SCALAR))]
+    if dtype == torch.bfloat16 or bits == 4:  # the AVX2 build, once per shape and dtype
+        avx2 = _avx2_kernels()
+        paths.append(("avx2", lambda x, w, i: _run_kernel(avx2, packed, x, w, i, IMPL_AUTO)))
+    for seed, tokens in enumerate(TOKENS):  # 19 tokens: about 11 per expert, the dequantized-tile GEMM
+        x, weights, ids = _routing(tokens, hidden, seed)
+        xd = x.to(dtype)
+        want = reference(xd.float(), weights, ids)
+        for path, run in paths:
+            got = run(xd, weights, ids)
+            assert got.dtype == dtype and got.shape == (tokens, hidden), path
+            _check(got, want, dtype)
+        with torch.inference_mode():  # as the engine runs it: the kernel's threads take the mode too
+            _check(packed(xd, weights, ids), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_torch_path_dequantizes_only_the_chosen_experts_and_computes_the_same(dtype):
+    packed, reference = _experts(dtype, 37, 23, 4, 8, False, kernel="torch", seed=1)
+    assert packed.int_kernels is None and "torch" in packed.isa_path()
+    for seed, tokens in enumerate(TOKENS):
+        x, weights, ids = _routing(tokens, 37, seed)
+        ids = torch.tensor([1, 2, 3])[ids.argsort(dim=1)]  # experts 0 and 4 never: the subset is reindexed
+        _check(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
+
+
+def test_packed_4bit_experts_take_a_quarter_of_the_bf16_bytes_plus_their_scales():
+    hidden, inter, group = 128, 64, 32
+    packed, _ = _experts(torch.bfloat16, hidden, inter, 4, group, False)
+    bf16 = FusedMoE(NUM_EXPERTS, hidden, inter, torch.bfloat16, host=None)
+    weights = 3 * hidden * inter
+    assert bf16.expert_bytes() == 2 * weights
+    # half a byte per weight, and a bf16 scale and zero point per group of 32
+    assert packed.expert_bytes() == weights // 2 + 2 * 2 * weights // group
+    assert packed.expert_bytes() / bf16.expert_bytes() == pytest.approx(0.3125)
+
+
+def test_tensors_that_do_not_fit_the_packed_experts_are_named():
+    packed, _ = _experts(torch.float32, 37, 23, 4, 8, False)
+    with pytest.raises(CheckpointError, match="holds quantized experts, but the tensor is torch.float32"):
+        packed.load_expert("gate", 0, torch.zeros(23, 37), "l.experts.0.gate_proj.weight")
+    method = packed.quant_method
+    method.unpack = lambda tensors, name: (torch.zeros(23, 36, dtype=torch.long), torch.ones(23, 5), torch.ones(23, 5))
+    with pytest.raises(CheckpointError, match=r"'l.experts.1.up_proj' is \(23, 36\) but the model expects \(23, 37\)"):
+        packed.load_quantized("up", 1, {}, "l.experts.1.up_proj")
+    with pytest.raises(CheckpointError, match="names expert 5, but config.json gives 5 experts"):
+        packed.load_quantized("up", 5, {}, "l.experts.5.up_proj")
+    with pytest.raises(ConfigError, match="silu\\(gate\\) \\* up and no expert biases"):
+        FusedMoE(NUM_EXPERTS, 37, 23, torch.float32, activation="clamped_swiglu", has_bias=True,
+                 quant_method=IntMoeMethod(4, 8, method.unpack, "torch", None, "GPTQ"))
