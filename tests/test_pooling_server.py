@@ -75,6 +75,17 @@ def test_langchain_openai_embeddings(server):
     assert len(docs) == 2 and query == pytest.approx(docs[0], abs=1e-6)
 
 
+def test_llama_index_openai_like_embedding(server, client):
+    openai_like = pytest.importorskip("llama_index.embeddings.openai_like")
+    emb = openai_like.OpenAILikeEmbedding(model_name=MODEL, api_base=server[0] + "/v1", api_key="none",
+                                          embed_batch_size=2)
+    docs = emb.get_text_embedding_batch(TEXTS[:3])  # two requests: batches of 2 and 1
+    query = emb.get_query_embedding(TEXTS[1])
+    direct = [d.embedding for d in client.embeddings.create(model=MODEL, input=TEXTS[:3]).data]
+    assert len(docs) == 3 and all(a == pytest.approx(b, abs=1e-5) for a, b in zip(docs, direct))
+    assert query == pytest.approx(direct[1], abs=1e-5)
+
+
 def test_bad_requests_get_openai_errors_naming_the_field_and_the_server_serves_on(server, client):
     with pytest.raises(openai.BadRequestError, match="dimensions: the model 'tiny-embed' has no Matryoshka"):
         client.embeddings.create(model=MODEL, input="x", dimensions=8)

@@ -53,6 +53,15 @@ def test_rerank_orders_documents_by_the_cross_encoder_s_score(server, reference,
     assert len(bare["results"]) == len(DOCS) and all("document" not in r for r in bare["results"])
 
 
+def test_cohere_s_sdk_reranks_through_v2_rerank(server, reference):
+    cohere = pytest.importorskip("cohere")
+    co = cohere.ClientV2(api_key="none", base_url=server[0])  # the SDK posts to {base_url}/v2/rerank
+    got = co.rerank(model="tiny-rerank", query=QUERY, documents=DOCS, top_n=2)
+    order = sorted(range(len(DOCS)), key=lambda i: -reference[i])[:2]
+    assert [r.index for r in got.results] == order
+    assert [r.relevance_score for r in got.results] == pytest.approx([reference[i] for i in order], abs=1e-5)
+
+
 def test_wrong_routes_and_bad_bodies_are_openai_errors(server):
     url = server[0]
     for path, fragment in (("/v1/embeddings", "served for the 'score' task"),
