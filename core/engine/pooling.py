@@ -3,8 +3,8 @@
 A :class:`PoolingEngine` runs a pooling model over batches of tokenized inputs and returns one vector (embed)
 or one score (score) per input: no decode, no sampling. An encoder (BERT family) runs its batch packed, with
 no padding, bidirectional attention and no KV cache; a decoder used for embeddings runs through pagoda's own decoder and
-attention backend on a scratch KV cache that each batch reuses from block 0 (nothing stays cached between
-batches). :class:`AsyncPoolingEngine` puts the server's requests into shared batches on a thread of its own.
+attention backend in blocks of its engine's KV pool (with last-token pooling, prefixes cached by earlier
+inputs are reused). :class:`AsyncPoolingEngine` puts the server's requests into shared batches on a thread of its own.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class PoolingEngine:
             limit = min(limit, args.max_model_len)
         self.max_model_len = min(limit, self.pooling.max_seq_length or limit)
         self.max_batch_tokens = max(self.max_batch_tokens, self.max_model_len)
-        if self.llm_engine is not None:  # a batch's inputs all fit in the scratch KV cache at once
+        if self.llm_engine is not None:  # a batch's inputs all fit in the KV pool at once
             self.max_batch_tokens = min(self.max_batch_tokens, self.llm_engine.num_blocks * self.block_size)
         self.lock = threading.Lock()  # one batch at a time runs the model
         self._request_ids = itertools.count()
