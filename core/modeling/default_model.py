@@ -53,7 +53,7 @@ def resolve_model_path(model: Optional[str]) -> Path:
 
 
 def ensure_default_model() -> Path:
-    """Convert the GGUF once into ``~/.cache/pagoda/modeling/models/SmolLM2-135M-Instruct`` and return it."""
+    """Convert the GGUF once into ``~/.cache/pagoda/models/SmolLM2-135M-Instruct`` and return it."""
     return _converted(default_gguf_path(), cache_root() / "models" / DEFAULT_MODEL_NAME)
 
 
