@@ -44,8 +44,19 @@ constexpr int64_t kPrefetchBytes = 2048;
 inline const uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PAGODA_INVARIANT_GEMM 1
 constexpr const char* kPath = "avx512_bf16";
 constexpr int kTileRows = 6;  // 6 rows x 4 blocks: 24 zmm accumulators, 4 weight vectors, the broadcast pair
+using RowElem = uint16_t;  // the activations as the microkernels read them: bf16 bits
+
+// x [M, K] as the microkernels read it: as it is for an even K; for an odd K, with a zero column after the last,
+// so every k pair is whole (the weights' pad is zero too)
+at::Tensor kernel_rows(const at::Tensor& x, int64_t pairs) {
+  if (x.size(1) % 2 == 0) return x;
+  auto padded = at::zeros({x.size(0), 2 * pairs}, x.options());
+  padded.narrow(1, 0, x.size(1)).copy_(x);
+  return padded;
+}
 
 // fp32 -> bf16 bits, nearest even, NaN -> 0x7FC0 (pagoda::from_f, 16 lanes)
 inline __m256i bf16_bits16(__m512 v) {
@@ -120,8 +131,18 @@ void tile_rows(const uint16_t* x, int64_t xs, int64_t pairs, const uint16_t* pac
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_INVARIANT_GEMM 1
 constexpr const char* kPath = "avx2";
 constexpr int kTileRows = 4;  // 4 rows x one block: 8 ymm accumulators, 4 widened weight vectors, the broadcast
+using RowElem = float;  // the activations as the microkernels read them: fp32
+
+// x [M, K] as the microkernels read it: fp32, once (every block reads it again), with a zero column after the
+// last for an odd K
+at::Tensor kernel_rows(const at::Tensor& x, int64_t pairs) {
+  auto widened = at::zeros({x.size(0), 2 * pairs}, x.options().dtype(at::kFloat));
+  widened.narrow(1, 0, x.size(1)).copy_(x);
+  return widened;
+}
 
 // fp32 -> bf16 bits in the low half of each lane, nearest even, NaN -> 0x7FC0 (pagoda::from_f, 8 lanes)
 inline __m256i bf16_bits8(__m256 v) {
@@ -204,7 +225,18 @@ void tile_rows(const float* x, int64_t xs, int64_t pairs, const uint16_t* packed
 }
 #else
 constexpr const char* kPath = "";
-constexpr int kTileRows = 1;
+#endif
+
+#ifdef PAGODA_INVARIANT_GEMM
+// tile_rows for `rows` rows (1 to kTileRows)
+template <int MB = kTileRows>
+void tile_rows_of(int64_t rows, const RowElem* x, int64_t xs, int64_t pairs, const uint16_t* packed, int64_t n,
+                  int64_t b0, int64_t b1, bool prefetch, const float* bias, uint16_t* y, int64_t ys) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return tile_rows_of<MB - 1>(rows, x, xs, pairs, packed, n, b0, b1, prefetch, bias, y, ys);
+  }
+  tile_rows<MB>(x, xs, pairs, packed, n, b0, b1, prefetch, bias, y, ys);
+}
 #endif
 
 }  // namespace
@@ -246,7 +278,7 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::o
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.size(1) + 1) / 2 == packed.size(1),
               "x must be [M, K] with contiguous rows, K matching the packed weight's ", packed.size(1),
               " pairs, got shape ", x.sizes());
-  const int64_t m = x.size(0), n = packed.size(0), k = x.size(1), pairs = packed.size(1);
+  const int64_t m = x.size(0), n = packed.size(0), pairs = packed.size(1);
   at::Tensor bias_f;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "bias must be [N] bf16 (N = ", n,
@@ -254,23 +286,11 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::o
     bias_f = bias->to(at::kFloat).contiguous();
   }
   auto y = at::empty({m, n}, x.options());
+#ifdef PAGODA_INVARIANT_GEMM
   if (m == 0 || n == 0) return y;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  // an odd K: the rows with a zero column after the last, so every k pair is whole (the weights' pad is zero too)
-  at::Tensor xb = x;
-  if (k % 2 != 0) {
-    xb = at::zeros({m, 2 * pairs}, x.options());
-    xb.narrow(1, 0, k).copy_(x);
-  }
-  const uint16_t* xp = bits_of(xb);
-  const int64_t xs = xb.stride(0);
-#elif defined(__AVX2__) && defined(__FMA__)
-  // the rows as fp32, once (every block reads them again), with a zero column after the last for an odd K
-  auto xb = at::zeros({m, 2 * pairs}, x.options().dtype(at::kFloat));
-  xb.narrow(1, 0, k).copy_(x);
-  const float* xp = xb.data_ptr<float>();
-  const int64_t xs = xb.stride(0);
-#endif
+  const auto rows = kernel_rows(x, pairs);
+  const RowElem* xp = static_cast<const RowElem*>(rows.data_ptr());
+  const int64_t xs = rows.stride(0);
   const uint16_t* wp = bits_of(packed);
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -281,29 +301,11 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::o
   pagoda::parallel_items(num_row_blocks * num_tiles, [&](int64_t item) {
     const int64_t r0 = item / num_tiles * kRowBlock, r1 = std::min(m, r0 + kRowBlock);
     const int64_t b0 = item % num_tiles * kTileBlocks, b1 = std::min(num_blocks, b0 + kTileBlocks);
-    for (int64_t m0 = r0; m0 < r1; m0 += kTileRows) {
-      const bool prefetch = m0 == r0;
-      const auto* xm = xp + m0 * xs;
-      uint16_t* ym = yp + m0 * n;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-      switch (std::min<int64_t>(kTileRows, r1 - m0)) {
-        case 6: tile_rows<6>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        case 5: tile_rows<5>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        case 4: tile_rows<4>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        case 3: tile_rows<3>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        case 2: tile_rows<2>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        default: tile_rows<1>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-      }
-#elif defined(__AVX2__) && defined(__FMA__)
-      switch (std::min<int64_t>(kTileRows, r1 - m0)) {
-        case 4: tile_rows<4>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        case 3: tile_rows<3>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        case 2: tile_rows<2>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-        default: tile_rows<1>(xm, xs, pairs, wp, n, b0, b1, prefetch, bp, ym, n); break;
-      }
-#endif
-    }
+    for (int64_t m0 = r0; m0 < r1; m0 += kTileRows)
+      tile_rows_of(std::min<int64_t>(kTileRows, r1 - m0), xp + m0 * xs, xs, pairs, wp, n, b0, b1, m0 == r0, bp,
+                   yp + m0 * n, n);
   });
+#endif
   return y;
 }
 
