@@ -4,12 +4,12 @@ per-head q/k RMSNorm with RoPE in one pass), and bf16 linears.
 The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
 linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
 fp32 GEMM over widened weight tiles for larger ones (blocked by activation rows for prefill-sized ones); in the
-batch-invariant mode, the GEMM of ``invariant_gemm.cpp`` over weights packed for it at load time. ``cpu_ops.cpp``
-is compiled on first use (about a minute, then cached by torch's extension loader). Where it cannot be built, or for tensors it does not cover
-(GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
-compute the same values. An engine's ``fused_cpu_ops`` host setting
-off (``--no-fused-cpu-ops``, ``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off for its model: its layers hold
-a ``CpuKernels`` chosen from its settings when it is built.
+batch-invariant mode, the GEMM of ``invariant_gemm.cpp`` over weights packed for it at load time. The kernels are
+compiled on first use (about a minute, then cached by torch's extension loader). Where they cannot be built, or
+for tensors they do not cover (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
+compute the same values. An engine's ``fused_cpu_ops`` host setting off (``--no-fused-cpu-ops``,
+``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off for its model: its layers hold a ``CpuKernels`` chosen from its
+settings when it is built.
 """
 
 from __future__ import annotations

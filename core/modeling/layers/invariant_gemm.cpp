@@ -97,8 +97,8 @@ inline void tile(const uint16_t* x, int64_t xs, int64_t pairs, const uint16_t* w
   }
 #pragma GCC unroll 8
   for (int j = 0; j < NB; ++j) {
-    const __m512 b = bias ? (MASKED ? _mm512_maskz_loadu_ps(mask, bias + j * kBlock) : _mm512_loadu_ps(bias + j * kBlock))
-                          : _mm512_setzero_ps();
+    const float* bj = bias ? bias + j * kBlock : nullptr;
+    const __m512 b = bj ? (MASKED ? _mm512_maskz_loadu_ps(mask, bj) : _mm512_loadu_ps(bj)) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const __m256i out = bf16_bits16(_mm512_add_ps(acc[m][j], b));
@@ -152,6 +152,8 @@ inline __m256i bf16_bits8(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
+inline __m256i load_ints8(const int* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
 // lanes [0, width) of a vector of 8
 inline __m256i lanes_below(int64_t width) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(width)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -172,9 +174,8 @@ inline void tile(const float* x, int64_t xs, int64_t pairs, const uint16_t* w, i
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* wp = w + p * pair_stride;
     const int* wi = reinterpret_cast<const int*>(wp);
-    const __m256i v0 = MASKED ? _mm256_maskload_epi32(wi, mask_lo) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-    const __m256i v1 = MASKED ? _mm256_maskload_epi32(wi + 8, mask_hi)
-                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
+    const __m256i v0 = MASKED ? _mm256_maskload_epi32(wi, mask_lo) : load_ints8(wi);
+    const __m256i v1 = MASKED ? _mm256_maskload_epi32(wi + 8, mask_hi) : load_ints8(wi + 8);
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
     const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
     const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
@@ -271,8 +272,8 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kPath[0] != '\0', "this build has neither AVX-512 BF16 nor AVX2 + FMA: no batch-invariant bf16 GEMM");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "x and the packed weight must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "x and weight must be bf16, got ",
-              x.scalar_type(), " and ", packed.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "x and weight must be bf16, got ", x.scalar_type(), " and ", packed.scalar_type());
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 && packed.is_contiguous(),
               "the weight must be packed by pack_bf16 ([N, ceil(K / 2), 2]), got a tensor of shape ", packed.sizes());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.size(1) + 1) / 2 == packed.size(1),

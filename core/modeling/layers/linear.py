@@ -247,8 +247,8 @@ class ParallelLMHead(Linear):
 
 class Logits:
     """``hidden -> logits [n, vocab]`` in float32 over the whole vocabulary: an untied head, or the embedding's
-    weight (tied), packed once for the CPU matmul (see ``CpuKernels.pack_weight``) while the embedding itself stays plain
-    for the token lookup; under tensor parallelism each rank's rows, gathered."""
+    weight (tied), packed once for the CPU matmul (see ``CpuKernels.pack_weight``) while the embedding itself
+    stays plain for the token lookup; under tensor parallelism each rank's rows, gathered."""
 
     def __init__(self, vocab_size: int, kernels: CpuKernels) -> None:
         self.tp = tp = distributed.current()
