@@ -283,8 +283,8 @@ def test_avx2_gemv_and_tiled_gemm_match_an_fp32_matmul_of_the_same_values(rows, 
 
 @pytest.mark.parametrize("out_features,in_features", [(13, 67), (7, 3), (96, 40)])
 def test_avx2_gemv_gives_each_row_the_bits_it_gets_alone_at_every_row_count(out_features, in_features):
-    """The batch-invariant mode's linear: the GEMV blocks 4, 2 or 1 rows at a time, and each output is
-    the same sum whatever the block, so a row's bits do not depend on the rows around it."""
+    """The GEMV blocks 4, 2 or 1 rows at a time, and each output is the same sum whatever the block, so a row's
+    bits do not depend on the rows around it."""
     avx2 = _avx2_ops()
     g = torch.Generator().manual_seed(out_features + in_features)
     x = torch.randn(300, in_features, generator=g).bfloat16()

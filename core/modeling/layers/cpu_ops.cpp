@@ -455,29 +455,6 @@ void gemv_rows_f32(const float* x, int64_t k, const at::BFloat16* w, const at::B
     for (int m = 0; m < MB; ++m) y[m * y_stride + n] = from_f<at::BFloat16>(sums[m] + (bias ? to_f(bias[n]) : 0.f));
   }
 }
-
-// ---- the batch-invariant tiled GEMM (AVX2) ---------------------------------------------------
-//
-// gemv_tile_f32 for more activation rows per tile: 6 rows x 2 weight rows of sums (12 accumulators, the two
-// widened weight vectors and one activation vector: 15 ymm), which loads 8 vectors per 12 FMAs and widens 2 weight
-// vectors where 4 x 3 widens 3. Each output is still gemv_tile_f32's sum (8 lanes along K, the same lane sum,
-// the same tail), so its bits are the GEMV's whatever the tile.
-template <int MB, int R>
-void inv_rows_f32(const float* x, int64_t k, const at::BFloat16* w, const at::BFloat16* bias, at::BFloat16* y,
-                  int64_t y_stride, int64_t n_begin, int64_t n_end) {
-  float sums[MB * R];
-  int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) {
-    gemv_tile_f32<R, MB>(x, k, w + n * k, sums);
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r)
-        y[m * y_stride + n + r] = from_f<at::BFloat16>(sums[m * R + r] + (bias ? to_f(bias[n + r]) : 0.f));
-  }
-  for (; n < n_end; ++n) {
-    gemv_tile_f32<1, MB>(x, k, w + n * k, sums);
-    for (int m = 0; m < MB; ++m) y[m * y_stride + n] = from_f<at::BFloat16>(sums[m] + (bias ? to_f(bias[n]) : 0.f));
-  }
-}
 #endif
 
 // which GEMV this build has: "avx512_bf16" (bf16 dot products), "avx2" (fp32 math), or "" (none)
@@ -825,71 +802,6 @@ at::Tensor gemm_bf16_fp32_rows(const at::Tensor& x, const at::Tensor& weight, co
   return y;
 }
 
-// y = x W^T (+ bias) for many bf16 rows, each output the same bits as gemv_bf16's whatever the number of rows
-// (the batch-invariant mode's linears): the GEMV's sums with the loops the other way round. The threads take
-// tiles of `tile_rows` weight rows one at a time (about 55 KiB of bf16 at 48 rows of 576: it stays in L2 while
-// every activation row passes it, a block of rows at a time), where the GEMV takes all rows against each chunk of
-// weights in turn, four at a time. With AVX-512 BF16 a block is 4 activation rows x 6 weight rows of sums (24 zmm
-// accumulators, the 6 weight vectors and one activation vector: 31 of the 32 registers); on AVX2, 6 x 2 (15 of
-// the 16 ymm).
-// x: [M, K] bf16 with contiguous rows; weight: [N, K] bf16 contiguous; bias: [N] or none. Returns [M, N].
-at::Tensor gemm_bf16_inv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                         int64_t tile_rows) {
-  TORCH_CHECK(tile_rows > 0, "tile_rows must be positive");
-  TORCH_CHECK(has_bf16_gemv(), "this build has neither AVX-512 BF16 nor AVX2 + FMA");
-  check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 2 && weight.is_contiguous() &&
-                  x.size(1) == weight.size(1),
-              "x must be [M, K] with contiguous rows and weight a contiguous [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "x and weight must be bf16");
-  const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
-  const at::BFloat16* b = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.numel() == n && bias_c.scalar_type() == at::kBFloat16, "bias must be [N] bf16");
-    b = bias_c.data_ptr<at::BFloat16>();
-  }
-  auto y = at::empty({m, n}, x.options());
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const int64_t xs = x.stride(0);
-  parallel_chunks(n, tile_rows, [&](int64_t begin, int64_t end) {
-    // one tile at a time here too: with one thread (or inside a parallel region) the chunk is all of [0, N)
-    for (int64_t t0 = begin; t0 < end; t0 += tile_rows) {
-      const int64_t t1 = std::min(end, t0 + tile_rows);
-      int64_t m0 = 0;
-      for (; m - m0 >= 4; m0 += 4) gemv_rows<4, 6>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k);
-      switch (m - m0) {
-        case 3: gemv_rows<3, 6>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k); break;
-        case 2: gemv_rows<2, 8>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k); break;
-        case 1: gemv_rows<1, 8>(xp + m0 * xs, xs, wp, b, yp + m0 * n, n, t0, t1, k); break;
-        default: break;
-      }
-    }
-  });
-#elif defined(PAGODA_AVX2_GEMV)
-  // [M, K] activations as fp32, once: every weight tile reads them again
-  const auto xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  parallel_chunks(n, tile_rows, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = begin; t0 < end; t0 += tile_rows) {
-      const int64_t t1 = std::min(end, t0 + tile_rows);
-      int64_t m0 = 0;
-      for (; m - m0 >= 6; m0 += 6) inv_rows_f32<6, 2>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
-      for (; m - m0 >= 4; m0 += 4) inv_rows_f32<4, 3>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
-      for (; m0 < m; m0 += 2) {
-        if (m - m0 >= 2) inv_rows_f32<2, 4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
-        else inv_rows_f32<1, 4>(xp + m0 * k, k, wp, b, yp + m0 * n, n, t0, t1);
-      }
-    }
-  });
-#endif
-  return y;
-}
-
 // every kernel runs without the GIL: a server's event loop and tokenizer thread go on while a step
 // computes (the arguments are converted before the call and the result after it, both with the GIL)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -900,9 +812,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x W^T (+ bias) for prefill-sized bf16 row counts, widened weight chunks shared by the threads", no_gil,
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("row_block") = 256,
         pybind11::arg("chunk_rows") = 1024);
-  m.def("gemm_bf16_inv", &gemm_bf16_inv,
-        "y = x W^T (+ bias) for many bf16 rows, each output the same bits as gemv_bf16's (batch-invariant)", no_gil,
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("tile_rows") = 48);
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up projection", no_gil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu(gate, tanh approximation) * up over a fused gate_up projection",

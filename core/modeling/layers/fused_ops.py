@@ -3,12 +3,13 @@ per-head q/k RMSNorm with RoPE in one pass), and bf16 linears.
 
 The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
 linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
-fp32 GEMM over widened weight tiles for larger ones (blocked by activation rows for prefill-sized ones). ``cpu_ops.cpp`` is compiled on first use (about a minute, then cached by torch's
-extension loader). Where it cannot be built, or for tensors it does not cover
-(GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
-compute the same values. An engine's ``fused_cpu_ops`` host setting
-off (``--no-fused-cpu-ops``, ``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off for its model: its layers hold
-a ``CpuKernels`` chosen from its settings when it is built.
+fp32 GEMM over widened weight tiles for larger ones (blocked by activation rows for prefill-sized ones); in the
+batch-invariant mode, the GEMM of ``invariant_gemm.cpp`` over weights packed for it at load time. The kernels are
+compiled on first use (about a minute, then cached by torch's extension loader). Where they cannot be built, or
+for tensors they do not cover (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
+compute the same values. An engine's ``fused_cpu_ops`` host setting off (``--no-fused-cpu-ops``,
+``PAGODA_FUSED_CPU_OPS=0``) turns the kernels off for its model: its layers hold a ``CpuKernels`` chosen from its
+settings when it is built.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pagoda.modeling.layers import onednn
 
 
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_INVARIANT_SOURCE = Path(__file__).with_name("invariant_gemm.cpp")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Up to this many rows, the GEMV kernel beats torch's bf16 matmul here (one thread, the model's shapes with
@@ -50,20 +52,11 @@ AVX2_ROWS_GEMM_MIN_ROWS = 1024
 ROWS_GEMM_BLOCK = 256
 ROWS_GEMM_CHUNK_BYTES = 1024 * 576 * 4
 
-# The batch-invariant mode's rows per matmul where the GEMV does not apply (float32 or float16 weights, no
+# The batch-invariant mode's rows per matmul where its bf16 GEMM does not apply (float32 or float16 weights, no
 # kernels): every product is a [16, K] tile, the last one padded with zero rows, so the BLAS picks the same kernel
 # whatever the batch. Measured here (AVX2, MKL, 1 and 2 threads): a row's output bits did not depend on its place
 # in the tile nor on the other rows, while a 1-row and a 16-row product differed in 5-90% of the outputs.
 INVARIANT_TILE_ROWS = 16
-
-# The batch-invariant mode's bf16 linears beyond AVX2_GEMV_MAX_ROWS rows on AVX2, GEMV_MAX_ROWS with AVX-512 BF16:
-# the tiled GEMM whose outputs have the GEMV's bits (``gemm_bf16_inv``), the threads taking this many weight rows
-# at a time. One thread, the default model's four linear shapes, CPU time per call at a load average of about 20
-# (AMD EPYC Zen 3, AVX2 only): 128 rows 15.5 ms (GEMV 18.4, the default path's fp32 GEMM of widened tiles 16.8),
-# 512 rows 61.1 (67.9, 63.7), 8 rows 1.14 (1.33, 3.07). AMD EPYC Zen 5 (AVX-512 BF16), load average about 8:
-# 128 rows 3.6 ms (GEMV 4.7, oneDNN's packed bf16 GEMM of the mode off 2.0), 512 rows 13.2 (17.3, 8.1), 8 rows
-# 0.20 (0.25, 0.22).
-INVARIANT_GEMM_TILE_ROWS = 48
 
 
 def rows_gemm_chunk(in_features: int) -> int:
@@ -83,6 +76,17 @@ def cpu_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
                                       host=host)
 
 
+def invariant_gemm_ops(host: HostConfig) -> Optional[Any]:
+    """The batch-invariant mode's compiled bf16 GEMM (``invariant_gemm.cpp``) for ``host``, or None when its
+    ``fused_cpu_ops`` setting is off, the build has no path for this CPU (neither AVX-512 BF16 nor AVX2 + FMA) or
+    it cannot be built."""
+    if not host.fused_cpu_ops:
+        return None
+    ops = load_cpu_extension_or_none("pagoda_invariant_gemm", _INVARIANT_SOURCE, ("-ffp-contract=off",),
+                                     fallback="torch ops in fixed tiles", host=host)
+    return ops if ops is not None and ops.path() else None
+
+
 class CpuKernels:
     """The CPU kernels one model's layers run, chosen once, from its engine's host settings, when the model is
     built: every layer holds the model's ``CpuKernels`` and asks it, so engines with other settings in the same
@@ -95,9 +99,14 @@ class CpuKernels:
         # the ISA path of the compiled bf16 GEMV: ``avx512_bf16``, ``avx2``, or ``""`` (none, or turned off)
         self.gemv_path = str(self.ops.gemv_path()) if self.ops is not None else ""
         self.batch_invariant = batch_invariant
-        # bf16 weights go into oneDNN's blocked layout at load time (see layers.onednn); oneDNN picks its kernel
-        # by the number of rows, so not in the batch-invariant mode
-        self.packs_weights = host is not None and not batch_invariant and onednn.packing_available(host)
+        # the batch-invariant mode's bf16 GEMM over weights packed for it (see :meth:`invariant_linear`)
+        self.invariant_ops = invariant_gemm_ops(host) if host is not None and batch_invariant else None
+        # bf16 weights are packed at load time: in oneDNN's blocked layout (see layers.onednn), or, in the
+        # batch-invariant mode (oneDNN picks its kernel by the number of rows), in the invariant GEMM's
+        self.packs_weights = host is not None and (self.invariant_ops is not None if batch_invariant
+                                                   else onednn.packing_available(host))
+        # the product with a weight :meth:`pack_weight` packed: ``(x, packed, bias=None) -> y``
+        self.packed_linear = self._invariant_packed_linear if batch_invariant else onednn.packed_linear
         # within a step that computes prompt tokens (:meth:`prompt_step`), on AVX2, bf16 linears take the GEMM at
         # every row count: a prompt's rows then come out the same bits however the prompt was split into steps
         # (a prefix-cache hit, a chunk), since each GEMM row's sums depend on that row alone
@@ -176,40 +185,49 @@ class CpuKernels:
     def invariant_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
                          ) -> torch.Tensor:
         """``F.linear`` in which each output row's bits depend on that input row alone, not on how many rows
-        come with it nor where it sits: bf16 through the GEMV kernel for every batch size (each output is one
-        dot product over K in a fixed order: 8 or 32 fp32 lanes, then a fixed lane sum; on AVX2, beyond
-        ``AVX2_GEMV_MAX_ROWS`` rows, or ``GEMV_MAX_ROWS`` with AVX-512 BF16, the tiled GEMM of the same sums), other
-        dtypes in fixed tiles of
-        ``INVARIANT_TILE_ROWS`` rows."""
+        come with it nor where it sits: bf16 through the invariant GEMM (each output accumulates its K in order
+        in one fp32 lane; see ``invariant_gemm.cpp``), the weight packed for the call (a layer packs its weight
+        once, at load time: :meth:`pack_weight`, :attr:`packed_linear`); other dtypes, or without the kernel, in
+        fixed tiles of ``INVARIANT_TILE_ROWS`` rows."""
+        if (self.invariant_ops is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+                and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2):
+            return self._invariant_packed_linear(x, self.invariant_ops.pack_bf16(weight.contiguous()), bias)
         rows, k = x.numel() // max(1, x.shape[-1]), x.shape[-1]
         x2 = x.reshape(rows, k)
-        if (self.gemv_path and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-                and x.device.type == "cpu" and weight.is_contiguous()):
-            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            if rows > (AVX2_GEMV_MAX_ROWS if self.gemv_path == "avx2" else GEMV_MAX_ROWS):
-                y = self.ops.gemm_bf16_inv(x2, weight, bias, INVARIANT_GEMM_TILE_ROWS)
-            else:
-                y = self.ops.gemv_bf16(x2, weight, bias)
-        else:
-            tile = INVARIANT_TILE_ROWS
-            padded = x2.new_zeros((-(-rows // tile) * tile, k))
-            padded[:rows] = x2
-            y = torch.cat([torch.nn.functional.linear(padded[i:i + tile], weight, bias)
-                           for i in range(0, padded.shape[0], tile)])[:rows]
+        tile = INVARIANT_TILE_ROWS
+        padded = x2.new_zeros((-(-rows // tile) * tile, k))
+        padded[:rows] = x2
+        y = torch.cat([torch.nn.functional.linear(padded[i:i + tile], weight, bias)
+                       for i in range(0, padded.shape[0], tile)])[:rows]
         return y.view(*x.shape[:-1], weight.shape[0])
 
+    def _invariant_packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None
+                                 ) -> torch.Tensor:
+        """``F.linear`` over a weight packed for the invariant GEMM (``[N, ceil(K / 2), 2]``); ``x`` bf16 of any
+        leading shape."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.invariant_ops.gemm_bf16(x2 if x2.stride(-1) == 1 else x2.contiguous(), packed, bias)
+        return y.view(*x.shape[:-1], packed.shape[0])
+
     def pack_weight(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
-        """``weight`` in oneDNN's blocked layout where this model packs it, else None (see layers.onednn)."""
-        return onednn.pack_weight(weight) if self.packs_weights else None
+        """``weight`` ``[out, in]`` packed for :attr:`packed_linear` where this model packs it (a bf16 CPU
+        matrix): in oneDNN's blocked layout (see layers.onednn), or in the batch-invariant mode the invariant
+        GEMM's (``[out, ceil(in / 2), 2]``, a plain tensor); else None."""
+        if not self.packs_weights:
+            return None
+        if self.batch_invariant:
+            if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+                return None
+            return self.invariant_ops.pack_bf16(weight.contiguous())
+        return onednn.pack_weight(weight)
 
     def isa_paths(self, dtype: torch.dtype) -> dict[str, str]:
         """The ISA path the decoder layer's elementwise kernels and dense linear layers take for a CPU model
         of ``dtype`` (for benchmarks and logs)."""
         elementwise = str(self.ops.elementwise_path()) if self.ops is not None and dtype in _DTYPES else "torch"
         if self.batch_invariant:
-            tiled_from = AVX2_GEMV_MAX_ROWS if self.gemv_path == "avx2" else GEMV_MAX_ROWS
-            dense = (f"batch-invariant: gemv {self.gemv_path} sums at every batch size (tiled beyond {tiled_from} rows)"
-                     if dtype == torch.bfloat16 and self.gemv_path else
+            dense = (f"batch-invariant: packed bf16 GEMM ({self.invariant_ops.path()}), each output's sum in one lane"
+                     if dtype == torch.bfloat16 and self.invariant_ops is not None else
                      f"batch-invariant: torch in fixed tiles of {INVARIANT_TILE_ROWS} rows")
         elif dtype != torch.bfloat16:
             dense = "torch"

@@ -13,7 +13,6 @@ from torch import nn
 
 from pagoda.errors import CheckpointError
 from pagoda.execution import distributed
-from pagoda.modeling.layers import onednn
 from pagoda.modeling.layers.fused_ops import CpuKernels
 
 
@@ -41,9 +40,11 @@ def current_packed_modules() -> Mapping[str, Sequence[str]]:
 class UnquantizedLinearMethod:
     """Plain dense weights: ``weight [out_features, in_features]`` in the model dtype.
 
-    Once loaded, a bf16 weight on a CPU is replaced by its oneDNN-packed form (see ``layers.onednn``):
-    same shape and values, an opaque layout, ``onednn.dense(layer.weight)`` gives the plain matrix back.
-    ``kernels``: the model's CPU kernels, which say whether it packs and multiply otherwise (None: torch ops).
+    Once loaded, a bf16 weight on a CPU is replaced by its packed form where the model's kernels pack: oneDNN's
+    (see ``layers.onednn``: same shape and values, an opaque layout, ``onednn.dense(layer.weight)`` gives the plain
+    matrix back), or in the batch-invariant mode the invariant GEMM's (``[out, ceil(in / 2), 2]``; see
+    ``CpuKernels.pack_weight``). ``kernels``: the model's CPU kernels, which say whether and how it packs, and
+    multiply (None: torch ops).
     """
 
     def __init__(self, kernels: Optional[CpuKernels] = None) -> None:
@@ -64,7 +65,7 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: "Linear", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if layer.packed:  # Linear.forward takes this path itself; here for callers of apply
-            return onednn.packed_linear(x, layer.weight, bias)
+            return self.kernels.packed_linear(x, layer.weight, bias)
         return self.kernels.linear(x, layer.weight, bias)
 
 
@@ -101,7 +102,8 @@ class Linear(nn.Module):
         self.output_sizes = [size for _, size in self.tp_rows] if self.tp_rows is not None else list(output_sizes)
         self.out_features = sum(self.output_sizes)
         self.prefix = prefix
-        self.packed = False  # weight in oneDNN's layout: forward calls it directly (see UnquantizedLinearMethod)
+        # weight packed by its quant method's kernels (see UnquantizedLinearMethod): forward calls their product
+        self.packed = False
         # the adapter slots of multi-LoRA serving (a pagoda.execution.lora.LoRALayer), set by the runner; None: off
         self.lora = None
         self.quant_method = quant_method or UnquantizedLinearMethod(kernels)
@@ -142,13 +144,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is not None:  # row parallel: partial sums over this rank's columns, the bias added once
-            y = onednn.packed_linear(x, self.weight, None) if self.packed else self.quant_method.apply(self, x, None)
+            y = (self.quant_method.kernels.packed_linear(x, self.weight, None) if self.packed
+                 else self.quant_method.apply(self, x, None))
             if self.lora is not None:  # this rank's part of the LoRA term too: the all-reduce sums the parts
                 self.lora.add(x, y)
             self.tp.all_reduce(y)
             return y if self.bias is None else y + self.bias
         if self.packed:  # the hot path of a bf16 model on a CPU, 121 calls a decode step here: no detours
-            y = onednn.packed_linear(x, self.weight, self.bias)
+            y = self.quant_method.kernels.packed_linear(x, self.weight, self.bias)
         else:
             y = self.quant_method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.add(x, y)  # the adapters' terms, in place
@@ -244,8 +247,8 @@ class ParallelLMHead(Linear):
 
 class Logits:
     """``hidden -> logits [n, vocab]`` in float32 over the whole vocabulary: an untied head, or the embedding's
-    weight (tied), packed once for the CPU matmul (see ``layers.onednn``) while the embedding itself stays plain
-    for the token lookup; under tensor parallelism each rank's rows, gathered."""
+    weight (tied), packed once for the CPU matmul (see ``CpuKernels.pack_weight``) while the embedding itself
+    stays plain for the token lookup; under tensor parallelism each rank's rows, gathered."""
 
     def __init__(self, vocab_size: int, kernels: CpuKernels) -> None:
         self.tp = tp = distributed.current()
@@ -261,7 +264,7 @@ class Logits:
         else:
             head = self.packed_tied(embedding)
             if head is not None:
-                logits = onednn.packed_linear(hidden, head).float()
+                logits = self.kernels.packed_linear(hidden, head).float()
             else:
                 logits = self.kernels.linear(hidden, embedding.weight).float()
         return logits if self.tp.size == 1 else self.tp.all_gather_last(logits, self.vocab_parts)

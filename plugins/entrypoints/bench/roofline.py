@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.modeling.layers import onednn
 from pagoda.modeling.layers.linear import Linear
 
 # batch sizes at which GEMM speed is measured; a step uses the nearest (in log space)
@@ -90,7 +89,7 @@ def measure_roofline(model: torch.nn.Module, num_layers: int, rounds: int = 5) -
     def gemm(w: torch.Tensor):
         packed = kernels.pack_weight(w) if kernels is not None else None
         if packed is not None:
-            return lambda x: onednn.packed_linear(x, packed)
+            return lambda x: kernels.packed_linear(x, packed)
         if kernels is not None:
             # the model's own linear: on a CPU without bf16 math, its widened-tile GEMM, far faster than torch's
             return lambda x: kernels.linear(x, w)
