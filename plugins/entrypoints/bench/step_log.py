@@ -8,7 +8,8 @@ emit), the runner's (attention metadata, model, LM head, sampling), the
 attention layers' own time (K/V write and kernel, timed by forward hooks), and
 the gap since the previous step ended (the engine thread's time outside steps:
 adding requests, handing outputs to the event loop, waiting for the GIL or for
-work). Nothing of it runs unless asked for.
+work), and when the step started and ended on the engine's monotonic clock
+(``start``, ``end``, seconds). Nothing of it runs unless asked for.
 
 ``pagoda bench steps LOG [LOG ...]`` summarises each log: the steps with and
 without prefill, each phase's mean, and the same weighted by decode rows, which
@@ -62,7 +63,11 @@ class StepLog:
         self._last_end = now
         if result is None or not sched.requests:
             return
-        self._file.write(json.dumps(step_record(engine, sched, seconds, gap, attention)) + "\n")
+        record = step_record(engine, sched, seconds, gap, attention)
+        # the engine's clock (a served request's timeline, --timeline-log, is on it too): when the step ran
+        end = time.monotonic()
+        record.update(start=round(end - seconds, 6), end=round(end, 6))
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._attention.close()
