@@ -96,8 +96,9 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
         runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)
     if cc.kv_offload_ram_bytes or cc.kv_offload_disk_dir:
         init_offload_tiers(runner, cc, bytes_per_block, tp.size)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
-                num_blocks * bytes_per_block / 2**20)
+    mapped = "" if runner.prefault_seconds is None else f", mapped at start in {runner.prefault_seconds:.2f} s"
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, cc.block_size,
+                num_blocks * bytes_per_block / 2**20, mapped)
     return runner
 
 

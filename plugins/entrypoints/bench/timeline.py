@@ -62,6 +62,7 @@ class Steps:
     def __init__(self, steps: list[dict]) -> None:
         self.steps = sorted((s for s in steps if "start" in s), key=lambda s: s["start"])
         self.starts = [s["start"] for s in self.steps]
+        self.ends = [s["end"] for s in self.steps]
 
     def at(self, t: float) -> Optional[dict]:
         """The step running at ``t`` (engine clock, seconds), or None when none was."""
@@ -69,6 +70,11 @@ class Steps:
         if i >= 0 and t <= self.steps[i]["end"]:
             return self.steps[i]
         return None
+
+    def ending_at_or_after(self, t: float) -> Optional[dict]:
+        """The first step that ended at ``t`` or later (the step that committed a token at ``t``), or None."""
+        i = bisect.bisect_left(self.ends, t)
+        return self.steps[i] if i < len(self.steps) else None
 
 
 def place_in_steps(requests: list[dict], steps: Steps) -> dict[str, list[float]]:
@@ -85,8 +91,9 @@ def place_in_steps(requests: list[dict], steps: Steps) -> dict[str, list[float]]
             out["left_of_running_step_ms"].append((running["end"] - handed_in) * 1e3 if running else 0.0)
             if running is not None:
                 out["running_step_ms"].append(running["step_ms"])
-        if "scheduled" in ms:
-            first = steps.at(r["received"] + ms["scheduled"] / 1e3)
+        if "first_token" in ms:
+            # the step that committed the first token: the step log's end is stamped after the engine's own
+            first = steps.ending_at_or_after(r["received"] + ms["first_token"] / 1e3)
             if first is not None:
                 out["first_step_ms"].append(first["step_ms"])
                 out["first_step_prefill_tokens"].append(first["prefill_tokens"])
