@@ -121,6 +121,20 @@ def read_steps(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_log(command: str, path: str, what: str) -> Optional[list[dict]]:
+    """The JSON lines of a log; None, after saying why on stderr as ``pagoda bench COMMAND``, when it cannot be
+    read or holds none (``what``: what its lines are)."""
+    try:
+        rows = read_steps(path)
+    except (OSError, ValueError) as exc:
+        print(f"pagoda bench {command}: error: cannot read {path}: {exc}", file=sys.stderr)
+        return None
+    if not rows:
+        print(f"pagoda bench {command}: {path} holds no {what}", file=sys.stderr)
+        return None
+    return rows
+
+
 def summarize_steps(steps: list[dict]) -> dict:
     """Means over all steps, over those with and without prefill, and per decode token (weighted by decode rows)."""
     def mean(rows: list[dict], key: str, weight: Optional[str] = None) -> float:
@@ -165,13 +179,8 @@ def add_parser(sub, name: str) -> None:
 
 def run_steps(ns: argparse.Namespace) -> int:
     for path in ns.logs:
-        try:
-            steps = read_steps(path)
-        except (OSError, ValueError) as exc:
-            print(f"pagoda bench steps: error: cannot read {path}: {exc}", file=sys.stderr)
-            return 2
-        if not steps:
-            print(f"pagoda bench steps: {path} holds no steps", file=sys.stderr)
+        steps = read_log("steps", path, "steps")
+        if steps is None:
             return 2
         print(format_summary(path, summarize_steps(steps)))
     return 0

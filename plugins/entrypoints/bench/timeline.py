@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import sys
 from typing import Optional
+
+from pagoda.plugins.entrypoints.bench.step_log import read_log
 
 # (from point, to point, what the stretch is)
 STRETCHES = [
     ("received", "parsed", "body read, parsed and validated"),
-    ("parsed", "tokenized", "tokenizing (tokenizer thread)"),
+    ("parsed", "tokenized", "tokenizing"),
     ("tokenized", "handed_in", "checks, hand-in to the engine"),
     ("handed_in", "queued", "waiting for the running step"),
     ("queued", "scheduled", "queued until scheduled"),
@@ -28,11 +29,6 @@ STRETCHES = [
     ("first_output", "first_written", "first chunk's JSON and write"),
     ("received", "first_written", "server TTFT: arrival to first bytes"),
 ]
-
-
-def read_lines(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -135,15 +131,11 @@ def add_parser(sub, name: str) -> None:
 
 
 def run_timeline(ns: argparse.Namespace) -> int:
-    try:
-        requests = read_lines(ns.log)
-        steps = Steps(read_lines(ns.step_log)) if ns.step_log else None
-    except (OSError, ValueError) as exc:
-        print(f"pagoda bench timeline: error: cannot read a log ({exc})", file=sys.stderr)
+    requests = read_log("timeline", ns.log, "requests")
+    step_rows = read_log("timeline", ns.step_log, "steps") if ns.step_log else []
+    if requests is None or step_rows is None:
         return 2
-    if not requests:
-        print(f"pagoda bench timeline: {ns.log} holds no requests", file=sys.stderr)
-        return 2
+    steps = Steps(step_rows) if ns.step_log else None
     if steps is not None and not steps.steps:
         print(f"pagoda bench timeline: {ns.step_log} holds no steps with start and end times (written by a pagoda "
               "older than --timeline-log?)", file=sys.stderr)

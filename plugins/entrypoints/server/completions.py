@@ -69,7 +69,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         first_text = tok.decode(ids[:1]) if echoes_logprobs and text is not None else ""
         return {"prompt": text, "prompt_token_ids": ids}, first_text
 
-    tokenized = await unless_disconnected(request, ctx.run_tokenizer_each(tokenize, prompts))
+    tokenized = ctx.tokenizer_turns.run_now(tokenize, prompts, sum(len(p) for p in prompts))
+    if tokenized is None:
+        tokenized = await unless_disconnected(request, ctx.run_tokenizer_each(tokenize, prompts))
     mark(request, "tokenized")
     engine_prompts, first_texts = [p for p, _ in tokenized], [t for _, t in tokenized]
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
