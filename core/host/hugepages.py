@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import time
 from typing import TYPE_CHECKING, Iterable, Optional
 
@@ -76,10 +77,11 @@ def advise_tensors(tensors: Iterable[torch.Tensor], collapse: bool = True) -> in
     return total
 
 
-def populate(tensors: Iterable[torch.Tensor]) -> float:
+def populate(tensors: Iterable[torch.Tensor]) -> Optional[float]:
     """Have the kernel map every page of each contiguous CPU tensor now, as writes would, without changing its
     contents (``MADV_POPULATE_WRITE``; on a kernel without it a zero is written into each page, so the tensors
-    must hold zeros). Returns the seconds it took. Memory mapped on first touch (``malloc.zero_pages``) otherwise
+    must hold zeros). Returns the seconds it took, or None when the kernel refused (short of memory): the pages
+    not mapped yet are then mapped on first use. Memory mapped on first touch (``malloc.zero_pages``) otherwise
     maps in the middle of whatever first writes there: on a VM a fresh 2 MiB page took some 8 ms to map."""
     import torch
 
@@ -87,6 +89,9 @@ def populate(tensors: Iterable[torch.Tensor]) -> float:
     madvise = _madvise()
     for t in tensors:
         storage = t.untyped_storage()
-        if madvise is None or madvise(storage.data_ptr(), storage.nbytes(), _MADV_POPULATE_WRITE) != 0:
-            t.view(-1).view(torch.uint8)[::_PAGE_BYTES].zero_()
+        if madvise is not None and madvise(storage.data_ptr(), storage.nbytes(), _MADV_POPULATE_WRITE) == 0:
+            continue
+        if madvise is not None and ctypes.get_errno() != errno.EINVAL:  # EINVAL: a kernel older than the advice
+            return None
+        t.view(-1).view(torch.uint8)[::_PAGE_BYTES].zero_()
     return time.perf_counter() - start
