@@ -64,7 +64,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """When a request arrived, joined the engine's queue, was first scheduled, got its first token and finished
+    (monotonic seconds)."""
+
     arrival_time: float
+    queued_time: Optional[float] = None
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
@@ -168,6 +172,7 @@ class SequenceGroup:
         first_token_times = [c.first_token_time for c in self.children if c.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=self.arrival_time,
+            queued_time=first.queued_time,
             first_scheduled_time=first.scheduled_time,
             first_token_time=min(first_token_times) if first_token_times else None,
             finished_time=max((c.last_token_time or 0.0) for c in self.children) or None,

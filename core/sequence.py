@@ -79,7 +79,9 @@ class Sequence:
     # logprobs: one entry per output token, {token_id: (logprob, rank)}
     logprobs: Optional[list[dict[int, tuple[float, int]]]] = None
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int]]]]] = None
-    # timestamps for metrics (monotonic seconds)
+    # timestamps for metrics (monotonic seconds); queued: when the engine took the request in (add_request), which
+    # a served request reaches after the step that was running when it arrived
+    queued_time: float = field(default_factory=time.monotonic)
     scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None

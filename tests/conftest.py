@@ -17,6 +17,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # cores, and the thread count an engine measures when none is set costs each start seconds of bf16 matmuls on an
 # AVX2 CPU (3.5 s of a 4 s start of the default model). The tests of that measurement unset it themselves.
 os.environ.setdefault("PAGODA_CPU_THREADS", "1")
+# engines map their KV cache as blocks are first used, not all at start: on a VM a start's mapping of a 64 MiB
+# cache costs some 0.3 s, paid by every engine the suite builds (test_hugepages.py tests the mapping at start)
+os.environ.setdefault("PAGODA_KV_CACHE_PREFAULT", "0")
 
 
 @pytest.fixture(autouse=True)

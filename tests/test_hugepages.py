@@ -12,17 +12,23 @@ needs_thp = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
                                reason="transparent huge pages are off on this machine")
 
 
-def _huge_kib_in(start: int, end: int) -> int:
-    """AnonHugePages of the mappings overlapping [start, end), from /proc/self/smaps."""
+def _huge_kib_in(start: int, end: int, field: str = "AnonHugePages") -> int:
+    """``field`` (KiB) of the mappings overlapping [start, end), from /proc/self/smaps: AnonHugePages by default,
+    Rss for what is resident."""
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo < end and hi > start
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(field + ":"):
             total += int(line.split()[1])
     return total
+
+
+def _resident_kib(t: torch.Tensor) -> int:
+    start = t.untyped_storage().data_ptr()
+    return _huge_kib_in(start, start + t.untyped_storage().nbytes(), "Rss")
 
 
 def test_only_whole_huge_pages_inside_a_range_are_advised():
@@ -57,13 +63,38 @@ def test_the_engine_backs_its_kv_cache_with_huge_pages(tmp_path):
     assert _huge_kib_in(start, end) >= 2048
 
 
+def test_populating_maps_every_page_and_keeps_what_was_written():
+    from pagoda.host.malloc import zero_pages
+
+    t = zero_pages((16 << 20,), torch.uint8)  # a mapping of its own, nothing resident yet
+    t[12345], t[(9 << 20) + 7] = 3, 5
+    assert _resident_kib(t) < 4 << 10
+    assert hugepages.populate([t]) >= 0
+    assert _resident_kib(t) >= 16 << 10
+    assert int(t[12345]) == 3 and int(t[(9 << 20) + 7]) == 5 and int(t.sum()) == 8
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_the_engine_maps_its_whole_kv_cache_at_start_unless_told_not_to(tmp_path, prefault):
+    from pagoda.engine.llm import LLM
+    from tiny_models import write_tiny_checkpoint
+
+    llm = LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=16 << 20,
+              cpu_threads=1, kv_cache_prefault=prefault)
+    caches = llm.engine.runner.kv_caches
+    resident = sum(_resident_kib(c) for c in caches)
+    size_kib = sum(c.untyped_storage().nbytes() for c in caches) >> 10
+    assert (llm.engine.runner.prefault_seconds is not None) == prefault
+    assert resident >= size_kib if prefault else resident < size_kib // 2
+
+
 def test_an_engine_built_without_huge_pages_advises_none(tmp_path, monkeypatch):
     from pagoda.engine.llm import LLM
     from tiny_models import write_tiny_checkpoint
 
     monkeypatch.setattr(hugepages, "_madvise", lambda: pytest.fail("advised with huge pages off"))
     LLM(model=str(write_tiny_checkpoint(tmp_path)), load_format="dummy", kv_cache_memory_bytes=64 << 20,
-        cpu_threads=1, huge_pages=False)
+        cpu_threads=1, huge_pages=False, kv_cache_prefault=False)
 
 
 @needs_thp

@@ -33,7 +33,8 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     proc, url = start_server(log, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--max-request-chars",
                              str(MAX_REQUEST_CHARS),
-                             "--step-log", str(log.with_name("steps.jsonl")))
+                             "--step-log", str(log.with_name("steps.jsonl")),
+                             "--timeline-log", str(log.with_name("timeline.jsonl")))
     yield proc, url, log
     if proc.poll() is None:
         proc.kill()
@@ -176,6 +177,37 @@ def test_the_step_log_says_what_each_step_held_and_where_its_time_went(server, t
                   "gap before the step", "attention share of the step"):
         assert label in run.stdout
     missing = run_in_process(capsys, "bench", "steps", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+
+
+def test_the_timeline_log_places_each_first_token_in_order_and_in_the_step_that_made_it(server, capsys):
+    _, url, log = server
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0.0}
+    assert httpx.post(url + "/v1/completions", json=dict(body, stream=True), timeout=120).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    assert httpx.post(url + "/tokenize", json={"prompt": "not a generation"}, timeout=30).status_code == 200
+    timeline_file, steps_file = log.with_name("timeline.jsonl"), log.with_name("steps.jsonl")
+    lines = [json.loads(line) for line in timeline_file.read_text().splitlines()]
+    assert lines[-2]["stream"] and lines[-2]["request_id"].startswith("cmpl-")
+    assert not lines[-1]["stream"] and lines[-1]["request_id"].startswith("chatcmpl-")
+    steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
+    for line in lines:
+        ms = line["ms"]
+        assert list(ms) == ["parsed", "tokenized", "handed_in", "queued", "scheduled", "first_token", "delivered",
+                            "first_output", "first_written", "done"]
+        assert 0 <= ms["parsed"] and all(a <= b for a, b in zip(ms.values(), list(ms.values())[1:])), ms
+        scheduled = line["received"] + ms["scheduled"] / 1e3
+        first_token = line["received"] + ms["first_token"] / 1e3
+        # the step log stamps a step's end just after the engine's own end (and its start as long before it)
+        made_it = [s for s in steps if s["start"] - 1e-3 <= scheduled and first_token <= s["end"]]
+        assert len(made_it) == 1 and made_it[0]["prefill_tokens"] > 0, (line, made_it)
+    run = run_in_process(capsys, "bench", "timeline", str(timeline_file), "--step-log", str(steps_file))
+    assert run.returncode == 0, run.stderr
+    for label in ("waiting for the running step", "the first step (its prefill)", "server TTFT",
+                  "left of the step running at hand-in", "its decode rows"):
+        assert label in run.stdout
+    missing = run_in_process(capsys, "bench", "timeline", str(timeline_file.with_name("none.jsonl")))
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 

@@ -29,6 +29,7 @@ from pagoda.plugins.entrypoints.server.request_body import (MAX_CHOICES, MAX_CON
                                                             MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, MAX_TOOL_CALLS,
                                                             MAX_TOOLS)
 from pagoda.plugins.entrypoints.server.serving import REQUEST_CHARS_FACTOR, ServingContext, longest_token_chars
+from pagoda.plugins.entrypoints.server.tokenizer_turns import MAX_INLINE_CHARS, TokenizerTurns
 
 MAX_MODEL_LEN = 512
 C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
@@ -96,13 +97,15 @@ def maximal_request_seconds(http, maximal_request):
 # ---- fair tokenization --------------------------------------------------------------------------------
 
 
+# a prompt of at most MAX_INLINE_CHARS is tokenized on the event loop; a longer one takes a turn on the thread
+@pytest.mark.parametrize("small_prompt", ["Hello", "Hello " * 400], ids=["on-the-event-loop", "a-turn-on-the-thread"])
 def test_a_small_request_is_answered_while_a_maximal_one_is_tokenized(http, client, maximal_request,
-                                                                      maximal_request_seconds):
+                                                                      maximal_request_seconds, small_prompt):
     finished: dict[str, float] = {}
     # the small request alone first: the client's first call (its lazy imports, a connection) is not counted
     # against the turns, and what the small request costs unhindered is known
     start = time.monotonic()
-    client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=1)
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt=small_prompt, max_tokens=1)
     small_alone_seconds = time.monotonic() - start
 
     def send_maximal():
@@ -115,7 +118,7 @@ def test_a_small_request_is_answered_while_a_maximal_one_is_tokenized(http, clie
     time.sleep(max(0.3, maximal_request_seconds / 4))  # well into its 64 prompts
     assert "maximal" not in finished, "the maximal request ended before the small one was sent; make it larger"
     start = time.monotonic()
-    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=1)
+    answer = client.completions.create(model="SmolLM2-135M-Instruct", prompt=small_prompt, max_tokens=1)
     small_finished = time.monotonic()
     maximal.join()
     small_seconds = small_finished - start
@@ -125,6 +128,14 @@ def test_a_small_request_is_answered_while_a_maximal_one_is_tokenized(http, clie
     assert small_finished < finished["maximal"], (small_seconds, maximal_request_seconds)
     assert small_seconds < small_alone_seconds + maximal_request_seconds / 3, \
         (small_seconds, small_alone_seconds, maximal_request_seconds)
+
+
+def test_prompts_within_the_inline_limit_are_tokenized_at_once_and_larger_ones_left_to_the_thread(llm):
+    turns = TokenizerTurns(llm.engine.tokenizer)
+    encode = lambda tok, text: tok.encode(text)  # noqa: E731
+    short = ["The capital of France is", "Hello"]
+    assert turns.run_now(encode, short, sum(map(len, short))) == [llm.engine.tokenizer.encode(t) for t in short]
+    assert turns.run_now(encode, ["x" * (MAX_INLINE_CHARS + 1)], MAX_INLINE_CHARS + 1) is None
 
 
 def test_a_request_over_the_request_character_limit_is_refused_before_it_is_tokenized(

@@ -27,6 +27,7 @@ class _Stream:
     pending: list[EngineOutput] = field(default_factory=list)
     error: Optional[BaseException] = None
     has_output: bool = False  # an output arrived: the request started
+    first_put_time: Optional[float] = None  # when the event loop took its first output in (monotonic seconds)
     finished: bool = False
     num_cost_tokens: int = 0  # prompt + max_tokens, times n: what admission counts until the first output
     num_seqs: int = 1  # n: the sequences it adds
@@ -35,7 +36,9 @@ class _Stream:
     def put(self, output: EngineOutput) -> None:
         """On the event loop: keep a step's output; wake the reader unless it only wants the final one."""
         self.pending.append(output)
-        self.has_output = True
+        if not self.has_output:
+            self.has_output = True
+            self.first_put_time = time.monotonic()
         self.finished = output.finished
         if output.finished or self.kind is not RequestOutputKind.FINAL_ONLY:
             self.event.set()
@@ -66,6 +69,12 @@ class RequestStream:
         self._added = added
         self._state: Optional[RequestState] = None
         self._done = False
+
+    @property
+    def first_delivered_time(self) -> Optional[float]:
+        """When the event loop took in the request's first output from the engine thread (monotonic seconds;
+        None before)."""
+        return self._stream.first_put_time
 
     def __aiter__(self) -> "RequestStream":
         return self

@@ -96,8 +96,12 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
         runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)
     if cc.kv_offload_ram_bytes or cc.kv_offload_disk_dir:
         init_offload_tiers(runner, cc, bytes_per_block, tp.size)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cc.block_size,
-                num_blocks * bytes_per_block / 2**20)
+    mapped = "" if runner.prefault_seconds is None else f", mapped at start in {runner.prefault_seconds:.2f} s"
+    if runner.prefault_seconds is None and runner.device.type == "cpu" and config.host.kv_cache_prefault:
+        logger.warning("the kernel could not map the whole KV cache at start (kv_cache_prefault; short of memory?): "
+                       "its pages are mapped as blocks are first used")
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, cc.block_size,
+                num_blocks * bytes_per_block / 2**20, mapped)
     return runner
 
 

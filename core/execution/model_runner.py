@@ -51,6 +51,10 @@ class ModelRunner:
             self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
         if config.host.huge_pages:
             hugepages.advise_tensors(self.kv_caches)
+        # seconds the kernel took to map the whole CPU cache at start (None: it maps blocks as they are first used)
+        self.prefault_seconds: Optional[float] = None
+        if self.device.type == "cpu" and config.host.kv_cache_prefault:
+            self.prefault_seconds = hugepages.populate(self.kv_caches)
         # the block axis of the backend's layout, found by asking for a 1-block and a 2-block shape
         one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
         self.block_dim = next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)

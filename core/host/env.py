@@ -119,6 +119,11 @@ class HostConfig:
         "keep freed heap memory for reuse instead of returning it to the kernel (glibc)", process_wide=True)
     huge_pages: bool = _option(
         True, "PAGODA_HUGE_PAGES", "back the KV cache and the weights with 2 MiB transparent huge pages")
+    kv_cache_prefault: bool = _option(
+        True, "PAGODA_KV_CACHE_PREFAULT",
+        "touch every page of a CPU KV cache when the engine starts, so that no request's K/V write waits for the "
+        "kernel to map fresh memory (the whole cache is then resident; off: pages are mapped as blocks are first "
+        "used)")
     cpu_isa: CpuIsa = _option(
         "auto", "PAGODA_CPU_ISA", "the highest CPU ISA level pagoda's kernels and dtype auto may use")
     cpu_native_build: bool = _option(

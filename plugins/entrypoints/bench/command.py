@@ -15,6 +15,7 @@ WORKLOADS = {
     "fairness": "pagoda.plugins.entrypoints.bench.fairness",
     "soak": "pagoda.plugins.entrypoints.bench.soak",
     "steps": "pagoda.plugins.entrypoints.bench.step_log",
+    "timeline": "pagoda.plugins.entrypoints.bench.timeline",
 }
 
 

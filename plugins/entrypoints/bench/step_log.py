@@ -8,7 +8,8 @@ emit), the runner's (attention metadata, model, LM head, sampling), the
 attention layers' own time (K/V write and kernel, timed by forward hooks), and
 the gap since the previous step ended (the engine thread's time outside steps:
 adding requests, handing outputs to the event loop, waiting for the GIL or for
-work). Nothing of it runs unless asked for.
+work), and when the step started and ended on the engine's monotonic clock
+(``start``, ``end``, seconds). Nothing of it runs unless asked for.
 
 ``pagoda bench steps LOG [LOG ...]`` summarises each log: the steps with and
 without prefill, each phase's mean, and the same weighted by decode rows, which
@@ -62,7 +63,11 @@ class StepLog:
         self._last_end = now
         if result is None or not sched.requests:
             return
-        self._file.write(json.dumps(step_record(engine, sched, seconds, gap, attention)) + "\n")
+        record = step_record(engine, sched, seconds, gap, attention)
+        # the engine's clock (a served request's timeline, --timeline-log, is on it too): when the step ran
+        end = time.monotonic()
+        record.update(start=round(end - seconds, 6), end=round(end, 6))
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         self._attention.close()
@@ -116,6 +121,20 @@ def read_steps(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_log(command: str, path: str, what: str) -> Optional[list[dict]]:
+    """The JSON lines of a log; None, after saying why on stderr as ``pagoda bench COMMAND``, when it cannot be
+    read or holds none (``what``: what its lines are)."""
+    try:
+        rows = read_steps(path)
+    except (OSError, ValueError) as exc:
+        print(f"pagoda bench {command}: error: cannot read {path}: {exc}", file=sys.stderr)
+        return None
+    if not rows:
+        print(f"pagoda bench {command}: {path} holds no {what}", file=sys.stderr)
+        return None
+    return rows
+
+
 def summarize_steps(steps: list[dict]) -> dict:
     """Means over all steps, over those with and without prefill, and per decode token (weighted by decode rows)."""
     def mean(rows: list[dict], key: str, weight: Optional[str] = None) -> float:
@@ -160,13 +179,8 @@ def add_parser(sub, name: str) -> None:
 
 def run_steps(ns: argparse.Namespace) -> int:
     for path in ns.logs:
-        try:
-            steps = read_steps(path)
-        except (OSError, ValueError) as exc:
-            print(f"pagoda bench steps: error: cannot read {path}: {exc}", file=sys.stderr)
-            return 2
-        if not steps:
-            print(f"pagoda bench steps: {path} holds no steps", file=sys.stderr)
+        steps = read_log("steps", path, "steps")
+        if steps is None:
             return 2
         print(format_summary(path, summarize_steps(steps)))
     return 0

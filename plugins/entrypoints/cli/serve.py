@@ -57,6 +57,10 @@ def register(sub) -> None:
     p.add_argument("--step-log", default=None, metavar="PATH",
                    help="append one JSON line per engine step (prefill and decode rows, phase times, attention, "
                         "sampling, the gap before it) to PATH; `pagoda bench steps PATH` summarises it")
+    p.add_argument("--timeline-log", default=None, metavar="PATH",
+                   help="append one JSON line per completion and chat completion to PATH: when it arrived, was "
+                        "parsed, tokenized, queued by the engine, first scheduled, got its first token and had its "
+                        "first bytes written; `pagoda bench timeline PATH --step-log STEPS` summarises it")
     p.add_argument("--max-stored-responses", type=_count, default=DEFAULT_MAX_RESPONSES,
                    help="responses of /v1/responses kept in memory for previous_response_id and GET "
                         "/v1/responses/{id}, the least recently used dropped first (default %(default)s; 0: keep none)")
@@ -137,6 +141,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         if ns.step_log:
             raise ConfigError("--step-log records one engine's steps; it is not available with --replicas or "
                               "--max-replicas yet")
+        if ns.timeline_log:
+            raise ConfigError("--timeline-log records one engine's requests; it is not available with --replicas or "
+                              "--max-replicas yet")
         if ns.request_log:
             raise ConfigError("--request-log records one engine's requests; it is not available with --replicas "
                               "or --max-replicas yet (serve one replica to record a trace)")
@@ -191,7 +198,7 @@ def run_serve(ns: argparse.Namespace) -> int:
                     max_stored_responses=ns.max_stored_responses, stored_response_ttl=ns.stored_response_ttl,
                     enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                     tenant_source=ns.tenant_source, max_request_chars=ns.max_request_chars,
-                    strict_request_fields=ns.strict_request_fields,
+                    strict_request_fields=ns.strict_request_fields, timeline_log=ns.timeline_log,
                     allow_runtime_lora_updating=ns.allow_runtime_lora_updating, reasoning_parser=ns.reasoning_parser,
                     lora_admin=LoRAAdminOptions(
                         tuple(r.strip() for r in ns.lora_allowed_roots.split(",") if r.strip())

@@ -32,6 +32,7 @@ from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_e
 from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
                                                               ResponseStore)
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
+from pagoda.plugins.entrypoints.server.timeline import TimelineMiddleware
 from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
 
 logger = logging.getLogger("pagoda.server")
@@ -51,7 +52,8 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               tool_call_parser: Optional[str] = None, tenant_source: str = "api-key",
               strict_request_fields: bool = False,
               max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False,
-              lora_admin: Optional[LoRAAdminOptions] = None, reasoning_parser: Optional[str] = None) -> FastAPI:
+              lora_admin: Optional[LoRAAdminOptions] = None, reasoning_parser: Optional[str] = None,
+              timeline_log: Optional[str] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
     ``max_request_chars``: the characters a request may have in all its prompts or messages, refused with a
@@ -69,7 +71,9 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     ``strict_request_fields``: a request field of no OpenAI or vLLM schema is a 400 (otherwise it is ignored,
     logged once and named in the ``x-pagoda-ignored-fields`` header). ``reasoning_parser`` names the
     ``pagoda_reasoning_parsers`` component that sets chat answers' thinking apart (None: the model family's,
-    see :mod:`~pagoda.plugins.entrypoints.server.reasoning`; ``"none"``: off)."""
+    see :mod:`~pagoda.plugins.entrypoints.server.reasoning`; ``"none"``: off). ``timeline_log``: append each
+    completion's and chat completion's timeline to its first token to this file
+    (:mod:`~pagoda.plugins.entrypoints.server.timeline`)."""
     tool_calling = ToolCallingOptions.for_engine(engine.engine, enable_auto_tool_choice, tool_call_parser)
     logger.info("%s", tool_calling.describe())
     reasoning = ReasoningOptions.for_engine(engine.engine, reasoning_parser)
@@ -101,6 +105,8 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
                        body_timeout=body_timeout, allowed_hosts=allowed_hosts,
                        admin_api_key=app.state.lora_admin.admin_api_key)
+    if timeline_log is not None:  # outermost: a request is stamped as uvicorn hands it over
+        app.add_middleware(TimelineMiddleware, path=timeline_log)
     return app
 
 

@@ -20,6 +20,7 @@ from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_re
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
+from pagoda.plugins.entrypoints.server.timeline import mark, note_started
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -98,6 +99,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
 
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
+    mark(request, "parsed")
     lora = ctx.resolve_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -128,6 +130,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                                 ctx.max_prompt_chars, continue_final_message=continues,
                                 template_kwargs=template_kwargs, documents=body.documents,
                                 add_special_tokens=body.add_special_tokens, chat_template=template)))
+    mark(request, "tokenized")
     kept = truncated_prompt(body, token_ids, ctx.max_model_len)
     if len(kept) < len(token_ids):
         text, token_ids = None, kept
@@ -153,6 +156,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
                          body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body), lora_request=lora)
         await unless_disconnected(request, gen.start())
+        note_started(request, request_id, gen, body.stream)
     except InvalidRequestError as exc:
         raise tooling.explain_refusal(exc) from None
     if body.stream:

@@ -21,9 +21,11 @@ from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_re
                                                        truncated_prompt, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
+from pagoda.plugins.entrypoints.server.timeline import mark, note_started
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
+    mark(request, "parsed")
     lora = ctx.resolve_model(body.model)
     if body.prompt_embeds is not None:
         raise APIError(400, "prompt_embeds is not served: pagoda takes prompts as text or token ids; send prompt",
@@ -67,7 +69,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
         first_text = tok.decode(ids[:1]) if echoes_logprobs and text is not None else ""
         return {"prompt": text, "prompt_token_ids": ids}, first_text
 
-    tokenized = await unless_disconnected(request, ctx.run_tokenizer_each(tokenize, prompts))
+    tokenized = ctx.tokenizer_turns.run_now(tokenize, prompts, sum(len(p) for p in prompts))
+    if tokenized is None:
+        tokenized = await unless_disconnected(request, ctx.run_tokenizer_each(tokenize, prompts))
+    mark(request, "tokenized")
     engine_prompts, first_texts = [p for p, _ in tokenized], [t for _, t in tokenized]
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     structured_outputs, field = structured_outputs_of(body)
@@ -78,6 +83,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,
                      tenant=ctx.tenant_of(request, body), lora_request=lora)
     await unless_disconnected(request, gen.start())
+    note_started(request, request_id, gen, body.stream)
     echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
             for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:

@@ -67,7 +67,8 @@ class ServingContext:
     Prompts are tokenized on a thread of their own with a tokenizer of its own (fast tokenizers must not be
     shared between threads), so a long prompt never holds up the engine's steps; requests take turns on it
     (:class:`~pagoda.plugins.entrypoints.server.tokenizer_turns.TokenizerTurns`), so a large one never holds up
-    the others. Before any tokenizing, a request's text is bounded per prompt (:meth:`check_text_length`) and
+    the others; a completions request small enough (``TokenizerTurns.run_now``) is tokenized on the event loop
+    instead, sparing it the hand-offs. Before any tokenizing, a request's text is bounded per prompt (:meth:`check_text_length`) and
     in all (:meth:`check_request_chars`).
     """
 
