@@ -20,7 +20,7 @@ NOT_DEFAULT = {
     "omp_wait_policy": ("sleep", "SLEEP"),
     "malloc_tuning": (False, "off"),
     "huge_pages": (False, "0"),
-    "kv_cache_prefault": (False, "off"),
+    "kv_cache_prefault": (True, "on"),
     "cpu_isa": ("avx2", "avx2"),
     "cpu_native_build": (False, "no"),
     "fused_cpu_ops": (False, "False"),

@@ -252,3 +252,17 @@ def test_sigterm_lets_a_short_stream_finish_and_ends_what_the_shutdown_timeout_c
     assert result["plain"].status_code == 503 and "shutting down" in result["plain"].json()["error"]["message"]
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    ([], {}, True),  # a server maps its KV cache at start by default
+    (["--no-kv-cache-prefault"], {}, False),  # the flag wins
+    ([], {"PAGODA_KV_CACHE_PREFAULT": "0"}, None),  # the variable wins (resolved with the other host settings)
+])
+def test_a_server_maps_its_kv_cache_at_start_unless_told_not_to(argv, environ, expected):
+    from pagoda.cli import build_parser
+    from pagoda.plugins.entrypoints.cli.serve import apply_server_defaults
+
+    ns = build_parser().parse_args(["serve", *argv])
+    apply_server_defaults(ns, environ)
+    assert ns.kv_cache_prefault is expected

@@ -120,10 +120,10 @@ class HostConfig:
     huge_pages: bool = _option(
         True, "PAGODA_HUGE_PAGES", "back the KV cache and the weights with 2 MiB transparent huge pages")
     kv_cache_prefault: bool = _option(
-        True, "PAGODA_KV_CACHE_PREFAULT",
+        False, "PAGODA_KV_CACHE_PREFAULT",
         "touch every page of a CPU KV cache when the engine starts, so that no request's K/V write waits for the "
         "kernel to map fresh memory (the whole cache is then resident; off: pages are mapped as blocks are first "
-        "used)")
+        "used). Off by default offline; pagoda serve turns it on unless it is given")
     cpu_isa: CpuIsa = _option(
         "auto", "PAGODA_CPU_ISA", "the highest CPU ISA level pagoda's kernels and dtype auto may use")
     cpu_native_build: bool = _option(

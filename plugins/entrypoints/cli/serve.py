@@ -129,6 +129,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def apply_server_defaults(ns: argparse.Namespace, environ) -> None:
+    """Engine options whose default differs for a server: the KV cache mapped at start (``kv_cache_prefault``),
+    since a server starts once and serves for long and its first requests should not wait for fresh KV memory to
+    be mapped, unless the flag or its variable says otherwise."""
+    if ns.kv_cache_prefault is None and "PAGODA_KV_CACHE_PREFAULT" not in environ:
+        ns.kv_cache_prefault = True
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.errors import ConfigError
 
@@ -137,6 +145,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             raise ConfigError(f"pagoda serve {ns.model_tag} --model {ns.model}: name the model once")
         ns.model = ns.model_tag
 
+    apply_server_defaults(ns, os.environ)
     if ns.replicas != 1 or ns.max_replicas is not None or ns.replica_roles is not None:
         if ns.step_log:
             raise ConfigError("--step-log records one engine's steps; it is not available with --replicas or "
