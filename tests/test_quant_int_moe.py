@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.errors import CheckpointError, ConfigError
+from pagoda.errors import CheckpointError
 from pagoda.host.env import resolve_host_config
 from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
@@ -68,9 +68,9 @@ def _avx2_kernels():
 def _run_kernel(kernels, layer, x, weights, ids, impl):
     method = layer.quant_method
     return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, layer.w13_zeros, layer.w2_q, layer.w2_scales,
-                                   layer.w2_zeros, ids, weights, method.bits, method.group_of(layer.hidden_size),
-                                   method.group_of(layer.intermediate_size), impl,
-                                   cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
+                                   layer.w2_zeros, None, None, ids, weights, method.bits,
+                                   method.group_of(layer.hidden_size), method.group_of(layer.intermediate_size), 0,
+                                   1.702, 7.0, impl, cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -133,6 +133,3 @@ def test_tensors_that_do_not_fit_the_packed_experts_are_named():
         packed.load_quantized("up", 1, {}, "l.experts.1.up_proj")
     with pytest.raises(CheckpointError, match="names expert 5, but config.json gives 5 experts"):
         packed.load_quantized("up", 5, {}, "l.experts.5.up_proj")
-    with pytest.raises(ConfigError, match="silu\\(gate\\) \\* up and no expert biases"):
-        FusedMoE(NUM_EXPERTS, 37, 23, torch.float32, activation="clamped_swiglu", has_bias=True,
-                 quant_method=IntMoeMethod(4, 8, method.unpack, "torch", None, "GPTQ"))
