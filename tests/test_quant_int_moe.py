@@ -14,6 +14,7 @@ from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
 from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, TILE_ROWS
 from pagoda.plugins.quant.int_moe import IntMoeMethod
+from moe_helpers import check_experts_output, random_routing
 
 NUM_EXPERTS, TOP_K = 5, 3
 TOKENS = (1, 4, 19)
@@ -46,17 +47,7 @@ def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0)
 
 
 def _routing(tokens, hidden, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
-    return x, torch.rand(tokens, TOP_K, generator=gen), ids
-
-
-def _check(got, want, dtype):
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    else:  # bf16 activations, gate_up sums, h and y rounded to bf16 as a bf16 MLP rounds them
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * float(want.abs().max()))
+    return random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
 
 
 def _avx2_kernels():
@@ -97,9 +88,9 @@ def test_packed_experts_compute_what_their_dequantized_weights_compute(dtype, bi
         for path, run in paths:
             got = run(xd, weights, ids)
             assert got.dtype == dtype and got.shape == (tokens, hidden), path
-            _check(got, want, dtype)
+            check_experts_output(got, want, dtype)
         with torch.inference_mode():  # as the engine runs it: the kernel's threads take the mode too
-            _check(packed(xd, weights, ids), want, dtype)
+            check_experts_output(packed(xd, weights, ids), want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -109,7 +100,7 @@ def test_the_torch_path_dequantizes_only_the_chosen_experts_and_computes_the_sam
     for seed, tokens in enumerate(TOKENS):
         x, weights, ids = _routing(tokens, 37, seed)
         ids = torch.tensor([1, 2, 3])[ids.argsort(dim=1)]  # experts 0 and 4 never: the subset is reindexed
-        _check(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
+        check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
 def test_packed_4bit_experts_take_a_quarter_of_the_bf16_bytes_plus_their_scales():

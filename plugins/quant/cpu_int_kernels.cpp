@@ -848,29 +848,31 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scale
         if (scalar) {
           dot_tile_scalar(p, n0, nt, m0, mt, scale.data(), out.data());
         } else if (paired) {
+#if defined(PAGODA_BF16_DOT) || defined(PAGODA_AVX2)
           const uint8_t* tile = p.w_q + n0 * row_bytes;
-          const auto paired_rows = [&](auto fp4) {
-            constexpr bool FP4 = decltype(fp4)::value;
+          // n rows of integer or FP4 codes from row r: a whole tile at once, a partial one row by row
 #ifdef PAGODA_BF16_DOT
-            if (nt == 8) {
-              dot_rows_paired<8, FP4>(tile, row_bytes, x_paired.data(), group_size, G, scale.data(), out.data());
-            } else {
-              for (int r = 0; r < nt; ++r)
-                dot_rows_paired<1, FP4>(tile + r * row_bytes, row_bytes, x_paired.data(), group_size, G,
-                                        scale.data() + r * G, out.data() + r);
-            }
-#elif defined(PAGODA_AVX2)
-            if (nt == 4) {
-              dot_rows_paired_x8<4, FP4>(tile, row_bytes, xf.data(), group_size, G, scale.data(), out.data());
-            } else {
-              for (int r = 0; r < nt; ++r)
-                dot_rows_paired_x8<1, FP4>(tile + r * row_bytes, row_bytes, xf.data(), group_size, G,
-                                           scale.data() + r * G, out.data() + r);
-            }
+          constexpr int kTileRows = 8;
+          const auto rows = [&](auto n, auto fp4, int r) {
+            dot_rows_paired<decltype(n)::value, decltype(fp4)::value>(tile + r * row_bytes, row_bytes,
+                                                                      x_paired.data(), group_size, G,
+                                                                      scale.data() + r * G, out.data() + r);
+          };
+#else
+          constexpr int kTileRows = 4;
+          const auto rows = [&](auto n, auto fp4, int r) {
+            dot_rows_paired_x8<decltype(n)::value, decltype(fp4)::value>(tile + r * row_bytes, row_bytes, xf.data(),
+                                                                         group_size, G, scale.data() + r * G,
+                                                                         out.data() + r);
+          };
 #endif
+          const auto paired_rows = [&](auto fp4) {
+            if (nt == kTileRows) return rows(std::integral_constant<int, kTileRows>{}, fp4, 0);
+            for (int r = 0; r < nt; ++r) rows(std::integral_constant<int, 1>{}, fp4, r);
           };
           if (has_zeros) paired_rows(std::false_type{});
           else paired_rows(std::true_type{});
+#endif
         } else if (nt == nt_main) {
           pick_tile(use_bf16, nt, mt)(p, n0, m0, scale.data(), out.data());
         } else {  // the last, partial tile of rows: one row at a time
