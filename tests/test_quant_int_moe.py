@@ -1,7 +1,8 @@
 """Group-quantized routed experts kept packed (plugins/quant/int_moe.py): the C++ kernel (this CPU's path, the
 AVX2 build, the scalar loops) and the torch path compute what the same experts dequantized to float32 compute,
-in float32 and bfloat16, odd sizes, 1 to 19 tokens, top-3 of 5, 4 and 8 bits, with and without zero points; the
-packed experts take a quarter of the bytes and refuse tensors that do not fit them."""
+in float32 and bfloat16, odd sizes, 1 to 19 tokens, top-3 of 5, 4 and 8 bits, with and without zero points, silu
+or gpt-oss's clamped SwiGLU with expert biases; the packed experts take a quarter of the bytes and refuse tensors
+that do not fit them."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ NUM_EXPERTS, TOP_K = 5, 3
 TOKENS = (1, 4, 19)
 
 
-def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0):
+def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0, activation="silu", bias=False):
     """(packed FusedMoE, the same experts dequantized to float32 in a torch-only FusedMoE)."""
     gen = torch.Generator().manual_seed(seed)
     checkpoint: dict[str, tuple[torch.Tensor, ...]] = {}
     method = IntMoeMethod(bits, group, lambda tensors, name: checkpoint[name], kernel, resolve_host_config(), "GPTQ")
-    packed = FusedMoE(NUM_EXPERTS, hidden, inter, dtype, host=resolve_host_config(), prefix="l.experts",
-                      quant_method=method)
-    reference = FusedMoE(NUM_EXPERTS, hidden, inter, torch.float32, host=None, prefix="l.experts")
+    layer = dict(activation=activation, has_bias=bias, limit=1.0, prefix="l.experts")
+    packed = FusedMoE(NUM_EXPERTS, hidden, inter, dtype, host=resolve_host_config(), quant_method=method, **layer)
+    reference = FusedMoE(NUM_EXPERTS, hidden, inter, torch.float32, host=None, **layer)
     maxq = (1 << bits) - 1
     for e in range(NUM_EXPERTS):
         for part, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
@@ -42,6 +43,10 @@ def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0)
             packed.load_quantized(part, e, {}, name)
             col_group = torch.arange(cols) // g  # the packed scales are in the model dtype
             reference.load_expert(part, e, (q - zeros[:, col_group]) * scales.to(dtype).float()[:, col_group], name)
+            if bias:
+                b = (torch.randn(rows, generator=gen) * 0.1).to(dtype).float()  # exact in the model dtype
+                packed.load_expert(f"{part}_bias", e, b, name)
+                reference.load_expert(f"{part}_bias", e, b, name)
     assert not packed.missing() and packed.w13 is None
     return packed, reference
 
@@ -91,6 +96,16 @@ def test_packed_experts_compute_what_their_dequantized_weights_compute(dtype, bi
             check_experts_output(got, want, dtype)
         with torch.inference_mode():  # as the engine runs it: the kernel's threads take the mode too
             check_experts_output(packed(xd, weights, ids), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+def test_int_experts_take_the_clamped_swiglu_and_expert_biases(dtype, kernel):
+    packed, reference = _experts(dtype, 37, 23, 4, 8, False, kernel=kernel, seed=3, activation="clamped_swiglu",
+                                 bias=True)
+    for seed, tokens in enumerate(TOKENS):
+        x, weights, ids = _routing(tokens, 37, seed)
+        check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
