@@ -21,3 +21,12 @@ def check_experts_output(got: torch.Tensor, want: torch.Tensor, dtype: torch.dty
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     else:
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * float(want.abs().max()))
+
+
+def load_bias(layers, part: str, expert: int, rows: int, dtype: torch.dtype, gen: torch.Generator,
+              name: str, std: float = 1.0) -> None:
+    """One random ``{part}_bias`` of ``rows`` values, exact in ``dtype``, into expert ``expert`` of each of ``layers``
+    (FusedMoE layers built with biases)."""
+    bias = (torch.randn(rows, generator=gen) * std).to(dtype).float()
+    for layer in layers:
+        layer.load_expert(f"{part}_bias", expert, bias, name)

@@ -15,7 +15,7 @@ from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
 from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, TILE_ROWS
 from pagoda.plugins.quant.int_moe import IntMoeMethod
-from moe_helpers import check_experts_output, random_routing
+from moe_helpers import check_experts_output, load_bias, random_routing
 
 NUM_EXPERTS, TOP_K = 5, 3
 TOKENS = (1, 4, 19)
@@ -44,15 +44,9 @@ def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0,
             col_group = torch.arange(cols) // g  # the packed scales are in the model dtype
             reference.load_expert(part, e, (q - zeros[:, col_group]) * scales.to(dtype).float()[:, col_group], name)
             if bias:
-                b = (torch.randn(rows, generator=gen) * 0.1).to(dtype).float()  # exact in the model dtype
-                packed.load_expert(f"{part}_bias", e, b, name)
-                reference.load_expert(f"{part}_bias", e, b, name)
+                load_bias((packed, reference), part, e, rows, dtype, gen, name, std=0.1)
     assert not packed.missing() and packed.w13 is None
     return packed, reference
-
-
-def _routing(tokens, hidden, seed):
-    return random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
 
 
 def _avx2_kernels():
@@ -87,7 +81,7 @@ def test_packed_experts_compute_what_their_dequantized_weights_compute(dtype, bi
         avx2 = _avx2_kernels()
         paths.append(("avx2", lambda x, w, i: _run_kernel(avx2, packed, x, w, i, IMPL_AUTO)))
     for seed, tokens in enumerate(TOKENS):  # 19 tokens: about 11 per expert, the dequantized-tile GEMM
-        x, weights, ids = _routing(tokens, hidden, seed)
+        x, weights, ids = random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
         xd = x.to(dtype)
         want = reference(xd.float(), weights, ids)
         for path, run in paths:
@@ -104,7 +98,7 @@ def test_int_experts_take_the_clamped_swiglu_and_expert_biases(dtype, kernel):
     packed, reference = _experts(dtype, 37, 23, 4, 8, False, kernel=kernel, seed=3, activation="clamped_swiglu",
                                  bias=True)
     for seed, tokens in enumerate(TOKENS):
-        x, weights, ids = _routing(tokens, 37, seed)
+        x, weights, ids = random_routing(tokens, 37, seed, NUM_EXPERTS, TOP_K)
         check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
@@ -113,7 +107,7 @@ def test_the_torch_path_dequantizes_only_the_chosen_experts_and_computes_the_sam
     packed, reference = _experts(dtype, 37, 23, 4, 8, False, kernel="torch", seed=1)
     assert packed.int_kernels is None and "torch" in packed.isa_path()
     for seed, tokens in enumerate(TOKENS):
-        x, weights, ids = _routing(tokens, 37, seed)
+        x, weights, ids = random_routing(tokens, 37, seed, NUM_EXPERTS, TOP_K)
         ids = torch.tensor([1, 2, 3])[ids.argsort(dim=1)]  # experts 0 and 4 never: the subset is reindexed
         check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 

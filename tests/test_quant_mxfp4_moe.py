@@ -16,7 +16,7 @@ from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
 from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, TILE_ROWS
 from pagoda.plugins.quant.mxfp4 import Mxfp4MoeMethod
-from moe_helpers import check_experts_output, random_routing
+from moe_helpers import check_experts_output, load_bias, random_routing
 
 NUM_EXPERTS, TOP_K = 5, 3
 TOKENS = (1, 4, 19)
@@ -50,15 +50,9 @@ def _experts(dtype, hidden, inter, activation="clamped_swiglu", bias=True, kerne
                 packed.load_quantized(part, e, {"blocks": blocks[e, row], "scales": scales[e, row]}, name)
                 reference.load_expert(part, e, decoded[e, row], name)
                 if bias:
-                    b = torch.randn(rows // len(parts), generator=gen).to(dtype).float()  # as the checkpoint's
-                    packed.load_expert(f"{part}_bias", e, b, name)
-                    reference.load_expert(f"{part}_bias", e, b, name)
+                    load_bias((packed, reference), part, e, rows // len(parts), dtype, gen, name)
     assert not packed.missing() and packed.w13 is None
     return packed, reference
-
-
-def _routing(tokens, hidden, seed):
-    return random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
 
 
 def _run_kernel(kernels, layer, x, weights, ids, impl):
@@ -84,7 +78,7 @@ def test_packed_mxfp4_experts_compute_what_their_decoded_weights_compute(dtype, 
              ("scalar", lambda x, w, i: _run_kernel(kernels, packed, x, w, i, IMPL_SCALAR)),
              ("avx2", lambda x, w, i: _run_kernel(avx2, packed, x, w, i, IMPL_AUTO))]
     for seed, tokens in enumerate(TOKENS):  # 19 tokens: about 11 per expert, the dequantized-tile GEMM
-        x, weights, ids = _routing(tokens, hidden, seed)
+        x, weights, ids = random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
         xd = x.to(dtype)
         want = reference(xd.float(), weights, ids)
         for path, run in paths:
@@ -98,7 +92,7 @@ def test_packed_mxfp4_experts_compute_what_their_decoded_weights_compute(dtype, 
 def test_silu_experts_without_biases_run_packed_too(dtype):
     packed, reference = _experts(dtype, 64, 96, activation="silu", bias=False, seed=2)
     for seed, tokens in enumerate(TOKENS):
-        x, weights, ids = _routing(tokens, 64, seed)
+        x, weights, ids = random_routing(tokens, 64, seed, NUM_EXPERTS, TOP_K)
         check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
@@ -107,7 +101,7 @@ def test_the_torch_path_decodes_only_the_chosen_experts_and_computes_the_same(dt
     packed, reference = _experts(dtype, 96, 64, kernel="torch", seed=1)
     assert packed.int_kernels is None and packed.isa_path() == "MXFP4 experts, dequantized per call (torch)"
     for seed, tokens in enumerate(TOKENS):
-        x, weights, ids = _routing(tokens, 96, seed)
+        x, weights, ids = random_routing(tokens, 96, seed, NUM_EXPERTS, TOP_K)
         ids = torch.tensor([1, 2, 3])[ids.argsort(dim=1)]  # experts 0 and 4 never: the subset is reindexed
         check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
