@@ -2,7 +2,8 @@
 everything else bf16. A tiny random gpt-oss that transformers writes gets its experts rounded to MXFP4 here;
 pagoda loads that checkpoint, keeps the experts packed (half a byte per weight and a byte per 32), and gives
 the greedy tokens, and first-step log-probabilities within 2e-3, of transformers running the experts that
-transformers' own MXFP4 conversion decodes (float32), on this CPU's kernel path and on its AVX2 build."""
+transformers' own MXFP4 conversion decodes (float32), on this CPU's kernel path and on its AVX2 build, and
+over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -104,6 +105,25 @@ def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints, c
     weights = 3 * 64 * 64  # gate, up and down of hidden 64, intermediate 64
     assert experts.expert_bytes() == weights // 2 + weights // 32  # float32 experts would take 4 bytes a weight
     llm.engine.shutdown()
+
+
+@pytest.mark.slow  # two worker processes: about 20 s
+def test_mxfp4_experts_split_over_two_tensor_parallel_ranks_give_the_same_tokens(checkpoints):
+    """Each rank holds 32 of each expert's 64 intermediate rows, and the down projection's 32 input columns with
+    their one block of scales."""
+    out, reference = checkpoints
+    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20,
+              tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        for prompt, got in zip(PROMPTS, outputs):
+            with torch.inference_mode():
+                ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+            assert got.outputs[0].token_ids == ref[0, len(prompt):].tolist(), f"a prompt of {len(prompt)}"
+    finally:
+        llm.engine.shutdown()
 
 
 def test_mxfp4_blocks_without_their_scales_are_named(checkpoints, tmp_path):
