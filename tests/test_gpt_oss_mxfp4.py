@@ -80,13 +80,16 @@ def checkpoints(tmp_path_factory):
     return out, model
 
 
-@pytest.mark.parametrize("cpu_isa", ["auto", "avx2"])
-def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints, cpu_isa):
+@pytest.mark.parametrize("cpu_isa, ranks", [
+    ("auto", 1), ("avx2", 1),
+    ("auto", 2),  # each rank holds 32 of every expert's 64 intermediate rows, and one block of the down inputs
+], ids=["this-cpu", "avx2", "two-tensor-parallel-ranks"])
+def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints, cpu_isa, ranks):
     if cpu_isa != "auto" and LEVELS.index(detected_isa("auto")) < LEVELS.index(cpu_isa):
         pytest.skip(f"the {cpu_isa} path needs a {cpu_isa} CPU")
     out, reference = checkpoints
-    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1,
-              cpu_isa=cpu_isa)
+    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20,
+              cpu_threads=1 if ranks == 1 else None, cpu_isa=cpu_isa, tensor_parallel_size=ranks)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):
@@ -102,28 +105,9 @@ def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints, c
     assert experts.w13 is None and not experts.missing()
     assert experts.w13_q.dtype == experts.w13_scales.dtype == torch.uint8
     assert experts.isa_path().startswith(f"MXFP4 packed experts, {'avx2' if cpu_isa == 'avx2' else ''}")
-    weights = 3 * 64 * 64  # gate, up and down of hidden 64, intermediate 64
+    weights = 3 * 64 * 64 // ranks  # gate, up and down of hidden 64, intermediate 64, on this rank
     assert experts.expert_bytes() == weights // 2 + weights // 32  # float32 experts would take 4 bytes a weight
     llm.engine.shutdown()
-
-
-@pytest.mark.slow  # two worker processes: about 20 s
-def test_mxfp4_experts_split_over_two_tensor_parallel_ranks_give_the_same_tokens(checkpoints):
-    """Each rank holds 32 of each expert's 64 intermediate rows, and the down projection's 32 input columns with
-    their one block of scales."""
-    out, reference = checkpoints
-    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20,
-              tensor_parallel_size=2)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        for prompt, got in zip(PROMPTS, outputs):
-            with torch.inference_mode():
-                ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-            assert got.outputs[0].token_ids == ref[0, len(prompt):].tolist(), f"a prompt of {len(prompt)}"
-    finally:
-        llm.engine.shutdown()
 
 
 def test_mxfp4_blocks_without_their_scales_are_named(checkpoints, tmp_path):

@@ -58,7 +58,7 @@ def _avx2_kernels():
 def _run_kernel(kernels, layer, x, weights, ids, impl):
     method = layer.quant_method
     return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, layer.w13_zeros, layer.w2_q, layer.w2_scales,
-                                   layer.w2_zeros, None, None, ids, weights, method.bits,
+                                   layer.w2_zeros, None, None, ids, weights, method.bits, 0,
                                    method.group_of(layer.hidden_size), method.group_of(layer.intermediate_size), 0,
                                    1.702, 7.0, impl, cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
 

@@ -14,9 +14,9 @@ from pagoda.errors import CheckpointError
 from pagoda.host.env import resolve_host_config
 from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
-from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, TILE_ROWS
+from pagoda.plugins.quant.cpu_int_kernel import TILE_ROWS
 from pagoda.plugins.quant.mxfp4 import Mxfp4MoeMethod
-from moe_helpers import check_experts_output, load_bias, random_routing
+from moe_helpers import check_experts_output, check_kernel_paths, load_bias, random_routing
 
 NUM_EXPERTS, TOP_K = 5, 3
 TOKENS = (1, 4, 19)
@@ -57,7 +57,7 @@ def _experts(dtype, hidden, inter, activation="clamped_swiglu", bias=True, kerne
 
 def _run_kernel(kernels, layer, x, weights, ids, impl):
     return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, None, layer.w2_q, layer.w2_scales, None,
-                                   layer.b13, layer.b2, ids, weights, 4, 32, 32, 1, ALPHA, LIMIT, impl,
+                                   layer.b13, layer.b2, ids, weights, 4, 1, 32, 32, 1, ALPHA, LIMIT, impl,
                                    cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
 
 
@@ -68,24 +68,9 @@ def _run_kernel(kernels, layer, x, weights, ids, impl):
     (32, 32),  # one block per row
 ])
 def test_packed_mxfp4_experts_compute_what_their_decoded_weights_compute(dtype, hidden, inter):
-    from isa_builds import build_at
-
     packed, reference = _experts(dtype, hidden, inter)
-    kernels = packed.int_kernels
-    assert kernels is not None, "the int kernel builds on this machine"
-    avx2 = build_at("avx2", "pagoda_cpu_int_linear", cpu_int_kernel._SOURCE)
-    paths = [("auto", lambda x, w, i: packed(x, w, i)),
-             ("scalar", lambda x, w, i: _run_kernel(kernels, packed, x, w, i, IMPL_SCALAR)),
-             ("avx2", lambda x, w, i: _run_kernel(avx2, packed, x, w, i, IMPL_AUTO))]
-    for seed, tokens in enumerate(TOKENS):  # 19 tokens: about 11 per expert, the dequantized-tile GEMM
-        x, weights, ids = random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
-        xd = x.to(dtype)
-        want = reference(xd.float(), weights, ids)
-        for path, run in paths:
-            with torch.inference_mode():  # as the engine runs it: the kernel's threads take the mode too
-                got = run(xd, weights, ids)
-            assert got.dtype == dtype and got.shape == (tokens, hidden), path
-            check_experts_output(got, want, dtype)
+    # 19 tokens: about 11 per expert, the dequantized-tile GEMM
+    check_kernel_paths(packed, reference, _run_kernel, hidden, dtype, TOKENS, NUM_EXPERTS, TOP_K)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -7,7 +7,9 @@
 //   W[o, c] = (q - zero[o, g]) * scale[o, g];
 // - FP4 (e2m1) codes of MXFP4 (4-bit, groups of 32): v(q) = FP4[q] (0, 0.5, 1, 1.5, 2, 3, 4, 6 and
 //   their negatives), w_scales uint8 [out, groups] E8M0 exponents, no zero points,
-//   W[o, c] = FP4[q] * 2^(e[o, g] - 127).
+//   W[o, c] = FP4[q] * 2^(e[o, g] - 127);
+// - FP8 (e4m3) codes (8-bit): v(q) = the float8_e4m3fn number q encodes, w_scales [out, groups] in the model
+//   dtype, no zero points, W[o, c] = v(q) * scale[o, g].
 // y[m, o] = sum_c x[m, perm[c]] * W[o, c] (+ bias[o]). The two differ only where a code becomes its
 // value (the segment kinds below) and where a row's scales are read (GroupScales); every loop is shared.
 //
@@ -62,9 +64,12 @@
 
 namespace {
 
-// Where a segment's codes sit and what they are: integers in the low or high nibbles or whole bytes, or FP4
-// codes in the low or high nibbles
-enum Kind { kLow4 = 0, kHigh4 = 1, kByte8 = 2, kLowFp4 = 3, kHighFp4 = 4 };
+// What a row's codes are (the caller's `codes` argument)
+enum Codes { kIntCodes = 0, kFp4Codes = 1, kFp8Codes = 2 };
+
+// Where a segment's codes sit and what they are: integers in the low or high nibbles or whole bytes, FP4 codes
+// in the low or high nibbles, or FP8 codes in whole bytes
+enum Kind { kLow4 = 0, kHigh4 = 1, kByte8 = 2, kLowFp4 = 3, kHighFp4 = 4, kByteFp8 = 5 };
 
 constexpr bool is_fp4(int kind) { return kind == kLowFp4 || kind == kHighFp4; }
 constexpr bool is_low(int kind) { return kind == kLow4 || kind == kLowFp4; }
@@ -79,6 +84,7 @@ inline void with_kind(int kind, const F& f) {
     case kHigh4: f(std::integral_constant<int, kHigh4>{}); break;
     case kLowFp4: f(std::integral_constant<int, kLowFp4>{}); break;
     case kHighFp4: f(std::integral_constant<int, kHighFp4>{}); break;
+    case kByteFp8: f(std::integral_constant<int, kByteFp8>{}); break;
     default: f(std::integral_constant<int, kByte8>{}); break;
   }
 }
@@ -100,12 +106,13 @@ struct Segment {
 };
 
 // Cut [0, in_features) at group boundaries and, for 4-bit rows, where the high nibbles begin.
-std::vector<Segment> make_segments(int64_t in_features, int64_t row_bytes, int bits, int64_t group_size, bool fp4) {
+std::vector<Segment> make_segments(int64_t in_features, int64_t row_bytes, int bits, int64_t group_size, int codes) {
   std::vector<Segment> segs;
+  const bool fp4 = codes == kFp4Codes;
   for (int64_t c = 0; c < in_features;) {
     const int64_t g = c / group_size;
     int64_t end = std::min(in_features, (g + 1) * group_size);
-    Segment s{c, 0, c, kByte8, g};
+    Segment s{c, 0, c, codes == kFp8Codes ? kByteFp8 : kByte8, g};
     if (bits == 4) {
       if (c < row_bytes) {
         end = std::min(end, row_bytes);
@@ -126,9 +133,16 @@ inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 inline float to_float(at::Half v) { return static_cast<float>(v); }
 
+// An e4m3 byte's exponent and mantissa moved into an fp16's (sign to sign) are its value times 2^-8, subnormals
+// included: the fp16 bits of v(q) / 256
+inline uint16_t fp8_as_half_bits(uint8_t q) { return static_cast<uint16_t>(((q & 0x7F) << 7) | ((q & 0x80) << 8)); }
+
+inline float fp8_value(uint8_t q) { return static_cast<float>(c10::Half(fp8_as_half_bits(q), c10::Half::from_bits())) * 256.f; }
+
 // the value of column s.col + i's code
 inline float code_at(const uint8_t* row, const Segment& s, int64_t i) {
   const uint8_t b = row[s.byte + i];
+  if (s.kind == kByteFp8) return fp8_value(b);
   const uint8_t q = is_low(s.kind) ? (b & 0xF) : is_high(s.kind) ? (b >> 4) : b;
   return is_fp4(s.kind) ? kFp4Values[q] : static_cast<float>(q);
 }
@@ -141,24 +155,26 @@ inline float e8m0_value(uint8_t e) {
   return f;
 }
 
-// The per-group scales (and zero points) of a matrix's rows, [rows, G]: in the model dtype T for integer codes,
-// or E8M0 exponents for FP4 codes (whose zero points are 0)
+// The per-group scales (and zero points) of a matrix's rows, [rows, G]: in the model dtype T (integer codes with
+// zero points, FP8 codes without), or E8M0 exponents (FP4 codes, no zero points)
 template <typename T>
 struct GroupScales {
   const T* scale;
-  const T* zero;
-  const uint8_t* exponent;  // set for FP4 codes, in place of scale and zero
+  const T* zero;            // null: no zero points
+  const uint8_t* exponent;  // set for FP4 codes, in place of scale
   int64_t G;
 
   bool fp4() const { return exponent != nullptr; }
+  bool has_zeros() const { return zero != nullptr; }
   GroupScales from_row(int64_t r) const {
-    return fp4() ? GroupScales{nullptr, nullptr, exponent + r * G, G} : GroupScales{scale + r * G, zero + r * G, nullptr, G};
+    const auto offset = [&](auto* p) { return p ? p + r * G : p; };
+    return GroupScales{offset(scale), offset(zero), offset(exponent), G};
   }
   // row o's scales and zero points as fp32
   void row(int64_t o, float* s, float* z) const {
     for (int64_t g = 0; g < G; ++g) {
       s[g] = fp4() ? e8m0_value(exponent[o * G + g]) : to_float(scale[o * G + g]);
-      z[g] = fp4() ? 0.f : to_float(zero[o * G + g]);
+      z[g] = has_zeros() ? to_float(zero[o * G + g]) : 0.f;
     }
   }
 };
@@ -167,7 +183,7 @@ struct GroupScales {
 template <typename T>
 GroupScales<T> group_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& zeros) {
   if (scales.scalar_type() == at::kByte) return {nullptr, nullptr, scales.data_ptr<uint8_t>(), scales.size(-1)};
-  return {scales.data_ptr<T>(), zeros->data_ptr<T>(), nullptr, scales.size(-1)};
+  return {scales.data_ptr<T>(), zeros.has_value() ? zeros->data_ptr<T>() : nullptr, nullptr, scales.size(-1)};
 }
 
 // What every tile reads: the packed rows, the activations prepared once per call, the segments.
@@ -216,9 +232,17 @@ inline __m512 values16(__m512i q) {
   return FP4 ? _mm512_permutexvar_ps(q, _mm512_load_ps(kFp4Values)) : _mm512_cvtepi32_ps(q);
 }
 
+// 16 FP8 codes (16-bit lanes) as their fp32 values, through fp16 (fp8_as_half_bits)
+inline __m512 fp8_values16(__m256i q) {
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(q, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(q, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+
 // 16 codes of a segment as fp32 values (masked-off columns: code 0, value 0)
 template <int KIND>
 inline __m512 ints_f32(const uint8_t* p, __mmask16 mk) {
+  if (KIND == kByteFp8) return fp8_values16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mk, p)));
   __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mk, p));
   if (is_low(KIND)) w = _mm512_and_si512(w, _mm512_set1_epi32(0xF));
   if (is_high(KIND)) w = _mm512_srli_epi32(w, 4);
@@ -274,6 +298,12 @@ inline __m256 values8(__m256i q) {
 // 8 codes of a segment as fp32 values (the caller keeps 8 columns inside the segment)
 template <int KIND>
 inline __m256 ints8_f32(const uint8_t* p) {
+  if (KIND == kByteFp8) {  // through fp16 (fp8_as_half_bits)
+    const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x7F)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  }
   __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   if (is_low(KIND)) w = _mm256_and_si256(w, _mm256_set1_epi32(0xF));
   if (is_high(KIND)) w = _mm256_srli_epi32(w, 4);
@@ -417,6 +447,11 @@ inline __m512i nibbles_bf16(__m512i q) {
 // integers converted
 template <int KIND>
 inline __m512i ints_bf16(const uint8_t* p, __mmask32 mk) {
+  if (KIND == kByteFp8) {  // FP8 values are exact in bf16
+    const __m512i q = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, p));
+    return (__m512i)_mm512_cvtne2ps_pbh(fp8_values16(_mm512_extracti64x4_epi64(q, 1)),
+                                        fp8_values16(_mm512_castsi512_si256(q)));
+  }
   if (KIND == kByte8) {
     const __m256i b = _mm256_maskz_loadu_epi8(mk, p);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
@@ -530,6 +565,18 @@ void dequantize_row(const uint8_t* row, const std::vector<Segment>& segs, const 
 #endif
     if (s.kind == kByte8) {
       for (int64_t i = 0; i < s.len; ++i) dst[i] = static_cast<T>((static_cast<float>(row[s.byte + i]) - z) * sc);
+      continue;
+    }
+    if (s.kind == kByteFp8) {
+      int64_t i = 0;
+#ifdef PAGODA_AVX512
+      for (; vector && i + 16 <= s.len; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_sub_ps(ints_f32<kByteFp8>(row + s.byte + i, 0xFFFF), _mm512_set1_ps(z)),
+                                       _mm512_set1_ps(sc));
+        for (int k = 0; k < 16; ++k) dst[i + k] = static_cast<T>(v[k]);
+      }
+#endif
+      for (; i < s.len; ++i) dst[i] = static_cast<T>((code_at(row, s, i) - z) * sc);
       continue;
     }
     int64_t i = 0;
@@ -745,13 +792,13 @@ inline void prefetch(const void* start, int64_t bytes) {
 // y[:, row_start:row_end] = x[:, perm] @ W[row_start:row_end]^T (+ bias[row_start:row_end]) for w_q's rows and
 // their scales (FP4 codes where `scales` are E8M0 exponents)
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scales,
+void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scales, int codes,
          const c10::optional<at::Tensor>& perm, int bits, int64_t group_size, int64_t row_start, int64_t row_end,
          at::Tensor& y, const c10::optional<at::Tensor>& bias, int impl, int64_t gemm_min_rows, int64_t tile_rows) {
   const int64_t M = x.size(0), K = x.size(1), rows = row_end - row_start;
   const int64_t G = scales.G, row_bytes = w_q.size(1), ldy = y.size(1);
   const GroupScales<T> sc = scales.from_row(row_start);
-  const std::vector<Segment> segs = make_segments(K, row_bytes, bits, group_size, sc.fp4());
+  const std::vector<Segment> segs = make_segments(K, row_bytes, bits, group_size, codes);
   if (M >= gemm_min_rows) {
     at::Tensor y_rows = y.narrow(1, row_start, rows);
 #ifdef PAGODA_AVX2
@@ -770,7 +817,7 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scale
   }
 
   // activations in the column order of the packed weight, and their per-group sums (fp32) for the zero points
-  const bool has_zeros = !sc.fp4();
+  const bool has_zeros = sc.has_zeros();
   bool use_bf16 = false;
 #ifdef PAGODA_BF16_DOT
   use_bf16 = std::is_same<T, at::BFloat16>::value && impl != kScalar;
@@ -832,12 +879,9 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scale
         const int64_t ahead = n0 + kPrefetchTiles * nt_main;
         const int64_t ahead_rows = std::min<int64_t>(nt_main, rows - ahead);
         prefetch(p.w_q + ahead * row_bytes, ahead_rows * row_bytes);
-        if (has_zeros) {
-          prefetch(sc.scale + ahead * G, ahead_rows * G * sizeof(T));
-          prefetch(sc.zero + ahead * G, ahead_rows * G * sizeof(T));
-        } else {
-          prefetch(sc.exponent + ahead * G, ahead_rows * G);
-        }
+        if (sc.fp4()) prefetch(sc.exponent + ahead * G, ahead_rows * G);
+        else prefetch(sc.scale + ahead * G, ahead_rows * G * sizeof(T));
+        if (has_zeros) prefetch(sc.zero + ahead * G, ahead_rows * G * sizeof(T));
       }
       for (int r = 0; r < nt; ++r) {
         sc.row(n0 + r, scale.data() + r * G, zero_term.data() + r * G);
@@ -870,8 +914,8 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scale
             if (nt == kTileRows) return rows(std::integral_constant<int, kTileRows>{}, fp4, 0);
             for (int r = 0; r < nt; ++r) rows(std::integral_constant<int, 1>{}, fp4, r);
           };
-          if (has_zeros) paired_rows(std::false_type{});
-          else paired_rows(std::true_type{});
+          if (codes == kFp4Codes) paired_rows(std::true_type{});
+          else paired_rows(std::false_type{});
 #endif
         } else if (nt == nt_main) {
           pick_tile(use_bf16, nt, mt)(p, n0, m0, scale.data(), out.data());
@@ -917,8 +961,8 @@ void int_linear_rows(const at::Tensor& x, const at::Tensor& w_q, const at::Tenso
   if (bias.has_value()) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous(), "bad bias");
   const auto run_as = [&](auto dtype) {
     using T = decltype(dtype);
-    run<T>(x, w_q, group_scales<T>(w_scales, w_zeros), perm, static_cast<int>(bits), group_size, row_start, row_end,
-           y, bias, static_cast<int>(impl), gemm_min_rows, tile_rows);
+    run<T>(x, w_q, group_scales<T>(w_scales, w_zeros), kIntCodes, perm, static_cast<int>(bits), group_size,
+           row_start, row_end, y, bias, static_cast<int>(impl), gemm_min_rows, tile_rows);
   };
   switch (x.scalar_type()) {
     case at::kFloat: run_as(float{}); break;
@@ -934,12 +978,13 @@ struct ActiveExpert {
   at::Tensor tokens, x, gate_up, h, y;
 };
 
-// The packed experts of one layer: codes w_q [E, rows, bytes], scales [E, rows, groups] (and zero points for integer
-// codes), biases [E, rows] in the model dtype or none
+// The packed experts of one layer: codes w_q [E, rows, bytes] (integers, FP4 or FP8: `codes`), scales
+// [E, rows, groups] (and zero points for integer codes), biases [E, rows] in the model dtype or none
 struct PackedExperts {
   at::Tensor q, scales;
   c10::optional<at::Tensor> zeros, bias;
   int64_t group_size;
+  int codes;
 
   template <typename T>
   GroupScales<T> of(int64_t e) const {
@@ -1011,7 +1056,7 @@ void run_moe(const at::Tensor& x, const PackedExperts& w13, const PackedExperts&
     const auto [idx, n0, n1] = gate_items[i];
     ActiveExpert& a = active[idx];
     for (const int64_t first : {n0, inter + n0})  // the gate rows, then the same up rows
-      run<T>(a.x, w13.q[a.e], w13.of<T>(a.e), c10::nullopt, bits, w13.group_size, first, first + n1 - n0, a.gate_up,
+      run<T>(a.x, w13.q[a.e], w13.of<T>(a.e), w13.codes, c10::nullopt, bits, w13.group_size, first, first + n1 - n0, a.gate_up,
              w13.bias_of(a.e), impl, gemm_min_rows, tile_rows);
     const T* gu = a.gate_up.data_ptr<T>();
     T* hp = a.h.data_ptr<T>();
@@ -1024,7 +1069,7 @@ void run_moe(const at::Tensor& x, const PackedExperts& w13, const PackedExperts&
     at::ThreadLocalStateGuard state_guard(caller_state);
     const auto [idx, n0, n1] = down_items[i];
     ActiveExpert& a = active[idx];
-    run<T>(a.h, w2.q[a.e], w2.of<T>(a.e), c10::nullopt, bits, w2.group_size, n0, n1, a.y, w2.bias_of(a.e), impl,
+    run<T>(a.h, w2.q[a.e], w2.of<T>(a.e), w2.codes, c10::nullopt, bits, w2.group_size, n0, n1, a.y, w2.bias_of(a.e), impl,
            gemm_min_rows, tile_rows);
   };
   pagoda::parallel_two_phases(static_cast<int64_t>(gate_items.size()), gate_up_item,
@@ -1043,12 +1088,12 @@ void run_moe(const at::Tensor& x, const PackedExperts& w13, const PackedExperts&
   for (int64_t i = 0; i < num_tokens * hidden; ++i) o[i] = static_cast<T>(acc[i]);
 }
 
-// One projection of the packed experts, checked against its shapes: FP4 codes when `scales` are uint8 (E8M0
-// exponents, 4-bit, no zero points), integer codes otherwise (scales and zeros in x's dtype); biases float32
-// [E, rows] (the checkpoint's), taken in x's dtype
+// One projection of the packed experts, checked against its shapes and codes: integers (scales and zeros in x's
+// dtype), FP4 (4-bit, uint8 E8M0 scales, no zero points) or FP8 (8-bit, scales in x's dtype, no zero points);
+// biases float32 [E, rows] (the checkpoint's), taken in x's dtype
 PackedExperts packed_experts(const at::Tensor& w_q, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                              const c10::optional<at::Tensor>& bias, int64_t rows, int64_t in_features, int64_t bits,
-                             int64_t group_size, const at::Tensor& x, const char* name) {
+                             int64_t group_size, int64_t codes, const at::Tensor& x, const char* name) {
   TORCH_CHECK(w_q.scalar_type() == at::kByte && w_q.dim() == 3 && w_q.is_contiguous() && w_q.size(1) == rows,
               name, "_q must be a contiguous uint8 [E, ", rows, ", bytes] tensor");
   TORCH_CHECK(group_size >= 1, "group sizes must be positive");
@@ -1056,11 +1101,12 @@ PackedExperts packed_experts(const at::Tensor& w_q, const at::Tensor& scales, co
   const int64_t bytes = bits == 4 ? (groups * group_size + 1) / 2 : groups * group_size;
   TORCH_CHECK(w_q.size(2) == bytes, name, "_q holds ", w_q.size(2), " bytes per row; ", in_features,
               " columns in groups of ", group_size, " take ", bytes);
-  const bool fp4 = scales.scalar_type() == at::kByte;
-  TORCH_CHECK(!fp4 || (bits == 4 && !zeros.has_value()), name,
-              ": uint8 scales are E8M0 exponents of 4-bit FP4 codes, which take no zero points");
-  TORCH_CHECK(fp4 || (zeros.has_value() && scales.scalar_type() == x.scalar_type()), name,
-              " integer codes need scales and zeros of x's dtype");
+  TORCH_CHECK(codes == kIntCodes || codes == kFp4Codes || codes == kFp8Codes, "codes must be 0, 1 or 2");
+  TORCH_CHECK(zeros.has_value() == (codes == kIntCodes), name, ": integer codes take zero points, FP4 and FP8 none");
+  TORCH_CHECK(codes != kFp4Codes || (bits == 4 && scales.scalar_type() == at::kByte), name,
+              ": FP4 codes are 4-bit, with uint8 E8M0 scales");
+  TORCH_CHECK(codes != kFp8Codes || bits == 8, name, ": FP8 codes are 8-bit");
+  TORCH_CHECK(codes == kFp4Codes || scales.scalar_type() == x.scalar_type(), name, " scales must be of x's dtype");
   for (const at::Tensor* t : {&scales, zeros.has_value() ? &*zeros : &scales})
     TORCH_CHECK(t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == w_q.size(0) && t->size(1) == rows && t->size(2) == groups,
@@ -1072,27 +1118,26 @@ PackedExperts packed_experts(const at::Tensor& w_q, const at::Tensor& scales, co
                 name, " biases must be a float32 [E, ", rows, "] tensor");
     bias_t = bias->to(x.scalar_type()).contiguous();
   }
-  return {w_q, scales, zeros, bias_t, group_size};
+  return {w_q, scales, zeros, bias_t, group_size, static_cast<int>(codes)};
 }
 
 // x [T, H] (float32, bfloat16 or float16); w13_q [E, 2I, bytes], s13 (z13) [E, 2I, groups of H], b13 [E, 2I];
 // w2_q [E, H, bytes], s2 (z2) [E, H, groups of I], b2 [E, H]; topk_ids [T, k] int64, topk_weights [T, k] float32;
-// activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (alpha, limit)
+// codes: 0 integers, 1 FP4, 2 FP8; activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (alpha, limit)
 at::Tensor int_moe_experts(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13,
                            const c10::optional<at::Tensor>& z13, const at::Tensor& w2_q, const at::Tensor& s2,
                            const c10::optional<at::Tensor>& z2, const c10::optional<at::Tensor>& b13,
                            const c10::optional<at::Tensor>& b2, const at::Tensor& topk_ids,
-                           const at::Tensor& topk_weights, int64_t bits, int64_t group13, int64_t group2,
-                           int64_t activation, double alpha, double limit, int64_t impl, int64_t gemm_min_rows,
+                           const at::Tensor& topk_weights, int64_t bits, int64_t codes, int64_t group13,
+                           int64_t group2, int64_t activation, double alpha, double limit, int64_t impl, int64_t gemm_min_rows,
                            int64_t tile_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [T, H] tensor");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(activation == pagoda::kSiluMul || activation == pagoda::kClampedSwiglu, "activation must be 0 or 1");
   const int64_t hidden = x.size(1), inter = w13_q.dim() == 3 ? w13_q.size(1) / 2 : 0;
-  const PackedExperts w13 = packed_experts(w13_q, s13, z13, b13, 2 * inter, hidden, bits, group13, x, "w13");
-  const PackedExperts w2 = packed_experts(w2_q, s2, z2, b2, hidden, inter, bits, group2, x, "w2");
-  TORCH_CHECK(w2_q.size(0) == w13_q.size(0) && s2.scalar_type() == s13.scalar_type(),
-              "w13 and w2 must hold the same experts, in one format");
+  const PackedExperts w13 = packed_experts(w13_q, s13, z13, b13, 2 * inter, hidden, bits, group13, codes, x, "w13");
+  const PackedExperts w2 = packed_experts(w2_q, s2, z2, b2, hidden, inter, bits, group2, codes, x, "w2");
+  TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "w13 and w2 must hold the same experts");
   pagoda::check_routing(x, topk_ids, topk_weights);
   at::Tensor out = at::empty(x.sizes(), x.options());
   const pagoda::ActParams act{activation, static_cast<float>(alpha), static_cast<float>(limit)};
@@ -1145,8 +1190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the routed experts of one MoE layer from packed int or MXFP4 weights (CPU)", no_gil, pybind11::arg("x"),
         pybind11::arg("w13_q"), pybind11::arg("s13"), pybind11::arg("z13"), pybind11::arg("w2_q"), pybind11::arg("s2"),
         pybind11::arg("z2"), pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("topk_ids"),
-        pybind11::arg("topk_weights"), pybind11::arg("bits"), pybind11::arg("group13"), pybind11::arg("group2"),
-        pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("impl"),
+        pybind11::arg("topk_weights"), pybind11::arg("bits"), pybind11::arg("codes"), pybind11::arg("group13"),
+        pybind11::arg("group2"), pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("impl"),
         pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));
   m.def("has_bf16_dot", &has_bf16_dot, "whether the AVX512-BF16 path was compiled in");
   m.def("isa_path", &isa_path, "the ISA path of the direct kernel: avx512_bf16, avx512, avx2 or scalar");

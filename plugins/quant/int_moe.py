@@ -33,6 +33,9 @@ from pagoda.plugins.quant.cpu_int_kernel import (IMPL_AUTO, TILE_ROWS, default_g
                                                  int_kernels_or_none)
 from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
 
+# what the kernel's codes are (its ``codes`` argument): integers, FP4 (e2m1) or FP8 (e4m3) numbers
+CODES_INT, CODES_FP4, CODES_FP8 = 0, 1, 2
+
 # (q [out, in] unsigned codes, scales [out, groups], zeros [out, groups] float32 or None) of one expert projection
 ExpertInts = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
@@ -46,6 +49,7 @@ class IntMoeMethod:
 
     # how the codes give weights: (q - zero) * scale, with scales and zero points in the model dtype
     has_zeros = True
+    codes = CODES_INT
 
     def __init__(self, bits: int, group_size: int, unpack: Callable[[dict[str, torch.Tensor], str], ExpertInts],
                  kernel: str, host: Optional[HostConfig], method: str) -> None:
@@ -121,11 +125,12 @@ class IntMoeMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights``/``ids [T, k]`` -> this rank's ``[T, H]`` in ``x``'s dtype."""
         kernels = layer.int_kernels
-        if kernels is not None and x.device.type == "cpu" and (not self.has_zeros or x.dtype == layer.w13_zeros.dtype):
+        scales_fit = self.codes == CODES_FP4 or x.dtype == layer.w13_scales.dtype  # E8M0 bytes fit any dtype
+        if kernels is not None and x.device.type == "cpu" and scales_fit:
             return kernels.int_moe_experts(x.contiguous(), layer.w13_q, layer.w13_scales,
                                            getattr(layer, "w13_zeros", None), layer.w2_q, layer.w2_scales,
                                            getattr(layer, "w2_zeros", None), layer.b13, layer.b2, ids.contiguous(),
-                                           weights.float().contiguous(), self.bits,
+                                           weights.float().contiguous(), self.bits, self.codes,
                                            self.group_of(layer.hidden_size), self.group_of(layer.intermediate_size),
                                            ACTIVATIONS[layer.activation], layer.alpha, layer.limit,
                                            IMPL_AUTO, default_gemm_min_rows(kernels), TILE_ROWS)

@@ -25,7 +25,7 @@ from torch import nn
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import kernel_for_device
-from pagoda.plugins.quant.int_moe import ExpertInts, IntMoeMethod
+from pagoda.plugins.quant.int_moe import CODES_FP4, ExpertInts, IntMoeMethod
 from pagoda.plugins.quant.packing import unpack_uint8
 
 # the 16 values of FP4 (e2m1), indexed by the 4-bit code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
@@ -60,6 +60,7 @@ class Mxfp4MoeMethod(IntMoeMethod):
     bytes of bf16 experts). The checkpoint tensors of one projection arrive as ``{"blocks", "scales"}``."""
 
     has_zeros = False
+    codes = CODES_FP4
 
     def __init__(self, kernel: str, host: Optional[Any]) -> None:
         super().__init__(4, BLOCK, unpack_mxfp4, kernel, host, "MXFP4")
