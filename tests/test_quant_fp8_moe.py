@@ -1,6 +1,6 @@
 """FP8 routed experts kept one byte a weight (plugins/quant/fp8_moe.py): the int kernel's MoE call on e4m3 codes
 (this CPU's path, the AVX2 build, the scalar loops) and the torch path compute what the experts decoded to float32
-compute, in float32 and bfloat16, scales per row or per block, 1 to 19 tokens, top-3 of 5; a compressed-tensors
+compute, in float32 and bfloat16, scales per row or per block, subnormal codes, 1 to 19 tokens, top-3 of 5; a compressed-tensors
 FP8 Qwen3-MoE that transformers writes gives transformers' greedy tokens, and first-step log-probabilities within
 2e-3, on its decoded weights, experts packed."""
 
@@ -50,8 +50,9 @@ def decoded(q: torch.Tensor, scale: torch.Tensor, block, dtype) -> torch.Tensor:
     return q.float() * scale
 
 
-def _experts(dtype, hidden, inter, block=None, kernel="cpu", seed=0):
-    """(packed FusedMoE, the same experts decoded to float32 in a torch-only FusedMoE)."""
+def _experts(dtype, hidden, inter, block=None, kernel="cpu", seed=0, subnormal=False):
+    """(packed FusedMoE, the same experts decoded to float32 in a torch-only FusedMoE); ``subnormal``: every code
+    one of e4m3's subnormals (exponent field 0), the ones a decoding may lose."""
     gen = torch.Generator().manual_seed(seed)
     method = Fp8MoeMethod(-1 if block is None else block[1], 1 if block is None else block[0], kernel,
                           resolve_host_config(), "compressed-tensors FP8")
@@ -62,6 +63,8 @@ def _experts(dtype, hidden, inter, block=None, kernel="cpu", seed=0):
         for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
             w = torch.randn(shape, generator=gen) * torch.rand(shape[0], 1, generator=gen)  # rows of unlike scales
             q, scale = to_fp8(w, block)
+            if subnormal:
+                q = (torch.randint(0, 256, shape, generator=gen) & 0x87).to(torch.uint8).view(FP8)
             name = f"l.experts.{e}.{part}_proj"
             packed.load_quantized(part, e, {"weight": q, "weight_scale": scale}, name)
             reference.load_expert(part, e, decoded(q, scale, block, dtype), name)
@@ -78,12 +81,13 @@ def _run_kernel(kernels, layer, x, weights, ids, impl):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("hidden, inter, block", [
-    (37, 23, None),  # odd sizes, a scale per row
-    (96, 48, (16, 32)),  # scales per block of 16 rows x 32 columns, the down projection's last block half full
+@pytest.mark.parametrize("hidden, inter, block, subnormal", [
+    (37, 23, None, False),  # odd sizes, a scale per row
+    (96, 48, (16, 32), False),  # scales per block of 16 rows x 32 columns, the down projection's last block half full
+    (37, 23, None, True),
 ])
-def test_packed_fp8_experts_compute_what_their_decoded_weights_compute(dtype, hidden, inter, block):
-    packed, reference = _experts(dtype, hidden, inter, block)
+def test_packed_fp8_experts_compute_what_their_decoded_weights_compute(dtype, hidden, inter, block, subnormal):
+    packed, reference = _experts(dtype, hidden, inter, block, subnormal=subnormal)
     # 19 tokens: about 11 per expert, the dequantized-tile GEMM
     check_kernel_paths(packed, reference, _run_kernel, hidden, dtype, TOKENS, NUM_EXPERTS, TOP_K)
 
