@@ -1,8 +1,8 @@
 """FP8 routed experts kept one byte a weight (plugins/quant/fp8_moe.py): the int kernel's MoE call on e4m3 codes
 (this CPU's path, the AVX2 build, the scalar loops) and the torch path compute what the experts decoded to float32
-compute, in float32 and bfloat16, scales per row or per block, subnormal codes, 1 to 19 tokens, top-3 of 5; a compressed-tensors
-FP8 Qwen3-MoE that transformers writes gives transformers' greedy tokens, and first-step log-probabilities within
-2e-3, on its decoded weights, experts packed."""
+compute, in float32 and bfloat16, scales per row or per block, subnormal codes, 1 to 19 tokens, top-3 of 5; a
+compressed-tensors FP8 Qwen3-MoE that transformers writes gives transformers' greedy tokens, and first-step
+log-probabilities within 2e-3, on its decoded weights, experts packed."""
 
 from __future__ import annotations
 

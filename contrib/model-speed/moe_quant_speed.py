@@ -1,6 +1,6 @@
 """Decode speed and memory of a Mixture-of-Experts model's routed experts: 4-bit group-quantized experts kept
 packed (the int kernel's ``int_moe_experts``), or MXFP4 ones (gpt-oss's format, the same call on FP4 codes),
-against experts held in bf16 (the MoE kernel), the form such a checkpoint's experts took when they were
+or FP8 ones (one byte a weight, the same call on e4m3 codes), against experts held in bf16 (the MoE kernel), the form such a checkpoint's experts took when they were
 dequantized at load.
 
 Each step runs every layer's routed experts once for a batch of tokens (decode: one token per request), with
@@ -28,6 +28,7 @@ import torch
 
 from pagoda.host.env import resolve_host_config
 from pagoda.modeling.layers.moe import FusedMoE
+from pagoda.plugins.quant.fp8_moe import Fp8MoeMethod
 from pagoda.plugins.quant.int_moe import IntMoeMethod
 from pagoda.plugins.quant.mxfp4 import Mxfp4MoeMethod
 
@@ -41,7 +42,8 @@ def build(variant: str, args: argparse.Namespace) -> list[FusedMoE]:
     layers = []
     for _ in range(args.layers):
         method = {"packed": lambda: IntMoeMethod(4, args.group, None, "cpu", host, "GPTQ"),
-                  "mxfp4": lambda: Mxfp4MoeMethod("cpu", host), "bf16": lambda: None}[variant]()
+                  "mxfp4": lambda: Mxfp4MoeMethod("cpu", host), "fp8": lambda: Fp8MoeMethod(-1, 1, "cpu", host, "FP8"),
+                  "bf16": lambda: None}[variant]()
         layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, activation=activation,
                          has_bias=args.gpt_oss, host=host, quant_method=method)
         if variant == "bf16":
@@ -51,6 +53,9 @@ def build(variant: str, args: argparse.Namespace) -> list[FusedMoE]:
             getattr(layer, f"{name}_q").data.random_(0, 256)
             if variant == "mxfp4":  # E8M0 exponents: 2^-9 to 2^-6
                 getattr(layer, f"{name}_scales").data.random_(118, 122)
+            elif variant == "fp8":  # e4m3 codes below 2 in magnitude (no NaN), a scale per row
+                getattr(layer, f"{name}_q").data.bitwise_and_(0xBF)
+                getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
             else:
                 getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
                 getattr(layer, f"{name}_zeros").data.fill_(8)
@@ -85,7 +90,7 @@ def step_seconds(layers: list[FusedMoE], batch: int, args: argparse.Namespace) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("packed", "mxfp4", "bf16"), required=True)
+    parser.add_argument("--variant", choices=("packed", "mxfp4", "fp8", "bf16"), required=True)
     parser.add_argument("--gpt-oss", action="store_true",
                         help="gpt-oss-20b's experts: sets --experts, --active, --hidden and --inter")
     parser.add_argument("--layers", type=int, default=24)

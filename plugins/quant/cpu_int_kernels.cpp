@@ -445,13 +445,23 @@ inline __m512i nibbles_bf16(__m512i q) {
 
 // 32 codes of a segment as bf16 words: 4-bit integers as 128 + q (exact), FP4 codes as their values, 8-bit
 // integers converted
+// bf16 bits of e4m3's subnormals, m * 2^-9 for m = 0..7, padded to a vpermw table
+alignas(64) constexpr uint16_t kFp8SubnormalBf16[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+
+// 32 FP8 codes (16-bit lanes) as their exact bf16 values: a normal number's exponent and mantissa moved into
+// bf16's and its exponent rebiased (+120), a subnormal (exponent field 0) from a table, the sign moved over
+inline __m512i fp8_bf16(__m512i q) {
+  const __m512i magnitude = _mm512_and_si512(q, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(0x3C00));
+  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
+  const __m512i bits =
+      _mm512_mask_permutexvar_epi16(normal, subnormal, magnitude, _mm512_load_si512(kFp8SubnormalBf16));
+  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(q, _mm512_set1_epi16(0x80)), 8));
+}
+
 template <int KIND>
 inline __m512i ints_bf16(const uint8_t* p, __mmask32 mk) {
-  if (KIND == kByteFp8) {  // FP8 values are exact in bf16
-    const __m512i q = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, p));
-    return (__m512i)_mm512_cvtne2ps_pbh(fp8_values16(_mm512_extracti64x4_epi64(q, 1)),
-                                        fp8_values16(_mm512_castsi512_si256(q)));
-  }
+  if (KIND == kByteFp8) return fp8_bf16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mk, p)));
   if (KIND == kByte8) {
     const __m256i b = _mm256_maskz_loadu_epi8(mk, p);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
