@@ -20,9 +20,9 @@
 //   y[m, o] = sum_g scale[o, g] * (sum_{c in g} x[m, c] v(q[o, c]) - zero[o, g] * xsum[m, g]).
 // With bf16 activations the integers become bf16 (0x4300 | q is exactly 128 + q, so a nibble needs
 // one ternary-logic op), FP4 codes their exact bf16 values through a 16-entry table (one vpermw),
-// and AVX512-BF16 dot products take 32 columns per instruction; fp32 and fp16 activations use fp32
-// FMAs (integers converted, FP4 codes looked up with vpermps), so their results are exact up to
-// summation order. With AVX2 + FMA (no AVX-512) every dtype computes in fp32 on 8 lanes (an FP4
+// FP8 codes theirs by moving their bits (fp8_bf16), and AVX512-BF16 dot products take 32 columns
+// per instruction; fp32 and fp16 activations use fp32 FMAs (integers converted, FP4 codes looked up
+// with vpermps, FP8 codes widened through fp16), so their results are exact up to summation order. With AVX2 + FMA (no AVX-512) every dtype computes in fp32 on 8 lanes (an FP4
 // code: a vpermps of the 8 magnitudes and its sign bit moved into place), batch 1 at 4 bits reading
 // both nibbles of each byte in one pass; elsewhere a portable scalar loop computes the same sums.
 //
