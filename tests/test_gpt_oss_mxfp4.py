@@ -1,7 +1,9 @@
 """gpt-oss as it is published: experts in MXFP4 (``quant_method: mxfp4``, ``*_blocks`` / ``*_scales``),
 everything else bf16. A tiny random gpt-oss that transformers writes gets its experts rounded to MXFP4 here;
-pagoda loads that checkpoint and gives the greedy tokens, and first-step log-probabilities within 2e-3, of
-transformers running the experts that transformers' own MXFP4 conversion decodes (float32)."""
+pagoda loads that checkpoint, keeps the experts packed (half a byte per weight and a byte per 32), and gives
+the greedy tokens, and first-step log-probabilities within 2e-3, of transformers running the experts that
+transformers' own MXFP4 conversion decodes (float32), on this CPU's kernel path and on its AVX2 build, and
+over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from pagoda import LLM, SamplingParams
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.host.cpu_isa import LEVELS
+from pagoda.host.cpu_isa import cpu_isa as detected_isa
 from pagoda.modeling.default_model import ensure_default_model
 
 MAX_TOKENS = 10
@@ -76,9 +80,16 @@ def checkpoints(tmp_path_factory):
     return out, model
 
 
-def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints):
+@pytest.mark.parametrize("cpu_isa, ranks", [
+    ("auto", 1), ("avx2", 1),
+    ("auto", 2),  # each rank holds 32 of every expert's 64 intermediate rows, and one block of the down inputs
+], ids=["this-cpu", "avx2", "two-tensor-parallel-ranks"])
+def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints, cpu_isa, ranks):
+    if cpu_isa != "auto" and LEVELS.index(detected_isa("auto")) < LEVELS.index(cpu_isa):
+        pytest.skip(f"the {cpu_isa} path needs a {cpu_isa} CPU")
     out, reference = checkpoints
-    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
+    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20,
+              cpu_threads=1 if ranks == 1 else None, cpu_isa=cpu_isa, tensor_parallel_size=ranks)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):
@@ -91,7 +102,11 @@ def test_an_mxfp4_gpt_oss_gives_the_tokens_of_its_decoded_experts(checkpoints):
         for tid, lp in got.outputs[0].logprobs[0].items():
             assert abs(lp.logprob - float(ref_first[tid])) < LOGPROB_ATOL, tid
     experts = llm.engine.runner.model.experts_of(0)
-    assert experts.w13.dtype == torch.float32 and not experts.missing()
+    assert experts.w13 is None and not experts.missing()
+    assert experts.w13_q.dtype == experts.w13_scales.dtype == torch.uint8
+    assert experts.isa_path().startswith(f"MXFP4 packed experts, {'avx2' if cpu_isa == 'avx2' else ''}")
+    weights = 3 * 64 * 64 // ranks  # gate, up and down of hidden 64, intermediate 64, on this rank
+    assert experts.expert_bytes() == weights // 2 + weights // 32  # float32 experts would take 4 bytes a weight
     llm.engine.shutdown()
 
 

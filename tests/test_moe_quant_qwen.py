@@ -22,6 +22,7 @@ from pagoda.errors import CheckpointError
 from pagoda.host.env import HostConfig, resolve_host_config
 from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.modeling.default_model import ensure_default_model
+from moe_helpers import decoded_reference
 
 MAX_TOKENS = 10
 LOGPROB_ATOL = 2e-3
@@ -67,17 +68,6 @@ def dense(tmp_path_factory):
     return write
 
 
-def _reference(src: Path, dequant: dict[str, torch.Tensor], out: Path):
-    """transformers on the source checkpoint with every quantized linear replaced by its dequantized weight."""
-    out.mkdir()
-    shutil.copy(src / "config.json", out / "config.json")
-    save_file({**load_file(str(src / "model.safetensors")), **dequant}, str(out / "model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager",
-                                                 experts_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def _quantized_bits(layer) -> int:
     """The bits a linear layer of pagoda's holds its weight in (GPTQ/AWQ/pack-quantized: ``int_bits``; int8)."""
     if getattr(layer, "int_bits", None) is not None:
@@ -95,7 +85,7 @@ def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense,
     num_sparse = 1 if arch == "qwen2_moe" else 2  # Qwen2-MoE's second layer is dense
     assert sum(".experts." in name for name in dequant) == num_sparse * 4 * 3  # every routed expert
     assert sum(".shared_expert." in name for name in dequant) == (3 if arch == "qwen2_moe" else 0)
-    reference = _reference(src, dequant, tmp_path / "dequantized")
+    reference = decoded_reference(src, dequant, tmp_path / "dequantized")
     llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
     model = llm.engine.runner.model
     assert _quantized_bits(model.layers[0].qkv_proj) == bits

@@ -1,32 +1,34 @@
 """Group-quantized routed experts kept packed (plugins/quant/int_moe.py): the C++ kernel (this CPU's path, the
 AVX2 build, the scalar loops) and the torch path compute what the same experts dequantized to float32 compute,
-in float32 and bfloat16, odd sizes, 1 to 19 tokens, top-3 of 5, 4 and 8 bits, with and without zero points; the
-packed experts take a quarter of the bytes and refuse tensors that do not fit them."""
+in float32 and bfloat16, odd sizes, 1 to 19 tokens, top-3 of 5, 4 and 8 bits, with and without zero points, silu
+or gpt-oss's clamped SwiGLU with expert biases; the packed experts take a quarter of the bytes and refuse tensors
+that do not fit them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagoda.errors import CheckpointError, ConfigError
+from pagoda.errors import CheckpointError
 from pagoda.host.env import resolve_host_config
 from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
 from pagoda.plugins.quant.cpu_int_kernel import IMPL_AUTO, IMPL_SCALAR, TILE_ROWS
 from pagoda.plugins.quant.int_moe import IntMoeMethod
+from moe_helpers import check_experts_output, load_bias, random_routing
 
 NUM_EXPERTS, TOP_K = 5, 3
 TOKENS = (1, 4, 19)
 
 
-def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0):
+def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0, activation="silu", bias=False):
     """(packed FusedMoE, the same experts dequantized to float32 in a torch-only FusedMoE)."""
     gen = torch.Generator().manual_seed(seed)
     checkpoint: dict[str, tuple[torch.Tensor, ...]] = {}
     method = IntMoeMethod(bits, group, lambda tensors, name: checkpoint[name], kernel, resolve_host_config(), "GPTQ")
-    packed = FusedMoE(NUM_EXPERTS, hidden, inter, dtype, host=resolve_host_config(), prefix="l.experts",
-                      quant_method=method)
-    reference = FusedMoE(NUM_EXPERTS, hidden, inter, torch.float32, host=None, prefix="l.experts")
+    layer = dict(activation=activation, has_bias=bias, limit=1.0, prefix="l.experts")
+    packed = FusedMoE(NUM_EXPERTS, hidden, inter, dtype, host=resolve_host_config(), quant_method=method, **layer)
+    reference = FusedMoE(NUM_EXPERTS, hidden, inter, torch.float32, host=None, **layer)
     maxq = (1 << bits) - 1
     for e in range(NUM_EXPERTS):
         for part, (rows, cols) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
@@ -41,22 +43,10 @@ def _experts(dtype, hidden, inter, bits, group, symmetric, kernel="cpu", seed=0)
             packed.load_quantized(part, e, {}, name)
             col_group = torch.arange(cols) // g  # the packed scales are in the model dtype
             reference.load_expert(part, e, (q - zeros[:, col_group]) * scales.to(dtype).float()[:, col_group], name)
+            if bias:
+                load_bias((packed, reference), part, e, rows, dtype, gen, name, std=0.1)
     assert not packed.missing() and packed.w13 is None
     return packed, reference
-
-
-def _routing(tokens, hidden, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    ids = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
-    return x, torch.rand(tokens, TOP_K, generator=gen), ids
-
-
-def _check(got, want, dtype):
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    else:  # bf16 activations, gate_up sums, h and y rounded to bf16 as a bf16 MLP rounds them
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * float(want.abs().max()))
 
 
 def _avx2_kernels():
@@ -68,9 +58,9 @@ def _avx2_kernels():
 def _run_kernel(kernels, layer, x, weights, ids, impl):
     method = layer.quant_method
     return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, layer.w13_zeros, layer.w2_q, layer.w2_scales,
-                                   layer.w2_zeros, ids, weights, method.bits, method.group_of(layer.hidden_size),
-                                   method.group_of(layer.intermediate_size), impl,
-                                   cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
+                                   layer.w2_zeros, None, None, ids, weights, method.bits, 0,
+                                   method.group_of(layer.hidden_size), method.group_of(layer.intermediate_size), 0,
+                                   1.702, 7.0, impl, cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -91,15 +81,25 @@ def test_packed_experts_compute_what_their_dequantized_weights_compute(dtype, bi
         avx2 = _avx2_kernels()
         paths.append(("avx2", lambda x, w, i: _run_kernel(avx2, packed, x, w, i, IMPL_AUTO)))
     for seed, tokens in enumerate(TOKENS):  # 19 tokens: about 11 per expert, the dequantized-tile GEMM
-        x, weights, ids = _routing(tokens, hidden, seed)
+        x, weights, ids = random_routing(tokens, hidden, seed, NUM_EXPERTS, TOP_K)
         xd = x.to(dtype)
         want = reference(xd.float(), weights, ids)
         for path, run in paths:
             got = run(xd, weights, ids)
             assert got.dtype == dtype and got.shape == (tokens, hidden), path
-            _check(got, want, dtype)
+            check_experts_output(got, want, dtype)
         with torch.inference_mode():  # as the engine runs it: the kernel's threads take the mode too
-            _check(packed(xd, weights, ids), want, dtype)
+            check_experts_output(packed(xd, weights, ids), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+def test_int_experts_take_the_clamped_swiglu_and_expert_biases(dtype, kernel):
+    packed, reference = _experts(dtype, 37, 23, 4, 8, False, kernel=kernel, seed=3, activation="clamped_swiglu",
+                                 bias=True)
+    for seed, tokens in enumerate(TOKENS):
+        x, weights, ids = random_routing(tokens, 37, seed, NUM_EXPERTS, TOP_K)
+        check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -107,9 +107,9 @@ def test_the_torch_path_dequantizes_only_the_chosen_experts_and_computes_the_sam
     packed, reference = _experts(dtype, 37, 23, 4, 8, False, kernel="torch", seed=1)
     assert packed.int_kernels is None and "torch" in packed.isa_path()
     for seed, tokens in enumerate(TOKENS):
-        x, weights, ids = _routing(tokens, 37, seed)
+        x, weights, ids = random_routing(tokens, 37, seed, NUM_EXPERTS, TOP_K)
         ids = torch.tensor([1, 2, 3])[ids.argsort(dim=1)]  # experts 0 and 4 never: the subset is reindexed
-        _check(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
+        check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
 def test_packed_4bit_experts_take_a_quarter_of_the_bf16_bytes_plus_their_scales():
@@ -133,6 +133,3 @@ def test_tensors_that_do_not_fit_the_packed_experts_are_named():
         packed.load_quantized("up", 1, {}, "l.experts.1.up_proj")
     with pytest.raises(CheckpointError, match="names expert 5, but config.json gives 5 experts"):
         packed.load_quantized("up", 5, {}, "l.experts.5.up_proj")
-    with pytest.raises(ConfigError, match="silu\\(gate\\) \\* up and no expert biases"):
-        FusedMoE(NUM_EXPERTS, 37, 23, torch.float32, activation="clamped_swiglu", has_bias=True,
-                 quant_method=IntMoeMethod(4, 8, method.unpack, "torch", None, "GPTQ"))

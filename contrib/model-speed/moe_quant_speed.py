@@ -1,14 +1,21 @@
 """Decode speed and memory of a Mixture-of-Experts model's routed experts: 4-bit group-quantized experts kept
-packed (the int kernel's ``int_moe_experts``) against experts held in bf16 (the MoE kernel), the form a 4-bit
-checkpoint's experts took when they were dequantized at load.
+packed (the int kernel's ``int_moe_experts``), or MXFP4 ones (gpt-oss's format, the same call on FP4 codes),
+or FP8 ones (one byte a weight, the same call on e4m3 codes), against experts held in bf16 (the MoE kernel), the form such a checkpoint's experts took when they were
+dequantized at load.
 
 Each step runs every layer's routed experts once for a batch of tokens (decode: one token per request), with
 random weights and a random top-k routing per layer; attention and the router are left out, so the figures
-are the experts' share of a decode step. Run the two variants alternately, one process each (they do not hold
+are the experts' share of a decode step. Run the variants alternately, one process each (they do not hold
 each other's weights):
 
     python contrib/model-speed/moe_quant_speed.py --variant packed
     python contrib/model-speed/moe_quant_speed.py --variant bf16
+
+``--gpt-oss`` takes gpt-oss-20b's expert shapes (32 experts of 2880 x 2880, 4 active, clamped SwiGLU, expert
+biases; 1.6 GB a layer in bf16, so a few ``--layers``):
+
+    python contrib/model-speed/moe_quant_speed.py --gpt-oss --layers 2 --variant mxfp4
+    python contrib/model-speed/moe_quant_speed.py --gpt-oss --layers 2 --variant bf16
 """
 
 from __future__ import annotations
@@ -21,24 +28,40 @@ import torch
 
 from pagoda.host.env import resolve_host_config
 from pagoda.modeling.layers.moe import FusedMoE
+from pagoda.plugins.quant.fp8_moe import Fp8MoeMethod
 from pagoda.plugins.quant.int_moe import IntMoeMethod
+from pagoda.plugins.quant.mxfp4 import Mxfp4MoeMethod
+
+# gpt-oss-20b's experts: (experts, active, hidden, intermediate)
+GPT_OSS_20B = (32, 4, 2880, 2880)
 
 
 def build(variant: str, args: argparse.Namespace) -> list[FusedMoE]:
     host = resolve_host_config()
+    activation = "clamped_swiglu" if args.gpt_oss else "silu"
     layers = []
     for _ in range(args.layers):
-        if variant == "packed":
-            method = IntMoeMethod(4, args.group, None, "cpu", host, "GPTQ")
-            layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, host=host, quant_method=method)
-            for name in ("w13", "w2"):
-                getattr(layer, f"{name}_q").data.random_(0, 256)
-                getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
-                getattr(layer, f"{name}_zeros").data.fill_(8)
-        else:
-            layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, host=host)
+        method = {"packed": lambda: IntMoeMethod(4, args.group, None, "cpu", host, "GPTQ"),
+                  "mxfp4": lambda: Mxfp4MoeMethod("cpu", host), "fp8": lambda: Fp8MoeMethod(-1, 1, "cpu", host, "FP8"),
+                  "bf16": lambda: None}[variant]()
+        layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, activation=activation,
+                         has_bias=args.gpt_oss, host=host, quant_method=method)
+        if variant == "bf16":
             layer.w13.data.normal_(0, 0.02)
             layer.w2.data.normal_(0, 0.02)
+        for name in ("w13", "w2") if method is not None else ():
+            getattr(layer, f"{name}_q").data.random_(0, 256)
+            if variant == "mxfp4":  # E8M0 exponents: 2^-9 to 2^-6
+                getattr(layer, f"{name}_scales").data.random_(118, 122)
+            elif variant == "fp8":  # e4m3 codes below 2 in magnitude (no NaN), a scale per row
+                getattr(layer, f"{name}_q").data.bitwise_and_(0xBF)
+                getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
+            else:
+                getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
+                getattr(layer, f"{name}_zeros").data.fill_(8)
+        if args.gpt_oss:
+            layer.b13.data.normal_(0, 0.02)
+            layer.b2.data.normal_(0, 0.02)
         layers.append(layer)
     return layers
 
@@ -67,7 +90,9 @@ def step_seconds(layers: list[FusedMoE], batch: int, args: argparse.Namespace) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("packed", "bf16"), required=True)
+    parser.add_argument("--variant", choices=("packed", "mxfp4", "fp8", "bf16"), required=True)
+    parser.add_argument("--gpt-oss", action="store_true",
+                        help="gpt-oss-20b's experts: sets --experts, --active, --hidden and --inter")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--active", type=int, default=8)
@@ -78,6 +103,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.gpt_oss:
+        args.experts, args.active, args.hidden, args.inter = GPT_OSS_20B
     torch.set_num_threads(args.threads)
     layers = build(args.variant, args)
     per_expert = layers[0].expert_bytes()

@@ -25,6 +25,7 @@ from pagoda.plugins.quant.base import (
     add_param, check_group_size, checkpoint_modules, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     name_matches, output_sharded_loader, per_shard_loader, shard_rows)
 from pagoda.plugins.quant.fp8 import Fp8LinearMethod
+from pagoda.plugins.quant.fp8_moe import fp8_moe_method
 from pagoda.plugins.quant.int8 import compressed_tensors_int8
 from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
 from pagoda.plugins.quant.int_moe import IntMoeMethod
@@ -104,13 +105,16 @@ class CompressedTensorsConfig:
 
     def moe_method(self, prefix: str) -> Optional[IntMoeMethod]:
         """The routed experts under ``prefix`` (the layer's MLP) kept packed and computed from the packed bits when
-        their config group is pack-quantized int4 / int8 in groups (or int4 per channel) without act-order; None
-        for every other scheme (int8 per channel stays int8 in the MoE kernel; the rest is dequantized at load)."""
+        their config group is pack-quantized int4 / int8 in groups (or int4 per channel) without act-order, or FP8
+        (kept one byte a weight, ``fp8_moe.py``); None for every other scheme (int8 per channel stays int8 in the
+        MoE kernel; the rest is dequantized at load)."""
         name = f"{prefix}.experts.0.gate_proj"
         index = None if any(name_matches(name, p) for p in self.ignore) else self._group_of(name)
         if index is None or self.int8_experts(prefix):
             return None
         group_name, _, fmt, weights, _ = self.groups[index]
+        if fmt in ("float-quantized", "naive-quantized") and weights.get("type") == "float":
+            return fp8_moe_method(f"compressed-tensors config_groups.{group_name}", weights, self.kernel, self.host)
         strategy, bits = weights.get("strategy"), weights.get("num_bits")
         if (fmt != "pack-quantized" or weights.get("type") != "int" or bits not in (4, 8)
                 or not weights.get("symmetric", True) or strategy not in ("group", "channel")

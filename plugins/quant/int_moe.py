@@ -13,7 +13,9 @@ expert from the checkpoint, and computes the routed experts:
 call per layer groups the tokens by expert and runs each active expert's projections through the dense int
 kernel's loops (``cpu_int_kernels.cpp``: integer dot products in registers for few tokens, dequantized tiles and
 a GEMM for many); elsewhere the active experts are dequantized per call and computed by the grouped torch path.
+The layer's activation (``silu`` or gpt-oss's clamped SwiGLU) and expert biases, if any, are applied on both.
 Act-order checkpoints (``desc_act``, ``actorder: group``) are not packed: their experts are dequantized at load.
+MXFP4 experts (``mxfp4.py``) are held the same way, their codes FP4 values with a power-of-two scale per group.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from torch import nn
 
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.host.env import HostConfig
-from pagoda.modeling.layers.moe import grouped_experts
+from pagoda.modeling.layers.moe import ACTIVATIONS, grouped_experts
 from pagoda.plugins.quant.cpu_int_kernel import (IMPL_AUTO, TILE_ROWS, default_gemm_min_rows,
                                                  int_kernels_or_none)
 from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
 
-# (q [out, in] unsigned ints, scales [out, groups] float32, zeros [out, groups] float32) of one expert projection
-ExpertInts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# what the kernel's codes are (its ``codes`` argument): integers, FP4 (e2m1) or FP8 (e4m3) numbers
+CODES_INT, CODES_FP4, CODES_FP8 = 0, 1, 2
+
+# (q [out, in] unsigned codes, scales [out, groups], zeros [out, groups] float32 or None) of one expert projection
+ExpertInts = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
 class IntMoeMethod:
@@ -42,6 +47,10 @@ class IntMoeMethod:
     checkpoint's column order; ``kernel``: the quant config's int kernel (``cpu``: the C++ kernel where it builds).
     """
 
+    # how the codes give weights: (q - zero) * scale, with scales and zero points in the model dtype
+    has_zeros = True
+    codes = CODES_INT
+
     def __init__(self, bits: int, group_size: int, unpack: Callable[[dict[str, torch.Tensor], str], ExpertInts],
                  kernel: str, host: Optional[HostConfig], method: str) -> None:
         self.bits, self.group_size, self.unpack, self.kernel, self.host = bits, group_size, unpack, kernel, host
@@ -49,12 +58,12 @@ class IntMoeMethod:
 
     # ---- weights ----------------------------------------------------------------------------------------
 
+    def scale_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the scales are held in for a model in ``dtype``."""
+        return dtype
+
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         """Register the packed tensors on ``layer`` (a FusedMoE), sized for this rank's slice of the experts."""
-        if layer.activation != "silu" or layer.b13 is not None:
-            raise ConfigError(f"{layer.prefix}: {self.method} experts are computed packed with silu(gate) * up and no "
-                              f"expert biases; this layer has activation {layer.activation!r}"
-                              f"{' and biases' if layer.b13 is not None else ''}")
         num_experts, hidden, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
         if self.group_size != -1 and layer.tp.size > 1 and (layer.inter_start % self.group_size
                                                             or inter % self.group_size):
@@ -65,13 +74,19 @@ class IntMoeMethod:
             groups = -(-cols // group)
             width = groups * group if self.bits == 8 else (groups * group + 1) // 2
             layer.register_parameter(f"{name}_q", _frozen(torch.zeros(num_experts, rows, width, dtype=torch.uint8)))
-            layer.register_parameter(f"{name}_scales", _frozen(torch.zeros(num_experts, rows, groups, dtype=dtype)))
-            layer.register_parameter(f"{name}_zeros", _frozen(torch.zeros(num_experts, rows, groups, dtype=dtype)))
+            layer.register_parameter(f"{name}_scales", _frozen(torch.zeros(num_experts, rows, groups,
+                                                                           dtype=self.scale_dtype(dtype))))
+            if self.has_zeros:
+                layer.register_parameter(f"{name}_zeros", _frozen(torch.zeros(num_experts, rows, groups, dtype=dtype)))
         layer.int_kernels = int_kernels_or_none(self.host) if self.kernel == "cpu" else None
 
     def group_of(self, in_features: int) -> int:
         """The group size of a projection with ``in_features`` inputs on this rank (-1: one group per row)."""
         return in_features if self.group_size == -1 else self.group_size
+
+    def kinds(self) -> tuple[str, ...]:
+        """The tensors held per projection: codes, scales and (for integer codes) zero points."""
+        return ("q", "scales", "zeros") if self.has_zeros else ("q", "scales")
 
     def load_expert(self, layer: nn.Module, part: str, expert: int, tensors: dict[str, torch.Tensor],
                     name: str) -> None:
@@ -83,66 +98,70 @@ class IntMoeMethod:
         if tuple(q.shape) != expected:
             raise CheckpointError(f"quantized expert {name!r} is {tuple(q.shape)} but the model expects {expected} "
                                   f"for {layer.prefix}; the checkpoint does not match its config.json")
+        per_group = [scales] if zeros is None else [scales, zeros]
         if part == "down":
             q = q.narrow(1, start, inter)
             if self.group_size != -1:
-                scales = scales.narrow(1, start // self.group_size, -(-inter // self.group_size))
-                zeros = zeros.narrow(1, start // self.group_size, -(-inter // self.group_size))
-            w_q, w_scales, w_zeros, row = layer.w2_q, layer.w2_scales, layer.w2_zeros, 0
+                per_group = [t.narrow(1, start // self.group_size, -(-inter // self.group_size)) for t in per_group]
+            prefix, row = "w2", 0
         else:
-            q, scales, zeros = q.narrow(0, start, inter), scales.narrow(0, start, inter), zeros.narrow(0, start, inter)
-            w_q, w_scales, w_zeros = layer.w13_q, layer.w13_scales, layer.w13_zeros
-            row = 0 if part == "gate" else inter
-        rows, groups = (hidden if part == "down" else inter), w_scales.shape[2]
-        if tuple(scales.shape) != (rows, groups) or tuple(zeros.shape) != (rows, groups):
-            raise CheckpointError(f"quantized expert {name!r}: {tuple(scales.shape)} scales for {rows} rows in "
+            q, per_group = q.narrow(0, start, inter), [t.narrow(0, start, inter) for t in per_group]
+            prefix, row = "w13", 0 if part == "gate" else inter
+        rows, groups = (hidden if part == "down" else inter), getattr(layer, f"{prefix}_scales").shape[2]
+        if len(per_group) != len(self.kinds()) - 1 or any(tuple(t.shape) != (rows, groups) for t in per_group):
+            raise CheckpointError(f"quantized expert {name!r}: {tuple(per_group[0].shape)} scales for {rows} rows in "
                                   f"{groups} groups; its {self.method} tensors do not fit its shape")
         group = self.group_of(q.shape[1])
         q = F.pad(q, (0, groups * group - q.shape[1]))
-        w_q.data[expert].narrow(0, row, rows).copy_(pack_uint8(q, self.bits))
-        w_scales.data[expert].narrow(0, row, rows).copy_(scales)
-        w_zeros.data[expert].narrow(0, row, rows).copy_(zeros)
+        for kind, value in zip(self.kinds(), [pack_uint8(q, self.bits)] + per_group):
+            getattr(layer, f"{prefix}_{kind}").data[expert].narrow(0, row, rows).copy_(value)
 
     def expert_bytes(self, layer: nn.Module) -> int:
         """Bytes of one expert's packed weights, scales and zero points on this rank."""
-        return sum(getattr(layer, f"{name}_{kind}")[0].nbytes for name in ("w13", "w2")
-                   for kind in ("q", "scales", "zeros"))
+        return sum(getattr(layer, f"{name}_{kind}")[0].nbytes for name in ("w13", "w2") for kind in self.kinds())
 
     # ---- compute ----------------------------------------------------------------------------------------
 
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights``/``ids [T, k]`` -> this rank's ``[T, H]`` in ``x``'s dtype."""
         kernels = layer.int_kernels
-        if kernels is not None and x.device.type == "cpu" and x.dtype == layer.w13_scales.dtype:
-            return kernels.int_moe_experts(x.contiguous(), layer.w13_q, layer.w13_scales, layer.w13_zeros,
-                                           layer.w2_q, layer.w2_scales, layer.w2_zeros, ids.contiguous(),
-                                           weights.float().contiguous(), self.bits,
+        scales_fit = self.codes == CODES_FP4 or x.dtype == layer.w13_scales.dtype  # E8M0 bytes fit any dtype
+        if kernels is not None and x.device.type == "cpu" and scales_fit:
+            return kernels.int_moe_experts(x.contiguous(), layer.w13_q, layer.w13_scales,
+                                           getattr(layer, "w13_zeros", None), layer.w2_q, layer.w2_scales,
+                                           getattr(layer, "w2_zeros", None), layer.b13, layer.b2, ids.contiguous(),
+                                           weights.float().contiguous(), self.bits, self.codes,
                                            self.group_of(layer.hidden_size), self.group_of(layer.intermediate_size),
+                                           ACTIVATIONS[layer.activation], layer.alpha, layer.limit,
                                            IMPL_AUTO, default_gemm_min_rows(kernels), TILE_ROWS)
         active = torch.unique(ids)  # only the experts some token chose are dequantized
         index = torch.full((layer.num_experts,), -1, dtype=torch.long, device=ids.device)
         index[active] = torch.arange(active.numel(), device=ids.device)
-        w13 = self.dequantize(layer, "w13", active, layer.hidden_size)
-        w2 = self.dequantize(layer, "w2", active, layer.intermediate_size)
-        return grouped_experts(x, w13, w2, weights, index[ids])
+        w13 = self.dequantize(layer, "w13", active, layer.hidden_size, x.dtype)
+        w2 = self.dequantize(layer, "w2", active, layer.intermediate_size, x.dtype)
+        b13, b2 = (None, None) if layer.b13 is None else (layer.b13[active], layer.b2[active])
+        return grouped_experts(x, w13, w2, weights, index[ids], layer.activation, b13, b2, layer.alpha, layer.limit)
 
-    def dequantize(self, layer: nn.Module, name: str, experts: torch.Tensor, in_features: int) -> torch.Tensor:
-        """``experts``' ``w13`` or ``w2`` as ``[n, rows, in_features]`` in the model dtype."""
+    def dequantize(self, layer: nn.Module, name: str, experts: torch.Tensor, in_features: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """``experts``' ``w13`` or ``w2`` as ``[n, rows, in_features]`` in ``dtype`` (the model's)."""
         q = getattr(layer, f"{name}_q")[experts]  # [n, rows, bytes]
         scales, zeros = getattr(layer, f"{name}_scales")[experts], getattr(layer, f"{name}_zeros")[experts]
         n, rows, groups = scales.shape
         w = unpack_uint8(q.reshape(n * rows, -1), self.bits, scales.dtype)
         w = w[:, : groups * self.group_of(in_features)].view(n, rows, groups, -1)
         w = (w - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)
-        return w.view(n, rows, -1)[:, :, :in_features]
+        return w.view(n, rows, -1)[:, :, :in_features].to(dtype)
 
     def isa_path(self, layer: nn.Module) -> str:
         """The path the experts take here, for benchmarks and logs."""
         if layer.int_kernels is None:
-            return f"{self.bits}-bit experts, dequantized per call (torch)"
-        return f"{self.bits}-bit packed experts, {layer.int_kernels.isa_path()} int kernel"
+            return f"{self.describe()} experts, dequantized per call (torch)"
+        return f"{self.describe()} packed experts, {layer.int_kernels.isa_path()} int kernel"
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit"
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
-

@@ -131,20 +131,10 @@ void grouped_rows(const float* x, int64_t m, int64_t k, const W* wa, const W* wb
   if (m0 < m) block_rows<L, 1, PAIR>(x, m0, k, wa, wb, n0, n1, emit);
 }
 
-enum Activation : int64_t { kSiluMul = 0, kClampedSwiglu = 1 };
-
-struct ActParams {
-  int64_t kind;
-  float alpha, limit;
-};
-
-inline float activate(float g, float u, const ActParams& a) {
-  if (a.kind == kSiluMul) return g / (1.f + std::exp(-g)) * u;
-  // gpt-oss: gate clamped from above, up on both sides, gate * sigmoid(alpha * gate) * (up + 1)
-  g = std::min(g, a.limit);
-  u = std::max(-a.limit, std::min(u, a.limit));
-  return (u + 1.f) * (g / (1.f + std::exp(-a.alpha * g)));
-}
+using pagoda::ActParams;
+using pagoda::activate;
+using pagoda::kClampedSwiglu;
+using pagoda::kSiluMul;
 
 // one unit of parallel work: rows [n0, n1) of expert e's gate (phase 1) or down (phase 2) projection
 struct Item {

@@ -91,9 +91,9 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     layer_class = MoeDecoderLayer
     # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ, AWQ or compressed-tensors
-    # checkpoint's attention layers and shared expert run quantized; its group-quantized routed experts stay packed
-    # (the quant config's moe_method), int8 ones with row scales stay int8, the rest are dequantized at load (its
-    # dequantize)
+    # checkpoint's attention layers and shared expert run quantized; its group-quantized routed experts, and an
+    # MXFP4 checkpoint's, stay packed (the quant config's moe_method), int8 ones with row scales stay int8, the rest
+    # are dequantized at load (its dequantize)
     supports_lora = False
     # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
     checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
@@ -205,23 +205,21 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     def _load_mxfp4(self, experts: FusedMoE, stacked: str, blocks: torch.Tensor, scales: torch.Tensor,
                     name: str) -> None:
         """gpt-oss's MXFP4 experts: ``gate_up_proj`` ``[E, 2I, H / 32, 16]`` (gate and up rows interleaved) or
-        ``down_proj`` ``[E, H, I / 32, 16]``, with their scales; dequantized one expert at a time (exactly: FP4
-        times a power of two fits bf16)."""
+        ``down_proj`` ``[E, H, I / 32, 16]``, with their scales; each expert's projections go to the experts'
+        quant method (the MXFP4 config's, which keeps them packed) as ``{"blocks", "scales"}``."""
         if stacked not in ("gate_up_proj", "down_proj"):
             raise CheckpointError(f"checkpoint tensor {name}_blocks is not an expert tensor pagoda knows")
-        if self.quant is None or not hasattr(self.quant, "dequantize_expert"):
+        if getattr(experts.quant_method, "method", None) != "MXFP4":
             raise CheckpointError(f"checkpoint tensor {name}_blocks holds MXFP4 experts, but config.json's "
                                   "quantization_config does not say quant_method 'mxfp4'")
-        if blocks.shape[0] != experts.num_experts:
-            raise CheckpointError(f"tensor {name}_blocks stacks {blocks.shape[0]} experts; config.json gives "
-                                  f"{experts.num_experts}")
+        if blocks.shape[0] != experts.num_experts or scales.shape[0] != experts.num_experts:
+            raise CheckpointError(f"tensors {name}_blocks / _scales stack {blocks.shape[0]} / {scales.shape[0]} "
+                                  f"experts; config.json gives {experts.num_experts}")
+        rows = {"gate": slice(0, None, 2), "up": slice(1, None, 2)} if stacked == "gate_up_proj" else {
+            "down": slice(None)}
         for e in range(experts.num_experts):
-            w = self.quant.dequantize_expert(blocks, scales, e, name)  # [out, in]
-            if stacked == "gate_up_proj":
-                experts.load_expert("gate", e, w[0::2], name)
-                experts.load_expert("up", e, w[1::2], name)
-            else:
-                experts.load_expert("down", e, w, name)
+            for part, row in rows.items():
+                experts.load_quantized(part, e, {"blocks": blocks[e, row], "scales": scales[e, row]}, name)
 
     @staticmethod
     def _load_stacked(experts: FusedMoE, rest: str, tensor: torch.Tensor, name: str) -> None:
