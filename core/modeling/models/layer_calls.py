@@ -64,8 +64,9 @@ class ForwardHooks:
 
 
 class LayerCallPlan:
-    """The decoder layers of one model stage with both ways of calling their modules, built once (after the
-    weights are loaded: an MoE layer drops its dense MLP when built), and the way this step takes."""
+    """The decoder layers of one model stage with both ways of calling their modules, built once on the model's
+    first forward (when every layer holds its final modules: an MoE layer drops its dense MLP after the base
+    layer's ``__init__``), and the way this step takes."""
 
     def __init__(self, layers: tuple[nn.Module, ...]) -> None:
         self.layers = layers
