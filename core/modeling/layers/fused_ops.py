@@ -123,7 +123,7 @@ class CpuKernels:
 
     def for_tensor(self, t: torch.Tensor) -> Optional[Any]:
         """The kernels if they cover ``t`` (a CPU tensor of a supported dtype), else None."""
-        if self.ops is None or t.device.type != "cpu" or t.dtype not in _DTYPES:
+        if self.ops is None or not t.is_cpu or t.dtype not in _DTYPES:
             return None
         return self.ops
 

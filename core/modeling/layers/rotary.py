@@ -209,10 +209,14 @@ class StepRotary:
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
         self.rotary = rotary
-        self.ops = None if rotary.partial else rotary.kernels.for_tensor(rotary.cos_cache)
+        # the tables read once a step here, not through nn.Module.__getattr__ in every layer
+        self.cos_cache, self.sin_cache = rotary.cos_cache, rotary.sin_cache
+        self.ops = None if rotary.partial else rotary.kernels.for_tensor(self.cos_cache)
         self.positions = positions
+        # int64 positions [T], as the fused kernels take them
+        self.kernel_positions = positions.to(torch.int64).contiguous()
         if self.ops is not None:
-            self.positions = positions.to(torch.int64).contiguous()
+            self.positions = self.kernel_positions
         else:
             self.cos, self.sin = rotary.cos_sin(positions)
 
@@ -225,18 +229,16 @@ class StepRotary:
     def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cos, sin, positions) as the fused CPU kernels take them (cos/sin ``[max_position, D]``, int64
         positions ``[T]``)."""
-        return self.rotary.cos_cache, self.rotary.sin_cache, self.positions.to(torch.int64)
+        return self.cos_cache, self.sin_cache, self.kernel_positions
 
     def split_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
         """``qkv [T, (H + 2 Hkv) * D]`` -> rotated ``q [T, H, D]``, ``k [T, Hkv, D]`` and ``v [T, Hkv, D]``.
 
         The fused kernel rotates ``qkv`` in place (it is the projection's fresh output).
         """
-        fused = (self.ops is not None and qkv.dim() == 2 and qkv.stride(1) == 1
-                 and qkv.dtype == self.rotary.cos_cache.dtype)
+        fused = self.ops is not None and qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype == self.cos_cache.dtype
         if fused:
-            self.ops.rotary_(qkv, self.rotary.cos_cache, self.rotary.sin_cache, self.positions,
-                             num_heads + num_kv_heads, head_dim)
+            self.ops.rotary_(qkv, self.cos_cache, self.sin_cache, self.positions, num_heads + num_kv_heads, head_dim)
         q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
         if not fused:
             q, k = self.rotate(q, k)
@@ -245,5 +247,5 @@ class StepRotary:
 
 def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
     """``qkv [T, (H + 2 Hkv) * D]`` -> views ``q [T, H, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, D]``."""
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+    # one view and one split (two tensor ops, not four): the same views as splitting the rows first
+    return qkv.view(qkv.shape[0], -1, head_dim).split_with_sizes((num_heads, num_kv_heads, num_kv_heads), 1)

@@ -33,6 +33,7 @@ from pagoda.modeling.layers.linear import (ColumnParallelLinear, Linear, Logits,
                                            packed_modules)
 from pagoda.modeling.layers.norm import RMSNorm
 from pagoda.modeling.layers.rotary import RopeSpec, RotaryEmbedding, StepRotary, split_heads
+from pagoda.modeling.models.layer_calls import LayerCallPlan, LayerCalls
 
 # HF activation names -> pagoda's gated MLP activations
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
@@ -231,6 +232,8 @@ class DecoderLayer(nn.Module):
         self.act = spec.act
         self.residual_multiplier = spec.residual_multiplier
         self._rotary_id = id(rotary) if rotary is not None else None
+        # this step's way of calling the modules above (a LayerCalls): set by the model before its layers run
+        self.calls: Optional[LayerCalls] = None
 
     @staticmethod
     def _norm(size: int, spec: DecoderSpec, dtype: torch.dtype, kernels: CpuKernels) -> RMSNorm:
@@ -240,7 +243,8 @@ class DecoderLayer(nn.Module):
         return norm
 
     def attention(self, x: torch.Tensor, ropes: dict, kv_cache: Any, metadata: Any) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, (h + 2 hkv) * d]
+        c = self.calls
+        qkv = c.qkv(x)  # [num_tokens, (h + 2 hkv) * d]
         rope: Optional[StepRotary] = ropes.get(self._rotary_id)
         if self.fused_rope:
             q, k, v = rope.split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -252,17 +256,17 @@ class DecoderLayer(nn.Module):
             q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
             t, d = q.shape[0], self.head_dim
             if self.qk_norm == "head":
-                q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
-                k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+                q = c.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+                k = c.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
             elif self._sharded_qk is not None:
                 q, k = self._sharded_full_qk_norm(q.reshape(t, -1), k.reshape(t, -1))
                 q, k = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d)
             elif self.qk_norm == "full":
-                q = self.q_norm(q.reshape(t, -1)).view(t, self.num_heads, d)
-                k = self.k_norm(k.reshape(t, -1)).view(t, self.num_kv_heads, d)
+                q = c.q_norm(q.reshape(t, -1)).view(t, self.num_heads, d)
+                k = c.k_norm(k.reshape(t, -1)).view(t, self.num_kv_heads, d)
             if rope is not None:
                 q, k = rope.rotate(q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))  # attention: [num_tokens, h * d]
+        return c.o(c.attn(q, k, v, kv_cache, metadata))  # attention: [num_tokens, h * d]
 
     def _sharded_full_qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of the whole q and k projections (OLMo 2) when this rank holds part of their heads: one
@@ -278,7 +282,8 @@ class DecoderLayer(nn.Module):
             ((kf * k_inv) * self.k_norm.weight.float()).to(k.dtype)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        c = self.calls
+        gate_up = c.gate_up(x)
         if self.act == "silu":
             h = self.kernels.silu_and_mul(gate_up)
         elif self.act == "gelu_tanh":
@@ -286,27 +291,28 @@ class DecoderLayer(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             h = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none") * up
-        return self.down_proj(h)
+        return c.down(h)
 
     def forward(self, x, residual, ropes: dict, kv_cache, metadata):
+        c = self.calls
         if self.layout == "post":
             h = x if residual is None else x + residual
-            a = self.post_attention_layernorm(self.attention(h, ropes, kv_cache, metadata))
+            a = c.post_attention_norm(self.attention(h, ropes, kv_cache, metadata))
             h = h + a
-            return self.post_feedforward_layernorm(self.mlp(h)), h
+            return c.post_feedforward_norm(self.mlp(h)), h
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = c.input_norm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = c.input_norm(x, residual)
         a = self.attention(x, ropes, kv_cache, metadata)
         if self.layout == "sandwich":
-            a = self.post_attention_layernorm(a)
-            x, residual = self.pre_feedforward_layernorm(a, residual)
-            return self.post_feedforward_layernorm(self.mlp(x)), residual
+            a = c.post_attention_norm(a)
+            x, residual = c.pre_feedforward_norm(a, residual)
+            return c.post_feedforward_norm(self.mlp(x)), residual
         if self.residual_multiplier != 1.0:
             a = a * self.residual_multiplier
-        x, residual = self.post_attention_layernorm(a, residual)
+        x, residual = c.post_attention_norm(a, residual)
         m = self.mlp(x)
         if self.residual_multiplier != 1.0:
             m = m * self.residual_multiplier
@@ -390,6 +396,9 @@ class DecoderForCausalLM(nn.Module):
                 self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, cfg.dtype, kernels)
         self._logits = Logits(spec.vocab_size, kernels)
         self._embed_scale = spec.embed_scale
+        # how forward calls the stage's layers and their modules: made on the first forward, once the weights are
+        # loaded and every layer holds its final modules
+        self._call_plan: Optional[LayerCallPlan] = None
 
     # the first rotary table (the Llama family has one): kept for callers of the single-table model
     @property
@@ -412,8 +421,11 @@ class DecoderForCausalLM(nn.Module):
         else:
             x, residual = intermediate
         ropes = {id(r): r.at(positions) for r in self.rotaries}  # once per step, not per layer
+        if self._call_plan is None:
+            self._call_plan = LayerCallPlan(self._stage_layers)
+        direct = self._call_plan.choose()  # no forward hooks: the modules' forwards, without nn.Module.__call__
         for layer, kv_cache in zip(self._stage_layers, kv_caches):
-            x, residual = layer(x, residual, ropes, kv_cache, metadata)
+            x, residual = (layer.forward if direct else layer)(x, residual, ropes, kv_cache, metadata)
         if not self._is_last_stage:
             return x, residual
         x, _ = self.norm(x, residual)
