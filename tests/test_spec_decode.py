@@ -202,7 +202,8 @@ def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(
 def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_models, plain_target, build, mode):
     target, _ = tiny_models
     gen = torch.Generator().manual_seed(7)
-    prompts = [{"prompt_token_ids": torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()} for n in (20, 26, 14, 30)]
+    prompts = [{"prompt_token_ids": torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()}
+               for n in (20, 26, 14, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     expected = generate(plain_target, prompts, params)
     llm = tiny_llm(build, target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
