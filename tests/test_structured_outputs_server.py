@@ -65,7 +65,7 @@ def servers():
 
 def plain_engine():
     ensure_default_model()
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20).engine
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, kv_cache_memory_bytes=128 << 20).engine
 
 
 @pytest.fixture
