@@ -19,7 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
+    llm = LLM(dtype="bfloat16", batch_invariant=True,
+              cpu_threads=1, kv_cache_memory_bytes=64 << 20, disable_log_stats=False)
     yield llm
     release(llm)  # nothing the module built stays in the worker
     del llm

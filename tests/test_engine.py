@@ -1,7 +1,8 @@
 """The engine with the real default model: batching invariance, stop conditions, outputs, bad input.
 
-One float32 engine is shared by the whole module (loading costs seconds). Its step budget is
-small so that long prompts are prefilled in chunks while other requests decode.
+One engine is shared by the whole module (loading costs seconds): bf16 in the batch-invariant mode, so a request's
+greedy tokens are the same bits alone, in any batch and prefilled in any chunks (docs/batch_invariance.md). Its step
+budget is small so that long prompts are prefilled in chunks while other requests decode.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm():
     ensure_default_model()
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=96, max_num_seqs=8,
+    llm = LLM(dtype="bfloat16", batch_invariant=True, max_model_len=1024, max_num_batched_tokens=96, max_num_seqs=8,
               kv_cache_memory_bytes=64 << 20, cpu_threads=1)
     yield llm
     release(llm)  # nothing the module built stays in the worker

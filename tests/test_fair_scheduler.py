@@ -247,7 +247,8 @@ def test_served_tenants_from_a_header_share_the_engine():
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, scheduling_policy="fair",
+    llm = LLM(dtype="bfloat16", batch_invariant=True,
+              cpu_threads=1, kv_cache_memory_bytes=64 << 20, scheduling_policy="fair",
               max_num_seqs=2, max_waiting_per_tenant=4)
     alone = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
                          use_tqdm=False)[0].outputs[0].text

@@ -16,7 +16,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, kv_cache_memory_bytes=64 << 20)
 
 
 def first_step_requests(engine, idle_gather_ms: float, spacing_s: float) -> set[str]:

@@ -125,7 +125,9 @@ def test_decoding_work_grows_linearly_with_the_output_length(tokenizer, kind):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+    # bf16 in the batch-invariant mode: a request run again (its prompt now a prefix-cache hit) gives the same bits,
+    # logprobs included (docs/batch_invariance.md)
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, kv_cache_memory_bytes=64 << 20)
 
 
 def run_engine(engine, prompt, params, kind):

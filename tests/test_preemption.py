@@ -217,8 +217,10 @@ MODEL_PARAMS = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True) 
 
 
 def make_llm(**kwargs) -> LLM:
+    """The default model in bf16, the batch-invariant mode making a resumed request's tokens the bits of an
+    uninterrupted run (docs/batch_invariance.md)."""
     ensure_default_model()
-    return LLM(dtype="float32", max_model_len=256, cpu_threads=1, **kwargs)
+    return LLM(dtype="bfloat16", batch_invariant=True, max_model_len=256, cpu_threads=1, **kwargs)
 
 
 def token_ids(outputs) -> list[list[int]]:

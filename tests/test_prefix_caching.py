@@ -28,7 +28,9 @@ PARAMS = [
 
 def make_llm(**kwargs) -> LLM:
     ensure_default_model()
-    return LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=24 << 20, cpu_threads=1, **kwargs)
+    # bf16 in the batch-invariant mode: a prefix-cache hit gives the bits of a cold prefill (docs/batch_invariance.md)
+    return LLM(dtype="bfloat16", batch_invariant=True, max_model_len=256, kv_cache_memory_bytes=24 << 20,
+               cpu_threads=1, **kwargs)
 
 
 def generate(llm: LLM, prompts, params) -> list[list[list[int]]]:

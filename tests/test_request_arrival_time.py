@@ -13,7 +13,8 @@ HOLD_SECONDS = 0.5
 
 
 def test_queue_time_and_ttft_count_the_wait_for_the_engine_thread():
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=32 << 20, disable_log_stats=False)
+    llm = LLM(dtype="bfloat16", batch_invariant=True,
+              cpu_threads=1, kv_cache_memory_bytes=32 << 20, disable_log_stats=False)
     stats = llm.engine.stats
 
     async def main():

@@ -39,7 +39,7 @@ def test_a_greedy_request_enters_no_file_of_the_host_layer_with_the_default_opti
 
 
 def test_a_warm_request_enters_the_eighteen_files_of_the_documented_path():
-    llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory_bytes=32 << 20)
+    llm = LLM(dtype="bfloat16", batch_invariant=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
     files = _pagoda_files_entered(lambda: llm.generate(["The capital of France is"], params, use_tqdm=False))

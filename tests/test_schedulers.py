@@ -277,7 +277,8 @@ CHUNK_PARAMS = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
 
 def generate_with(**kwargs) -> list[list[int]]:
     ensure_default_model()
-    llm = LLM(dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20, cpu_threads=1, max_num_seqs=4,
+    llm = LLM(dtype="bfloat16", batch_invariant=True,
+              max_model_len=128, kv_cache_memory_bytes=16 << 20, cpu_threads=1, max_num_seqs=4,
               **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in CHUNK_PROMPTS], CHUNK_PARAMS, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]

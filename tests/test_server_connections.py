@@ -35,7 +35,7 @@ def server():
         pytest.skip(f"the open-file limit ({hard}) is below the {needed} this test needs")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)) if hard != resource.RLIM_INFINITY
                                                 else max(soft, 8192), hard))
-    llm = LLM(dtype="float32", cpu_threads=1, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, max_model_len=128, kv_cache_memory_bytes=16 << 20)
     srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), default_max_tokens=DEFAULT_MAX_TOKENS),
                        header_timeout=60.0, limit_concurrency=LIMIT).start()
     yield srv

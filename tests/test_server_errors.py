@@ -29,7 +29,8 @@ HEADER_TIMEOUT = 1.5
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=2, max_waiting_requests=2,
+    return LLM(dtype="bfloat16", batch_invariant=True,
+               cpu_threads=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=2, max_waiting_requests=2,
                kv_cache_memory_bytes=32 << 20)
 
 

@@ -3,7 +3,7 @@
 ``echo`` with ``logprobs`` (and ``max_tokens: 0``) scores a prompt, streamed and not; vLLM's
 ``prompt_logprobs`` field; every field of OpenAI's completions and chat request schemas is accepted, the ones
 pagoda ignores named in a header and logged once; paths pagoda does not serve answer 404 in OpenAI's shape.
-One real uvicorn server over the real default model (float32) serves the module; the references come from
+One real uvicorn server over the real default model (bf16 in the batch-invariant mode) serves the module; the references come from
 the same engine, offline, before the server takes it over.
 """
 
@@ -32,7 +32,7 @@ TOOL_FIELDS = {"functions", "function_call"}
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, kv_cache_memory_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")

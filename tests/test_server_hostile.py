@@ -21,7 +21,8 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def server():
-    llm = LLM(dtype="float32", cpu_threads=1, max_model_len=256, max_num_seqs=2, kv_cache_memory_bytes=16 << 20,
+    llm = LLM(dtype="bfloat16", batch_invariant=True,
+              cpu_threads=1, max_model_len=256, max_num_seqs=2, kv_cache_memory_bytes=16 << 20,
               served_model_name=MODEL)
     srv = ServerThread(build_app(AsyncLLMEngine(llm.engine), max_stored_responses=20)).start()
     yield srv

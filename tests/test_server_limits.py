@@ -37,7 +37,7 @@ C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
                kv_cache_memory_bytes=32 << 20)
 
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server on 127.0.0.1, driven by the official ``openai`` client.
 
-One real uvicorn server over the real default model (float32, so greedy tokens
-are exact) serves the whole module; offline references come from the same
+One real uvicorn server over the real default model (bf16 in the batch-invariant
+mode, so greedy tokens are exact whatever else the server batches) serves the whole module; offline references come from the same
 engine before the server takes it over.
 """
 
@@ -31,7 +31,8 @@ CONCURRENT_PROMPTS = [f"Fact number {i}: the" for i in range(4)] + [f"def f{i}(x
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20, disable_log_stats=False)  # /metrics
+    return LLM(dtype="bfloat16", batch_invariant=True,
+               cpu_threads=1, kv_cache_memory_bytes=128 << 20, disable_log_stats=False)  # /metrics
 
 
 @pytest.fixture(scope="module")

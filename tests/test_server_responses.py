@@ -1,7 +1,7 @@
 """/v1/responses on 127.0.0.1, driven by the official ``openai`` client and by an OpenAI Agents SDK agent.
 
-One real uvicorn server over the real default model (float32, so greedy tokens are exact) serves the whole
-module; offline references come from the same engine, through the same chat template, before the server takes
+One real uvicorn server over the real default model (bf16 in the batch-invariant mode, so greedy tokens are exact
+whatever else the server batches) serves the whole module; offline references come from the same engine, through the same chat template, before the server takes
 it over.
 """
 
@@ -17,6 +17,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.components import eos_token_id
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 from engine_helpers import wait_until_cache_is_free
 
@@ -33,7 +34,8 @@ LONG_TASK = "Count from 1 to 1000, separated by commas."
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20, max_model_len=2048)
+    return LLM(dtype="bfloat16", batch_invariant=True,
+               cpu_threads=1, kv_cache_memory_bytes=128 << 20, max_model_len=2048)
 
 
 def greedy(max_tokens):
@@ -303,7 +305,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(server, llm):
 
 
 def test_a_non_streaming_client_that_gives_up_frees_its_kv_blocks(server, llm):
-    body = {"model": MODEL, "input": LONG_TASK, "max_output_tokens": 1500, "temperature": 0}
+    # the end token banned: the answer runs its 1,500 tokens, far past the client's patience
+    eos = eos_token_id(llm.engine.config.model.model, llm.get_tokenizer())
+    body = {"model": MODEL, "input": LONG_TASK, "max_output_tokens": 1500, "temperature": 0,
+            "logit_bias": {str(eos): -100}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=httpx.Timeout(30, read=1.5))

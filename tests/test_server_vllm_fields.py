@@ -17,7 +17,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@ from pagoda.errors import ConfigError
 
 # 128 MiB of KV cache, ample for these prompts
 KV = 128 << 20
+# the default model in bf16, the batch-invariant mode making its greedy tokens the same bits whatever else ran in a
+# step: a verified run of drafts, a batch of 4, preemption (docs/batch_invariance.md)
+BF16 = dict(dtype="bfloat16", batch_invariant=True)
 # the prompts are 13, 36, 5 and 13 tokens long: with this many output tokens one sequence needs at most 4 blocks
 # of 16 tokens, all four together 12
 MAX_TOKENS = 24
@@ -50,7 +53,7 @@ def build():
 
 @pytest.fixture(scope="module")
 def plain_greedy():
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=KV)
+    llm = LLM(**BF16, cpu_threads=1, kv_cache_memory_bytes=KV)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     tokens = {
         "batch": generate(llm, PROMPTS, params),
@@ -76,7 +79,7 @@ def test_greedy_speculation_gives_the_plain_tokens_alone_and_in_a_batch_of_4_tha
                                                                                            mode):
     # one sequence fits in the blocks, but 4 start together and someone must be preempted
     swap = {"swap_space": 0.05} if mode == "swap" else {}
-    llm = build(dtype="float32", cpu_threads=1, speculative_config=spec, num_gpu_blocks_override=TIGHT_BLOCKS,
+    llm = build(**BF16, cpu_threads=1, speculative_config=spec, num_gpu_blocks_override=TIGHT_BLOCKS,
                 preemption_mode=mode, **swap)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     assert generate(llm, PROMPTS[:1], params) == plain_greedy["single"], "batch size 1"
@@ -94,13 +97,18 @@ def test_greedy_speculation_gives_the_plain_tokens_alone_and_in_a_batch_of_4_tha
 # ---- tiny random models ------------------------------------------------------------
 
 
+# the tiny models' vocabulary: what these tests check does not depend on its size, and top-k sorts each row of
+# logits at every step (600 rows a step in the sampling tests)
+TINY_VOCAB = 512
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     from tiny_models import write_tiny_llama
 
     target, draft = tmp_path_factory.mktemp("target"), tmp_path_factory.mktemp("draft")
-    write_tiny_llama(target, seed=0)
-    write_tiny_llama(draft, seed=1)
+    write_tiny_llama(target, seed=0, vocab=TINY_VOCAB)
+    write_tiny_llama(draft, seed=1, vocab=TINY_VOCAB)
     return target, draft
 
 
@@ -178,7 +186,7 @@ def test_sampled_tokens_follow_the_targets_exact_distribution(tiny_models, targe
 def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(tiny_models, plain_target, build):
     target, draft = tiny_models
     gen = torch.Generator().manual_seed(5)
-    prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (9, 30, 17)]
+    prompts = [{"prompt_token_ids": torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()} for n in (9, 30, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     expected = generate(plain_target, prompts, params)
     # the target as its own draft: every draft is accepted, so a stale draft cache would show as rejections
@@ -194,7 +202,8 @@ def test_a_checkpoint_draft_gives_the_plain_greedy_tokens_with_its_own_kv_cache(
 def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_models, plain_target, build, mode):
     target, _ = tiny_models
     gen = torch.Generator().manual_seed(7)
-    prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (20, 26, 14, 30)]
+    prompts = [{"prompt_token_ids": torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()}
+               for n in (20, 26, 14, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     expected = generate(plain_target, prompts, params)
     llm = tiny_llm(build, target, {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
@@ -210,7 +219,7 @@ def test_a_checkpoint_drafts_cache_follows_its_blocks_through_preemption(tiny_mo
 def test_mixed_batches_keep_greedy_tokens_and_reproduce_seeded_samples(tiny_models, plain_target, build):
     target, _ = tiny_models
     gen = torch.Generator().manual_seed(6)
-    prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=gen).tolist()} for n in (8, 20, 12, 5)]
+    prompts = [{"prompt_token_ids": torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()} for n in (8, 20, 12, 5)]
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, ignore_eos=True, seed=3),
               SamplingParams(temperature=1.0, presence_penalty=0.5, max_tokens=10, ignore_eos=True, seed=4),

@@ -26,7 +26,8 @@ MAX_TOKENS = 10
 def make_llm(**kwargs) -> LLM:
     ensure_default_model()
     # a small budget: the long prompt is prefilled in chunks while the others decode
-    return LLM(dtype="float32", disable_log_stats=False, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8,
+    return LLM(dtype="bfloat16", batch_invariant=True,
+               disable_log_stats=False, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=8,
                kv_cache_memory_bytes=32 << 20, cpu_threads=1, **kwargs)
 
 

@@ -27,10 +27,15 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"]}
 
 
+# the default model in bf16, the batch-invariant mode making a request's greedy tokens the same bits whatever else
+# ran in its steps (the rest of the batch, preemption; docs/batch_invariance.md)
+BF16 = dict(dtype="bfloat16", batch_invariant=True, cpu_threads=1)
+
+
 @pytest.fixture(scope="module")
 def llm():
     ensure_default_model()
-    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(**BF16, kv_cache_memory_bytes=256 << 20)
     yield llm
     release(llm)  # nothing the module built stays in the worker
     del llm
@@ -200,7 +205,7 @@ def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
     params = structured(0.0, 40, regex=regex)
     roomy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     # 4 blocks, 64 tokens, for 3 requests of about 30 tokens each
-    tight = LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=4)
+    tight = LLM(**BF16, max_model_len=256, num_gpu_blocks_override=4)
     try:
         outs = tight.generate(prompts, params, use_tqdm=False)
         num_preemptions = tight.engine.scheduler.num_preemptions

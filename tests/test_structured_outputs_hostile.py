@@ -28,7 +28,8 @@ CH = "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", cpu_threads=1, max_model_len=256, max_num_seqs=2, kv_cache_memory_bytes=16 << 20,
+    return LLM(dtype="bfloat16", batch_invariant=True,
+               cpu_threads=1, max_model_len=256, max_num_seqs=2, kv_cache_memory_bytes=16 << 20,
                served_model_name=MODEL, structured_outputs_max_chars=MAX_CHARS,
                structured_outputs_compile_timeout=COMPILE_TIMEOUT)
 

@@ -65,7 +65,7 @@ def servers():
 
 def plain_engine():
     ensure_default_model()
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=128 << 20).engine
+    return LLM(dtype="bfloat16", batch_invariant=True, cpu_threads=1, kv_cache_memory_bytes=128 << 20).engine
 
 
 @pytest.fixture
@@ -181,7 +181,8 @@ def speculative_engine():
     ensure_default_model()
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    ns = parser.parse_args(["serve", "--dtype", "float32", "--cpu-threads", "1", "--kv-cache-memory-bytes",
+    ns = parser.parse_args(["serve", "--dtype", "bfloat16", "--batch-invariant",
+                            "--cpu-threads", "1", "--kv-cache-memory-bytes",
                             str(128 << 20), "--speculative-config", json.dumps(
                                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})])
     engine = LLMEngine.from_engine_args(engine_args_from(ns), PluginManager().load())

@@ -32,9 +32,14 @@ REPEATING = "Repeat after me: red green blue red green blue red green blue red g
 DIGITS = "[0-9]{16}"
 
 
+# the default model in bf16, the batch-invariant mode making a request's greedy tokens the same bits whatever else
+# ran in its steps (a verified run of drafts, the rest of the batch, preemption; docs/batch_invariance.md)
+BF16 = dict(dtype="bfloat16", batch_invariant=True, cpu_threads=1)
+
+
 def llm_with(spec=None, **kwargs) -> LLM:
     ensure_default_model()
-    return LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=256 << 20, speculative_config=spec, **kwargs)
+    return LLM(**BF16, kv_cache_memory_bytes=256 << 20, speculative_config=spec, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +54,7 @@ def engines():
         "checkpoint_draft": lambda: llm_with({"method": "draft_model", "model": str(ensure_default_model()),
                                               "num_speculative_tokens": 3}),
         # four blocks: the requests preempt each other
-        "tight": lambda: LLM(dtype="float32", max_model_len=256, cpu_threads=1, num_gpu_blocks_override=4,
-                             speculative_config=NGRAM),
+        "tight": lambda: LLM(**BF16, max_model_len=256, num_gpu_blocks_override=4, speculative_config=NGRAM),
     })
     yield engines
     engines.close()

@@ -51,7 +51,8 @@ def started():
     log.addHandler(records)
     log.setLevel(logging.INFO)
     try:
-        engine = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=2048).engine
+        engine = LLM(dtype="bfloat16", batch_invariant=True,
+                     cpu_threads=1, kv_cache_memory_bytes=64 << 20, max_model_len=2048).engine
         app = build_app(AsyncLLMEngine(engine))
     finally:
         log.removeHandler(records)
