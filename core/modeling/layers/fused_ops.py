@@ -4,7 +4,8 @@ per-head q/k RMSNorm with RoPE in one pass), and bf16 linears.
 The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
 linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
 fp32 GEMM over widened weight tiles for larger ones (blocked by activation rows for prefill-sized ones); in the
-batch-invariant mode, the GEMM of ``invariant_gemm.cpp`` over weights packed for it at load time. The kernels are
+batch-invariant mode, and where the ``cpu_linear_kernel`` host setting picks it, the packed GEMM of
+``invariant_gemm.cpp`` over weights packed for it at load time. The kernels are
 compiled on first use (about a minute, then cached by torch's extension loader). Where they cannot be built, or
 for tensors they do not cover (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
 compute the same values. An engine's ``fused_cpu_ops`` host setting off (``--no-fused-cpu-ops``,
