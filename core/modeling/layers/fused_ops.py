@@ -56,7 +56,11 @@ ROWS_GEMM_CHUNK_BYTES = 1024 * 576 * 4
 
 # The ISA levels on which ``cpu_linear_kernel=auto`` runs the default mode's bf16 linears through the packed GEMM
 # of ``invariant_gemm.cpp`` instead of oneDNN's packed GEMM (AVX-512) or the GEMV and widened-tile GEMM (AVX2).
-PACKED_GEMM_AUTO_ISAS: tuple[str, ...] = ()
+# Measured on AMD Zen 5 (one thread, the default model's four linear shapes, CPU time), packed over the other:
+# AVX-512 BF16 0.68-0.79x at 1-32 rows, 0.93x at 128, 0.99x at 512; capped to AVX2 0.52-0.69x at 1-32 rows,
+# 0.86-0.87x at 128-512; whole W3 and W1 runs at 2 threads in process CPU time: see docs/serving_speed.md.
+# ``avx512`` without BF16 (the packed GEMM's FMA path against oneDNN's) was not measured: it keeps oneDNN.
+PACKED_GEMM_AUTO_ISAS: tuple[str, ...] = ("avx2", "avx512_bf16")
 
 # The batch-invariant mode's rows per matmul where its bf16 GEMM does not apply (float32 or float16 weights, no
 # kernels): every product is a [16, K] tile, the last one padded with zero rows, so the BLAS picks the same kernel
