@@ -19,7 +19,7 @@ from pagoda.modeling.layers.linear import Linear, Logits
 @pytest.fixture(scope="module")
 def kernels() -> CpuKernels:
     found = CpuKernels(resolve_host_config(), batch_invariant=True)
-    if found.invariant_ops is None:
+    if found.packed_gemm_ops is None:
         pytest.skip("this build has no invariant bf16 GEMM (neither AVX-512 BF16 nor AVX2 + FMA)")
     return found
 
@@ -28,7 +28,7 @@ def kernels() -> CpuKernels:
 def ops(request, kernels):
     """The kernel of each ISA path this CPU runs: the build's own, and the AVX2 one."""
     if request.param == "native":
-        return kernels.invariant_ops
+        return kernels.packed_gemm_ops
     built = build_at("avx2", "pagoda_invariant_gemm", fused_ops._INVARIANT_SOURCE, ["-ffp-contract=off"])
     assert built.path() == "avx2"
     return built

@@ -26,6 +26,7 @@ NOT_DEFAULT = {
     "fused_cpu_ops": (False, "False"),
     "onednn_packed_weights": (False, "0"),
     "cpu_prefill_kernel": (False, "off"),
+    "cpu_linear_kernel": ("packed", "PACKED"),
     "quant_kernel": ("torch", "torch"),
 }
 

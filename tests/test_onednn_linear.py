@@ -1,4 +1,7 @@
-"""bf16 weights packed for oneDNN multiply exactly as ``F.linear`` does, in the layer and in the whole model."""
+"""bf16 weights packed for oneDNN multiply exactly as ``F.linear`` does, in the layer and in the whole model
+(``cpu_linear_kernel=onednn``)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -51,7 +54,8 @@ def test_only_bf16_cpu_weights_are_packed():
 
 def test_linear_layer_packs_once_after_loading_and_keeps_its_shape_and_values():
     g = torch.Generator().manual_seed(2)
-    layer = Linear(40, [24, 8], bias=True, dtype=torch.bfloat16, kernels=CpuKernels(resolve_host_config()))
+    layer = Linear(40, [24, 8], bias=True, dtype=torch.bfloat16, kernels=CpuKernels(
+        dataclasses.replace(resolve_host_config(), cpu_linear_kernel="onednn")))
     w = torch.randn(32, 40, generator=g).to(torch.bfloat16)
     layer.weight.data.copy_(w)
     layer.bias.data.copy_(torch.randn(32, generator=g).to(torch.bfloat16))
@@ -76,7 +80,7 @@ def _unpack(model) -> None:
 
 
 def test_default_model_in_bf16_gives_the_same_tokens_and_logprobs_packed_and_plain():
-    llm = LLM(dtype="bfloat16", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+    llm = LLM(dtype="bfloat16", cpu_threads=1, kv_cache_memory_bytes=64 << 20, cpu_linear_kernel="onednn")
     model = llm.engine.model
     packed = [m for m in model.modules() if isinstance(m, Linear) and onednn.is_packed(m.weight)]
     assert len(packed) == 4 * len(model.layers)

@@ -81,6 +81,7 @@ def env_number(name: str, kind: type[Number], minimum: Number, default: Optional
 OmpWaitPolicy = Literal["auto", "spin", "sleep"]
 CpuIsa = Literal["auto", "generic", "avx2", "avx512", "avx512_bf16"]
 QuantKernel = Literal["auto", "cpu", "torch", "triton"]
+CpuLinearKernel = Literal["auto", "onednn", "packed"]
 QUANT_KERNELS: tuple[str, ...] = get_args(QuantKernel)
 
 
@@ -133,6 +134,10 @@ class HostConfig:
         True, "PAGODA_FUSED_CPU_OPS", "fused C++ kernels for RMSNorm, SiLU-and-mul, RoPE and small bf16 matmuls")
     onednn_packed_weights: bool = _option(
         True, "PAGODA_ONEDNN_PACKED", "pack bf16 linear weights in oneDNN's layout at load time (AVX-512 CPUs)")
+    cpu_linear_kernel: CpuLinearKernel = _option(
+        "auto", "PAGODA_CPU_LINEAR_KERNEL",
+        "the bf16 linears' kernel on a CPU: onednn (oneDNN's packed GEMM on AVX-512, the GEMV and widened-tile GEMM "
+        "on AVX2), packed (pagoda's packed bf16 GEMM, the batch-invariant mode's) or auto (the faster one here)")
     cpu_prefill_kernel: bool = _option(
         True, "PAGODA_CPU_PREFILL_KERNEL", "the cpu attention backend's C++ kernel for fresh prompts (off: SDPA)")
     quant_kernel: QuantKernel = _option(

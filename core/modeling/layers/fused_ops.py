@@ -4,7 +4,8 @@ per-head q/k RMSNorm with RoPE in one pass), and bf16 linears.
 The elementwise kernels run 8 lanes of intrinsics on AVX2 and the compiler's vectorised loops on AVX-512. bf16
 linears take a GEMV for decode-sized batches (AVX-512 BF16 dot products, or fp32 math on AVX2) and, on AVX2, an
 fp32 GEMM over widened weight tiles for larger ones (blocked by activation rows for prefill-sized ones); in the
-batch-invariant mode, the GEMM of ``invariant_gemm.cpp`` over weights packed for it at load time. The kernels are
+batch-invariant mode, and where the ``cpu_linear_kernel`` host setting picks it, the packed GEMM of
+``invariant_gemm.cpp`` over weights packed for it at load time. The kernels are
 compiled on first use (about a minute, then cached by torch's extension loader). Where they cannot be built, or
 for tensors they do not cover (GPU, other dtypes, odd strides), the layers fall back to plain torch ops that
 compute the same values. An engine's ``fused_cpu_ops`` host setting off (``--no-fused-cpu-ops``,
@@ -21,6 +22,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from pagoda.host.cpp_extension import load_cpu_extension_or_none
+from pagoda.host.cpu_isa import cpu_isa
 from pagoda.host.env import HostConfig, resolve_host_config
 from pagoda.modeling.layers import onednn
 
@@ -52,6 +54,14 @@ AVX2_ROWS_GEMM_MIN_ROWS = 1024
 ROWS_GEMM_BLOCK = 256
 ROWS_GEMM_CHUNK_BYTES = 1024 * 576 * 4
 
+# The ISA levels on which ``cpu_linear_kernel=auto`` runs the default mode's bf16 linears through the packed GEMM
+# of ``invariant_gemm.cpp`` instead of oneDNN's packed GEMM (AVX-512) or the GEMV and widened-tile GEMM (AVX2).
+# Measured on AMD Zen 5 (one thread, the default model's four linear shapes, CPU time), packed over the other:
+# AVX-512 BF16 0.68-0.79x at 1-32 rows, 0.93x at 128, 0.99x at 512; capped to AVX2 0.52-0.69x at 1-32 rows,
+# 0.86-0.87x at 128-512; whole W3 and W1 runs at 2 threads in process CPU time: see docs/serving_speed.md.
+# ``avx512`` without BF16 (the packed GEMM's FMA path against oneDNN's) was not measured: it keeps oneDNN.
+PACKED_GEMM_AUTO_ISAS: tuple[str, ...] = ("avx2", "avx512_bf16")
+
 # The batch-invariant mode's rows per matmul where its bf16 GEMM does not apply (float32 or float16 weights, no
 # kernels): every product is a [16, K] tile, the last one padded with zero rows, so the BLAS picks the same kernel
 # whatever the batch. Measured here (AVX2, MKL, 1 and 2 threads): a row's output bits did not depend on its place
@@ -76,8 +86,16 @@ def cpu_ops(host: Optional[HostConfig] = None) -> Optional[Any]:
                                       host=host)
 
 
+def linear_kernel(host: HostConfig) -> str:
+    """The default mode's bf16 linear kernel for ``host``: its ``cpu_linear_kernel`` setting, ``auto`` resolved
+    to ``packed`` (pagoda's packed GEMM) on the ISA levels of ``PACKED_GEMM_AUTO_ISAS``, else ``onednn``."""
+    if host.cpu_linear_kernel != "auto":
+        return host.cpu_linear_kernel
+    return "packed" if cpu_isa(host.cpu_isa) in PACKED_GEMM_AUTO_ISAS else "onednn"
+
+
 def invariant_gemm_ops(host: HostConfig) -> Optional[Any]:
-    """The batch-invariant mode's compiled bf16 GEMM (``invariant_gemm.cpp``) for ``host``, or None when its
+    """The packed bf16 GEMM (``invariant_gemm.cpp``) for ``host``, or None when its
     ``fused_cpu_ops`` setting is off, the build has no path for this CPU (neither AVX-512 BF16 nor AVX2 + FMA) or
     it cannot be built."""
     if not host.fused_cpu_ops:
@@ -99,14 +117,18 @@ class CpuKernels:
         # the ISA path of the compiled bf16 GEMV: ``avx512_bf16``, ``avx2``, or ``""`` (none, or turned off)
         self.gemv_path = str(self.ops.gemv_path()) if self.ops is not None else ""
         self.batch_invariant = batch_invariant
-        # the batch-invariant mode's bf16 GEMM over weights packed for it (see :meth:`invariant_linear`)
-        self.invariant_ops = invariant_gemm_ops(host) if host is not None and batch_invariant else None
-        # bf16 weights are packed at load time: in oneDNN's blocked layout (see layers.onednn), or, in the
-        # batch-invariant mode (oneDNN picks its kernel by the number of rows), in the invariant GEMM's
-        self.packs_weights = host is not None and (self.invariant_ops is not None if batch_invariant
+        # pagoda's packed bf16 GEMM (``invariant_gemm.cpp``): the batch-invariant mode's (see
+        # :meth:`invariant_linear`), and the default mode's where the ``cpu_linear_kernel`` setting picks it
+        wants_gemm = host is not None and (batch_invariant or linear_kernel(host) == "packed")
+        self.packed_gemm_ops = invariant_gemm_ops(host) if wants_gemm else None
+        # bf16 linears multiply weights packed for that GEMM (without it the default mode keeps its own kernels)
+        self.uses_packed_gemm = batch_invariant or self.packed_gemm_ops is not None
+        # bf16 weights are packed at load time: for the packed GEMM, or else in oneDNN's blocked layout (see
+        # layers.onednn; not in the batch-invariant mode: oneDNN picks its kernel by the number of rows)
+        self.packs_weights = host is not None and (self.packed_gemm_ops is not None if self.uses_packed_gemm
                                                    else onednn.packing_available(host))
         # the product with a weight :meth:`pack_weight` packed: ``(x, packed, bias=None) -> y``
-        self.packed_linear = self._invariant_packed_linear if batch_invariant else onednn.packed_linear
+        self.packed_linear = self._packed_gemm_linear if self.uses_packed_gemm else onednn.packed_linear
         # within a step that computes prompt tokens (:meth:`prompt_step`), on AVX2, bf16 linears take the GEMM at
         # every row count: a prompt's rows then come out the same bits however the prompt was split into steps
         # (a prefix-cache hit, a chunk), since each GEMM row's sums depend on that row alone
@@ -189,9 +211,9 @@ class CpuKernels:
         in one fp32 lane; see ``invariant_gemm.cpp``), the weight packed for the call (a layer packs its weight
         once, at load time: :meth:`pack_weight`, :attr:`packed_linear`); other dtypes, or without the kernel, in
         fixed tiles of ``INVARIANT_TILE_ROWS`` rows."""
-        if (self.invariant_ops is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+        if (self.packed_gemm_ops is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
                 and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2):
-            return self._invariant_packed_linear(x, self.invariant_ops.pack_bf16(weight.contiguous()), bias)
+            return self._packed_gemm_linear(x, self.packed_gemm_ops.pack_bf16(weight.contiguous()), bias)
         rows, k = x.numel() // max(1, x.shape[-1]), x.shape[-1]
         x2 = x.reshape(rows, k)
         tile = INVARIANT_TILE_ROWS
@@ -201,12 +223,12 @@ class CpuKernels:
                        for i in range(0, padded.shape[0], tile)])[:rows]
         return y.view(*x.shape[:-1], weight.shape[0])
 
-    def _invariant_packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None
+    def _packed_gemm_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None
                                  ) -> torch.Tensor:
         """``F.linear`` over a weight packed for the invariant GEMM (``[N, ceil(K / 2), 2]``); ``x`` bf16 of any
         leading shape."""
         x2 = x.reshape(-1, x.shape[-1])
-        y = self.invariant_ops.gemm_bf16(x2 if x2.stride(-1) == 1 else x2.contiguous(), packed, bias)
+        y = self.packed_gemm_ops.gemm_bf16(x2 if x2.stride(-1) == 1 else x2.contiguous(), packed, bias)
         return y.view(*x.shape[:-1], packed.shape[0])
 
     def pack_weight(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -215,10 +237,10 @@ class CpuKernels:
         GEMM's (``[out, ceil(in / 2), 2]``, a plain tensor); else None."""
         if not self.packs_weights:
             return None
-        if self.batch_invariant:
+        if self.uses_packed_gemm:
             if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
                 return None
-            return self.invariant_ops.pack_bf16(weight.contiguous())
+            return self.packed_gemm_ops.pack_bf16(weight.contiguous())
         return onednn.pack_weight(weight)
 
     def isa_paths(self, dtype: torch.dtype) -> dict[str, str]:
@@ -226,11 +248,13 @@ class CpuKernels:
         of ``dtype`` (for benchmarks and logs)."""
         elementwise = str(self.ops.elementwise_path()) if self.ops is not None and dtype in _DTYPES else "torch"
         if self.batch_invariant:
-            dense = (f"batch-invariant: packed bf16 GEMM ({self.invariant_ops.path()}), each output's sum in one lane"
-                     if dtype == torch.bfloat16 and self.invariant_ops is not None else
+            dense = (f"batch-invariant: packed bf16 GEMM ({self.packed_gemm_ops.path()}), each output's sum in one lane"
+                     if dtype == torch.bfloat16 and self.packed_gemm_ops is not None else
                      f"batch-invariant: torch in fixed tiles of {INVARIANT_TILE_ROWS} rows")
         elif dtype != torch.bfloat16:
             dense = "torch"
+        elif self.packed_gemm_ops is not None:
+            dense = f"packed bf16 GEMM ({self.packed_gemm_ops.path()})"
         elif self.packs_weights:
             dense = "onednn packed bf16" + (f", gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows (LM head)"
                                             if self.gemv_path == "avx512_bf16" else "")

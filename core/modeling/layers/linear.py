@@ -42,8 +42,8 @@ class UnquantizedLinearMethod:
 
     Once loaded, a bf16 weight on a CPU is replaced by its packed form where the model's kernels pack: oneDNN's
     (see ``layers.onednn``: same shape and values, an opaque layout, ``onednn.dense(layer.weight)`` gives the plain
-    matrix back), or in the batch-invariant mode the invariant GEMM's (``[out, ceil(in / 2), 2]``; see
-    ``CpuKernels.pack_weight``). ``kernels``: the model's CPU kernels, which say whether and how it packs, and
+    matrix back), or the packed GEMM's (``[out, ceil(in / 2), 2]``; see ``CpuKernels.pack_weight``): always in the
+    batch-invariant mode, and in the default mode where the ``cpu_linear_kernel`` host setting picks it. ``kernels``: the model's CPU kernels, which say whether and how it packs, and
     multiply (None: torch ops).
     """
 
