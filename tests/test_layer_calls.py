@@ -1,4 +1,4 @@
-"""How the decoder's forward pass calls its layers' modules (pagoda.modeling.models.layer_calls): their forwards
+"""How the decoder's forward pass calls its layers' modules (pagoda.modeling.models.decoder): their forwards
 directly while no forward hook is set, through the modules while one is, so that hooks run as in torch; the
 tokens and log-probabilities are the same either way. A tiny random Llama checkpoint in bf16 (packed linears,
 fused kernels)."""

@@ -99,7 +99,10 @@ class DraftModelProposer:
         target = engine_config.model
         args = EngineArgs.build(model=path, dtype=str(target.dtype).replace("torch.", ""),
                                 max_model_len=target.max_model_len, seed=target.seed)
-        mc = args.create_engine_config().model
+        # the target's host settings (kernels, threads) and batch-invariant mode: a draft of the same checkpoint
+        # then computes each token as the target does
+        mc = dataclasses.replace(args.create_engine_config().model, host=target.host,
+                                 batch_invariant=target.batch_invariant)
         if mc.vocab_size != target.vocab_size:
             raise ConfigError(
                 f"the draft model at {path} has a vocabulary of {mc.vocab_size} tokens but the target has "
