@@ -94,6 +94,11 @@ def linear_kernel(host: HostConfig) -> str:
     return "packed" if cpu_isa(host.cpu_isa) in PACKED_GEMM_AUTO_ISAS else "onednn"
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    """Whether the packed GEMM takes ``weight``: a bf16 ``[out, in]`` CPU matrix."""
+    return weight.dtype == torch.bfloat16 and weight.is_cpu and weight.dim() == 2
+
+
 def invariant_gemm_ops(host: HostConfig) -> Optional[Any]:
     """The packed bf16 GEMM (``invariant_gemm.cpp``) for ``host``, or None when its
     ``fused_cpu_ops`` setting is off, the build has no path for this CPU (neither AVX-512 BF16 nor AVX2 + FMA) or
@@ -211,8 +216,7 @@ class CpuKernels:
         in one fp32 lane; see ``invariant_gemm.cpp``), the weight packed for the call (a layer packs its weight
         once, at load time: :meth:`pack_weight`, :attr:`packed_linear`); other dtypes, or without the kernel, in
         fixed tiles of ``INVARIANT_TILE_ROWS`` rows."""
-        if (self.packed_gemm_ops is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-                and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2):
+        if self.packed_gemm_ops is not None and x.dtype == torch.bfloat16 and x.is_cpu and _packable(weight):
             return self._packed_gemm_linear(x, self.packed_gemm_ops.pack_bf16(weight.contiguous()), bias)
         rows, k = x.numel() // max(1, x.shape[-1]), x.shape[-1]
         x2 = x.reshape(rows, k)
@@ -238,9 +242,7 @@ class CpuKernels:
         if not self.packs_weights:
             return None
         if self.uses_packed_gemm:
-            if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
-                return None
-            return self.packed_gemm_ops.pack_bf16(weight.contiguous())
+            return self.packed_gemm_ops.pack_bf16(weight.contiguous()) if _packable(weight) else None
         return onednn.pack_weight(weight)
 
     def isa_paths(self, dtype: torch.dtype) -> dict[str, str]:
@@ -256,8 +258,7 @@ class CpuKernels:
         elif self.packed_gemm_ops is not None:
             dense = f"packed bf16 GEMM ({self.packed_gemm_ops.path()})"
         elif self.packs_weights:
-            dense = "onednn packed bf16" + (f", gemv {self.gemv_path} up to {GEMV_MAX_ROWS} rows (LM head)"
-                                            if self.gemv_path == "avx512_bf16" else "")
+            dense = "onednn packed bf16 (the LM head too)"
         elif self.gemv_path == "avx2":
             dense = (f"avx2 (gemv up to {AVX2_GEMV_MAX_ROWS} rows, fp32 GEMM of widened tiles beyond, "
                      f"row-blocked from {AVX2_ROWS_GEMM_MIN_ROWS})")
