@@ -122,7 +122,8 @@ class ServingContext:
         if max_request_chars is None:
             max_request_chars = REQUEST_CHARS_FACTOR * max_model_len * max_chars_per_token
         return cls(engine, core.config.model.served_model_name, max_model_len, core.request_limits,
-                   TokenizerTurns(tokenizer), max_chars_per_token, max_request_chars, default_max_tokens)
+                   # small prompts tokenize on the event loop with the tokenizer of its output side
+                   TokenizerTurns(tokenizer, engine.output_processor.tokenizer), max_chars_per_token, max_request_chars, default_max_tokens)
 
     async def run_tokenizer(self, fn: Callable[[Any], Result]) -> Result:
         """``fn(tokenizer)`` on the tokenizer thread, as one turn (bounded work: one prompt, one chat)."""

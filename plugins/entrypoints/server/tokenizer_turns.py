@@ -36,10 +36,13 @@ class TokenizerTurns:
     tokenizer of the loop's own: its work there is bounded by ``MAX_INLINE_CHARS``.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, loop_tokenizer: Optional[Any] = None) -> None:
+        """``loop_tokenizer``: a tokenizer used on the event loop only (a server's output side has one), else a
+        copy of ``tokenizer`` is made for :meth:`run_now`."""
         self.tokenizer = tokenizer  # used on the thread only
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-tokenizer")
-        self._loop_tokenizer = copy.deepcopy(tokenizer)  # used on the event loop only (run_now)
+        # used on the event loop only (run_now)
+        self._loop_tokenizer = loop_tokenizer if loop_tokenizer is not None else copy.deepcopy(tokenizer)
 
     async def run(self, fn: Callable[[Any], Result]) -> Result:
         """``fn(tokenizer)`` as one turn on the thread."""
