@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pagoda.engine.engine_args import EngineArgs
 
 # flags whose values are JSON objects on the command line
-_JSON_FLAGS = {"speculative_config", "scheduler_options", "kv_connector_options"}
+_JSON_FLAGS = {"speculative_config", "scheduler_options", "kv_connector_options", "override_generation_config"}
 # flags that take one or more values
 _LIST_FLAGS = {"lora_modules"}
 

@@ -52,6 +52,9 @@ class ModelConfig:
     # every reduction in an order that does not depend on the batch (``--batch-invariant``): the model's linears,
     # its attention backend and sampler give a request the same bits whatever else runs (docs/batch_invariance.md)
     batch_invariant: bool = False
+    # what a request that does not set them samples with (``SamplingParams`` fields: temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_tokens), from the model's generation_config.json (``--generation-config``)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

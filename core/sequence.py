@@ -67,6 +67,9 @@ class Sequence:
     tenant: Optional[str] = None
     # the LoRA adapter the sequence runs with (None: the base model)
     lora_request: Optional[LoRARequest] = None
+    # the model's other tokens that end a sequence as EOS does (generation_config.json lists several for chat
+    # models whose turns end with a token of their own: Llama 3's <|eot_id|>, Gemma's <end_of_turn>)
+    more_eos_token_ids: tuple[int, ...] = ()
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -103,6 +106,10 @@ class Sequence:
             self.logprobs = []
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    def is_eos(self, token_id: int) -> bool:
+        """Whether ``token_id`` is one of the model's end-of-sequence tokens."""
+        return token_id == self.eos_token_id or token_id in self.more_eos_token_ids
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -141,6 +148,7 @@ class Sequence:
         banned += params.stop_token_ids
         if self.eos_token_id is not None and not params.ignore_eos:
             banned.append(self.eos_token_id)
+            banned += self.more_eos_token_ids
         return banned
 
     def _bad_word_endings(self) -> list[int]:
@@ -208,7 +216,7 @@ class Sequence:
         sequence stops once the grammar is complete with nothing but its end left to follow."""
         grammar, status = self.grammar, None
         for token_id in token_ids:
-            is_end = token_id == self.eos_token_id and not self.sampling_params.ignore_eos
+            is_end = self.is_eos(token_id) and not self.sampling_params.ignore_eos
             if not (is_end and grammar.may_end()) and not grammar.accept_tokens([token_id]):
                 if grammar.may_end():
                     # the grammar allowed nothing but its end, and the end was banned (min_tokens or a stop
@@ -230,7 +238,7 @@ class Sequence:
     def _stop_after(self, token_id: int, max_model_len: int) -> Optional[SequenceStatus]:
         params = self.sampling_params
         num_output = len(self.output_token_ids)
-        is_eos = token_id == self.eos_token_id and not params.ignore_eos
+        is_eos = (token_id == self.eos_token_id or token_id in self.more_eos_token_ids) and not params.ignore_eos
         # the token is asked about first: most are no stop token, and then min_tokens does not matter
         if (is_eos or token_id in params.stop_token_ids) and self.may_stop_at(num_output):
             if not is_eos:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagoda.config import ModelConfig
-from pagoda.sampling.sampler import Sampler
+from pagoda.sampling.sampler import NUCLEUS_CANDIDATES, Sampler, _apply_top_k_top_p
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
 
@@ -105,6 +105,37 @@ def test_top_k_and_top_p_together_keep_the_intersection():
     counts = draw(SamplingParams(temperature=1.0, top_k=4, top_p=0.6))
     assert counts[2:].sum() == 0
     assert_frequencies_match(counts, torch.cat([PROBS[:2] / PROBS[:2].sum(), torch.zeros(4)]))
+
+
+def test_tied_tokens_stay_or_go_together_under_top_k_and_top_p():
+    # tokens 1 and 2 tie: a top-k of 2 keeps both with token 0 (every token at least the 2nd largest), and so
+    # does a nucleus whose crossing token is one of them; no sort order picks one of a tie
+    tied = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.05, 0.05]).log()
+    keep = _apply_top_k_top_p(tied.expand(3, -1).clone(), [2, 0, 0], [1.0, 0.5, 0.95])
+    assert torch.isfinite(keep).tolist() == [[True, True, True, False, False, False],
+                                             [True, True, True, False, False, False],
+                                             [True, True, True, True, True, True]]
+
+
+def test_a_rows_filter_depends_on_its_own_logits_and_settings_only():
+    # every path: small top-k, top-k with top-p, a top-k past the nucleus candidates, a nucleus found among the
+    # candidates and one that needs the whole row (a flat distribution), and rows with neither
+    g = torch.Generator().manual_seed(0)
+    vocab = 3 * NUCLEUS_CANDIDATES
+    logits = torch.cat([torch.randn(4, vocab, generator=g) * 8, torch.randn(4, vocab, generator=g) * 0.1])
+    settings = [(5, 1.0), (20, 0.9), (NUCLEUS_CANDIDATES + 7, 0.8), (0, 0.9), (0, 0.5), (5, 0.3), (0, 1.0), (0, 0.99)]
+    together = _apply_top_k_top_p(logits, [k for k, _ in settings], [p for _, p in settings])
+    for i, (k, p) in enumerate(settings):
+        alone = _apply_top_k_top_p(logits[i:i + 1], [k], [p])
+        assert torch.equal(alone, together[i:i + 1]), (k, p)
+        probs = torch.softmax(logits[i], dim=-1)
+        values, order = probs.sort(descending=True)
+        ranks = torch.arange(vocab)
+        kept = ranks < (k if k else vocab)
+        renorm = torch.where(kept, values, 0.0) / torch.where(kept, values, 0.0).sum()
+        kept &= (renorm.cumsum(0) - renorm) < p  # the reference: the sorted prefix, the crossing token included
+        assert torch.equal(torch.isfinite(together[i])[order], kept), (k, p)
+    assert torch.isfinite(together[6]).all()
 
 
 def test_restrictions_apply_after_temperature():

@@ -17,7 +17,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
-from pagoda.engine.components import eos_token_id
+from pagoda.engine.generation_config import eos_token_ids
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
 from engine_helpers import wait_until_cache_is_free
 
@@ -306,7 +306,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_kv_blocks(server, llm):
 
 def test_a_non_streaming_client_that_gives_up_frees_its_kv_blocks(server, llm):
     # the end token banned: the answer runs its 1,500 tokens, far past the client's patience
-    eos = eos_token_id(llm.engine.config.model.model, llm.get_tokenizer())
+    eos = eos_token_ids(llm.engine.config.model.model, llm.get_tokenizer())[0]
     body = {"model": MODEL, "input": LONG_TASK, "max_output_tokens": 1500, "temperature": 0,
             "logit_bias": {str(eos): -100}}
     with pytest.raises(httpx.ReadTimeout):

@@ -15,7 +15,7 @@ from one_engine import OneEngine
 from structured_schemas import MAX_TOKENS, SCHEMAS, prompt_for, schema_mismatches, schema_share, validator
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams, hookimpl
-from pagoda.engine.components import eos_token_id
+from pagoda.engine.generation_config import eos_token_ids
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
 from pagoda.sampling.structured.speculative import DraftGrammars, fill_draft_rows
@@ -100,7 +100,7 @@ def tokenizer_and_backends(engines):
     end-to-end tests below use): built once for the module, with nothing of their own to release."""
     engine = engines.get("plain").engine
     tokenizer = engine.tokenizer
-    eos = eos_token_id(engine.config.model.model, tokenizer)
+    eos = eos_token_ids(engine.config.model.model, tokenizer)[0]
     backends = {}
     for name in ("xgrammar", "guidance"):
         engine.structured_outputs.compiled(StructuredOutputsParams(regex="a", backend=name))  # builds the backend

@@ -16,6 +16,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError
+from pagoda.engine.generation_config import eos_token_ids
 from pagoda.execution.collectives import all_reduce_candidates
 from pagoda.execution.executor import select_executor
 from pagoda.execution.model_runner import ModelRunner
@@ -40,7 +41,7 @@ class Components:
     runner: ModelRunner
     executor: Any
     num_blocks: int
-    eos_token_id: Optional[int]
+    eos_token_ids: list[int]  # the tokens that end a sequence (generation_config.json's, then the tokenizer's)
     # the KV connector's loads and saves (None: no --kv-connector)
     kv_transfers: Optional[KVTransfers] = None
 
@@ -103,7 +104,7 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     kv_transfers = build_kv_transfers(config, pm, runner) if config.kv_connector is not None else None
     scheduler.kv_transfers = kv_transfers
     return Components(tokenizer, runner.model, runner.backend, kv_manager, scheduler, runner, executor,
-                      runner.num_blocks, eos_token_id(mc.model, tokenizer), kv_transfers)
+                      runner.num_blocks, eos_token_ids(mc.model, tokenizer), kv_transfers)
 
 
 def build_kv_transfers(config: EngineConfig, pm: PluginManager, runner: ModelRunner) -> KVTransfers:
@@ -198,14 +199,3 @@ def _load_tokenizer(path: str, chat_template: Optional[str]) -> Any:
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer
-
-
-def eos_token_id(model_dir: str, tokenizer: Any) -> Optional[int]:
-    gen_cfg = Path(model_dir, "generation_config.json")
-    if gen_cfg.exists():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return tokenizer.eos_token_id

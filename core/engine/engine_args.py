@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field, ValidationError, create_model, field_val
 
 from pagoda.config import (GiB, CacheConfig, EngineConfig, KVConnectorConfig, LoRAConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig, SpeculativeConfig)
+from pagoda.engine.generation_config import sampling_defaults
 from pagoda.errors import ConfigError
 from pagoda.host.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
@@ -76,6 +77,12 @@ class EngineArgs(HostOptions):
         "quantization_config; on a dense checkpoint fp8 (FP8 weights) or int8 (W8A8: int8 weights per channel, "
         "int8 activations per token, integer dot products) quantize it while it loads"))
     chat_template: Optional[str] = None
+    generation_config: str = Field(default="auto", description=(
+        "where requests that do not set them take their sampling defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_tokens) from: auto (the model's generation_config.json), none (pagoda's own: "
+        "temperature 1, top_p 1; vllm is accepted for it too) or a folder holding a generation_config.json"))
+    override_generation_config: Optional[dict[str, Any]] = Field(default=None, description=(
+        "sampling defaults set on top of --generation-config, as JSON: '{\"temperature\": 0.5}'"))
     block_size: int = Field(default=16, gt=0)
     kv_cache_memory_bytes: Optional[int] = Field(default=None, gt=0)
     kv_cache_dtype: str = Field(default="auto", description=(
@@ -442,6 +449,7 @@ class EngineArgs(HostOptions):
             head_dim=head_dim,
             host=host,
             batch_invariant=self.batch_invariant,
+            sampling_defaults=sampling_defaults(model_dir, self.generation_config, self.override_generation_config),
         )
         max_num_batched_tokens = self.max_num_batched_tokens or (
             2048 if self.enable_chunked_prefill else max(2048, max_model_len)

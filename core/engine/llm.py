@@ -31,6 +31,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` sample with when given no SamplingParams: the model's recommended
+        settings (its generation_config.json, ``generation_config="none"`` to leave them out) over
+        SamplingParams' own defaults."""
+        return SamplingParams(**self.engine.config.model.sampling_defaults)
+
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
@@ -47,7 +53,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -75,7 +75,10 @@ class LLMEngine:
         # runs each step on every rank: the runner itself, or the ranks of a tensor-parallel model
         self.executor = parts.executor
         self.num_blocks = parts.num_blocks
-        self.eos_token_id = parts.eos_token_id
+        # the tokens that end a sequence; the first is "the" EOS (the other ones ride along on each sequence)
+        self.eos_token_ids = parts.eos_token_ids
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.more_eos_token_ids = tuple(self.eos_token_ids[1:])
         # the engine's side of the requests (their sequences, each step's new tokens) and the output side
         # that step() turns those into RequestOutputs with (an async engine keeps its own output side)
         self.requests = RequestTracker(self.tokenizer)
@@ -85,7 +88,7 @@ class LLMEngine:
         # structured outputs: each request's compiled constraint (compiled off the loop, cached) and the
         # bitmask of each step's grammar rows
         self.structured_outputs = StructuredOutputs(config, self.pm, self.tokenizer,
-                                                    [] if self.eos_token_id is None else [self.eos_token_id])
+                                                    list(self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         # request counters and latency histograms (Prometheus /metrics), None with disable_log_stats
         self.stats = EngineStats() if config.log_stats else None
@@ -183,7 +186,7 @@ class LLMEngine:
         the caller makes its outputs itself from :meth:`step_engine_outputs`. ``lora_request``: the adapter the
         request runs with (None: the base model), loaded and checked here.
         """
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.config.model.sampling_defaults)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.requests.has(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -203,7 +206,8 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             children.append(Sequence(child_id, token_ids, params, self.eos_token_id, arrival, text, prio,
-                                    parent_id=request_id, seed=seed, tenant=tenant, lora_request=lora_request))
+                                    parent_id=request_id, seed=seed, tenant=tenant, lora_request=lora_request,
+                                    more_eos_token_ids=self.more_eos_token_ids))
             if grammar is not None:  # each sequence its own place in the grammar
                 children[-1].grammar = self._matcher(grammar, params.structured_outputs, text, token_ids)
             children[-1].bad_words_token_ids = bad_words_token_ids

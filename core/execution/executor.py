@@ -144,7 +144,8 @@ class _Driver:
         for seq in sched.requests:
             known = self.sent.get(seq.request_id)
             if known is None:
-                header = (seq.num_prompt_tokens, seq.sampling_params, seq.eos_token_id, seq.seed)
+                header = (seq.num_prompt_tokens, seq.sampling_params, seq.eos_token_id, seq.more_eos_token_ids,
+                          seq.seed)
                 sequences.append((seq.request_id, list(seq.all_token_ids), header))
             else:
                 sequences.append((seq.request_id, seq.all_token_ids[known[1]:], None))
@@ -414,8 +415,9 @@ class WorkerRank:
         sched = message.layout
         for rid, tokens, header in message.sequences:
             if header is not None:
-                num_prompt, params, eos, seed = header
-                seq = self.mirror[rid] = Sequence(rid, tokens[:num_prompt], params, eos, seed=seed)
+                num_prompt, params, eos, more_eos, seed = header
+                seq = self.mirror[rid] = Sequence(rid, tokens[:num_prompt], params, eos, seed=seed,
+                                                  more_eos_token_ids=more_eos)
                 seq.all_token_ids = list(tokens[:num_prompt])
                 tokens = tokens[num_prompt:]
             seq = self.mirror[rid]

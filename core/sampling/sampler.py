@@ -245,21 +245,72 @@ def _generator_for(request: Sequence, default: torch.Generator) -> torch.Generat
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    # logits: [n, vocab]; tokens outside each row's top-k / nucleus become -inf
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.tensor([t if t > 0 else vocab for t in top_k])
-    ranks = torch.arange(vocab)[None, :]
-    remove = ranks >= k[:, None]
-    p = torch.tensor(top_p, dtype=torch.float32)
-    if bool((p < 1.0).any()):
-        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        mass_before = probs.cumsum(dim=-1) - probs
-        remove |= mass_before >= p[:, None]
-        remove[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
-    sorted_logits.masked_fill_(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    """``logits [n, vocab]`` with the tokens outside each row's top-k, then outside its nucleus (the most
+    likely tokens of the top-k's renormalised distribution whose mass reaches top_p, the one crossing it
+    included), set to -inf; a new tensor.
+
+    Both cut at a value: top-k keeps every token whose logit is at least the row's k-th largest, the nucleus
+    every token at least as likely as its least likely member, so tied tokens stay or go together and a row's
+    set depends on its own logits and settings alone, never on a sort's order among ties nor on the other rows.
+    Rows of one k are filtered together; a top-k reads only the k largest logits (``topk``) instead of
+    sorting the vocabulary: top_k=20 over Qwen3's 151,936 tokens is some 0.1 ms a row where the sort took
+    about 3 ms. A nucleus without a top-k (or a large one) looks among the NUCLEUS_CANDIDATES most likely
+    tokens first and sorts the row only when they hold less than top_p."""
+    n, vocab = logits.shape
+    groups: dict[int, list[int]] = {}
+    for i, (k, p) in enumerate(zip(top_k, top_p)):
+        k = k if 0 < k < vocab else vocab
+        if k < vocab or p < 1.0:
+            groups.setdefault(k, []).append(i)
+    keep_from = torch.full((n, 1), float("-inf"), dtype=logits.dtype)
+    for k, rows in groups.items():
+        index = torch.tensor(rows)
+        sub = logits[index]
+        p = torch.tensor([top_p[i] for i in rows], dtype=torch.float32)[:, None]
+        if bool((p < 1.0).any()):
+            keep_from[index] = _nucleus_cut(sub, k, p)
+        else:
+            keep_from[index] = sub.topk(k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < keep_from, float("-inf"))
+
+
+# a nucleus without a small top-k is looked for among this many of a row's most likely tokens first
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus_cut(sub: torch.Tensor, k: int, p: torch.Tensor) -> torch.Tensor:
+    """The smallest logit each row of ``sub [r, vocab]`` keeps under top-k ``k`` and then top-p ``p [r, 1]``
+    (1 for rows without a nucleus): ``[r, 1]``."""
+    vocab = sub.shape[-1]
+    if k <= NUCLEUS_CANDIDATES:
+        values = sub.topk(k, dim=-1).values  # [r, k], largest first
+        return values.gather(1, _nucleus_size(torch.softmax(values, dim=-1), p) - 1)
+    kth = sub.topk(k, dim=-1).values[:, -1:] if k < vocab else None
+    if kth is not None:
+        sub = sub.masked_fill(sub < kth, float("-inf"))
+    # the row's whole distribution (softmax reduces each row alone, whatever the number of rows), its most
+    # likely candidates first
+    probs = torch.softmax(sub, dim=-1)
+    top_probs, top_ids = probs.topk(min(NUCLEUS_CANDIDATES, vocab), dim=-1)
+    cut = torch.empty(len(sub), 1, dtype=sub.dtype)
+    inside = top_probs.sum(dim=-1) >= p.flatten()
+    if bool(inside.any()):
+        size = _nucleus_size(top_probs[inside], p[inside])
+        cut[inside] = sub[inside].gather(1, top_ids[inside].gather(1, size - 1))
+    if not bool(inside.all()):  # the candidates hold less than top_p: the whole row, sorted
+        outside = ~inside
+        values, ids = probs[outside].sort(dim=-1, descending=True)
+        size = _nucleus_size(values, p[outside])
+        cut[outside] = sub[outside].gather(1, ids.gather(1, size - 1))
+    # a top_p that rounding puts past the row's whole mass would reach the tokens the top-k left out
+    return cut if kth is None else torch.maximum(cut, kth)
+
+
+def _nucleus_size(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """How many of each row's tokens (``probs [r, m]``, largest first) the nucleus takes: those whose mass
+    before them is below ``p [r, 1]``, at least one: ``[r, 1]``."""
+    mass_before = probs.cumsum(dim=-1) - probs
+    return (mass_before < p).sum(dim=-1, keepdim=True).clamp(min=1)
 
 
 def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:

@@ -43,15 +43,17 @@ def check_structured_output_backend(factory: StructuredOutputBackendFactory, mod
 
     Raises ContractError.
     """
-    from pagoda.engine.components import eos_token_id, load_tokenizer
+    from pagoda.engine.components import load_tokenizer
+    from pagoda.engine.generation_config import eos_token_ids
     from pagoda.engine.engine_args import EngineArgs
 
     config = EngineArgs.build(model=model, load_format="dummy").create_engine_config()
     tokenizer = load_tokenizer(config.model.tokenizer, None)
-    eos = eos_token_id(config.model.model, tokenizer)
+    eos_ids = eos_token_ids(config.model.model, tokenizer)
+    eos = eos_ids[0]
     vocab = config.model.vocab_size
     name = getattr(factory, "__name__", repr(factory))
-    backend = factory(config.model, tokenizer, [eos])
+    backend = factory(config.model, tokenizer, eos_ids)
     for n, (spec, good, bad) in enumerate(CASES):
         where = Where(name, "-", _describe(spec)).at(n, "case")
         _check_case(backend, spec, good, bad, tokenizer, eos, vocab, where)

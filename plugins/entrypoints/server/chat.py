@@ -148,7 +148,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     reasoning = ctx.reasoning_options.plan(text if text is not None else "")
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
     params = reasoning.adjust(tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
-                                                                     structured_outputs)))
+                                                                     structured_outputs, ctx.sampling_defaults)))
     request_id = response_id("chatcmpl", body)
     extras = _Extras(bool(body.return_token_ids), bool(body.return_tokens_as_token_ids),
                      text if body.return_prompt_text else None, echoed)

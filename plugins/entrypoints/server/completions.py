@@ -77,7 +77,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     structured_outputs, field = structured_outputs_of(body)
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
-    params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs)
+    params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs,
+                                  ctx.sampling_defaults)
     request_id = response_id("cmpl", body)
     as_ids = bool(body.return_tokens_as_token_ids)
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,

@@ -103,10 +103,10 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                     chat_template=template)))
         reasoning = ctx.reasoning_options.plan(text)
         record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body),
-                                reasoning.new_parser())
+                                reasoning.new_parser(), ctx.sampling_defaults)
         params = SamplingParams(temperature=record.temperature, top_p=record.top_p,
-                                top_k=body.top_k or 0, min_p=body.min_p or 0.0,
-                                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                                top_k=record.setting("top_k", 0), min_p=record.setting("min_p", 0.0),
+                                repetition_penalty=record.setting("repetition_penalty", 1.0),
                                 logit_bias=_logit_bias(body), skip_special_tokens=body.skip_special_tokens,
                                 max_tokens=ctx.resolve_max_tokens(len(token_ids), body.max_output_tokens),
                                 logprobs=record.num_top_logprobs, structured_outputs=structured_outputs)
@@ -174,12 +174,14 @@ class ResponseRecord:
     answer's tool calls (None: the answer is text)."""
 
     def __init__(self, model: str, body: ResponsesRequest, parser: Any = None, response_id: Optional[str] = None,
-                 reasoning_parser: Any = None) -> None:
+                 reasoning_parser: Any = None, sampling_defaults: Optional[dict[str, Any]] = None) -> None:
         self.id = response_id or f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model, self.body = model, body
-        self.temperature = 1.0 if body.temperature is None else body.temperature
-        self.top_p = 1.0 if body.top_p is None else body.top_p
+        # the model's sampling defaults, for the fields the request does not set
+        self.sampling_defaults = sampling_defaults or {}
+        self.temperature = self.setting("temperature", 1.0)
+        self.top_p = self.setting("top_p", 1.0)
         self.num_top_logprobs = (body.top_logprobs or 0) if body.wants_logprobs else None
         self.status = "in_progress"
         self.output = ResponseOutput(parser, reasoning_parser)
@@ -187,6 +189,11 @@ class ResponseRecord:
         self.finish_reason: Optional[str] = None
         self.error: Optional[dict] = None
         self.completed_at: Optional[int] = None
+
+    def setting(self, name: str, default: Any) -> Any:
+        """The request's sampling field ``name``, else the model's default for it, else ``default``."""
+        value = getattr(self.body, name)
+        return self.sampling_defaults.get(name, default) if value is None else value
 
     def add(self, out: RequestOutput) -> list[Event]:
         """Take in one engine output (a delta when streaming, else the whole); the events of what it added. The

@@ -82,6 +82,9 @@ class ServingContext:
     max_request_chars: int
     # the output budget of a request that gives no max_tokens, cut to what the context leaves (None: all of it)
     default_max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
+    # what a request that does not set them samples with: the model's recommendation (its generation_config.json,
+    # ModelConfig.sampling_defaults; its max_tokens replaces default_max_tokens)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # the ignored request fields already named in the log (each is logged once per server)
     logged_ignored_fields: set[str] = field(default_factory=set)
     # what `pagoda serve` was told about tool calls (a pagoda.plugins.entrypoints.server.tools.ToolCallingOptions)
@@ -123,7 +126,9 @@ class ServingContext:
             max_request_chars = REQUEST_CHARS_FACTOR * max_model_len * max_chars_per_token
         return cls(engine, core.config.model.served_model_name, max_model_len, core.request_limits,
                    # small prompts tokenize on the event loop with the tokenizer of its output side
-                   TokenizerTurns(tokenizer, engine.output_processor.tokenizer), max_chars_per_token, max_request_chars, default_max_tokens)
+                   TokenizerTurns(tokenizer, engine.output_processor.tokenizer), max_chars_per_token, max_request_chars,
+                   core.config.model.sampling_defaults.get("max_tokens", default_max_tokens),
+                   sampling_defaults=core.config.model.sampling_defaults)
 
     async def run_tokenizer(self, fn: Callable[[Any], Result]) -> Result:
         """``fn(tokenizer)`` on the tokenizer thread, as one turn (bounded work: one prompt, one chat)."""
@@ -227,10 +232,13 @@ def longest_token_chars(tokenizer) -> int:
 
 def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int],
                          prompt_logprobs: Optional[int] = None,
-                         structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-    """OpenAI defaults (temperature 1, top_p 1) with vLLM's extra fields; InvalidRequestError names the field
-    (``SamplingParams`` checks every range, ``min_tokens <= max_tokens`` too). ``structured_outputs``: the
-    request's constraint (``structured.structured_outputs_of``)."""
+                         structured_outputs: Optional[StructuredOutputsParams] = None,
+                         defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    """The request's sampling fields; one it does not set takes the model's default (``defaults``: the
+    ServingContext's ``sampling_defaults``), else OpenAI's (temperature 1, top_p 1), with vLLM's extra fields;
+    InvalidRequestError names the field (``SamplingParams`` checks every range, ``min_tokens <= max_tokens`` too).
+    ``structured_outputs``: the request's constraint (``structured.structured_outputs_of``)."""
+    defaults = defaults or {}
     logit_bias = None
     if body.logit_bias:
         try:
@@ -240,13 +248,14 @@ def make_sampling_params(body: SamplingFields, max_tokens: int, logprobs: Option
                            param="logit_bias") from None
     return SamplingParams(
         n=body.n,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        min_p=body.min_p or 0.0,
+        temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+        top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+        top_k=defaults.get("top_k", 0) if body.top_k is None else body.top_k,
+        min_p=defaults.get("min_p", 0.0) if body.min_p is None else body.min_p,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+        else body.repetition_penalty,
         seed=body.seed,
         stop=body.stop,
         stop_token_ids=list(body.stop_token_ids or []),
