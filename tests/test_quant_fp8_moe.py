@@ -42,9 +42,8 @@ def to_fp8(w: torch.Tensor, block: tuple[int, int] = None) -> tuple[torch.Tensor
     return (w / full).to(FP8), scale
 
 
-def decoded(q: torch.Tensor, scale: torch.Tensor, block, dtype) -> torch.Tensor:
-    """What the packed experts compute with: the fp8 values times their scales rounded to the model dtype."""
-    scale = scale.to(dtype).float()
+def decoded(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """What the packed experts compute with: the fp8 values times their float32 scales."""
     if block is not None:
         scale = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: q.shape[0], : q.shape[1]]
     return q.float() * scale
@@ -67,7 +66,7 @@ def _experts(dtype, hidden, inter, block=None, kernel="cpu", seed=0, subnormal=F
                 q = (torch.randint(0, 256, shape, generator=gen) & 0x87).to(torch.uint8).view(FP8)
             name = f"l.experts.{e}.{part}_proj"
             packed.load_quantized(part, e, {"weight": q, "weight_scale": scale}, name)
-            reference.load_expert(part, e, decoded(q, scale, block, dtype), name)
+            reference.load_expert(part, e, decoded(q, scale, block), name)
     assert not packed.missing() and packed.w13 is None
     return packed, reference
 
@@ -75,7 +74,7 @@ def _experts(dtype, hidden, inter, block=None, kernel="cpu", seed=0, subnormal=F
 def _run_kernel(kernels, layer, x, weights, ids, impl):
     method = layer.quant_method
     return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, None, layer.w2_q, layer.w2_scales, None, None,
-                                   None, ids, weights, 8, 2, method.group_of(layer.hidden_size),
+                                   None, None, None, ids, weights, 8, 2, method.group_of(layer.hidden_size),
                                    method.group_of(layer.intermediate_size), 0, 1.702, 7.0, impl,
                                    cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
 
@@ -101,9 +100,31 @@ def test_the_torch_path_decodes_the_chosen_fp8_experts_and_computes_the_same(dty
         check_experts_output(packed(x.to(dtype), weights, ids), reference(x.to(dtype).float(), weights, ids), dtype)
 
 
+def test_fp8_experts_keep_float32_scales_in_a_bf16_model():
+    """A bf16 scale keeps 8 of a float32 scale's 24 bits: rounded so, the scales alone put the experts' output
+    about 4e-3 (relative) off their decoded weights' in float32; the float32 scales held, 1e-6."""
+    packed, reference = _experts(torch.bfloat16, 96, 48, (16, 32), seed=2)
+    assert packed.w13_scales.dtype == packed.w2_scales.dtype == torch.float32
+    as_float32 = FusedMoE(NUM_EXPERTS, 96, 48, torch.float32, host=resolve_host_config(), prefix="l.experts",
+                          quant_method=packed.quant_method)
+    for name, param in packed.named_parameters():
+        getattr(as_float32, name).data.copy_(param.data)
+    x, weights, ids = random_routing(19, 96, 0, NUM_EXPERTS, TOP_K)
+    want = reference(x, weights, ids)
+
+    def error():
+        with torch.inference_mode():
+            return float((as_float32(x, weights, ids) - want).abs().max() / want.abs().max())
+
+    assert error() < 1e-5
+    for name in ("w13_scales", "w2_scales"):
+        getattr(as_float32, name).data.copy_(getattr(as_float32, name).data.bfloat16().float())
+    assert error() > 1e-3
+
+
 def test_fp8_experts_take_a_byte_per_weight_and_refuse_scales_that_do_not_fit():
     packed, _ = _experts(torch.bfloat16, 64, 32)
-    assert packed.expert_bytes() == 3 * 64 * 32 + 2 * (2 * 32 + 64)  # a bf16 scale per row
+    assert packed.expert_bytes() == 3 * 64 * 32 + 4 * (2 * 32 + 64)  # a float32 scale per row
     q = torch.zeros(32, 64, dtype=FP8)
     with pytest.raises(CheckpointError, match=r"weight_scale \(3,\) is neither one scale nor one per output row"):
         packed.load_quantized("up", 1, {"weight": q, "weight_scale": torch.ones(3)}, "l.experts.1.up_proj")
