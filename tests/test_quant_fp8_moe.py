@@ -1,8 +1,9 @@
 """FP8 routed experts kept one byte a weight (plugins/quant/fp8_moe.py): the int kernel's MoE call on e4m3 codes
 (this CPU's path, the AVX2 build, the scalar loops) and the torch path compute what the experts decoded to float32
-compute, in float32 and bfloat16, scales per row or per block, subnormal codes, 1 to 19 tokens, top-3 of 5; a
-compressed-tensors FP8 Qwen3-MoE that transformers writes gives transformers' greedy tokens, and first-step
-log-probabilities within 2e-3, on its decoded weights, experts packed."""
+compute, in float32 and bfloat16, scales per row or per block, subnormal codes, 1 to 19 tokens, top-3 of 5; the
+scales stay float32 in a bf16 model; a compressed-tensors FP8 Qwen3-MoE and a ``quant_method: fp8`` one with block
+scales (``weight_scale_inv``) that transformers writes give transformers' greedy tokens, and first-step
+log-probabilities within 2e-3, on their decoded weights, experts packed."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pagoda.modeling.default_model import ensure_default_model
 from pagoda.modeling.layers.moe import FusedMoE
 from pagoda.plugins.quant import cpu_int_kernel
 from pagoda.plugins.quant.cpu_int_kernel import TILE_ROWS
+from pagoda.plugins.quant.fp8 import fake_quantize_activations
 from pagoda.plugins.quant.fp8_moe import Fp8MoeMethod
 from moe_helpers import check_experts_output, check_kernel_paths, decoded_reference, random_routing
 
@@ -163,6 +165,71 @@ def test_a_compressed_tensors_fp8_qwen3_moe_gives_the_tokens_of_its_decoded_expe
     try:
         experts = llm.engine.runner.model.experts_of(0)
         assert experts.w13 is None and experts.w13_q.dtype == torch.uint8 and "FP8 packed experts" in experts.isa_path()
+        prompts = [[5, 17, 923, 4001, 77], list(range(100, 340, 7))]
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, got in zip(prompts, outputs):
+            with torch.inference_mode():
+                ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, pad_token_id=0,
+                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                         output_logits=True, return_dict_in_generate=True)
+            assert got.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist(), f"a prompt of {len(prompt)}"
+            ref_first = torch.log_softmax(ref.logits[0][0].float(), dim=-1)
+            for tid, lp in got.outputs[0].logprobs[0].items():
+                assert abs(lp.logprob - float(ref_first[tid])) < 2e-3, tid
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("attention", ["bf16", "fp8"])
+def test_an_fp8_qwen3_moe_checkpoint_with_block_scales_gives_the_tokens_of_its_decoded_weights(tmp_path, attention):
+    """``quant_method: fp8`` as Qwen3-30B-A3B-FP8 is published: every expert's projections (and the attention's,
+    unless ``modules_to_not_convert`` names them) float8_e4m3fn with a ``weight_scale_inv`` per block of
+    ``weight_block_size``, dynamic activations, the router and the LM head left unquantized. The experts stay one
+    byte a weight (partial blocks: 40 rows and columns in blocks of 32); the attention layers, when quantized, take
+    their inputs through FP8 per token as the format says, and so does the reference (transformers on the decoded
+    weights, the same rounding hooked in front of its attention projections)."""
+    block = (32, 32)
+    default_dir = ensure_default_model()
+    vocab_size = len(json.loads((default_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    # intermediate_size: the dense MLP a sparse layer is built with before its experts replace it, in whole blocks
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=64, moe_intermediate_size=40,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                            initializer_range=0.2)
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    src, out = tmp_path / "dense", tmp_path / "fp8"
+    model.save_pretrained(str(src), safe_serialization=True)
+    tensors, dequant = load_file(str(src / "model.safetensors")), {}
+    quantized = (".mlp.experts.", ".self_attn.") if attention == "fp8" else (".mlp.experts.",)
+    for name in [n for n in tensors if any(p in n for p in quantized) and n.endswith("_proj.weight")]:
+        q, scale = to_fp8(tensors[name], block)
+        tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = q, scale
+        dequant[name] = decoded(q, scale, block)
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": list(block)}
+    if attention == "bf16":
+        cfg["quantization_config"]["modules_to_not_convert"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_dir / name, out / name)
+    reference = decoded_reference(src, dequant, tmp_path / "decoded")
+    if attention == "fp8":  # dynamic activations: each token's input rounded through FP8 with its own scale
+        for name, module in reference.named_modules():
+            if ".self_attn." in name and name.endswith("_proj"):
+                module.register_forward_pre_hook(lambda _, args: (fake_quantize_activations(args[0], None),))
+    llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
+    try:
+        pagoda_model = llm.engine.runner.model
+        experts = pagoda_model.experts_of(1)
+        assert experts.w13 is None and experts.w13_q.dtype == torch.uint8 and "FP8 packed experts" in experts.isa_path()
+        assert experts.w13_scales.dtype == torch.float32 and experts.quant_method.group_of(64) == block[1]
+        attn_method = type(pagoda_model.layers[0].qkv_proj.quant_method).__name__
+        assert attn_method == ("Fp8LinearMethod" if attention == "fp8" else "UnquantizedLinearMethod")
         prompts = [[5, 17, 923, 4001, 77], list(range(100, 340, 7))]
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
