@@ -134,49 +134,64 @@ def test_fp8_experts_take_a_byte_per_weight_and_refuse_scales_that_do_not_fit():
         packed.load_quantized("up", 1, {"weight": q.float(), "weight_scale": torch.ones(32)}, "l.experts.1.up_proj")
 
 
-def test_a_compressed_tensors_fp8_qwen3_moe_gives_the_tokens_of_its_decoded_experts(tmp_path):
+def _fp8_qwen3_moe(tmp_path, seed: int, quantized: tuple[str, ...], block, scale_name: str,
+                   quantization_config: dict):
+    """A tiny Qwen3-MoE that transformers writes, the projections whose names hold one of ``quantized`` turned to
+    FP8 (a scale per row, or per ``block``, stored as ``scale_name``): (its folder, transformers on its decoded
+    weights)."""
     default_dir = ensure_default_model()
     vocab_size = len(json.loads((default_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=48, moe_intermediate_size=40,
+    # intermediate_size: the dense MLP a sparse layer is built with before its experts replace it, in whole blocks
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=64, moe_intermediate_size=40,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
                             initializer_range=0.2)
-    torch.manual_seed(5)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     src, out = tmp_path / "dense", tmp_path / "fp8"
     model.save_pretrained(str(src), safe_serialization=True)
     tensors, dequant = load_file(str(src / "model.safetensors")), {}
-    for name in [n for n in tensors if ".mlp.experts." in n and n.endswith("_proj.weight")]:
-        q, scale = to_fp8(tensors[name])
-        tensors[name], tensors[name.replace(".weight", ".weight_scale")] = q, scale
-        dequant[name] = q.float() * scale
-    assert len(dequant) == 2 * 4 * 3  # every routed expert's projections
+    for name in [n for n in tensors if any(p in n for p in quantized) and n.endswith("_proj.weight")]:
+        q, scale = to_fp8(tensors[name], block)
+        tensors[name], tensors[name.replace(".weight", f".{scale_name}")] = q, scale
+        dequant[name] = decoded(q, scale, block)
+    assert sum(".mlp.experts." in name for name in dequant) == 2 * 4 * 3  # every routed expert's projections
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
-        "group_0": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}}}
+    cfg["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(cfg))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_dir / name, out / name)
-    reference = decoded_reference(src, dequant, tmp_path / "decoded")
+    return out, decoded_reference(src, dequant, tmp_path / "decoded")
+
+
+def _check_greedy(llm, reference) -> None:
+    """pagoda's greedy tokens are the reference's, and its first-step log-probabilities within 2e-3."""
+    prompts = [[5, 17, 923, 4001, 77], list(range(100, 340, 7))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, got in zip(prompts, outputs):
+        with torch.inference_mode():
+            ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, pad_token_id=0,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     output_logits=True, return_dict_in_generate=True)
+        assert got.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist(), f"a prompt of {len(prompt)}"
+        ref_first = torch.log_softmax(ref.logits[0][0].float(), dim=-1)
+        for tid, lp in got.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - float(ref_first[tid])) < 2e-3, tid
+
+
+def test_a_compressed_tensors_fp8_qwen3_moe_gives_the_tokens_of_its_decoded_experts(tmp_path):
+    out, reference = _fp8_qwen3_moe(tmp_path, 5, (".mlp.experts.",), None, "weight_scale", {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+            "group_0": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": {
+                "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}}})
     llm = LLM(model=str(out), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20, cpu_threads=1)
     try:
         experts = llm.engine.runner.model.experts_of(0)
         assert experts.w13 is None and experts.w13_q.dtype == torch.uint8 and "FP8 packed experts" in experts.isa_path()
-        prompts = [[5, 17, 923, 4001, 77], list(range(100, 340, 7))]
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for prompt, got in zip(prompts, outputs):
-            with torch.inference_mode():
-                ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, pad_token_id=0,
-                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                         output_logits=True, return_dict_in_generate=True)
-            assert got.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist(), f"a prompt of {len(prompt)}"
-            ref_first = torch.log_softmax(ref.logits[0][0].float(), dim=-1)
-            for tid, lp in got.outputs[0].logprobs[0].items():
-                assert abs(lp.logprob - float(ref_first[tid])) < 2e-3, tid
+        _check_greedy(llm, reference)
     finally:
         llm.engine.shutdown()
 
@@ -190,34 +205,11 @@ def test_an_fp8_qwen3_moe_checkpoint_with_block_scales_gives_the_tokens_of_its_d
     their inputs through FP8 per token as the format says, and so does the reference (transformers on the decoded
     weights, the same rounding hooked in front of its attention projections)."""
     block = (32, 32)
-    default_dir = ensure_default_model()
-    vocab_size = len(json.loads((default_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    # intermediate_size: the dense MLP a sparse layer is built with before its experts replace it, in whole blocks
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=64, moe_intermediate_size=40,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
-                            initializer_range=0.2)
-    torch.manual_seed(6)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    src, out = tmp_path / "dense", tmp_path / "fp8"
-    model.save_pretrained(str(src), safe_serialization=True)
-    tensors, dequant = load_file(str(src / "model.safetensors")), {}
-    quantized = (".mlp.experts.", ".self_attn.") if attention == "fp8" else (".mlp.experts.",)
-    for name in [n for n in tensors if any(p in n for p in quantized) and n.endswith("_proj.weight")]:
-        q, scale = to_fp8(tensors[name], block)
-        tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = q, scale
-        dequant[name] = decoded(q, scale, block)
-    out.mkdir()
-    save_file(tensors, str(out / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": list(block)}
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
     if attention == "bf16":
-        cfg["quantization_config"]["modules_to_not_convert"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    (out / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_dir / name, out / name)
-    reference = decoded_reference(src, dequant, tmp_path / "decoded")
+        config["modules_to_not_convert"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    quantized = (".mlp.experts.", ".self_attn.") if attention == "fp8" else (".mlp.experts.",)
+    out, reference = _fp8_qwen3_moe(tmp_path, 6, quantized, block, "weight_scale_inv", config)
     if attention == "fp8":  # dynamic activations: each token's input rounded through FP8 with its own scale
         for name, module in reference.named_modules():
             if ".self_attn." in name and name.endswith("_proj"):
@@ -230,17 +222,6 @@ def test_an_fp8_qwen3_moe_checkpoint_with_block_scales_gives_the_tokens_of_its_d
         assert experts.w13_scales.dtype == torch.float32 and experts.quant_method.group_of(64) == block[1]
         attn_method = type(pagoda_model.layers[0].qkv_proj.quant_method).__name__
         assert attn_method == ("Fp8LinearMethod" if attention == "fp8" else "UnquantizedLinearMethod")
-        prompts = [[5, 17, 923, 4001, 77], list(range(100, 340, 7))]
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for prompt, got in zip(prompts, outputs):
-            with torch.inference_mode():
-                ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, pad_token_id=0,
-                                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                         output_logits=True, return_dict_in_generate=True)
-            assert got.outputs[0].token_ids == ref.sequences[0, len(prompt):].tolist(), f"a prompt of {len(prompt)}"
-            ref_first = torch.log_softmax(ref.logits[0][0].float(), dim=-1)
-            for tid, lp in got.outputs[0].logprobs[0].items():
-                assert abs(lp.logprob - float(ref_first[tid])) < 2e-3, tid
+        _check_greedy(llm, reference)
     finally:
         llm.engine.shutdown()
