@@ -162,3 +162,25 @@ def test_tensors_that_do_not_fit_the_packed_experts_are_named():
         packed.load_quantized("up", 1, {}, "l.experts.1.up_proj")
     with pytest.raises(CheckpointError, match="names expert 5, but config.json gives 5 experts"):
         packed.load_quantized("up", 5, {}, "l.experts.5.up_proj")
+
+
+def test_act_order_experts_are_dequantized_at_load_under_tensor_parallelism(monkeypatch, caplog):
+    """A rank's slice of the intermediate columns would cut an act-order down projection's scattered groups: the
+    GPTQ and compressed-tensors configs then leave the experts to be dequantized at load, and say why."""
+    from pagoda.execution import distributed
+    from pagoda.plugins.quant.compressed_tensors import CompressedTensorsConfig
+    from pagoda.plugins.quant.gptq import GPTQConfig
+
+    gptq = GPTQConfig(None, {"bits": 4, "group_size": 32, "desc_act": True})
+    compressed = CompressedTensorsConfig(None, {"format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 32, "actorder": "group"}}}})
+    for config in (gptq, compressed):
+        assert config.moe_method("model.layers.0.mlp").act_order
+    monkeypatch.setattr(distributed, "_current", distributed.TensorParallel(rank=0, size=2))
+    with caplog.at_level("INFO", logger="pagoda.plugins.quant.int_moe"):
+        assert gptq.moe_method("model.layers.0.mlp") is None
+        assert compressed.moe_method("model.layers.1.mlp") is None
+    assert "model.layers.0.mlp: GPTQ act-order experts are dequantized at load" in caplog.text
+    assert "model.layers.1.mlp: compressed-tensors act-order experts are dequantized at load" in caplog.text
+    assert not GPTQConfig(None, {"bits": 4, "group_size": 32}).moe_method("model.layers.0.mlp").act_order
