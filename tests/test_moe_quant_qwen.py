@@ -1,9 +1,9 @@
 """GPTQ, AWQ and compressed-tensors Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py
 quantizes a tiny random checkpoint that transformers writes (attention, dense MLP, every routed expert and
 Qwen2-MoE's shared expert; 4-bit groups, whose experts stay packed, in act-order too, and int8 with a scale per row,
-whose experts stay int8), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
-(float32). A shared expert stored unquantized under a quant config that covers it is refused with the tensor
-named and the way to mark it, and loads once marked."""
+whose experts stay int8), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's
+dequantized weights (float32). A shared expert stored unquantized under a quant config that covers it is refused
+with the tensor named and the way to mark it, and loads once marked."""
 
 from __future__ import annotations
 

@@ -159,7 +159,8 @@ struct GroupScales {
 // dtype are read as float32
 template <typename T>
 GroupScales<T> group_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& zeros) {
-  if (scales.scalar_type() == at::kByte) return {nullptr, nullptr, scales.data_ptr<uint8_t>(), nullptr, scales.size(-1)};
+  if (scales.scalar_type() == at::kByte)
+    return {nullptr, nullptr, scales.data_ptr<uint8_t>(), nullptr, scales.size(-1)};
   const T* zero = zeros.has_value() ? zeros->data_ptr<T>() : nullptr;
   if (scales.scalar_type() == at::kFloat && !std::is_same<T, float>::value)
     return {nullptr, zero, nullptr, scales.data_ptr<float>(), scales.size(-1)};
