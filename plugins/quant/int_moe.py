@@ -27,9 +27,8 @@ MXFP4 experts (``mxfp4.py``) are held the same way, their codes FP4 values with 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import logging
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -104,8 +103,9 @@ class IntMoeMethod:
                 layer.register_parameter(f"{name}_zeros", _frozen(torch.zeros(num_experts, rows, groups, dtype=dtype)))
         if self.act_order:
             if layer.tp.size > 1:
-                raise ConfigError(f"{layer.prefix}: act-order experts are not split over tensor-parallel ranks; they "
-                                  "are dequantized at load there (packs_act_order)")
+                raise ConfigError(f"{layer.prefix}: act-order experts cannot stay packed over tensor-parallel ranks "
+                                  "(a rank's intermediate columns cut the down projections' groups); the quant config "
+                                  "has them dequantized at load there")
             for name, parts, cols in (("w13", 2, hidden), ("w2", 1, inter)):  # identity until an expert loads
                 order = torch.arange(cols).expand(num_experts, parts, cols).contiguous()
                 layer.register_parameter(f"{name}_perm", _frozen(order))
@@ -179,8 +179,7 @@ class IntMoeMethod:
             return kernels.int_moe_experts(x.contiguous(), layer.w13_q, layer.w13_scales,
                                            getattr(layer, "w13_zeros", None), layer.w2_q, layer.w2_scales,
                                            getattr(layer, "w2_zeros", None), layer.b13, layer.b2, p13, p2,
-                                           ids.contiguous(),
-                                           weights.float().contiguous(), self.bits, self.codes,
+                                           ids.contiguous(), weights.float().contiguous(), self.bits, self.codes,
                                            self.group_of(layer.hidden_size), self.group_of(layer.intermediate_size),
                                            ACTIVATIONS[layer.activation], layer.alpha, layer.limit,
                                            IMPL_AUTO, default_gemm_min_rows(kernels), TILE_ROWS)
