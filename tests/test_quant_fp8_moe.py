@@ -137,8 +137,8 @@ def test_fp8_experts_take_a_byte_per_weight_and_refuse_scales_that_do_not_fit():
 def _fp8_qwen3_moe(tmp_path, seed: int, quantized: tuple[str, ...], block, scale_name: str,
                    quantization_config: dict):
     """A tiny Qwen3-MoE that transformers writes, the projections whose names hold one of ``quantized`` turned to
-    FP8 (a scale per row, or per ``block``, stored as ``scale_name``): (its folder, transformers on its decoded
-    weights)."""
+    FP8 (a scale per row, per ``block``, or with ``block`` "tensor" one per module, stored as ``scale_name``): (its
+    folder, transformers on its decoded weights)."""
     default_dir = ensure_default_model()
     vocab_size = len(json.loads((default_dir / "tokenizer.json").read_text())["model"]["vocab"])
     # intermediate_size: the dense MLP a sparse layer is built with before its experts replace it, in whole blocks
@@ -152,9 +152,13 @@ def _fp8_qwen3_moe(tmp_path, seed: int, quantized: tuple[str, ...], block, scale
     model.save_pretrained(str(src), safe_serialization=True)
     tensors, dequant = load_file(str(src / "model.safetensors")), {}
     for name in [n for n in tensors if any(p in n for p in quantized) and n.endswith("_proj.weight")]:
-        q, scale = to_fp8(tensors[name], block)
+        if block == "tensor":  # one block covering the whole tensor, its scale stored as a scalar
+            q, scale = to_fp8(tensors[name], tuple(tensors[name].shape))
+            scale, dequant[name] = scale.reshape(()), q.float() * scale
+        else:
+            q, scale = to_fp8(tensors[name], block)
+            dequant[name] = decoded(q, scale, block)
         tensors[name], tensors[name.replace(".weight", f".{scale_name}")] = q, scale
-        dequant[name] = decoded(q, scale, block)
     assert sum(".mlp.experts." in name for name in dequant) == 2 * 4 * 3  # every routed expert's projections
     out.mkdir()
     save_file(tensors, str(out / "model.safetensors"))
@@ -196,20 +200,23 @@ def test_a_compressed_tensors_fp8_qwen3_moe_gives_the_tokens_of_its_decoded_expe
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("attention", ["bf16", "fp8"])
-def test_an_fp8_qwen3_moe_checkpoint_with_block_scales_gives_the_tokens_of_its_decoded_weights(tmp_path, attention):
+@pytest.mark.parametrize("attention, block", [("bf16", (32, 32)), ("fp8", (32, 32)), ("fp8", "tensor")])
+def test_an_fp8_qwen3_moe_checkpoint_gives_the_tokens_of_its_decoded_weights(tmp_path, attention, block):
     """``quant_method: fp8`` as Qwen3-30B-A3B-FP8 is published: every expert's projections (and the attention's,
     unless ``modules_to_not_convert`` names them) float8_e4m3fn with a ``weight_scale_inv`` per block of
-    ``weight_block_size``, dynamic activations, the router and the LM head left unquantized. The experts stay one
-    byte a weight (partial blocks: 40 rows and columns in blocks of 32); the attention layers, when quantized, take
-    their inputs through FP8 per token as the format says, and so does the reference (transformers on the decoded
-    weights, the same rounding hooked in front of its attention projections)."""
-    block = (32, 32)
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    ``weight_block_size``, dynamic activations, the router and the LM head left unquantized; or without
+    ``weight_block_size``, one ``weight_scale`` per module. The experts stay one byte a weight (partial blocks: 40
+    rows and columns in blocks of 32); the attention layers, when quantized, take their inputs through FP8 per token
+    as the format says, and so does the reference (transformers on the decoded weights, the same rounding hooked in
+    front of its attention projections)."""
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+    if block != "tensor":
+        config["weight_block_size"] = list(block)
     if attention == "bf16":
         config["modules_to_not_convert"] = ["q_proj", "k_proj", "v_proj", "o_proj"]
     quantized = (".mlp.experts.", ".self_attn.") if attention == "fp8" else (".mlp.experts.",)
-    out, reference = _fp8_qwen3_moe(tmp_path, 6, quantized, block, "weight_scale_inv", config)
+    scale_name = "weight_scale" if block == "tensor" else "weight_scale_inv"
+    out, reference = _fp8_qwen3_moe(tmp_path, 6, quantized, block, scale_name, config)
     if attention == "fp8":  # dynamic activations: each token's input rounded through FP8 with its own scale
         for name, module in reference.named_modules():
             if ".self_attn." in name and name.endswith("_proj"):
@@ -219,7 +226,8 @@ def test_an_fp8_qwen3_moe_checkpoint_with_block_scales_gives_the_tokens_of_its_d
         pagoda_model = llm.engine.runner.model
         experts = pagoda_model.experts_of(1)
         assert experts.w13 is None and experts.w13_q.dtype == torch.uint8 and "FP8 packed experts" in experts.isa_path()
-        assert experts.w13_scales.dtype == torch.float32 and experts.quant_method.group_of(64) == block[1]
+        assert experts.w13_scales.dtype == torch.float32
+        assert experts.quant_method.group_of(64) == (64 if block == "tensor" else block[1])
         attn_method = type(pagoda_model.layers[0].qkv_proj.quant_method).__name__
         assert attn_method == ("Fp8LinearMethod" if attention == "fp8" else "UnquantizedLinearMethod")
         _check_greedy(llm, reference)
