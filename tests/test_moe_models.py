@@ -118,7 +118,10 @@ def test_moe_checkpoints_match_hf_greedy_tokens_and_first_logprobs(write_checkpo
 
 @pytest.mark.parametrize("options, message", [
     (dict(enable_lora=True, max_loras=1, max_lora_rank=8), "supports_lora = False.*--enable-lora"),
-    (dict(quantization="int8"), "loads GPTQ, AWQ and compressed-tensors Mixture-of-Experts checkpoints, not Int8Config.*unquantized"),
+    (dict(quantization="int8"), "loads GPTQ, AWQ, compressed-tensors, FP8 and MXFP4 Mixture-of-Experts checkpoints, "
+                                "not Int8Config.*unquantized"),
+    (dict(quantization="fp8"), r"online FP8 \(--quantization fp8\) quantizes linear layers, not a Mixture-of-Experts "
+                               "model's experts"),
 ])
 def test_lora_and_online_quantization_of_a_moe_model_are_refused_at_start_up(write_checkpoint, options, message):
     ckpt_dir, _ = write_checkpoint("mixtral-4x2")

@@ -1,9 +1,9 @@
 """GPTQ, AWQ and compressed-tensors Qwen2-MoE and Qwen3-MoE checkpoints: contrib/quant-tools/quantize_rtn.py
 quantizes a tiny random checkpoint that transformers writes (attention, dense MLP, every routed expert and
-Qwen2-MoE's shared expert; 4-bit groups, whose experts stay packed, and int8 with a scale per row, whose experts
-stay int8), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's dequantized weights
-(float32). A shared expert stored unquantized under a quant config that covers it is refused with the tensor
-named and the way to mark it, and loads once marked."""
+Qwen2-MoE's shared expert; 4-bit groups, whose experts stay packed, in act-order too, and int8 with a scale per row,
+whose experts stay int8), and pagoda's greedy tokens and first-step logprobs are transformers' on the tool's
+dequantized weights (float32). A shared expert stored unquantized under a quant config that covers it is refused
+with the tensor named and the way to mark it, and loads once marked."""
 
 from __future__ import annotations
 
@@ -75,13 +75,18 @@ def _quantized_bits(layer) -> int:
     return 8 if type(layer.quant_method).__name__ == "Int8LinearMethod" else 0
 
 
-@pytest.mark.parametrize("arch, fmt, bits, group", [
-    (arch, fmt, 4, group) for fmt, group in (("gptq", 32), ("awq", 8)) for arch in ("qwen2_moe", "qwen3_moe")
-] + [("qwen3_moe", "compressed", 4, 16), ("qwen2_moe", "compressed-int8", 8, None), ("qwen3_moe", "gptq", 8, None)])
-def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense, tmp_path, arch, fmt, bits, group):
+@pytest.mark.parametrize("arch, fmt, bits, group, act_order", [
+    (arch, fmt, 4, group, False) for fmt, group in (("gptq", 32), ("awq", 8)) for arch in ("qwen2_moe", "qwen3_moe")
+] + [("qwen3_moe", "compressed", 4, 16, False), ("qwen2_moe", "compressed-int8", 8, None, False),
+     ("qwen3_moe", "gptq", 8, None, False),
+     # act-order: every expert projection's own column order; the down projections' last groups short (40 of 16)
+     ("qwen3_moe", "gptq", 4, 16, True), ("qwen2_moe", "compressed", 4, 16, True)])
+def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense, tmp_path, arch, fmt, bits, group,
+                                                                          act_order):
     src = dense(arch)
     out = tmp_path / fmt
-    dequant = _rtn().convert(src, out, bits, group or 32, fmt != "awq", fmt, channel=group is None)
+    dequant = _rtn().convert(src, out, bits, group or 32, fmt != "awq", fmt, channel=group is None,
+                             act_order=act_order)
     num_sparse = 1 if arch == "qwen2_moe" else 2  # Qwen2-MoE's second layer is dense
     assert sum(".experts." in name for name in dequant) == num_sparse * 4 * 3  # every routed expert
     assert sum(".shared_expert." in name for name in dequant) == (3 if arch == "qwen2_moe" else 0)
@@ -99,6 +104,11 @@ def test_a_quantized_qwen_moe_gives_the_tokens_of_its_dequantized_weights(dense,
     else:  # group-quantized experts stay packed, computed by the int kernel
         assert experts.w13 is None and experts.w13_q.dtype == torch.uint8 and experts.quant_method.bits == bits
         assert "packed experts" in experts.isa_path()
+        assert hasattr(experts, "w13_perm") == act_order
+        if act_order:  # the columns were sorted, each expert's own way
+            natural = torch.arange(experts.hidden_size)
+            assert not torch.equal(experts.w13_perm[0, 0], natural)
+            assert not torch.equal(experts.w13_perm[0, 0], experts.w13_perm[1, 0])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, got in zip(PROMPTS, outputs):

@@ -57,7 +57,7 @@ def _experts(dtype, hidden, inter, activation="clamped_swiglu", bias=True, kerne
 
 def _run_kernel(kernels, layer, x, weights, ids, impl):
     return kernels.int_moe_experts(x, layer.w13_q, layer.w13_scales, None, layer.w2_q, layer.w2_scales, None,
-                                   layer.b13, layer.b2, ids, weights, 4, 1, 32, 32, 1, ALPHA, LIMIT, impl,
+                                   layer.b13, layer.b2, None, None, ids, weights, 4, 1, 32, 32, 1, ALPHA, LIMIT, impl,
                                    cpu_int_kernel.default_gemm_min_rows(kernels), TILE_ROWS)
 
 

@@ -1,7 +1,9 @@
 """Decode speed and memory of a Mixture-of-Experts model's routed experts: 4-bit group-quantized experts kept
-packed (the int kernel's ``int_moe_experts``), or MXFP4 ones (gpt-oss's format, the same call on FP4 codes),
-or FP8 ones (one byte a weight, the same call on e4m3 codes), against experts held in bf16 (the MoE kernel), the form such a checkpoint's experts took when they were
-dequantized at load.
+packed (the int kernel's ``int_moe_experts``; ``packed-act-order``: each expert projection's columns in an order of
+its own, as an act-order checkpoint's), or MXFP4 ones (gpt-oss's format, the same call on FP4 codes), or FP8 ones
+(one byte a weight, the same call on e4m3 codes; a scale per row, or with ``fp8-block`` per block of ``--group``
+rows and columns, as ``quant_method: fp8`` checkpoints store them), against experts held in bf16 (the MoE kernel),
+the form such a checkpoint's experts took when they were dequantized at load.
 
 Each step runs every layer's routed experts once for a batch of tokens (decode: one token per request), with
 random weights and a random top-k routing per layer; attention and the router are left out, so the figures
@@ -42,7 +44,9 @@ def build(variant: str, args: argparse.Namespace) -> list[FusedMoE]:
     layers = []
     for _ in range(args.layers):
         method = {"packed": lambda: IntMoeMethod(4, args.group, None, "cpu", host, "GPTQ"),
+                  "packed-act-order": lambda: IntMoeMethod(4, args.group, None, "cpu", host, "GPTQ", act_order=True),
                   "mxfp4": lambda: Mxfp4MoeMethod("cpu", host), "fp8": lambda: Fp8MoeMethod(-1, 1, "cpu", host, "FP8"),
+                  "fp8-block": lambda: Fp8MoeMethod(args.group, args.group, "cpu", host, "FP8"),
                   "bf16": lambda: None}[variant]()
         layer = FusedMoE(args.experts, args.hidden, args.inter, torch.bfloat16, activation=activation,
                          has_bias=args.gpt_oss, host=host, quant_method=method)
@@ -53,12 +57,15 @@ def build(variant: str, args: argparse.Namespace) -> list[FusedMoE]:
             getattr(layer, f"{name}_q").data.random_(0, 256)
             if variant == "mxfp4":  # E8M0 exponents: 2^-9 to 2^-6
                 getattr(layer, f"{name}_scales").data.random_(118, 122)
-            elif variant == "fp8":  # e4m3 codes below 2 in magnitude (no NaN), a scale per row
+            elif variant.startswith("fp8"):  # e4m3 codes below 2 in magnitude (no NaN), a scale per row or block
                 getattr(layer, f"{name}_q").data.bitwise_and_(0xBF)
                 getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
             else:
                 getattr(layer, f"{name}_scales").data.uniform_(1e-3, 4e-3)
                 getattr(layer, f"{name}_zeros").data.fill_(8)
+            if variant == "packed-act-order":  # [E, parts, in]: a random order per expert and projection
+                order = getattr(layer, f"{name}_perm").data
+                order.copy_(torch.rand(order.shape).argsort(dim=-1))
         if args.gpt_oss:
             layer.b13.data.normal_(0, 0.02)
             layer.b2.data.normal_(0, 0.02)
@@ -90,7 +97,8 @@ def step_seconds(layers: list[FusedMoE], batch: int, args: argparse.Namespace) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", choices=("packed", "mxfp4", "fp8", "bf16"), required=True)
+    parser.add_argument("--variant", choices=("packed", "packed-act-order", "mxfp4", "fp8", "fp8-block", "bf16"),
+                        required=True)
     parser.add_argument("--gpt-oss", action="store_true",
                         help="gpt-oss-20b's experts: sets --experts, --active, --hidden and --inter")
     parser.add_argument("--layers", type=int, default=24)

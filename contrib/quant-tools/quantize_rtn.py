@@ -2,7 +2,7 @@
 compressed-tensors checkpoint.
 
     .venv/bin/python contrib/quant-tools/quantize_rtn.py OUT [--src DIR] [--bits 4] [--group 64] [--channel] \
-        [--asym] [--format gptq|awq|compressed|compressed-int8] [--reference]
+        [--asym] [--act-order] [--format gptq|awq|compressed|compressed-int8] [--reference]
 
 No calibration data and no tool beyond pagoda and torch: every linear of the
 decoder layers (a Mixture-of-Experts model's experts and shared expert too,
@@ -25,6 +25,10 @@ Formats (the tensors pagoda's loaders, vLLM and transformers read):
   scales, or one scale per output row with ``--channel``.
 - ``compressed-int8``: compressed-tensors "int-quantized" W8A16: an int8
   ``weight`` and one ``weight_scale`` per output row.
+
+``--act-order`` (GPTQ and compressed-tensors pack-quantized, groups) groups each linear's input columns in
+descending order of their weights' norm, a stand-in for the Hessian diagonal GPTQ's ``desc_act`` sorts by,
+and writes each column's group in ``g_idx`` / ``weight_g_idx`` (``desc_act: true``, ``actorder: group``).
 
 Writes OUT/reference/dequant.safetensors (every quantized linear dequantized,
 float32 ``[out, in]``); ``--reference`` also writes reference/generations.json
@@ -84,21 +88,29 @@ def quantize_rtn(w: torch.Tensor, bits: int, group: int, sym: bool):
     return q, scales, zeros
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 ``[out, in]``: ``(q - zero) * scale`` of each column's group."""
-    in_features = q.shape[1]
-    s_col = scales.float().repeat_interleave(group, 1)[:, :in_features]
-    z_col = zeros.float().repeat_interleave(group, 1)[:, :in_features]
-    return (q.float() - z_col) * s_col
+def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """float32 ``[out, in]``: ``(q - zero) * scale`` of each column's group (``g_idx``)."""
+    return (q.float() - zeros.float()[:, g_idx]) * scales.float()[:, g_idx]
 
 
-def gptq_tensors(q, scales, zeros, bits: int, group: int, zero_offset: int) -> dict[str, torch.Tensor]:
+def quantize_act_order(w: torch.Tensor, bits: int, group: int, sym: bool):
+    """:func:`quantize_rtn` over ``w``'s columns taken in descending order of their norm, as (q ``[out, in]`` in
+    ``w``'s column order, scales, zeros ``[out, G]``, g_idx ``[in]``: each column's group)."""
+    order = torch.argsort(w.float().norm(dim=0), descending=True, stable=True)
+    q_sorted, scales, zeros = quantize_rtn(w[:, order], bits, group, sym)
+    q, g_idx = torch.empty_like(q_sorted), torch.empty(w.shape[1], dtype=torch.int64)
+    q[:, order] = q_sorted
+    g_idx[order] = torch.arange(w.shape[1]) // group
+    return q, scales, zeros, g_idx
+
+
+def gptq_tensors(q, scales, zeros, bits: int, g_idx: torch.Tensor, zero_offset: int) -> dict[str, torch.Tensor]:
     """GPTQ layout: qweight ``[in * b / 32, out]``, qzeros ``[G, out * b / 32]``, scales ``[G, out]``, g_idx."""
     maxq = (1 << bits) - 1
     return {"qweight": pack_int32(q.t(), bits, dim=0),
             "qzeros": pack_int32(((zeros - zero_offset) & maxq).t(), bits, dim=1),
             "scales": scales.t().contiguous(),
-            "g_idx": (torch.arange(q.shape[1]) // group).to(torch.int32)}
+            "g_idx": g_idx.to(torch.int32)}
 
 
 def awq_tensors(q, scales, zeros) -> dict[str, torch.Tensor]:
@@ -106,17 +118,19 @@ def awq_tensors(q, scales, zeros) -> dict[str, torch.Tensor]:
     return {"qweight": pack_awq(q.t()), "qzeros": pack_awq(zeros.t()), "scales": scales.t().contiguous()}
 
 
-def compressed_tensors(q, scales, bits: int, fmt: str, in_features: int) -> dict[str, torch.Tensor]:
+def compressed_tensors(q, scales, bits: int, fmt: str, in_features: int,
+                       g_idx: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """compressed-tensors layouts of symmetric ``q`` (offset by ``2**(bits-1)``): pack-quantized
-    ``weight_packed [out, in * b / 32]`` / ``weight_scale [out, G]`` / ``weight_shape``, or int-quantized
-    ``weight`` int8 ``[out, in]`` / ``weight_scale [out, 1]``."""
+    ``weight_packed [out, in * b / 32]`` / ``weight_scale [out, G]`` / ``weight_shape`` (and ``weight_g_idx`` in
+    act-order), or int-quantized ``weight`` int8 ``[out, in]`` / ``weight_scale [out, 1]``."""
     signed = q - (1 << (bits - 1))
     if fmt == "compressed-int8":
         return {"weight": signed.to(torch.int8), "weight_scale": scales.float()}
     per_word = 32 // bits
     padded = torch.nn.functional.pad(q, (0, -in_features % per_word), value=1 << (bits - 1))
-    return {"weight_packed": pack_int32(padded, bits, dim=1), "weight_scale": scales.float(),
-            "weight_shape": torch.tensor([q.shape[0], in_features], dtype=torch.int64)}
+    packed = {"weight_packed": pack_int32(padded, bits, dim=1), "weight_scale": scales.float(),
+              "weight_shape": torch.tensor([q.shape[0], in_features], dtype=torch.int64)}
+    return packed if g_idx is None else {**packed, "weight_g_idx": g_idx.to(torch.int32)}
 
 
 def check_shapes(name: str, w: torch.Tensor, bits: int, group: int, fmt: str) -> None:
@@ -129,10 +143,11 @@ def check_shapes(name: str, w: torch.Tensor, bits: int, group: int, fmt: str) ->
                  f"size {group}; pass a --group that divides {in_features} or use --format gptq")
 
 
-def quant_config(fmt: str, bits: int, group: int, sym: bool, channel: bool = False) -> dict:
+def quant_config(fmt: str, bits: int, group: int, sym: bool, channel: bool = False, act_order: bool = False) -> dict:
     if fmt.startswith("compressed"):
         weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "channel" if channel else "group",
-                   "group_size": None if channel else group, "dynamic": False, "actorder": None}
+                   "group_size": None if channel else group, "dynamic": False,
+                   "actorder": "group" if act_order else None}
         # the routers and Qwen2-MoE's one-output shared-expert gate stay unquantized, as llm-compressor leaves them
         return {"quant_method": "compressed-tensors",
                 "format": "int-quantized" if fmt == "compressed-int8" else "pack-quantized",
@@ -140,14 +155,15 @@ def quant_config(fmt: str, bits: int, group: int, sym: bool, channel: bool = Fal
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
-    return {"quant_method": "gptq", "bits": bits, "group_size": -1 if channel else group, "desc_act": False, "sym": sym,
-            "checkpoint_format": "gptq" if sym else "gptq_v2"}
+    return {"quant_method": "gptq", "bits": bits, "group_size": -1 if channel else group, "desc_act": act_order,
+            "sym": sym, "checkpoint_format": "gptq" if sym else "gptq_v2"}
 
 
 def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str,
-            channel: bool = False) -> dict[str, torch.Tensor]:
+            channel: bool = False, act_order: bool = False) -> dict[str, torch.Tensor]:
     """Write the quantized checkpoint to ``out``; returns the dequantized linears (float32 ``[out, in]``).
-    ``channel``: one scale per output row (compressed-tensors' channel strategy)."""
+    ``channel``: one scale per output row (compressed-tensors' channel strategy); ``act_order``: groups of columns
+    in descending order of their norm, with a g_idx."""
     if fmt == "awq" and (bits != 4 or sym):
         sys.exit("AWQ checkpoints are 4-bit with zero points: drop --bits/--sym or use --format gptq")
     if fmt.startswith("compressed") and not sym:
@@ -156,6 +172,8 @@ def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str,
         sys.exit("--format compressed-int8 is int8 with one scale per output row: pass --bits 8 --channel")
     if channel and fmt == "awq":
         sys.exit("--channel is for GPTQ (group_size -1) and the compressed-tensors formats; AWQ takes a --group")
+    if act_order and (channel or fmt not in ("gptq", "compressed")):
+        sys.exit("--act-order orders the columns of groups: use it with --format gptq or compressed and a --group")
     files = sorted(src.glob("*.safetensors"))
     if not files:
         sys.exit(f"{src} has no *.safetensors files; pass --src a dense Hugging Face checkpoint directory")
@@ -170,18 +188,21 @@ def convert(src: Path, out: Path, bits: int, group: int, sym: bool, fmt: str,
                 continue
             check_shapes(key, value, bits, group, fmt)
             cols = value.shape[1] if channel else group
-            q, scales, zeros = quantize_rtn(value, bits, cols, sym)
+            if act_order:
+                q, scales, zeros, g_idx = quantize_act_order(value, bits, cols, sym)
+            else:
+                (q, scales, zeros), g_idx = quantize_rtn(value, bits, cols, sym), torch.arange(value.shape[1]) // cols
             if fmt == "awq":
                 packed = awq_tensors(q, scales, zeros)
             elif fmt.startswith("compressed"):
-                packed = compressed_tensors(q, scales, bits, fmt, value.shape[1])
+                packed = compressed_tensors(q, scales, bits, fmt, value.shape[1], g_idx if act_order else None)
             else:
-                packed = gptq_tensors(q, scales, zeros, bits, cols, zero_offset=1 if sym else 0)
+                packed = gptq_tensors(q, scales, zeros, bits, g_idx, zero_offset=1 if sym else 0)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
-            dequant[key] = dequantize(q, scales, zeros, cols)
+            dequant[key] = dequantize(q, scales, zeros, g_idx)
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quant_config(fmt, bits, group, sym, channel)
+    config["quantization_config"] = quant_config(fmt, bits, group, sym, channel, act_order)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in COPIED:
         if (src / name).exists():
@@ -214,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--format", choices=("gptq", "awq", "compressed", "compressed-int8"), default="gptq")
     parser.add_argument("--channel", action="store_true", help="one scale per output row instead of groups "
                         "(GPTQ's group_size -1; not for AWQ)")
+    parser.add_argument("--act-order", action="store_true", help="groups of columns in descending order of their "
+                        "norm, with a g_idx (GPTQ desc_act, compressed-tensors actorder: group)")
     parser.add_argument("--reference", action="store_true",
                         help="also write reference/generations.json with transformers (slower)")
     args = parser.parse_args(argv)
@@ -224,13 +247,13 @@ def main(argv: Optional[list[str]] = None) -> None:
 
         args.src = ensure_default_model()
     sym = not args.asym and args.format != "awq"
-    dequant = convert(args.src, args.out, args.bits, args.group, sym, args.format, args.channel)
+    dequant = convert(args.src, args.out, args.bits, args.group, sym, args.format, args.channel, args.act_order)
     if args.reference:
         sys.path.insert(0, str(Path(__file__).parent))
         write_reference(args.src, args.out, dequant)
     print(f"wrote {args.out}: {len(dequant)} linears, {args.bits}-bit {args.format}, "
           f"{'one scale per row' if args.channel else f'group {args.group}'}, "
-          f"{'symmetric' if sym else 'asymmetric'}")
+          f"{'symmetric' if sym else 'asymmetric'}{', act-order' if args.act_order else ''}")
 
 
 if __name__ == "__main__":

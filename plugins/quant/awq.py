@@ -17,8 +17,8 @@ from pagoda.errors import ConfigError
 from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, config_value, drop_params, is_skipped, kernel_for_device, output_sharded_loader)
-from pagoda.plugins.quant.int_linear import (IntPart, apply_int_linear, dequantize_expert, expert_ints,
-                                             install_int_weight)
+from pagoda.plugins.quant.int_linear import (IntPart, apply_int_linear, dequantize_expert, install_int_weight,
+                                             unpack_expert)
 from pagoda.plugins.quant.int_moe import IntMoeMethod
 from pagoda.plugins.quant.packing import unpack_awq
 
@@ -56,8 +56,8 @@ class AWQConfig:
         return IntMoeMethod(4, self.group_size, self.expert_ints, self.kernel, self.host, "AWQ")
 
     def expert_ints(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
-        """One packed expert projection as (q ``[out, in]``, scales, zeros ``[out, groups]``)."""
-        return expert_ints(self, tensors, name)
+        """One packed expert projection as (q ``[out, in]``, scales, zeros ``[out, groups]``, g_idx)."""
+        return unpack_expert(self, tensors, name)
 
     def for_layer(self, prefix: str) -> Optional["AWQLinearMethod"]:
         # AutoAWQ skips a module when any listed fragment occurs in its name

@@ -28,7 +28,7 @@ from pagoda.plugins.quant.fp8 import Fp8LinearMethod
 from pagoda.plugins.quant.fp8_moe import fp8_moe_method
 from pagoda.plugins.quant.int8 import compressed_tensors_int8
 from pagoda.plugins.quant.int_linear import apply_int_linear, install_int_weight, parts_from_g_idx
-from pagoda.plugins.quant.int_moe import IntMoeMethod
+from pagoda.plugins.quant.int_moe import IntMoeMethod, packs_act_order
 from pagoda.plugins.quant.packing import unpack_int32
 
 # "naive-quantized" stores FP8 weights exactly like "float-quantized" (llm-compressor writes it for FP8 W8A16)
@@ -105,9 +105,9 @@ class CompressedTensorsConfig:
 
     def moe_method(self, prefix: str) -> Optional[IntMoeMethod]:
         """The routed experts under ``prefix`` (the layer's MLP) kept packed and computed from the packed bits when
-        their config group is pack-quantized int4 / int8 in groups (or int4 per channel) without act-order, or FP8
-        (kept one byte a weight, ``fp8_moe.py``); None for every other scheme (int8 per channel stays int8 in the
-        MoE kernel; the rest is dequantized at load)."""
+        their config group is pack-quantized int4 / int8 in groups (or int4 per channel), with or without
+        ``actorder: group`` (not under tensor parallelism), or FP8 (kept one byte a weight, ``fp8_moe.py``); None for
+        every other scheme (int8 per channel stays int8 in the MoE kernel; the rest is dequantized at load)."""
         name = f"{prefix}.experts.0.gate_proj"
         index = None if any(name_matches(name, p) for p in self.ignore) else self._group_of(name)
         if index is None or self.int8_experts(prefix):
@@ -117,23 +117,26 @@ class CompressedTensorsConfig:
             return fp8_moe_method(f"compressed-tensors config_groups.{group_name}", weights, self.kernel, self.host)
         strategy, bits = weights.get("strategy"), weights.get("num_bits")
         if (fmt != "pack-quantized" or weights.get("type") != "int" or bits not in (4, 8)
-                or not weights.get("symmetric", True) or strategy not in ("group", "channel")
-                or weights.get("actorder") == "group"):
+                or not weights.get("symmetric", True) or strategy not in ("group", "channel")):
+            return None
+        act_order = weights.get("actorder") == "group"
+        if act_order and not packs_act_order("compressed-tensors", prefix):
             return None
         where = f"compressed-tensors config_groups.{group_name}"
         group = -1 if strategy == "channel" else check_group_size(weights.get("group_size"), where)
-        return IntMoeMethod(bits, group, self.expert_ints, self.kernel, self.host, "compressed-tensors")
+        return IntMoeMethod(bits, group, self.expert_ints, self.kernel, self.host, "compressed-tensors",
+                            act_order=act_order)
 
     def expert_ints(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
         """One pack-quantized expert projection as (unsigned q ``[out, in]``, scales ``[out, groups]``, zeros: the
-        stored values' offset ``2 ** (bits - 1)``), in its column order."""
+        stored values' offset ``2 ** (bits - 1)``, ``g_idx [in]``), in its column order."""
         group_name, _, _, weights, _ = self.groups[self._group_of(name)]
         where = f"quantized expert {name!r} (compressed-tensors config_groups.{group_name}, pack-quantized)"
         missing = [t for t in ("weight_packed", "weight_scale", "weight_shape") if t not in tensors]
         if missing:
             raise CheckpointError(f"{where} has no {', '.join(missing)} tensor(s) in the checkpoint")
-        values, scale, _ = _unpack_expert(tensors, weights, where)
-        return values, scale, torch.full_like(scale, float(1 << (int(weights["num_bits"]) - 1)))
+        values, scale, g_idx = _unpack_expert(tensors, weights, where)
+        return values, scale, torch.full_like(scale, float(1 << (int(weights["num_bits"]) - 1))), g_idx
 
     def dequantize(self, tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """One routed expert's projection of a Mixture-of-Experts checkpoint (``name``, e.g.

@@ -82,9 +82,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("row_end"), pybind11::arg("y"), pybind11::arg("bias"), pybind11::arg("impl"),
         pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));
   m.def("int_moe_experts", &int_moe_experts,
-        "the routed experts of one MoE layer from packed int or MXFP4 weights (CPU)", no_gil, pybind11::arg("x"),
+        "the routed experts of one MoE layer from packed int, MXFP4 or FP8 weights (CPU)", no_gil, pybind11::arg("x"),
         pybind11::arg("w13_q"), pybind11::arg("s13"), pybind11::arg("z13"), pybind11::arg("w2_q"), pybind11::arg("s2"),
-        pybind11::arg("z2"), pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("topk_ids"),
+        pybind11::arg("z2"), pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("p13"), pybind11::arg("p2"),
+        pybind11::arg("topk_ids"),
         pybind11::arg("topk_weights"), pybind11::arg("bits"), pybind11::arg("codes"), pybind11::arg("group13"),
         pybind11::arg("group2"), pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("impl"),
         pybind11::arg("gemm_min_rows"), pybind11::arg("tile_rows"));

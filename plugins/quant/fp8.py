@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import ConfigError
+from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
-    add_param, check_tensor, drop_params, is_skipped, mark_loaded, name_matches, output_sharded_loader,
-    per_shard_loader, shard_rows, tp_part)
+    add_param, check_tensor, drop_params, is_skipped, kernel_for_device, mark_loaded, name_matches,
+    output_sharded_loader, per_shard_loader, shard_rows, tp_part)
+from pagoda.plugins.quant.fp8_moe import Fp8MoeMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -169,6 +171,23 @@ class Fp8Config:
             raise ConfigError(f"FP8 format {cfg.get('fmt')!r} is not supported; pagoda reads float8_e4m3fn weights")
         self.ignored = list(cfg.get("ignored_layers") or cfg.get("modules_to_not_convert") or [])
         self.tables: dict[torch.dtype, torch.Tensor] = {}
+        # the engine's host settings: its quant_kernel, and the ISA level the MoE experts' C++ kernel is built for
+        self.host = host_config_of(model_config)
+        self.kernel = kernel_for_device(self.host.quant_kernel)
+
+    def moe_method(self, prefix: str) -> Optional[Fp8MoeMethod]:
+        """The routed experts under ``prefix`` (the layer's MLP) kept one byte a weight (``fp8_moe.py``), their scales
+        per block of ``weight_block_size`` (``weight_scale_inv``) or one per module (``weight_scale``); None when the
+        config leaves them unquantized. Online FP8 of a dense checkpoint is not applied to experts."""
+        if not self.serialized:
+            raise ConfigError("online FP8 (--quantization fp8) quantizes linear layers, not a Mixture-of-Experts "
+                              "model's experts; load the model unquantized, or an FP8 checkpoint of it")
+        if any(name_matches(f"{prefix}.experts.0.gate_proj", p) for p in self.ignored):
+            return None
+        if self.block is None:
+            return Fp8MoeMethod(-1, 1, self.kernel, self.host, "FP8")
+        rows, cols = self.block
+        return Fp8MoeMethod(cols, rows, self.kernel, self.host, "FP8", scale_name="weight_scale_inv")
 
     def for_layer(self, prefix: str) -> Optional[Fp8LinearMethod]:
         if is_skipped(prefix, lambda m: any(name_matches(m, p) for p in self.ignored), "FP8"):

@@ -22,9 +22,9 @@ from pagoda.host.env import host_config_of
 from pagoda.plugins.quant.base import (
     add_param, check_group_size, drop_params, is_skipped, kernel_for_device, loaded_suffix,
     output_sharded_loader, per_shard_loader, shard_rows)
-from pagoda.plugins.quant.int_linear import (apply_int_linear, dequantize_expert, expert_ints,
-                                             install_int_weight, parts_from_g_idx)
-from pagoda.plugins.quant.int_moe import IntMoeMethod
+from pagoda.plugins.quant.int_linear import (apply_int_linear, dequantize_expert, install_int_weight,
+                                             parts_from_g_idx, unpack_expert)
+from pagoda.plugins.quant.int_moe import IntMoeMethod, packs_act_order
 from pagoda.plugins.quant.packing import unpack_int32
 
 
@@ -58,17 +58,21 @@ class GPTQConfig:
         return dequantize_expert(self, tensors, name)
 
     def moe_method(self, prefix: str) -> Optional[IntMoeMethod]:
-        """The routed experts under ``prefix`` (the layer's MLP) kept packed and computed from the packed bits;
-        None for int8 experts with row scales (the MoE kernel's int8 path), act-order (``desc_act``) or excluded
-        experts, which are loaded as before."""
+        """The routed experts under ``prefix`` (the layer's MLP) kept packed and computed from the packed bits, in
+        act-order (``desc_act``) too, their columns sorted by ``g_idx``; None for int8 experts with row scales (the
+        MoE kernel's int8 path), excluded experts, and act-order ones under tensor parallelism, which are loaded as
+        before."""
         expert = f"{prefix}.experts.0.gate_proj"
-        if self.desc_act or self.int8_experts(prefix) or any(re.match(p, expert) for p in self.skip_patterns):
+        if self.int8_experts(prefix) or any(re.match(p, expert) for p in self.skip_patterns):
             return None
-        return IntMoeMethod(self.bits, self.group_size, self.expert_ints, self.kernel, self.host, "GPTQ")
+        if self.desc_act and not packs_act_order("GPTQ", prefix):
+            return None
+        return IntMoeMethod(self.bits, self.group_size, self.expert_ints, self.kernel, self.host, "GPTQ",
+                            act_order=self.desc_act)
 
     def expert_ints(self, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
-        """One packed expert projection as (q ``[out, in]``, scales, zeros ``[out, groups]``)."""
-        return expert_ints(self, tensors, name)
+        """One packed expert projection as (q ``[out, in]``, scales, zeros ``[out, groups]``, g_idx ``[in]``)."""
+        return unpack_expert(self, tensors, name)
 
     def int8_experts(self, prefix: str) -> bool:
         """8-bit, symmetric, one scale per output column (``group_size: -1``): the routed experts stay int8 in

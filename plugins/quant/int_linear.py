@@ -165,14 +165,3 @@ def dequantize_expert(quant: Any, tensors: dict[str, torch.Tensor], name: str) -
     """One expert projection of a GPTQ or AWQ checkpoint as float32 ``[out, in]`` (see :func:`unpack_expert`)."""
     q, scales, zeros, g_idx = unpack_expert(quant, tensors, name)
     return ((q.float() - zeros[:, g_idx]) * scales[:, g_idx]).contiguous()
-
-
-def expert_ints(quant: Any, tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
-    """One expert projection of a GPTQ or AWQ checkpoint as (q ``[out, in]``, scales, zeros ``[out, G]``) in its
-    column order, for experts kept packed; a ``g_idx`` that reorders the columns is refused."""
-    q, scales, zeros, g_idx = unpack_expert(quant, tensors, name)
-    group = q.shape[1] if quant.group_size == -1 else quant.group_size
-    if not torch.equal(g_idx, torch.arange(q.shape[1]) // group):
-        raise CheckpointError(f"quantized expert {name!r}: its g_idx reorders the input columns, but the config "
-                              "does not set desc_act; fix the config (desc_act: true)")
-    return q, scales, zeros

@@ -14,12 +14,20 @@ call per layer groups the tokens by expert and runs each active expert's project
 kernel's loops (``cpu_int_kernels.cpp``: integer dot products in registers for few tokens, dequantized tiles and
 a GEMM for many); elsewhere the active experts are dequantized per call and computed by the grouped torch path.
 The layer's activation (``silu`` or gpt-oss's clamped SwiGLU) and expert biases, if any, are applied on both.
-Act-order checkpoints (``desc_act``, ``actorder: group``) are not packed: their experts are dequantized at load.
+
+Act-order checkpoints (GPTQ ``desc_act``, compressed-tensors ``actorder: group``) stay packed too: each expert
+projection's input columns are sorted by their ``g_idx`` at load, so that every group's columns sit together, and
+the order is kept per expert (``w13_perm`` int64 ``[E, 2, H]``, the gate's and the up's; ``w2_perm`` ``[E, 1, I]``):
+the kernel reads each expert's activations in its projection's order (``x[:, perm]``, ``h[:, perm]``), the torch
+path puts the dequantized columns back in the checkpoint's order. Under tensor parallelism a rank's slice of the
+intermediate columns would cut the down projection's scattered groups, so there act-order experts are dequantized
+at load (:func:`packs_act_order`).
 MXFP4 experts (``mxfp4.py``) are held the same way, their codes FP4 values with a power-of-two scale per group.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional
 
 import torch
@@ -27,24 +35,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.errors import CheckpointError, ConfigError
+from pagoda.execution import distributed
 from pagoda.host.env import HostConfig
 from pagoda.modeling.layers.moe import ACTIVATIONS, grouped_experts
 from pagoda.plugins.quant.cpu_int_kernel import (IMPL_AUTO, TILE_ROWS, default_gemm_min_rows,
                                                  int_kernels_or_none)
+from pagoda.plugins.quant.int_linear import parts_from_g_idx
 from pagoda.plugins.quant.packing import pack_uint8, unpack_uint8
+
+logger = logging.getLogger(__name__)
 
 # what the kernel's codes are (its ``codes`` argument): integers, FP4 (e2m1) or FP8 (e4m3) numbers
 CODES_INT, CODES_FP4, CODES_FP8 = 0, 1, 2
 
-# (q [out, in] unsigned codes, scales [out, groups], zeros [out, groups] float32 or None) of one expert projection
-ExpertInts = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+# (q [out, in] unsigned codes, scales [out, groups], zeros [out, groups] float32 or None, g_idx [in]: each column's
+# group, or None when column i is in group i // group_size) of one expert projection, in the checkpoint's column order
+ExpertInts = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+def packs_act_order(method: str, prefix: str) -> bool:
+    """Whether act-order experts under ``prefix`` stay packed here: not under tensor parallelism (logged)."""
+    tp_size = distributed.current().size
+    if tp_size > 1:
+        logger.info("%s: %s act-order experts are dequantized at load: a rank's slice of the intermediate columns "
+                    "would cut their down projections' groups (tensor_parallel_size %d)", prefix, method, tp_size)
+    return tp_size == 1
 
 
 class IntMoeMethod:
     """How a layer's group-quantized experts are stored, loaded and computed (see the module docstring).
 
     ``unpack(tensors, name)``: one expert projection's checkpoint tensors as :data:`ExpertInts`, in the
-    checkpoint's column order; ``kernel``: the quant config's int kernel (``cpu``: the C++ kernel where it builds).
+    checkpoint's column order; ``kernel``: the quant config's int kernel (``cpu``: the C++ kernel where it builds);
+    ``act_order``: the config says the columns were quantized in act-order (a ``g_idx`` then orders them).
     """
 
     # how the codes give weights: (q - zero) * scale, with scales and zero points in the model dtype
@@ -52,9 +75,9 @@ class IntMoeMethod:
     codes = CODES_INT
 
     def __init__(self, bits: int, group_size: int, unpack: Callable[[dict[str, torch.Tensor], str], ExpertInts],
-                 kernel: str, host: Optional[HostConfig], method: str) -> None:
+                 kernel: str, host: Optional[HostConfig], method: str, act_order: bool = False) -> None:
         self.bits, self.group_size, self.unpack, self.kernel, self.host = bits, group_size, unpack, kernel, host
-        self.method = method
+        self.method, self.act_order = method, act_order
 
     # ---- weights ----------------------------------------------------------------------------------------
 
@@ -78,6 +101,14 @@ class IntMoeMethod:
                                                                            dtype=self.scale_dtype(dtype))))
             if self.has_zeros:
                 layer.register_parameter(f"{name}_zeros", _frozen(torch.zeros(num_experts, rows, groups, dtype=dtype)))
+        if self.act_order:
+            if layer.tp.size > 1:
+                raise ConfigError(f"{layer.prefix}: act-order experts cannot stay packed over tensor-parallel ranks "
+                                  "(a rank's intermediate columns cut the down projections' groups); the quant config "
+                                  "has them dequantized at load there")
+            for name, parts, cols in (("w13", 2, hidden), ("w2", 1, inter)):  # identity until an expert loads
+                order = torch.arange(cols).expand(num_experts, parts, cols).contiguous()
+                layer.register_parameter(f"{name}_perm", _frozen(order))
         layer.int_kernels = int_kernels_or_none(self.host) if self.kernel == "cpu" else None
 
     def group_of(self, in_features: int) -> int:
@@ -91,7 +122,7 @@ class IntMoeMethod:
     def load_expert(self, layer: nn.Module, part: str, expert: int, tensors: dict[str, torch.Tensor],
                     name: str) -> None:
         """Expert ``expert``'s ``gate``/``up``/``down`` projection from its checkpoint tensors (full size)."""
-        q, scales, zeros = self.unpack(tensors, name)
+        q, scales, zeros, g_idx = self.unpack(tensors, name)
         full, hidden, inter, start = (layer.full_intermediate_size, layer.hidden_size, layer.intermediate_size,
                                       layer.inter_start)
         expected = (hidden, full) if part == "down" else (full, hidden)
@@ -112,25 +143,43 @@ class IntMoeMethod:
             raise CheckpointError(f"quantized expert {name!r}: {tuple(per_group[0].shape)} scales for {rows} rows in "
                                   f"{groups} groups; its {self.method} tensors do not fit its shape")
         group = self.group_of(q.shape[1])
+        if g_idx is not None:
+            q = self._in_group_order(layer, q, g_idx, group, prefix, expert, part, name)
         q = F.pad(q, (0, groups * group - q.shape[1]))
         for kind, value in zip(self.kinds(), [pack_uint8(q, self.bits)] + per_group):
             getattr(layer, f"{prefix}_{kind}").data[expert].narrow(0, row, rows).copy_(value)
 
+    def _in_group_order(self, layer: nn.Module, q: torch.Tensor, g_idx: torch.Tensor, group: int, prefix: str,
+                        expert: int, part: str, name: str) -> torch.Tensor:
+        """``q [rows, in]`` with its columns sorted by ``g_idx``, the order kept in the layer's ``*_perm``."""
+        _, (perm,) = parts_from_g_idx([g_idx], [(0, q.shape[0])], group, [f"{name}.g_idx"])
+        if perm is None:
+            return q
+        if not self.act_order:
+            raise CheckpointError(f"quantized expert {name!r}: its g_idx reorders the input columns, but the "
+                                  f"{self.method} config does not say act-order; fix the config (GPTQ: desc_act: "
+                                  "true, compressed-tensors: actorder: group)")
+        getattr(layer, f"{prefix}_perm").data[expert, 1 if part == "up" else 0].copy_(perm)
+        return q[:, perm]
+
     def expert_bytes(self, layer: nn.Module) -> int:
-        """Bytes of one expert's packed weights, scales and zero points on this rank."""
-        return sum(getattr(layer, f"{name}_{kind}")[0].nbytes for name in ("w13", "w2") for kind in self.kinds())
+        """Bytes of one expert's packed weights, scales, zero points and column orders on this rank."""
+        kinds = self.kinds() + (("perm",) if self.act_order else ())
+        return sum(getattr(layer, f"{name}_{kind}")[0].nbytes for name in ("w13", "w2") for kind in kinds)
 
     # ---- compute ----------------------------------------------------------------------------------------
 
     def apply(self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, ``weights``/``ids [T, k]`` -> this rank's ``[T, H]`` in ``x``'s dtype."""
         kernels = layer.int_kernels
-        scales_fit = self.codes == CODES_FP4 or x.dtype == layer.w13_scales.dtype  # E8M0 bytes fit any dtype
+        # E8M0 bytes and FP8's float32 scales fit any dtype
+        scales_fit = self.codes != CODES_INT or x.dtype == layer.w13_scales.dtype
+        p13, p2 = getattr(layer, "w13_perm", None), getattr(layer, "w2_perm", None)
         if kernels is not None and x.device.type == "cpu" and scales_fit:
             return kernels.int_moe_experts(x.contiguous(), layer.w13_q, layer.w13_scales,
                                            getattr(layer, "w13_zeros", None), layer.w2_q, layer.w2_scales,
-                                           getattr(layer, "w2_zeros", None), layer.b13, layer.b2, ids.contiguous(),
-                                           weights.float().contiguous(), self.bits, self.codes,
+                                           getattr(layer, "w2_zeros", None), layer.b13, layer.b2, p13, p2,
+                                           ids.contiguous(), weights.float().contiguous(), self.bits, self.codes,
                                            self.group_of(layer.hidden_size), self.group_of(layer.intermediate_size),
                                            ACTIVATIONS[layer.activation], layer.alpha, layer.limit,
                                            IMPL_AUTO, default_gemm_min_rows(kernels), TILE_ROWS)
@@ -139,6 +188,9 @@ class IntMoeMethod:
         index[active] = torch.arange(active.numel(), device=ids.device)
         w13 = self.dequantize(layer, "w13", active, layer.hidden_size, x.dtype)
         w2 = self.dequantize(layer, "w2", active, layer.intermediate_size, x.dtype)
+        if p13 is not None:  # act-order: the packed column j is the checkpoint's column perm[j]
+            w13 = w13.scatter(2, p13[active].repeat_interleave(layer.intermediate_size, dim=1), w13)
+            w2 = w2.scatter(2, p2[active].expand(-1, layer.hidden_size, -1), w2)
         b13, b2 = (None, None) if layer.b13 is None else (layer.b13[active], layer.b2[active])
         return grouped_experts(x, w13, w2, weights, index[ids], layer.activation, b13, b2, layer.alpha, layer.limit)
 

@@ -97,4 +97,4 @@ def unpack_mxfp4(tensors: dict[str, torch.Tensor], name: str) -> ExpertInts:
                               f"{tuple(scales.shape)} per expert, which do not fit together: expected [out, in / 32, "
                               "16] and [out, in / 32]")
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1)  # [out, G, 16, 2]: the low nibble first
-    return codes.reshape(blocks.shape[0], -1), scales, None
+    return codes.reshape(blocks.shape[0], -1), scales, None, None

@@ -19,15 +19,17 @@ from pagoda.modeling.models.decoder import DecoderForCausalLM, DecoderLayer, Dec
 _EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(.+)$")
 # REST for one expert's projection: E.gate_proj.weight (Qwen), E.w1.weight (Mixtral), ...; a GPTQ/AWQ checkpoint's
 # E.w1.qweight, qzeros, scales and g_idx; a compressed-tensors one's weight_packed, weight_scale, weight_shape and
-# weight_g_idx (pack-quantized), or an int8 / FP8 weight with its weight_scale
+# weight_g_idx (pack-quantized), or an int8 / FP8 weight with its weight_scale; an FP8 (quant_method: fp8) one's
+# weight with its weight_scale_inv per block
 _ONE_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|bias|qweight|qzeros|scales|g_idx|"
-                         r"weight_packed|weight_scale|weight_shape|weight_g_idx|input_scale|weight_zero_point)$")
+                         r"weight_packed|weight_scale|weight_scale_inv|weight_shape|weight_g_idx|input_scale|"
+                         r"weight_zero_point)$")
 # model.layers.N.mlp.shared_expert.PROJ.weight: Qwen2-MoE's shared expert, unquantized
 _SHARED_EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.mlp\.shared_expert\.(?:gate|up|down)_proj\.weight$")
-_QUANTIZED = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape", "weight_g_idx",
-              "input_scale", "weight_zero_point")
+_QUANTIZED = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_scale_inv",
+              "weight_shape", "weight_g_idx", "input_scale", "weight_zero_point")
 _QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)  # an expert "weight" stored quantized (compressed-tensors)
-_LOADERS = ("GPTQConfig", "AWQConfig", "CompressedTensorsConfig", "Mxfp4Config")
+_LOADERS = ("GPTQConfig", "AWQConfig", "CompressedTensorsConfig", "Mxfp4Config", "Fp8Config")
 _PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -90,10 +92,10 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
     ``DecoderSpec.extra["moe"]``."""
 
     layer_class = MoeDecoderLayer
-    # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ, AWQ or compressed-tensors
-    # checkpoint's attention layers and shared expert run quantized; its group-quantized routed experts, and an
-    # MXFP4 checkpoint's, stay packed (the quant config's moe_method), int8 ones with row scales stay int8, the rest
-    # are dequantized at load (its dequantize)
+    # LoRA acts on linear layers; the experts are not ones (start-up refuses it). A GPTQ, AWQ, compressed-tensors or
+    # FP8 checkpoint's attention layers and shared expert run quantized; its group-quantized routed experts (act-order
+    # too), FP8 ones and an MXFP4 checkpoint's stay packed (the quant config's moe_method), int8 ones with row scales
+    # stay int8, the rest are dequantized at load (its dequantize)
     supports_lora = False
     # the router, the shared expert and its gate under the layer's ``moe`` block (".mlp." is dropped after)
     checkpoint_renames = {".block_sparse_moe.gate.": ".mlp.moe.router.", ".mlp.gate.": ".mlp.moe.router.",
@@ -102,9 +104,9 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: Any, backend: Any, quant: Any = None) -> None:
         if quant is not None and type(quant).__name__ not in _LOADERS:
-            raise ConfigError(f"{type(self).__name__}: pagoda loads GPTQ, AWQ and compressed-tensors Mixture-of-Experts "
-                              f"checkpoints, not {type(quant).__name__} (fp8 and online int8 are not applied to "
-                              "experts yet); use the unquantized checkpoint, or a GPTQ, AWQ or compressed-tensors one")
+            raise ConfigError(f"{type(self).__name__}: pagoda loads GPTQ, AWQ, compressed-tensors, FP8 and MXFP4 "
+                              f"Mixture-of-Experts checkpoints, not {type(quant).__name__} (online int8 is not "
+                              "applied to experts); use the unquantized checkpoint, or one in those formats")
         self.quant = quant
         if getattr(cfg, "batch_invariant", False):
             raise ConfigError(f"--batch-invariant covers dense models; {type(self).__name__} routes tokens to "
@@ -168,19 +170,18 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             raise CheckpointError(f"MXFP4 tensors without their other half (blocks with scales): {unpaired[:3]}")
         for (layer, expert, part), tensors in quantized.items():
             name = tensors.pop("name")
-            dequantize = getattr(self.quant, "dequantize", None)
-            if dequantize is None:
-                raise CheckpointError(f"quantized expert {name!r}: {type(self.quant).__name__} cannot dequantize "
-                                      "expert weights; MoE checkpoints load quantized experts from GPTQ, AWQ or "
-                                      "compressed-tensors")
             experts = self.experts_of(layer)
-            if experts.quant_method is not None:  # group-quantized experts stay packed
+            if experts.quant_method is not None:  # group-quantized and FP8 experts stay packed
                 experts.load_quantized(part, expert, tensors, name)
             elif experts.s13 is not None:  # int8 experts stay int8, with their row scales
                 q, scale = self.quant.int8_expert(tensors, name)
                 experts.load_expert(part, expert, q, name, scale=scale)
+            elif hasattr(self.quant, "dequantize"):
+                experts.load_expert(part, expert, self.quant.dequantize(tensors, name), name)
             else:
-                experts.load_expert(part, expert, dequantize(tensors, name), name)
+                raise CheckpointError(f"quantized expert {name!r}: {type(self.quant).__name__} leaves {experts.prefix} "
+                                      "unquantized (its ignored layers), but the checkpoint stores it quantized; fix "
+                                      "the quantization_config")
 
     def _check_shared_expert(self, name: str, tensor: torch.Tensor) -> None:
         """A shared expert stored unquantized in a checkpoint whose quant config covers it: say which tensor and

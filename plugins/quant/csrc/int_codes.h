@@ -125,34 +125,46 @@ inline float e8m0_value(uint8_t e) {
 }
 
 // The per-group scales (and zero points) of a matrix's rows, [rows, G]: in the model dtype T (integer codes with
-// zero points, FP8 codes without), or E8M0 exponents (FP4 codes, no zero points)
+// zero points), in T or float32 (FP8 codes, no zero points), or E8M0 exponents (FP4 codes, no zero points)
 template <typename T>
 struct GroupScales {
   const T* scale;
   const T* zero;            // null: no zero points
   const uint8_t* exponent;  // set for FP4 codes, in place of scale
+  const float* scale_f32;   // set for float32 scales of a model in another dtype, in place of scale
   int64_t G;
 
   bool fp4() const { return exponent != nullptr; }
   bool has_zeros() const { return zero != nullptr; }
   GroupScales from_row(int64_t r) const {
     const auto offset = [&](auto* p) { return p ? p + r * G : p; };
-    return GroupScales{offset(scale), offset(zero), offset(exponent), G};
+    return GroupScales{offset(scale), offset(zero), offset(exponent), offset(scale_f32), G};
   }
   // row o's scales and zero points as fp32
   void row(int64_t o, float* s, float* z) const {
     for (int64_t g = 0; g < G; ++g) {
-      s[g] = fp4() ? e8m0_value(exponent[o * G + g]) : to_float(scale[o * G + g]);
+      s[g] = fp4() ? e8m0_value(exponent[o * G + g]) : scale_f32 ? scale_f32[o * G + g] : to_float(scale[o * G + g]);
       z[g] = has_zeros() ? to_float(zero[o * G + g]) : 0.f;
     }
   }
+  // the first byte of row o's scales and the bytes of a row's, for prefetching
+  const void* row_address(int64_t o) const {
+    if (fp4()) return exponent + o * G;
+    return scale_f32 ? static_cast<const void*>(scale_f32 + o * G) : static_cast<const void*>(scale + o * G);
+  }
+  int64_t row_bytes() const { return G * (fp4() ? 1 : scale_f32 ? sizeof(float) : sizeof(T)); }
 };
 
-// w_scales / w_zeros as GroupScales: uint8 scales are E8M0 exponents of FP4 codes
+// w_scales / w_zeros as GroupScales: uint8 scales are E8M0 exponents of FP4 codes, float32 ones of a model in another
+// dtype are read as float32
 template <typename T>
 GroupScales<T> group_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& zeros) {
-  if (scales.scalar_type() == at::kByte) return {nullptr, nullptr, scales.data_ptr<uint8_t>(), scales.size(-1)};
-  return {scales.data_ptr<T>(), zeros.has_value() ? zeros->data_ptr<T>() : nullptr, nullptr, scales.size(-1)};
+  if (scales.scalar_type() == at::kByte)
+    return {nullptr, nullptr, scales.data_ptr<uint8_t>(), nullptr, scales.size(-1)};
+  const T* zero = zeros.has_value() ? zeros->data_ptr<T>() : nullptr;
+  if (scales.scalar_type() == at::kFloat && !std::is_same<T, float>::value)
+    return {nullptr, zero, nullptr, scales.data_ptr<float>(), scales.size(-1)};
+  return {scales.data_ptr<T>(), zero, nullptr, nullptr, scales.size(-1)};
 }
 
 #ifdef PAGODA_AVX512

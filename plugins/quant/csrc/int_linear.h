@@ -107,8 +107,7 @@ void run(const at::Tensor& x, const at::Tensor& w_q, const GroupScales<T>& scale
         const int64_t ahead = n0 + kPrefetchTiles * nt_main;
         const int64_t ahead_rows = std::min<int64_t>(nt_main, rows - ahead);
         prefetch(p.w_q + ahead * row_bytes, ahead_rows * row_bytes);
-        if (sc.fp4()) prefetch(sc.exponent + ahead * G, ahead_rows * G);
-        else prefetch(sc.scale + ahead * G, ahead_rows * G * sizeof(T));
+        prefetch(sc.row_address(ahead), ahead_rows * sc.row_bytes());
         if (has_zeros) prefetch(sc.zero + ahead * G, ahead_rows * G * sizeof(T));
       }
       for (int r = 0; r < nt; ++r) {

@@ -29,10 +29,12 @@ struct ActiveExpert {
 };
 
 // The packed experts of one layer: codes w_q [E, rows, bytes] (integers, FP4 or FP8: `codes`), scales
-// [E, rows, groups] (and zero points for integer codes), biases [E, rows] in the model dtype or none
+// [E, rows, groups] (and zero points for integer codes), biases [E, rows] in the model dtype or none, and for
+// act-order checkpoints each expert's order of the input columns perm [E, parts, in] int64 (the packed column j
+// multiplies input perm[e, part, j]; parts: gate and up for w13, one for w2) or none
 struct PackedExperts {
   at::Tensor q, scales;
-  c10::optional<at::Tensor> zeros, bias;
+  c10::optional<at::Tensor> zeros, bias, perm;
   int64_t group_size;
   int codes;
 
@@ -44,6 +46,9 @@ struct PackedExperts {
   c10::optional<at::Tensor> bias_of(int64_t e) const {
     return bias.has_value() ? c10::optional<at::Tensor>((*bias)[e]) : c10::nullopt;
   }
+  c10::optional<at::Tensor> perm_of(int64_t e, int64_t part) const {
+    return perm.has_value() ? c10::optional<at::Tensor>((*perm)[e][part]) : c10::nullopt;
+  }
 };
 
 // The routed experts of one Mixture-of-Experts layer in the layout above, every expert's rows stacked:
@@ -52,6 +57,7 @@ struct PackedExperts {
 // tokens only, in one parallel region of (expert, rows) items (gate_up, then down), each item's rows through run()
 // (direct tiles for few tokens, a dequantized tile and a GEMM for many; run() is serial inside a parallel region):
 //   h = act(x W13[e]^T gate rows + b, x W13[e]^T up rows + b),  y = h W2[e]^T + b2[e],
+// (x and h taken in each projection's packed column order where the experts were quantized in act-order),
 //   out[t] = sum_j weight[t, j] y[t, j]
 // with act silu(gate) * up or gpt-oss's clamped SwiGLU (pagoda::activate). The gate_up sums, h and y are rounded to
 // T as a dense MLP in T rounds them (a bias in T added before the rounding); the weighted sum is fp32, in ascending
@@ -105,9 +111,11 @@ void run_moe(const at::Tensor& x, const PackedExperts& w13, const PackedExperts&
     at::ThreadLocalStateGuard state_guard(caller_state);
     const auto [idx, n0, n1] = gate_items[i];
     ActiveExpert& a = active[idx];
-    for (const int64_t first : {n0, inter + n0})  // the gate rows, then the same up rows
-      run<T>(a.x, w13.q[a.e], w13.of<T>(a.e), w13.codes, c10::nullopt, bits, w13.group_size, first, first + n1 - n0, a.gate_up,
-             w13.bias_of(a.e), impl, gemm_min_rows, tile_rows);
+    for (const int64_t part : {0, 1}) {  // the gate rows, then the same up rows
+      const int64_t first = part * inter + n0;
+      run<T>(a.x, w13.q[a.e], w13.of<T>(a.e), w13.codes, w13.perm_of(a.e, part), bits, w13.group_size, first,
+             first + n1 - n0, a.gate_up, w13.bias_of(a.e), impl, gemm_min_rows, tile_rows);
+    }
     const T* gu = a.gate_up.data_ptr<T>();
     T* hp = a.h.data_ptr<T>();
     for (int64_t r = 0; r < a.x.size(0); ++r)
@@ -119,8 +127,8 @@ void run_moe(const at::Tensor& x, const PackedExperts& w13, const PackedExperts&
     at::ThreadLocalStateGuard state_guard(caller_state);
     const auto [idx, n0, n1] = down_items[i];
     ActiveExpert& a = active[idx];
-    run<T>(a.h, w2.q[a.e], w2.of<T>(a.e), w2.codes, c10::nullopt, bits, w2.group_size, n0, n1, a.y, w2.bias_of(a.e), impl,
-           gemm_min_rows, tile_rows);
+    run<T>(a.h, w2.q[a.e], w2.of<T>(a.e), w2.codes, w2.perm_of(a.e, 0), bits, w2.group_size, n0, n1, a.y,
+           w2.bias_of(a.e), impl, gemm_min_rows, tile_rows);
   };
   pagoda::parallel_two_phases(static_cast<int64_t>(gate_items.size()), gate_up_item,
                               static_cast<int64_t>(down_items.size()), down_item);
@@ -139,11 +147,12 @@ void run_moe(const at::Tensor& x, const PackedExperts& w13, const PackedExperts&
 }
 
 // One projection of the packed experts, checked against its shapes and codes: integers (scales and zeros in x's
-// dtype), FP4 (4-bit, uint8 E8M0 scales, no zero points) or FP8 (8-bit, scales in x's dtype, no zero points);
-// biases float32 [E, rows] (the checkpoint's), taken in x's dtype
+// dtype), FP4 (4-bit, uint8 E8M0 scales, no zero points) or FP8 (8-bit, scales in x's dtype or float32, no zero
+// points); biases float32 [E, rows] (the checkpoint's), taken in x's dtype; column orders int64 [E, parts, in]
 PackedExperts packed_experts(const at::Tensor& w_q, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                             const c10::optional<at::Tensor>& bias, int64_t rows, int64_t in_features, int64_t bits,
-                             int64_t group_size, int64_t codes, const at::Tensor& x, const char* name) {
+                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& perm,
+                             int64_t parts, int64_t rows, int64_t in_features, int64_t bits, int64_t group_size,
+                             int64_t codes, const at::Tensor& x, const char* name) {
   TORCH_CHECK(w_q.scalar_type() == at::kByte && w_q.dim() == 3 && w_q.is_contiguous() && w_q.size(1) == rows,
               name, "_q must be a contiguous uint8 [E, ", rows, ", bytes] tensor");
   TORCH_CHECK(group_size >= 1, "group sizes must be positive");
@@ -156,7 +165,9 @@ PackedExperts packed_experts(const at::Tensor& w_q, const at::Tensor& scales, co
   TORCH_CHECK(codes != kFp4Codes || (bits == 4 && scales.scalar_type() == at::kByte), name,
               ": FP4 codes are 4-bit, with uint8 E8M0 scales");
   TORCH_CHECK(codes != kFp8Codes || bits == 8, name, ": FP8 codes are 8-bit");
-  TORCH_CHECK(codes == kFp4Codes || scales.scalar_type() == x.scalar_type(), name, " scales must be of x's dtype");
+  TORCH_CHECK(codes == kFp4Codes || scales.scalar_type() == x.scalar_type() ||
+                  (codes == kFp8Codes && scales.scalar_type() == at::kFloat),
+              name, " scales must be of x's dtype (or float32 for FP8 codes)");
   for (const at::Tensor* t : {&scales, zeros.has_value() ? &*zeros : &scales})
     TORCH_CHECK(t->scalar_type() == scales.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
                     t->size(0) == w_q.size(0) && t->size(1) == rows && t->size(2) == groups,
@@ -168,16 +179,22 @@ PackedExperts packed_experts(const at::Tensor& w_q, const at::Tensor& scales, co
                 name, " biases must be a float32 [E, ", rows, "] tensor");
     bias_t = bias->to(x.scalar_type()).contiguous();
   }
-  return {w_q, scales, zeros, bias_t, group_size, static_cast<int>(codes)};
+  if (perm.has_value())
+    TORCH_CHECK(perm->scalar_type() == at::kLong && perm->is_contiguous() && perm->dim() == 3 &&
+                    perm->size(0) == w_q.size(0) && perm->size(1) == parts && perm->size(2) == in_features,
+                name, " column orders must be a contiguous int64 [E, ", parts, ", ", in_features, "] tensor");
+  return {w_q, scales, zeros, bias_t, perm, group_size, static_cast<int>(codes)};
 }
 
 // x [T, H] (float32, bfloat16 or float16); w13_q [E, 2I, bytes], s13 (z13) [E, 2I, groups of H], b13 [E, 2I];
 // w2_q [E, H, bytes], s2 (z2) [E, H, groups of I], b2 [E, H]; topk_ids [T, k] int64, topk_weights [T, k] float32;
+// p13 [E, 2, H] (the gate's and the up's) and p2 [E, 1, I]: act-order column orders, or none;
 // codes: 0 integers, 1 FP4, 2 FP8; activation: 0 silu(gate) * up, 1 gpt-oss's clamped SwiGLU (alpha, limit)
 at::Tensor int_moe_experts(const at::Tensor& x, const at::Tensor& w13_q, const at::Tensor& s13,
                            const c10::optional<at::Tensor>& z13, const at::Tensor& w2_q, const at::Tensor& s2,
                            const c10::optional<at::Tensor>& z2, const c10::optional<at::Tensor>& b13,
-                           const c10::optional<at::Tensor>& b2, const at::Tensor& topk_ids,
+                           const c10::optional<at::Tensor>& b2, const c10::optional<at::Tensor>& p13,
+                           const c10::optional<at::Tensor>& p2, const at::Tensor& topk_ids,
                            const at::Tensor& topk_weights, int64_t bits, int64_t codes, int64_t group13,
                            int64_t group2, int64_t activation, double alpha, double limit, int64_t impl, int64_t gemm_min_rows,
                            int64_t tile_rows) {
@@ -185,8 +202,9 @@ at::Tensor int_moe_experts(const at::Tensor& x, const at::Tensor& w13_q, const a
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(activation == pagoda::kSiluMul || activation == pagoda::kClampedSwiglu, "activation must be 0 or 1");
   const int64_t hidden = x.size(1), inter = w13_q.dim() == 3 ? w13_q.size(1) / 2 : 0;
-  const PackedExperts w13 = packed_experts(w13_q, s13, z13, b13, 2 * inter, hidden, bits, group13, codes, x, "w13");
-  const PackedExperts w2 = packed_experts(w2_q, s2, z2, b2, hidden, inter, bits, group2, codes, x, "w2");
+  const PackedExperts w13 = packed_experts(w13_q, s13, z13, b13, p13, 2, 2 * inter, hidden, bits, group13, codes, x,
+                                           "w13");
+  const PackedExperts w2 = packed_experts(w2_q, s2, z2, b2, p2, 1, hidden, inter, bits, group2, codes, x, "w2");
   TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "w13 and w2 must hold the same experts");
   pagoda::check_routing(x, topk_ids, topk_weights);
   at::Tensor out = at::empty(x.sizes(), x.options());
