@@ -7,6 +7,7 @@
 
 #include "pagoda_torch.h"
 #include "pagoda_float.h"
+#include "pagoda_vec8.h"
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -68,31 +69,9 @@ inline float exp_approx(float x) {
 #include <immintrin.h>
 #define PAGODA_AVX2_OPS 1
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// fp32 -> 8 bf16 bits in the low 16 of each 32-bit lane, round to nearest even, NaN -> 0x7FC0 (as from_f)
-inline __m256i bf16_lanes(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i r = bf16_lanes(v);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-inline void store8(at::Half* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
+using pagoda::bf16_lanes;
+using pagoda::load8;
+using pagoda::store8;
 
 // the value an fp32 result takes once stored in T and read back
 template <typename T> inline __m256 round8(__m256 v);

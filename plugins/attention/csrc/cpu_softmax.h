@@ -12,6 +12,8 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+
+#include "pagoda_vec8.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -136,27 +138,9 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// 8 values widened to fp32 (bf16: zero-extend and shift left 16; fp16 through vcvtph2ps)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-// 8 fp32 values rounded to nearest even into the row's dtype (the values are finite)
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::Half* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  // 32-bit lanes holding 16-bit values: pack per 128-bit half, then gather the two halves' low quads
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
+// 8 values widened to fp32 and stored rounded (pagoda_vec8.h)
+using pagoda::load8;
+using pagoda::store8;
 
 #endif
 

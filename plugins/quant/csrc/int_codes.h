@@ -12,6 +12,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "pagoda_vec8.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define PAGODA_AVX512 1

@@ -33,18 +33,8 @@ inline __m256i bf16_bits(__m512 v) {
 #endif
 
 #ifdef PAGODA_AVX2
-// 8 fp32 values stored as T, round to nearest even (what static_cast<T> of each does)
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::Half* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
+// 8 fp32 values stored as T, round to nearest even (what static_cast<T> of each does; pagoda_vec8.h)
+using pagoda::store8;
 
 // dequantize_row's (v(q) - zero) * scale, 8 columns at a time; returns the columns done
 template <typename T>
