@@ -80,16 +80,15 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs,
                                   ctx.sampling_defaults)
     request_id = response_id("cmpl", body)
-    as_ids = bool(body.return_tokens_as_token_ids)
+    as_ids = ctx.tokens_as_token_ids(body)
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,
-                     tenant=ctx.tenant_of(request, body), lora_request=lora)
+                     tenant=ctx.tenant_of(request, body), lora_request=lora, request_log=ctx.request_log)
     await unless_disconnected(request, gen.start())
     note_started(request, request_id, gen, body.stream)
     echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
             for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage, ctx.model_name(lora),
+        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, ctx.include_usage(body), ctx.model_name(lora),
                                          bool(body.return_token_ids), as_ids), media_type="text/event-stream")
     outputs = await unless_disconnected(request, gen.final())
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0

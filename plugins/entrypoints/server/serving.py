@@ -23,7 +23,9 @@ from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.effort import EffortOptions
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
+from pagoda.plugins.entrypoints.server.frontend import FrontendOptions
 from pagoda.plugins.entrypoints.server.protocol import NO_EFFECT_VALUES, SamplingFields
+from pagoda.plugins.entrypoints.server.request_logging import RequestLog
 from pagoda.plugins.entrypoints.server.tokenizer_turns import TokenizerTurns
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -97,6 +99,23 @@ class ServingContext:
     tenant_source: str = "api-key"
     # --strict-request-fields: a field of no schema is a 400 (otherwise it is ignored and named)
     strict_request_fields: bool = False
+    # vLLM's front-end flags: the response role, usage in every stream, token ids in logprobs, ...
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)
+    # "string" or "openai": how message content reaches the chat template (the frontend's format, resolved)
+    content_format: str = "string"
+    # what is logged of each request (None: nothing; --enable-log-requests)
+    request_log: Optional[RequestLog] = None
+
+    def include_usage(self, body: Any) -> bool:
+        """Whether a stream ends with its usage chunk: asked for in ``stream_options``, or always
+        (``--enable-force-include-usage``)."""
+        return self.frontend.enable_force_include_usage or bool(body.stream_options and
+                                                                 body.stream_options.include_usage)
+
+    def tokens_as_token_ids(self, body: Any) -> bool:
+        """Whether logprobs name tokens ``token_id:<id>``: the request's field, else the server's default."""
+        given = body.return_tokens_as_token_ids
+        return self.frontend.return_tokens_as_token_ids if given is None else given
 
     def tenant_of(self, request: Any, body: Any = None) -> Optional[str]:
         """The tenant a request counts for (the ``fair`` scheduling policy shares the engine between tenants):

@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable, Optional
 from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
 from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
+from pagoda.plugins.entrypoints.server.request_logging import OutputLog, RequestLog
 from pagoda.plugins.entrypoints.server.serving import SSE_DONE, output_error, sse, sse_error, usage
 from pagoda.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ class Generation:
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
                  priority: int, stream: bool, tenant: Optional[str] = None,
-                 lora_request: Optional[LoRARequest] = None) -> None:
+                 lora_request: Optional[LoRARequest] = None, request_log: Optional[RequestLog] = None) -> None:
         # the prompts of one request are admitted together
         max_model_len = engine.engine.config.model.max_model_len
         engine.check_capacity(params.n * len(prompts),
@@ -40,6 +41,11 @@ class Generation:
                                      output_kind=kind, tenant=tenant, lora_request=lora_request)
                      for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
+        self.output_logs: list[Optional[OutputLog]] = [None] * len(self.gens)
+        if request_log is not None:
+            for i, p in enumerate(prompts):
+                request_log.received(f"{request_id}-{i}", p.get("prompt"), p["prompt_token_ids"], params)
+            self.output_logs = [request_log.outputs() for _ in prompts]
 
     async def start(self) -> None:
         """Wait for every request's first output; any error (400, 503, ...) aborts all of them."""
@@ -58,12 +64,12 @@ class Generation:
         """Batches of ``(prompt index, output)`` that were ready together; the primed first outputs first."""
         pending: dict[asyncio.Future, int] = {}
         try:
-            yield list(enumerate(self.first))
+            yield self._logged(list(enumerate(self.first)))
             if len(self.gens) == 1:  # one prompt: read it directly, without a task per output
                 gen = self.gens[0]
                 if not self.first[0].finished:
                     async for out in gen:
-                        yield [(0, out)]
+                        yield self._logged([(0, out)])
                 return
             for i, out in enumerate(self.first):
                 if not out.finished:
@@ -77,12 +83,18 @@ class Generation:
                     batch.append((i, out))
                     if not out.finished:
                         pending[asyncio.ensure_future(self.gens[i].__anext__())] = i
-                yield batch
+                yield self._logged(batch)
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await self.close()
+
+    def _logged(self, batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+        for i, out in batch:
+            if self.output_logs[i] is not None:
+                self.output_logs[i].add(out)
+        return batch
 
     async def final(self) -> list[RequestOutput]:
         last = list(self.first)
