@@ -231,8 +231,9 @@ def run_serve(ns: argparse.Namespace) -> int:
 
 
 def _log_notes(ns: argparse.Namespace) -> None:
+    """A warning for each flag given that means nothing on pagoda (it was asked for, and is not done)."""
     for line in vllm_flags.notes(ns):
-        logger.info("%s", line)
+        logger.warning("%s", line)
 
 
 def _run_uvicorn(app, ns: argparse.Namespace) -> None:
