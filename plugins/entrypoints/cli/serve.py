@@ -223,11 +223,15 @@ def run_serve(ns: argparse.Namespace) -> int:
                         tuple(r.strip() for r in ns.lora_allowed_roots.split(",") if r.strip())
                         if ns.lora_allowed_roots else None, ns.max_lora_adapters, ns.admin_api_key),
                     frontend=vllm_flags.frontend_options(ns))
-    logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
-                engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
+    logger.info("serving %r on %s://%s:%d (%d CPU threads, max_model_len %d)",
+                engine.config.model.served_model_name, _scheme(ns), ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)
     _run_uvicorn(app, ns)
     return 0
+
+
+def _scheme(ns: argparse.Namespace) -> str:
+    return "https" if ns.ssl_certfile else "http"
 
 
 def _log_notes(ns: argparse.Namespace) -> None:
@@ -269,13 +273,15 @@ def run_pooling_serve(ns: argparse.Namespace, args, task: str) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _log_notes(ns)
+    for line in vllm_flags.pooling_notes(ns):
+        logger.warning("%s", line)
     engine = PoolingEngine(args, task, ns.plugin_manager)
     app = build_pooling_app(AsyncPoolingEngine(engine), api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
                             shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
                             allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
                             frontend=vllm_flags.frontend_options(ns))
-    logger.info("serving %r for the %r task on http://%s:%d (%s pooling, normalized: %s, max_model_len %d)",
-                engine.served_model_name, task, ns.host, ns.port, engine.pooling.method, engine.pooling.normalize,
-                engine.max_model_len)
+    logger.info("serving %r for the %r task on %s://%s:%d (%s pooling, normalized: %s, max_model_len %d)",
+                engine.served_model_name, task, _scheme(ns), ns.host, ns.port, engine.pooling.method,
+                engine.pooling.normalize, engine.max_model_len)
     _run_uvicorn(app, ns)
     return 0

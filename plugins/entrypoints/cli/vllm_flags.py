@@ -205,6 +205,19 @@ def uvicorn_options(ns: argparse.Namespace) -> dict:
     return options
 
 
+# the front-end switches of text generation's answers, which a pooling model's server has none of
+GENERATION_ONLY = ("--response-role", "--chat-template-content-format", "--return-tokens-as-token-ids",
+                   "--enable-force-include-usage", "--enable-log-requests", "--enable-log-outputs", "--max-log-len")
+
+
+def pooling_notes(ns: argparse.Namespace) -> list[str]:
+    """A line naming the flags given that only text generation's answers read, for a pooling model's server."""
+    given = [flag for flag in given_frontend_flags(ns) if flag in GENERATION_ONLY]
+    if not given:
+        return []
+    return [f"{', '.join(given)} have no effect on a pooling model's server: they set text generation's answers"]
+
+
 def given_frontend_flags(ns: argparse.Namespace) -> list[str]:
     """The served front-end flags given other than at their defaults (the replica router serves none yet)."""
     defaults, given = FrontendOptions(), frontend_options(ns)
