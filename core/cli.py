@@ -103,10 +103,8 @@ def expand_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list
 
 def _config_file_flags(parser: argparse.ArgumentParser, path: str, skip: set[str]) -> list[str]:
     """The flags a YAML config file sets, as command-line words."""
-    try:
-        import yaml
-    except ImportError:
-        raise PagodaError("--config needs PyYAML: pip install pyyaml") from None
+    import yaml  # installed with transformers
+
     if not path.endswith((".yaml", ".yml")):
         raise PagodaError(f"--config {path}: give a YAML file (.yaml or .yml)")
     try:
