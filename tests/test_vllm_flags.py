@@ -22,7 +22,8 @@ from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.entrypoints.cli import vllm_flags
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
-from pagoda.plugins.entrypoints.server.frontend import FrontendOptions, template_loops_over_content
+from pagoda.plugins.entrypoints.server.frontend import (FrontendOptions, resolve_content_format,
+                                                       template_loops_over_content)
 from serve_process import run_pagoda_here
 from tiny_models import tiny_llm, write_tiny_checkpoint
 
@@ -143,9 +144,8 @@ def test_the_content_format_auto_follows_what_the_template_loops_over():
     looping = "{% for m in messages %}{% for part in m['content'] %}{{ part.text }}{% endfor %}{% endfor %}"
     plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert template_loops_over_content(looping) and not template_loops_over_content(plain)
-    assert FrontendOptions().resolved_content_format(looping) == "openai"
-    assert FrontendOptions().resolved_content_format(plain) == "string"
-    assert FrontendOptions(chat_template_content_format="string").resolved_content_format(looping) == "string"
+    assert resolve_content_format("auto", looping) == "openai" and resolve_content_format("auto", plain) == "string"
+    assert resolve_content_format("string", looping) == "string" and resolve_content_format("openai", plain) == "openai"
 
 
 # ---- a server with the flags on ----

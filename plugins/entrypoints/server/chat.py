@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
-from pagoda.plugins.entrypoints.server.frontend import content_as_parts
+from pagoda.plugins.entrypoints.server.frontend import content_as_parts, resolve_content_format
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningRequest, StreamedReasoning
 from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
@@ -73,19 +73,20 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
                 tools: Optional[list[dict]] = None, max_chars: Optional[int] = None, *,
                 continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
                 documents: Optional[list[dict]] = None, add_special_tokens: bool = False,
-                chat_template: Optional[str] = None, content_format: str = "string") -> tuple[str, list[int]]:
+                chat_template: Optional[str] = None, content_format: str = "auto") -> tuple[str, list[int]]:
     """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400.
     ``tools`` (OpenAI's function tools) reach the template as ``tools``, ``template_kwargs`` as variables of
     their names. ``continue_final_message`` leaves the last message open for the answer to continue it. A
     rendered text of more than ``max_chars`` characters (what no context can hold) is refused before it is
     encoded; ``add_special_tokens`` adds the tokenizer's special tokens (BOS) to the template's. ``chat_template``:
     the template to render with instead of the tokenizer's (the server's tool-aware one). ``content_format``
-    ``openai``: each message's text reaches the template as OpenAI's list of parts (``--chat-template-content-format``)."""
+    (``--chat-template-content-format``): ``string``, ``openai`` (each message's text reaches the template as
+    OpenAI's list of parts) or ``auto`` (``openai`` for a template that loops over a message's content)."""
     if not tokenizer.chat_template and chat_template is None:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
     try:
-        if content_format == "openai":
+        if resolve_content_format(content_format, chat_template or tokenizer.chat_template) == "openai":
             messages = content_as_parts(messages)
         text = tokenizer.apply_chat_template(messages, tools=tools, documents=documents, tokenize=False,
                                              chat_template=chat_template,
@@ -134,7 +135,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
                                 ctx.max_prompt_chars, continue_final_message=continues,
                                 template_kwargs=template_kwargs, documents=body.documents,
                                 add_special_tokens=body.add_special_tokens, chat_template=template,
-                                content_format=ctx.content_format)))
+                                content_format=ctx.frontend.chat_template_content_format)))
     mark(request, "tokenized")
     kept = truncated_prompt(body, token_ids, ctx.max_model_len)
     if len(kept) < len(token_ids):

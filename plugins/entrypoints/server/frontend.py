@@ -8,6 +8,7 @@ and the pooling server alike.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -69,14 +70,17 @@ class FrontendOptions:
             """Requests in flight on the routes that run the model (0 without --enable-server-load-tracking)."""
             return {"server_load": app.state.server_load.num_requests}
 
-    def resolved_content_format(self, chat_template: Optional[str]) -> str:
-        """``string`` or ``openai``: ``auto`` is ``openai`` when the chat template loops over a message's
-        content (it takes OpenAI's list of parts), else ``string``."""
-        if self.chat_template_content_format != "auto":
-            return self.chat_template_content_format
-        return "openai" if chat_template and template_loops_over_content(chat_template) else "string"
 
 
+def resolve_content_format(content_format: str, chat_template: Optional[str]) -> str:
+    """``string`` or ``openai`` for a chat rendered with ``chat_template``: ``auto`` is ``openai`` when the
+    template loops over a message's content (it takes OpenAI's list of parts), else ``string``."""
+    if content_format != "auto":
+        return content_format
+    return "openai" if chat_template and template_loops_over_content(chat_template) else "string"
+
+
+@functools.lru_cache(maxsize=16)  # a server renders with one template or two (its tool-aware one)
 def template_loops_over_content(source: str) -> bool:
     """Whether a Jinja chat template has a ``for`` loop over some ``<x>['content']`` or ``<x>.content``."""
     import jinja2

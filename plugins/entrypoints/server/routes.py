@@ -50,7 +50,6 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
     ctx.strict_request_fields = getattr(app.state, "strict_request_fields", False)
     ctx.frontend = getattr(app.state, "frontend", ctx.frontend)
-    ctx.content_format = ctx.frontend.resolved_content_format(engine.engine.tokenizer.chat_template)
     if ctx.frontend.enable_log_requests:
         ctx.request_log = RequestLog(ctx.frontend.enable_log_outputs, ctx.frontend.max_log_len)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
@@ -118,7 +117,7 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             check_chat_chars(ctx, messages)
             _, ids = await ctx.run_tokenizer(
                 lambda tok: render_chat(tok, messages, body.add_generation_prompt, max_chars=ctx.max_prompt_chars,
-                                        content_format=ctx.content_format))
+                                        content_format=ctx.frontend.chat_template_content_format))
         else:
             ctx.check_text_length(body.prompt, "prompt")
             ctx.check_request_chars([len(body.prompt)], "prompt", "prompt")

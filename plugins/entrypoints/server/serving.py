@@ -101,8 +101,6 @@ class ServingContext:
     strict_request_fields: bool = False
     # vLLM's front-end flags: the response role, usage in every stream, token ids in logprobs, ...
     frontend: FrontendOptions = field(default_factory=FrontendOptions)
-    # "string" or "openai": how message content reaches the chat template (the frontend's format, resolved)
-    content_format: str = "string"
     # what is logged of each request (None: nothing; --enable-log-requests)
     request_log: Optional[RequestLog] = None
 
