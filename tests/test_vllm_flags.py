@@ -1,9 +1,9 @@
 """vLLM's ``serve`` flags on ``pagoda serve``: a real-world ``vllm serve`` command line parses; the flags pagoda
 serves work on a real uvicorn server on 127.0.0.1 (CORS, root path, docs off, X-Request-Id, /load, the response
 role, the content format, token ids in logprobs, usage in every stream, request and output logging, the logprobs
-limit, HTTPS); the flags that mean nothing here are accepted with a log line saying why; the ones pagoda cannot
-honour are refused with a message saying why; ``--config`` reads a YAML file of flags that the command line
-overrides."""
+limit); a deployment's YAML ``--config`` file with HTTPS runs as ``pagoda serve`` in its own process, its flags
+under the command line's; the flags that mean nothing here are accepted with a warning saying why; the ones
+pagoda cannot honour are refused with a message saying why."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import shutil
 import ssl
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
@@ -21,10 +22,10 @@ from pagoda.cli import build_parser, expand_config_file
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.entrypoints.cli import vllm_flags
-from pagoda.plugins.entrypoints.server import ServerThread, build_app
+from pagoda.plugins.entrypoints.server import ServerThread, build_app, free_port
 from pagoda.plugins.entrypoints.server.frontend import (FrontendOptions, resolve_content_format,
                                                        template_loops_over_content)
-from serve_process import run_pagoda_here
+from serve_process import ENV, PAGODA, run_pagoda_here
 from tiny_models import tiny_llm, write_tiny_checkpoint
 
 ORIGIN = "https://chat.example.com"
@@ -274,27 +275,50 @@ def _self_signed(tmp_path):
     return key_path, cert_path
 
 
-def test_tls_serves_https_with_the_given_certificate(checkpoint, tmp_path):
+@pytest.mark.slow
+def test_pagoda_serve_runs_a_vllm_deployment_config_over_https(checkpoint, tmp_path):
+    """The whole path as a deployment runs it: `pagoda serve MODEL --config FILE` in its own process, the file's
+    flags under the command line's."""
     key, cert = _self_signed(tmp_path)
-    ns = parse("serve", str(checkpoint), "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
-    vllm_flags.check(ns)
-    llm = tiny_llm(checkpoint)
-    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine)), **vllm_flags.uvicorn_options(ns)).start()
+    port, log = free_port(), tmp_path / "serve.log"
+    config = tmp_path / "deploy.yaml"
+    config.write_text(f"port: {port}\nload-format: dummy\nkv-cache-memory-bytes: 4194304\nmax-logprobs: 5\n"
+                      f"ssl-keyfile: {key}\nssl-certfile: {cert}\ntrust-remote-code: true\n"
+                      "gpu-memory-utilization: 0.9\nallowed-origins: ['*']\nenable-request-id-headers: true\n"
+                      "disable-uvicorn-access-log: true\n")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PAGODA, "serve", str(checkpoint), "--config", str(config), "--max-logprobs", "2"],
+                                stdout=out, stderr=subprocess.STDOUT, env=ENV)
+    url = f"https://127.0.0.1:{port}"
     try:
-        assert srv.url.startswith("https://")
-        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as https:
-            assert https.get(srv.url + "/health").json() == {"status": "ok"}
-            answer = https.post(srv.url + "/v1/completions", json={"model": _served(https, srv), "prompt": "Hi",
-                                                                  "max_tokens": 2}, timeout=60)
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=60) as https:
+            deadline = time.monotonic() + 120
+            while not _answers(https, url + "/health"):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.3)
+            model = https.get(url + "/v1/models").json()["data"][0]["id"]
+            answer = https.post(url + "/v1/completions", headers={"Origin": "https://app.example"},
+                                json={"model": model, "prompt": "Hi", "max_tokens": 2, "logprobs": 2})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+            assert answer.headers["access-control-allow-origin"] == "*" and len(answer.headers["x-request-id"]) == 32
+            refused = https.post(url + "/v1/completions", json={"model": model, "prompt": "Hi", "logprobs": 3})
+            assert refused.status_code == 400 and "limit of 2 (--max-logprobs)" in refused.text
         with pytest.raises(httpx.HTTPError):  # plain HTTP is not answered
-            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
-        srv.stop()
+        proc.terminate()
+        proc.wait(30)
+    logged = log.read_text()
+    assert "--trust-remote-code has no effect" in logged and "--gpu-memory-utilization 0.9 has no effect" in logged
+    assert f"on https://127.0.0.1:{port}" in logged
+    assert "POST /v1/completions" not in logged  # no access log
 
 
-def _served(https: httpx.Client, srv) -> str:
-    return https.get(srv.url + "/v1/models").json()["data"][0]["id"]
+def _answers(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_config_file_flag_is_listed_in_serve_help(capsys):
