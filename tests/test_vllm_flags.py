@@ -208,10 +208,13 @@ def test_response_role_and_the_detected_content_format_reach_the_answer_and_the_
     assert cont.choices[0].message.role == "assistant"
 
 
-def test_every_stream_ends_with_usage_and_logprobs_name_token_ids(client, server):
+def test_every_stream_carries_usage_and_logprobs_name_token_ids(client, server):
     chunks = list(client.chat.completions.create(model=_model(server), messages=CHAT, max_tokens=3, stream=True,
                                                  logprobs=True, top_logprobs=2))
     assert chunks[-1].usage.completion_tokens == 3 and chunks[-1].choices == []
+    # as on vLLM, every chunk carries the usage so far too
+    so_far = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert so_far == sorted(so_far) and so_far[-1] == 3 and all(c.usage.prompt_tokens for c in chunks)
     tokens = [t.token for c in chunks[:-1] for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
     assert tokens and all(t.startswith("token_id:") for t in tokens)
     plain = client.completions.create(model=_model(server), prompt="Hello", max_tokens=2, logprobs=1,

@@ -64,7 +64,8 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
     front.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens 'token_id:<id>' unless a request says otherwise")
     front.add_argument("--enable-force-include-usage", action="store_true",
-                       help="every stream ends with its usage chunk, as if stream_options.include_usage were set")
+                       help="every stream carries its usage, in each chunk and a chunk of its own at the end, as if "
+                            "stream_options asked for include_usage and continuous_usage_stats")
     front.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="accepted: pagoda's usage always has prompt_tokens_details (cached_tokens)")
     front.add_argument("--enable-log-requests", action="store_true", default=None,

@@ -15,9 +15,9 @@ from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.frontend import content_as_parts, resolve_content_format
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningRequest, StreamedReasoning
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
-                                                       output_error, prompt_logprobs_json, response_id, token_text,
-                                                       truncated_prompt, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, finish_reason, make_sampling_params,
+                                                       now_s, output_error, prompt_logprobs_json, response_id,
+                                                       token_text, truncated_prompt, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
@@ -169,7 +169,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     except InvalidRequestError as exc:
         raise tooling.explain_refusal(exc) from None
     if body.stream:
-        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, ctx.include_usage(body), tooling, reasoning,
+        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, ctx.stream_usage(body), tooling, reasoning,
                                              ctx.model_name(lora), extras), media_type="text/event-stream")
         tooling.warn(response, ctx.logged_ignored_fields)
         return response
@@ -228,7 +228,7 @@ class _Extras:
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-            include_usage: bool, tooling: ToolRequest, reasoning: ReasoningRequest, model: str,
+            stream_usage: StreamUsage, tooling: ToolRequest, reasoning: ReasoningRequest, model: str,
             extras: _Extras) -> AsyncIterator[str]:
     """The SSE body: each choice's new thinking (``reasoning_content``), content and tool call pieces as a delta,
     the role with its first one."""
@@ -265,7 +265,7 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Opti
             result.append(choice)
         return result
 
-    return stream_sse(gen, head, choices, include_usage, lambda out: extras.prompt_fields(out.prompt_token_ids))
+    return stream_sse(gen, head, choices, stream_usage, lambda out: extras.prompt_fields(out.prompt_token_ids))
 
 
 def _logprobs(c: CompletionOutput, start: int, num_top: int, as_token_ids: bool = False) -> dict:

@@ -36,7 +36,7 @@ class FrontendOptions:
     response_role: str = "assistant"  # the role of a chat answer to a request with add_generation_prompt
     chat_template_content_format: str = "auto"  # message content as a string or OpenAI's list of parts
     return_tokens_as_token_ids: bool = False  # the default of the request field of that name
-    enable_force_include_usage: bool = False  # every stream ends with its usage chunk
+    enable_force_include_usage: bool = False  # every stream carries its usage: in each chunk and at the end
     enable_log_requests: bool = False  # log each request's prompt and sampling parameters
     enable_log_outputs: bool = False  # and its outputs when it finishes
     max_log_len: Optional[int] = None  # characters of a prompt or output, token ids, that a log line shows

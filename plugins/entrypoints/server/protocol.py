@@ -44,6 +44,7 @@ TokenIdText = Annotated[str, Field(max_length=24)]  # a token id written as a st
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
     include_obfuscation: Optional[bool] = None  # pagoda never pads chunks: true is ignored
 
 

@@ -62,6 +62,15 @@ TENANT_HEADER = "x-pagoda-tenant"
 TENANT_SOURCES = ("api-key", "header", "user")
 MAX_TENANT_CHARS = 64
 
+@dataclass(frozen=True)
+class StreamUsage:
+    """Where a stream carries its usage: ``final``, a chunk of its own before ``[DONE]``; ``continuous``, the
+    usage so far in every chunk as well."""
+
+    final: bool = False
+    continuous: bool = False
+
+
 @dataclass
 class ServingContext:
     """The engine plus the facts every handler checks requests against.
@@ -104,11 +113,15 @@ class ServingContext:
     # what is logged of each request (None: nothing; --enable-log-requests)
     request_log: Optional[RequestLog] = None
 
-    def include_usage(self, body: Any) -> bool:
-        """Whether a stream ends with its usage chunk: asked for in ``stream_options``, or always
-        (``--enable-force-include-usage``)."""
-        return self.frontend.enable_force_include_usage or bool(body.stream_options and
-                                                                 body.stream_options.include_usage)
+    def stream_usage(self, body: Any) -> "StreamUsage":
+        """Where a stream carries its usage: as ``stream_options`` asks (``include_usage``, vLLM's
+        ``continuous_usage_stats``), or everywhere with ``--enable-force-include-usage``, as on vLLM."""
+        if self.frontend.enable_force_include_usage:
+            return StreamUsage(True, True)
+        options = body.stream_options
+        if options is None or not options.include_usage:
+            return StreamUsage()
+        return StreamUsage(True, options.continuous_usage_stats)
 
     def tokens_as_token_ids(self, body: Any) -> bool:
         """Whether logprobs name tokens ``token_id:<id>``: the request's field, else the server's default."""

@@ -15,7 +15,7 @@ from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
 from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
 from pagoda.plugins.entrypoints.server.request_logging import OutputLog, RequestLog
-from pagoda.plugins.entrypoints.server.serving import SSE_DONE, output_error, sse, sse_error, usage
+from pagoda.plugins.entrypoints.server.serving import SSE_DONE, StreamUsage, output_error, sse, sse_error, usage
 from pagoda.sampling_params import SamplingParams
 
 # ``(prompt index, delta output)`` -> the chunk's choices (none: nothing worth a chunk)
@@ -108,7 +108,7 @@ class Generation:
             await gen.aclose()
 
 
-async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, include_usage: bool,
+async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, stream_usage: StreamUsage,
                      first_fields: Optional[Callable[[RequestOutput], dict]] = None) -> AsyncIterator[str]:
     """The SSE body of a streamed completion or chat: a chunk per output with choices, the usage chunk if
     asked for, ``[DONE]``. An error after the status line was sent is the last event. ``first_fields(output)``:
@@ -132,13 +132,15 @@ async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, inc
                     if first_fields is not None:
                         chunk.update(first_fields(out))
                         first_fields = None
-                    if include_usage:
+                    if stream_usage.continuous:
+                        chunk["usage"] = usage(sum(num_prompt.values()), num_completion, sum(num_cached.values()))
+                    elif stream_usage.final:
                         chunk["usage"] = None
                     frames.append(sse(chunk))
             gen.serving_stats.encode_seconds += time.perf_counter() - t0
             if frames:
                 yield "".join(frames)
-        if include_usage:
+        if stream_usage.final:
             yield sse(dict(head, choices=[], usage=usage(sum(num_prompt.values()), num_completion,
                                                         sum(num_cached.values()))))
     except Exception as exc:  # the status line is gone: report the error as the last event
