@@ -26,6 +26,20 @@ TOKENIZER_MODES = ("auto", "hf")
 LOCAL_REVISIONS = (None, "main")
 
 
+# vLLM's on/off front-end flags, off by default
+_SWITCHES = (
+    ("--disable-fastapi-docs", "serve no /openapi.json, /docs or /redoc"),
+    ("--disable-uvicorn-access-log", "no uvicorn access log lines"),
+    ("--enable-request-id-headers", "every response carries X-Request-Id: the request's own, or a new id"),
+    ("--enable-server-load-tracking", "GET /load answers {\"server_load\": N}, the completions, chat, responses, "
+                                      "embeddings, score and rerank requests in flight (0 without this flag)"),
+    ("--return-tokens-as-token-ids", "logprobs name tokens 'token_id:<id>' unless a request says otherwise"),
+    ("--enable-force-include-usage", "every stream carries its usage, in each chunk and a chunk of its own at the "
+                                     "end, as if stream_options asked for include_usage and continuous_usage_stats"),
+    ("--enable-prompt-tokens-details", "accepted: pagoda's usage always has prompt_tokens_details (cached_tokens)"),
+)
+
+
 def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add vLLM's front-end and model-source flags to ``pagoda serve``."""
     front = parser.add_argument_group("vLLM's front-end flags", "served as vLLM serves them")
@@ -46,14 +60,8 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="the CA certificates client certificates are checked against")
     front.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2],
                        help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
-    front.add_argument("--disable-fastapi-docs", action="store_true",
-                       help="serve no /openapi.json, /docs or /redoc")
-    front.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
-    front.add_argument("--enable-request-id-headers", action="store_true",
-                       help="every response carries X-Request-Id: the request's own, or a new id")
-    front.add_argument("--enable-server-load-tracking", action="store_true",
-                       help="GET /load answers {\"server_load\": N}, the completions, chat, responses, embeddings, "
-                            "score and rerank requests in flight (0 without this flag)")
+    for flag, help_text in _SWITCHES:
+        front.add_argument(flag, action="store_true", help=help_text)
     front.add_argument("--response-role", default="assistant",
                        help="the role of a chat answer to a request with add_generation_prompt (default "
                             "%(default)s); without it, the last message's role")
@@ -61,13 +69,6 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="how message content reaches the chat template: string, or openai (a list of "
                             "{\"type\": \"text\", \"text\": ...} parts); auto: openai when the template loops over a "
                             "message's content, else string")
-    front.add_argument("--return-tokens-as-token-ids", action="store_true",
-                       help="logprobs name tokens 'token_id:<id>' unless a request says otherwise")
-    front.add_argument("--enable-force-include-usage", action="store_true",
-                       help="every stream carries its usage, in each chunk and a chunk of its own at the end, as if "
-                            "stream_options asked for include_usage and continuous_usage_stats")
-    front.add_argument("--enable-prompt-tokens-details", action="store_true",
-                       help="accepted: pagoda's usage always has prompt_tokens_details (cached_tokens)")
     front.add_argument("--enable-log-requests", action="store_true", default=None,
                        help="log each request's prompt, prompt token ids and sampling parameters")
     front.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=None,
