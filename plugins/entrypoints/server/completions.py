@@ -88,8 +88,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
             for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:
-        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, ctx.stream_usage(body), ctx.model_name(lora),
-                                         bool(body.return_token_ids), as_ids), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, ctx.stream_usage(body),
+                                         ctx.model_name(lora), bool(body.return_token_ids), as_ids),
+                                 media_type="text/event-stream")
     outputs = await unless_disconnected(request, gen.final())
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for i, out in enumerate(outputs):
