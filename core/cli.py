@@ -64,6 +64,84 @@ def engine_args_from(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
     return EngineArgs.build(**values)
 
 
+class ConfigFileAction(argparse.Action):
+    """``--config FILE``: a YAML file of the command's flags, read before the command line is parsed
+    (:func:`expand_config_file`); its flags come before the command line's, so the command line wins."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+
+
+def add_config_file_arg(parser: argparse.ArgumentParser) -> None:
+    """Give a command vLLM's ``--config FILE``."""
+    parser.add_argument("--config", action=ConfigFileAction, default=None, metavar="FILE",
+                        help="a YAML file of this command's flags, one 'flag-name: value' a line (true for a switch, "
+                             "a list for several values); flags on the command line win over it")
+
+
+def expand_config_file(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """``args`` with the command's ``--config FILE`` replaced by the file's flags, placed after the command and
+    its positional arguments and before its other flags (so those win, argparse keeping a flag's last value).
+    A ``model`` key is left out when the command line names the model positionally, as vLLM does."""
+    if not args or "--config" not in args:
+        return args
+    command = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    sub = command.choices.get(args[0]) if command is not None else None
+    if sub is None or not any(isinstance(a, ConfigFileAction) for a in sub._actions):
+        return args
+    if args.count("--config") > 1:
+        raise PagodaError("--config is given twice; give one YAML file")
+    at = args.index("--config")
+    if at + 1 == len(args):
+        raise PagodaError("--config needs the path of a YAML file")
+    path = args[at + 1]
+    num_positional = next((i for i, a in enumerate(args[1:at]) if a.startswith("-")), at - 1)
+    flags = _config_file_flags(sub, path, skip={"model"} if num_positional else set())
+    head = args[:1 + num_positional]
+    return head + flags + args[len(head):at] + args[at + 2:]
+
+
+def _config_file_flags(parser: argparse.ArgumentParser, path: str, skip: set[str]) -> list[str]:
+    """The flags a YAML config file sets, as command-line words."""
+    import yaml  # installed with transformers
+
+    if not path.endswith((".yaml", ".yml")):
+        raise PagodaError(f"--config {path}: give a YAML file (.yaml or .yml)")
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except OSError as exc:
+        raise PagodaError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise PagodaError(f"--config {path} is not valid YAML: {exc}") from None
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        raise PagodaError(f"--config {path}: expected a mapping of flag names to values, got "
+                          f"{type(config).__name__}")
+    flags: list[str] = []
+    for key, value in config.items():
+        name = str(key).replace("_", "-")
+        if name.replace("-", "_") in skip:
+            continue
+        flag = "--" + name
+        action = parser._option_string_actions.get(flag)
+        if action is None:
+            raise PagodaError(f"--config {path}: {key!r} is not a flag of this command (`--help` lists them)")
+        if isinstance(value, bool):
+            if value:
+                flags.append(flag)
+            elif "--no-" + name in parser._option_string_actions:
+                flags.append("--no-" + name)
+        elif isinstance(value, list) and action.nargs not in (None, "?"):
+            flags += [flag, *map(str, value)] if value else []
+        elif isinstance(value, (dict, list)):  # a JSON flag (--speculative-config, --allowed-origins, ...)
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pagoda`` parser with every plugin's sub-command. No plugin problem stops it: a command that pagoda
     and a plugin both provide stays pagoda's, the plugin's is added under its qualified name
@@ -157,6 +235,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args[:1] != ["plugins"]:  # which prints them in its own listing
         for conflict in pm.conflict_list():
             print(f"pagoda: note: {conflict.reason}", file=sys.stderr)
+    try:
+        args = expand_config_file(parser, args)
+    except PagodaError as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
     ns = parser.parse_args(args)
     if not getattr(ns, "func", None):
         parser.print_help()

@@ -14,6 +14,7 @@ import torch
 from pagoda.host.dtypes import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPE_CHOICES, cpu_has_bf16, cpu_runs_bf16_fast,
                                 is_fp8_kv_cache, resolve_dtype, resolve_kv_cache_dtype)
 from pagoda.host.env import HostConfig, resolve_host_config
+from pagoda.sampling_params import MAX_LOGPROBS
 
 __all__ = [
     "GiB", "ModelConfig", "CacheConfig", "SchedulerConfig", "ParallelConfig", "SpeculativeConfig", "LoRAConfig",
@@ -55,6 +56,8 @@ class ModelConfig:
     # what a request that does not set them samples with (``SamplingParams`` fields: temperature, top_p, top_k,
     # min_p, repetition_penalty, max_tokens), from the model's generation_config.json (``--generation-config``)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # the most logprobs a request may ask for per token (``--max-logprobs``; the vocabulary for -1)
+    max_logprobs: int = MAX_LOGPROBS
 
 
 @dataclass(frozen=True)

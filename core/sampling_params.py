@@ -13,7 +13,7 @@ _GREEDY_EPS = 1e-5
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed")
 _OPTIONAL_FIELDS = {"max_tokens", "logprobs", "prompt_logprobs", "seed"}
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default of --max-logprobs (OpenAI's limit, and vLLM's default)
 MAX_TOP_K = 2 ** 31 - 1  # ranks are compared in 32-bit tensors; a top_k at or above the vocabulary keeps all
 
 
@@ -153,10 +153,11 @@ class SamplingParams:
             bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            bad("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        # the upper bound is the engine's --max-logprobs (RequestLimits.check)
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -18,6 +18,7 @@ from pagoda.config import (GiB, CacheConfig, EngineConfig, KVConnectorConfig, Lo
 from pagoda.engine.generation_config import sampling_defaults
 from pagoda.errors import ConfigError
 from pagoda.host.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.sampling_params import MAX_LOGPROBS
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
 
 # the older flags of the fair policy -> its option each sets (the same as --scheduler-options '{"option": ...}')
@@ -203,6 +204,13 @@ class EngineArgs(HostOptions):
         "keep no request counters or latency histograms (/metrics then shows only the live gauges: running, "
         "waiting, KV cache use, prefix cache, preemptions); the offline LLM keeps none unless given "
         "disable_log_stats=False"))
+    max_logprobs: int = Field(default=MAX_LOGPROBS, ge=-1, description=(
+        "the most logprobs a request may ask for per token (completions' logprobs, chat's top_logprobs, "
+        "prompt_logprobs); more is refused with a 400 naming this limit; -1: up to the whole vocabulary"))
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field(
+        default="raw_logprobs", description=(
+            "what logprobs hold: raw_logprobs, the log-softmax of the model's logits before any sampling setting "
+            "applies (pagoda's only mode: the others are refused at start-up)"))
 
     @field_validator("block_size")
     @classmethod
@@ -390,6 +398,12 @@ class EngineArgs(HostOptions):
     def create_engine_config(self) -> EngineConfig:
         from pagoda.modeling.default_model import resolve_model_path
 
+        if self.logprobs_mode != "raw_logprobs":
+            raise ConfigError(
+                f"--logprobs-mode {self.logprobs_mode}: pagoda's logprobs are raw_logprobs only (the log-softmax "
+                "of the model's logits before temperature, penalties or top-k/top-p apply); drop the flag or "
+                "pass raw_logprobs")
+
         # first: a malformed variable fails before the model is read
         host = self.host_config()
         cpu_threads = host.cpu_threads
@@ -442,6 +456,7 @@ class EngineArgs(HostOptions):
             quant_config=quant_config,
             chat_template=chat_template,
             vocab_size=int(text_config["vocab_size"]),
+            max_logprobs=int(text_config["vocab_size"]) if self.max_logprobs == -1 else self.max_logprobs,
             hidden_size=hidden_size,
             num_layers=int(text_config["num_hidden_layers"]),
             num_heads=num_heads,

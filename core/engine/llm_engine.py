@@ -84,7 +84,7 @@ class LLMEngine:
         self.requests = RequestTracker(self.tokenizer)
         # what add_request checks every request against
         self.request_limits = RequestLimits(config.model.max_model_len, config.model.vocab_size, self.num_blocks,
-                                            self.kv_manager.blocks_needed)
+                                            self.kv_manager.blocks_needed, config.model.max_logprobs)
         # structured outputs: each request's compiled constraint (compiled off the loop, cached) and the
         # bitmask of each step's grammar rows
         self.structured_outputs = StructuredOutputs(config, self.pm, self.tokenizer,

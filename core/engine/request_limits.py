@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from pagoda.errors import InvalidRequestError
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 # A request without max_tokens may generate this many tokens at most (or what the context leaves, if less):
@@ -30,11 +30,18 @@ class RequestLimits:
     vocab_size: int
     num_blocks: int  # KV blocks in the whole cache
     blocks_needed: Callable[[int], int]  # the KV allocator's: blocks that hold that many tokens
+    max_logprobs: int = MAX_LOGPROBS  # per token, for logprobs and prompt_logprobs (--max-logprobs)
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise :class:`InvalidRequestError` if the request can never run: an empty prompt, one that leaves no
         room in the context for a generated token, a token id outside the vocabulary (in the prompt, the stop
-        ids or the logit bias), a prompt (plus its first generated token) larger than the whole KV cache."""
+        ids or the logit bias), more logprobs per token than ``max_logprobs``, a prompt (plus its first generated
+        token) larger than the whole KV cache."""
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and asked > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} asks for {asked} logprobs per token, more than this server's limit of "
+                    f"{self.max_logprobs} (--max-logprobs); ask for at most {self.max_logprobs}", param=name)
         num_prompt_tokens = len(prompt_token_ids)
         if not num_prompt_tokens:
             raise InvalidRequestError("the prompt is empty; send at least one token", param="prompt")

@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 
-from pagoda.cli import add_engine_args, engine_args_from
+from pagoda.cli import add_config_file_arg, add_engine_args, engine_args_from
+from pagoda.plugins.entrypoints.cli import vllm_flags
 from pagoda.plugins.entrypoints.replicas.command import add_replica_args, run_replicas
 
 logger = logging.getLogger("pagoda")
@@ -108,6 +109,8 @@ def register(sub) -> None:
                         "files (modules.json), generate otherwise")
     p.add_argument("--runner", default=None, choices=["generate", "pooling"],
                    help="vLLM's name for the same choice: pooling is --task embed (or score for a cross-encoder)")
+    add_config_file_arg(p)
+    vllm_flags.add_vllm_serve_args(p)
     add_engine_args(p)
     add_replica_args(p)
     p.set_defaults(func=run_serve)
@@ -146,6 +149,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         ns.model = ns.model_tag
 
     apply_server_defaults(ns, os.environ)
+    vllm_flags.check(ns)
     if ns.replicas != 1 or ns.max_replicas is not None or ns.replica_roles is not None:
         if ns.step_log:
             raise ConfigError("--step-log records one engine's steps; it is not available with --replicas or "
@@ -165,6 +169,11 @@ def run_serve(ns: argparse.Namespace) -> int:
         if ns.enable_auto_tool_choice or ns.tool_call_parser:
             raise ConfigError("--enable-auto-tool-choice and --tool-call-parser are not available with --replicas or "
                               "--max-replicas yet; serve one replica to read tool calls")
+        given = vllm_flags.given_frontend_flags(ns)
+        if given:
+            raise ConfigError(f"{', '.join(given)}: not available with --replicas or --max-replicas yet; serve one "
+                              "replica to use them")
+        _log_notes(ns)
         return run_replicas(ns)
     args = engine_args_from(ns)
     task = serving_task(args.model, ns.task, ns.runner)
@@ -173,7 +182,7 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagoda.engine.async_engine import AsyncLLMEngine
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.plugins.entrypoints.server import (build_app, default_allowed_hosts, default_max_tokens_option,
-                                                   make_uvicorn_server, max_request_chars_option)
+                                                   max_request_chars_option)
     from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
     from pagoda.plugins.entrypoints.server.reasoning import ReasoningOptions
     from pagoda.plugins.entrypoints.server.tools import ToolCallingOptions
@@ -190,6 +199,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         raise ConfigError("--allow-runtime-lora-updating needs --enable-lora: add it, or drop the flag")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_notes(ns)
     if ns.request_log:
         from pagoda.plugins.entrypoints.simulate.request_log import RequestLogWriter
 
@@ -211,13 +221,31 @@ def run_serve(ns: argparse.Namespace) -> int:
                     allow_runtime_lora_updating=ns.allow_runtime_lora_updating, reasoning_parser=ns.reasoning_parser,
                     lora_admin=LoRAAdminOptions(
                         tuple(r.strip() for r in ns.lora_allowed_roots.split(",") if r.strip())
-                        if ns.lora_allowed_roots else None, ns.max_lora_adapters, ns.admin_api_key))
-    logger.info("serving %r on http://%s:%d (%d CPU threads, max_model_len %d)",
-                engine.config.model.served_model_name, ns.host, ns.port, engine.num_threads,
+                        if ns.lora_allowed_roots else None, ns.max_lora_adapters, ns.admin_api_key),
+                    frontend=vllm_flags.frontend_options(ns))
+    logger.info("serving %r on %s://%s:%d (%d CPU threads, max_model_len %d)",
+                engine.config.model.served_model_name, _scheme(ns), ns.host, ns.port, engine.num_threads,
                 engine.config.model.max_model_len)
-    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
-                        log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency).run()
+    _run_uvicorn(app, ns)
     return 0
+
+
+def _scheme(ns: argparse.Namespace) -> str:
+    return "https" if ns.ssl_certfile else "http"
+
+
+def _log_notes(ns: argparse.Namespace) -> None:
+    """A warning for each flag given that means nothing on pagoda (it was asked for, and is not done)."""
+    for line in vllm_flags.notes(ns):
+        logger.warning("%s", line)
+
+
+def _run_uvicorn(app, ns: argparse.Namespace) -> None:
+    from pagoda.plugins.entrypoints.server import make_uvicorn_server
+
+    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
+                        log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency,
+                        **vllm_flags.uvicorn_options(ns)).run()
 
 
 def serving_task(model: str, task: str, runner: str | None) -> str:
@@ -240,17 +268,20 @@ def serving_task(model: str, task: str, runner: str | None) -> str:
 def run_pooling_serve(ns: argparse.Namespace, args, task: str) -> int:
     """``pagoda serve`` of a pooling model: embeddings, scores and reranking."""
     from pagoda.engine.pooling import AsyncPoolingEngine, PoolingEngine
-    from pagoda.plugins.entrypoints.server import default_allowed_hosts, make_uvicorn_server
+    from pagoda.plugins.entrypoints.server import default_allowed_hosts
     from pagoda.plugins.entrypoints.server.pooling import build_pooling_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_notes(ns)
+    for line in vllm_flags.pooling_notes(ns):
+        logger.warning("%s", line)
     engine = PoolingEngine(args, task, ns.plugin_manager)
     app = build_pooling_app(AsyncPoolingEngine(engine), api_key=ns.api_key, max_request_bytes=ns.max_request_bytes,
                             shutdown_timeout=ns.shutdown_timeout, body_timeout=ns.request_body_timeout,
-                            allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts))
-    logger.info("serving %r for the %r task on http://%s:%d (%s pooling, normalized: %s, max_model_len %d)",
-                engine.served_model_name, task, ns.host, ns.port, engine.pooling.method, engine.pooling.normalize,
-                engine.max_model_len)
-    make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
-                        log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency).run()
+                            allowed_hosts=default_allowed_hosts(ns.host, ns.api_key, ns.allowed_hosts),
+                            frontend=vllm_flags.frontend_options(ns))
+    logger.info("serving %r for the %r task on %s://%s:%d (%s pooling, normalized: %s, max_model_len %d)",
+                engine.served_model_name, task, _scheme(ns), ns.host, ns.port, engine.pooling.method,
+                engine.pooling.normalize, engine.max_model_len)
+    _run_uvicorn(app, ns)
     return 0

@@ -27,6 +27,7 @@ from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.engine.request_limits import DEFAULT_MAX_TOKENS
 from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.server.errors import document_errors, error_body, install_error_handlers
+from pagoda.plugins.entrypoints.server.frontend import FrontendOptions
 from pagoda.plugins.entrypoints.server.lora import LoRAAdminOptions
 from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware, send_error
 from pagoda.plugins.entrypoints.server.response_store import (DEFAULT_MAX_RESPONSES, DEFAULT_TTL_SECONDS,
@@ -53,7 +54,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
               strict_request_fields: bool = False,
               max_request_chars: Optional[int] = None, allow_runtime_lora_updating: bool = False,
               lora_admin: Optional[LoRAAdminOptions] = None, reasoning_parser: Optional[str] = None,
-              timeline_log: Optional[str] = None) -> FastAPI:
+              timeline_log: Optional[str] = None, frontend: Optional[FrontendOptions] = None) -> FastAPI:
     """The server app. The engine thread starts with the app and stops with it. ``default_max_tokens``: the
     output budget of a request that gives none, cut to what the context leaves (None: all it leaves).
     ``max_request_chars``: the characters a request may have in all its prompts or messages, refused with a
@@ -73,7 +74,9 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     ``pagoda_reasoning_parsers`` component that sets chat answers' thinking apart (None: the model family's,
     see :mod:`~pagoda.plugins.entrypoints.server.reasoning`; ``"none"``: off). ``timeline_log``: append each
     completion's and chat completion's timeline to its first token to this file
-    (:mod:`~pagoda.plugins.entrypoints.server.timeline`)."""
+    (:mod:`~pagoda.plugins.entrypoints.server.timeline`). ``frontend``: what vLLM's front-end flags ask for (CORS,
+    root path, docs routes, request id headers, ``/load``, answer defaults; see
+    :class:`~pagoda.plugins.entrypoints.server.frontend.FrontendOptions`)."""
     tool_calling = ToolCallingOptions.for_engine(engine.engine, enable_auto_tool_choice, tool_call_parser)
     logger.info("%s", tool_calling.describe())
     reasoning = ReasoningOptions.for_engine(engine.engine, reasoning_parser)
@@ -87,9 +90,11 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
         # uvicorn has already waited (up to its graceful timeout) for open requests; fail what is left
         await engine.shutdown(timeout=shutdown_timeout)
 
+    frontend = frontend or FrontendOptions()
     app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API of the pagoda inference engine")
+                  description="OpenAI-compatible API of the pagoda inference engine", **frontend.fastapi_kwargs())
     app.state.engine = engine
+    app.state.frontend = frontend  # read by the routes when they are added
     app.state.default_max_tokens = default_max_tokens  # read by the routes when they are added
     app.state.max_request_chars = max_request_chars  # likewise
     app.state.response_store = ResponseStore(max_stored_responses, stored_response_ttl)
@@ -105,6 +110,7 @@ def build_app(engine: AsyncLLMEngine, api_key: Optional[str] = None,
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes,
                        body_timeout=body_timeout, allowed_hosts=allowed_hosts,
                        admin_api_key=app.state.lora_admin.admin_api_key)
+    frontend.install(app)
     if timeline_log is not None:  # outermost: a request is stamped as uvicorn hands it over
         app.add_middleware(TimelineMiddleware, path=timeline_log)
     return app
@@ -279,19 +285,22 @@ def make_uvicorn_server(app: FastAPI, host: str, port: int, shutdown_timeout: fl
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on ``host:port`` in a daemon thread; ``stop()`` shuts it down gracefully."""
+    """uvicorn serving ``app`` on ``host:port`` in a daemon thread; ``stop()`` shuts it down gracefully.
+    ``uvicorn_options``: more of uvicorn's settings (``ssl_certfile``, ``access_log``, ...)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: Optional[int] = None,
                  graceful_timeout: float = 5.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-                 limit_concurrency: Optional[int] = None) -> None:
+                 limit_concurrency: Optional[int] = None, **uvicorn_options: Any) -> None:
         self.host, self.port = host, port or free_port(host)
+        self.scheme = "https" if uvicorn_options.get("ssl_certfile") else "http"
         self.server = make_uvicorn_server(app, self.host, self.port, graceful_timeout, header_timeout,
-                                          log_level="warning", limit_concurrency=limit_concurrency)
+                                          log_level="warning", limit_concurrency=limit_concurrency,
+                                          **uvicorn_options)
         self.thread = threading.Thread(target=self.server.run, name="pagoda-uvicorn", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "ServerThread":
         self.thread.start()

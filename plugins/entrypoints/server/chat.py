@@ -12,11 +12,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
+from pagoda.plugins.entrypoints.server.frontend import content_as_parts, resolve_content_format
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningRequest, StreamedReasoning
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
-                                                       output_error, prompt_logprobs_json, response_id, token_text,
-                                                       truncated_prompt, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, finish_reason, make_sampling_params,
+                                                       now_s, output_error, prompt_logprobs_json, response_id,
+                                                       token_text, truncated_prompt, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
@@ -72,17 +73,21 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool,
                 tools: Optional[list[dict]] = None, max_chars: Optional[int] = None, *,
                 continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
                 documents: Optional[list[dict]] = None, add_special_tokens: bool = False,
-                chat_template: Optional[str] = None) -> tuple[str, list[int]]:
+                chat_template: Optional[str] = None, content_format: str = "auto") -> tuple[str, list[int]]:
     """Apply the chat template (on the tokenizer thread); a template failure is the request's fault: 400.
     ``tools`` (OpenAI's function tools) reach the template as ``tools``, ``template_kwargs`` as variables of
     their names. ``continue_final_message`` leaves the last message open for the answer to continue it. A
     rendered text of more than ``max_chars`` characters (what no context can hold) is refused before it is
     encoded; ``add_special_tokens`` adds the tokenizer's special tokens (BOS) to the template's. ``chat_template``:
-    the template to render with instead of the tokenizer's (the server's tool-aware one)."""
+    the template to render with instead of the tokenizer's (the server's tool-aware one). ``content_format``
+    (``--chat-template-content-format``): ``string``, ``openai`` (each message's text reaches the template as
+    OpenAI's list of parts) or ``auto`` (``openai`` for a template that loops over a message's content)."""
     if not tokenizer.chat_template and chat_template is None:
         raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template FILE "
                             "or use /v1/completions", param="messages")
     try:
+        if resolve_content_format(content_format, chat_template or tokenizer.chat_template) == "openai":
+            messages = content_as_parts(messages)
         text = tokenizer.apply_chat_template(messages, tools=tools, documents=documents, tokenize=False,
                                              chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt,
@@ -129,7 +134,8 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
         lambda tok: render_chat(tok, messages, body.add_generation_prompt and not continues, tooling.tools,
                                 ctx.max_prompt_chars, continue_final_message=continues,
                                 template_kwargs=template_kwargs, documents=body.documents,
-                                add_special_tokens=body.add_special_tokens, chat_template=template)))
+                                add_special_tokens=body.add_special_tokens, chat_template=template,
+                                content_format=ctx.frontend.chat_template_content_format)))
     mark(request, "tokenized")
     kept = truncated_prompt(body, token_ids, ctx.max_model_len)
     if len(kept) < len(token_ids):
@@ -150,18 +156,20 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     params = reasoning.adjust(tooling.constrain(make_sampling_params(body, max_tokens, num_top, body.prompt_logprobs,
                                                                      structured_outputs, ctx.sampling_defaults)))
     request_id = response_id("chatcmpl", body)
-    extras = _Extras(bool(body.return_token_ids), bool(body.return_tokens_as_token_ids),
-                     text if body.return_prompt_text else None, echoed)
+    # vLLM's role of the answer: the server's --response-role, or the last message's when no new turn is opened
+    role = ctx.frontend.response_role if body.add_generation_prompt else body.messages[-1].role
+    extras = _Extras(bool(body.return_token_ids), ctx.tokens_as_token_ids(body),
+                     text if body.return_prompt_text else None, echoed, role)
     try:
         gen = Generation(ctx.engine, request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                         body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body), lora_request=lora)
+                         body.priority, stream=body.stream, tenant=ctx.tenant_of(request, body), lora_request=lora,
+                         request_log=ctx.request_log)
         await unless_disconnected(request, gen.start())
         note_started(request, request_id, gen, body.stream)
     except InvalidRequestError as exc:
         raise tooling.explain_refusal(exc) from None
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, include_usage, tooling, reasoning,
+        response = StreamingResponse(_stream(ctx, gen, request_id, num_top, ctx.stream_usage(body), tooling, reasoning,
                                              ctx.model_name(lora), extras), media_type="text/event-stream")
         tooling.warn(response, ctx.logged_ignored_fields)
         return response
@@ -173,6 +181,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     for c in out.outputs:
         read = reasoning.read(c.text)
         message, reason = tooling.message(read.content, finish_reason(c))
+        message["role"] = extras.role
         if reasoning.is_on:  # vLLM's field: null when the answer has no thinking; content null when it is all thinking
             message["reasoning_content"] = read.reasoning or None
             if read.reasoning and not message["content"]:
@@ -206,6 +215,7 @@ class _Extras:
     as_token_ids: bool = False
     prompt_text: Optional[str] = None
     echoed: str = ""
+    role: str = "assistant"  # of the answer's message (its first delta when streamed)
 
     def prompt_fields(self, prompt_token_ids: list[int]) -> dict:
         """The response's (or the first chunk's) ``prompt_token_ids`` and ``prompt_text`` when asked for."""
@@ -218,7 +228,7 @@ class _Extras:
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Optional[int],
-            include_usage: bool, tooling: ToolRequest, reasoning: ReasoningRequest, model: str,
+            stream_usage: StreamUsage, tooling: ToolRequest, reasoning: ReasoningRequest, model: str,
             extras: _Extras) -> AsyncIterator[str]:
     """The SSE body: each choice's new thinking (``reasoning_content``), content and tool call pieces as a delta,
     the role with its first one."""
@@ -246,7 +256,7 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Opti
                 content = delta.pop("content", None if "tool_calls" in delta else "")
                 if extras.echoed:
                     content = extras.echoed + (content or "")
-                delta = {"role": "assistant", "content": content, **delta}
+                delta = {"role": extras.role, "content": content, **delta}
             choice = {"index": c.index, "delta": delta,
                       "logprobs": _logprobs(c, 0, num_top, extras.as_token_ids) if num_top is not None else None,
                       "finish_reason": stream.finish_reason(finish_reason(c))}
@@ -255,7 +265,7 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, num_top: Opti
             result.append(choice)
         return result
 
-    return stream_sse(gen, head, choices, include_usage, lambda out: extras.prompt_fields(out.prompt_token_ids))
+    return stream_sse(gen, head, choices, stream_usage, lambda out: extras.prompt_fields(out.prompt_token_ids))
 
 
 def _logprobs(c: CompletionOutput, start: int, num_top: int, as_token_ids: bool = False) -> dict:

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import CompletionRequest
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, finish_reason, make_sampling_params, now_s,
-                                                       output_error, prompt_logprobs_json, response_id, token_text,
-                                                       truncated_prompt, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, finish_reason, make_sampling_params,
+                                                       now_s, output_error, prompt_logprobs_json, response_id,
+                                                       token_text, truncated_prompt, unless_disconnected, usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 from pagoda.plugins.entrypoints.server.timeline import mark, note_started
@@ -80,17 +80,17 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs,
                                   ctx.sampling_defaults)
     request_id = response_id("cmpl", body)
-    as_ids = bool(body.return_tokens_as_token_ids)
+    as_ids = ctx.tokens_as_token_ids(body)
     gen = Generation(ctx.engine, request_id, engine_prompts, params, body.priority, stream=body.stream,
-                     tenant=ctx.tenant_of(request, body), lora_request=lora)
+                     tenant=ctx.tenant_of(request, body), lora_request=lora, request_log=ctx.request_log)
     await unless_disconnected(request, gen.start())
     note_started(request, request_id, gen, body.stream)
     echo = [_Echo(p["prompt"] or "", first_texts[i], body.logprobs if echoes_logprobs else None)
             for i, p in enumerate(engine_prompts)] if body.echo else None
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, include_usage, ctx.model_name(lora),
-                                         bool(body.return_token_ids), as_ids), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, gen, request_id, body.n, echo, ctx.stream_usage(body),
+                                         ctx.model_name(lora), bool(body.return_token_ids), as_ids),
+                                 media_type="text/event-stream")
     outputs = await unless_disconnected(request, gen.final())
     choices, num_prompt, num_completion, num_cached = [], 0, 0, 0
     for i, out in enumerate(outputs):
@@ -142,7 +142,7 @@ def _choice_logprobs(c: CompletionOutput, echo: Optional[_Echo], out: RequestOut
 
 
 def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo: Optional[list[_Echo]],
-            include_usage: bool, model: str, return_token_ids: bool = False,
+            stream_usage: StreamUsage, model: str, return_token_ids: bool = False,
             as_token_ids: bool = False) -> AsyncIterator[str]:
     """The SSE body: each choice's new text (after the echoed prompt and its logprobs, with its first one)."""
     head = {"id": request_id, "object": "text_completion", "created": now_s(), "model": model}
@@ -174,7 +174,7 @@ def _stream(ctx: ServingContext, gen: Generation, request_id: str, n: int, echo:
             sent_chars[idx] = start_chars + len(text)
         return result
 
-    return stream_sse(gen, head, choices, include_usage)
+    return stream_sse(gen, head, choices, stream_usage)
 
 
 def _prompt_logprobs(token_ids: list[int], entries: Optional[PromptLogprobs], first_token_text: str,

@@ -18,9 +18,16 @@ from pagoda.plugins.entrypoints.server.request_body import MAX_JSON_DEPTH, json_
 
 
 # what probes and scrapers reach without the API key
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/load"})
 # the operator routes, which need the admin API key when one is set (and then only it)
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def route_path(scope) -> str:
+    """The path a request names under the app's root path (``--root-path``): ``/llm/health`` is ``/health`` when
+    the root path is ``/llm``, as the router sees it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
 
 
 class GuardMiddleware:
@@ -44,13 +51,14 @@ class GuardMiddleware:
                 await send_error(send, 400, f"the Host header {host!r} is not a name this server answers to; "
                                              "add it to --allowed-hosts")
                 return
-        if self.admin_api_key is not None and scope["path"] in ADMIN_PATHS:
+        path = route_path(scope)
+        if self.admin_api_key is not None and path in ADMIN_PATHS:
             if not self._authorized(scope, self.admin_api_key):
                 await send_error(send, 401, "missing or wrong admin API key: this operator route needs the key of "
                                              "--admin-api-key as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
                 return
-        elif self.api_key is not None and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+        elif self.api_key is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
             if not self._authorized(scope, self.api_key):
                 await send_error(send, 401, "missing or wrong API key; send it as 'Authorization: Bearer KEY'",
                                   code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])

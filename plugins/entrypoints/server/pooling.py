@@ -22,6 +22,7 @@ from pagoda.engine.metrics import PoolingExporter
 from pagoda.engine.pooling import AsyncPoolingEngine, PoolingInput
 from pagoda.modeling.pooling import finish_embedding
 from pagoda.plugins.entrypoints.server.errors import APIError
+from pagoda.plugins.entrypoints.server.frontend import FrontendOptions
 from pagoda.plugins.entrypoints.server.serving import answers_499_when_gone, unless_disconnected
 
 MAX_INPUTS = 2048  # OpenAI's bound on the inputs of one embeddings request
@@ -228,10 +229,11 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
 
 def build_pooling_app(engine: AsyncPoolingEngine, api_key: Optional[str] = None,
                       max_request_bytes: Optional[int] = None, shutdown_timeout: float = 0.0,
-                      body_timeout: Optional[float] = None, allowed_hosts: Optional[frozenset[str]] = None
-                      ) -> FastAPI:
+                      body_timeout: Optional[float] = None, allowed_hosts: Optional[frozenset[str]] = None,
+                      frontend: Optional[FrontendOptions] = None) -> FastAPI:
     """The server app of a pooling model: every plugin's ``pagoda_add_routes(app, engine)`` with ``engine`` an
-    :class:`AsyncPoolingEngine`, errors in OpenAI's shape, the same guard as the generation server's."""
+    :class:`AsyncPoolingEngine`, errors in OpenAI's shape, the same guard and front end (``frontend``) as the
+    generation server's."""
     from pagoda.plugins.entrypoints.server import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
     from pagoda.plugins.entrypoints.server.errors import document_errors, install_error_handlers
     from pagoda.plugins.entrypoints.server.middleware import GuardMiddleware
@@ -242,8 +244,10 @@ def build_pooling_app(engine: AsyncPoolingEngine, api_key: Optional[str] = None,
         yield
         await engine.shutdown(timeout=shutdown_timeout)
 
+    frontend = frontend or FrontendOptions()
     app = FastAPI(title="pagoda", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API of the pagoda inference engine (a pooling model)")
+                  description="OpenAI-compatible API of the pagoda inference engine (a pooling model)",
+                  **frontend.fastapi_kwargs())
     app.state.engine = engine
     install_error_handlers(app)
     document_errors(app)
@@ -251,5 +255,6 @@ def build_pooling_app(engine: AsyncPoolingEngine, api_key: Optional[str] = None,
     app.add_middleware(GuardMiddleware, api_key=api_key, max_request_bytes=max_request_bytes or
                        DEFAULT_MAX_REQUEST_BYTES, body_timeout=body_timeout or DEFAULT_BODY_TIMEOUT,
                        allowed_hosts=allowed_hosts, admin_api_key=None)
+    frontend.install(app)
     return app
 

@@ -24,7 +24,7 @@ from pagoda.plugins.entrypoints.server.request_body import (MAX_CONTENT_PARTS, M
                                                             MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, MAX_TOOL_CALLS,
                                                             MAX_TOOLS, list_bound, RequestBody)
 from pagoda.plugins.entrypoints.server.structured import ResponseFormat, StructuredOutputFields
-from pagoda.sampling_params import MAX_LOGPROBS, MAX_TOP_K
+from pagoda.sampling_params import MAX_TOP_K
 
 MAX_N = 16  # sequences per request
 # seeds go to torch.Generator.manual_seed (64-bit); request i of n uses seed + i
@@ -44,6 +44,7 @@ TokenIdText = Annotated[str, Field(max_length=24)]  # a token id written as a st
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
     include_obfuscation: Optional[bool] = None  # pagoda never pads chunks: true is ignored
 
 
@@ -105,7 +106,7 @@ class SamplingFields(StructuredOutputFields, TopLevelBody):
     spaces_between_special_tokens: bool = True
     priority: int = Field(0, ge=-(2 ** 31), le=2 ** 31 - 1)
     # vLLM's: the logprobs of each prompt token (the first has none), in the response's prompt_logprobs
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
     response_format: Optional[ResponseFormat] = None
     allowed_token_ids: Optional[Annotated[list[TokenId], list_bound(MAX_TOKEN_IDS, min_items=1)]] = None
     bad_words: Optional[Annotated[list[NonEmptyStr], list_bound(MAX_BAD_WORDS)]] = None
@@ -141,7 +142,7 @@ class CompletionRequest(SamplingFields):
     prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], list_bound(MAX_PROMPTS, min_items=1)],
                   Annotated[list[TokenIds], list_bound(MAX_PROMPTS, min_items=1)]]
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt only (with echo and logprobs: scored)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(None, ge=0)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
@@ -209,7 +210,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=0)
     max_completion_tokens: Optional[int] = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0)
     # vLLM's chat fields: how the messages are rendered
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is left open for the answer to continue

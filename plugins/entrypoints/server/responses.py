@@ -100,7 +100,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
         text, token_ids = await unless_disconnected(request, ctx.run_tokenizer(
             lambda tok: render_chat(tok, messages, add_generation_prompt=True, tools=tooling.tools,
                                     max_chars=ctx.max_prompt_chars, template_kwargs=template_kwargs,
-                                    chat_template=template)))
+                                    chat_template=template, content_format=ctx.frontend.chat_template_content_format)))
         reasoning = ctx.reasoning_options.plan(text)
         record = ResponseRecord(ctx.model_name(lora), body, tooling.new_parser(), _response_id(store, body),
                                 reasoning.new_parser(), ctx.sampling_defaults)
@@ -112,7 +112,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, body: Respo
                                 logprobs=record.num_top_logprobs, structured_outputs=structured_outputs)
         gen = Generation(ctx.engine, record.id, [{"prompt": text, "prompt_token_ids": token_ids}],
                          reasoning.adjust(tooling.constrain(params)), priority=body.priority, stream=bool(body.stream),
-                         tenant=ctx.tenant_of(request, body), lora_request=lora)
+                         tenant=ctx.tenant_of(request, body), lora_request=lora, request_log=ctx.request_log)
         await unless_disconnected(request, gen.start())
     keep = store if body.store is not False else None
     if body.stream:

@@ -18,6 +18,7 @@ from pagoda.plugins.entrypoints.server.errors import APIError, error_response
 from pagoda.plugins.entrypoints.server.lora import adapter_models, add_lora_routes
 from pagoda.plugins.entrypoints.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                         TokenizeRequest)
+from pagoda.plugins.entrypoints.server.request_logging import RequestLog
 from pagoda.plugins.entrypoints.server.response_store import ResponseStore
 from pagoda.plugins.entrypoints.server.responses import add_responses_routes
 from pagoda.plugins.entrypoints.server.serving import ClientGone, ServingContext
@@ -48,6 +49,9 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
     ctx.effort = EffortOptions.for_engine(engine.engine)
     ctx.tenant_source = getattr(app.state, "tenant_source", ctx.tenant_source)
     ctx.strict_request_fields = getattr(app.state, "strict_request_fields", False)
+    ctx.frontend = getattr(app.state, "frontend", ctx.frontend)
+    if ctx.frontend.enable_log_requests:
+        ctx.request_log = RequestLog(ctx.frontend.enable_log_outputs, ctx.frontend.max_log_len)
     exporter = PrometheusExporter.for_engine(engine.engine, engine.serving_stats)
     created = int(time.time())
 
@@ -112,7 +116,8 @@ def add_openai_routes(app: FastAPI, engine: AsyncLLMEngine) -> None:
             messages = plain_messages(body.messages)
             check_chat_chars(ctx, messages)
             _, ids = await ctx.run_tokenizer(
-                lambda tok: render_chat(tok, messages, body.add_generation_prompt, max_chars=ctx.max_prompt_chars))
+                lambda tok: render_chat(tok, messages, body.add_generation_prompt, max_chars=ctx.max_prompt_chars,
+                                        content_format=ctx.frontend.chat_template_content_format))
         else:
             ctx.check_text_length(body.prompt, "prompt")
             ctx.check_request_chars([len(body.prompt)], "prompt", "prompt")

@@ -23,7 +23,9 @@ from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.effort import EffortOptions
 from pagoda.plugins.entrypoints.server.errors import APIError, error_body, to_api_error
+from pagoda.plugins.entrypoints.server.frontend import FrontendOptions
 from pagoda.plugins.entrypoints.server.protocol import NO_EFFECT_VALUES, SamplingFields
+from pagoda.plugins.entrypoints.server.request_logging import RequestLog
 from pagoda.plugins.entrypoints.server.tokenizer_turns import TokenizerTurns
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -59,6 +61,15 @@ def answers_499_when_gone(route: Callable[..., Awaitable[Any]]) -> Callable[...,
 TENANT_HEADER = "x-pagoda-tenant"
 TENANT_SOURCES = ("api-key", "header", "user")
 MAX_TENANT_CHARS = 64
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """Where a stream carries its usage: ``final``, a chunk of its own before ``[DONE]``; ``continuous``, the
+    usage so far in every chunk as well."""
+
+    final: bool = False
+    continuous: bool = False
+
 
 @dataclass
 class ServingContext:
@@ -97,6 +108,25 @@ class ServingContext:
     tenant_source: str = "api-key"
     # --strict-request-fields: a field of no schema is a 400 (otherwise it is ignored and named)
     strict_request_fields: bool = False
+    # vLLM's front-end flags: the response role, usage in every stream, token ids in logprobs, ...
+    frontend: FrontendOptions = field(default_factory=FrontendOptions)
+    # what is logged of each request (None: nothing; --enable-log-requests)
+    request_log: Optional[RequestLog] = None
+
+    def stream_usage(self, body: Any) -> "StreamUsage":
+        """Where a stream carries its usage: as ``stream_options`` asks (``include_usage``, vLLM's
+        ``continuous_usage_stats``), or everywhere with ``--enable-force-include-usage``, as on vLLM."""
+        if self.frontend.enable_force_include_usage:
+            return StreamUsage(True, True)
+        options = body.stream_options
+        if options is None or not options.include_usage:
+            return StreamUsage()
+        return StreamUsage(True, options.continuous_usage_stats)
+
+    def tokens_as_token_ids(self, body: Any) -> bool:
+        """Whether logprobs name tokens ``token_id:<id>``: the request's field, else the server's default."""
+        given = body.return_tokens_as_token_ids
+        return self.frontend.return_tokens_as_token_ids if given is None else given
 
     def tenant_of(self, request: Any, body: Any = None) -> Optional[str]:
         """The tenant a request counts for (the ``fair`` scheduling policy shares the engine between tenants):

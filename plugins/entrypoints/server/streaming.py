@@ -14,7 +14,8 @@ from typing import AsyncIterator, Callable, Optional
 from pagoda.engine.async_engine import AsyncLLMEngine, request_cost_tokens
 from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
-from pagoda.plugins.entrypoints.server.serving import SSE_DONE, output_error, sse, sse_error, usage
+from pagoda.plugins.entrypoints.server.request_logging import OutputLog, RequestLog
+from pagoda.plugins.entrypoints.server.serving import SSE_DONE, StreamUsage, output_error, sse, sse_error, usage
 from pagoda.sampling_params import SamplingParams
 
 # ``(prompt index, delta output)`` -> the chunk's choices (none: nothing worth a chunk)
@@ -29,7 +30,7 @@ class Generation:
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompts: list[dict], params: SamplingParams,
                  priority: int, stream: bool, tenant: Optional[str] = None,
-                 lora_request: Optional[LoRARequest] = None) -> None:
+                 lora_request: Optional[LoRARequest] = None, request_log: Optional[RequestLog] = None) -> None:
         # the prompts of one request are admitted together
         max_model_len = engine.engine.config.model.max_model_len
         engine.check_capacity(params.n * len(prompts),
@@ -40,6 +41,11 @@ class Generation:
                                      output_kind=kind, tenant=tenant, lora_request=lora_request)
                      for i, p in enumerate(prompts)]
         self.first: list[Optional[RequestOutput]] = [None] * len(self.gens)
+        self.output_logs: list[Optional[OutputLog]] = [None] * len(self.gens)
+        if request_log is not None:
+            for i, p in enumerate(prompts):
+                request_log.received(f"{request_id}-{i}", p.get("prompt"), p["prompt_token_ids"], params)
+            self.output_logs = [request_log.outputs() for _ in prompts]
 
     async def start(self) -> None:
         """Wait for every request's first output; any error (400, 503, ...) aborts all of them."""
@@ -58,12 +64,12 @@ class Generation:
         """Batches of ``(prompt index, output)`` that were ready together; the primed first outputs first."""
         pending: dict[asyncio.Future, int] = {}
         try:
-            yield list(enumerate(self.first))
+            yield self._logged(list(enumerate(self.first)))
             if len(self.gens) == 1:  # one prompt: read it directly, without a task per output
                 gen = self.gens[0]
                 if not self.first[0].finished:
                     async for out in gen:
-                        yield [(0, out)]
+                        yield self._logged([(0, out)])
                 return
             for i, out in enumerate(self.first):
                 if not out.finished:
@@ -77,12 +83,18 @@ class Generation:
                     batch.append((i, out))
                     if not out.finished:
                         pending[asyncio.ensure_future(self.gens[i].__anext__())] = i
-                yield batch
+                yield self._logged(batch)
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await self.close()
+
+    def _logged(self, batch: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+        for i, out in batch:
+            if self.output_logs[i] is not None:
+                self.output_logs[i].add(out)
+        return batch
 
     async def final(self) -> list[RequestOutput]:
         last = list(self.first)
@@ -96,7 +108,7 @@ class Generation:
             await gen.aclose()
 
 
-async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, include_usage: bool,
+async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, stream_usage: StreamUsage,
                      first_fields: Optional[Callable[[RequestOutput], dict]] = None) -> AsyncIterator[str]:
     """The SSE body of a streamed completion or chat: a chunk per output with choices, the usage chunk if
     asked for, ``[DONE]``. An error after the status line was sent is the last event. ``first_fields(output)``:
@@ -120,13 +132,15 @@ async def stream_sse(gen: Generation, head: dict, make_choices: ChoiceMaker, inc
                     if first_fields is not None:
                         chunk.update(first_fields(out))
                         first_fields = None
-                    if include_usage:
+                    if stream_usage.continuous:
+                        chunk["usage"] = usage(sum(num_prompt.values()), num_completion, sum(num_cached.values()))
+                    elif stream_usage.final:
                         chunk["usage"] = None
                     frames.append(sse(chunk))
             gen.serving_stats.encode_seconds += time.perf_counter() - t0
             if frames:
                 yield "".join(frames)
-        if include_usage:
+        if stream_usage.final:
             yield sse(dict(head, choices=[], usage=usage(sum(num_prompt.values()), num_completion,
                                                         sum(num_cached.values()))))
     except Exception as exc:  # the status line is gone: report the error as the last event
