@@ -75,6 +75,8 @@ class LLMEngine:
         # runs each step on every rank: the runner itself, or the ranks of a tensor-parallel model
         self.executor = parts.executor
         self.num_blocks = parts.num_blocks
+        # the split of the KV cache when sliding-window layers keep only their window (None: off)
+        self.window_pool = parts.runner.window_pool
         self.eos_token_id = parts.eos_token_id
         # the engine's side of the requests (their sequences, each step's new tokens) and the output side
         # that step() turns those into RequestOutputs with (an async engine keeps its own output side)

@@ -295,6 +295,8 @@ class Scheduler:
             self._reorder_waiting()
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
+        if getattr(self.kv, "window", None):
+            out.window_blocks_to_copy.extend(self.kv.take_window_copies())
         if self._has_offload_tiers and self.kv.tiers is not None:
             out.kv_tier_moves = self.kv.take_tier_moves()
         return out
@@ -367,7 +369,8 @@ class Scheduler:
 
     def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int,
                        num_drafts: int = 0) -> None:
-        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts)
+        window_table = self.kv.window_block_table(req.request_id) if getattr(self.kv, "window", None) else None
+        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts, window_table)
         if self.kv_transfers is not None:
             self.kv_transfers.note_scheduled(out, req, num_computed, num_new, out.block_tables[-1])
         self._scheduled_now[req.request_id] = num_new
