@@ -223,6 +223,25 @@ class KVOffloadTiers(Protocol):
         tier keeps what it already holds)."""
 
 
+@runtime_checkable
+class KVWindowSlots(Protocol):
+    """The members of a KV allocator that keeps window slots (``--kv-window-pool``, docs/models.md), as
+    :class:`pagoda.kv.window.WindowSlots` has them. Core uses them only on an allocator whose class defines
+    ``init_window_pool``; an engine whose model would take the window pool refuses an allocator without it."""
+
+    window: Optional[int]  # the pool's window; None while off
+
+    def init_window_pool(self, num_slots: int, window: int) -> None:
+        """Keep ``num_slots`` window slots (numbered from 1; slot 0 is never handed out) for blocks within
+        ``window`` tokens of a request's next position, and count them in ``can_allocate``."""
+
+    def window_block_table(self, request_id: str) -> list[int]:
+        """The sequence's block table in the window pool: each block's slot, 0 for those out of its window."""
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write moves in the window pool ``(source slot, copy's slot)`` decided since the last call."""
+
+
 def has_offload_tiers(kv_manager: Any) -> bool:
     """Whether a KV allocator offers the optional :class:`KVOffloadTiers` members. Asked of its class (does it
     define ``take_tier_moves``), so an allocator that lacks them is never touched outside its Protocol."""

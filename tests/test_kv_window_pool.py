@@ -287,9 +287,9 @@ def test_prefix_hits_preemption_and_many_requests_keep_the_tokens(checkpoints):
     shared = [rng.randrange(10, 30000) for _ in range(160)]
     first = shared + [7, 8, 9]
     later = [shared + _prompts(10 + i, [5 + 7 * i])[0] for i in range(6)] + _prompts(20, [120, 250])
-    # a small KV cache (31 blocks of the full layer, 29 window slots): four requests of up to 260 tokens do not
+    # a small KV cache (32 blocks of the full layer, 17 window slots): four requests of up to 260 tokens do not
     # fit at once, so some wait or are preempted
-    small = dict(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=240 << 10)
+    small = dict(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=200 << 10)
     on = _engine(path, "auto", **small)
     assert on.engine.window_pool is not None
     _stale_fill(on)
@@ -298,6 +298,7 @@ def test_prefix_hits_preemption_and_many_requests_keep_the_tokens(checkpoints):
     stats = on.engine.scheduler
     assert stats.num_preemptions > 0, "the small cache should have preempted a request"
     kv = on.engine.kv_manager
+    assert (kv.num_blocks, kv.num_window_slots) == (32, 17)
     assert kv.num_free_blocks == kv.num_blocks and kv.num_free_window_slots == kv.num_window_slots
     del on
     off = _engine(path, "off", **small)
@@ -312,8 +313,8 @@ def test_the_window_pool_gives_the_full_layers_more_tokens_in_the_same_memory(ch
     path, _ = checkpoints["gpt_oss"]
     llm = _engine(path, "auto", max_num_seqs=4, kv_cache_memory_bytes=8 << 20)
     plan = llm.engine.window_pool
-    # 4 seats x (ceil((15 + 512) / 16) + 1 = 34 blocks at the widest step, + 1 for a cached prefix's window)
-    assert plan.num_slots == 4 * (34 + 1)
+    # 4 seats x (ceil(15 / 16) + 2) + ceil(512 / 16) for the step's tokens + 1 seat's window for cached prefixes
+    assert plan.num_slots == 4 * 3 + 32 + 1
     # half the layers slide: a main block costs half (4 KiB), and the window pool takes its slots (+ the null one)
     assert plan.num_blocks_without == (8 << 20) // 8192
     assert plan.num_blocks == ((8 << 20) - (plan.num_slots + 1) * 4096) // 4096 == llm.engine.num_blocks
@@ -328,5 +329,5 @@ def test_the_split_turns_the_pool_off_when_it_cannot_hold_one_request_step():
     assert split_kv_memory(cc, sc, {0: 128}, 2, 1024) is None
     big = CacheConfig(16, 64 << 20, "auto", True, None, 0, "recompute", "paged")
     plan = split_kv_memory(big, sc, {0: 128}, 2, 1024)
-    assert plan.num_slots == 8 * (-(-(127 + 2048) // 16) + 1) + 8 * 8
+    assert plan.num_slots == 8 * (8 + 2) + 2048 // 16 + 2 * 8
     assert plan.num_blocks == (64 << 20) // 1024 - (plan.num_slots + 1)

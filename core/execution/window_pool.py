@@ -1,10 +1,14 @@
 """Sizing the window pool: the K/V of the layers with a sliding window in a pool of their own, smaller than
 the main one (see pagoda.kv.window for its books and docs/models.md for what it saves).
 
-A window layer needs, per request, only the blocks its window covers, so the KV memory is split: the window
-pool gets enough slots for ``max_num_seqs`` requests at their widest step (the window behind the step's first
-token, the step's tokens, one block of misalignment), plus one window's worth per seat for cached prefixes
-when prefix caching is on; the rest goes to the main pool, whose blocks then cost only the full layers' bytes.
+A window layer needs, per request, only the blocks its window covers, so the KV memory is split. A request
+computing ``n`` tokens from position ``c`` holds the blocks of positions ``c - window + 1 .. c + n - 1``: at most
+``ceil((window - 1) / block_size) + ceil(n / block_size) + 1`` blocks. As a step's ``n`` add up to at most
+``max_num_batched_tokens``, the window pool gets ``max_num_seqs * (ceil((window - 1) / block_size) + 2) +
+ceil(max_num_batched_tokens / block_size)`` slots (never fewer than one request's widest step), plus, with prefix
+caching, the windows of a quarter of the seats for cached prefixes; the rest goes to the main pool, whose blocks
+then cost only the full layers' bytes. A request not scheduled in a step keeps the window of its last step, so
+a shortage can still happen: it makes requests wait or be preempted, as a shortage of main blocks does.
 """
 
 from __future__ import annotations
@@ -83,10 +87,12 @@ def split_kv_memory(cc: CacheConfig, sc: SchedulerConfig, windows: dict[int, int
     window = max(windows.values())
     num_window, num_full = len(windows), num_layers - len(windows)
     step_tokens = min(sc.max_num_batched_tokens, sc.max_model_len)
+    window_blocks = -(-(window - 1) // bs)
     span = -(-(window - 1 + step_tokens) // bs) + 1  # one request's widest step
-    wanted = sc.max_num_seqs * span
+    wanted = sc.max_num_seqs * (window_blocks + 2) + -(-step_tokens // bs)
     if cc.enable_prefix_caching:
-        wanted += sc.max_num_seqs * -(-(window - 1) // bs)
+        wanted += -(-sc.max_num_seqs // 4) * window_blocks
+    wanted = max(wanted, span)
     memory = cc.kv_cache_memory_bytes
     blocks_without = cc.num_gpu_blocks_override or memory // (num_layers * bytes_per_layer_block)
     if cc.num_gpu_blocks_override:
