@@ -106,9 +106,13 @@ def split_kv_memory(cc: CacheConfig, sc: SchedulerConfig, windows: dict[int, int
         else:  # every layer has a window: the main pool is books only, room for every seat at full length
             num_blocks = max(blocks_without, sc.max_num_seqs * -(-sc.max_model_len // bs))
         num_slots = min(num_slots, num_blocks)
-    if num_slots < span or num_slots >= num_blocks or (not cc.num_gpu_blocks_override and
-                                                        num_blocks <= blocks_without):
+    if num_slots < span:
         logger.info("KV window pool: off (the KV memory holds %d window blocks, fewer than one request's widest "
-                    "step of %d or no saving); every layer keeps every token's K/V", num_slots, span)
+                    "step of %d); every layer keeps every token's K/V", num_slots, span)
+        return None
+    if num_slots >= num_blocks or (not cc.num_gpu_blocks_override and num_blocks <= blocks_without):
+        logger.info("KV window pool: off (%d seats' windows need %d window blocks, which leaves the main pool no "
+                    "more than its %d blocks without the pool; lower --max-num-seqs or give the KV cache more "
+                    "memory); every layer keeps every token's K/V", sc.max_num_seqs, wanted, blocks_without)
         return None
     return WindowPoolPlan(window, frozenset(windows), num_slots, num_blocks, blocks_without, bs)
