@@ -70,6 +70,11 @@ class CausalLM(Protocol):
     # False for an architecture that LoRA adapters cannot apply to (refused at start-up). Optional: True.
     supports_lora: bool
 
+    # ``layer_windows()``: layer index -> sliding window of this process's layers that have one; their K/V go to
+    # the window pool (``--kv-window-pool``, docs/models.md), and their attention layers must then pick their
+    # pool's metadata from a ``pagoda.step.PoolMetadata``. Optional: {} (no window pool).
+    layer_windows: Callable[[], dict]
+
     # A context manager the runner enters around a forward pass that computes prompt tokens: inside it the
     # model multiplies each prompt row as it would in a cold prefill of any length, so a prefix-cache hit gives
     # a cold prefill's bits (docs/batch_invariance.md). Optional: none (the model keeps its own choice).

@@ -212,7 +212,7 @@ def checkpoints(tmp_path_factory):
                                                  attn_implementation="eager",
                                                  **({"experts_implementation": "eager"} if arch == "gpt_oss" else {}))
         with torch.no_grad():  # norms off 1, biases and sinks that matter
-            for name, p in model.named_parameters():
+            for p in model.parameters():
                 if p.dim() == 1:
                     torch.nn.init.normal_(p, std=0.5)
         out = tmp_path_factory.mktemp(f"window-{arch}")

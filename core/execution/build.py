@@ -16,7 +16,7 @@ from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
 from pagoda.execution.lora import LoRAFollower, LoRAManager, LoRASlots
 from pagoda.execution.model_runner import ModelRunner
-from pagoda.execution.window_pool import plan_window_pool, window_layers
+from pagoda.execution.window_pool import plan_window_pool
 from pagoda.host import hugepages
 from pagoda.host.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.interfaces import AttentionBackend
@@ -79,7 +79,7 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
     bytes_per_layer_block = (math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * most
                              // heads.num_kv_heads)
     bytes_per_block = bytes_per_layer_block * num_layers
-    window_pool = plan_window_pool(config, window_layers(model), num_layers, bytes_per_layer_block)
+    window_pool = plan_window_pool(config, model.layer_windows(), num_layers, bytes_per_layer_block)
     if window_pool is not None:
         num_blocks = window_pool.num_blocks
         # a main block's bytes: the full layers' only

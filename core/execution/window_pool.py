@@ -17,10 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagoda.modeling.layers.attention import Attention
 
 logger = logging.getLogger("pagoda")
 
@@ -41,12 +38,6 @@ class WindowPoolPlan:
         return (f"{len(self.layers)} sliding-window layer(s) (window {self.window}) keep K/V in a pool of "
                 f"{self.num_slots} blocks; the main pool holds {self.num_blocks * bs} tokens against "
                 f"{self.num_blocks_without * bs} without it ({self.num_blocks / self.num_blocks_without:.2f}x)")
-
-
-def window_layers(model: torch.nn.Module) -> dict[int, int]:
-    """Layer index -> sliding window, for the model's attention layers that have one."""
-    return {m.layer_idx: m.sliding_window for m in model.modules()
-            if isinstance(m, Attention) and m.sliding_window}
 
 
 def window_pool_off_reason(config: EngineConfig) -> Optional[str]:
