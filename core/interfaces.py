@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.execution.routing import ReplicaLoad, RoutingDecision, RoutingRequest
+    from pagoda.execution.window_pool import WindowPoolPlan
     from pagoda.kv.offload import KVTierStore
     from pagoda.kv.tiers import KVTierIndex
     from pagoda.registry.plugin_manager import PluginManager
@@ -245,6 +246,12 @@ class KVWindowSlots(Protocol):
 
     def take_window_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write moves in the window pool ``(source slot, copy's slot)`` decided since the last call."""
+
+
+def has_window_slots(kv_manager: Any) -> bool:
+    """Whether a KV allocator offers the :class:`KVWindowSlots` members. Asked of its class (does it define
+    ``init_window_pool``), like :func:`has_offload_tiers`."""
+    return callable(getattr(type(kv_manager), "init_window_pool", None))
 
 
 def has_offload_tiers(kv_manager: Any) -> bool:
@@ -511,6 +518,9 @@ class ModelRunnerView(Protocol):
     num_swap_blocks: int  # blocks of its CPU swap space (0: none)
     # the offload tiers' tensors and files (``pagoda.kv.offload.KVTierStore``), None without ``--kv-offload-*``
     kv_tiers: Optional["KVTierStore"]
+    # how the KV memory is split when sliding-window layers keep only their window (``--kv-window-pool``), None
+    # when every layer keeps every token
+    window_pool: Optional["WindowPoolPlan"]
     timings: dict[str, float]  # seconds of each phase of the last step it ran (``--profile``)
     lora: Any  # its LoRA adapters (a pagoda.execution.lora.LoRAManager), None when LoRA is off
 
