@@ -236,8 +236,8 @@ def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     return out.sequences[0, len(ids):].tolist(), torch.log_softmax(out.logits[0][0].float(), -1)
 
 
-def _run(llm: LLM, prompts: list[list[int]], n: int = 8):
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+def _run(llm: LLM, prompts: list[list[int]], n: int = 8, logprobs: int | None = 5):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
@@ -331,3 +331,19 @@ def test_the_split_turns_the_pool_off_when_it_cannot_hold_one_request_step():
     plan = split_kv_memory(big, sc, {0: 128}, 2, 1024)
     assert plan.num_slots == 8 * (8 + 2) + 2048 // 16 + 2 * 8
     assert plan.num_blocks == (64 << 20) // 1024 - (plan.num_slots + 1)
+
+
+def test_ngram_speculation_with_the_pool_on_keeps_the_greedy_tokens(checkpoints):
+    path, hf = checkpoints["gemma3"]
+    # the tiny model repeats its tokens, so the n-gram proposer finds drafts (slots handed out, then trimmed)
+    prompts = _prompts(30, [100, 160])
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    llm = _engine(path, "auto", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20,
+                  speculative_config=spec)
+    assert llm.engine.window_pool is not None
+    got = _run(llm, prompts, 12, logprobs=None)  # (a request asking for logprobs decodes without drafts)
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    for prompt, out in zip(prompts, got):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12)[0]
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks and kv.num_free_window_slots == kv.num_window_slots
