@@ -281,6 +281,21 @@ def test_greedy_tokens_and_logprobs_match_with_the_pool_on_and_off_and_transform
             assert lp == pytest.approx(ref_logprobs[t].item(), abs=2e-3)
 
 
+def test_a_bf16_model_gives_the_same_bits_with_the_pool_on_and_off(checkpoints):
+    path, _ = checkpoints["gpt_oss"]
+    prompts = _prompts(2, [120, 211, 64])
+    runs = []
+    for pool in ("auto", "off"):  # the bf16 kernels (AVX-512 BF16 where the CPU has it) over stale slots
+        llm = _engine(path, pool, dtype="bfloat16", max_num_batched_tokens=48, max_num_seqs=4)
+        assert (llm.engine.window_pool is not None) == (pool == "auto")
+        if pool == "auto":
+            _stale_fill(llm)
+        runs.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}
+                                               for step in o.outputs[0].logprobs]) for o in _run(llm, prompts)])
+        del llm
+    assert runs[0] == runs[1]
+
+
 def test_prefix_hits_preemption_and_many_requests_keep_the_tokens(checkpoints):
     path, hf = checkpoints["gpt_oss"]
     rng = random.Random(3)
