@@ -236,6 +236,7 @@ class KVWindowSlots(Protocol):
     ``init_window_pool``; an engine whose model would take the window pool refuses an allocator without it."""
 
     window: Optional[int]  # the pool's window; None while off
+    window_usage: float  # fraction of the window slots requests' windows hold (0 while off)
 
     def init_window_pool(self, num_slots: int, window: int) -> None:
         """Keep ``num_slots`` window slots (numbered from 1; slot 0 is never handed out) for blocks within

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.engine.metrics import PrometheusExporter
 from pagoda.execution.window_pool import split_kv_memory
 from pagoda.kv.blocks import PagedKVCacheManager
 from pagoda.kv.window import NULL_SLOT
@@ -314,6 +315,8 @@ def test_prefix_hits_preemption_and_many_requests_keep_the_tokens(checkpoints):
     assert stats.num_preemptions > 0, "the small cache should have preempted a request"
     kv = on.engine.kv_manager
     assert (kv.num_blocks, kv.num_window_slots) == (32, 17)
+    assert b"pagoda:kv_window_pool_usage_perc" in PrometheusExporter.for_engine(on.engine).render()
+    assert kv.window_usage == 0.0
     assert kv.num_free_blocks == kv.num_blocks and kv.num_free_window_slots == kv.num_window_slots
     del on
     off = _engine(path, "off", **small)

@@ -58,6 +58,11 @@ class WindowSlots:
         """Slots a request may take: free ones and those only the prefix cache keeps."""
         return len(self._free_slots) + len(self._idle) if self.window else 0
 
+    @property
+    def window_usage(self) -> float:
+        """Fraction of window slots that requests' windows hold (slots only the prefix cache keeps count as free)."""
+        return 1.0 - self.num_free_window_slots / self.num_window_slots if self.window else 0.0
+
     def window_first_block(self, num_computed: int) -> int:
         """The first table index a step starting at position ``num_computed`` reads in a window layer."""
         return max(0, num_computed - self.window + 1) // self.block_size
