@@ -76,6 +76,23 @@ def test_a_block_gives_its_slot_back_once_the_window_has_moved_past_it():
     assert_window_consistent(kv)
 
 
+def test_the_prefix_cache_gives_up_deep_and_output_blocks_before_a_prompt_s_last_window():
+    kv = window_kv(64, 12, window=6)  # a hit's last 2 blocks need slots
+    a = make_request("a", list(range(24)))
+    step_to(kv, a, 24)
+    # decodes at 24 (the window starts at position 19, block 4: blocks 0..3 left) to 33, which leave blocks 4,
+    # 5 and then 6, the output's first
+    for _ in range(10):
+        a.append_output_tokens([7], 1000)
+        step_to(kv, a, 1)
+    ids = kv.block_table("a")
+    # the output's block, then blocks 0 and 1 (deeper than 2 blocks behind the prompt's end) go first; the
+    # prompt's last blocks, in the order they were left
+    assert list(kv._idle) == [ids[6], ids[1], ids[0], ids[2], ids[3], ids[4], ids[5]]
+    kv.free(a)
+    assert_window_consistent(kv)
+
+
 def test_can_allocate_counts_window_slots_as_well_as_blocks():
     kv = window_kv(64, 4, window=4, prefix_caching=False)
     first = make_request("a", list(range(12)))
@@ -327,12 +344,23 @@ def test_prefix_hits_preemption_and_many_requests_keep_the_tokens(checkpoints):
     assert runs_on[1][-1].outputs[0].token_ids == _hf_greedy(hf, later[-1], 8)[0]
 
 
+def test_repeated_prompts_longer_than_the_window_keep_their_prefix_hits(checkpoints):
+    path, _ = checkpoints["gemma3"]
+    prompts = _prompts(40, [100] * 8)
+    llm = _engine(path, "auto", max_num_seqs=8, kv_cache_memory_bytes=8 << 20)
+    assert llm.engine.window_pool is not None
+    first, again = _run(llm, prompts, 40, logprobs=None), _run(llm, prompts, 40, logprobs=None)
+    # each prompt's tail window outlives the other requests' prefills and outputs
+    assert [o.num_cached_tokens for o in again] == [96] * 8
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+
+
 def test_the_window_pool_gives_the_full_layers_more_tokens_in_the_same_memory(checkpoints):
     path, _ = checkpoints["gpt_oss"]
     llm = _engine(path, "auto", max_num_seqs=4, kv_cache_memory_bytes=8 << 20)
     plan = llm.engine.window_pool
-    # 4 seats x (ceil(15 / 16) + 2) + ceil(512 / 16) for the step's tokens + 1 seat's window for cached prefixes
-    assert plan.num_slots == 4 * 3 + 32 + 1
+    # 4 seats x (ceil(15 / 16) + 2) + ceil(2048 / 16) for a step's tokens + 1 seat's window for cached prefixes
+    assert plan.num_slots == 4 * 3 + 128 + 1
     # half the layers slide: a main block costs half (4 KiB), and the window pool takes its slots (+ the null one)
     assert plan.num_blocks_without == (8 << 20) // 8192
     assert plan.num_blocks == ((8 << 20) - (plan.num_slots + 1) * 4096) // 4096 == llm.engine.num_blocks

@@ -77,10 +77,10 @@ def split_kv_memory(cc: CacheConfig, sc: SchedulerConfig, windows: dict[int, int
     bs = cc.block_size
     window = max(windows.values())
     num_window, num_full = len(windows), num_layers - len(windows)
-    step_tokens = min(sc.max_num_batched_tokens, sc.max_model_len)
     window_blocks = -(-(window - 1) // bs)
-    span = -(-(window - 1 + step_tokens) // bs) + 1  # one request's widest step
-    wanted = sc.max_num_seqs * (window_blocks + 2) + -(-step_tokens // bs)
+    # one request's widest step (its step's tokens are within the budget and its length)
+    span = -(-(window - 1 + min(sc.max_num_batched_tokens, sc.max_model_len)) // bs) + 1
+    wanted = sc.max_num_seqs * (window_blocks + 2) + -(-sc.max_num_batched_tokens // bs)
     if cc.enable_prefix_caching:
         wanted += -(-sc.max_num_seqs // 4) * window_blocks
     wanted = max(wanted, span)

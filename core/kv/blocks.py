@@ -239,7 +239,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache, WindowSlots):
         if self.window is not None:
             if not self._window_fits(request, num_new_tokens, ()):
                 return False
-            self._move_window(rid, table, self.window_first_block(num_computed))
+            self._move_window(rid, table, self.window_first_block(num_computed),
+                              request.num_prompt_tokens // self.block_size)
         if num_fresh > 0 or needs_copy:
             ids = self._block_ids[rid]
             if needs_copy:
@@ -289,7 +290,7 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache, WindowSlots):
                     self._hold_window(block)
                 self._window_start[rid] = first
             else:
-                self._move_window(rid, table, first)
+                self._move_window(rid, table, first, request.num_prompt_tokens // self.block_size)
         if self._needs_copy(table, num_computed):
             self._copy_on_write(table, ids, num_computed)
         total = num_computed + num_new_tokens

@@ -114,13 +114,16 @@ class WindowSlots:
             self._idle.pop(block.block_id, None)
         self._num_live[block.block_id] += 1
 
-    def _drop_window(self, block: "KVBlock") -> None:
-        """One request's window left ``block``: with none left, its slot goes back (or idles, for a cached block)."""
+    def _drop_window(self, block: "KVBlock", is_first_to_go: bool = False) -> None:
+        """One request's window left ``block``: with none left, its slot goes back (or idles, for a cached block:
+        given up before the other idle ones if ``is_first_to_go``)."""
         bid = block.block_id
         self._num_live[bid] -= 1
         if self._num_live[bid] == 0 and self._slot_of[bid] != NULL_SLOT:
             if block.block_hash is not None:
                 self._idle[bid] = None
+                if is_first_to_go:
+                    self._idle.move_to_end(bid, last=False)
             else:
                 self._free_slots.append(self._slot_of[bid])
                 self._slot_of[bid] = NULL_SLOT
@@ -143,11 +146,19 @@ class WindowSlots:
             self._free_slots.append(self._slot_of[bid])
             self._slot_of[bid] = NULL_SLOT
 
-    def _move_window(self, request_id: str, table: list["KVBlock"], start: int) -> None:
-        """The request's window now begins at table index ``start``: the blocks it left are dropped."""
+    def _move_window(self, request_id: str, table: list["KVBlock"], start: int, num_prompt_blocks: int) -> None:
+        """The request's window now begins at table index ``start``: the blocks it left are dropped.
+
+        Which idle slots the prefix cache gives up first: a later hit ending at block j needs the slots of the
+        ceil((window - 1) / block_size) blocks up to j, and its likely ends are a prompt's end (a repeated
+        prompt), the end of an output (a next turn: the request still holds those when it finishes) and blocks
+        hit before (a shared prefix). So the blocks left deeper than that behind the window, and the output's,
+        go first, unless a hit has found them already."""
         old = self._window_start.get(request_id, 0)
-        for block in table[old:min(start, len(table))]:
-            self._drop_window(block)
+        reach = min(start, num_prompt_blocks) - -(-(self.window - 1) // self.block_size)
+        for i in range(old, min(start, len(table))):
+            block = table[i]
+            self._drop_window(block, is_first_to_go=(i < reach or i >= num_prompt_blocks) and not block.num_hits)
         self._window_start[request_id] = max(old, start)
 
     def _drop_request_window(self, request_id: str, table: list["KVBlock"], keep: int = 0) -> None:
