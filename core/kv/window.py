@@ -4,7 +4,8 @@ tensors of the layers with a sliding window.
 A layer with a window of ``w`` tokens reads, for a query at position ``p``, only the keys at positions
 ``> p - w``. So a block needs a window slot from the step that first writes into it until the window of every
 request holding it has moved past its last position; a block of the prefix cache may keep its slot after that
-(a later hit reads it back) until a running request needs the slot, least recently released first. Slot 0 is
+(a later hit reads it back) until a running request needs the slot (see :meth:`WindowSlots._move_window` for
+which go first; then least recently released first). Slot 0 is
 never handed out: the window block table points the entries before a request's window at it.
 
 Bookkeeping only, like the rest of the allocator (:class:`~pagoda.kv.blocks.PagedKVCacheManager` mixes it in);
