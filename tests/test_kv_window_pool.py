@@ -393,3 +393,12 @@ def test_ngram_speculation_with_the_pool_on_keeps_the_greedy_tokens(checkpoints)
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 12)[0]
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.num_blocks and kv.num_free_window_slots == kv.num_window_slots
+
+
+def test_the_pool_turns_itself_off_with_the_offload_tiers_and_says_why(checkpoints, caplog):
+    path, _ = checkpoints["gpt_oss"]
+    with caplog.at_level("INFO", logger="pagoda"):
+        llm = _engine(path, "auto", max_num_seqs=4, kv_cache_memory_bytes=8 << 20, kv_offload_ram=0.01)
+    assert llm.engine.window_pool is None
+    assert "KV window pool: off (the --kv-offload-* tiers move whole blocks of every layer)" in caplog.text
+    del llm

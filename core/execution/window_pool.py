@@ -46,7 +46,7 @@ def window_pool_off_reason(config: EngineConfig) -> Optional[str]:
     spec = config.speculative
     if config.parallel.pipeline_parallel_size > 1:
         return "pipeline stages keep one pool each"
-    if spec is not None and str(getattr(spec, "model", "") or "").startswith("self:"):
+    if spec is not None and (spec.model or "").startswith("self:"):
         return "a self-speculation draft runs the target's layers over the main block tables"
     if cc.kv_offload_ram_bytes or cc.kv_offload_disk_dir:
         return "the --kv-offload-* tiers move whole blocks of every layer"
