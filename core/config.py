@@ -76,6 +76,9 @@ class CacheConfig:
     kv_offload_ram_bytes: int = 0
     kv_offload_disk_dir: Optional[str] = None
     kv_offload_disk_bytes: int = 0
+    # "auto": layers with a sliding window keep their K/V in a pool of their own, sized to their window
+    # (pagoda.kv.window); "off": every layer keeps every token's K/V
+    kv_window_pool: str = "auto"
 
 
 @dataclass(frozen=True)

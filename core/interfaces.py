@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
     from pagoda.execution.routing import ReplicaLoad, RoutingDecision, RoutingRequest
+    from pagoda.execution.window_pool import WindowPoolPlan
     from pagoda.kv.offload import KVTierStore
     from pagoda.kv.tiers import KVTierIndex
     from pagoda.registry.plugin_manager import PluginManager
@@ -69,6 +70,11 @@ class CausalLM(Protocol):
 
     # False for an architecture that LoRA adapters cannot apply to (refused at start-up). Optional: True.
     supports_lora: bool
+
+    # ``layer_windows()``: layer index -> sliding window of this process's layers that have one; their K/V go to
+    # the window pool (``--kv-window-pool``, docs/models.md), and their attention layers must then pick their
+    # pool's metadata from a ``pagoda.step.PoolMetadata``. Optional: {} (no window pool).
+    layer_windows: Callable[[], dict]
 
     # A context manager the runner enters around a forward pass that computes prompt tokens: inside it the
     # model multiplies each prompt row as it would in a cold prefill of any length, so a prefix-cache hit gives
@@ -221,6 +227,32 @@ class KVOffloadTiers(Protocol):
         """The moves writing every prefix block held in RAM or in the pool to the disk tier, called when the
         engine shuts down so that the next engine on the directory finds them. Optional: no moves (the disk
         tier keeps what it already holds)."""
+
+
+@runtime_checkable
+class KVWindowSlots(Protocol):
+    """The members of a KV allocator that keeps window slots (``--kv-window-pool``, docs/models.md), as
+    :class:`pagoda.kv.window.WindowSlots` has them. Core uses them only on an allocator whose class defines
+    ``init_window_pool``; an engine whose model would take the window pool refuses an allocator without it."""
+
+    window: Optional[int]  # the pool's window; None while off
+    window_usage: float  # fraction of the window slots requests' windows hold (0 while off)
+
+    def init_window_pool(self, num_slots: int, window: int) -> None:
+        """Keep ``num_slots`` window slots (numbered from 1; slot 0 is never handed out) for blocks within
+        ``window`` tokens of a request's next position, and count them in ``can_allocate``."""
+
+    def window_block_table(self, request_id: str) -> list[int]:
+        """The sequence's block table in the window pool: each block's slot, 0 for those out of its window."""
+
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write moves in the window pool ``(source slot, copy's slot)`` decided since the last call."""
+
+
+def has_window_slots(kv_manager: Any) -> bool:
+    """Whether a KV allocator offers the :class:`KVWindowSlots` members. Asked of its class (does it define
+    ``init_window_pool``), like :func:`has_offload_tiers`."""
+    return callable(getattr(type(kv_manager), "init_window_pool", None))
 
 
 def has_offload_tiers(kv_manager: Any) -> bool:
@@ -487,6 +519,9 @@ class ModelRunnerView(Protocol):
     num_swap_blocks: int  # blocks of its CPU swap space (0: none)
     # the offload tiers' tensors and files (``pagoda.kv.offload.KVTierStore``), None without ``--kv-offload-*``
     kv_tiers: Optional["KVTierStore"]
+    # how the KV memory is split when sliding-window layers keep only their window (``--kv-window-pool``), None
+    # when every layer keeps every token
+    window_pool: Optional["WindowPoolPlan"]
     timings: dict[str, float]  # seconds of each phase of the last step it ran (``--profile``)
     lora: Any  # its LoRA adapters (a pagoda.execution.lora.LoRAManager), None when LoRA is off
 

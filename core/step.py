@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -87,6 +87,8 @@ class SchedulerOutput:
     num_computed_before: list[int] = field(default_factory=list)
     num_draft_slots: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    # with the window pool on (pagoda.kv.window): per request, its blocks' slots in the sliding-window layers' pool
+    window_block_tables: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # (request, what is wrong and how to fix it): taken out of the queues, ended with the error by update()
     failed: list[tuple[Sequence, str]] = field(default_factory=list)
@@ -95,6 +97,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # the same copies in the window pool: (source slot -> copy's slot)
+    window_blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # offload tiers (RAM, disk) of the prefix cache: performed after the swap-outs, before the swap-ins
     kv_tier_moves: KVTierMoves = field(default_factory=KVTierMoves)
     # a KV connector's loads and saves (performed inside the runner's execute)
@@ -106,19 +110,21 @@ class SchedulerOutput:
     grammar_bitmask: Optional[torch.Tensor] = None
 
     def add(self, request: Sequence, num_new_tokens: int, num_computed_before: int, block_table: list[int],
-            num_draft_slots: int = 0) -> None:
+            num_draft_slots: int = 0, window_block_table: Optional[list[int]] = None) -> None:
         self.requests.append(request)
         self.num_new_tokens.append(num_new_tokens)
         self.num_computed_before.append(num_computed_before)
         self.num_draft_slots.append(num_draft_slots)
         self.block_tables.append(block_table)
+        if window_block_table is not None:
+            self.window_block_tables.append(window_block_table)
 
     def select(self, indices: typing.Sequence[int]) -> "SchedulerOutput":
         """The same step restricted to requests ``indices``, without block moves (for re-running part of it)."""
         sub = SchedulerOutput()
         for i in indices:
             sub.add(self.requests[i], self.num_new_tokens[i], self.num_computed_before[i], self.block_tables[i],
-                    self.num_draft_slots[i])
+                    self.num_draft_slots[i], self.window_block_tables[i] if self.window_block_tables else None)
         if self.grammar_rows:
             row_of = {i: row for row, i in enumerate(self.grammar_rows)}
             picked = [(j, row_of[i]) for j, i in enumerate(indices) if i in row_of]
@@ -137,7 +143,8 @@ class SchedulerOutput:
 
     @property
     def has_block_moves(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or self.kv_tier_moves)
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or self.kv_tier_moves
+                    or self.window_blocks_to_copy)
 
     @property
     def is_empty(self) -> bool:
@@ -222,6 +229,17 @@ class AttentionBatch:
             return slot_mapping, None
         tokens = valid.nonzero().flatten()
         return slot_mapping[tokens], tokens
+
+
+@dataclass
+class PoolMetadata:
+    """A step's attention metadata when the layers with a sliding window keep their K/V in a pool of their own
+    (pagoda.kv.window): the backend's metadata built twice, over the main block tables (``full``) and over the
+    window slots (``window``). The attention layer hands its backend the one of its pool, so a backend never
+    sees this object."""
+
+    full: Any
+    window: Any
 
 
 @dataclass

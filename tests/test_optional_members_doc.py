@@ -17,7 +17,7 @@ PROTOCOL_OF_HOOK = {"pagoda_attention_backends": "AttentionBackend", "pagoda_kv_
 # how the docs write a default value, as the leading words of its cell
 LITERALS = {"None": None, "False": False, "True": True, "`{}`": {}, "`frozenset()`": frozenset(), "`set()`": set()}
 # the arguments a default that is a method is called with to read what it answers
-CALL_ARGS = {"is_swapped": ("request-0",), "isa_paths": (), "spill_to_disk": ()}
+CALL_ARGS = {"is_swapped": ("request-0",), "isa_paths": (), "spill_to_disk": (), "layer_windows": ()}
 
 
 def documented_rows() -> dict[tuple[str, str], str]:

@@ -22,6 +22,7 @@ from pagoda.execution.executor import select_executor
 from pagoda.execution.model_runner import ModelRunner
 from pagoda.kv.connector import KVTransfers, block_payload_bytes
 from pagoda.kv.offload import fingerprint
+from pagoda.interfaces import has_window_slots
 from pagoda.kv.tiers import KVTierIndex, has_offload_tiers
 from pagoda.registry.adapt import adapt_component
 from pagoda.registry.plugin_manager import PluginManager
@@ -91,6 +92,11 @@ def build_components(config: EngineConfig, pm: PluginManager) -> Components:
     executor = executor_factory(config, pm)  # builds the model on every rank
     runner = executor.runner
     kv_manager = adapt_component(allocator(cc, runner.num_blocks), "pagoda_kv_allocators", cc.kv_allocator)
+    if runner.window_pool is not None:
+        if not has_window_slots(kv_manager):
+            raise ConfigError(f"the {cc.kv_allocator!r} KV allocator keeps no window slots (its class has no "
+                              "init_window_pool); pass --kv-window-pool off or use kv_allocator='paged'")
+        kv_manager.init_window_pool(runner.window_pool.num_slots, runner.window_pool.window)
     scheduler = build_scheduler(pm, config.scheduler, cc, kv_manager, config.lora)
     if cc.preemption_mode == "swap":
         kv_manager.init_swap_pool(runner.num_swap_blocks)

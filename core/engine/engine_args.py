@@ -106,6 +106,10 @@ class EngineArgs(HostOptions):
         "checksummed file per block; kept across restarts (needs --kv-offload-disk-size)"))
     kv_offload_disk_size: float = Field(default=0.0, ge=0, description=(
         "GiB the --kv-offload-disk files may take; the least recently used go first"))
+    kv_window_pool: Literal["auto", "off"] = Field(default="auto", description=(
+        "auto: layers with a sliding window shorter than --max-model-len keep only their window's K/V, in a "
+        "smaller pool of their own, and the memory saved goes to the full layers' blocks (docs/models.md); "
+        "off: every layer keeps every token's K/V"))
     kv_connector: Optional[str] = Field(default=None, description=(
         "a KV connector (pagoda_kv_connectors) that saves finished prefills' full prompt blocks outside the "
         "engine and loads them at admission instead of recomputing them: shared-disk (a folder several engines "
@@ -495,6 +499,7 @@ class EngineArgs(HostOptions):
             kv_offload_ram_bytes=int(self.kv_offload_ram * GiB),
             kv_offload_disk_dir=str(Path(self.kv_offload_disk).resolve()) if self.kv_offload_disk else None,
             kv_offload_disk_bytes=int(self.kv_offload_disk_size * GiB),
+            kv_window_pool=self.kv_window_pool,
         )
         spec_cfg = None
         if self.speculative_config:

@@ -75,6 +75,8 @@ class LLMEngine:
         # runs each step on every rank: the runner itself, or the ranks of a tensor-parallel model
         self.executor = parts.executor
         self.num_blocks = parts.num_blocks
+        # the split of the KV cache when sliding-window layers keep only their window (None: off)
+        self.window_pool = parts.runner.window_pool
         # the tokens that end a sequence; the first is "the" EOS (the other ones ride along on each sequence)
         self.eos_token_ids = parts.eos_token_ids
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from pagoda.interfaces import has_window_slots
 from pagoda.kv.tiers import has_offload_tiers
 from pagoda.sequence import Sequence
 
@@ -215,6 +216,9 @@ class PrometheusExporter:
         yield gauge("num_requests_running", "Requests in the running batch.", sched.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
         yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", kv.usage)
+        if has_window_slots(kv) and kv.window is not None:
+            yield gauge("kv_window_pool_usage_perc", "Fraction of the sliding-window layers' KV slots in use "
+                        "(--kv-window-pool; 1 = full).", kv.window_usage)
         prefix = kv.stats
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", prefix.queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix.hits)

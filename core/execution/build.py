@@ -16,6 +16,7 @@ from pagoda.errors import BackendUnavailable, ConfigError
 from pagoda.execution import distributed
 from pagoda.execution.lora import LoRAFollower, LoRAManager, LoRASlots
 from pagoda.execution.model_runner import ModelRunner
+from pagoda.execution.window_pool import plan_window_pool
 from pagoda.host import hugepages
 from pagoda.host.dtypes import is_fp8_kv_cache, resolve_kv_cache_dtype, stored_kv_dtype
 from pagoda.interfaces import AttentionBackend
@@ -72,18 +73,25 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
 
     # a pipeline stage keeps its own layers' K/V; every stage has the block count of the one with the most layers
     num_layers = max(config.parallel.pipeline_layer_partition or (mc.num_layers,))
-    bytes_per_block = math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * num_layers
     # every rank has the same block count: the one the rank with the most KV heads can hold
     most = max(distributed.head_shard(mc.num_heads, mc.num_kv_heads, distributed.TensorParallel(r, tp.size))
                .num_kv_heads for r in range(tp.size))
-    bytes_per_block = bytes_per_block * most // heads.num_kv_heads
-    num_blocks = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // bytes_per_block
+    bytes_per_layer_block = (math.prod(backend.kv_cache_shape(1)) * _kv_element_size(backend, mc.dtype) * most
+                             // heads.num_kv_heads)
+    bytes_per_block = bytes_per_layer_block * num_layers
+    window_pool = plan_window_pool(config, model.layer_windows(), num_layers, bytes_per_layer_block)
+    if window_pool is not None:
+        num_blocks = window_pool.num_blocks
+        # a main block's bytes: the full layers' only
+        bytes_per_block = bytes_per_layer_block * (num_layers - len(window_pool.layers))
+    else:
+        num_blocks = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(
             f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes} holds no KV block ({bytes_per_block} bytes each); "
             "raise it"
         )
-    runner = ModelRunner(rank_config, model, backend, sampler, num_blocks)
+    runner = ModelRunner(rank_config, model, backend, sampler, num_blocks, window_pool)
     if config.lora is not None:
         runner.lora = build_lora_manager(config, pm, model, runner.device)
     if proposer is not None:
@@ -91,7 +99,9 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
         runner.set_proposer(adapt_component(proposer(spec, config, runner, pm), "pagoda_proposers", spec.method))
         logger.info("speculative decoding: %s, up to %d draft tokens per step", spec.method,
                     spec.num_speculative_tokens)
-    if cc.preemption_mode == "swap":
+    if cc.preemption_mode == "swap" and window_pool is not None:
+        logger.info("KV window pool: preempted requests are recomputed (swap moves whole blocks of every layer)")
+    elif cc.preemption_mode == "swap":
         # CPU pool for preempted requests' blocks; with no room, preemption falls back to recompute
         runner.allocate_swap_space(cc.swap_space_bytes // bytes_per_block)
     if cc.kv_offload_ram_bytes or cc.kv_offload_disk_dir:
@@ -102,6 +112,9 @@ def build_runner(config: EngineConfig, pm: PluginManager) -> ModelRunner:
                        "its pages are mapped as blocks are first used")
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB%s)", num_blocks, cc.block_size,
                 num_blocks * bytes_per_block / 2**20, mapped)
+    if window_pool is not None:
+        logger.info("KV window pool: %s (%.1f MiB)", window_pool.summary(),
+                    (window_pool.num_slots + 1) * len(window_pool.layers) * bytes_per_layer_block / 2**20)
     return runner
 
 

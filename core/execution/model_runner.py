@@ -13,6 +13,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError
 from pagoda.execution import distributed
+from pagoda.execution.window_pool import WindowPoolPlan
 from pagoda.host import hugepages, malloc
 from pagoda.host.dtypes import stored_kv_dtype
 from pagoda.kv.connector import read_block, write_block
@@ -22,14 +23,16 @@ from pagoda.sampling.structured.after_reasoning import is_waiting
 from pagoda.sampling.structured.bitmask import allocate_bitmask, apply_bitmask_
 from pagoda.sampling.structured.speculative import fill_draft_rows
 from pagoda.sampling.sampler import prompt_logprobs_for
-from pagoda.step import AttentionBatch, KVTierMoves, RunnerOutput, SchedulerOutput
+from pagoda.step import AttentionBatch, KVTierMoves, PoolMetadata, RunnerOutput, SchedulerOutput
 
 
 class ModelRunner:
     """Owns the model, the KV tensors and the sampler; executes one step at a time."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, backend: Any, sampler: Any,
-                 num_blocks: int) -> None:
+                 num_blocks: int, window_pool: Optional[WindowPoolPlan] = None) -> None:
+        """``window_pool``: the split of the KV cache when the sliding-window layers keep theirs in a pool of
+        their own (None: every layer has ``num_blocks`` blocks)."""
         self.config = config
         self.model = model
         self.backend = backend
@@ -37,7 +40,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.device = torch.device(config.device)
         self.num_blocks = num_blocks
-        shape = backend.kv_cache_shape(num_blocks)
+        self.window_pool = window_pool
         kv_dtype = stored_kv_dtype(backend, config.model.dtype)
         # pipeline parallelism: this process's stage, which keeps the K/V of its own layers only
         self.stage = distributed.current_stage()
@@ -45,10 +48,16 @@ class ModelRunner:
         # maps on first touch, so a start writes nothing and only the blocks in use become resident; huge pages
         # are asked for before that first touch (the weights' were, by build_runner, before they were loaded)
         num_layers = self.stage.num_layers(config.model.num_layers)
+        window_layers = window_pool.layers if window_pool is not None else frozenset()
+        shapes = [tuple(backend.kv_cache_shape(window_pool.num_slots + 1 if i in window_layers else num_blocks))
+                  for i in range(num_layers)]
         if self.device.type == "cpu":
-            self.kv_caches = [malloc.zero_pages(tuple(shape), kv_dtype) for _ in range(num_layers)]
+            self.kv_caches = [malloc.zero_pages(shape, kv_dtype) for shape in shapes]
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(num_layers)]
+            self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for shape in shapes]
+        # the caches block moves of the main block ids apply to, and those of the window pool's slots
+        self._main_caches = [c for i, c in enumerate(self.kv_caches) if i not in window_layers]
+        self._window_caches = [c for i, c in enumerate(self.kv_caches) if i in window_layers]
         if config.host.huge_pages:
             hugepages.advise_tensors(self.kv_caches)
         # seconds the kernel took to map the whole CPU cache at start (None: it maps blocks as they are first used)
@@ -86,6 +95,9 @@ class ModelRunner:
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
         """CPU memory for swapped-out blocks, laid out like the cache itself."""
+        if self.window_pool is not None:
+            raise ConfigError("swap preemption moves whole blocks of every layer, which the KV window pool keeps "
+                              "apart; pass --kv-window-pool off or --preemption-mode recompute")
         self.num_swap_blocks = num_swap_blocks
         self.swap_caches = [self._swap_like(c) for c in self.kv_caches + self.draft_kv_caches]
 
@@ -118,6 +130,7 @@ class ModelRunner:
         failed = self._move_tiers(sched.kv_tier_moves)
         self._move(sched.blocks_to_swap_in, "in")
         self._move(sched.blocks_to_copy, "copy")
+        self._move(sched.window_blocks_to_copy, "copy", self._window_caches)
         return failed
 
     def _move_tiers(self, moves: KVTierMoves) -> list[int]:
@@ -155,13 +168,15 @@ class ModelRunner:
             self.forward(FlatBatch(pieces, starts, tables, bs))
         self._failed_load_blocks = []
 
-    def _move(self, pairs: list[tuple[int, int]], kind: str) -> None:
-        """One kind of block move ("out": cache to swap, "in": swap to cache, "copy": within the cache)."""
+    def _move(self, pairs: list[tuple[int, int]], kind: str, caches: Optional[list[torch.Tensor]] = None) -> None:
+        """One kind of block move ("out": cache to swap, "in": swap to cache, "copy": within the cache) over
+        ``caches`` (default: those indexed by the main block ids: every layer's but the window pool's, and a
+        draft model's)."""
         if not pairs:
             return
         src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
-        for layer, cache in enumerate(self.kv_caches + self.draft_kv_caches):
+        for layer, cache in enumerate(self._main_caches + self.draft_kv_caches if caches is None else caches):
             if kind == "out":
                 source, target = cache, self.swap_caches[layer]
             elif kind == "in":
@@ -226,9 +241,11 @@ class ModelRunner:
             # the proposer found fewer: the other slots stay unused)
             pieces.append(r.all_token_ids[start:start + sched.num_real_tokens(i)] + drafts[i])
         batch = FlatBatch(pieces, sched.num_computed_before, sched.block_tables, self.block_size,
-                          [r.num_prompt_tokens for r in reqs])
+                          [r.num_prompt_tokens for r in reqs], sched.window_block_tables or None)
         t = clock()
         metadata = self.backend.build_metadata(batch.attention)
+        if batch.window_attention is not None:
+            metadata = PoolMetadata(metadata, self.backend.build_metadata(batch.window_attention))
         t1 = clock()
         if self.lora is not None:
             self.lora.begin_pass([r.lora_request for r in reqs], batch.lengths, batch.order)
@@ -392,9 +409,12 @@ class FlatBatch:
 
     def __init__(self, pieces: typing.Sequence[typing.Sequence[int]], starts: typing.Sequence[int],
                  block_tables: typing.Sequence[list[int]], block_size: int,
-                 prompt_lens: Optional[typing.Sequence[int]] = None) -> None:
+                 prompt_lens: Optional[typing.Sequence[int]] = None,
+                 window_block_tables: Optional[typing.Sequence[list[int]]] = None) -> None:
         """``prompt_lens``: each request's prompt length (the caller's order), when the pieces are a step's
-        tokens; then :attr:`computes_prompt` says whether any piece holds prompt tokens."""
+        tokens; then :attr:`computes_prompt` says whether any piece holds prompt tokens. ``window_block_tables``:
+        the same requests' tables in the window pool, when it is on; then :attr:`window_attention` is the batch
+        over them."""
         n = len(pieces)
         self.lengths = lengths = [len(p) for p in pieces]  # tokens per request, the caller's order
         # the requests in row order: request order[0]'s rows come first
@@ -410,27 +430,32 @@ class FlatBatch:
         req_of_token = np.repeat(np.arange(n), num_new)
         self.positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts_sorted[req_of_token]
         seq_lens = starts_sorted + num_new
-        max_blocks = max(len(block_tables[i]) for i in order)
-        tables = np.zeros((n, max_blocks), dtype=np.int64)
-        for row, i in enumerate(order):
-            tables[row, :len(block_tables[i])] = block_tables[i]
-        slot_mapping = tables[req_of_token, self.positions // block_size] * block_size + \
-            self.positions % block_size
-        self.attention = AttentionBatch(
-            num_reqs=n,
-            num_decodes=num_decodes,
-            num_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
-            block_tables=torch.from_numpy(tables).to(torch.int32),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_start_loc_list=query_start_loc.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-            max_query_len=int(num_new.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=block_size,
-            prompt_lens_list=None if prompt_lens is None else [int(prompt_lens[i]) for i in order],
-        )
+
+        def attention_batch(tables_of: typing.Sequence[list[int]]) -> AttentionBatch:
+            tables = np.zeros((n, max(len(tables_of[i]) for i in order)), dtype=np.int64)
+            for row, i in enumerate(order):
+                tables[row, :len(tables_of[i])] = tables_of[i]
+            slot_mapping = tables[req_of_token, self.positions // block_size] * block_size + \
+                self.positions % block_size
+            return AttentionBatch(
+                num_reqs=n,
+                num_decodes=num_decodes,
+                num_tokens=num_tokens,
+                query_start_loc=torch.from_numpy(query_start_loc).to(torch.int32),
+                seq_lens=torch.from_numpy(seq_lens).to(torch.int32),
+                block_tables=torch.from_numpy(tables).to(torch.int32),
+                slot_mapping=torch.from_numpy(slot_mapping),
+                query_start_loc_list=query_start_loc.tolist(),
+                seq_lens_list=seq_lens.tolist(),
+                max_query_len=int(num_new.max()),
+                max_seq_len=int(seq_lens.max()),
+                block_size=block_size,
+                prompt_lens_list=None if prompt_lens is None else [int(prompt_lens[i]) for i in order],
+            )
+
+        self.attention = attention_batch(block_tables)
+        # the window layers' batch: the same tokens, their slots in the window pool
+        self.window_attention = None if window_block_tables is None else attention_batch(window_block_tables)
         self.computes_prompt = prompt_lens is not None and any(
             lengths[i] and starts[i] < prompt_lens[i] for i in range(n))
         # request i (caller's order) -> its first row and row count in the hidden states

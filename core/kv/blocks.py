@@ -20,6 +20,7 @@ from pagoda import hookimpl
 from pagoda.config import CacheConfig
 from pagoda.kv.swap import SwapPool
 from pagoda.kv.tiers import KVTierIndex, TieredPrefixCache
+from pagoda.kv.window import NULL_SLOT, WindowSlots
 from pagoda.sequence import Sequence
 
 # what a cached block's hash stands for: (parent block's hash, the block's token ids, extra keys)
@@ -51,7 +52,7 @@ def hash_block(parent_hash: Optional[int], token_ids: typing.Sequence[int], extr
     return hash((-1 if parent_hash is None else parent_hash, tuple(token_ids), extra_keys))
 
 
-class PagedKVCacheManager(SwapPool, TieredPrefixCache):
+class PagedKVCacheManager(SwapPool, TieredPrefixCache, WindowSlots):
     """Hands out block ids to requests and reclaims them.
 
     Query/act pairs: :meth:`get_computed_blocks` then :meth:`can_allocate` /
@@ -71,6 +72,9 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
     - Offload tiers (:meth:`init_offload`): a cached block the pool is about to
       overwrite is kept in CPU RAM, then on disk; a later prefix hit on it takes
       a fresh block and loads it back. The moves wait in :meth:`take_tier_moves`.
+    - Window pool (:meth:`init_window_pool`, :class:`~pagoda.kv.window.WindowSlots`): a block holds a slot
+      in the sliding-window layers' smaller pool only while some request's window covers it (or, cached, until
+      a running request needs the slot); prefix hits are cut to what the window layers still hold.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -181,6 +185,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
                     break
                 block = KVBlock(-1, block_hash=parent, key=key)  # in a tier: loaded into a fresh block
             hits.append(block)
+        if self.window is not None:
+            hits = self.cut_hits_to_window(hits)
         return hits, len(hits) * bs
 
     def num_blocks_to_take(self, request: Sequence, num_new_tokens: int,
@@ -195,7 +201,18 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
 
     def can_allocate(self, request: Sequence, num_new_tokens: int,
                      computed_blocks: typing.Sequence[KVBlock] = ()) -> bool:
-        return self.num_blocks_to_take(request, num_new_tokens, computed_blocks) <= self.num_free_blocks
+        """Whether the free blocks (and, with the window pool, the free window slots) hold the allocation."""
+        if self.num_blocks_to_take(request, num_new_tokens, computed_blocks) > self.num_free_blocks:
+            return False
+        return self.window is None or self._window_fits(request, num_new_tokens, computed_blocks)
+
+    def _window_fits(self, request: Sequence, num_new_tokens: int, computed_blocks: typing.Sequence[KVBlock]) -> bool:
+        table = self._tables.get(request.request_id, ())
+        num_computed = self._position(request) + len(computed_blocks) * self.block_size
+        num_fresh = max(self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks), 0)
+        num_fresh += int(self._needs_copy(table, num_computed))
+        return self.num_window_slots_to_take(request, num_computed, num_fresh, computed_blocks) <= \
+            self.num_free_window_slots
 
     # ---- actions -------------------------------------------------------------
 
@@ -217,9 +234,14 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         total = num_computed + num_new_tokens
         num_fresh = self.blocks_needed(total) - len(table)
         needs_copy = self._needs_copy(table, num_computed)
-        if num_fresh > 0 or needs_copy:
-            if max(num_fresh, 0) + needs_copy > len(self._free):
+        if max(num_fresh, 0) + needs_copy > len(self._free):
+            return False
+        if self.window is not None:
+            if not self._window_fits(request, num_new_tokens, ()):
                 return False
+            self._move_window(rid, table, self.window_first_block(num_computed),
+                              request.num_prompt_tokens // self.block_size)
+        if num_fresh > 0 or needs_copy:
             ids = self._block_ids[rid]
             if needs_copy:
                 self._copy_on_write(table, ids, num_computed)
@@ -261,6 +283,14 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             self._hashes[rid] = [b.block_hash for b in computed_blocks]
         num_computed = position + len(computed_blocks) * self.block_size
         self._forked_at.pop(rid, None)
+        if self.window is not None:
+            first = self.window_first_block(num_computed)
+            if computed_blocks:  # a new request's table is its hits: its window holds those it covers
+                for block in table[first:]:
+                    self._hold_window(block)
+                self._window_start[rid] = first
+            else:
+                self._move_window(rid, table, first, request.num_prompt_tokens // self.block_size)
         if self._needs_copy(table, num_computed):
             self._copy_on_write(table, ids, num_computed)
         total = num_computed + num_new_tokens
@@ -290,6 +320,11 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         self._hashes[child.request_id] = list(self._hashes.get(source.request_id, ())[:num_tokens // self.block_size])
         self._num_slots[child.request_id] = num_tokens
         self._forked_at[child.request_id] = num_tokens
+        if self.window is not None:
+            first = self.window_first_block(num_tokens)
+            for block in shared[first:]:
+                self._hold_window(block)
+            self._window_start[child.request_id] = first
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write moves decided since the last call: ``(source block, private copy)``."""
@@ -309,6 +344,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             return
         keep = self.blocks_needed(num_tokens)
         if len(table) > keep:
+            if self.window is not None:
+                self._drop_request_window(rid, table, keep)
             self._release(table[keep:])
             del table[keep:]
             del self._block_ids[rid][keep:]
@@ -317,7 +354,10 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
     def free(self, request: Sequence | str) -> None:
         """Return every block and swap slot the request holds; full hashed blocks stay cached."""
         request_id = request if isinstance(request, str) else request.request_id
-        self._release(self._tables.pop(request_id, []))
+        table = self._tables.pop(request_id, [])
+        if self.window is not None:
+            self._drop_request_window(request_id, table)
+        self._release(table)
         self._block_ids.pop(request_id, None)
         self._free_swap.extend(reversed(self._swapped.pop(request_id, [])))
         self._hashes.pop(request_id, None)
@@ -329,6 +369,8 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             block.block_hash = None
             block.key = None
         self._cached.clear()
+        if self.window is not None:
+            self._release_idle_slots()
         if self.tiers is not None:
             self.tiers.reset_ram()
 
@@ -352,6 +394,10 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
         table[i] = self._take_fresh()
         ids[i] = table[i].block_id
         self._pending_copies.append((source.block_id, ids[i]))
+        if self.window is not None:
+            if self._slot_of[source.block_id] != NULL_SLOT:
+                self._window_copies.append((self._slot_of[source.block_id], self._slot_of[ids[i]]))
+            self._drop_window(source)
 
     def _release(self, table: list[KVBlock]) -> None:
         # the tail first so, under LRU, a prompt's last blocks go before its first
@@ -389,6 +435,9 @@ class PagedKVCacheManager(SwapPool, TieredPrefixCache):
             block.key = None
         block.num_hits = 0
         block.ref_cnt = 1
+        if self.window is not None:  # every block taken here is written by the request taking it
+            self._forget_slot(block)
+            self._give_slot(block)
         return block
 
     def _take_by_key(self) -> KVBlock:

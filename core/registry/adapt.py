@@ -22,6 +22,10 @@ def _never_swapped(request_id: str) -> bool:
     return False
 
 
+def _no_windows() -> dict[int, int]:
+    return {}
+
+
 def _nothing_to_spill() -> KVTierMoves:
     return KVTierMoves()
 
@@ -42,6 +46,7 @@ OPTIONAL_MEMBERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "runs_first_layers_of_caches": lambda component, name: False,
         "packed_modules_mapping": lambda component, name: {},  # no fused layer: adapters map one to one
         "attention_features": lambda component, name: set(),  # asks nothing beyond causal attention
+        "layer_windows": lambda component, name: _no_windows,  # no layer with a window: no window pool
         "supports_lora": lambda component, name: True,
     },
 }

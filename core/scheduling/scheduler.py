@@ -38,6 +38,7 @@ from typing import Any, Callable, Container, Iterable, Optional
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.errors import SchedulingPolicyError
+from pagoda.interfaces import has_window_slots
 from pagoda.kv.tiers import has_offload_tiers
 from pagoda.sequence import FINISHED_STATUSES, Sequence, SequenceStatus
 from pagoda.step import RunnerOutput, SchedulerOutput
@@ -170,6 +171,7 @@ class Scheduler:
         self.preemption_mode = cache_config.preemption_mode
         self.kv = kv_manager
         self._has_offload_tiers = has_offload_tiers(kv_manager)
+        self._has_window_slots = has_window_slots(kv_manager)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -295,6 +297,8 @@ class Scheduler:
             self._reorder_waiting()
             self._schedule_waiting(out, budget)
         out.blocks_to_copy.extend(self.kv.take_block_copies())
+        if self._has_window_pool():
+            out.window_blocks_to_copy.extend(self.kv.take_window_copies())
         if self._has_offload_tiers and self.kv.tiers is not None:
             out.kv_tier_moves = self.kv.take_tier_moves()
         return out
@@ -365,9 +369,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _has_window_pool(self) -> bool:
+        """Whether the allocator keeps window slots now (pagoda.kv.window; turned on after the scheduler is built)."""
+        return self._has_window_slots and self.kv.window is not None
+
     def _add_to_output(self, out: SchedulerOutput, req: Sequence, num_new: int, num_computed: int,
                        num_drafts: int = 0) -> None:
-        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts)
+        window_table = self.kv.window_block_table(req.request_id) if self._has_window_pool() else None
+        out.add(req, num_new, num_computed, self.kv.block_table(req.request_id), num_drafts, window_table)
         if self.kv_transfers is not None:
             self.kv_transfers.note_scheduled(out, req, num_computed, num_new, out.block_tables[-1])
         self._scheduled_now[req.request_id] = num_new

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagoda.errors import CheckpointError
+from pagoda.step import PoolMetadata
 
 # per-layer fp8 KV scales as llm-compressor / vLLM checkpoints name them ("kv_scale" is the older
 # single scale for both; AutoFP8 wrote k_proj/v_proj "output_scale")
@@ -79,4 +80,6 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: Any, metadata: Any) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if isinstance(metadata, PoolMetadata):  # the window pool is on: a layer with a window reads its slots
+            metadata = metadata.window if self.sliding_window else metadata.full
         return self.backend.forward(self, q, k, v, kv_cache, metadata)

@@ -524,6 +524,11 @@ class DecoderForCausalLM(nn.Module):
         """What this model's layers ask of the attention backend beyond causal attention."""
         return set().union(*(m.features for m in self.modules() if isinstance(m, Attention)))
 
+    def layer_windows(self) -> dict[int, int]:
+        """Layer index -> sliding window, for this stage's layers that have one (their attention layers read the
+        window pool's metadata when it is on)."""
+        return {m.layer_idx: m.sliding_window for m in self.modules() if isinstance(m, Attention) and m.sliding_window}
+
     # ---- loading -------------------------------------------------------------------------------------
 
     def map_name(self, name: str) -> tuple[str, Optional[int]]:

@@ -116,6 +116,8 @@ def run_prefix(ns: argparse.Namespace) -> int:
     warmup = shared_prefix(vocab, special, 4, min(ns.prefix_len, 64), ns.suffix_len, 4, seed=1)
     print(f"model: {engine.config.model.model}  dtype: {str(engine.config.model.dtype).replace('torch.', '')}  "
           f"threads: {engine.num_threads}  KV blocks: {engine.num_blocks} x {engine.config.cache.block_size}")
+    if engine.window_pool is not None:
+        print(f"KV window pool: {engine.window_pool.summary()}")
     print(f"W2: {len(requests)} requests, a {ns.prefix_len}-token shared prefix (of {ns.num_prefixes}) + "
           f"{ns.suffix_len} distinct tokens each, {ns.output_len} output tokens each, median of {ns.repeats}"
           + (f", in waves of {wave}" if wave else ""))

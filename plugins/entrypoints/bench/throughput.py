@@ -210,6 +210,8 @@ def _print_header(llm) -> None:
           f"threads: {llm.engine.num_threads}  attention: {llm.engine.backend.name}  "
           f"KV blocks: {llm.engine.num_blocks} x {cfg.cache.block_size} "
           f"({str(stored_kv_dtype(llm.engine.backend, cfg.model.dtype)).replace('torch.', '')})")
+    if llm.engine.window_pool is not None:
+        print(f"KV window pool: {llm.engine.window_pool.summary()}")
     from pagoda.plugins.quant.memory import weight_memory
 
     print(f"weights ({cfg.model.quantization or 'unquantized'}): {weight_memory(llm.engine.model).describe()}")
