@@ -369,7 +369,7 @@ def test_missing_model_directory_is_named(tmp_path):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("min_p", 1.5), ("n", 0),
-    ("max_tokens", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 100),
+    ("max_tokens", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", -2),
     ("stop", [""]), ("stop_token_ids", [-1]), ("logit_bias", {5: 500.0}),
     # wrong types are named too, never a bare TypeError
     ("temperature", None), ("temperature", float("nan")), ("top_p", "0.9"), ("max_tokens", 2.5), ("n", True),
@@ -392,6 +392,9 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_working(llm, one_at_a_ti
         llm.generate(too_long, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 2, 10 ** 6]}, GREEDY, use_tqdm=False)
+    # more logprobs than the engine's --max-logprobs (20 by default)
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        llm.generate(PROMPTS[0], GREEDY.clone(logprobs=100), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="2 SamplingParams for 3 prompts"):
