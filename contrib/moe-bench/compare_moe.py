@@ -46,11 +46,11 @@ BYTES_PER_WEIGHT = {"bfloat16": 2, "float32": 4}
 PROMPT_LEN = 32  # batch 1's prompt
 
 
-def _serving_compare():
-    """contrib/serving-comparison/compare.py, for its CPU description and vLLM's environment."""
-    spec = importlib.util.spec_from_file_location("serving_compare", HERE.parent / "serving-comparison" / "compare.py")
+def _load_script(name: str, path: Optional[Path] = None):
+    """A contrib script (``HERE/name.py`` unless ``path``) as a module; its ``main`` does not run."""
+    spec = importlib.util.spec_from_file_location(name, path or HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -119,8 +119,7 @@ def checkpoint(root: Path, layers: int, dtype: str) -> Path:
     partial = root / f".moe{layers}-{dtype}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     if dtype == "bfloat16":
-        subprocess.run([sys.executable, str(HERE / "make_random_moe.py"), str(partial), "--layers", str(layers)],
-                       check=True)
+        _load_script("make_random_moe").write_random_moe(partial, layers)
     else:
         _cast_checkpoint(checkpoint(root, layers, "bfloat16"), partial, dtype)
     partial.rename(out)
@@ -269,7 +268,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    serving_compare = _serving_compare()
+    # contrib/serving-comparison/compare.py: its CPU description and vLLM's environment
+    serving_compare = _load_script("serving_compare", HERE.parent / "serving-comparison" / "compare.py")
     cpu = serving_compare.cpu_description()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     read_gbps, copy_gbps = memory_bandwidth_gbps()
