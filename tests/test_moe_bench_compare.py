@@ -5,6 +5,7 @@ refusals."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -13,16 +14,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "contrib" / "moe-bench" / "compare_moe.py"
-
-
-@pytest.fixture(scope="module")
-def compare_moe():
-    spec = importlib.util.spec_from_file_location("compare_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+_spec = importlib.util.spec_from_file_location("compare_moe", SCRIPT)
+compare_moe = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # its dataclass looks it up
+_spec.loader.exec_module(compare_moe)  # its imports are the standard library's: nothing runs
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +47,12 @@ def test_a_quick_run_reports_the_cpu_bandwidth_and_both_engines_figures(quick_ru
     assert (root / "moe2-bfloat16" / "config.json").exists() and not (root / "moe2-float32").exists()
 
 
-def test_the_bytes_per_decode_token_count_every_tensor_a_token_reads(compare_moe, quick_run):
+def test_the_bytes_per_decode_token_count_every_tensor_a_token_reads(quick_run):
     from safetensors import safe_open
 
     root, _ = quick_run
     model = root / "moe2-bfloat16"
-    config = compare_moe.json.loads((model / "config.json").read_text())
+    config = json.loads((model / "config.json").read_text())
     experts, dense = compare_moe.decode_bytes(config, 2)
     num_experts, top_k = compare_moe.num_experts(config), config["num_experts_per_tok"]
     expert_bytes = other_bytes = 0
@@ -83,3 +77,16 @@ def test_vllm_without_a_venv_is_refused_with_the_flag_to_pass(tmp_path):
                          text=True, timeout=60)
     assert run.returncode == 2
     assert f"--vllm-venv {tmp_path}: there is no bin/python in it" in run.stderr and "--no-vllm" in run.stderr
+
+
+def test_pagoda_is_compared_with_the_peer_s_better_dtype_in_each_workload():
+    run = compare_moe.Run
+    pagoda = run("pagoda", "bfloat16", output_tok_s=100.0, ms_per_token=10.0)
+    vllm = [run("vLLM", "bfloat16", output_tok_s=50.0, ms_per_token=20.0),
+            run("vLLM", "float32", output_tok_s=80.0, ms_per_token=30.0)]
+    assert compare_moe.ratio_rows(pagoda, vllm, "best vLLM") == [
+        "| pagoda bfloat16 / best vLLM | 1.25x of float32's (ahead) | 0.50x the time of bfloat16's (ahead) | |"]
+    slower = run("pagoda", "bfloat16", output_tok_s=40.0, ms_per_token=40.0)
+    assert compare_moe.ratio_rows(slower, [run("transformers", "float32", ms_per_token=25.0)], "transformers") == [
+        "| pagoda bfloat16 / transformers | - | 1.60x the time of float32's (behind) | |"]
+    assert compare_moe.ratio_rows(pagoda, [], "best vLLM") == []

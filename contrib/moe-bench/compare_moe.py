@@ -127,6 +127,7 @@ def checkpoint(root: Path, layers: int, dtype: str) -> Path:
 
 
 def _cast_checkpoint(src: Path, dst: Path, dtype: str) -> None:
+    """``src`` (make_random_moe.py's one safetensors file and its config) with its weights cast to ``dtype``."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -138,16 +139,10 @@ def _cast_checkpoint(src: Path, dst: Path, dtype: str) -> None:
             save_file(tensors, dst / path.name, metadata={"format": "pt"})
         elif path.name == "config.json":
             config = json.loads(path.read_text())
-            config["dtype" if "dtype" in config else "torch_dtype"] = dtype
+            config["dtype"] = dtype
             (dst / path.name).write_text(json.dumps(config, indent=2))
         elif path.is_file():
             shutil.copy(path, dst / path.name)
-    # a sharded checkpoint's index names the same files; nothing in it depends on the dtype but the total size
-    index = dst / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        data.get("metadata", {}).pop("total_size", None)
-        index.write_text(json.dumps(data, indent=2))
 
 
 def workloads(model_dir: Path, num_requests: int, max_output: Optional[int], batch1_tokens: int):
@@ -194,24 +189,23 @@ def run_hf(model_dir: Path, dtype: str, threads: int, prompt: list[int], batch1_
     return json.loads(done.stdout)["tpot"]
 
 
+def _ratio_cell(pagoda: Run, peers: list[Run], attr: str, higher_is_better: bool, unit: str) -> str:
+    """pagoda's ``attr`` over the best peer's, and who is ahead; "-" when either has none."""
+    ran = [r for r in peers if getattr(r, attr)]
+    if not ran or not getattr(pagoda, attr):
+        return "-"
+    best = (max if higher_is_better else min)(ran, key=lambda r: getattr(r, attr))
+    x = getattr(pagoda, attr) / getattr(best, attr)
+    ahead = x > 1 if higher_is_better else x < 1
+    return f"{x:.2f}x {unit} {best.dtype}'s ({'ahead' if ahead else 'behind'})"
+
+
 def ratio_rows(pagoda: Run, peers: list[Run], name: str) -> list[str]:
-    """pagoda's figures over the peer's better figure in each workload."""
-    tok_s = [r for r in peers if r.output_tok_s]
-    ms = [r for r in peers if r.ms_per_token]
-    cells = []
-    if tok_s and pagoda.output_tok_s:
-        best = max(tok_s, key=lambda r: r.output_tok_s)
-        x = pagoda.output_tok_s / best.output_tok_s
-        cells.append(f"{x:.2f}x of {best.dtype}'s ({'ahead' if x > 1 else 'behind'})")
-    else:
-        cells.append("-")
-    if ms and pagoda.ms_per_token:
-        best = min(ms, key=lambda r: r.ms_per_token)
-        x = pagoda.ms_per_token / best.ms_per_token
-        cells.append(f"{x:.2f}x the time of {best.dtype}'s ({'ahead' if x < 1 else 'behind'})")
-    else:
-        cells.append("-")
-    return [f"| pagoda {pagoda.dtype} / {name} | {cells[0]} | {cells[1]} | |"] if ms or tok_s else []
+    """pagoda's figures over the peer's better figure in each workload (no row when the peer has none)."""
+    if not peers:
+        return []
+    return [f"| pagoda {pagoda.dtype} / {name} | {_ratio_cell(pagoda, peers, 'output_tok_s', True, 'of')} | "
+            f"{_ratio_cell(pagoda, peers, 'ms_per_token', False, 'the time of')} | |"]
 
 
 def table(runs: list[Run], num_requests: int, batch1_tokens: int, roofline_ms: dict[str, float]) -> str:
