@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,8 @@ def quick_run(tmp_path_factory):
                           "--checkpoint-dir", str(root), "--output", str(root / "report.md")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return root, run.stdout
+    yield root, run.stdout
+    shutil.rmtree(root)  # 0.6 GB of checkpoint
 
 
 def test_a_quick_run_reports_the_cpu_bandwidth_and_both_engines_figures(quick_run):
