@@ -18,9 +18,58 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from safetensors.torch import save_file
+from transformers import Qwen3MoeConfig
 
 from pagoda.modeling.default_model import ensure_default_model
+
+
+def write_random_moe(out_dir: Path, layers: int = 24, hidden: int = 1024, experts: int = 64, active: int = 8,
+                     expert_intermediate: int = 512, dtype: str = "bfloat16") -> int:
+    """Write the checkpoint to ``out_dir``: every matrix drawn from N(0, 0.02) (the config's initializer range, as
+    transformers initializes them), every norm's weights 1. Returns the bytes of expert weights a token reads."""
+    tokenizer_dir = ensure_default_model()
+    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                         intermediate_size=4 * hidden, moe_intermediate_size=expert_intermediate,
+                         num_experts=experts, num_experts_per_tok=active, norm_topk_prob=True,
+                         max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=False,
+                         dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=getattr(torch, dtype)).mul_(cfg.initializer_range)
+
+    def ones(n: int) -> torch.Tensor:  # an RMSNorm's weights
+        return torch.ones(n, dtype=getattr(torch, dtype))
+
+    # Qwen3-MoE's tensor names, as transformers saves them (one tensor per expert and projection)
+    q_width, kv_width, head_dim = 16 * 128, 4 * 128, 128
+    tensors = {"model.embed_tokens.weight": draw(cfg.vocab_size, hidden)}
+    for i in range(layers):
+        layer = f"model.layers.{i}"
+        tensors.update({f"{layer}.input_layernorm.weight": ones(hidden),
+                        f"{layer}.post_attention_layernorm.weight": ones(hidden),
+                        f"{layer}.self_attn.q_proj.weight": draw(q_width, hidden),
+                        f"{layer}.self_attn.k_proj.weight": draw(kv_width, hidden),
+                        f"{layer}.self_attn.v_proj.weight": draw(kv_width, hidden),
+                        f"{layer}.self_attn.o_proj.weight": draw(hidden, q_width),
+                        f"{layer}.self_attn.q_norm.weight": ones(head_dim),
+                        f"{layer}.self_attn.k_norm.weight": ones(head_dim),
+                        f"{layer}.mlp.gate.weight": draw(experts, hidden)})
+        for e in range(experts):
+            tensors.update({f"{layer}.mlp.experts.{e}.gate_proj.weight": draw(expert_intermediate, hidden),
+                            f"{layer}.mlp.experts.{e}.up_proj.weight": draw(expert_intermediate, hidden),
+                            f"{layer}.mlp.experts.{e}.down_proj.weight": draw(hidden, expert_intermediate)})
+    tensors.update({"model.norm.weight": ones(hidden), "lm_head.weight": draw(cfg.vocab_size, hidden)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    cfg.save_pretrained(str(out_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return 3 * hidden * expert_intermediate * getattr(torch, dtype).itemsize * active * layers
 
 
 def main() -> None:
@@ -33,21 +82,10 @@ def main() -> None:
     parser.add_argument("--expert-intermediate", type=int, default=512)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    tokenizer_dir = ensure_default_model()
-    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-                         intermediate_size=4 * args.hidden, moe_intermediate_size=args.expert_intermediate,
-                         num_experts=args.experts, num_experts_per_tok=args.active, norm_topk_prob=True,
-                         max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype))
-    model.save_pretrained(str(args.out_dir), safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, args.out_dir / name)
-    expert_bytes = 3 * args.hidden * args.expert_intermediate * model.dtype.itemsize
+    expert_bytes = write_random_moe(args.out_dir, args.layers, args.hidden, args.experts, args.active,
+                                    args.expert_intermediate, args.dtype)
     print(f"wrote {args.out_dir}: {args.layers} layers, {args.experts} experts x {args.active} active, "
-          f"{expert_bytes * args.active * args.layers / 1e6:.1f} MB of expert weights read per token")
+          f"{expert_bytes / 1e6:.1f} MB of expert weights read per token")
 
 
 if __name__ == "__main__":

@@ -84,18 +84,23 @@ def cpu_description(cpuinfo: str = "/proc/cpuinfo") -> str:
             f"{'; lacks: ' + ' '.join(lacks) if lacks else ''}")
 
 
+def vllm_env() -> dict[str, str]:
+    """This environment, with vLLM's CPU settings defaulted: its OpenMP threads bound to every core and 4 GB of
+    KV cache."""
+    return dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                                      f"0-{(os.cpu_count() or 1) - 1}"),
+                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+
+
 def engines(args) -> dict[str, Engine]:
     """pagoda with its defaults and vLLM in each dtype."""
     pagoda = Engine("pagoda", [args.pagoda, "serve", "--model", args.model, "--port", str(args.port),
                                *shlex.split(args.pagoda_args)], dict(os.environ))
-    vllm_env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
-                                                                         f"0-{(os.cpu_count() or 1) - 1}"),
-                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
     out = {"pagoda": pagoda}
     for dtype in args.vllm_dtypes:
         out[f"vllm-{dtype}"] = Engine(f"vllm-{dtype}", [
             args.client_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--dtype", dtype,
-            "--max-model-len", "1024", "--port", str(args.port), *shlex.split(args.vllm_args)], vllm_env)
+            "--max-model-len", "1024", "--port", str(args.port), *shlex.split(args.vllm_args)], vllm_env())
     return out
 
 
