@@ -45,19 +45,18 @@ def ray_cluster():
 
 # --- the suite's time and memory: what `make test` prints at its end -------------------------------------------
 
-# Test files whose tests take the most time (the "longest test files" of the last CI run with the AVX2 paths, scaled
-# by each file's CPU time since then, longest first). With pytest-xdist's --dist loadfile a worker takes a whole file
-# at a time, so a long file that starts last keeps one worker busy while the other has nothing left: these start
-# first, longest first, every other file (each under about 15 s there) after them in its usual order, so the two
-# workers end within about a file of each other (the Makefile turns off xdist's own reordering by number of tests
-# per file).
-LONG_FILES_FIRST = ("test_ray_cluster.py", "test_model_features.py", "test_structured_outputs_speculative.py",
-                    "test_tool_calling_clients.py", "test_tensor_parallel.py", "test_models.py",
-                    "test_server_responses_tools.py", "test_model_composition.py", "test_server_cli.py",
-                    "test_kv_cache_fp8.py", "test_bf16_parity.py", "test_structured_outputs.py", "test_plugin_guide.py",
-                    "test_server_errors.py", "test_server_tool_calling.py", "test_default_model.py",
-                    "test_bench_workloads.py", "test_spec_decode.py", "test_structured_outputs_server.py",
-                    "test_structured_outputs_hostile.py", "test_engine.py")
+# Test files whose tests take the most time (the "longest test files" of the last CI run, scaled by each file's CPU
+# time since then, longest first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long
+# file that starts last keeps one worker busy while the other has nothing left: these start first, longest first,
+# every other file (each under about 11 s there) after them in its usual order, so the two workers end within about a
+# file of each other (the Makefile turns off xdist's own reordering by number of tests per file).
+LONG_FILES_FIRST = ("test_ray_cluster.py", "test_tool_calling_clients.py", "test_model_features.py",
+                    "test_structured_outputs_speculative.py", "test_tensor_parallel.py", "test_models.py",
+                    "test_server_cli.py", "test_server_responses_tools.py", "test_model_composition.py",
+                    "test_server_errors.py", "test_contracts.py", "test_bench_soak.py", "test_server_tool_calling.py",
+                    "test_plugin_guide.py", "test_spec_decode.py", "test_kv_cache_fp8.py", "test_default_model.py",
+                    "test_bf16_parity.py", "test_structured_outputs_hostile.py", "test_bench_workloads.py",
+                    "test_kv_connector_serve.py", "test_structured_outputs.py", "test_engine.py")
 
 
 def pytest_addoption(parser):
