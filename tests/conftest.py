@@ -1,5 +1,6 @@
 """Suite-wide settings that must be in place before any test module imports torch or triton."""
 
+import gc
 import os
 import shutil
 
@@ -44,19 +45,18 @@ def ray_cluster():
 
 # --- the suite's time and memory: what `make test` prints at its end -------------------------------------------
 
-# Test files whose tests take the most time (the "longest test files" of the last CI run with the AVX2 paths, scaled
-# by each file's CPU time since then, longest first). With pytest-xdist's --dist loadfile a worker takes a whole file
-# at a time, so a long file that starts last keeps one worker busy while the other has nothing left: these start
-# first, longest first, every other file (each under about 15 s there) after them in its usual order, so the two
-# workers end within about a file of each other (the Makefile turns off xdist's own reordering by number of tests
-# per file).
-LONG_FILES_FIRST = ("test_ray_cluster.py", "test_model_features.py", "test_structured_outputs_speculative.py",
-                    "test_tool_calling_clients.py", "test_tensor_parallel.py", "test_models.py",
-                    "test_server_responses_tools.py", "test_model_composition.py", "test_server_cli.py",
-                    "test_kv_cache_fp8.py", "test_bf16_parity.py", "test_structured_outputs.py", "test_plugin_guide.py",
-                    "test_server_errors.py", "test_server_tool_calling.py", "test_default_model.py",
-                    "test_bench_workloads.py", "test_spec_decode.py", "test_structured_outputs_server.py",
-                    "test_structured_outputs_hostile.py", "test_engine.py")
+# Test files whose tests take the most time (the "longest test files" of the last CI run, scaled by each file's CPU
+# time since then, longest first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long
+# file that starts last keeps one worker busy while the other has nothing left: these start first, longest first,
+# every other file (each under about 11 s there) after them in its usual order, so the two workers end within about a
+# file of each other (the Makefile turns off xdist's own reordering by number of tests per file).
+LONG_FILES_FIRST = ("test_ray_cluster.py", "test_tool_calling_clients.py", "test_model_features.py",
+                    "test_structured_outputs_speculative.py", "test_tensor_parallel.py", "test_models.py",
+                    "test_server_cli.py", "test_server_responses_tools.py", "test_model_composition.py",
+                    "test_server_errors.py", "test_contracts.py", "test_bench_soak.py", "test_server_tool_calling.py",
+                    "test_plugin_guide.py", "test_spec_decode.py", "test_kv_cache_fp8.py", "test_default_model.py",
+                    "test_bf16_parity.py", "test_structured_outputs_hostile.py", "test_bench_workloads.py",
+                    "test_kv_connector_serve.py", "test_structured_outputs.py", "test_engine.py")
 
 
 def pytest_addoption(parser):
@@ -67,6 +67,16 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_collection_finish(session):
+    """Leave the objects alive now (modules, classes, functions: some 400,000 once torch, transformers and the test
+    modules are imported) out of every later collection of reference cycles. A full collection visits every object
+    the collector tracks: 0.2-0.3 s of CPU in a worker, and the suite runs hundreds (each engine released, each
+    file's end, and Python's own as objects pile up); frozen, the objects the tests made since are all it visits.
+    What is frozen is still freed when its last reference goes, only a cycle of frozen objects stays."""
+    gc.collect()
+    gc.freeze()
 
 
 def _what_it_checks(item) -> str:
@@ -116,7 +126,6 @@ def _release_memory():
     tunes malloc to keep up to 1 GB freed memory, per heap, for its own reuse; the next file builds its own)."""
     import ctypes
     import ctypes.util
-    import gc
     import sys
 
     # FastAPI remembers, in module-level lru_caches, whether each route function is a coroutine: the functions
@@ -164,6 +173,8 @@ def pytest_runtest_protocol(item, nextitem):
         _MEMORY["peak_gb"] = _peak_rss_gb()
         before = _rss_gb()
         _release_memory()
+        # what the file imported and is alive after the collection above stays for the worker's run anyway
+        gc.freeze()
         _MEMORY["after_release_gb"] = _rss_gb()
         _MEMORY["files"][item.path.name] = (_MEMORY["peak_gb"] if _MEMORY["peak_gb"] > peak_before else None,
                                             before, _rss_gb())
@@ -171,6 +182,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionfinish(session):
+    gc.unfreeze()  # the interpreter's last collections at exit see everything again, as extension modules expect
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # a pytest-xdist worker: the controller prints it
         workeroutput["pagoda_memory"] = {"peak_gb": _peak_rss_gb(), "files": _MEMORY["files"]}

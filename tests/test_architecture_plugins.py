@@ -7,10 +7,7 @@ one."""
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +15,7 @@ from pagoda import hookimpl
 from pagoda.errors import ConfigError
 from pagoda.registry.plugin_manager import BUILTIN_DIST, PluginManager
 from pagoda.testing import ContractError, check_architecture
+from serve_process import run_pagoda_here
 
 HOOK = "pagoda_model_architectures"
 PLUGIN_SOURCE = '''
@@ -79,10 +77,14 @@ def test_an_installed_architecture_overrides_the_built_in_of_its_name(site):
     assert blocked.get(HOOK, "Qwen3ForCausalLM", "test").factory is Qwen3ForCausalLM
 
 
-def test_pagoda_plugins_shows_which_architecture_is_used_and_from_where(site):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([str(Path(sys.executable).with_name("pagoda")), "plugins"], capture_output=True, text=True,
-                         env=env, timeout=120, check=True).stdout
+def test_pagoda_plugins_shows_which_architecture_is_used_and_from_where(site, capsys, monkeypatch):
+    # the command's entry point in this process, whose plugin manager it loads afresh (test_cli.py runs the
+    # console script)
+    monkeypatch.delenv("PAGODA_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("PAGODA_PLUGIN_AUTOLOAD", raising=False)
+    result = run_pagoda_here(capsys, "plugins")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
     rows = [line.split() for line in out.splitlines()
             if {"Qwen3ForCausalLM", "pagoda:Qwen3ForCausalLM"} & set(line.split())]
     assert ["model", "architecture", "Qwen3ForCausalLM", "faster_qwen3", "faster-qwen3", "1.0", ">=0.10,<0.11"] in rows

@@ -22,20 +22,21 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.host.cpu_isa import cpu_isa
+from one_engine import release
 from test_models import CONVERSATIONS, MAX_TOKENS, PROMPTS
 
 # nats. bf16's error on a top-two logprob gap, measured on these prompts, reached 0.47 (AVX2 on an AMD
 # EPYC); where float32's top two lie closer than this, bf16 may take either.
 NEAR_TIE = 1.0
 NAMES = PROMPTS + [c[-1]["content"] for c in CONVERSATIONS]
+PARITY_ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1)
 
 _RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from pagoda import LLM
-from test_bf16_parity import parity_outputs
-print(json.dumps(parity_outputs(LLM(dtype={dtype!r}, max_model_len=1024, kv_cache_memory_bytes=96 << 20,
-                                    cpu_threads=1))))
+from test_bf16_parity import PARITY_ENGINE, parity_outputs
+print(json.dumps(parity_outputs(LLM(dtype={dtype!r}, **PARITY_ENGINE))))
 """
 
 
@@ -101,7 +102,11 @@ def partings(bf16: list[dict], float32: list[dict]) -> str:
 
 @pytest.fixture(scope="module")
 def float32_outputs() -> list[dict]:
-    return parity_outputs(LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=96 << 20, cpu_threads=1))
+    llm = LLM(dtype="float32", **PARITY_ENGINE)
+    try:
+        return parity_outputs(llm)
+    finally:
+        release(llm)
 
 
 def test_the_near_tie_rule_catches_a_parting_that_is_not_a_near_tie():
@@ -120,8 +125,12 @@ def test_bf16_parts_from_float32_only_at_near_ties_natively_and_on_avx2(float32_
     if cpu_isa() == "generic":
         pytest.skip("this CPU has no AVX2: dtype auto is float32 and the bf16 kernels do not run")
     paths = {"AVX2": outputs_in_subprocess("bfloat16", PAGODA_CPU_ISA="avx2")}
-    if cpu_isa() != "avx2":  # a bigger CPU checks its own bf16 path too
-        paths[cpu_isa()] = outputs_in_subprocess("bfloat16")
+    if cpu_isa() != "avx2":  # a bigger CPU checks its own bf16 path too, in this process (built at its level)
+        llm = LLM(dtype="bfloat16", **PARITY_ENGINE)
+        try:
+            paths[cpu_isa()] = parity_outputs(llm)
+        finally:
+            release(llm)
     for path, bf16 in paths.items():
         problems = parting_problems(bf16, float32_outputs)
         assert not problems, (f"{path}: bf16 parts from float32 where it should not:\n  " + "\n  ".join(problems)

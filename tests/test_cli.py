@@ -69,10 +69,11 @@ def test_serve_refuses_wrong_server_flags_before_loading_the_model(flags, messag
 
 
 @pytest.mark.slow
-def test_pagoda_generate_prints_the_prompt_and_its_continuation():
+def test_pagoda_generate_prints_the_prompt_and_its_continuation(pagoda_here):
+    # in this process: the chat test below runs `pagoda generate` as its own process
     ensure_default_model()
     prompt = "The capital of France is"
-    result = run_pagoda("generate", prompt, "--max-tokens", "8", "--dtype", "float32", "--kv-cache-space", "0.05")
+    result = pagoda_here("generate", prompt, "--max-tokens", "8", "--dtype", "float32", "--kv-cache-space", "0.05")
     assert result.returncode == 0, result.stderr
     text = result.stdout.strip()
     assert text.startswith(prompt)

@@ -4,7 +4,6 @@ with a message that says what broke."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
@@ -455,24 +454,31 @@ def test_never_admits(pagoda_conformance):
 '''
 
 
-def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path):
-    """A plugin package's tests use the kit's fixture with no conftest.py; the broken scheduler's failure
-    says what broke."""
-    (tmp_path / "test_plugin_user.py").write_text(PLUGIN_USER_TESTS)
-    # both pytest runs at once: each spends most of its time importing
-    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pagoda-seeds", "1",
-                            str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-    fixtures = subprocess.Popen([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider", str(tmp_path)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+def run_pytest_here(capsys, monkeypatch, directory, *args: str) -> tuple[int, str]:
+    """``pytest ARGS DIRECTORY`` in this process, from ``directory``, with the plugins pytest finds installed (its
+    entry points): the exit status and the output."""
+    monkeypatch.chdir(directory)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the run's own test modules are imported by their path
+    modules = set(sys.modules)
+    capsys.readouterr()
     try:
-        out, header = run.communicate(timeout=300)[0], fixtures.communicate(timeout=300)[0]
+        status = pytest.main([*args, "-p", "no:cacheprovider", "--import-mode=importlib", str(directory)])
     finally:
-        for proc in (run, fixtures):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    assert "1 failed, 1 passed" in out, out
+        for name in set(sys.modules) - modules:  # the run's test modules, not what it imported
+            if name.startswith("test_plugin_user"):
+                del sys.modules[name]
+    return status, capsys.readouterr().out
+
+
+def test_the_kit_is_a_pytest_plugin_wherever_pagoda_is_installed(tmp_path, capsys, monkeypatch):
+    """A plugin package's tests use the kit's fixture with no conftest.py; the broken scheduler's failure
+    says what broke. pytest runs them in this process, loading the kit by pagoda's pytest11 entry point (a plugin
+    package's own tests run it in a pytest process of their own: test_contrib_plugin.py)."""
+    (tmp_path / "test_plugin_user.py").write_text(PLUGIN_USER_TESTS)
+    status, out = run_pytest_here(capsys, monkeypatch, tmp_path, "-q", "--pagoda-seeds", "1")
+    assert status == pytest.ExitCode.TESTS_FAILED and "1 failed, 1 passed" in out, out
     assert "ContractError" in out and "liveness: every request finishes" in out, out
+    _, header = run_pytest_here(capsys, monkeypatch, tmp_path, "--fixtures")
     assert f"plugin API {PLUGIN_API_VERSION}" in header
     assert all(f"{name} -- " in header or f"{name} [" in header for name in ("pagoda_conformance", "pagoda_strict_llm"))
 

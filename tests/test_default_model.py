@@ -59,12 +59,13 @@ def test_a_gguf_file_path_loads_like_the_default_model(tmp_path, monkeypatch):
     assert tokens["from the file"] == tokens["default"]
 
 
-def test_a_conversion_parses_each_gguf_file_once_and_leaves_the_reader_as_it_was(tmp_path):
-    # transformers parses the file for the tokenizer's config, the tokenizer and the model: one parse serves them
+def test_a_conversion_parses_each_gguf_file_once_builds_each_name_map_once_and_leaves_gguf_as_it_was(tmp_path):
+    # transformers parses the file for the tokenizer's config, the tokenizer and the model: one parse serves them;
+    # it asks for a tensor name map for each submodule of the model: one map per architecture and layer count
     import gguf
     import numpy as np
 
-    from pagoda.modeling.default_model import _one_parse_per_file
+    from pagoda.modeling.default_model import _gguf_work_once
 
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -74,9 +75,15 @@ def test_a_conversion_parses_each_gguf_file_once_and_leaves_the_reader_as_it_was
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    parse = gguf.GGUFReader
-    with _one_parse_per_file():
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_work_once():
         first = gguf.GGUFReader(path)
         assert gguf.GGUFReader(str(path)) is first and gguf.GGUFReader(tmp_path / "." / "tiny.gguf") is first
         assert first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH
+        llama, qwen = gguf.get_tensor_name_map(arch.LLAMA, 30), gguf.get_tensor_name_map(arch.QWEN3, 30)
+        assert gguf.get_tensor_name_map(arch.LLAMA, 30) is llama and llama is not qwen
+        assert gguf.get_tensor_name_map(arch.LLAMA, 2) is not llama
+        assert llama.get_name("model.layers.29.self_attn.q_proj") == "blk.29.attn_q"
     assert gguf.GGUFReader is parse and isinstance(gguf.GGUFReader(path), parse)
+    assert gguf.get_tensor_name_map is name_map and gguf.get_tensor_name_map(arch.LLAMA, 30) is not llama

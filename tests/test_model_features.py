@@ -13,12 +13,13 @@ import shutil
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams, StructuredOutputsParams
 from pagoda.modeling.default_model import ensure_default_model
 from one_engine import release
 from test_model_composition import _config as dense_config
+from tiny_models import default_vocab_size
 
 ARCHITECTURES = ["qwen3", "gemma2", "gemma3", "olmo2", "granite", "smollm3", "phi3", "mixtral"]
 # pipeline stages on the architectures whose first or last stage differs: Gemma's embedding scale on the first
@@ -71,7 +72,7 @@ def _write(arch: str, directory, layers: int, seed: int, vocab: int, default_dir
 def checkpoints(request, tmp_path_factory):
     """(architecture, target directory, draft directory, the plain engine's greedy and structured tokens)."""
     arch, default_dir = request.param, ensure_default_model()
-    vocab = len(AutoTokenizer.from_pretrained(str(default_dir)))
+    vocab = default_vocab_size()
     target = _write(arch, tmp_path_factory.mktemp(f"target-{arch}"), 2, 5, vocab, default_dir)
     draft = _write(arch, tmp_path_factory.mktemp(f"draft-{arch}"), 1, 6, vocab, default_dir)
     plain = LLM(model=target, **BASE, **SMALL_POOL)

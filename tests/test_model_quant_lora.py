@@ -21,6 +21,7 @@ from lora_helpers import ALL_PROJECTIONS, hf_greedy, make_adapter
 from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.modeling.default_model import ensure_default_model
 from test_model_architectures import _config as architecture_config
+from tiny_models import default_vocab_size
 
 _spec = importlib.util.spec_from_file_location(
     "quantize_rtn", Path(__file__).parents[1] / "contrib" / "quant-tools" / "quantize_rtn.py")
@@ -54,7 +55,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     """(architecture, directory) of a tiny random checkpoint written by transformers (the shapes of
     test_model_architectures.py)."""
     arch, default_dir = request.param, ensure_default_model()
-    vocab = len(transformers.AutoTokenizer.from_pretrained(str(default_dir)))
+    vocab = default_vocab_size()
     torch.manual_seed(21)
     model = AutoModelForCausalLM.from_config(_config(arch, vocab), dtype=torch.float32).eval()
     for p in model.parameters():  # norms that matter: Gemma's (1 + w) off 1, the others around 1
@@ -109,7 +110,7 @@ def test_a_quantized_checkpoint_gives_the_tokens_of_its_dequantized_weights(chec
 def phi3_dir(tmp_path_factory) -> Path:
     """Phi-4-mini's partial rotary factor; qkv_proj stacks 64 + 32 + 32 rows, gate_up_proj 96 + 96."""
     default_dir = ensure_default_model()
-    vocab = len(transformers.AutoTokenizer.from_pretrained(str(default_dir)))
+    vocab = default_vocab_size()
     config = transformers.Phi3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
                                      max_position_embeddings=256, initializer_range=0.2, pad_token_id=0,

@@ -7,8 +7,6 @@ put on ``sys.path``. ``importlib.metadata`` finds them exactly as it finds pip-i
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,7 +18,6 @@ from pagoda.registry.plugin_manager import BUILTIN_DIST, PluginManager
 from serve_process import run_pagoda_here
 from tiny_models import tiny_llm, write_tiny_checkpoint
 
-PAGODA_SCRIPT = Path(sys.executable).with_name("pagoda")
 
 SCHEDULER_PLUGIN = """
 import pagoda
@@ -385,10 +382,8 @@ def test_a_broken_plugin_only_stops_the_engine_when_a_missing_component_is_selec
     assert "pagoda plugins" in msg
 
 
-def test_pagoda_plugins_prints_the_broken_plugin_traceback_and_still_lists_the_rest(broken):
-    env = dict(os.environ, PYTHONPATH=str(broken))
-    env.pop("PAGODA_DISABLE_PLUGINS", None)
-    result = subprocess.run([str(PAGODA_SCRIPT), "plugins"], env=env, capture_output=True, text=True, timeout=120)
+def test_pagoda_plugins_prints_the_broken_plugin_traceback_and_still_lists_the_rest(broken, capsys):
+    result = run_pagoda_here(capsys, "plugins")  # read at each load: this process's plugin manager is as fresh
     assert result.returncode == 0
     assert "plugin 'broken' from broken-plugin 0.0.1 failed to load" in result.stderr
     assert "Traceback" in result.stderr and "needs libfrobnicate 2.0" in result.stderr
@@ -530,22 +525,17 @@ def trouble(site):
     return site
 
 
-def run_pagoda(site: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(site))
-    env.pop("PAGODA_DISABLE_PLUGINS", None)
-    return subprocess.run([str(PAGODA_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_help_and_plugins_run_whatever_the_installed_plugins_do(trouble, capsys):
     """Duplicate names (components and CLI commands), a hook that raises, one returning a list, an import
     error and an API range that excludes this pagoda: `--help` and `plugins` still work and show them.
-    `plugins` runs as a process of its own; the other commands in this one, whose plugin manager is as fresh."""
+    The commands by the console script's entry point in this process, whose plugin manager each loads afresh
+    (test_cli.py runs the console script)."""
     help_run = run_pagoda_here(capsys, "--help")
     assert help_run.returncode == 0 and "Traceback" not in help_run.stderr, help_run.stderr
     assert "generate" in help_run.stdout and "plugins" in help_run.stdout
     assert "trouble-cli-generate:generate" in help_run.stdout  # the package's command, by its qualified name
     assert "(failed) import_error from trouble-import-error 0.1: ImportError: needs libfrobnicate 2.0" in help_run.stdout
-    listing = run_pagoda(trouble, "plugins")
+    listing = run_pagoda_here(capsys, "plugins")
     assert listing.returncode == 0, listing.stderr
     out = listing.stdout
     rows = [line.split() for line in out.splitlines()]

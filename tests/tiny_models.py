@@ -3,6 +3,7 @@ and a two-layer one with random weights in real safetensors files."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,15 @@ TINY_LLAMA_CONFIG = {
     "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
     "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
 }
+
+
+@functools.cache
+def default_vocab_size() -> int:
+    """The number of tokens of the default model's tokenizer, added ones included: the vocabulary of the random
+    checkpoints tests write with that tokenizer. Loaded once per process (a load takes some 0.2 s of CPU)."""
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(ensure_default_model())))
 
 
 def write_tiny_checkpoint(directory: Path, chat_template: bool = True) -> Path:

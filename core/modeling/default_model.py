@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -102,7 +103,7 @@ def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
-    with _one_parse_per_file():
+    with _gguf_work_once():
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     # the model's own config, read from the file as it loaded: reading the GGUF again for it takes as long as
@@ -126,13 +127,16 @@ def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _one_parse_per_file():
-    """While it lasts, a GGUF file is parsed once: transformers parses it anew for the tokenizer's config, the
-    tokenizer and the model (each parse reads the vocabulary's strings one at a time, seconds of a conversion);
-    a reader only maps the file, so the first one serves them all."""
+def _gguf_work_once():
+    """While it lasts, a GGUF file is parsed once and a tensor name map built once per architecture and layer
+    count. transformers parses the file anew for the tokenizer's config, the tokenizer and the model (each parse
+    reads the vocabulary's strings one at a time, seconds of a conversion); a reader only maps the file, so the
+    first one serves them all. Its GGUF-to-HF name mapping walks every submodule of the model and builds gguf's
+    ``TensorNameMap`` for each (about 400 for the default model, over 5 s of CPU); the map depends only on its
+    two arguments and is only read."""
     import gguf
 
-    parse = gguf.GGUFReader
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict = {}
 
     def reader(path, mode="r"):
@@ -142,7 +146,8 @@ def _one_parse_per_file():
         return readers[key]
 
     gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = parse
+        gguf.GGUFReader, gguf.get_tensor_name_map = parse, name_map
