@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 
@@ -243,6 +244,11 @@ def _log_notes(ns: argparse.Namespace) -> None:
 def _run_uvicorn(app, ns: argparse.Namespace) -> None:
     from pagoda.plugins.entrypoints.server import make_uvicorn_server
 
+    # what start-up built (the model's modules, the tokenizers, the imported modules: some 250,000 objects for the
+    # default model) moves out of the garbage collector's reach: a full collection over it took 140 ms on a Zen 5,
+    # a pause every request in flight would wait for; now a collection visits only what serving made since
+    gc.collect()
+    gc.freeze()
     make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
                         log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency,
                         **vllm_flags.uvicorn_options(ns)).run()
