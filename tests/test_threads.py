@@ -1,6 +1,7 @@
 """The compute thread count is a setting; without one it is measured. So is how idle threads wait."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -165,3 +166,27 @@ def test_the_engine_re_measures_its_threads_while_it_runs_when_asked_to(monkeypa
     llm.generate(["a b c"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(checks) >= 3  # every step, with an interval shorter than any step
     assert llm.engine.num_threads == torch.get_num_threads() in (1, available_cores())
+
+
+def test_a_thread_that_releases_its_openmp_workers_computes_alone_and_leaves_the_others_theirs():
+    """``release_thread_pool`` (what ``pagoda serve`` calls in the thread that built the engine) frees the calling
+    thread's OpenMP workers: its later parallel regions run on it alone, with the same results; other threads
+    keep their count."""
+    from pagoda.host.openmp import release_thread_pool
+
+    before = torch.get_num_threads()
+    x = torch.arange(200_000, dtype=torch.float32)
+    seen = {}
+
+    def work():
+        seen["before"] = float((x * 2).sum())  # a parallel region: this thread now holds a pool of workers
+        seen["released"] = release_thread_pool()
+        seen["threads"] = torch.get_num_threads()
+        seen["after"] = float((x * 2).sum())
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen["released"] is True  # torch's OpenMP on Linux is libgomp
+    assert seen["threads"] == 1 and seen["after"] == seen["before"]
+    assert torch.get_num_threads() == before

@@ -107,3 +107,30 @@ def choose_wait_policy(policy: str = "auto") -> str:
     os.environ[name] = set_here[name] = value
     wait_policy = f"sleep ({reason})" if busy else f"spin {SPIN_COUNT}, then sleep ({reason})"
     return wait_policy
+
+
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP worker threads, and run its later parallel regions on itself alone.
+
+    libgomp keeps a pool of workers for each thread that ran a parallel region, and once it manages more threads
+    than the process has CPUs it stops its workers' spinning between regions (some 100 iterations): each region
+    then wakes its workers through a futex. A server builds its engine in one thread (whose pool stays after the
+    load) and steps it in another, which makes a pool of its own: on 2 cores, with both pools alive, a 73,728-
+    element bf16 add in the stepping thread took 56 us against 7 us, a 128-token prefill step 70-80 ms against
+    42 ms (AMD Zen 5). Called in the building thread once the engine steps elsewhere, it leaves the stepping
+    thread's pool alone within the CPUs. Returns whether it was done (torch's OpenMP is libgomp, found loaded)."""
+    import ctypes
+    import re
+
+    try:
+        with open("/proc/self/maps") as maps:
+            found = re.search(r"(/\S*libgomp[^/\s]*\.so[^/\s]*)", maps.read())
+        if found is None:
+            return False
+        gomp = ctypes.CDLL(found.group(1))
+        if gomp.omp_pause_resource_all(1) != 0:  # omp_pause_soft: the calling thread's pool goes
+            return False
+        gomp.omp_set_num_threads(1)
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -249,6 +249,12 @@ def _run_uvicorn(app, ns: argparse.Namespace) -> None:
     # a pause every request in flight would wait for; now a collection visits only what serving made since
     gc.collect()
     gc.freeze()
+    # this thread built the engine and runs the event loop from now on; the engine steps in a thread of its own
+    from pagoda.host.openmp import release_thread_pool
+
+    if not release_thread_pool():
+        logger.info("could not release the start-up thread's OpenMP workers (torch's OpenMP is not libgomp); the "
+                    "engine thread's parallel regions may wake their workers through the kernel")
     make_uvicorn_server(app, ns.host, ns.port, ns.shutdown_timeout, ns.request_header_timeout,
                         log_level=ns.uvicorn_log_level, limit_concurrency=ns.limit_concurrency,
                         **vllm_flags.uvicorn_options(ns)).run()
