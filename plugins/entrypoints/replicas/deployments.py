@@ -82,6 +82,7 @@ class EngineReplica:
 
         from pagoda.engine.async_engine import AsyncLLMEngine
         from pagoda.engine.llm_engine import LLMEngine
+        from pagoda.host.openmp import release_thread_pool
         from pagoda.plugins.entrypoints.server import build_app
         from pagoda.registry.plugin_manager import get_plugin_manager
 
@@ -91,6 +92,9 @@ class EngineReplica:
                              max_request_chars=options.max_request_chars, tenant_source=options.tenant_source)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.started = False
+        # the engine steps in a thread of its own: this thread's OpenMP workers would keep libgomp from letting that
+        # thread's workers spin between regions (see pagoda.host.openmp.release_thread_pool)
+        release_thread_pool()
 
     async def handle(self, request: ForwardedRequest):
         if not self.started:  # the engine thread delivers outputs on the replica's event loop
