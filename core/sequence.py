@@ -238,7 +238,7 @@ class Sequence:
     def _stop_after(self, token_id: int, max_model_len: int) -> Optional[SequenceStatus]:
         params = self.sampling_params
         num_output = len(self.output_token_ids)
-        is_eos = (token_id == self.eos_token_id or token_id in self.more_eos_token_ids) and not params.ignore_eos
+        is_eos = self.is_eos(token_id) and not params.ignore_eos
         # the token is asked about first: most are no stop token, and then min_tokens does not matter
         if (is_eos or token_id in params.stop_token_ids) and self.may_stop_at(num_output):
             if not is_eos:

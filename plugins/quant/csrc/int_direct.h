@@ -55,17 +55,18 @@ inline void segment_f32(const Problem& p, const Segment& s, const uint8_t* rows,
   }
 }
 
-template <int NT, int MT>
-void dot_tile_f32(const Problem& p, int64_t n0, int64_t m0, const float* scale, float* out) {
+// NT weight rows (from n0) against MT activation rows: per segment, its sums (``segment(s, rows, acc)``, into
+// zeroed accumulators) times the segment's group scale, added up; then each lane sum to out[m * NT + r]
+template <int NT, int MT, typename SegmentSums>
+inline void dot_tile_scaled(const Problem& p, int64_t n0, const float* scale, float* out, const SegmentSums& segment) {
   __m512 acc[NT][MT], tot[NT][MT];
   for (int r = 0; r < NT; ++r)
     for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_setzero_ps();
   const uint8_t* rows = p.w_q + n0 * p.row_bytes;
-  const float* x = p.xf + m0 * p.in_features;
   for (const Segment& s : *p.segs) {
     for (int r = 0; r < NT; ++r)
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-    with_kind(s.kind, [&](auto kind) { segment_f32<NT, MT, decltype(kind)::value>(p, s, rows, x, acc); });
+    segment(s, rows, acc);
     for (int r = 0; r < NT; ++r) {
       const __m512 sc = _mm512_set1_ps(scale[r * p.num_groups + s.group]);
       for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_fmadd_ps(acc[r][m], sc, tot[r][m]);
@@ -73,6 +74,14 @@ void dot_tile_f32(const Problem& p, int64_t n0, int64_t m0, const float* scale, 
   }
   for (int r = 0; r < NT; ++r)
     for (int m = 0; m < MT; ++m) out[m * NT + r] = _mm512_reduce_add_ps(tot[r][m]);
+}
+
+template <int NT, int MT>
+void dot_tile_f32(const Problem& p, int64_t n0, int64_t m0, const float* scale, float* out) {
+  const float* x = p.xf + m0 * p.in_features;
+  dot_tile_scaled<NT, MT>(p, n0, scale, out, [&](const Segment& s, const uint8_t* rows, __m512 (&acc)[NT][MT]) {
+    with_kind(s.kind, [&](auto kind) { segment_f32<NT, MT, decltype(kind)::value>(p, s, rows, x, acc); });
+  });
 }
 #endif
 
@@ -192,22 +201,10 @@ inline void segment_bf16(const Problem& p, const Segment& s, const uint8_t* rows
 
 template <int NT, int MT>
 void dot_tile_bf16(const Problem& p, int64_t n0, int64_t m0, const float* scale, float* out) {
-  __m512 acc[NT][MT], tot[NT][MT];
-  for (int r = 0; r < NT; ++r)
-    for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_setzero_ps();
-  const uint8_t* rows = p.w_q + n0 * p.row_bytes;
   const uint16_t* x = p.xb + m0 * p.in_features;
-  for (const Segment& s : *p.segs) {
-    for (int r = 0; r < NT; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  dot_tile_scaled<NT, MT>(p, n0, scale, out, [&](const Segment& s, const uint8_t* rows, __m512 (&acc)[NT][MT]) {
     with_kind(s.kind, [&](auto kind) { segment_bf16<NT, MT, decltype(kind)::value>(p, s, rows, x, acc); });
-    for (int r = 0; r < NT; ++r) {
-      const __m512 sc = _mm512_set1_ps(scale[r * p.num_groups + s.group]);
-      for (int m = 0; m < MT; ++m) tot[r][m] = _mm512_fmadd_ps(acc[r][m], sc, tot[r][m]);
-    }
-  }
-  for (int r = 0; r < NT; ++r)
-    for (int m = 0; m < MT; ++m) out[m * NT + r] = _mm512_reduce_add_ps(tot[r][m]);
+  });
 }
 
 // Batch 1, 4-bit: one 32-byte load feeds both nibbles (columns c and c + row_bytes), so each byte
