@@ -170,23 +170,25 @@ def test_the_engine_re_measures_its_threads_while_it_runs_when_asked_to(monkeypa
 
 def test_a_thread_that_releases_its_openmp_workers_computes_alone_and_leaves_the_others_theirs():
     """``release_thread_pool`` (what ``pagoda serve`` calls in the thread that built the engine) frees the calling
-    thread's OpenMP workers: its later parallel regions run on it alone, with the same results; other threads
-    keep their count."""
-    from pagoda.host.openmp import release_thread_pool
+    thread's OpenMP workers: its later parallel regions run on it alone (OpenMP's own count for the thread; torch's
+    ``get_num_threads`` answers with the process-wide setting), with the same results; other threads keep theirs."""
+    from pagoda.host.openmp import libgomp, release_thread_pool
 
-    before = torch.get_num_threads()
+    gomp = libgomp()
+    assert gomp is not None  # torch's OpenMP on Linux is libgomp
+    before = gomp.omp_get_max_threads()
     x = torch.arange(200_000, dtype=torch.float32)
     seen = {}
 
     def work():
         seen["before"] = float((x * 2).sum())  # a parallel region: this thread now holds a pool of workers
         seen["released"] = release_thread_pool()
-        seen["threads"] = torch.get_num_threads()
+        seen["threads"] = gomp.omp_get_max_threads()
         seen["after"] = float((x * 2).sum())
 
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
-    assert seen["released"] is True  # torch's OpenMP on Linux is libgomp
+    assert seen["released"] is True
     assert seen["threads"] == 1 and seen["after"] == seen["before"]
-    assert torch.get_num_threads() == before
+    assert gomp.omp_get_max_threads() == before

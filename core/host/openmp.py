@@ -119,18 +119,24 @@ def release_thread_pool() -> bool:
     element bf16 add in the stepping thread took 56 us against 7 us, a 128-token prefill step 70-80 ms against
     42 ms (AMD Zen 5). Called in the building thread once the engine steps elsewhere, it leaves the stepping
     thread's pool alone within the CPUs. Returns whether it was done (torch's OpenMP is libgomp, found loaded)."""
+    gomp = libgomp()
+    try:
+        if gomp is None or gomp.omp_pause_resource_all(1) != 0:  # omp_pause_soft: the calling thread's pool goes
+            return False
+        gomp.omp_set_num_threads(1)
+    except AttributeError:  # a libgomp older than OpenMP 5.0's pause
+        return False
+    return True
+
+
+def libgomp():
+    """The libgomp this process has loaded (torch's OpenMP on Linux), as a ``ctypes.CDLL``; None when none is."""
     import ctypes
     import re
 
     try:
         with open("/proc/self/maps") as maps:
             found = re.search(r"(/\S*libgomp[^/\s]*\.so[^/\s]*)", maps.read())
-        if found is None:
-            return False
-        gomp = ctypes.CDLL(found.group(1))
-        if gomp.omp_pause_resource_all(1) != 0:  # omp_pause_soft: the calling thread's pool goes
-            return False
-        gomp.omp_set_num_threads(1)
-    except (OSError, AttributeError):
-        return False
-    return True
+        return None if found is None else ctypes.CDLL(found.group(1))
+    except OSError:
+        return None
