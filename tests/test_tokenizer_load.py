@@ -116,7 +116,7 @@ def test_a_checkpoint_s_tokenizer_is_loaded_once_per_process_and_again_when_its_
     templated = load_tokenizer(str(model_dir), template)
     assert templated is not first.tokenizer and templated is load_tokenizer(str(model_dir), template)
     assert templated.apply_chat_template(MESSAGES[:1], tokenize=False) == "<You are terse.>"
-    assert not first.tokenizer.chat_template  # the shared one keeps its own (none here)
+    assert first.tokenizer.chat_template == (model_dir / "chat_template.jinja").read_text()  # the shared one keeps its own
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_start|>"}))
     reloaded = load_tokenizer(str(model_dir), None)

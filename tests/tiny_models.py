@@ -38,7 +38,9 @@ def write_tiny_checkpoint(directory: Path, chat_template: bool = True) -> Path:
     (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG))
     shutil.copy(default_dir / "tokenizer.json", directory / "tokenizer.json")
     tok_config = json.loads((default_dir / "tokenizer_config.json").read_text())
-    if not chat_template:
+    if chat_template:  # the default model keeps its template in a file of its own
+        shutil.copy(default_dir / "chat_template.jinja", directory / "chat_template.jinja")
+    else:
         tok_config.pop("chat_template", None)
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return directory
