@@ -58,6 +58,9 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # the most logprobs a request may ask for per token (``--max-logprobs``; the vocabulary for -1)
     max_logprobs: int = MAX_LOGPROBS
+    # what a sampled token's logprobs hold (``--logprobs-mode``, vLLM's names): raw_logprobs, raw_logits,
+    # processed_logprobs or processed_logits (after bias, bans, penalties, temperature, top-k/top-p and min-p)
+    logprobs_mode: str = "raw_logprobs"
 
 
 @dataclass(frozen=True)

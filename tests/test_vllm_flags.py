@@ -20,7 +20,6 @@ import pytest
 
 from pagoda.cli import build_parser, expand_config_file
 from pagoda.engine.async_engine import AsyncLLMEngine
-from pagoda.modeling.default_model import ensure_default_model
 from pagoda.plugins.entrypoints.cli import vllm_flags
 from pagoda.plugins.entrypoints.server import ServerThread, build_app, free_port
 from pagoda.plugins.entrypoints.server.frontend import (FrontendOptions, resolve_content_format,
@@ -37,10 +36,7 @@ PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% for part in m['conten
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-    # the default model's chat template is a file of its own
-    shutil.copy(ensure_default_model() / "chat_template.jinja", directory / "chat_template.jinja")
-    return directory
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))  # with the default model's chat template
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +124,12 @@ def test_flags_pagoda_cannot_honour_are_refused_before_the_model_loads(checkpoin
     assert done.returncode == 2 and message in done.stderr
 
 
-def test_flags_without_effect_are_logged_and_unservable_logprobs_modes_refused(checkpoint, capsys, caplog):
-    with caplog.at_level(logging.INFO, logger="pagoda"):
+def test_flags_without_effect_are_logged_before_the_engine_config_is_checked(checkpoint, capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="pagoda"):  # a length past the model's positions ends the start
         done = run_pagoda_here(capsys, "serve", str(checkpoint), "--load-format", "dummy", "--trust-remote-code",
                                "--gpu-memory-utilization", "0.85", "--download-dir", "/data",
-                               "--logprobs-mode", "processed_logprobs")
-    assert done.returncode == 2 and "--logprobs-mode processed_logprobs: pagoda's logprobs are raw_logprobs" \
-        in done.stderr
+                               "--logprobs-mode", "processed_logprobs", "--max-model-len", "1000000")
+    assert done.returncode == 2 and "max_model_len 1000000 exceeds the model's" in done.stderr
     logged = caplog.text
     assert "--trust-remote-code has no effect: pagoda never runs a checkpoint's code" in logged
     assert "--gpu-memory-utilization 0.85 has no effect: there is no GPU; --kv-cache-space" in logged

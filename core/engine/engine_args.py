@@ -213,8 +213,11 @@ class EngineArgs(HostOptions):
         "prompt_logprobs); more is refused with a 400 naming this limit; -1: up to the whole vocabulary"))
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field(
         default="raw_logprobs", description=(
-            "what logprobs hold: raw_logprobs, the log-softmax of the model's logits before any sampling setting "
-            "applies (pagoda's only mode: the others are refused at start-up)"))
+            "what a sampled token's logprobs hold: raw_logprobs, the log-softmax of the model's logits before any "
+            "sampling setting applies; raw_logits, those logits; processed_logprobs and processed_logits, the "
+            "same after the request's logit bias, bans, penalties, temperature, top-k, top-p and min-p (the "
+            "distribution the token was drawn from; a token those settings removed has -9999.0); prompt logprobs "
+            "stay raw_logprobs"))
 
     @field_validator("block_size")
     @classmethod
@@ -402,12 +405,6 @@ class EngineArgs(HostOptions):
     def create_engine_config(self) -> EngineConfig:
         from pagoda.modeling.default_model import resolve_model_path
 
-        if self.logprobs_mode != "raw_logprobs":
-            raise ConfigError(
-                f"--logprobs-mode {self.logprobs_mode}: pagoda's logprobs are raw_logprobs only (the log-softmax "
-                "of the model's logits before temperature, penalties or top-k/top-p apply); drop the flag or "
-                "pass raw_logprobs")
-
         # first: a malformed variable fails before the model is read
         host = self.host_config()
         cpu_threads = host.cpu_threads
@@ -461,6 +458,7 @@ class EngineArgs(HostOptions):
             chat_template=chat_template,
             vocab_size=int(text_config["vocab_size"]),
             max_logprobs=int(text_config["vocab_size"]) if self.max_logprobs == -1 else self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
             hidden_size=hidden_size,
             num_layers=int(text_config["num_hidden_layers"]),
             num_heads=num_heads,

@@ -58,25 +58,36 @@ class Sampler:
     def __init__(self, model_config: ModelConfig) -> None:
         self.vocab_size = model_config.vocab_size
         self.generator = torch.Generator().manual_seed(model_config.seed)
+        self.logprobs_mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
 
     def __call__(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> SamplerOutput:
         # logits: [num_reqs, vocab] float32, one row per request to sample
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        processed_mode = want_logprobs and self.logprobs_mode.startswith("processed")
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs and not processed_mode else None
         banned = [r.banned_token_ids() for r in requests]  # the min_tokens rule, once per row
         unchanged = self._plain_argmax and all(not p.has_penalties and not p.logit_bias and not b
                                                and p.allowed_token_ids is None for p, b in zip(params, banned))
+        processed = None
         if unchanged and all(p.is_greedy for p in params):
             token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
+            processed = logits
         else:
             # a copy only when something changes the logits in place before the random rows are taken out
-            token_ids = self._sample(logits if unchanged else logits.clone(), requests, banned)
+            token_ids, processed = self._sample(logits if unchanged else logits.clone(), requests, banned,
+                                                keep_processed=processed_mode)
         token_list = token_ids.tolist()
         logprobs = None
         if want_logprobs:
+            values = {"raw_logprobs": raw_logprobs, "raw_logits": logits,
+                      "processed_logits": processed}.get(self.logprobs_mode)
+            if self.logprobs_mode == "processed_logprobs":
+                values = torch.log_softmax(processed, dim=-1)
+            if processed_mode:  # a token the settings removed: a finite value JSON can carry, as vLLM's server
+                values = values.clamp(min=REMOVED_TOKEN_LOGPROB)
             logprobs = [
-                _token_logprobs(raw_logprobs[i], token_list[i], p.logprobs) if p.logprobs is not None else None
+                _token_logprobs(values[i], token_list[i], p.logprobs) if p.logprobs is not None else None
                 for i, p in enumerate(params)
             ]
         return SamplerOutput(token_list, logprobs)
@@ -100,8 +111,11 @@ class Sampler:
         return type(self).process_logits is Sampler.process_logits and \
             type(self).apply_bias_and_bans is Sampler.apply_bias_and_bans
 
-    def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence], banned: list[list[int]]
-                ) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: typing.Sequence[Sequence], banned: list[list[int]],
+                keep_processed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The rows' tokens and, with ``keep_processed``, the logits each was chosen from ``[n, vocab]``: after
+        bias, bans, penalties and ``process_logits``, and for the random rows after temperature, top-k, top-p
+        and min-p too (removed tokens -inf)."""
         n, vocab = logits.shape
         params = [r.sampling_params for r in requests]
         self.apply_bias_and_bans(logits, requests, banned)
@@ -110,7 +124,7 @@ class Sampler:
         self.process_logits(logits, requests)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
-            return argmax_rows(logits)
+            return argmax_rows(logits), logits
         # the greedy rows' argmax; the random rows' tokens are drawn below
         out = argmax_rows(logits) if len(random_rows) < n else torch.empty(n, dtype=torch.int64)
         sub_params = [params[i] for i in random_rows]
@@ -134,9 +148,16 @@ class Sampler:
         if any(p.min_p > 0 for p in sub_params):
             min_p = torch.tensor([p.min_p for p in sub_params], dtype=torch.float32)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs.masked_fill_(probs < threshold, 0.0)
+            below = probs < threshold
+            probs.masked_fill_(below, 0.0)
+            if keep_processed:
+                sub = sub.masked_fill(below, float("-inf"))
         out[rows] = self.draw(probs, [requests[i] for i in random_rows])
-        return out
+        if not keep_processed:
+            return out, None
+        processed = logits.clone()  # the caller's logits stay as they were
+        processed[rows] = sub
+        return out, processed
 
     def process_logits(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> None:
         """Change ``logits [n, vocab]`` in place, row ``i`` for ``requests[i]``, after bias, bans and
@@ -195,6 +216,10 @@ class Sampler:
         freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
         presence = torch.tensor([p.presence_penalty for p in params])[:, None]
         logits.sub_(freq * out_counts + presence * (out_counts > 0).float())
+
+
+# what processed logprobs give a token the request's settings removed (-inf has no JSON form)
+REMOVED_TOKEN_LOGPROB = -9999.0
 
 
 def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
