@@ -45,18 +45,21 @@ def ray_cluster():
 
 # --- the suite's time and memory: what `make test` prints at its end -------------------------------------------
 
-# Test files whose tests take the most time (the "longest test files" of the last CI run, scaled by each file's CPU
-# time since then, longest first). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long
-# file that starts last keeps one worker busy while the other has nothing left: these start first, longest first,
-# every other file (each under about 11 s there) after them in its usual order, so the two workers end within about a
-# file of each other (the Makefile turns off xdist's own reordering by number of tests per file).
-LONG_FILES_FIRST = ("test_ray_cluster.py", "test_tool_calling_clients.py", "test_model_features.py",
-                    "test_structured_outputs_speculative.py", "test_tensor_parallel.py", "test_models.py",
-                    "test_server_cli.py", "test_server_responses_tools.py", "test_model_composition.py",
-                    "test_server_errors.py", "test_contracts.py", "test_bench_soak.py", "test_server_tool_calling.py",
-                    "test_plugin_guide.py", "test_spec_decode.py", "test_kv_cache_fp8.py", "test_default_model.py",
-                    "test_bf16_parity.py", "test_structured_outputs_hostile.py", "test_bench_workloads.py",
-                    "test_kv_connector_serve.py", "test_structured_outputs.py", "test_engine.py")
+# Test files whose tests take the most time (each file's setup + call + teardown in the last full run's durations, two
+# workers on the Zen 5, scaled by each file's time measured alone since then, longest first; the last four are long
+# on an AVX2-only CPU). With pytest-xdist's --dist loadfile a worker takes a whole file at a time, so a long file that
+# starts last keeps one worker busy while the other has nothing left: these start first, longest first, every other
+# file (each under about 8 s there) after them in its usual order, so the two workers end within about a file of each
+# other (the Makefile turns off xdist's own reordering by number of tests per file).
+LONG_FILES_FIRST = ("test_ray_cluster.py", "test_tool_calling_clients.py", "test_tensor_parallel.py",
+                    "test_server_cli.py", "test_server_responses_tools.py", "test_structured_outputs_speculative.py",
+                    "test_moe_bench_compare.py", "test_model_features.py", "test_server_errors.py", "test_models.py",
+                    "test_bench_soak.py", "test_bf16_parity.py", "test_bench_workloads.py",
+                    "test_server_tool_calling.py", "test_contracts.py", "test_structured_outputs_hostile.py",
+                    "test_kv_connector_serve.py", "test_pipeline_parallel.py", "test_cuda_backend_compiles.py",
+                    "test_lora_tensor_parallel.py", "test_structured_outputs.py", "test_model_composition.py",
+                    "test_server_responses.py", "test_engine.py", "test_spec_decode.py", "test_plugin_guide.py",
+                    "test_kv_cache_fp8.py", "test_default_model.py")
 
 
 def pytest_addoption(parser):

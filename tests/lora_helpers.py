@@ -32,10 +32,9 @@ def make_adapter(base_dir: Path, out_dir: Path, seed: int, r: int = 8, alpha: fl
     return out_dir
 
 
-def hf_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[int]], max_new_tokens: int
-              ) -> list[list[int]]:
-    """Greedy tokens of HF transformers, on the base model merged with the adapter (PEFT's ``merge_and_unload``)
-    or on the base model alone; no end-of-sequence token stops them."""
+def hf_model(base_dir: Path, adapter_dir: Optional[Path]):
+    """HF transformers' model of ``base_dir`` in float32 (eager attention), merged with the adapter (PEFT's
+    ``merge_and_unload``) or alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, attn_implementation="eager")
@@ -43,7 +42,14 @@ def hf_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[in
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    model.eval()
+    return model.eval()
+
+
+def hf_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[int]], max_new_tokens: int
+              ) -> list[list[int]]:
+    """Greedy tokens of HF transformers, on the base model merged with the adapter or on the base model alone
+    (:func:`hf_model`); no end-of-sequence token stops them."""
+    model = hf_model(base_dir, adapter_dir)
     model.generation_config.eos_token_id = None
     results = []
     with torch.inference_mode():
@@ -52,3 +58,19 @@ def hf_greedy(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[in
                                  do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
             results.append(out[0, len(ids):].tolist())
     return results
+
+
+def hf_greedy_choices(base_dir: Path, adapter_dir: Optional[Path], prompts: list[list[int]],
+                      tokens: list[list[int]]) -> list[list[int]]:
+    """HF's greedy choice after each prompt and after each prefix of its ``tokens`` (:func:`hf_model`), from one
+    forward pass over the prompt and the tokens (teacher forcing). Where they equal ``tokens``, the tokens are HF's
+    greedy continuation, which :func:`hf_greedy` would find with a forward pass per token."""
+    model = hf_model(base_dir, adapter_dir)
+    choices = []
+    with torch.inference_mode():
+        for ids, new in zip(prompts, tokens):
+            seq = ids + new[:-1]
+            logits = model(torch.tensor([seq]), attention_mask=torch.ones(1, len(seq), dtype=torch.long),
+                           logits_to_keep=len(new)).logits[0]  # [len(new), vocab]
+            choices.append(logits.argmax(dim=-1).tolist())
+    return choices

@@ -10,7 +10,7 @@ def test_the_fairness_bench_measures_the_small_tenant_unloaded_and_flooded_under
     result = tmp_path / "fairness.json"
     rc = main(["bench", "fairness", "--flood-requests", "2", "--flood-n", "3", "--flood-max-tokens", "2000",
                "--small-requests", "2", "--small-max-tokens", "4", "--cpu-threads", "1", "--kv-cache-memory-bytes",
-               str(128 << 20), "--fair-step-seqs", "2", "--flood-alone-seconds", "1", "--result-file", str(result),
+               str(128 << 20), "--fair-step-seqs", "2", "--flood-alone-seconds", "0.2", "--result-file", str(result),
                "--scheduling-policies", "fcfs", "fair:fair-step-ms=50"])
     assert rc == 0
     out = capsys.readouterr().out

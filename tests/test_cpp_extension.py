@@ -51,6 +51,8 @@ def test_a_second_checkout_imports_the_build_of_the_same_text_instead_of_compili
     """A fresh clone (or another worktree) compiles no kernel that a checkout on this machine built from the same
     text: torch's build file names the source's path, so its loader alone would compile it again for each."""
     import os
+    import subprocess
+    import sys
 
     import torch.utils.cpp_extension as torch_extension
 
@@ -70,9 +72,30 @@ def test_a_second_checkout_imports_the_build_of_the_same_text_instead_of_compili
 
     monkeypatch.setattr(torch_extension, "load", compile_again)
     assert cpp_extension._load.__wrapped__("pagoda_probe", two, ("-O0",), "auto", False).answer() == 42
+    # a process that only imports builds never imports torch's loader (it imports setuptools: some 0.4 s of CPU
+    # at every engine's start)
+    fresh = subprocess.run([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
+                            "from pagoda.host.cpp_extension import _load\n"
+                            f"print(_load('pagoda_probe', Path({str(two)!r}), ('-O0',), 'auto', False).answer(), "
+                            "'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)"],
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.stdout.split() == ["42", "False", "False"], fresh.stdout + fresh.stderr[-3000:]
     two.write_text(PROBE.replace("42", "43"))  # another text: its own build, which the loader is asked for
     with pytest.raises(AssertionError, match="compiled .*two/k.cpp"):
         cpp_extension._load.__wrapped__("pagoda_probe", two, ("-O0",), "auto", False)
+
+
+def test_a_build_s_directory_is_the_one_torch_s_loader_builds_it_in(tmp_path, monkeypatch):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from pagoda.host.cpp_extension import build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    assert build_directory("pagoda_k") == Path(_get_build_directory("pagoda_k", verbose=False))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # torch's cache folder, made here
+    assert build_directory("pagoda_k") == Path(_get_build_directory("pagoda_k", verbose=False))
+    assert build_directory("pagoda_k").is_relative_to(tmp_path / "cache")
 
 
 def test_a_live_build_is_waited_for_and_the_lock_of_a_killed_one_removed(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from pagoda.errors import ConfigError, InvalidRequestError
 from pagoda.execution.lora_backends import TorchLoRABackend
 from pagoda.modeling.default_model import ensure_default_model
 from pagoda.testing import ContractError, check_lora_backend
-from lora_helpers import hf_greedy, make_adapter
+from lora_helpers import hf_greedy, hf_greedy_choices, make_adapter
 from tiny_models import write_tiny_llama
 
 MAX_TOKENS = 8
@@ -132,8 +132,10 @@ def test_a_mixed_batch_gives_each_adapter_the_merged_models_greedy_tokens_on_the
     requests = [lora for _ in ids for lora in (loras[0], None, loras[1])]
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False,
                                                                lora_request=requests)]
-    base_ref = hf_greedy(default_dir, None, ids, MAX_TOKENS)
-    refs = [hf_greedy(default_dir, path, ids, MAX_TOKENS) for path in adapters]
+    # [base model, adapter a, adapter b][prompt]: what pagoda gave each
+    runs = [[got[3 * k + j] for k in range(len(ids))] for j in (1, 0, 2)]
+    assert all(len(tokens) == MAX_TOKENS for run in runs for tokens in run)
+    base_ref, *refs = (hf_greedy_choices(default_dir, path, ids, run) for path, run in zip([None, *adapters], runs))
     for k in range(len(ids)):
         assert got[3 * k + 1] == base_ref[k], f"base-model prompt {texts[k]!r} changed beside the adapters"
         assert got[3 * k] == refs[0][k], f"adapter a diverged from HF + PEFT on {texts[k]!r}"

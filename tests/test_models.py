@@ -69,21 +69,27 @@ def hf_model(default_dir):
     return model.eval()
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """HF's greedy continuation of one prompt and the log-softmax of its raw logits, ``[steps, vocab]``."""
+def hf_greedy(model, prompt_ids: list[int], token_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy choice after the prompt and each prefix of ``token_ids``, and the log-softmax of its raw logits
+    there, ``[steps, vocab]``, from one forward pass over the prompt and the tokens (teacher forcing). Where each
+    choice equals the token it precedes, the tokens are HF's greedy continuation: a step-by-step ``generate`` would
+    make the same choices one at a time, at some 20 times the cost (one forward pass per token)."""
+    ids = prompt_ids + token_ids[:-1]
     with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=model.generation_config.pad_token_id or 0,
-        )
-    new_ids = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-    return new_ids, logprobs
+        # the logits of the prompt's last position and after it only: [len(token_ids), vocab]
+        logits = model(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                       logits_to_keep=len(token_ids)).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return logprobs.argmax(dim=-1).tolist(), logprobs
+
+
+def assert_ends_at_the_limit_or_eos(completion, max_tokens: int, model) -> None:
+    """A completion HF's greedy choices are checked along (:func:`hf_greedy`) ran as far as HF's own ``generate``
+    would: to ``max_tokens``, or to an end-of-sequence token of the model's generation config."""
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    if len(completion.token_ids) < max_tokens:
+        assert completion.token_ids[-1] in eos_ids, (completion.token_ids, eos_ids)
 
 
 def assert_top_logprobs_close(completion, hf_logprobs: torch.Tensor) -> None:
@@ -113,9 +119,10 @@ def test_default_model_greedy_tokens_match_hf_on_varied_prompts(llm, hf_model):
     for prompt, out in zip(PROMPTS, outputs):
         assert out.prompt == prompt
         assert out.prompt_token_ids == tok(prompt).input_ids
-        ref_ids, ref_logprobs = hf_greedy(hf_model, out.prompt_token_ids, MAX_TOKENS)
         completion = out.outputs[0]
+        ref_ids, ref_logprobs = hf_greedy(hf_model, out.prompt_token_ids, completion.token_ids)
         assert completion.token_ids == ref_ids, f"prompt {prompt[:40]!r} diverged from HF"
+        assert_ends_at_the_limit_or_eos(completion, MAX_TOKENS, hf_model)
         assert_top_logprobs_close(completion, ref_logprobs)
 
 
@@ -127,9 +134,10 @@ def test_default_model_chat_answers_match_hf_with_the_chat_template(llm, hf_mode
         expected_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         expected_prompt = list(getattr(expected_prompt, "input_ids", None) or expected_prompt)
         assert out.prompt_token_ids == expected_prompt
-        ref_ids, ref_logprobs = hf_greedy(hf_model, expected_prompt, 40)
         completion = out.outputs[0]
+        ref_ids, ref_logprobs = hf_greedy(hf_model, expected_prompt, completion.token_ids)
         assert completion.token_ids == ref_ids
+        assert_ends_at_the_limit_or_eos(completion, 40, hf_model)
         assert_top_logprobs_close(completion, ref_logprobs)
         assert completion.text.strip()
 
@@ -208,8 +216,8 @@ def test_tiny_random_checkpoints_match_hf_greedy_tokens_and_logprobs(tiny_checkp
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=NUM_TOP)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:
-        ref_ids, ref_logprobs = hf_greedy(hf, out.prompt_token_ids, 20)
         completion = out.outputs[0]
+        ref_ids, ref_logprobs = hf_greedy(hf, out.prompt_token_ids, completion.token_ids)
         assert len(completion.token_ids) == 20
         assert completion.token_ids == ref_ids, f"{arch}: prompt of {len(out.prompt_token_ids)} tokens diverged"
         assert_top_logprobs_close(completion, ref_logprobs)

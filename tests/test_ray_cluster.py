@@ -32,9 +32,7 @@ from pagoda.plugins.entrypoints.server import free_port
 
 import test_lora_tensor_parallel as lora_tp
 import test_pipeline_parallel as pp
-import test_tensor_parallel as tp
 from test_pipeline_parallel import one_stage, three_layers  # noqa: F401 - the module fixtures, shared
-from test_tensor_parallel import uneven_model  # noqa: F401 - the module fixture, shared
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
@@ -66,20 +64,12 @@ def test_ray_actors_as_stages_give_the_tokens_of_one(ray_cluster, three_layers, 
     assert all_removed(ray_cluster)
 
 
-def test_ray_actors_as_ranks_give_one_rank_s_tokens(ray_cluster, uneven_model):
-    # the uneven tiny model (3 query heads on 1 KV head, MLP 99 wide): the default model over two ranks is
-    # test_tensor_parallel.py's; a Ray step costs a remote call per rank, so a short run
-    one_rank = tp.run(1, uneven_model, num_requests=3)
-    worst = tp.assert_same_tokens(one_rank, tp.run(2, uneven_model, num_requests=3,
-                                                   distributed_executor_backend="ray"))
-    print(f"uneven tiny model, TP=2 on Ray actors vs TP=1: largest logprob difference {worst:.2e}")
-    assert worst < 1e-3
-    assert all_removed(ray_cluster)
-
-
-def test_ray_actors_as_ranks_give_one_ranks_tokens_with_adapters(ray_cluster, tmp_path_factory):
-    model_dir, loras = lora_tp.model_with_adapters(tmp_path_factory, "tiny")
-    two = loras[:2]  # a Ray step costs a remote call per rank: two adapters, both in slots throughout
+def test_ray_actors_as_ranks_give_one_rank_s_tokens_with_and_without_adapters(ray_cluster, tmp_path_factory):
+    # the uneven tiny model (3 query heads on 1 KV head, MLP 99 wide), each prompt with the base model and with
+    # two adapters (both in slots throughout: a Ray step costs a remote call per rank); the default model over two
+    # ranks, and adapters moving between slots, are test_tensor_parallel.py's and test_lora_tensor_parallel.py's
+    model_dir, loras = lora_tp.model_with_adapters(tmp_path_factory, "uneven")
+    two = loras[:2]
     lora_tp.assert_same_tokens(lora_tp.generate(model_dir, two, 1),
                                lora_tp.generate(model_dir, two, 2, distributed_executor_backend="ray"), len(two))
     assert all_removed(ray_cluster)

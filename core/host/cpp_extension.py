@@ -36,8 +36,6 @@ def load_cpu_extension(name: str, source: Path, extra_cflags: Sequence[str] = ()
 @lru_cache(maxsize=None)
 def _load(name: str, source: Path, extra_cflags: tuple[str, ...], cpu_isa: str, native_build: bool) -> Any:
     """One build, keyed by everything it depends on (a failed build is not cached: the next call tries again)."""
-    from torch.utils.cpp_extension import load
-
     if native_build:
         module_name, isa_flags = extension_build(name, cpu_isa)
     else:
@@ -49,9 +47,9 @@ def _load(name: str, source: Path, extra_cflags: tuple[str, ...], cpu_isa: str, 
         if built.exists() and (build_dir / f"{full_name}.so").exists():
             # built before from the same text (maybe by another checkout of pagoda, whose path torch's build file
             # names: torch's loader would compile it again for this one); import that build
-            from torch.utils.cpp_extension import _import_module_from_library
+            return _import_build(full_name, build_dir)
+        from torch.utils.cpp_extension import load  # (it imports setuptools: some 0.4 s, paid only to build)
 
-            return _import_module_from_library(full_name, str(build_dir), True)
         module = load(name=full_name, sources=[str(source)], extra_cflags=flags,
                       extra_include_paths=[str(KERNEL_INCLUDE_DIR)], verbose=False)
         built.write_text(f"{source}\n")
@@ -70,9 +68,7 @@ def _one_builder(name: str) -> Iterator[Path]:
     holds the lock, and this one waits for it, then imports what it built. Yields the build directory."""
     import fcntl
 
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir = build_directory(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "pagoda-builder.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -85,6 +81,39 @@ def _one_builder(name: str) -> Iterator[Path]:
             yield build_dir
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_directory(name: str) -> Path:
+    """Where torch's extension loader builds ``name``: under ``TORCH_EXTENSIONS_DIR``, else under torch's cache
+    folder for this Python and torch's accelerator (``~/.cache/torch_extensions/py311_cpu``). Found without
+    importing the loader, which imports setuptools: an engine's start whose kernels are all built imports neither."""
+    import os
+    import sys
+
+    import torch
+    from torch._appdirs import user_cache_dir
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accelerator = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")), f"{python}_{accelerator}")
+    return Path(root) / name
+
+
+def _import_build(name: str, build_dir: Path) -> Any:
+    """Import the Python module ``name`` that torch's loader built in ``build_dir`` (``name.so``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, build_dir / f"{name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_cpu_extension_or_none(name: str, source: Path, extra_cflags: Sequence[str] = (),
