@@ -185,10 +185,10 @@ class FusedMoE(nn.Module):
         if quant_method is not None:
             quant_method.create_weights(self, dtype)
         self.ops = moe_ops(host) if host is not None else None
-        # bf16 experts with many tokens multiply in bf16 where the CPU has bf16 math; the grouped tiles take the
-        # rest, and every expert elsewhere
-        self.bf16_gemm = host is not None and cpu_isa.cpu_isa(host.cpu_isa) == "avx512_bf16"
-        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_gemm and weight_dtype == torch.bfloat16 else ALL_ROWS
+        # where the CPU has bf16 math, bf16 experts with many tokens multiply in bf16 and the grouped tiles take
+        # bf16 dot products on bf16 activations; the grouped tiles take every expert elsewhere
+        self.bf16_math = host is not None and cpu_isa.cpu_isa(host.cpu_isa) == "avx512_bf16"
+        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_math and weight_dtype == torch.bfloat16 else ALL_ROWS
 
     # ---- loading ----------------------------------------------------------------------------------------
 
@@ -280,7 +280,7 @@ class FusedMoE(nn.Module):
             out = self.ops.moe_experts(x.contiguous(), self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
                                        ids.contiguous(), weights.float().contiguous(),
                                        ACTIVATIONS[self.activation], self.alpha, self.limit, self.gemv_max_rows, 0,
-                                       self.bf16_gemm)
+                                       self.bf16_math)
         else:
             out = grouped_experts(x, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2,
                                   self.alpha, self.limit, self.s13, self.s2)
