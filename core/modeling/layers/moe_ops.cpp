@@ -14,6 +14,7 @@
 // an AVX2 machine tests the 16-lane code).
 
 #include "pagoda_torch.h"
+#include "pagoda_bf16_dot.h"
 #include "pagoda_float.h"
 #include "pagoda_parallel.h"
 #include "pagoda_routing.h"
@@ -93,41 +94,12 @@ inline void dot_tile(const float* x, int64_t k, const W* const* rows, float* sum
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 constexpr bool kBf16Dot = true;
 
-// how far ahead of its loads a tile asks for weights (the hardware prefetchers alone leave a thread short of
-// the memory bandwidth on a weight stream: AMD Zen 5)
-constexpr int64_t kPrefetchBytes = 8192;
-
-// dot_tile for bf16 activations and weights: 32 weights a step through bf16 dot products (each lane sums a
-// pair of exact products in fp32), the last step masked where k is not a multiple of 32
+// dot_tile for bf16 activations and weights: bf16 dot products, 32 weights a step
 template <int L, int R, int MB>
 inline void dot_tile(const c10::BFloat16* x, int64_t k, const c10::BFloat16* const* rows, float* sums) {
-  __m512 acc[MB][R];
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 32) {
-    const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (k - i)) - 1);
-    __m512bh wv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + i);
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r] + i) + kPrefetchBytes, _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * k + i);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sums[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+  pagoda::bf16_dot_tile<R, MB>(x, k, rows, k, sums);
 }
 #else
 constexpr bool kBf16Dot = false;
