@@ -10,8 +10,8 @@ of its weights once and uses it for all the tokens routed to it, gate and up row
 products for bf16 experts on bf16 activations on CPUs with bf16 math; elsewhere the weights widened from
 bf16/int8 to fp32 in registers, 8 lanes on AVX2, 16 on AVX-512), then the down projection by output columns over
 all active experts with the weighted sum taken in place, in one parallel region. The routing is one call of the
-same kernel (``moe_route``), :func:`select_experts` its reference. Elsewhere, or where the kernel cannot be built, the same
-grouped computation runs in torch.
+same kernel (``moe_route``), :func:`select_experts` its reference. Elsewhere, or where the kernel cannot be
+built, the same grouped computation runs in torch.
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks (each rank holds a slice of
 every expert, so the work is even whatever the routing); one all-reduce sums the ranks' partial outputs.
