@@ -17,8 +17,10 @@ def ops():
     return load_cpu_extension("pagoda_moe_ops", _SOURCE, host=resolve_host_config())
 
 
-def reference(x, w13, w2, weights, ids, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0):
-    """Token by token, slot by slot, in float64: what every grouped path must compute."""
+def reference(x, w13, w2, weights, ids, activation="silu", b13=None, b2=None, alpha=1.702, limit=7.0,
+              hidden_dtype=None):
+    """Token by token, slot by slot, in float64: what every grouped path must compute (``hidden_dtype``: the
+    gated hidden state rounded to it, as the bf16 dot products round it)."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
@@ -31,6 +33,8 @@ def reference(x, w13, w2, weights, ids, activation="silu", b13=None, b2=None, al
             else:
                 g, u = g.clamp(max=limit), u.clamp(-limit, limit)
                 h = (u + 1) * g * torch.sigmoid(alpha * g)
+            if hidden_dtype is not None:
+                h = h.to(hidden_dtype).double()
             y = w2[e].double() @ h + (b2[e].double() if b2 is not None else 0)
             out[t] += float(weights[t, j]) * y
     return out
@@ -46,7 +50,7 @@ def random_case(tokens, hidden, inter, experts, top_k, dtype, seed=0):
     return x, w13, w2, weights, ids
 
 
-# (tokens, hidden, inter, experts, top_k): decode sizes, odd sizes, one expert taking every token (GEMM path)
+# (tokens, hidden, inter, experts, top_k): decode sizes, odd sizes, one expert taking every token
 SHAPES = [(1, 64, 32, 4, 2), (3, 33, 17, 5, 2), (7, 100, 52, 8, 1), (40, 72, 40, 4, 2), (1, 16, 8, 2, 2),
           (64, 48, 24, 1, 1)]
 
@@ -69,17 +73,38 @@ def test_grouped_torch_experts_equal_the_per_token_reference(shape, dtype):
 def test_kernel_equals_the_reference_at_both_vector_widths(ops, shape, dtype, lanes):
     x, w13, w2, weights, ids = random_case(*shape, dtype)
     ref = reference(x, w13, w2, weights, ids)
-    for gemv_max_rows in (0, 8, 1 << 30):  # every expert through the GEMM, the default split, all through the GEMV
-        got = ops.moe_experts(x, w13, w2, None, None, None, None, ids, weights, 0, 1.702, 7.0, gemv_max_rows, lanes,
-                              False)
+    for bf16_dot in (False, True):  # widened weights; bf16 dot products for bf16 where the build has them
+        got = ops.moe_experts(x, w13, w2, None, None, None, None, ids, weights, 0, 1.702, 7.0, lanes, bf16_dot)
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), ref, **_tolerance(dtype))
 
 
-def test_kernel_bf16_gemm_path_equals_the_reference(ops):
-    x, w13, w2, weights, ids = random_case(48, 64, 40, 4, 2, torch.bfloat16)
-    got = ops.moe_experts(x, w13, w2, None, None, None, None, ids, weights, 0, 1.702, 7.0, 0, 0, True)
-    torch.testing.assert_close(got.double(), reference(x, w13, w2, weights, ids), rtol=3e-2, atol=3e-2)
+def needs_bf16_dot(ops):
+    if ops.moe_path() != "avx512_bf16":
+        pytest.skip(f"the kernel's {ops.moe_path()} build has no bf16 dot products (AVX512_BF16)")
+
+
+# k not a multiple of 32 (the masked last step), 4-, 2- and 1-token blocks per expert, an expert with no tokens
+@pytest.mark.parametrize("shape", [(37, 45, 19, 9, 8), (19, 100, 52, 8, 2), (3, 1024, 512, 64, 8), (150, 64, 96, 3, 1)])
+def test_kernel_bf16_dot_products_equal_the_reference_with_the_hidden_state_rounded(ops, shape):
+    needs_bf16_dot(ops)
+    x, w13, w2, weights, ids = random_case(*shape, torch.bfloat16, seed=shape[0])
+    got = ops.moe_experts(x, w13, w2, None, None, None, None, ids, weights, 0, 1.702, 7.0, 0, True)
+    # products of bf16 pairs are exact and summed in fp32: the error left is the output's bf16 rounding
+    torch.testing.assert_close(got.double(), reference(x, w13, w2, weights, ids, hidden_dtype=torch.bfloat16),
+                               rtol=8e-3, atol=2e-3)
+    widened = ops.moe_experts(x, w13, w2, None, None, None, None, ids, weights, 0, 1.702, 7.0, 0, False)
+    assert not torch.equal(got, widened)  # the flag took the other path
+
+
+def test_kernel_bf16_dot_products_with_biases_and_clamped_swiglu(ops):
+    needs_bf16_dot(ops)
+    x, w13, w2, weights, ids = random_case(21, 40, 24, 4, 2, torch.bfloat16, seed=3)
+    x = x * 4  # past the clamp limit
+    b13, b2 = torch.randn(4, 48), torch.randn(4, 40)
+    ref = reference(x, w13, w2, weights, ids, "clamped_swiglu", b13, b2, 1.702, 7.0, hidden_dtype=torch.bfloat16)
+    got = ops.moe_experts(x, w13, w2, None, None, b13, b2, ids, weights, 1, 1.702, 7.0, 0, True)
+    torch.testing.assert_close(got.double(), ref, rtol=8e-3, atol=4e-3)
 
 
 @pytest.mark.parametrize("tokens", [1, 30])
@@ -88,7 +113,7 @@ def test_kernel_clamped_swiglu_with_biases_equals_the_reference(ops, tokens):
     x = x * 4  # past the clamp limit
     b13, b2 = torch.randn(4, 48), torch.randn(4, 40)
     ref = reference(x, w13, w2, weights, ids, "clamped_swiglu", b13, b2, 1.702, 7.0)
-    got = ops.moe_experts(x, w13, w2, None, None, b13, b2, ids, weights, 1, 1.702, 7.0, 8, 0, False)
+    got = ops.moe_experts(x, w13, w2, None, None, b13, b2, ids, weights, 1, 1.702, 7.0, 0, False)
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids, "clamped_swiglu", b13, b2).double(), ref,
                                rtol=1e-4, atol=1e-4)
@@ -102,15 +127,15 @@ def test_kernel_int8_experts_equal_their_dequantized_reference(ops, tokens):
     q13 = torch.round(w13 / s13[..., None]).to(torch.int8)
     q2 = torch.round(w2 / s2[..., None]).to(torch.int8)
     ref = reference(x, q13.float() * s13[..., None], q2.float() * s2[..., None], weights, ids)
-    got = ops.moe_experts(x, q13, q2, s13.contiguous(), s2.contiguous(), None, None, ids, weights, 0, 1.702, 7.0, 8,
-                          0, False)
+    got = ops.moe_experts(x, q13, q2, s13.contiguous(), s2.contiguous(), None, None, ids, weights, 0, 1.702, 7.0, 0,
+                          False)
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_kernel_rejects_an_expert_id_out_of_range(ops):
     x, w13, w2, weights, ids = random_case(2, 16, 8, 2, 1, torch.float32)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.moe_experts(x, w13, w2, None, None, None, None, ids + 5, weights, 0, 1.702, 7.0, 8, 0, False)
+        ops.moe_experts(x, w13, w2, None, None, None, None, ids + 5, weights, 0, 1.702, 7.0, 0, False)
 
 
 def test_softmax_router_renormalized_or_not_and_softmax_over_top_k():

@@ -8,6 +8,7 @@
 #include "pagoda_torch.h"
 #include "pagoda_float.h"
 #include "pagoda_vec8.h"
+#include "pagoda_bf16_dot.h"
 #include <ATen/ThreadLocalState.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -304,43 +305,14 @@ void qk_norm_rotary_impl(T* qkv, int64_t row_stride, const T* q_weight, const T*
 // with every row of x (held in L1) through AVX-512 BF16 dot-product instructions, fp32 sums.
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 constexpr bool kHasBf16Dot = true;
 
-// how far ahead of its loads gemv_tile asks for weights: decode steps stream every weight from memory once, and the
-// hardware prefetchers alone left one thread at about half the bandwidth oneDNN's packed GEMM draws (AMD Zen 5)
-constexpr int64_t kWeightPrefetchBytes = 8192;
-
-// rows [n0, n0 + R) of W against x rows [m0, m0 + MB). Every load is masked (all lanes but in the last step of a K
-// that is not a multiple of 32, whose missing lanes read as zeros). The loops over m and r are unrolled by pragma:
-// unrolled later by the compiler on its own, the accumulators stayed in registers but were also stored to the
-// stack every step (GCC 12: 24 stores per 24 dot products at 4 x 6).
+// rows [n0, n0 + R) of W (w: row n0) against x rows [m0, m0 + MB)
 template <int R, int MB>
 inline void gemv_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k, float* sums) {
-  __m512 acc[MB][R];
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 32) {
-    const __mmask32 mask = k - i >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (k - i)) - 1);
-    __m512bh wv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + i);
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + i) + kWeightPrefetchBytes, _MM_HINT_T0);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * x_stride + i);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sums[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+  const at::BFloat16* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w + r * k;
+  pagoda::bf16_dot_tile<R, MB>(x, x_stride, rows, k, sums);
 }
 
 // MB activation rows against weight rows [n_begin, n_end), R at a time (MB x R sums in registers), then one at a

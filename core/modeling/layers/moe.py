@@ -5,13 +5,13 @@ A token's hidden state goes to ``top_k`` of ``num_experts`` gated MLPs (its *exp
 experts run grouped: the (token, slot) pairs are sorted by expert and each active expert multiplies only the
 tokens routed to it, one GEMM per active expert, never a loop over tokens and never all experts on all tokens.
 
-On a CPU the whole of it runs in one C++ call per layer (``moe_ops.cpp``): experts with few tokens (decode)
-read each chunk of their weights once (widened from bf16/int8 to fp32 in registers, 8 lanes on AVX2, 16 on
-AVX-512) and use it for all the tokens routed to them, gate and up rows side by side, then the down projection
-by output columns over all active experts with the weighted sum taken in place, in one parallel region; on CPUs
-with bf16 math, experts with many tokens (prefill) take one bf16 GEMM each. The routing is one call of the same
-kernel (``moe_route``), :func:`select_experts` its reference. Elsewhere, or where the kernel cannot be built, the same
-grouped computation runs in torch.
+On a CPU the whole of it runs in one C++ call per layer (``moe_ops.cpp``): every active expert reads each chunk
+of its weights once and uses it for all the tokens routed to it, gate and up rows side by side (bf16 dot
+products for bf16 experts on bf16 activations on CPUs with bf16 math; elsewhere the weights widened from
+bf16/int8 to fp32 in registers, 8 lanes on AVX2, 16 on AVX-512), then the down projection by output columns over
+all active experts with the weighted sum taken in place, in one parallel region. The routing is one call of the
+same kernel (``moe_route``), :func:`select_experts` its reference. Elsewhere, or where the kernel cannot be
+built, the same grouped computation runs in torch.
 
 Tensor parallelism splits every expert's intermediate dimension over the ranks (each rank holds a slice of
 every expert, so the work is even whatever the routing); one all-reduce sums the ranks' partial outputs.
@@ -34,13 +34,6 @@ from pagoda.host.cpp_extension import load_cpu_extension_or_none
 from pagoda.host.env import HostConfig, resolve_host_config
 
 _SOURCE = Path(__file__).with_name("moe_ops.cpp")
-
-# On a CPU with bf16 math, experts with at most this many tokens take the grouped tiles (weights streamed
-# once), the others one bf16 GEMM each. Without bf16 math (AVX2) the grouped tiles take every expert: measured
-# on a 2-core AVX2 EPYC (docs/moe.md), they ran a 64-expert layer 4.7x faster than the per-expert fp32 GEMMs
-# at 64 tokens and 3.3x at 256, and no slower at 1 to 16.
-GEMV_MAX_ROWS = 8
-ALL_ROWS = 1 << 62
 
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 SCORINGS = {"softmax": 0, "sigmoid": 1}
@@ -185,10 +178,9 @@ class FusedMoE(nn.Module):
         if quant_method is not None:
             quant_method.create_weights(self, dtype)
         self.ops = moe_ops(host) if host is not None else None
-        # bf16 experts with many tokens multiply in bf16 where the CPU has bf16 math; the grouped tiles take the
-        # rest, and every expert elsewhere
-        self.bf16_gemm = host is not None and cpu_isa.cpu_isa(host.cpu_isa) == "avx512_bf16"
-        self.gemv_max_rows = GEMV_MAX_ROWS if self.bf16_gemm and weight_dtype == torch.bfloat16 else ALL_ROWS
+        # bf16 experts on bf16 activations take bf16 dot products where the CPU has bf16 math
+        self.bf16_dot = host is not None and cpu_isa.cpu_isa(host.cpu_isa) == "avx512_bf16" \
+            and weight_dtype == torch.bfloat16
 
     # ---- loading ----------------------------------------------------------------------------------------
 
@@ -279,8 +271,7 @@ class FusedMoE(nn.Module):
         elif self.ops is not None and x.device.type == "cpu":
             out = self.ops.moe_experts(x.contiguous(), self.w13, self.w2, self.s13, self.s2, self.b13, self.b2,
                                        ids.contiguous(), weights.float().contiguous(),
-                                       ACTIVATIONS[self.activation], self.alpha, self.limit, self.gemv_max_rows, 0,
-                                       self.bf16_gemm)
+                                       ACTIVATIONS[self.activation], self.alpha, self.limit, 0, self.bf16_dot)
         else:
             out = grouped_experts(x, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2,
                                   self.alpha, self.limit, self.s13, self.s2)
@@ -292,9 +283,10 @@ class FusedMoE(nn.Module):
             return self.quant_method.isa_path(self)
         if self.ops is None:
             return "torch grouped GEMMs"
-        if self.gemv_max_rows == ALL_ROWS:
-            return f"{self.ops.moe_path()} grouped tiles, every expert"
-        return f"{self.ops.moe_path()} grouped tiles up to {self.gemv_max_rows} tokens per expert, bf16 GEMM beyond"
+        path = self.ops.moe_path()
+        if self.bf16_dot and path == "avx512_bf16":
+            return f"{path} grouped tiles, bf16 dot products on bf16 activations"
+        return f"{path} grouped tiles, weights widened to fp32"
 
 
 class SharedExpert(nn.Module):

@@ -1,9 +1,12 @@
 // The experts of a Mixture-of-Experts layer on a CPU, in one call per layer: the (token, slot) pairs the
 // router chose are grouped by expert, and each active expert multiplies only its own tokens
 //   h = act(x W13[e]^T + b13[e]),  y = h W2[e]^T + b2[e],  out[t] = sum_j weight[t, j] * y[t, j]
-// with W13 = [gate rows | up rows]. Experts with few tokens (decode) stream their weights once through a
-// GEMV of widened weights; experts with many (prefill) run one GEMM each. fp32 math throughout, one
-// rounding to the activations' dtype at the end.
+// with W13 = [gate rows | up rows]. Every expert, whatever its number of tokens, runs on grouped tiles: each
+// chunk of its weights is read once and used for all its tokens. fp32 math, one rounding to the activations'
+// dtype at the end; except for bf16 experts on bf16 activations on a CPU with bf16 dot products
+// (AVX512_BF16), whose tiles multiply bf16 pairs into fp32 sums, the gated hidden state rounded to bf16 once
+// (as a bf16 MLP rounds it). On such a CPU these tiles ran a 64-expert layer in 0.54x the time of the per-expert
+// bf16 GEMMs at 16 tokens per expert and 0.88x at 144 (docs/moe.md): no token count favours a GEMM.
 //
 // Weights: fp32, bf16 (widened in registers: a bf16 is the top half of an fp32), or int8 with one fp32
 // scale per output row. The vector width is a template parameter written with GCC vector types: 8 lanes
@@ -11,12 +14,11 @@
 // an AVX2 machine tests the 16-lane code).
 
 #include "pagoda_torch.h"
+#include "pagoda_bf16_dot.h"
 #include "pagoda_float.h"
 #include "pagoda_parallel.h"
 #include "pagoda_routing.h"
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
-#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +26,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -90,10 +93,22 @@ inline void dot_tile(const float* x, int64_t k, const W* const* rows, float* sum
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kBf16Dot = true;
+
+// dot_tile for bf16 activations and weights: bf16 dot products, 32 weights a step
+template <int L, int R, int MB>
+inline void dot_tile(const c10::BFloat16* x, int64_t k, const c10::BFloat16* const* rows, float* sums) {
+  pagoda::bf16_dot_tile<R, MB>(x, k, rows, k, sums);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // One register block: MB rows of x against RN weight rows n.. of wa and, when PAIR, the same rows of wb (an
 // expert's gate and up rows side by side, so the activation sees both): emit(token, n, x.wa[n], x.wb[n]).
-template <int L, int MB, int RN, bool PAIR, typename W, typename Emit>
-inline void block(const float* x, int64_t m0, int64_t k, const W* wa, const W* wb, int64_t n, const Emit& emit) {
+template <int L, int MB, int RN, bool PAIR, typename X, typename W, typename Emit>
+inline void block(const X* x, int64_t m0, int64_t k, const W* wa, const W* wb, int64_t n, const Emit& emit) {
   constexpr int R = PAIR ? 2 * RN : RN;
   const W* rows[R];
   for (int r = 0; r < RN; ++r) {
@@ -106,21 +121,23 @@ inline void block(const float* x, int64_t m0, int64_t k, const W* wa, const W* w
     for (int r = 0; r < RN; ++r) emit(m0 + m, n + r, sums[m * R + r], PAIR ? sums[m * R + RN + r] : 0.f);
 }
 
-// MB rows of x against weight rows [n0, n1): at most 8 accumulators (AVX2 has 16 registers: 8 sums, the
-// weight vectors and one of x)
-template <int L, int MB, bool PAIR, typename W, typename Emit>
-inline void block_rows(const float* x, int64_t m0, int64_t k, const W* wa, const W* wb, int64_t n0, int64_t n1,
+// MB rows of x against weight rows [n0, n1): at most 8 accumulators with fp32 x (AVX2 has 16 registers: 8 sums,
+// the weight vectors and one of x), 16 with bf16 x (AVX-512's 32 registers; each x vector then serves 4 to 8
+// weight rows)
+template <int L, int MB, bool PAIR, typename X, typename W, typename Emit>
+inline void block_rows(const X* x, int64_t m0, int64_t k, const W* wa, const W* wb, int64_t n0, int64_t n1,
                        const Emit& emit) {
-  constexpr int RN = (MB >= 4 ? 2 : 4) / (PAIR ? 2 : 1);
+  constexpr int kWide = std::is_same<X, float>::value ? 1 : 2;
+  constexpr int RN = kWide * (MB >= 4 ? 2 : 4) / (PAIR ? 2 : 1);
   int64_t n = n0;
   for (; n + RN <= n1; n += RN) block<L, MB, RN, PAIR>(x, m0, k, wa, wb, n, emit);
   for (; n < n1; ++n) block<L, MB, 1, PAIR>(x, m0, k, wa, wb, n, emit);
 }
 
-// All m rows of x ([m, k], fp32) against weight rows [n0, n1) of wa (and wb): four rows of x at a time, so
+// All m rows of x ([m, k], fp32 or bf16) against weight rows [n0, n1) of wa (and wb): four rows of x at a time, so
 // the chunk of weights (a few dozen KiB, read from memory once) is used from L1 for every token of the expert
-template <int L, bool PAIR, typename W, typename Emit>
-void grouped_rows(const float* x, int64_t m, int64_t k, const W* wa, const W* wb, int64_t n0, int64_t n1,
+template <int L, bool PAIR, typename X, typename W, typename Emit>
+void grouped_rows(const X* x, int64_t m, int64_t k, const W* wa, const W* wb, int64_t n0, int64_t n1,
                   const Emit& emit) {
   int64_t m0 = 0;
   for (; m0 + 4 <= m; m0 += 4) block_rows<L, 4, PAIR>(x, m0, k, wa, wb, n0, n1, emit);
@@ -136,7 +153,7 @@ using pagoda::activate;
 using pagoda::kClampedSwiglu;
 using pagoda::kSiluMul;
 
-// one unit of parallel work: rows [n0, n1) of expert e's gate (phase 1) or down (phase 2) projection
+// one unit of phase 1's work: rows [n0, n1) of expert e's gate projection, with the same rows of its up one
 struct Item {
   int64_t e, n0, n1;
 };
@@ -146,29 +163,15 @@ inline int64_t chunk_rows(int64_t k, int64_t elem_bytes) {
   return std::max<int64_t>(4, (32768 / std::max<int64_t>(1, k * elem_bytes)) / 4 * 4);
 }
 
-// expert e's weights [rows, k] as fp32 (dequantised by the row scales), for the GEMM of a many-token expert
-template <typename W>
-at::Tensor widened(const W* w, const float* scale, int64_t rows, int64_t k) {
-  auto out = at::empty({rows, k}, at::TensorOptions().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float s = scale ? scale[r] : 1.f;
-      for (int64_t i = 0; i < k; ++i) o[r * k + i] = wf(w[r * k + i]) * s;
-    }
-  });
-  return out;
-}
-
-// Phase 2 of moe_impl when every expert takes the grouped tiles, in one parallel region with phase 1 (the
-// gate_up items): work item j is output columns [j * tile, (j + 1) * tile) of every token, over the active
-// experts in ascending order, each expert's down rows of those columns read once for all its tokens and its
-// weighted outputs added to the tokens' fp32 sums as they come out; the item then rounds its columns to T.
-// Per token the sum runs in ascending expert order, as the separate combine does.
-template <int L, typename W, typename T, typename GateUp>
+// Phase 2 of moe_impl, in one parallel region with phase 1 (the gate_up items): work item j is output
+// columns [j * tile, (j + 1) * tile) of every token, over the active experts in ascending order, each expert's
+// down rows of those columns read once for all its tokens and its weighted outputs added to the tokens' fp32
+// sums as they come out; the item then rounds its columns to T. Per token the sum runs in ascending expert
+// order, whatever the threads do.
+template <int L, typename X, typename W, typename T, typename GateUp>
 void down_and_combine(const T*, int64_t num_tokens, int64_t hidden, const W* w2, const float* s2, const float* b2,
                       int64_t inter, const std::vector<int64_t>& offsets, const std::vector<int64_t>& order,
-                      const float* weights, int64_t top_k, const float* hsp, const std::vector<Item>& gate_items,
+                      const float* weights, int64_t top_k, const X* hsp, const std::vector<Item>& gate_items,
                       const GateUp& gate_up_item, T* out) {
   std::vector<int64_t> active;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e)
@@ -202,14 +205,14 @@ void down_and_combine(const T*, int64_t num_tokens, int64_t hidden, const W* w2,
   });
 }
 
-template <int L, typename W, typename T>
+// X: the activations' type in the tiles, float (widened weights, fp32 FMAs) or c10::BFloat16 (bf16 dot products)
+template <int L, typename X, typename W, typename T>
 void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, const float* s13, const W* w2,
               const float* s2, const float* b13, const float* b2, int64_t num_experts, int64_t inter,
-              const int64_t* ids, const float* weights, int64_t top_k, const ActParams& act, int64_t gemv_max_rows,
-              const at::Tensor& w13_t, const at::Tensor& w2_t, bool bf16_gemm, T* out) {
+              const int64_t* ids, const float* weights, int64_t top_k, const ActParams& act, T* out) {
   const int64_t slots = num_tokens * top_k;
   // group the (token, slot) pairs by expert: order[offsets[e] .. offsets[e + 1]) are expert e's slots
-  std::vector<int64_t> offsets(num_experts + 1, 0), order(slots), pos_of_slot(slots);
+  std::vector<int64_t> offsets(num_experts + 1, 0), order(slots);
   for (int64_t s = 0; s < slots; ++s) {
     TORCH_CHECK(ids[s] >= 0 && ids[s] < num_experts, "expert id ", ids[s], " out of range [0, ", num_experts, ")");
     ++offsets[ids[s] + 1];
@@ -217,51 +220,27 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
   for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
   {
     std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (int64_t s = 0; s < slots; ++s) {
-      const int64_t p = fill[ids[s]]++;
-      order[p] = s;
-      pos_of_slot[s] = p;
-    }
+    for (int64_t s = 0; s < slots; ++s) order[fill[ids[s]]++] = s;
   }
-  // activations gathered by expert as fp32, [slots, hidden]; the gated hidden states [slots, inter]
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
-  auto xs = at::empty({slots, hidden}, f32), hs = at::empty({slots, inter}, f32);
-  float* xsp = xs.data_ptr<float>();
-  float* hsp = hs.data_ptr<float>();
+  // activations gathered by expert as X, [slots, hidden]; the gated hidden states [slots, inter]
+  const at::TensorOptions x_opts =
+      at::TensorOptions().dtype(std::is_same<X, float>::value ? at::kFloat : at::kBFloat16);
+  const at::Tensor xs = at::empty({slots, hidden}, x_opts), hs = at::empty({slots, inter}, x_opts);
+  X* xsp = xs.data_ptr<X>();
+  X* hsp = hs.data_ptr<X>();
   at::parallel_for(0, slots, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden)), [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) {
       const T* src = x + (order[p] / top_k) * hidden;
-      for (int64_t i = 0; i < hidden; ++i) xsp[p * hidden + i] = to_f(src[i]);
+      for (int64_t i = 0; i < hidden; ++i) xsp[p * hidden + i] = from_f<X>(to_f(src[i]));
     }
   });
   const int64_t gate_up_rows = 2 * inter;
-  std::vector<Item> gate_items, down_items;
-  std::vector<int64_t> large;
-  // a gate item reads gate and up rows: half as many of each
+  // phase 1's work items: a chunk of an active expert's gate rows, with its up rows (half as many of each)
+  std::vector<Item> gate_items;
   const int64_t chunk1 = std::max<int64_t>(4, chunk_rows(hidden, sizeof(W)) / 2 / 4 * 4);
-  const int64_t chunk2 = chunk_rows(inter, sizeof(W));
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t m = offsets[e + 1] - offsets[e];
-    if (m == 0) continue;
-    if (m > gemv_max_rows) {
-      large.push_back(e);
-      continue;
-    }
-    for (int64_t n = 0; n < inter; n += chunk1) gate_items.push_back({e, n, std::min(inter, n + chunk1)});
-    for (int64_t n = 0; n < hidden; n += chunk2) down_items.push_back({e, n, std::min(hidden, n + chunk2)});
-  }
-  auto finish_gate_up = [&](float* g, float* u, int64_t g_stride, int64_t e, int64_t m, int64_t n0, int64_t n1,
-                            float* h, int64_t h_stride) {
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t n = n0; n < n1; ++n) {
-        float gv = g[r * g_stride + n - n0], uv = u[r * g_stride + n - n0];
-        if (b13) {
-          gv += b13[e * gate_up_rows + n];
-          uv += b13[e * gate_up_rows + inter + n];
-        }
-        h[r * h_stride + n] = activate(gv, uv, act);
-      }
-  };
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (offsets[e + 1] > offsets[e])
+      for (int64_t n = 0; n < inter; n += chunk1) gate_items.push_back({e, n, std::min(inter, n + chunk1)});
   // phase 1, the grouped tiles: gate and up rows of a chunk side by side for all the expert's tokens, the
   // activation applied as each pair of sums comes out
   auto gate_up_item = [&](const Item& it) {
@@ -269,7 +248,7 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
     const W* we = w13 + it.e * gate_up_rows * hidden;
     const float* se = s13 ? s13 + it.e * gate_up_rows : nullptr;
     const float* be = b13 ? b13 + it.e * gate_up_rows : nullptr;
-    float* h = hsp + offsets[it.e] * inter;
+    X* h = hsp + offsets[it.e] * inter;
     grouped_rows<L, true>(xsp + offsets[it.e] * hidden, m, hidden, we, we + inter * hidden, it.n0, it.n1,
                           [&](int64_t r, int64_t n, float g, float u) {
       if (se) {
@@ -280,77 +259,12 @@ void moe_impl(const T* x, int64_t num_tokens, int64_t hidden, const W* w13, cons
         g += be[n];
         u += be[inter + n];
       }
-      h[r * inter + n] = activate(g, u, act);
+      h[r * inter + n] = from_f<X>(activate(g, u, act));
     });
   };
-  if (large.empty()) {
-    // every expert on the grouped tiles (decode; prefill on CPUs without bf16 math): phase 2 runs by output
-    // columns over all the active experts, and the weighted sum is taken in its tiles
-    down_and_combine<L>(x, num_tokens, hidden, w2, s2, b2, inter, offsets, order, weights, top_k, hsp,
-                        gate_items, gate_up_item, out);
-    return;
-  }
-  pagoda::parallel_items(static_cast<int64_t>(gate_items.size()), [&](int64_t i) { gate_up_item(gate_items[i]); });
-  auto ys = at::empty({slots, hidden}, f32);  // the experts' outputs
-  float* ysp = ys.data_ptr<float>();
-  // phase 1, experts with many tokens: one GEMM each
-  for (const int64_t e : large) {
-    const int64_t m = offsets[e + 1] - offsets[e];
-    auto xe = xs.narrow(0, offsets[e], m);
-    at::Tensor gu;  // [m, 2 * inter] fp32
-    if (bf16_gemm && w13_t.scalar_type() == at::kBFloat16) {
-      gu = at::mm(xe.to(at::kBFloat16), w13_t[e].t()).to(at::kFloat);
-    } else if (w13_t.scalar_type() == at::kFloat) {
-      gu = at::mm(xe, w13_t[e].t());
-    } else {
-      gu = at::mm(xe, widened(w13 + e * gate_up_rows * hidden, s13 ? s13 + e * gate_up_rows : nullptr,
-                              gate_up_rows, hidden).t());
-    }
-    gu = gu.contiguous();
-    float* gp = gu.data_ptr<float>();
-    finish_gate_up(gp, gp + inter, gate_up_rows, e, m, 0, inter, hsp + offsets[e] * inter, inter);
-  }
-  // phase 2: the down projection, the same two ways
-  pagoda::parallel_items(static_cast<int64_t>(down_items.size()), [&](int64_t i) {
-    const Item& it = down_items[i];
-    const int64_t m = offsets[it.e + 1] - offsets[it.e];
-    const float* se = s2 ? s2 + it.e * hidden : nullptr;
-    float* y = ysp + offsets[it.e] * hidden;
-    const W* we = w2 + it.e * hidden * inter;
-    grouped_rows<L, false>(hsp + offsets[it.e] * inter, m, inter, we, we, it.n0, it.n1,
-                           [&](int64_t r, int64_t n, float v, float) { y[r * hidden + n] = se ? v * se[n] : v; });
-  });
-  for (const int64_t e : large) {
-    const int64_t m = offsets[e + 1] - offsets[e];
-    auto he = hs.narrow(0, offsets[e], m);
-    auto ye = ys.narrow(0, offsets[e], m);
-    if (bf16_gemm && w2_t.scalar_type() == at::kBFloat16) {
-      ye.copy_(at::mm(he.to(at::kBFloat16), w2_t[e].t()));
-    } else if (w2_t.scalar_type() == at::kFloat) {
-      at::mm_out(ye, he, w2_t[e].t());
-    } else {
-      at::mm_out(ye, he, widened(w2 + e * hidden * inter, s2 ? s2 + e * hidden : nullptr, hidden, inter).t());
-    }
-  }
-  // combine: out[t] = sum over its slots, in ascending expert order, of weight * (y + b2)
-  at::parallel_for(0, num_tokens, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, hidden * top_k)),
-                   [&](int64_t b, int64_t e) {
-    std::vector<int64_t> slot_order(top_k);
-    std::vector<float> acc(hidden);
-    for (int64_t t = b; t < e; ++t) {
-      for (int64_t j = 0; j < top_k; ++j) slot_order[j] = t * top_k + j;
-      std::stable_sort(slot_order.begin(), slot_order.end(), [&](int64_t a, int64_t c) { return ids[a] < ids[c]; });
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (const int64_t s : slot_order) {
-        const float* y = ysp + pos_of_slot[s] * hidden;
-        const float* bias = b2 ? b2 + ids[s] * hidden : nullptr;
-        const float wgt = weights[s];
-        for (int64_t i = 0; i < hidden; ++i) acc[i] += (y[i] + (bias ? bias[i] : 0.f)) * wgt;
-      }
-      T* o = out + t * hidden;
-      for (int64_t i = 0; i < hidden; ++i) o[i] = from_f<T>(acc[i]);
-    }
-  });
+  // phase 2 runs by output columns over all the active experts, and the weighted sum is taken in its tiles
+  down_and_combine<L, X>(x, num_tokens, hidden, w2, s2, b2, inter, offsets, order, weights, top_k, hsp, gate_items,
+                         gate_up_item, out);
 }
 
 #if defined(__AVX512F__)
@@ -359,25 +273,30 @@ constexpr int64_t kNativeLanes = 16;
 constexpr int64_t kNativeLanes = 8;
 #endif
 
+// bf16_dot: bf16 experts on bf16 activations take bf16 dot products (where this build has them)
 template <int L, typename W>
 void dispatch_x(const at::Tensor& x, const W* w13, const float* s13, const W* w2, const float* s2, const float* b13,
                 const float* b2, int64_t num_experts, int64_t inter, const int64_t* ids, const float* weights,
-                int64_t top_k, const ActParams& act, int64_t gemv_max_rows, const at::Tensor& w13_t,
-                const at::Tensor& w2_t, bool bf16_gemm, at::Tensor& out) {
+                int64_t top_k, const ActParams& act, bool bf16_dot, at::Tensor& out) {
   const int64_t t = x.size(0), h = x.size(1);
+  auto run = [&](auto x_type, auto* xp) {
+    using X = decltype(x_type);
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    moe_impl<L, X>(xp, t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights, top_k, act,
+                   out.data_ptr<T>());
+  };
   switch (x.scalar_type()) {
-    case at::kFloat:
-      moe_impl<L>(x.data_ptr<float>(), t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights, top_k, act,
-                  gemv_max_rows, w13_t, w2_t, bf16_gemm, out.data_ptr<float>());
-      break;
+    case at::kFloat: run(float{}, x.data_ptr<float>()); break;
     case at::kBFloat16:
-      moe_impl<L>(x.data_ptr<at::BFloat16>(), t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights,
-                  top_k, act, gemv_max_rows, w13_t, w2_t, bf16_gemm, out.data_ptr<at::BFloat16>());
+      if constexpr (kBf16Dot && std::is_same<W, c10::BFloat16>::value) {
+        if (bf16_dot) {
+          run(c10::BFloat16{}, x.data_ptr<at::BFloat16>());
+          break;
+        }
+      }
+      run(float{}, x.data_ptr<at::BFloat16>());
       break;
-    case at::kHalf:
-      moe_impl<L>(x.data_ptr<at::Half>(), t, h, w13, s13, w2, s2, b13, b2, num_experts, inter, ids, weights, top_k,
-                  act, gemv_max_rows, w13_t, w2_t, bf16_gemm, out.data_ptr<at::Half>());
-      break;
+    case at::kHalf: run(float{}, x.data_ptr<at::Half>()); break;
     default:
       TORCH_CHECK(false, "moe_experts: x must be float32, bfloat16 or float16, not ", x.scalar_type());
   }
@@ -395,13 +314,14 @@ const float* opt_f32(const c10::optional<at::Tensor>& t, int64_t numel, const ch
 // x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows), w2: [E, H, I], both float32, bfloat16 or int8
 // (int8: s13 [E, 2I] and s2 [E, H] float32 row scales); b13 [E, 2I], b2 [E, H] float32 or none;
 // topk_ids [T, k] int64, topk_weights [T, k] float32. activation: 0 silu(gate) * up, 1 gpt-oss's clamped
-// SwiGLU (alpha, limit). Experts with at most gemv_max_rows tokens take the GEMV; lanes: 0 (this CPU's
-// width), 8 or 16. bf16_gemm: many-token experts multiply in bf16 (CPUs with bf16 math) instead of fp32.
+// SwiGLU (alpha, limit). lanes: 0 (this CPU's width), 8 or 16, for the tiles of widened weights. bf16_dot (CPUs
+// with bf16 math): bf16 experts on bf16 activations take bf16 dot products instead, where this build has them
+// (moe_path avx512_bf16; elsewhere the flag changes nothing).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& s13, const c10::optional<at::Tensor>& s2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t activation, double alpha,
-                       double limit, int64_t gemv_max_rows, int64_t lanes, bool bf16_gemm) {
+                       double limit, int64_t lanes, bool bf16_dot) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [T, H] tensor");
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous(),
               "w13 and w2 must be contiguous [E, 2I, H] and [E, H, I] tensors");
@@ -428,7 +348,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
   const float* wts = topk_weights.data_ptr<float>();
 #define PAGODA_MOE_CALL(L, W)                                                                                     \
   dispatch_x<L>(x, w13.data_ptr<W>(), s13p, w2.data_ptr<W>(), s2p, b13p, b2p, e, inter, ids, wts, k, act,        \
-                gemv_max_rows, w13, w2, bf16_gemm, out)
+                bf16_dot, out)
 #define PAGODA_MOE_WEIGHTS(L)                                                                                     \
   switch (w13.scalar_type()) {                                                                                    \
     case at::kFloat: PAGODA_MOE_CALL(L, float); break;                                                            \
@@ -517,9 +437,12 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t t
   return {weights, ids};
 }
 
-// the vector width this build's GEMV uses: 16 lanes on AVX-512, else 8 (AVX2, or the compiler's generic code)
+// the vector width this build's tiles use: 16 lanes on AVX-512, else 8 (AVX2, or the compiler's generic code);
+// avx512_bf16: bf16 dot products for bf16 experts on bf16 activations
 std::string moe_path() {
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__)
   return "avx2";
@@ -534,9 +457,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w13"), pybind11::arg("w2"), pybind11::arg("s13"), pybind11::arg("s2"),
         pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("topk_ids"), pybind11::arg("topk_weights"),
         pybind11::arg("activation") = 0, pybind11::arg("alpha") = 1.702, pybind11::arg("limit") = 7.0,
-        pybind11::arg("gemv_max_rows") = 8, pybind11::arg("lanes") = 0, pybind11::arg("bf16_gemm") = false);
+        pybind11::arg("lanes") = 0, pybind11::arg("bf16_dot") = false);
   m.def("moe_route", &moe_route, "the experts and weights of each token from its router logits", no_gil,
         pybind11::arg("logits"), pybind11::arg("top_k"), pybind11::arg("scoring") = 0,
         pybind11::arg("renormalize") = true, pybind11::arg("softmax_over_top_k") = false);
-  m.def("moe_path", &moe_path, "the ISA path of the expert GEMV: avx512, avx2 or generic");
+  m.def("moe_path", &moe_path, "the ISA path of the grouped tiles: avx512_bf16, avx512, avx2 or generic");
 }
