@@ -23,8 +23,8 @@ MAX_CHARS = 16000
 # properties of the expensive schema: about 0.13 s of compile each on a 2-core AVX2 EPYC, so several times the
 # compile timeout on the fastest CPU seen (30 finished within 4 s on an AVX-512 one) and within MAX_CHARS
 EXPENSIVE = 150
-# seconds: the constraints below that must be served compile in at most 0.25 s on a Zen 5 (a worker process's start, which
-# does not count, aside); the test of a compile past it waits it out
+# seconds: the constraints below that must be served compile in at most 0.25 s on a Zen 5 (a worker process's
+# start, which does not count, aside); the test of a compile past it waits it out
 COMPILE_TIMEOUT = 2.0
 CH = "/v1/chat/completions"
 
