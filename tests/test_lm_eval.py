@@ -1,7 +1,7 @@
-"""EleutherAI's lm-evaluation-harness scores a multiple-choice task through ``pagoda serve``.
+"""EleutherAI's lm-evaluation-harness scores a multiple-choice task through pagoda's OpenAI server.
 
 Its ``local-completions`` model sends the choices as token ids with ``echo``, ``logprobs: 1`` and
-``max_tokens: 1`` to a real ``pagoda serve`` on 127.0.0.1 (the default model, float32); its own ``hf`` model
+``max_tokens: 1`` to a real uvicorn server on 127.0.0.1 (the default model, float32); its own ``hf`` model
 scores the same items with HF transformers on the same checkpoint. Each item's loglikelihoods must agree, and
 so the accuracies. The task and its items are written here: nothing is downloaded.
 """
@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
+from one_engine import release
 
+from pagoda import LLM
+from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.modeling.default_model import ensure_default_model
-from pagoda.plugins.entrypoints.server import free_port
+from pagoda.plugins.entrypoints.server import ServerThread, build_app
 
 # looked up, not imported: importing lm-eval (and datasets) takes seconds, paid only when the test runs
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                                    reason="lm-eval is not installed (pip install -e '.[test]')")]
 
-PAGODA = str(Path(sys.executable).with_name("pagoda"))
 MODEL = "SmolLM2-135M-Instruct"
 TASK = "pagoda_tiny_mc"
 ITEMS = [
@@ -57,34 +54,16 @@ def write_task(directory: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """``pagoda serve`` on the default model, in float32, on a free port of 127.0.0.1."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([PAGODA, "serve", "--port", str(port), "--dtype", "float32",
-                                 "--kv-cache-memory-bytes", str(64 << 20), "--uvicorn-log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PAGODA_CPU_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600  # a loaded machine may first build the CPU kernels
-    try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"pagoda serve did not become healthy:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def served():
+    """A real uvicorn server on 127.0.0.1 over the default model in float32, as ``pagoda serve --dtype float32``
+    serves it, in this process (lm-eval's client and the server's answers are what is checked, not the command;
+    ``test_server_cli.py`` runs ``pagoda serve`` itself)."""
+    llm = LLM(dtype="float32", cpu_threads=1, kv_cache_memory_bytes=64 << 20)
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine))).start()
+    yield srv.url
+    srv.stop()
+    release(llm)  # nothing the module built stays in the worker
+    del llm, srv
 
 
 def evaluate(model: str, model_args: dict, task_dir: Path) -> tuple[float, list[list[float]]]:

@@ -22,10 +22,11 @@ from serve_process import ENV, PAGODA, start_server
 
 pytestmark = pytest.mark.slow
 MAX_REQUEST_CHARS = 200_000  # far above what bench serve's prompts have
-# seconds: the last test's short stream (one step after its first token) ends well within it even on a loaded
-# machine (at a load of 15 on 2 cores a step took up to 2 s); its long requests (1,000 tokens), at the at most ~70 steps/s
-# this model decodes at in bf16 on one thread (a Zen 5), do not. The server decodes for all of it, so it is no longer than that needs
-SHUTDOWN_TIMEOUT = 8
+# seconds: the last test's short stream (one step after its first token) ends within it even on a loaded machine
+# (at a load of 15 on 2 cores a step took up to 2 s); its long requests (1,000 tokens), at the at most ~70 steps/s
+# this model decodes at in bf16 on one thread (a Zen 5), do not. The test waits all of it out, so it is no longer
+# than that needs
+SHUTDOWN_TIMEOUT = 4
 
 
 @pytest.fixture(scope="module")

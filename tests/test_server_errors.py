@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -168,53 +170,69 @@ def test_a_huge_body_gets_413_whether_its_length_is_declared_or_streamed(http):
     assert resp.status_code == 413
 
 
-@pytest.mark.parametrize("trickle", [False, True], ids=["shorter-than-content-length", "one-byte-at-a-time"])
-def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_closed(server, http, trickle):
-    import socket
+def send_late(server, first: bytes, rest: bytes, timeout: float) -> tuple[bytes, float]:
+    """On a new connection: ``first``, then ``rest`` one byte every 0.4 s (each in time, all of it not); what
+    the server answers until it closes the connection, and the seconds from ``first`` sent to the close."""
+    with socket.create_connection((server.host, server.port), timeout=timeout + 10) as sock:
+        sock.sendall(first)
+        started = time.monotonic()
+        for byte in rest:
+            time.sleep(0.4)
+            sock.sendall(bytes([byte]))
+        return read_until_closed(sock), time.monotonic() - started
 
+
+def keep_alive_then(server, sent: bytes, timeout: float) -> tuple[bytes, float]:
+    """On a new connection: a complete request, its answer, then ``sent``; as :func:`send_late`."""
+    with socket.create_connection((server.host, server.port), timeout=timeout + 10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b"}"):
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        sock.sendall(sent)
+        return read_until_closed(sock), time.monotonic() - started
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    response = b""
+    while chunk := sock.recv(65536):
+        response += chunk
+    return response
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_is_closed(server, http):
+    # two slow clients at once (each waits the timeout out): a body shorter than its Content-Length, and one
+    # that trickles in a byte every 0.4 s
     body = json.dumps(ok_completion()).encode()
     head = (f"POST {C} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection((server.host, server.port), timeout=BODY_TIMEOUT + 10) as sock:
-        sock.sendall(head + body[:5])
-        started = time.monotonic()
-        if trickle:  # one byte every 0.4 s: each arrives in time, the whole body does not
-            for byte in body[5:8]:
-                time.sleep(0.4)
-                sock.sendall(bytes([byte]))
-        response = b""
-        while chunk := sock.recv(65536):
-            response += chunk
-    assert response.startswith(b"HTTP/1.1 408"), response
-    assert b"--request-body-timeout" in response
-    assert time.monotonic() - started < BODY_TIMEOUT + 5
+    with ThreadPoolExecutor(2) as pool:
+        late = [pool.submit(send_late, server, head + body[:5], rest, BODY_TIMEOUT) for rest in (b"", body[5:8])]
+        for response, seconds in (f.result() for f in late):
+            assert response.startswith(b"HTTP/1.1 408"), response
+            assert b"--request-body-timeout" in response
+            assert seconds < BODY_TIMEOUT + 5
     assert http.post(C, json=ok_completion()).status_code == 200
 
 
-@pytest.mark.parametrize("keep_alive", [False, True], ids=["first-request", "keep-alive-request"])
-@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"],
-                         ids=["nothing", "half-the-headers"])
-def test_a_connection_whose_headers_do_not_arrive_in_time_is_closed_with_408(server, http, sent, keep_alive):
-    import socket
-
-    with socket.create_connection((server.host, server.port), timeout=HEADER_TIMEOUT + 10) as sock:
-        if keep_alive:  # a complete request first: the deadline holds for every request a connection carries
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            answer = b""
-            while not answer.endswith(b"}"):
-                answer += sock.recv(65536)
-            assert answer.startswith(b"HTTP/1.1 200")
-        started = time.monotonic()
-        sock.sendall(sent)
-        response = b""
-        while chunk := sock.recv(65536):
-            response += chunk
-    if keep_alive and not sent:  # an idle keep-alive connection is closed without an answer
-        assert response == b""
-    else:
-        assert response.startswith(b"HTTP/1.1 408")
-        assert "--request-header-timeout" in json.loads(response.partition(b"\r\n\r\n")[2])["error"]["message"]
-    assert HEADER_TIMEOUT - 0.2 < time.monotonic() - started < HEADER_TIMEOUT + 5
+def test_a_connection_whose_headers_do_not_arrive_in_time_is_closed_with_408(server, http):
+    # four slow clients at once (each waits the timeout out): nothing or half the headers, as a connection's
+    # first request or after a complete one (the deadline holds for every request a connection carries)
+    half = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"
+    cases = [(sent, keep_alive) for sent in (b"", half) for keep_alive in (False, True)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        late = [pool.submit(keep_alive_then, server, sent, HEADER_TIMEOUT) if keep_alive
+                else pool.submit(send_late, server, sent, b"", HEADER_TIMEOUT) for sent, keep_alive in cases]
+        for (sent, keep_alive), (response, seconds) in zip(cases, (f.result() for f in late)):
+            if keep_alive and not sent:  # an idle keep-alive connection is closed without an answer
+                assert response == b""
+            else:
+                assert response.startswith(b"HTTP/1.1 408"), (sent, keep_alive, response)
+                error = json.loads(response.partition(b"\r\n\r\n")[2])["error"]
+                assert "--request-header-timeout" in error["message"]
+            assert HEADER_TIMEOUT - 0.2 < seconds < HEADER_TIMEOUT + 5, (sent, keep_alive, seconds)
     assert http.post(C, json=ok_completion()).status_code == 200
 
 

@@ -7,7 +7,7 @@ tiny default model does not call tools of its own accord; given a conversation i
 ``get_weather`` twice, it calls it a third time (greedy), so these tests see a real model write a real
 ``<tool_call>`` that the server parses into ``tool_calls``, streamed and not. What they prove: the request fields,
 the template's view of tools and history, the parser on real output and OpenAI's answer shapes; not that the
-model chooses tools well. A second server, on dummy weights with tool calls off, answers the 400s.
+model chooses tools well. A second server, on a tiny random Llama with tool calls off, answers the 400s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.engine.async_engine import AsyncLLMEngine
 from pagoda.plugins.entrypoints.server import ServerThread, build_app
+from tiny_models import write_tiny_llama
 from tool_calling_helpers import HERMES_TEMPLATE, TOOLS, WEATHER_TOOL
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -72,10 +73,11 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def plain_server():
-    """A server with tool calls off (--no-enable-auto-tool-choice), on dummy weights: it answers only the requests
-    refused before generating."""
-    engine = LLM(load_format="dummy", dtype="float32", cpu_threads=1, max_model_len=1024,
+def plain_server(tmp_path_factory):
+    """A server with tool calls off (--no-enable-auto-tool-choice), on a tiny random Llama with the default
+    model's tokenizer: it answers only the requests refused before generating."""
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    engine = LLM(str(model), served_model_name=MODEL, dtype="float32", cpu_threads=1, max_model_len=1024,
                  kv_cache_memory_bytes=16 << 20, chat_template=HERMES_TEMPLATE).engine
     srv = ServerThread(build_app(AsyncLLMEngine(engine), enable_auto_tool_choice=False)).start()
     yield srv
