@@ -21,7 +21,7 @@ import time
 from typing import Optional
 
 from pagoda.cli import add_engine_args, engine_args_from
-from pagoda.plugins.entrypoints.bench.serve import RequestTiming, greedy_body, percentiles, send_one
+from pagoda.plugins.entrypoints.bench.serve import RequestTiming, bench_session, greedy_body, percentiles, send_one
 from pagoda.plugins.entrypoints.bench.workloads import BenchRequest
 
 FLOOD_TENANT, SMALL_TENANT = "flood", "small"
@@ -108,10 +108,8 @@ def parse_policy(entry: str) -> tuple[str, dict[str, str]]:
 
 async def small_requests(url: str, model: str, request: BenchRequest, count: int) -> list[RequestTiming]:
     """``count`` small requests one after another (each sent when the previous one is answered)."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers={"x-pagoda-tenant": SMALL_TENANT}) as client:
-        return [await send_one(client, url + "/v1/completions", greedy_body(model, request), request)
+    async with bench_session({"x-pagoda-tenant": SMALL_TENANT}) as session:
+        return [await send_one(session, url + "/v1/completions", greedy_body(model, request), request)
                 for _ in range(count)]
 
 
