@@ -58,18 +58,18 @@ class Sampler:
     def __init__(self, model_config: ModelConfig) -> None:
         self.vocab_size = model_config.vocab_size
         self.generator = torch.Generator().manual_seed(model_config.seed)
-        self.logprobs_mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
+        self.logprobs_mode = model_config.logprobs_mode
 
     def __call__(self, logits: torch.Tensor, requests: typing.Sequence[Sequence]) -> SamplerOutput:
         # logits: [num_reqs, vocab] float32, one row per request to sample
         params = [r.sampling_params for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         processed_mode = want_logprobs and self.logprobs_mode.startswith("processed")
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs and not processed_mode else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs and self.logprobs_mode == "raw_logprobs" \
+            else None
         banned = [r.banned_token_ids() for r in requests]  # the min_tokens rule, once per row
         unchanged = self._plain_argmax and all(not p.has_penalties and not p.logit_bias and not b
                                                and p.allowed_token_ids is None for p, b in zip(params, banned))
-        processed = None
         if unchanged and all(p.is_greedy for p in params):
             token_ids = argmax_rows(logits)  # no copy of the logits: nothing changes them
             processed = logits
@@ -80,11 +80,11 @@ class Sampler:
         token_list = token_ids.tolist()
         logprobs = None
         if want_logprobs:
-            values = {"raw_logprobs": raw_logprobs, "raw_logits": logits,
-                      "processed_logits": processed}.get(self.logprobs_mode)
-            if self.logprobs_mode == "processed_logprobs":
-                values = torch.log_softmax(processed, dim=-1)
-            if processed_mode:  # a token the settings removed: a finite value JSON can carry, as vLLM's server
+            if not processed_mode:
+                values = raw_logprobs if raw_logprobs is not None else logits  # raw_logits: the logits as given
+            else:  # a token the settings removed gets a finite value JSON can carry, as vLLM's server gives
+                values = torch.log_softmax(processed, dim=-1) if self.logprobs_mode == "processed_logprobs" \
+                    else processed
                 values = values.clamp(min=REMOVED_TOKEN_LOGPROB)
             logprobs = [
                 _token_logprobs(values[i], token_list[i], p.logprobs) if p.logprobs is not None else None

@@ -122,15 +122,15 @@ class FloodProgress:
         self.num_tokens = 0
 
 
-async def flood_one(client, url: str, model: str, ns: argparse.Namespace, progress: FloodProgress) -> None:
+async def flood_one(session, url: str, model: str, ns: argparse.Namespace, progress: FloodProgress) -> None:
     body = {"model": model, "prompt": "x", "n": ns.flood_n, "max_tokens": ns.flood_max_tokens, "ignore_eos": True,
             "stream": True}
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"a flooding request was refused: HTTP {resp.status_code}: "
-                               f"{(await resp.aread()).decode()[:300]}")
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"a flooding request was refused: HTTP {resp.status}: {(await resp.text())[:300]}")
         counted = False
-        async for line in resp.aiter_lines():
+        async for raw in resp.content:  # one line at a time
+            line = raw.decode()
             if not line.startswith("data: {"):
                 continue
             progress.num_tokens += len(json.loads(line[6:]).get("choices") or ())
@@ -145,13 +145,9 @@ async def loaded_run(server: FairnessServer, model: str, request: BenchRequest,
                      ns: argparse.Namespace) -> tuple[list[RequestTiming], int, dict]:
     """The small requests while the flood runs; also the sequences the engine ran when they started, and the
     flood's tokens per second alone (``--flood-alone-seconds`` before them) and beside them."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
-                                 headers={"x-pagoda-tenant": FLOOD_TENANT}) as client:
+    async with bench_session({"x-pagoda-tenant": FLOOD_TENANT}) as session:
         progress = FloodProgress()
-        flood = [asyncio.create_task(flood_one(client, server.url, model, ns, progress))
+        flood = [asyncio.create_task(flood_one(session, server.url, model, ns, progress))
                  for _ in range(ns.flood_requests)]
         waiter = asyncio.create_task(progress.started.wait())
         await asyncio.wait([waiter, *flood], return_when=asyncio.FIRST_COMPLETED)
