@@ -153,8 +153,9 @@ def greedy_body(model: str, req: BenchRequest) -> dict:
 
 def bench_session(headers: Optional[dict] = None) -> "aiohttp.ClientSession":
     """The HTTP client of the served benchmarks: aiohttp, as vLLM's serving client uses, with no limit on open
-    connections. (Under httpx's client the same requests at the same times made the server's engine run fewer,
-    larger and slower steps: mean TPOT 1.14x vLLM's client's against 1.05x with aiohttp; docs/serving_speed.md.)"""
+    connections. A client on the server's machine takes CPU from its engine for every chunk it reads: httpx's
+    took more than aiohttp's, and the engine's steps ran slower under it (mean TPOT 1.14x vLLM's client's
+    against 1.00x with aiohttp; docs/serving_speed.md)."""
     import aiohttp
 
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=headers,
