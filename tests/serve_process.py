@@ -56,9 +56,14 @@ def run_pagoda_here(capsys, *args: str) -> subprocess.CompletedProcess:
     from pagoda.cli import main
 
     capsys.readouterr()
+    message = ""
     try:
         returncode = main(list(args))
     except SystemExit as exc:
-        returncode = exc.code if isinstance(exc.code, int) else 1
+        # as the interpreter exits: None is 0, an int the status, anything else printed to stderr with status 1
+        if exc.code is None or isinstance(exc.code, int):
+            returncode = exc.code or 0
+        else:
+            returncode, message = 1, f"{exc.code}\n"
     out = capsys.readouterr()
-    return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err)
+    return subprocess.CompletedProcess(["pagoda", *args], returncode, out.out, out.err + message)
