@@ -16,7 +16,7 @@ from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling.structured.after_reasoning import is_waiting
 from pagoda.sampling.structured.bitmask import allocate_bitmask, allowed_tokens
 from pagoda.sampling_params import StructuredOutputsParams
-from pagoda.sampling.structured.compile_process import CompileStopped, stopped_error
+from pagoda.sampling.structured.compile_process import CompileProcessFailed, CompileStopped, stopped_error
 from pagoda.sampling.structured.spec import cache_key, check_schema, param_of
 from pagoda.step import SchedulerOutput
 
@@ -201,8 +201,8 @@ class StructuredOutputs:
                     result = self._compile(job, lambda seconds: job.is_abandoned or seconds > self.compile_timeout)
                 except CompileStopped:
                     error = stopped_error(param_of(job.spec), self.compile_timeout)
-                except InvalidRequestError as exc:
-                    error = exc
+                except (InvalidRequestError, CompileProcessFailed) as exc:
+                    error = exc  # (a compile process that could not start is the server's failure, a 500)
                 except Exception as exc:  # noqa: BLE001 - a backend's bug: the request's error, not the thread's end
                     error = InvalidRequestError(f"{param_of(job.spec)} could not be compiled: "
                                                 f"{type(exc).__name__}: {exc}", param=param_of(job.spec))

@@ -1,0 +1,61 @@
+"""Structured outputs from a plain script: the grammar compile processes never run the program's script again
+(multiprocessing re-runs ``__main__`` in the processes it starts, and a quick script builds its engine at the top
+level, with no ``if __name__ == "__main__":``), and a compile process that cannot start is the server's failure,
+said as such, not the request's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from tiny_models import write_tiny_llama
+
+from pagoda.sampling.structured.compile_process import CompileProcesses, CompileProcessFailed
+
+# (a random model's free strings may hold raw control characters, which xgrammar's JSON strings allow and a strict
+# JSON parser refuses: an enum keeps the answer's text to the schema's own)
+CITIES = ["Paris", "Oslo", "Lima"]
+SCHEMA = {"type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"]}
+
+
+def test_a_script_without_a_main_guard_gets_its_json(tmp_path):
+    (tmp_path / "model").mkdir()
+    model = write_tiny_llama(tmp_path / "model")
+    script = tmp_path / "quick.py"
+    # the script announces each run of its top level: the compile processes must not run it
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from pagoda import LLM, SamplingParams
+        from pagoda.sampling_params import StructuredOutputsParams
+        print("top level ran", flush=True)
+        llm = LLM(model={str(model)!r}, dtype="float32", cpu_threads=1, kv_cache_memory_bytes=8 << 20)
+        params = SamplingParams(max_tokens=40, temperature=0,
+                                structured_outputs=StructuredOutputsParams(json={SCHEMA!r}))
+        print("ANSWER", llm.generate(["A city:"], params, use_tqdm=False)[0].outputs[0].text, flush=True)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("top level ran") == 1
+    (answer,) = [line[len("ANSWER "):] for line in run.stdout.splitlines() if line.startswith("ANSWER ")]
+    parsed = json.loads(answer)  # complete and valid: the grammar held every token
+    assert set(parsed) == {"city"} and parsed["city"] in CITIES
+
+
+class _UnreadableTokenizerInfo:
+    """A tokenizer description no compile process can read: the process exits while it starts."""
+
+    def serialize_json(self) -> str:
+        return "{not json"
+
+
+def test_a_compile_process_that_cannot_start_is_reported_with_its_exit_code():
+    processes = CompileProcesses(_UnreadableTokenizerInfo(), 1)
+    try:
+        with pytest.raises(CompileProcessFailed) as failed:
+            processes.compile("compile_json_schema", ('{"type": "string"}',), {}, lambda seconds: seconds > 60)
+        assert "exited before it started (exit code 1)" in str(failed.value)
+    finally:
+        processes.shutdown()
