@@ -1,7 +1,7 @@
-"""Structured outputs from a plain script: the grammar compile processes never run the program's script again
-(multiprocessing re-runs ``__main__`` in the processes it starts, and a quick script builds its engine at the top
-level, with no ``if __name__ == "__main__":``), and a compile process that cannot start is the server's failure,
-said as such, not the request's."""
+"""A plain script's engine: its helper processes (tensor-parallel ranks, grammar compile processes) never run the
+program's script again (multiprocessing re-runs ``__main__`` in the processes it starts, and a quick script builds
+its engine at the top level, with no ``if __name__ == "__main__":``); a helper process that cannot start is
+reported with its exit code (for a compile process, the server's failure, not the request's)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import textwrap
 import pytest
 from tiny_models import write_tiny_llama
 
+from pagoda.errors import PagodaError
+from pagoda.execution.executor import _wait_started
+from pagoda.host.processes import ForkedProcess
 from pagoda.sampling.structured.compile_process import CompileProcesses, CompileProcessFailed
 
 # (a random model's free strings may hold raw control characters, which xgrammar's JSON strings allow and a strict
@@ -21,7 +24,7 @@ CITIES = ["Paris", "Oslo", "Lima"]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"]}
 
 
-def test_a_script_without_a_main_guard_gets_its_json(tmp_path):
+def test_a_script_without_a_main_guard_gets_its_json_from_two_ranks(tmp_path):
     (tmp_path / "model").mkdir()
     model = write_tiny_llama(tmp_path / "model")
     script = tmp_path / "quick.py"
@@ -31,7 +34,7 @@ def test_a_script_without_a_main_guard_gets_its_json(tmp_path):
         from pagoda import LLM, SamplingParams
         from pagoda.sampling_params import StructuredOutputsParams
         print("top level ran", flush=True)
-        llm = LLM(model={str(model)!r}, dtype="float32", cpu_threads=1, kv_cache_memory_bytes=8 << 20)
+        llm = LLM(model={str(model)!r}, dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=8 << 20)
         params = SamplingParams(max_tokens=40, temperature=0,
                                 structured_outputs=StructuredOutputsParams(json={SCHEMA!r}))
         print("ANSWER", llm.generate(["A city:"], params, use_tqdm=False)[0].outputs[0].text, flush=True)
@@ -59,3 +62,20 @@ def test_a_compile_process_that_cannot_start_is_reported_with_its_exit_code():
         assert "exited before it started (exit code 1)" in str(failed.value)
     finally:
         processes.shutdown()
+
+
+def test_a_rank_that_exits_while_starting_is_reported_at_once_with_its_exit_code():
+    import multiprocessing
+    import os
+    import time
+
+    ours, theirs = multiprocessing.get_context("forkserver").Pipe()
+    rank = ForkedProcess(target=os._exit, args=(3,), daemon=True)
+    rank.start()
+    theirs.close()
+    start = time.monotonic()
+    with pytest.raises(PagodaError) as refused:
+        _wait_started([ours], [rank], timeout=120)
+    assert time.monotonic() - start < 60  # not the start timeout
+    assert str(refused.value) == (f"tensor-parallel rank 1 (process {rank.pid}) exited with code 3 while starting, "
+                                  "before it built its shard; its error is on stderr")

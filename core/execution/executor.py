@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import time
 import traceback
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -37,6 +38,7 @@ from pagoda import hookimpl
 from pagoda.config import EngineConfig
 from pagoda.errors import ConfigError, PagodaError
 from pagoda.execution import pipeline
+from pagoda.host.processes import ForkedProcess
 from pagoda.sequence import Sequence
 from pagoda.step import RunnerOutput, SchedulerOutput
 
@@ -169,14 +171,17 @@ class MultiprocExecutor(_Driver):
         context = _rank_start_context()
         environment = dict(os.environ)
         self.pipes, self.workers = [], []
+        # forked by the fork server without running the program's script again (pagoda.host.processes)
+        process_class = ForkedProcess if context.get_start_method() == "forkserver" else context.Process
         for rank in range(1, size):
             ours, theirs = context.Pipe()
-            worker = context.Process(target=_worker_main, args=(config, rank, size, address, theirs, environment),
-                                     daemon=True, name=f"pagoda-rank{rank}")
+            worker = process_class(target=_worker_main, args=(config, rank, size, address, theirs, environment),
+                                   daemon=True, name=f"pagoda-rank{rank}")
             worker.start()
             self.pipes.append(ours)
             self.workers.append(worker)
         try:
+            _wait_started(self.pipes, self.workers, COLLECTIVE_TIMEOUT_SECONDS)
             distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
             self.runner = build_runner(config, plugin_manager)
             for pipe in self.pipes:  # each worker says it built its shard, or why it could not
@@ -435,6 +440,26 @@ class WorkerRank:
         self.runner.move_blocks(message.layout)
 
 
+def _wait_started(pipes: list[Any], workers: list[Any], timeout: float) -> None:
+    """Until every rank process has started (its first message), so that one which exits while starting is
+    reported at once with its exit code instead of the driver waiting for it at the rendezvous."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout
+    for rank, (pipe, worker) in enumerate(zip(pipes, workers), start=1):
+        if not wait([pipe, worker.sentinel], max(0.0, deadline - time.monotonic())):
+            raise PagodaError(f"tensor-parallel rank {rank} (process {worker.pid}) did not start within {timeout:g} s")
+        try:
+            if pipe.poll():
+                pipe.recv()
+                continue
+        except (EOFError, OSError):
+            pass
+        worker.join(timeout=5)
+        raise PagodaError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code {worker.exitcode} "
+                          "while starting, before it built its shard; its error is on stderr")
+
+
 def _rank_start_context() -> Any:
     """How ``mp`` ranks start: forked by multiprocessing's fork server where there is one (Linux, macOS), else
     spawned. The fork server is one clean process per driver process, started with the first rank; it imports
@@ -464,6 +489,7 @@ def _worker_main(config: EngineConfig, rank: int, size: int, address: str, pipe:
     server would otherwise see the fork server's, those of the moment the first rank started)."""
     from pagoda.execution import distributed
 
+    pipe.send("started")
     if environment is not None:
         os.environ.clear()
         os.environ.update(environment)

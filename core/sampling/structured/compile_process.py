@@ -4,16 +4,13 @@ new one started for the next compile; a finished compile comes back as xgrammar'
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
-import sys
 import threading
 import time
-from multiprocessing import popen_forkserver
-from multiprocessing.context import ForkServerProcess
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from pagoda.errors import InvalidRequestError
+from pagoda.host.processes import ForkedProcess
 
 POLL_SECONDS = 0.05  # how often a waiting compile asks whether it should stop
 
@@ -46,50 +43,12 @@ class CompileProcessFailed(RuntimeError):
     """A compile process exited before it could take a compile."""
 
 
-_MAIN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _main_script_hidden() -> Iterator[None]:
-    """While a compile process starts: the program's ``__main__`` without its file and module spec, so the
-    process does not run the program's script again. multiprocessing re-runs it in every child it starts (as
-    ``__mp_main__``), and a script that builds an engine at its top level, as quick scripts do (no
-    ``if __name__ == "__main__":``), would build one in each compile process, which fails there: its
-    structured outputs would then all be refused. A compile process runs pagoda's code alone."""
-    main = sys.modules.get("__main__")
-    with _MAIN_LOCK:
-        if main is None:
-            yield
-            return
-        saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-        main.__dict__.pop("__file__", None)
-        main.__dict__["__spec__"] = None
-        try:
-            yield
-        finally:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
-
-
-class _CompilePopen(popen_forkserver.Popen):
-    def _launch(self, process_obj: Any) -> None:
-        with _main_script_hidden():
-            super()._launch(process_obj)
-
-
-class _CompileProcess(ForkServerProcess):
-    """A process forked by the fork server that does not run the program's ``__main__`` again."""
-
-    @staticmethod
-    def _Popen(process_obj: Any) -> Any:
-        return _CompilePopen(process_obj)
-
-
 class _Worker:
     def __init__(self, context: Any, tokenizer_info_json: str) -> None:
         self.conn, child_conn = context.Pipe()
-        self.process = _CompileProcess(target=_serve, args=(child_conn, tokenizer_info_json), daemon=True,
-                                       name="pagoda-grammar-compile")
+        # (a process that does not run the program's script again: see pagoda.host.processes)
+        self.process = ForkedProcess(target=_serve, args=(child_conn, tokenizer_info_json), daemon=True,
+                                     name="pagoda-grammar-compile")
         self.process.start()
         child_conn.close()
         self.is_ready = False
@@ -103,16 +62,17 @@ class _Worker:
                 try:
                     self.conn.recv()
                 except (EOFError, OSError):
-                    self.process.join(5)
-                    raise CompileProcessFailed(
-                        f"the grammar compile process exited before it started (exit code "
-                        f"{self.process.exitcode}); its error, if any, is on the server's stderr") from None
+                    raise self._failed() from None
                 self.is_ready = True
             elif should_stop(0.0):
                 raise CompileStopped()
             elif not self.process.is_alive():
-                raise CompileProcessFailed(f"the grammar compile process exited before it started (exit code "
-                                           f"{self.process.exitcode}); its error, if any, is on the server's stderr")
+                raise self._failed()
+
+    def _failed(self) -> CompileProcessFailed:
+        self.process.join(5)
+        return CompileProcessFailed(f"the grammar compile process exited before it started (exit code "
+                                    f"{self.process.exitcode}); its error, if any, is on the server's stderr")
 
     def kill(self) -> None:
         self.process.kill()
