@@ -184,8 +184,15 @@ class MultiprocExecutor(_Driver):
             _wait_started(self.pipes, self.workers, COLLECTIVE_TIMEOUT_SECONDS)
             distributed.init(0, size, address, COLLECTIVE_TIMEOUT_SECONDS, config, plugin_manager)
             self.runner = build_runner(config, plugin_manager)
-            for pipe in self.pipes:  # each worker says it built its shard, or why it could not
-                status = pipe.recv()
+            for rank, (pipe, worker) in enumerate(zip(self.pipes, self.workers), start=1):
+                # each worker says it built its shard, or why it could not
+                try:
+                    status = pipe.recv()
+                except (EOFError, OSError):
+                    worker.join(timeout=5)
+                    raise PagodaError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code "
+                                      f"{worker.exitcode} while building its shard (a signal -9 is usually the "
+                                      "kernel's out-of-memory killer)") from None
                 if status != "ready":
                     raise PagodaError(f"a tensor-parallel worker failed to start:\n{status}")
         except BaseException:
