@@ -217,6 +217,31 @@ def test_requests_preempted_by_recompute_resume_in_their_grammar(llm):
     assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs)
 
 
+def test_xgrammar_keeps_raw_control_characters_out_of_length_bounded_strings():
+    """xgrammar writes a string with minLength / maxLength as characters other than a quote, a backslash, CR and
+    LF, so a raw tab or U+0017 got through (a random model's greedy answer held one) and json.loads refused the
+    answer; pagoda gives such a string a pattern of as many characters, none a control character."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from pagoda.sampling.structured.xgrammar_backend import XgrammarBackend
+
+    raw = {"type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 5}},
+           "required": ["city"]}
+    method, (schema_text,), kwargs = XgrammarBackend._call_of(StructuredOutputsParams(json=raw))
+    assert method == "compile_json_schema"
+    before = xgrammar.Grammar.from_json_schema(json.dumps(raw), **kwargs)
+    after = xgrammar.Grammar.from_json_schema(schema_text, **kwargs)
+    for city, valid in (("abc", True), ("ab\tc", False), ("a\x17", False), ("\u00e9\u4e16", True), ("a", False),
+                        ("abcdef", False)):
+        text = '{"city": "%s"}' % city.encode().decode("unicode_escape")
+        assert _is_grammar_accept_string(after, text) == valid, city
+        if city in ("ab\tc", "a\x17"):
+            assert _is_grammar_accept_string(before, text)  # what xgrammar alone let through
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(text)
+
+
 def test_xgrammar_holds_a_date_format_to_days_that_exist():
     """xgrammar's own "date" format lets 2023-02-30 through; pagoda gives it a pattern of real calendar dates."""
     import datetime

@@ -10,7 +10,7 @@ import torch
 
 from pagoda.config import ModelConfig
 from pagoda.errors import BackendUnavailable, InvalidRequestError
-from pagoda.sampling.structured.compile_process import CompileProcesses
+from pagoda.sampling.structured.compile_process import CompileProcesses, CompileProcessFailed
 from pagoda.sampling.structured.spec import is_ebnf, kind_of, param_of, schema_of
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -76,6 +76,8 @@ class XgrammarBackend:
         method, args, kwargs = self._call_of(spec)
         try:
             return self.processes.compile(method, args, kwargs, should_stop)
+        except CompileProcessFailed:
+            raise  # the server's failure, not the request's
         except RuntimeError as exc:
             raise self._refusal(spec, exc) from None
 
@@ -96,12 +98,32 @@ class XgrammarBackend:
         return out
 
     @staticmethod
+    def _with_escaped_control_characters(schema: Any) -> Any:
+        """``schema`` with each length-bounded string (``minLength`` / ``maxLength``, no pattern, format, enum or
+        const) held to a pattern of as many characters, none of them a control character (a copy where
+        changed). xgrammar writes such a string as characters other than a quote, a backslash, CR or LF, which
+        lets a raw control character through (a tab, or U+0017: a random model sampled one), and JSON allows them
+        only escaped (RFC 8259; Python's ``json.loads`` refuses the answer); its unbounded strings exclude them."""
+        if isinstance(schema, list):
+            return [XgrammarBackend._with_escaped_control_characters(v) for v in schema]
+        if not isinstance(schema, dict):
+            return schema
+        out = {k: XgrammarBackend._with_escaped_control_characters(v) for k, v in schema.items()}
+        bounded = "minLength" in out or "maxLength" in out
+        if (out.get("type") == "string" and bounded and not any(k in out for k in ("pattern", "format", "enum", "const"))
+                and all(isinstance(out.get(k, 0), int) for k in ("minLength", "maxLength"))):
+            low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+            out["pattern"] = "^[^\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else high)
+        return out
+
+    @staticmethod
     def _call_of(spec: StructuredOutputsParams) -> tuple[str, tuple, dict]:
         """The GrammarCompiler method and arguments that compile ``spec``."""
         kind = kind_of(spec)
         if kind in ("json", "json_object"):
             # one space after ',' and ':' and none elsewhere: a model cannot loop on whitespace
-            schema = XgrammarBackend._with_calendar_dates(schema_of(spec))
+            schema = XgrammarBackend._with_escaped_control_characters(
+                XgrammarBackend._with_calendar_dates(schema_of(spec)))
             return "compile_json_schema", (json.dumps(schema),), {"any_whitespace": False,
                                                                              "strict_mode": kind == "json"}
         if kind == "regex":
