@@ -20,6 +20,7 @@ from pagoda.errors import ConfigError
 from pagoda.host.dtypes import KV_CACHE_DTYPE_CHOICES, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.sampling_params import MAX_LOGPROBS
 from pagoda.host.env import HOST_OPTIONS, HostConfig, HostOption, resolve_host_config
+from pagoda.modeling.loader import auto_load_format
 
 # the older flags of the fair policy -> its option each sets (the same as --scheduler-options '{"option": ...}')
 # the served engine's wait for more arrivals after waking from idle (EngineArgs.idle_gather_ms)
@@ -72,7 +73,10 @@ class EngineArgs(HostOptions):
     dtype: str = "auto"
     max_model_len: Optional[int] = Field(default=None, gt=0)
     seed: int = 0
-    load_format: str = "auto"
+    load_format: str = Field(default="auto", description=(
+        "how weights are read: auto (safetensors files where the checkpoint has them, else its PyTorch files), "
+        "safetensors, pt (pytorch_model*.bin or *.pt, tensors only: a file holding code is refused), dummy "
+        "(random weights), or a pagoda_model_loaders plugin"))
     quantization: Optional[str] = Field(default=None, description=(
         "weight quantization: awq, gptq, compressed-tensors or fp8 checkpoints are detected from their "
         "quantization_config; on a dense checkpoint fp8 (FP8 weights) or int8 (W8A8: int8 weights per channel, "
@@ -452,7 +456,7 @@ class EngineArgs(HostOptions):
             dtype=resolve_dtype(self.dtype, host.cpu_isa, host.fused_cpu_ops),
             max_model_len=max_model_len,
             seed=self.seed,
-            load_format="safetensors" if self.load_format == "auto" else self.load_format,
+            load_format=auto_load_format(Path(model_dir)) if self.load_format == "auto" else self.load_format,
             quantization=quantization,
             quant_config=quant_config,
             chat_template=chat_template,
@@ -568,7 +572,7 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
     if not config_path.exists():
         raise ConfigError(
             f"{model_dir} has no config.json, so it is not a Hugging Face checkpoint directory; "
-            "pass a directory holding config.json and *.safetensors"
+            "pass a directory holding config.json and its weights (*.safetensors, or pytorch_model*.bin)"
         )
     try:
         return json.loads(config_path.read_text())

@@ -46,7 +46,8 @@ def fingerprint(config: Any, backend: Any, rank: int, size: int) -> bytes:
     """16 bytes naming everything a block's K/V depends on besides its tokens."""
     mc, cc = config.model, config.cache
     kv_dtype = stored_kv_dtype(backend, mc.dtype)
-    weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(mc.model).glob("*.safetensors"))
+    files = [*Path(mc.model).glob("*.safetensors"), *Path(mc.model).glob("*.bin"), *Path(mc.model).glob("*.pt")]
+    weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files)
     identity = {
         "format": FORMAT_VERSION, "model": str(Path(mc.model).resolve()), "weights": weights,
         "hf_config": mc.hf_config, "dtype": str(mc.dtype), "kv_dtype": str(kv_dtype),

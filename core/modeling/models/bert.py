@@ -21,6 +21,7 @@ from torch import nn
 from pagoda.errors import CheckpointError, ConfigError
 from pagoda.host.env import HostConfig
 from pagoda.modeling.layers import onednn
+from pagoda.modeling.loader import iter_checkpoint
 
 # config.json's architectures -> (model_type family, has a classification head)
 ENCODER_ARCHITECTURES = {
@@ -143,7 +144,7 @@ class EncoderModel(nn.Module):
         if classifies:
             num_labels = int(cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2))
         model = cls(cfg, family, num_labels, dtype)
-        model.load_weights(_iter_safetensors(Path(model_dir)))
+        model.load_weights(iter_checkpoint(Path(model_dir)))
         if can_pack_linears(dtype, host):
             model.pack_linears()
         return model.eval()
@@ -236,17 +237,4 @@ class EncoderModel(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise CheckpointError(f"the checkpoint has no tensors for {missing[:5]} ({len(missing)} in all)")
-
-
-def _iter_safetensors(model_dir: Path):
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir} has no *.safetensors files; pagoda loads safetensors checkpoints "
-                              "(convert .bin checkpoints with transformers' save_pretrained)")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
