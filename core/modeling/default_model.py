@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,19 +39,46 @@ def default_gguf_path() -> Path:
     return path
 
 
+# a Hugging Face Hub model id: owner/name
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
 def resolve_model_path(model: Optional[str]) -> Path:
-    """``None`` or the default model's name -> its cached checkpoint; anything else is a local directory."""
+    """``None`` or the default model's name -> its cached checkpoint; a local directory (or GGUF file) as it is; a
+    Hugging Face Hub id (``owner/name``) -> its snapshot in the local Hugging Face cache, if it is there (pagoda
+    never downloads)."""
     if model in (None, "", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"):
         return ensure_default_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ensure_gguf_checkpoint(path)
-    if not path.exists():
-        raise ConfigError(
-            f"model {model!r} is not a local directory; pagoda loads Hugging Face checkpoint directories "
-            "(config.json + *.safetensors) and never downloads. Omit --model to use the default model."
-        )
-    return path
+    if path.exists():
+        return path
+    cached = hub_cache_snapshot(model) if _HUB_ID.fullmatch(model) else None
+    if cached is not None:
+        return cached
+    where = (" nor a model in the local Hugging Face cache (HF_HUB_CACHE); fetch it once with "
+             f"`hf download {model}` (or `huggingface-cli download {model}`) and pass the same name, or pass the "
+             "folder" if _HUB_ID.fullmatch(model) else "")
+    raise ConfigError(
+        f"model {model!r} is not a local directory{where}; pagoda loads Hugging Face checkpoint directories "
+        "(config.json + weights) and never downloads. Omit --model to use the default model."
+    )
+
+
+def hub_cache_snapshot(repo_id: str) -> Optional[Path]:
+    """The folder of ``repo_id``'s ``main`` snapshot in the local Hugging Face cache, or None when it is not there
+    (nothing is downloaded)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        folder = Path(snapshot_download(repo_id=repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
+    return folder if (folder / "config.json").is_file() else None
 
 
 def ensure_default_model() -> Path:
