@@ -49,3 +49,14 @@ def test_a_hub_id_not_in_the_cache_says_how_to_fetch_it(hub_cache):
     assert "`hf download tiny-org/absent-model`" in message and "never downloads" in message
     with pytest.raises(ConfigError, match="is not a local directory; pagoda loads"):
         LLM(model="./no/such/folder")
+
+
+def test_a_tokenizer_hub_id_in_the_cache_is_read_from_it(hub_cache):
+    llm = LLM(model=str(hub_cache), tokenizer="tiny-org/tiny-llama", dtype="float32", cpu_threads=1,
+              kv_cache_memory_bytes=8 << 20)
+    try:
+        assert llm.engine.config.model.tokenizer == str(hub_cache)
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ConfigError, match="^--tokenizer: model 'tiny-org/absent' is not a local directory nor"):
+        LLM(model=str(hub_cache), tokenizer="tiny-org/absent")
