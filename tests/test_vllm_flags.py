@@ -20,6 +20,7 @@ import pytest
 
 from pagoda.cli import build_parser, expand_config_file
 from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.cli import vllm_flags
 from pagoda.plugins.entrypoints.server import ServerThread, build_app, free_port
 from pagoda.plugins.entrypoints.server.frontend import (FrontendOptions, resolve_content_format,
@@ -322,3 +323,37 @@ def _answers(client: httpx.Client, url: str) -> bool:
 def test_config_file_flag_is_listed_in_serve_help(capsys):
     done = run_pagoda_here(capsys, "serve", "--help")
     assert "--config FILE" in done.stdout and "--allowed-origins JSON" in done.stdout
+
+
+
+def test_vllm_s_no_effect_engine_flags_parse_and_each_says_why(checkpoint):
+    ns = parse("serve", str(checkpoint), "--enforce-eager", "--max-seq-len-to-capture", "8192", "-O3",
+               "--disable-custom-all-reduce", "--cpu-offload-gb", "4", "--enable-sleep-mode")
+    vllm_flags.check(ns)
+    notes = "\n".join(vllm_flags.notes(ns))
+    for line in ("--enforce-eager has no effect: pagoda always runs the model eagerly",
+                 "--max-seq-len-to-capture 8192 has no effect: pagoda captures no CUDA graphs",
+                 "--compilation-config 3 has no effect: pagoda compiles no model",
+                 "--disable-custom-all-reduce has no effect: --all-reduce-backend picks",
+                 "--cpu-offload-gb 4 has no effect: the weights are in CPU memory already",
+                 "--enable-sleep-mode has no effect"):
+        assert line in notes, notes
+
+
+def test_a_vllm_script_s_llm_options_run_with_a_warning_each(checkpoint, caplog):
+    from pagoda import LLM
+
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        llm = LLM(model=str(checkpoint), load_format="dummy", dtype="float32", max_model_len=128,
+                  kv_cache_memory_bytes=4 << 20, trust_remote_code=True, gpu_memory_utilization=0.9,
+                  enforce_eager=True, tokenizer_mode="auto", revision="main", cpu_offload_gb=0)
+    llm.engine.shutdown()
+    assert "trust_remote_code=True has no effect: pagoda never runs a checkpoint's code" in caplog.text
+    assert "gpu_memory_utilization=0.9 has no effect: there is no GPU" in caplog.text
+    assert "enforce_eager=True has no effect" in caplog.text and "cpu_offload_gb" not in caplog.text
+    with pytest.raises(ConfigError, match="^revision v2: pagoda serves the checkpoint folder as it is on disk"):
+        LLM(model=str(checkpoint), load_format="dummy", revision="v2")
+    with pytest.raises(ConfigError, match="^tokenizer_mode mistral: pagoda loads the checkpoint's Hugging Face"):
+        LLM(model=str(checkpoint), load_format="dummy", tokenizer_mode="mistral")
+    with pytest.raises(ConfigError, match="unknown option 'swap_spaces'"):  # a typo is still refused
+        LLM(model=str(checkpoint), load_format="dummy", swap_spaces=4)

@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.vllm_options import split_offline_options
 from pagoda.errors import InvalidRequestError
 from pagoda.execution.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput, RequestOutputKind
@@ -17,14 +18,18 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     Keyword options are :class:`pagoda.EngineArgs` fields (``dtype``,
-    ``max_model_len``, ``block_size``, ``max_num_seqs``, ...). Unlike a served engine, it keeps no request
+    ``max_model_len``, ``block_size``, ``max_num_seqs``, ...), and vLLM's that mean nothing on pagoda
+    (``trust_remote_code``, ``gpu_memory_utilization``, ``enforce_eager``, ...: a warning each; see
+    :mod:`pagoda.engine.vllm_options`). Unlike a served engine, it keeps no request
     counters or latency histograms (``engine.stats`` is None) unless given ``disable_log_stats=False``.
     """
 
     def __init__(self, model: Optional[str] = None, plugin_manager: Optional[PluginManager] = None,
                  **kwargs: Any) -> None:
         kwargs.setdefault("disable_log_stats", True)
-        args = EngineArgs.build(model=model, **kwargs)
+        # vLLM's options that mean nothing here (trust_remote_code, gpu_memory_utilization, enforce_eager, ...):
+        # a warning each, so a script written for vLLM runs
+        args = EngineArgs.build(model=model, **split_offline_options(kwargs))
         self.engine = LLMEngine.from_engine_args(args, plugin_manager)
         self._counter = 0
 

@@ -15,15 +15,11 @@ import json
 import logging
 import ssl
 
+from pagoda.engine.vllm_options import check_tokenizer_and_revisions, no_effect_note
 from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.server.frontend import CONTENT_FORMATS, FrontendOptions
 
 logger = logging.getLogger("pagoda")
-
-# the tokenizer modes pagoda's Hugging Face tokenizer loading gives (vLLM's auto is hf for such checkpoints)
-TOKENIZER_MODES = ("auto", "hf")
-# the revision a local folder is, as far as a revision means anything for one
-LOCAL_REVISIONS = (None, "main")
 
 
 # vLLM's on/off front-end flags, off by default
@@ -91,6 +87,18 @@ def add_vllm_serve_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                         help="accepted: there is no GPU; the KV cache is sized by --kv-cache-space or "
                              "--kv-cache-memory-bytes")
+    source.add_argument("--enforce-eager", action="store_true",
+                        help="accepted: pagoda always runs the model eagerly (no CUDA graphs, no compile)")
+    source.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
+                        help="accepted: pagoda captures no CUDA graphs")
+    source.add_argument("--compilation-config", "-O", default=None, metavar="CONFIG",
+                        help="accepted: pagoda compiles no model")
+    source.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="accepted: --all-reduce-backend picks the ranks' all-reduce")
+    source.add_argument("--cpu-offload-gb", type=float, default=None, metavar="GB",
+                        help="accepted: the weights are in CPU memory already")
+    source.add_argument("--enable-sleep-mode", action="store_true",
+                        help="accepted: there is no GPU memory to give back")
     source.add_argument("--guided-decoding-backend", default=None, metavar="NAME",
                         help="vLLM's older name of --structured-outputs-backend")
     source.add_argument("--structured-outputs-config", type=_json_object, default=None, metavar="JSON",
@@ -126,14 +134,7 @@ def _json_object(text: str) -> dict:
 def check(ns: argparse.Namespace) -> None:
     """Refuse what pagoda cannot do as asked, before the model loads; fold vLLM's structured outputs flags into
     ``--structured-outputs-backend``."""
-    if ns.tokenizer_mode.lower() not in TOKENIZER_MODES:
-        raise ConfigError(f"--tokenizer-mode {ns.tokenizer_mode}: pagoda loads the checkpoint's Hugging Face "
-                          f"tokenizer only (modes {', '.join(TOKENIZER_MODES)}); a checkpoint that ships only another "
-                          "format (Mistral's tekken.json) needs a tokenizer.json")
-    for flag, revision in (("--revision", ns.revision), ("--tokenizer-revision", ns.tokenizer_revision)):
-        if revision not in LOCAL_REVISIONS:
-            raise ConfigError(f"{flag} {revision}: pagoda serves the checkpoint folder as it is on disk and cannot "
-                              "switch it to another revision; check the revision out into a folder and serve that")
+    check_tokenizer_and_revisions(ns.tokenizer_mode, ns.revision, ns.tokenizer_revision, flag_style=True)
     if ns.enable_log_outputs and not ns.enable_log_requests:
         raise ConfigError("--enable-log-outputs logs the outputs of logged requests: add --enable-log-requests")
     if ns.max_log_len is not None and ns.max_log_len < 0:
@@ -166,15 +167,15 @@ def _structured_outputs_backend(ns: argparse.Namespace):
 def notes(ns: argparse.Namespace) -> list[str]:
     """One line per flag given that pagoda accepts without effect, saying why."""
     lines = []
-    if ns.trust_remote_code:
-        lines.append("--trust-remote-code has no effect: pagoda never runs a checkpoint's code; its models are "
-                     "pagoda's own")
-    if ns.gpu_memory_utilization is not None:
-        lines.append(f"--gpu-memory-utilization {ns.gpu_memory_utilization:g} has no effect: there is no GPU; "
-                     "--kv-cache-space GiB (or --kv-cache-memory-bytes) sizes the KV cache")
-    if ns.download_dir is not None:
-        lines.append(f"--download-dir {ns.download_dir} has no effect: pagoda serves local checkpoint folders and "
-                     "downloads nothing")
+    for option in ("trust_remote_code", "gpu_memory_utilization", "download_dir", "enforce_eager",
+                   "max_seq_len_to_capture", "compilation_config", "disable_custom_all_reduce", "cpu_offload_gb",
+                   "enable_sleep_mode"):
+        value = getattr(ns, option)
+        if value is None or value is False:
+            continue
+        flag = "--" + option.replace("_", "-")
+        shown = flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+        lines.append(no_effect_note(option, shown))
     if ns.enable_prompt_tokens_details:
         lines.append("--enable-prompt-tokens-details has no effect: pagoda's usage always carries "
                      "prompt_tokens_details.cached_tokens")
