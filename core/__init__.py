@@ -36,6 +36,9 @@ _LAZY = {
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
     "Logprob": "pagoda.outputs",
+    "PoolingRequestOutput": "pagoda.outputs",
+    "EmbeddingRequestOutput": "pagoda.outputs",
+    "ScoringRequestOutput": "pagoda.outputs",
 }
 
 __all__ = [
@@ -48,6 +51,9 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
     "hookimpl",
     "PagodaError",
     "ConfigError",

@@ -95,6 +95,54 @@ class RequestOutput:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# ---- pooling models, offline (LLM.embed, LLM.score, LLM.encode) ------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """One input's pooled hidden state (``LLM.encode``): a vector, or a cross-encoder's score as a 0-d tensor."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding (``LLM.embed``): normalized where the model normalizes (its modules.json)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    """One text pair's score (``LLM.score``): a cross-encoder's, or the cosine of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling call returns per input (or per pair): ``outputs`` is a :class:`PoolingOutput`,
+    :class:`EmbeddingOutput` or :class:`ScoringOutput`."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s output per input."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``LLM.score``'s output per pair (``prompt_token_ids``: the pair's, for a cross-encoder; both texts' for
+    an embedding model)."""
+
+
 # ---- the engine side: a step's new tokens, no text ---------------------------------------------------
 
 

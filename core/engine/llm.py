@@ -9,7 +9,8 @@ from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.vllm_options import split_offline_options
 from pagoda.errors import InvalidRequestError
 from pagoda.execution.lora_request import LoRARequest
-from pagoda.outputs import RequestOutput, RequestOutputKind
+from pagoda.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
+                            RequestOutput, RequestOutputKind, ScoringOutput, ScoringRequestOutput)
 from pagoda.registry.plugin_manager import PluginManager
 from pagoda.sampling_params import SamplingParams
 
@@ -25,22 +26,129 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, plugin_manager: Optional[PluginManager] = None,
-                 **kwargs: Any) -> None:
+                 task: str = "auto", runner: Optional[str] = None, **kwargs: Any) -> None:
+        """``task``: ``generate``, ``embed`` or ``score``, or ``auto`` (read from the checkpoint, as ``pagoda
+        serve --task`` reads it); ``runner="pooling"`` is vLLM's name for a pooling task. A pooling model serves
+        :meth:`embed`, :meth:`score` and :meth:`encode` (``engine`` is then None and ``pooling`` its engine)."""
+        from pagoda.engine.pooling import PoolingEngine, resolve_serving_task
+        from pagoda.modeling.default_model import resolve_model_path
+
         kwargs.setdefault("disable_log_stats", True)
         # vLLM's options that mean nothing here (trust_remote_code, gpu_memory_utilization, enforce_eager, ...):
         # a warning each, so a script written for vLLM runs
-        args = EngineArgs.build(model=model, **split_offline_options(kwargs))
-        self.engine = LLMEngine.from_engine_args(args, plugin_manager)
+        options = split_offline_options(kwargs)
+        self.task = resolve_serving_task(str(resolve_model_path(model)), task, runner)
+        self.engine: Optional[LLMEngine] = None
+        self.pooling: Optional[PoolingEngine] = None
+        if self.task == "generate":
+            self.engine = LLMEngine.from_engine_args(EngineArgs.build(model=model, **options), plugin_manager)
+        else:
+            self.pooling = PoolingEngine(EngineArgs.build(model=str(resolve_model_path(model)), **options),
+                                         self.task, plugin_manager)
         self._counter = 0
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self.pooling.tokenizer
+
+    def _generator(self) -> LLMEngine:
+        if self.engine is None:
+            raise InvalidRequestError(f"this model was loaded for the {self.task!r} task, which does not generate "
+                                      "text: use embed(), score() or encode(), or load a generative model")
+        return self.engine
+
+    # ---- pooling models ------------------------------------------------------------------------------------
+
+    def _pooling_engine(self, method: str):
+        if self.pooling is None:
+            raise InvalidRequestError(f"{method}() needs a pooling model: this one was loaded to generate; pass "
+                                      "task=\"embed\" (or runner=\"pooling\") for a model that embeds")
+        return self.pooling
+
+    def _pooling_inputs(self, prompts: Any, param: str) -> list[Any]:
+        from pagoda.engine.pooling import PoolingInput
+
+        pooling = self.pooling
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+            item = pooling.tokenize(prompt) if isinstance(prompt, str) else PoolingInput([int(t) for t in prompt])
+            pooling.check(item, param)
+            items.append(item)
+        return items
+
+    def _request_ids(self, n: int) -> list[str]:
+        ids = [f"llm-{self._counter + i}" for i in range(n)]
+        self._counter += n
+        return ids
+
+    def encode(self, prompts: Any, use_tqdm: Optional[bool] = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled hidden state (``outputs.data``: not normalized; a cross-encoder's score)."""
+        pooling = self._pooling_engine("encode")
+        items = self._pooling_inputs(prompts, "prompts")
+        return [PoolingRequestOutput(rid, PoolingOutput(data), list(item.token_ids))
+                for rid, item, data in zip(self._request_ids(len(items)), items, pooling.encode(items))]
+
+    def embed(self, prompts: Any, use_tqdm: Optional[bool] = None,
+              dimensions: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``),
+        normalized where the model normalizes (its modules.json), cut to ``dimensions`` for a Matryoshka model;
+        as ``/v1/embeddings`` answers."""
+        from pagoda.modeling.pooling import finish_embedding
+
+        pooling = self._pooling_engine("embed")
+        if dimensions is not None and not (pooling.pooling.matryoshka and 1 <= dimensions <= pooling.hidden_size):
+            raise InvalidRequestError(f"dimensions={dimensions}: the model has no Matryoshka representation or "
+                                      f"{dimensions} is not in [1, {pooling.hidden_size}]", param="dimensions")
+        items = self._pooling_inputs(prompts, "prompts")
+        vectors = pooling.encode(items)
+        return [EmbeddingRequestOutput(rid, EmbeddingOutput(
+                    finish_embedding(v, pooling.pooling.normalize, dimensions).tolist()), list(item.token_ids))
+                for rid, item, v in zip(self._request_ids(len(items)), items, vectors)]
+
+    def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]],
+              use_tqdm: Optional[bool] = None) -> list[ScoringRequestOutput]:
+        """One score per pair (one ``data_1`` against each ``data_2``, or lists of the same length): a
+        cross-encoder's, or the cosine of the two texts' embeddings; as ``/v1/score`` answers."""
+        import torch
+
+        pooling = self._pooling_engine("score")
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1 and len(second) > 1:
+            first = first * len(second)
+        if len(first) != len(second) or not second:
+            raise InvalidRequestError(f"data_1 has {len(first)} texts and data_2 {len(second)}: pass one data_1 and "
+                                      "any number of data_2, or lists of the same length", param="data_2")
+        ids = self._request_ids(len(first))
+        if pooling.scores_pairs_itself:
+            items = [pooling.tokenize_pair(a, b) for a, b in zip(first, second)]
+            for item in items:
+                pooling.check(item, "data_2")
+            return [ScoringRequestOutput(rid, ScoringOutput(float(s)), list(item.token_ids))
+                    for rid, item, s in zip(ids, items, pooling.encode(items))]
+        texts = list(dict.fromkeys([*first, *second]))
+        items = self._pooling_inputs(texts, "data_2")
+        vectors = dict(zip(texts, pooling.encode(items)))
+        tokens = dict(zip(texts, items))
+        return [ScoringRequestOutput(rid, ScoringOutput(float(torch.nn.functional.cosine_similarity(
+                    vectors[a], vectors[b], dim=0))), list(tokens[a].token_ids) + list(tokens[b].token_ids))
+                for rid, a, b in zip(ids, first, second)]
+
+    def shutdown(self) -> None:
+        """Stop the engine (and the ranks and helper processes it started)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.pooling is not None:
+            self.pooling.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` sample with when given no SamplingParams: the model's recommended
         settings (its generation_config.json, ``generation_config="none"`` to leave them out) over
         SamplingParams' own defaults."""
-        return SamplingParams(**self.engine.config.model.sampling_defaults)
+        return SamplingParams(**self._generator().config.model.sampling_defaults)
 
     def generate(
         self,
@@ -72,6 +180,7 @@ class LLM:
             if len(loras) != len(prompts):
                 raise InvalidRequestError(
                     f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one, or one per prompt")
+        engine = self._generator()
         ids = []
         try:
             for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras)):
@@ -79,10 +188,10 @@ class LLM:
                 self._counter += 1
                 prio = priority[i] if priority is not None else None
                 # only the finished outputs are returned: none is built before its request finishes
-                ids.append(self.engine.add_request(rid, prompt, params, priority=prio,
+                ids.append(engine.add_request(rid, prompt, params, priority=prio,
                                                    output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora))
         except Exception:
-            self.engine.abort_request(ids)  # a bad prompt in the list must not leave the others queued
+            engine.abort_request(ids)  # a bad prompt in the list must not leave the others queued
             raise
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 1)
 
@@ -108,7 +217,7 @@ class LLM:
     def apply_chat_template(self, messages: list[dict[str, str]], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True,
                             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
-        tok = self.engine.tokenizer
+        tok = self._generator().tokenizer
         if chat_template is None and not tok.chat_template:
             raise InvalidRequestError("this tokenizer has no chat template; pass chat_template= (--chat-template)")
         text = tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,

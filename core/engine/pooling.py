@@ -39,6 +39,22 @@ class PoolingInput:
     token_type_ids: Optional[list[int]] = None
 
 
+def resolve_serving_task(model: str, task: str, runner: Optional[str]) -> str:
+    """The task a model runs for, from ``task`` (``--task``) and vLLM's ``runner`` (``--runner``)."""
+    if runner not in (None, "auto", "generate", "pooling"):
+        raise ConfigError(f"--runner {runner!r}: choose generate or pooling")
+    if runner == "generate":
+        if task not in ("auto", "generate"):
+            raise ConfigError(f"--runner generate and --task {task} disagree; give one of them")
+        task = "generate"
+    resolved = resolve_task(str(model), task)
+    if runner == "pooling" and resolved == "generate":
+        if task == "generate":
+            raise ConfigError("--runner pooling and --task generate disagree; give one of them")
+        resolved = "embed"
+    return resolved
+
+
 def resolve_task(model_dir: str, task: str) -> str:
     """``--task``: ``auto`` reads the checkpoint (see :func:`~pagoda.modeling.pooling.detect_task`)."""
     if task not in ("auto", *TASKS):
@@ -222,6 +238,17 @@ class PoolingEngine:
             rows = hidden[batch.rows(row).start:batch.rows(row).stop]  # [new tokens, hidden]
             out.append(pool(rows[None], torch.tensor([len(rows)]), self.pooling.method)[0])
         return out
+
+    @property
+    def scores_pairs_itself(self) -> bool:
+        """Whether a text pair is scored by the model itself (a cross-encoder's head), else by the cosine of the
+        two texts' embeddings."""
+        return self.task == "score" and self.encoder is not None and bool(self.encoder.num_labels)
+
+    def shutdown(self) -> None:
+        """Stop a decoder's engine (an encoder holds nothing to stop)."""
+        if self.llm_engine is not None:
+            self.llm_engine.shutdown()
 
     def encode(self, items: list[PoolingInput]) -> list[torch.Tensor]:
         """Every input, in batches of at most ``max_batch_tokens`` (offline use and benchmarks)."""

@@ -262,19 +262,9 @@ def _run_uvicorn(app, ns: argparse.Namespace) -> None:
 
 def serving_task(model: str, task: str, runner: str | None) -> str:
     """The task ``pagoda serve`` runs the model for, from ``--task`` and ``--runner``."""
-    from pagoda.engine.pooling import resolve_task
-    from pagoda.errors import ConfigError
+    from pagoda.engine.pooling import resolve_serving_task
 
-    if runner == "generate":
-        if task not in ("auto", "generate"):
-            raise ConfigError(f"--runner generate and --task {task} disagree; give one of them")
-        task = "generate"
-    resolved = resolve_task(str(model), task)
-    if runner == "pooling" and resolved == "generate":
-        if task == "generate":
-            raise ConfigError("--runner pooling and --task generate disagree; give one of them")
-        resolved = "embed"
-    return resolved
+    return resolve_serving_task(model, task, runner)
 
 
 def run_pooling_serve(ns: argparse.Namespace, args, task: str) -> int:

@@ -91,7 +91,7 @@ def add_pooling_routes(app: FastAPI, engine: AsyncPoolingEngine) -> None:
         for text in (*first, *second):
             if len(text) > MAX_TEXT_CHARS:
                 raise APIError(400, f"{param}: a text is over {MAX_TEXT_CHARS} characters", param=param)
-        if task == "score" and pooling.encoder is not None and pooling.encoder.num_labels:
+        if pooling.scores_pairs_itself:
             items = await run_tokenizer(lambda: [pooling.tokenize_pair(a, b) for a, b in zip(first, second)])
             scores = await embed(items, param, request)
             return [float(s) for s in scores], sum(len(i.token_ids) for i in items)
