@@ -357,3 +357,20 @@ def test_a_vllm_script_s_llm_options_run_with_a_warning_each(checkpoint, caplog)
         LLM(model=str(checkpoint), load_format="dummy", tokenizer_mode="mistral")
     with pytest.raises(ConfigError, match="unknown option 'swap_spaces'"):  # a typo is still refused
         LLM(model=str(checkpoint), load_format="dummy", swap_spaces=4)
+
+
+def test_llm_engine_and_reset_prefix_cache_are_there_under_vllm_s_names(checkpoint):
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(model=str(checkpoint), load_format="dummy", dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=4 << 20)
+    try:
+        assert llm.llm_engine is llm.engine
+        prompt = {"prompt_token_ids": list(range(100, 150))}  # three full blocks of 16 and a part
+        params = SamplingParams(max_tokens=1)
+        llm.generate(prompt, params)
+        assert llm.generate(prompt, params)[0].num_cached_tokens == 48
+        assert llm.reset_prefix_cache() is True
+        assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+    finally:
+        llm.shutdown()

@@ -47,6 +47,17 @@ class LLM:
                                          self.task, plugin_manager)
         self._counter = 0
 
+    @property
+    def llm_engine(self) -> Optional[LLMEngine]:
+        """The engine, under vLLM's name for it (``engine``)."""
+        return self.engine
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (between calls nothing runs, so every cached block is idle); later
+        prompts compute all their tokens until they are cached again. True, as vLLM's returns when it reset."""
+        self._generator().kv_manager.reset_prefix_cache()
+        return True
+
     def get_tokenizer(self):
         return self.engine.tokenizer if self.engine is not None else self.pooling.tokenizer
 
