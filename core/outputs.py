@@ -95,6 +95,30 @@ class RequestOutput:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+# ---- beam search, offline (LLM.beam_search) ----------------------------------------------------------
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` the prompt's and its own, ``logprobs`` per token of its own the candidates it was
+    chosen among, ``cum_logprob`` the sum of its own tokens' logprobs; ``text`` the decoded ``tokens`` (prompt
+    included, as vLLM gives it)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, "Logprob"]]
+    cum_logprob: float = 0.0
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
 # ---- pooling models, offline (LLM.embed, LLM.score, LLM.encode) ------------------------------------
 
 

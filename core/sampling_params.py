@@ -198,3 +198,29 @@ class SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
         values.update(changes)
         return SamplingParams(**values)
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s settings, as vLLM's: keep the ``beam_width`` continuations of highest score, each
+    step extending every beam by its ``2 * beam_width`` most likely tokens, for at most ``max_tokens`` tokens. A
+    beam's score is its cumulative logprob over ``len(tokens) ** length_penalty`` (tokens: the prompt's and its
+    own, its end-of-sequence token not counted). A beam that draws the end-of-sequence token ends there, unless
+    ``ignore_eos``. ``temperature`` scales the logits the logprobs come from (0: as they are)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        from pagoda.errors import InvalidRequestError
+
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise InvalidRequestError(f"beam_width={self.beam_width!r}: give a whole number >= 1", param="beam_width")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens!r}: give a whole number >= 1", param="max_tokens")
+        if not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature={self.temperature!r}: give a number >= 0", param="temperature")

@@ -9,10 +9,11 @@ from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.vllm_options import split_offline_options
 from pagoda.errors import InvalidRequestError
 from pagoda.execution.lora_request import LoRARequest
-from pagoda.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput,
-                            RequestOutput, RequestOutputKind, ScoringOutput, ScoringRequestOutput)
+from pagoda.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingOutput, EmbeddingRequestOutput,
+                            PoolingOutput, PoolingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
+                            ScoringRequestOutput)
 from pagoda.registry.plugin_manager import PluginManager
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -224,6 +225,62 @@ class LLM:
                                                                  chat_template_kwargs)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (text, token ids, or a prompt dict), as vLLM's ``LLM.beam_search``: each
+        step extends every live beam by its ``2 * beam_width`` most likely next tokens (one engine step for all
+        beams of all prompts, their shared prefixes from the prefix cache) and keeps the ``beam_width``
+        candidates of highest score; a candidate ending in the end-of-sequence token is finished (unless
+        ``ignore_eos``). Returns, per prompt, the ``beam_width`` best of the finished and live beams."""
+        engine = self._generator()
+        width = params.beam_width
+        if 2 * width > engine.config.model.max_logprobs:
+            raise InvalidRequestError(f"beam_width={width} needs {2 * width} logprobs per step, more than this engine's "
+                                      f"max_logprobs ({engine.config.model.max_logprobs}); use a beam_width of at most "
+                                      f"{engine.config.model.max_logprobs // 2} or raise max_logprobs",
+                                      param="beam_width")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        eos = engine.eos_token_id
+        step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
+
+        def score(beam: BeamSearchSequence) -> float:
+            length = len(beam.tokens) - (1 if eos is not None and beam.tokens[-1] == eos else 0)
+            return beam.cum_logprob / (length ** params.length_penalty)
+
+        # per prompt: its live beams (the first one: the prompt, whose tokens its first step gives) and finished
+        live: list[list[BeamSearchSequence]] = [[BeamSearchSequence([], [])] for _ in prompts]
+        done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for n in range(params.max_tokens):
+            order = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            if not order:
+                break
+            inputs = list(prompts) if n == 0 else [{"prompt_token_ids": beam.tokens} for _, beam in order]
+            outs = self.generate(inputs, step, use_tqdm=use_tqdm and n == 0)
+            candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+            for (i, beam), out in zip(order, outs):
+                tokens = beam.tokens or list(out.prompt_token_ids)
+                top = out.outputs[0].logprobs[0]
+                for token, logprob in top.items():
+                    child = BeamSearchSequence(tokens + [token], beam.logprobs + [top],
+                                               beam.cum_logprob + logprob.logprob)
+                    if token == eos and not params.ignore_eos:
+                        child.finish_reason, child.stop_reason = "stop", None
+                        done[i].append(child)
+                    else:
+                        candidates[i].append(child)
+            live = [sorted(c, key=score, reverse=True)[:width] for c in candidates]
+        tok = engine.tokenizer
+        results = []
+        for beams, finished in zip(live, done):
+            for beam in beams:
+                beam.finish_reason = "length"
+            best = sorted(finished + beams, key=score, reverse=True)[:width]
+            for beam in best:
+                beam.text = tok.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def apply_chat_template(self, messages: list[dict[str, str]], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True,

@@ -1,0 +1,64 @@
+"""``LLM.beam_search`` (vLLM's offline beam search) against transformers' beam search on a tiny random Llama in
+float32: the same beams in the same order with the same scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import write_tiny_llama
+
+from pagoda import LLM, BeamSearchParams
+from pagoda.errors import InvalidRequestError
+
+PROMPT = [5, 17, 301, 42, 9, 1200, 77]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("beam"), seed=3, norm_noise=0.5)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    llm = LLM(model=str(model_dir), dtype="float32", cpu_threads=1, kv_cache_memory_bytes=8 << 20)
+    yield llm
+    llm.shutdown()
+
+
+def test_the_beams_are_transformers_beams_in_its_order_with_its_scores(model_dir, llm):
+    import transformers
+
+    width, steps = 3, 5
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    eos = llm.engine.eos_token_id
+    ref = hf.generate(torch.tensor([PROMPT]), num_beams=width, num_return_sequences=width, max_new_tokens=steps,
+                      min_new_tokens=steps, do_sample=False, length_penalty=0.0, early_stopping=True,
+                      output_scores=True, return_dict_in_generate=True, pad_token_id=eos, eos_token_id=eos)
+    (out,) = llm.beam_search([{"prompt_token_ids": PROMPT}],
+                             BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=True, length_penalty=0.0))
+    theirs = [seq[len(PROMPT):].tolist() for seq in ref.sequences]
+    ours = [beam.tokens[len(PROMPT):] for beam in out.sequences]
+    assert all(eos not in t for t in theirs + ours)  # (the comparison holds only while no beam meets an EOS)
+    assert ours == theirs
+    assert [b.cum_logprob for b in out.sequences] == pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
+    # each beam's score is the sum of its chosen tokens' logprobs, and every step offered 2 x width candidates
+    for beam in out.sequences:
+        chosen = [step[token].logprob for step, token in zip(beam.logprobs, beam.tokens[len(PROMPT):])]
+        assert sum(chosen) == pytest.approx(beam.cum_logprob, abs=1e-5)
+        assert all(len(step) >= 2 * width for step in beam.logprobs)
+        assert beam.finish_reason == "length" and beam.text == llm.get_tokenizer().decode(beam.tokens)
+
+
+def test_text_prompts_and_several_at_once_give_what_each_gives_alone(llm):
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    both = llm.beam_search(["The capital of France is", "Hello"], params)
+    alone = [llm.beam_search(p, params)[0] for p in ("The capital of France is", "Hello")]
+    assert [[b.tokens for b in o.sequences] for o in both] == [[b.tokens for b in o.sequences] for o in alone]
+    assert all(len(o.sequences) == 2 for o in both)
+
+
+def test_a_beam_width_past_the_logprobs_limit_is_refused_saying_what_to_use(llm):
+    with pytest.raises(InvalidRequestError, match=r"beam_width=11 needs 22 logprobs per step, more than this engine's"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="beam_width=0: give a whole number >= 1"):
+        BeamSearchParams(beam_width=0, max_tokens=2)
