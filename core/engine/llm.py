@@ -1,4 +1,5 @@
-"""``LLM``: the offline API (vLLM-compatible): generate and chat over a batch of prompts."""
+"""``LLM``: the offline API (vLLM-compatible): generate, chat and beam search over a batch of prompts; embed, score
+and encode with a pooling model."""
 
 from __future__ import annotations
 
