@@ -62,3 +62,44 @@ def test_a_beam_width_past_the_logprobs_limit_is_refused_saying_what_to_use(llm)
         llm.beam_search("Hello", BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(InvalidRequestError, match="beam_width=0: give a whole number >= 1"):
         BeamSearchParams(beam_width=0, max_tokens=2)
+
+
+def test_a_completion_with_use_beam_search_answers_the_offline_beams_as_its_n_choices(model_dir):
+    """vLLM's use_beam_search on /v1/completions through the official openai client: n is the beam width."""
+    import openai
+
+    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.plugins.entrypoints.server import ServerThread, build_app
+
+    llm = LLM(model=str(model_dir), dtype="float32", cpu_threads=1, kv_cache_memory_bytes=8 << 20,
+              disable_log_stats=False)
+    (offline,) = llm.beam_search([{"prompt_token_ids": PROMPT}],
+                                 BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5))
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine))).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        answer = client.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=5, extra_body={
+            "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.5, "return_token_ids": True})
+        assert [c.index for c in answer.choices] == [0, 1, 2]
+        assert [c.model_extra["token_ids"] for c in answer.choices] == [b.tokens[len(PROMPT):]
+                                                                        for b in offline.sequences]
+        assert [c.text for c in answer.choices] == [llm.get_tokenizer().decode(b.tokens[len(PROMPT):])
+                                                    for b in offline.sequences]
+        assert answer.usage.completion_tokens == 15 and answer.usage.prompt_tokens == len(PROMPT)
+        with pytest.raises(openai.BadRequestError, match="use_beam_search does not take stream"):
+            client.completions.create(model=model, prompt=PROMPT, n=2, max_tokens=2, stream=True,
+                                      extra_body={"use_beam_search": True})
+        with pytest.raises(openai.BadRequestError, match=r"n=11 beams need 22 logprobs per step"):
+            client.completions.create(model=model, prompt=PROMPT, n=11, max_tokens=2,
+                                      extra_body={"use_beam_search": True})
+        # every beam's one-token request ended: nothing left running, waiting or holding blocks
+        import httpx
+
+        page = httpx.get(srv.url + "/metrics", timeout=30).text
+        for name in ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc"):
+            (line,) = [l for l in page.splitlines() if l.startswith(name + "{") or l.startswith(name + " ")]
+            assert float(line.rsplit(" ", 1)[1]) == 0, line
+    finally:
+        srv.stop()
+        llm.shutdown()

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
+from pagoda.engine.beam_search import BeamSearch, step_params
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.vllm_options import split_offline_options
 from pagoda.errors import InvalidRequestError
 from pagoda.execution.lora_request import LoRARequest
-from pagoda.outputs import (BeamSearchOutput, BeamSearchSequence, EmbeddingOutput, EmbeddingRequestOutput,
+from pagoda.outputs import (BeamSearchOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             PoolingOutput, PoolingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
                             ScoringRequestOutput)
 from pagoda.registry.plugin_manager import PluginManager
@@ -243,45 +244,18 @@ class LLM:
                                       param="beam_width")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        eos = engine.eos_token_id
-        step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width, ignore_eos=True)
-
-        def score(beam: BeamSearchSequence) -> float:
-            length = len(beam.tokens) - (1 if eos is not None and beam.tokens[-1] == eos else 0)
-            return beam.cum_logprob / (length ** params.length_penalty)
-
-        # per prompt: its live beams (the first one: the prompt, whose tokens its first step gives) and finished
-        live: list[list[BeamSearchSequence]] = [[BeamSearchSequence([], [])] for _ in prompts]
-        done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        searches = [BeamSearch(params, engine.eos_token_id) for _ in prompts]
+        sampling = step_params(params)
         for n in range(params.max_tokens):
-            order = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            order = [(search, prompt_input) for search, prompt in zip(searches, prompts)
+                     for prompt_input in search.inputs(prompt)]
             if not order:
                 break
-            inputs = list(prompts) if n == 0 else [{"prompt_token_ids": beam.tokens} for _, beam in order]
-            outs = self.generate(inputs, step, use_tqdm=use_tqdm and n == 0)
-            candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-            for (i, beam), out in zip(order, outs):
-                tokens = beam.tokens or list(out.prompt_token_ids)
-                top = out.outputs[0].logprobs[0]
-                for token, logprob in top.items():
-                    child = BeamSearchSequence(tokens + [token], beam.logprobs + [top],
-                                               beam.cum_logprob + logprob.logprob)
-                    if token == eos and not params.ignore_eos:
-                        child.finish_reason, child.stop_reason = "stop", None
-                        done[i].append(child)
-                    else:
-                        candidates[i].append(child)
-            live = [sorted(c, key=score, reverse=True)[:width] for c in candidates]
-        tok = engine.tokenizer
-        results = []
-        for beams, finished in zip(live, done):
-            for beam in beams:
-                beam.finish_reason = "length"
-            best = sorted(finished + beams, key=score, reverse=True)[:width]
-            for beam in best:
-                beam.text = tok.decode(beam.tokens)
-            results.append(BeamSearchOutput(best))
-        return results
+            outs = iter(self.generate([prompt_input for _, prompt_input in order], sampling,
+                                      use_tqdm=use_tqdm and n == 0))
+            for search in searches:
+                search.advance([next(outs) for _ in search.live])
+        return [BeamSearchOutput(search.best(engine.tokenizer.decode)) for search in searches]
 
     def apply_chat_template(self, messages: list[dict[str, str]], chat_template: Optional[str] = None,
                             add_generation_prompt: bool = True,

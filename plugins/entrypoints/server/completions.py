@@ -2,17 +2,20 @@
 
 With ``echo`` the prompt's text comes before the completion's; with ``logprobs`` as well, the prompt tokens'
 logprobs come before the completion's (the first prompt token has none: ``null``), which is how evaluation
-harnesses score a text: ``max_tokens: 0, echo: true, logprobs: 1`` computes the prompt alone.
+harnesses score a text: ``max_tokens: 0, echo: true, logprobs: 1`` computes the prompt alone. With vLLM's
+``use_beam_search`` the ``n`` choices of a prompt are its best beams.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagoda.engine.beam_search import beam_search_async
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import CompletionRequest
@@ -22,6 +25,7 @@ from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsa
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 from pagoda.plugins.entrypoints.server.timeline import mark, note_started
+from pagoda.sampling_params import BeamSearchParams
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
@@ -77,6 +81,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     max_tokens = min(ctx.resolve_max_tokens(len(p["prompt_token_ids"]), body.max_tokens) for p in engine_prompts)
     structured_outputs, field = structured_outputs_of(body)
     await check_compiles(ctx.engine, structured_outputs, field, request, ctx.tenant_of(request, body))
+    if body.use_beam_search:
+        return await _beam_search_completion(ctx, body, request, engine_prompts, max_tokens, structured_outputs,
+                                             lora)
     params = make_sampling_params(body, max_tokens, body.logprobs, num_prompt_top, structured_outputs,
                                   ctx.sampling_defaults)
     request_id = response_id("cmpl", body)
@@ -113,6 +120,44 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, reques
     return JSONResponse({"id": request_id, "object": "text_completion", "created": now_s(),
                          "model": ctx.model_name(lora), "choices": choices,
                          "usage": usage(num_prompt, num_completion, num_cached)})
+
+
+async def _beam_search_completion(ctx: ServingContext, body: CompletionRequest, request: Request,
+                                  engine_prompts: list[dict], max_tokens: int, structured_outputs: Any, lora: Any):
+    """``use_beam_search``: each prompt's ``n`` best beams (vLLM's ``n`` is the beam width) as its choices, best
+    first, found as ``LLM.beam_search`` finds them (``length_penalty``, ``ignore_eos`` and ``temperature`` apply)."""
+    for wrong, field in ((body.stream, "stream"), (structured_outputs is not None, "structured_outputs"),
+                         (body.echo, "echo"), (body.logprobs is not None, "logprobs"),
+                         (body.prompt_logprobs is not None, "prompt_logprobs")):
+        if wrong:
+            raise APIError(400, f"use_beam_search does not take {field}: send the request without it, or without "
+                                "use_beam_search", param=field)
+    limit = ctx.engine.engine.config.model.max_logprobs
+    if 2 * body.n > limit:
+        raise APIError(400, f"n={body.n} beams need {2 * body.n} logprobs per step, more than this server's "
+                            f"--max-logprobs ({limit}); send n <= {limit // 2}", param="n")
+    params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=bool(body.ignore_eos),
+                              temperature=body.temperature or 0.0,
+                              length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+    request_id = response_id("cmpl", body)
+    tenant = ctx.tenant_of(request, body)
+    results = await unless_disconnected(request, asyncio.gather(*(
+        beam_search_async(ctx.engine, f"{request_id}-{i}", p["prompt_token_ids"], params, tenant, lora)
+        for i, p in enumerate(engine_prompts))))
+    choices, num_prompt, num_completion = [], 0, 0
+    for i, (prompt, beams) in enumerate(zip(engine_prompts, results)):
+        num_prompt += len(prompt["prompt_token_ids"])
+        for j, beam in enumerate(beams):
+            generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
+            num_completion += len(generated)
+            choice = {"index": i * body.n + j, "text": beam.text, "logprobs": None,
+                      "finish_reason": beam.finish_reason, "stop_reason": None}
+            if body.return_token_ids:
+                choice.update(prompt_token_ids=list(prompt["prompt_token_ids"]), token_ids=generated)
+            choices.append(choice)
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": now_s(),
+                         "model": ctx.model_name(lora), "choices": choices,
+                         "usage": usage(num_prompt, num_completion, 0)})
 
 
 @dataclass(frozen=True)

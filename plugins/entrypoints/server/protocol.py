@@ -138,6 +138,9 @@ class SamplingFields(StructuredOutputFields, TopLevelBody):
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
+    # use_beam_search and its length_penalty are served on this route (not on chat's)
+    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = tuple(f for f in _IGNORED_VLLM_FIELDS
+                                                      if f not in ("use_beam_search", "length_penalty"))
 
     prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], list_bound(MAX_PROMPTS, min_items=1)],
                   Annotated[list[TokenIds], list_bound(MAX_PROMPTS, min_items=1)]]
