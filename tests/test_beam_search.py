@@ -103,3 +103,32 @@ def test_a_completion_with_use_beam_search_answers_the_offline_beams_as_its_n_ch
     finally:
         srv.stop()
         llm.shutdown()
+
+
+def test_a_chat_with_use_beam_search_answers_the_rendered_prompt_s_beams(tmp_path):
+    import openai
+
+    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.plugins.entrypoints.server import ServerThread, build_app
+
+    llm = LLM(model=str(write_tiny_llama(tmp_path, seed=5, norm_noise=0.5, chat_template=True)), dtype="float32",
+              cpu_threads=1, kv_cache_memory_bytes=8 << 20)
+    messages = [{"role": "user", "content": "Name a river."}]
+    (offline,) = llm.beam_search([{"prompt_token_ids": llm.apply_chat_template(messages)}],
+                                 BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    srv = ServerThread(build_app(AsyncLLMEngine(llm.engine))).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        answer = client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=4,
+                                                extra_body={"use_beam_search": True, "ignore_eos": True})
+        tok = llm.get_tokenizer()
+        assert [c.message.content for c in answer.choices] == [tok.decode(b.tokens[len(b.tokens) - 4:])
+                                                               for b in offline.sequences]
+        assert [c.finish_reason for c in answer.choices] == ["length", "length"]
+        with pytest.raises(openai.BadRequestError, match="use_beam_search does not take stream"):
+            client.chat.completions.create(model=model, messages=messages, n=2, max_tokens=2, stream=True,
+                                           extra_body={"use_beam_search": True})
+    finally:
+        srv.stop()
+        llm.shutdown()

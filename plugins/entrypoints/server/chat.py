@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagoda.engine.beam_search import beam_search_async
 from pagoda.errors import InvalidRequestError
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.frontend import content_as_parts, resolve_content_format
 from pagoda.plugins.entrypoints.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.plugins.entrypoints.server.reasoning import ReasoningRequest, StreamedReasoning
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, finish_reason, make_sampling_params,
-                                                       now_s, output_error, prompt_logprobs_json, response_id,
-                                                       token_text, truncated_prompt, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, beam_search_params, finish_reason,
+                                                       make_sampling_params, now_s, output_error, prompt_logprobs_json,
+                                                       response_id, token_text, truncated_prompt, unless_disconnected,
+                                                       usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.tools import StreamedChoice, ToolRequest, plan_tools, template_tool_fields
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
@@ -158,6 +160,12 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     request_id = response_id("chatcmpl", body)
     # vLLM's role of the answer: the server's --response-role, or the last message's when no new turn is opened
     role = ctx.frontend.response_role if body.add_generation_prompt else body.messages[-1].role
+    if body.use_beam_search:
+        return await _beam_search_chat(ctx, body, request, request_id, token_ids, max_tokens, role, lora, (
+            (body.stream, "stream"), (structured_outputs is not None, "response_format"),
+            (bool(tooling.tools), "tools"), (reasoning.is_on, "reasoning (the server's --reasoning-parser)"),
+            (bool(body.logprobs), "logprobs"), (body.prompt_logprobs is not None, "prompt_logprobs"),
+            (bool(echoed), "echo")))
     extras = _Extras(bool(body.return_token_ids), ctx.tokens_as_token_ids(body),
                      text if body.return_prompt_text else None, echoed, role)
     try:
@@ -204,6 +212,26 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     answer = JSONResponse(response)
     tooling.warn(answer, ctx.logged_ignored_fields)
     return answer
+
+
+async def _beam_search_chat(ctx: ServingContext, body: ChatCompletionRequest, request: Request, request_id: str,
+                            token_ids: list[int], max_tokens: int, role: str, lora: Any, refused: Any):
+    """``use_beam_search`` on a chat: the rendered prompt's ``n`` best beams as the ``n`` choices, best first."""
+    params = beam_search_params(ctx, body, max_tokens, refused)
+    beams = await unless_disconnected(request, beam_search_async(ctx.engine, request_id, token_ids, params,
+                                                                 ctx.tenant_of(request, body), lora))
+    choices, num_completion = [], 0
+    for j, beam in enumerate(beams):
+        generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
+        num_completion += len(generated)
+        choice = {"index": j, "message": {"role": role, "content": beam.text}, "logprobs": None,
+                  "finish_reason": beam.finish_reason, "stop_reason": None}
+        if body.return_token_ids:
+            choice["token_ids"] = generated
+        choices.append(choice)
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": now_s(),
+                         "model": ctx.model_name(lora), "choices": choices,
+                         "usage": usage(len(token_ids), num_completion, 0)})
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,13 @@ from pagoda.engine.beam_search import beam_search_async
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.plugins.entrypoints.server.errors import APIError
 from pagoda.plugins.entrypoints.server.protocol import CompletionRequest
-from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, finish_reason, make_sampling_params,
-                                                       now_s, output_error, prompt_logprobs_json, response_id,
-                                                       token_text, truncated_prompt, unless_disconnected, usage)
+from pagoda.plugins.entrypoints.server.serving import (ServingContext, StreamUsage, beam_search_params, finish_reason,
+                                                       make_sampling_params, now_s, output_error, prompt_logprobs_json,
+                                                       response_id, token_text, truncated_prompt, unless_disconnected,
+                                                       usage)
 from pagoda.plugins.entrypoints.server.streaming import Generation, stream_sse
 from pagoda.plugins.entrypoints.server.structured import check_compiles, structured_outputs_of
 from pagoda.plugins.entrypoints.server.timeline import mark, note_started
-from pagoda.sampling_params import BeamSearchParams
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, request: Request):
@@ -126,19 +126,9 @@ async def _beam_search_completion(ctx: ServingContext, body: CompletionRequest, 
                                   engine_prompts: list[dict], max_tokens: int, structured_outputs: Any, lora: Any):
     """``use_beam_search``: each prompt's ``n`` best beams (vLLM's ``n`` is the beam width) as its choices, best
     first, found as ``LLM.beam_search`` finds them (``length_penalty``, ``ignore_eos`` and ``temperature`` apply)."""
-    for wrong, field in ((body.stream, "stream"), (structured_outputs is not None, "structured_outputs"),
-                         (body.echo, "echo"), (body.logprobs is not None, "logprobs"),
-                         (body.prompt_logprobs is not None, "prompt_logprobs")):
-        if wrong:
-            raise APIError(400, f"use_beam_search does not take {field}: send the request without it, or without "
-                                "use_beam_search", param=field)
-    limit = ctx.engine.engine.config.model.max_logprobs
-    if 2 * body.n > limit:
-        raise APIError(400, f"n={body.n} beams need {2 * body.n} logprobs per step, more than this server's "
-                            f"--max-logprobs ({limit}); send n <= {limit // 2}", param="n")
-    params = BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=bool(body.ignore_eos),
-                              temperature=body.temperature or 0.0,
-                              length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
+    params = beam_search_params(ctx, body, max_tokens, (
+        (body.stream, "stream"), (structured_outputs is not None, "structured_outputs"), (body.echo, "echo"),
+        (body.logprobs is not None, "logprobs"), (body.prompt_logprobs is not None, "prompt_logprobs")))
     request_id = response_id("cmpl", body)
     tenant = ctx.tenant_of(request, body)
     results = await unless_disconnected(request, asyncio.gather(*(

@@ -53,15 +53,15 @@ class StreamOptions(RequestBody):
 _IGNORED_CHAT_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities",
                         "audio", "reasoning_effort", "web_search_options", "verbosity", "prompt_cache_key",
                         "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation")
-# vLLM's fields of both routes that have no effect here (beam search, disaggregated serving, its extensions)
-_IGNORED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "watermarking", "logprob_token_ids", "session_id",
+# vLLM's fields of both routes that have no effect here (disaggregated serving, its extensions)
+_IGNORED_VLLM_FIELDS = ("watermarking", "logprob_token_ids", "session_id",
                         "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
                         "repetition_detection", "thinking_token_budget", "stream_interval",
                         "routed_experts_prompt_start", "return_token_offsets", "return_mm_kwargs")
 # vLLM's chat-only fields without effect here: multimodal inputs, reasoning parsers
 _IGNORED_VLLM_CHAT_FIELDS = ("media_io_kwargs", "mm_processor_kwargs", "include_reasoning")
 # the values of ignored fields that ask for nothing (vLLM's defaults): sent, they are not named as ignored
-NO_EFFECT_VALUES = {"use_beam_search": False, "length_penalty": 1.0, "routed_experts_prompt_start": 0,
+NO_EFFECT_VALUES = {"routed_experts_prompt_start": 0,
                     "return_token_offsets": False, "return_mm_kwargs": True, "include_reasoning": True,
                     "store": False, "watermarking": False}
 MAX_BAD_WORDS = 256
@@ -116,9 +116,10 @@ class SamplingFields(StructuredOutputFields, TopLevelBody):
     request_id: Optional[Identifier] = None  # the response's id is the route's prefix and this
     return_token_ids: Optional[bool] = None  # prompt_token_ids and each choice's token_ids in the response
     return_tokens_as_token_ids: Optional[bool] = None  # logprobs name tokens "token_id:<id>"
-    # vLLM's, accepted without effect here (IGNORED_FIELDS)
+    # vLLM's beam search: n is the beam width (serving.beam_search_params)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
+    # vLLM's, accepted without effect here (IGNORED_FIELDS)
     watermarking: AnyJSON = None
     logprob_token_ids: AnyJSON = None
     session_id: Optional[Identifier] = None
@@ -138,10 +139,6 @@ class SamplingFields(StructuredOutputFields, TopLevelBody):
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
-    # use_beam_search and its length_penalty are served on this route (not on chat's)
-    IGNORED_FIELDS: ClassVar[tuple[str, ...]] = tuple(f for f in _IGNORED_VLLM_FIELDS
-                                                      if f not in ("use_beam_search", "length_penalty"))
-
     prompt: Union[NonEmptyStr, TokenIds, Annotated[list[NonEmptyStr], list_bound(MAX_PROMPTS, min_items=1)],
                   Annotated[list[TokenIds], list_bound(MAX_PROMPTS, min_items=1)]]
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt only (with echo and logprobs: scored)
