@@ -111,6 +111,11 @@ class BeamSearchSequence:
     finish_reason: Optional[str] = None
     stop_reason: Any = None
 
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The beam's own tokens (one logprobs entry each), without the prompt's."""
+        return self.tokens[len(self.tokens) - len(self.logprobs):]
+
 
 @dataclass
 class BeamSearchOutput:

@@ -58,7 +58,8 @@ def test_text_prompts_and_several_at_once_give_what_each_gives_alone(llm):
 
 
 def test_a_beam_width_past_the_logprobs_limit_is_refused_saying_what_to_use(llm):
-    with pytest.raises(InvalidRequestError, match=r"beam_width=11 needs 22 logprobs per step, more than this engine's"):
+    with pytest.raises(InvalidRequestError, match=r"beam_width=11 needs 22 logprobs per step, more than this "
+                                                  r"engine's max_logprobs \(20\); use beam_width <= 10"):
         llm.beam_search("Hello", BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(InvalidRequestError, match="beam_width=0: give a whole number >= 1"):
         BeamSearchParams(beam_width=0, max_tokens=2)
@@ -90,7 +91,8 @@ def test_a_completion_with_use_beam_search_answers_the_offline_beams_as_its_n_ch
         with pytest.raises(openai.BadRequestError, match="use_beam_search does not take stream"):
             client.completions.create(model=model, prompt=PROMPT, n=2, max_tokens=2, stream=True,
                                       extra_body={"use_beam_search": True})
-        with pytest.raises(openai.BadRequestError, match=r"n=11 beams need 22 logprobs per step"):
+        with pytest.raises(openai.BadRequestError, match=r"n=11 needs 22 logprobs per step, more than this "
+                                                         r"engine's --max-logprobs \(20\); use n <= 10"):
             client.completions.create(model=model, prompt=PROMPT, n=11, max_tokens=2,
                                       extra_body={"use_beam_search": True})
         # every beam's one-token request ended: nothing left running, waiting or holding blocks

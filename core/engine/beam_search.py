@@ -8,8 +8,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
+from pagoda.errors import InvalidRequestError
 from pagoda.outputs import BeamSearchSequence, RequestOutput, RequestOutputKind
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
+
+
+def check_beam_width(width: int, max_logprobs: int, name: str, limit_name: str) -> None:
+    """Refuse a beam width whose ``2 x width`` candidates per step are more logprobs than the engine gives
+    (``name``: the caller's name for the width, ``limit_name`` for the limit)."""
+    if 2 * width > max_logprobs:
+        raise InvalidRequestError(f"{name}={width} needs {2 * width} logprobs per step, more than this engine's "
+                                  f"{limit_name} ({max_logprobs}); use {name} <= {max_logprobs // 2}", param=name)
 
 
 def step_params(params: BeamSearchParams) -> SamplingParams:
@@ -61,11 +70,8 @@ class BeamSearch:
             beam.finish_reason = "length"
         best = sorted(self.done + self.live, key=self.score, reverse=True)[:self.params.beam_width]
         for beam in best:
-            beam.text = decode(beam.tokens[self.prompt_len(beam):] if skip_prompt else beam.tokens)
+            beam.text = decode(beam.output_token_ids if skip_prompt else beam.tokens)
         return best
-
-    def prompt_len(self, beam: BeamSearchSequence) -> int:
-        return len(beam.tokens) - len(beam.logprobs)
 
 
 async def beam_search_async(engine: Any, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,

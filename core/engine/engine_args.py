@@ -449,7 +449,7 @@ class EngineArgs(HostOptions):
             chat_template = Path(chat_template).read_text()
         model_cfg = ModelConfig(
             model=str(model_dir),
-            tokenizer=_tokenizer_dir_of(self.tokenizer, resolve_model_path) or str(model_dir),
+            tokenizer=_tokenizer_dir_of(self.tokenizer) or str(model_dir),
             served_model_name=self.served_model_name or (self.model or "SmolLM2-135M-Instruct"),
             hf_config=hf_config,
             architecture=architectures[0],
@@ -565,13 +565,15 @@ class EngineArgs(HostOptions):
         )
 
 
-def _tokenizer_dir_of(tokenizer: Optional[str], resolve: Any) -> Optional[str]:
+def _tokenizer_dir_of(tokenizer: Optional[str]) -> Optional[str]:
     """``--tokenizer`` as a folder: as given when it exists, else a Hub id's snapshot in the local Hugging Face
-    cache (``resolve``: ``resolve_model_path``); None when not given."""
+    cache; None when not given."""
+    from pagoda.modeling.default_model import resolve_model_path
+
     if not tokenizer or Path(tokenizer).expanduser().exists():
         return str(Path(tokenizer).expanduser()) if tokenizer else None
     try:
-        return str(resolve(tokenizer))
+        return str(resolve_model_path(tokenizer))
     except ConfigError as exc:
         raise ConfigError(f"--tokenizer: {exc}") from None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from pagoda.engine.beam_search import BeamSearch, step_params
+from pagoda.engine.beam_search import BeamSearch, check_beam_width, step_params
 from pagoda.engine.engine_args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.vllm_options import split_offline_options
@@ -40,14 +40,14 @@ class LLM:
         # vLLM's options that mean nothing here (trust_remote_code, gpu_memory_utilization, enforce_eager, ...):
         # a warning each, so a script written for vLLM runs
         options = split_offline_options(kwargs)
-        self.task = resolve_serving_task(str(resolve_model_path(model)), task, runner)
+        model_dir = str(resolve_model_path(model))
+        self.task = resolve_serving_task(model_dir, task, runner)
         self.engine: Optional[LLMEngine] = None
         self.pooling: Optional[PoolingEngine] = None
         if self.task == "generate":
             self.engine = LLMEngine.from_engine_args(EngineArgs.build(model=model, **options), plugin_manager)
         else:
-            self.pooling = PoolingEngine(EngineArgs.build(model=str(resolve_model_path(model)), **options),
-                                         self.task, plugin_manager)
+            self.pooling = PoolingEngine(EngineArgs.build(model=model_dir, **options), self.task, plugin_manager)
         self._counter = 0
 
     @property
@@ -82,8 +82,7 @@ class LLM:
         from pagoda.engine.pooling import PoolingInput
 
         pooling = self.pooling
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         items = []
         for prompt in prompts:
             if isinstance(prompt, dict):
@@ -176,9 +175,7 @@ class LLM:
 
         ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base model); the engine
         needs ``enable_lora=True``. Prompts of different adapters run in the same steps."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -236,14 +233,8 @@ class LLM:
         candidates of highest score; a candidate ending in the end-of-sequence token is finished (unless
         ``ignore_eos``). Returns, per prompt, the ``beam_width`` best of the finished and live beams."""
         engine = self._generator()
-        width = params.beam_width
-        if 2 * width > engine.config.model.max_logprobs:
-            raise InvalidRequestError(f"beam_width={width} needs {2 * width} logprobs per step, more than this engine's "
-                                      f"max_logprobs ({engine.config.model.max_logprobs}); use a beam_width of at most "
-                                      f"{engine.config.model.max_logprobs // 2} or raise max_logprobs",
-                                      param="beam_width")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        check_beam_width(params.beam_width, engine.config.model.max_logprobs, "beam_width", "max_logprobs")
+        prompts = _as_prompt_list(prompts)
         searches = [BeamSearch(params, engine.eos_token_id) for _ in prompts]
         sampling = step_params(params)
         for n in range(params.max_tokens):
@@ -290,3 +281,10 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (text, token ids or a prompt dict) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

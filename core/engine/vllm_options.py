@@ -34,6 +34,11 @@ NO_EFFECT: dict[str, str] = {
 }
 
 
+def asks_for_something(value: Any) -> bool:
+    """Whether an option of :data:`NO_EFFECT` was given a value that asks for anything (not None, off or 0)."""
+    return value not in (None, False, 0)
+
+
 def no_effect_note(option: str, shown: str) -> str:
     """The log line of ``option`` given as ``shown`` (``--enforce-eager``, ``enforce_eager=True``)."""
     return f"{shown} has no effect: {NO_EFFECT[option]}"
@@ -64,9 +69,8 @@ def split_offline_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     for option in NO_EFFECT:
         if option in kwargs:
             value = kwargs.pop(option)
-            if value in (None, False, 0):
-                continue  # the option's own "off": nothing asked
-            logger.warning(no_effect_note(option, f"{option}={value!r}"))
+            if asks_for_something(value):
+                logger.warning(no_effect_note(option, f"{option}={value!r}"))
     check_tokenizer_and_revisions(kwargs.pop("tokenizer_mode", None), kwargs.pop("revision", None),
                                   kwargs.pop("tokenizer_revision", None), flag_style=False)
     return kwargs

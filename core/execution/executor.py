@@ -189,10 +189,8 @@ class MultiprocExecutor(_Driver):
                 try:
                     status = pipe.recv()
                 except (EOFError, OSError):
-                    worker.join(timeout=5)
-                    raise PagodaError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code "
-                                      f"{worker.exitcode} while building its shard (a signal -9 is usually the "
-                                      "kernel's out-of-memory killer)") from None
+                    raise _rank_exited(rank, worker, "while building its shard (a signal -9 is usually the kernel's "
+                                                     "out-of-memory killer)") from None
                 if status != "ready":
                     raise PagodaError(f"a tensor-parallel worker failed to start:\n{status}")
         except BaseException:
@@ -462,9 +460,13 @@ def _wait_started(pipes: list[Any], workers: list[Any], timeout: float) -> None:
                 continue
         except (EOFError, OSError):
             pass
-        worker.join(timeout=5)
-        raise PagodaError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code {worker.exitcode} "
-                          "while starting, before it built its shard; its error is on stderr")
+        raise _rank_exited(rank, worker, "while starting, before it built its shard; its error is on stderr")
+
+
+def _rank_exited(rank: int, worker: Any, when: str) -> PagodaError:
+    """The error of a rank process that exited ``when`` (its exit code read once it has ended)."""
+    worker.join(timeout=5)
+    return PagodaError(f"tensor-parallel rank {rank} (process {worker.pid}) exited with code {worker.exitcode} {when}")
 
 
 def _rank_start_context() -> Any:

@@ -15,7 +15,7 @@ import json
 import logging
 import ssl
 
-from pagoda.engine.vllm_options import check_tokenizer_and_revisions, no_effect_note
+from pagoda.engine.vllm_options import NO_EFFECT, asks_for_something, check_tokenizer_and_revisions, no_effect_note
 from pagoda.errors import ConfigError
 from pagoda.plugins.entrypoints.server.frontend import CONTENT_FORMATS, FrontendOptions
 
@@ -167,11 +167,9 @@ def _structured_outputs_backend(ns: argparse.Namespace):
 def notes(ns: argparse.Namespace) -> list[str]:
     """One line per flag given that pagoda accepts without effect, saying why."""
     lines = []
-    for option in ("trust_remote_code", "gpu_memory_utilization", "download_dir", "enforce_eager",
-                   "max_seq_len_to_capture", "compilation_config", "disable_custom_all_reduce", "cpu_offload_gb",
-                   "enable_sleep_mode"):
+    for option in NO_EFFECT:  # each one a flag of add_vllm_serve_args
         value = getattr(ns, option)
-        if value is None or value is False:
+        if not asks_for_something(value):
             continue
         flag = "--" + option.replace("_", "-")
         shown = flag if value is True else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"

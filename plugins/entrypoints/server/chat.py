@@ -222,7 +222,7 @@ async def _beam_search_chat(ctx: ServingContext, body: ChatCompletionRequest, re
                                                                  ctx.tenant_of(request, body), lora))
     choices, num_completion = [], 0
     for j, beam in enumerate(beams):
-        generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
+        generated = beam.output_token_ids
         num_completion += len(generated)
         choice = {"index": j, "message": {"role": role, "content": beam.text}, "logprobs": None,
                   "finish_reason": beam.finish_reason, "stop_reason": None}

@@ -138,7 +138,7 @@ async def _beam_search_completion(ctx: ServingContext, body: CompletionRequest, 
     for i, (prompt, beams) in enumerate(zip(engine_prompts, results)):
         num_prompt += len(prompt["prompt_token_ids"])
         for j, beam in enumerate(beams):
-            generated = beam.tokens[len(beam.tokens) - len(beam.logprobs):]
+            generated = beam.output_token_ids
             num_completion += len(generated)
             choice = {"index": i * body.n + j, "text": beam.text, "logprobs": None,
                       "finish_reason": beam.finish_reason, "stop_reason": None}

@@ -396,16 +396,14 @@ def beam_search_params(ctx: "ServingContext", body: Any, max_tokens: int,
                        refused: Any) -> "BeamSearchParams":
     """vLLM's ``use_beam_search`` request as beam search settings: ``n`` is the beam width; ``refused`` lists
     (given, field) of what the request may not combine with it (a 400 naming the field)."""
+    from pagoda.engine.beam_search import check_beam_width
     from pagoda.sampling_params import BeamSearchParams
 
     for given, field in refused:
         if given:
             raise APIError(400, f"use_beam_search does not take {field}: send the request without it, or without "
                                 "use_beam_search", param=field)
-    limit = ctx.engine.engine.config.model.max_logprobs
-    if 2 * body.n > limit:
-        raise APIError(400, f"n={body.n} beams need {2 * body.n} logprobs per step, more than this server's "
-                            f"--max-logprobs ({limit}); send n <= {limit // 2}", param="n")
+    check_beam_width(body.n, ctx.engine.engine.config.model.max_logprobs, "n", "--max-logprobs")
     return BeamSearchParams(beam_width=body.n, max_tokens=max_tokens, ignore_eos=bool(body.ignore_eos),
                             temperature=body.temperature or 0.0,
                             length_penalty=1.0 if body.length_penalty is None else body.length_penalty)
